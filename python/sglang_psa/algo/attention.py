@@ -1,0 +1,212 @@
+"""Reference decode attention: dense, progressive sparse (PSA) and top-k.
+
+This is the specification the Triton kernels are tested against, written for
+clarity over speed. Shapes: `q [B, Hq, d]` (one decode token per request),
+`k, v [B, Hkv, T, d]` padded past `lengths [B]`. Every sparse function returns
+the output and the exact set of blocks it read, so KV traffic can be counted.
+
+Exact per-block partials (log-sum-exp and normalised output of each block) are
+computed for every block up front; the selection logic only ever looks at the
+partials of blocks it has already chosen to read (plus metadata), so the result
+is identical to reading blocks one wave at a time and merging states as
+flash-decoding does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from sglang_psa.algo.criticality import bound_logits, criticality
+from sglang_psa.algo.metadata import BlockMeta, block_metadata, num_blocks
+from sglang_psa.config import PSAConfig
+
+
+class SparseResult(NamedTuple):
+    out: torch.Tensor  # [B, Hq, d], dtype of q
+    read: torch.Tensor  # [B, Hkv, NB] bool: blocks whose K/V were read
+    lse: torch.Tensor  # [B, Hq] float32: log of the attended (unnormalised) mass
+    n_waves: torch.Tensor  # [B, Hkv] int64: waves run (0 for top-k)
+
+
+class BlockPartials(NamedTuple):
+    lse: torch.Tensor  # [B, Hq, NB] float32, -inf for empty blocks
+    out: torch.Tensor  # [B, Hq, NB, d] float32, softmax-normalised within the block
+
+
+def _expand_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(n_q_heads // x.shape[1], dim=1)
+
+
+def _default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Plain softmax attention over each request's `lengths[b]` keys."""
+    scale = _default_scale(q, scale)
+    Hq = q.shape[1]
+    s = torch.einsum("bhd,bhtd->bht", q.float(), _expand_kv(k, Hq).float()) * scale
+    mask = torch.arange(k.shape[2], device=k.device)[None, :] >= lengths[:, None]
+    s = s.masked_fill(mask[:, None, :], -torch.inf)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bht,bhtd->bhd", p, _expand_kv(v, Hq).float()).to(q.dtype)
+
+
+def block_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   block_size: int, scale: float) -> BlockPartials:
+    B, Hq, d = q.shape
+    T = k.shape[2]
+    nb = (T + block_size - 1) // block_size
+    pad = nb * block_size - T
+    kf = torch.nn.functional.pad(_expand_kv(k, Hq).float(), (0, 0, 0, pad))
+    vf = torch.nn.functional.pad(_expand_kv(v, Hq).float(), (0, 0, 0, pad))
+    s = torch.einsum("bhd,bhtd->bht", q.float(), kf) * scale
+    mask = torch.arange(nb * block_size, device=k.device)[None, :] >= lengths[:, None]
+    s = s.masked_fill(mask[:, None, :], -torch.inf).view(B, Hq, nb, block_size)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty block: all zero
+    out = torch.einsum("bhnt,bhntd->bhnd", p, vf.view(B, Hq, nb, block_size, d))
+    return BlockPartials(lse, out)
+
+
+def merge_blocks(parts: BlockPartials, read_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine the partials of the blocks in `read_q [B, Hq, NB]` (the split-K merge)."""
+    lse_sel = parts.lse.masked_fill(~read_q, -torch.inf)
+    total = torch.logsumexp(lse_sel, dim=-1)
+    w = torch.exp(lse_sel - total.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.einsum("bhn,bhnd->bhd", w, parts.out), total
+
+
+def forced_blocks(lengths: torch.Tensor, nb: int, cfg: PSAConfig) -> torch.Tensor:
+    """`[B, NB]` bool: the sink blocks and the recent (tail) blocks, always read."""
+    idx = torch.arange(nb, device=lengths.device)[None, :]
+    nblk = num_blocks(lengths, cfg.block_size)[:, None]
+    valid = idx < nblk
+    return valid & ((idx < cfg.sink_blocks) | (idx >= nblk - cfg.recent_blocks))
+
+
+def rank_blocks(q: torch.Tensor, meta: BlockMeta, lengths: torch.Tensor, cfg: PSAConfig,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read order per (request, KV head): forced blocks first, then by criticality.
+
+    Returns `order [B, Hkv, NB]` (block indices; empty blocks last) and
+    `n_forced [B]`.
+    """
+    nb = meta.count.shape[1]
+    forced = forced_blocks(lengths, nb, cfg)
+    crit = criticality(q, meta, scale, cfg.score)
+    key = torch.where(forced.unsqueeze(1), torch.inf, crit)
+    # Ties (and the forced +inf) are broken by block index, so the order is deterministic.
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    return order, forced.sum(-1)
+
+
+def _wave_checkpoints(nblk: torch.Tensor, n_forced: torch.Tensor, nb: int,
+                      cfg: PSAConfig) -> torch.Tensor:
+    """`[B, NB]` bool: read-order positions after which a wave ends and is verified."""
+    ends = torch.tensor(cfg.wave_sizes(nb), device=nblk.device).cumsum(0)
+    pos = torch.arange(nb, device=nblk.device)[None, :]
+    ranked_done = pos + 1 - n_forced[:, None]
+    at_end = torch.isin(ranked_done, ends) & (ranked_done > 0)
+    return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
+
+
+def progressive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          lengths: torch.Tensor, cfg: PSAConfig,
+                          meta: BlockMeta | None = None,
+                          scale: float | None = None) -> SparseResult:
+    """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
+
+    A (request, KV head) stops after the first wave at which every query head of
+    its group satisfies the stop rule:
+    - `heuristic` (the PSA paper): uncovered mass ≈ smallest ranked block mass
+      read so far × blocks left;
+    - `certified`: uncovered mass ≤ Σ over unread blocks of count × exp(bound),
+      with the bound from the block's key min/max, so ≥ ε of the true mass is
+      covered for every query head.
+    Stop when uncovered / covered ≤ (1 - ε) / ε, evaluated in log space so that
+    ε = 1 reads everything (dense attention).
+    """
+    scale = _default_scale(q, scale)
+    B, Hq, _ = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    bs = cfg.block_size
+    meta = block_metadata(k, lengths, bs) if meta is None else meta
+    nb = meta.count.shape[1]
+    nblk = num_blocks(lengths, bs)
+    parts = block_partials(q, k, v, lengths, bs, scale)
+    order, n_forced = rank_blocks(q, meta, lengths, cfg, scale)
+    order_q = order.repeat_interleave(G, dim=1)  # [B, Hq, NB]
+
+    lse_o = parts.lse.gather(-1, order_q)  # block masses in read order
+    covered = torch.logcumsumexp(lse_o, dim=-1)
+    pos = torch.arange(nb, device=q.device)
+    if cfg.stop_rule == "heuristic":
+        is_ranked = (pos[None, :] >= n_forced[:, None])[:, None, :]
+        smallest = torch.cummin(lse_o.masked_fill(~is_ranked, torch.inf), dim=-1).values
+        n_left = (nblk[:, None] - pos[None, :] - 1).clamp(min=0).float()
+        uncovered = smallest + n_left.log()[:, None, :]
+        # Before any ranked block is read there is no estimate: not done.
+        uncovered = torch.where(torch.isinf(smallest) & (n_left[:, None, :] > 0),
+                                torch.inf, uncovered)
+    else:
+        ub = bound_logits(q, meta, scale) + meta.count.clamp(min=1).log()[:, None, :]
+        ub = ub.masked_fill((meta.count == 0)[:, None, :], -torch.inf).gather(-1, order_q)
+        # Mass bound of the blocks after position p: reverse cumulative logsumexp, shifted.
+        tail = torch.logcumsumexp(ub.flip(-1), dim=-1).flip(-1)
+        uncovered = torch.cat([tail[..., 1:], torch.full_like(tail[..., :1], -torch.inf)], -1)
+
+    limit = math.log((1.0 - cfg.threshold) / cfg.threshold) if cfg.threshold < 1.0 else -math.inf
+    ok = (uncovered - covered) <= limit  # -inf - finite = -inf <= -inf holds
+    ok_group = ok.view(B, Hkv, G, nb).all(2)
+    checks = _wave_checkpoints(nblk, n_forced, nb, cfg)
+    stop = ok_group & checks[:, None, :]
+    # First verified position that satisfies the rule; the last block always does.
+    first = torch.where(stop, pos, nb).amin(-1)
+    n_read = (first + 1).clamp(max=nb)
+    read_sorted = pos[None, None, :] < n_read[..., None]
+    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
+    read &= (meta.count > 0)[:, None, :]
+    n_waves = (checks[:, None, :] & read_sorted).sum(-1)
+    out, lse = merge_blocks(parts, read.repeat_interleave(G, dim=1))
+    return SparseResult(out.to(q.dtype), read, lse, n_waves)
+
+
+def topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   cfg: PSAConfig, budget_tokens: int | None = None,
+                   meta: BlockMeta | None = None, scale: float | None = None) -> SparseResult:
+    """Quest-style baseline: read a fixed budget of blocks (forced ones included).
+
+    `cfg.score` picks the ranking: `bound` is Quest's key min/max bound, `mean`
+    the cuboid mean.
+    """
+    scale = _default_scale(q, scale)
+    G = q.shape[1] // k.shape[1]
+    bs = cfg.block_size
+    budget = cfg.topk_tokens if budget_tokens is None else budget_tokens
+    meta = block_metadata(k, lengths, bs) if meta is None else meta
+    nb = meta.count.shape[1]
+    parts = block_partials(q, k, v, lengths, bs, scale)
+    order, n_forced = rank_blocks(q, meta, lengths, cfg, scale)
+    k_blocks = torch.maximum(torch.full_like(n_forced, max(budget // bs, 1)), n_forced)
+    pos = torch.arange(nb, device=q.device)
+    read_sorted = (pos[None, :] < k_blocks[:, None])[:, None, :].expand_as(order)
+    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
+    read &= (meta.count > 0)[:, None, :]
+    out, lse = merge_blocks(parts, read.repeat_interleave(G, dim=1))
+    return SparseResult(out.to(q.dtype), read, lse, torch.zeros_like(order[..., 0]))
+
+
+def true_coverage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                  read: torch.Tensor, block_size: int, scale: float | None = None) -> torch.Tensor:
+    """Fraction of each query head's true softmax mass inside the read blocks: `[B, Hq]`."""
+    scale = _default_scale(q, scale)
+    parts = block_partials(q, k, v, lengths, block_size, scale)
+    G = q.shape[1] // k.shape[1]
+    _, covered = merge_blocks(parts, read.repeat_interleave(G, dim=1))
+    return torch.exp(covered - torch.logsumexp(parts.lse, dim=-1))

@@ -1,0 +1,131 @@
+"""Every knob of sglang-psa in one dataclass, validated so a bad value names its field.
+
+The CLI flags (`--sparse-mode`, `--psa-*`) are derived from these fields, so the
+server, the CPU demo and the benchmarks share one definition and one set of
+error messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SPARSE_MODES = ("none", "psa", "topk")
+STOP_RULES = ("heuristic", "certified")
+SCORE_METHODS = ("mean", "bound")
+
+# Fields whose CLI flag is not simply `--psa-<field>`.
+_FLAG_OVERRIDES = {"sparse_mode": "--sparse-mode"}
+
+
+class PSAConfigError(ValueError):
+    """A knob has an invalid value; `field` names it, `flag` is its CLI spelling."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        self.flag = flag_name(field_name)
+        super().__init__(f"{self.flag} ({field_name}): {message}")
+
+
+def flag_name(field_name: str) -> str:
+    return _FLAG_OVERRIDES.get(field_name, "--psa-" + field_name.replace("_", "-"))
+
+
+@dataclass(frozen=True)
+class PSAConfig:
+    """Configuration of sparse decode attention and the tiered KV store.
+
+    Attention: blocks of `block_size` tokens are ranked by criticality (`score`);
+    the `sink_blocks` first and `recent_blocks` last blocks are always attended;
+    the rest are attended in waves (first `wave_blocks`, growing by `wave_growth`
+    up to `max_wave_blocks`) until the covered softmax mass passes `threshold`
+    under `stop_rule`. `topk` mode attends a fixed `topk_tokens` budget instead.
+    """
+
+    sparse_mode: str = "psa"
+    threshold: float = 0.98
+    stop_rule: str = "heuristic"
+    score: str = "mean"
+    block_size: int = 32
+    sink_blocks: int = 1
+    recent_blocks: int = 1
+    wave_blocks: int = 8
+    wave_growth: float = 2.0
+    max_wave_blocks: int = 256
+    microbatch_size: int = 32
+    topk_tokens: int = 2048
+    # Tiered store.
+    gpu_cache_gb: float | None = None  # None: size from free GPU memory at startup
+    gpu_cache_free_fraction: float = 0.5
+    host_pool_gb: float = 32.0
+    # Scheduler.
+    ws_window: int = 12
+    max_inject_tokens: int = 8192
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise PSAConfigError(name, f"{msg}, got {getattr(self, name)!r}")
+
+        need(self.sparse_mode in SPARSE_MODES, "sparse_mode", f"must be one of {SPARSE_MODES}")
+        need(self.stop_rule in STOP_RULES, "stop_rule", f"must be one of {STOP_RULES}")
+        need(self.score in SCORE_METHODS, "score", f"must be one of {SCORE_METHODS}")
+        need(
+            isinstance(self.threshold, (int, float))
+            and math.isfinite(self.threshold)
+            and 0.0 < self.threshold <= 1.0,
+            "threshold",
+            "must be in (0, 1]",
+        )
+        for name in ("block_size", "wave_blocks", "max_wave_blocks", "microbatch_size",
+                     "topk_tokens", "ws_window", "max_inject_tokens"):
+            need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
+                 "must be a positive integer")
+        need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
+        for name in ("sink_blocks", "recent_blocks"):
+            need(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
+                 "must be a non-negative integer")
+        need(self.recent_blocks >= 1, "recent_blocks",
+             "must be >= 1 (the tail block holds the newest tokens and is always attended)")
+        need(self.max_wave_blocks >= self.wave_blocks, "max_wave_blocks",
+             f"must be >= wave_blocks ({self.wave_blocks})")
+        need(isinstance(self.wave_growth, (int, float)) and self.wave_growth >= 1.0,
+             "wave_growth", "must be >= 1.0")
+        need(self.gpu_cache_gb is None or (isinstance(self.gpu_cache_gb, (int, float))
+                                           and self.gpu_cache_gb > 0),
+             "gpu_cache_gb", "must be positive (or unset to size from free memory)")
+        need(0.0 < self.gpu_cache_free_fraction <= 1.0, "gpu_cache_free_fraction",
+             "must be in (0, 1]")
+        need(isinstance(self.host_pool_gb, (int, float)) and self.host_pool_gb > 0,
+             "host_pool_gb", "must be positive")
+        need(self.topk_tokens >= self.block_size * (self.sink_blocks + self.recent_blocks),
+             "topk_tokens",
+             f"must cover the always-attended sink+recent blocks "
+             f"({(self.sink_blocks + self.recent_blocks) * self.block_size} tokens)")
+
+    def replace(self, **changes: Any) -> PSAConfig:
+        return dataclasses.replace(self, **changes)
+
+    def wave_sizes(self, n_blocks: int) -> list[int]:
+        """Sizes of the successive waves over `n_blocks` ranked blocks."""
+        sizes, size, left = [], float(self.wave_blocks), n_blocks
+        while left > 0:
+            m = min(int(size), left)
+            sizes.append(m)
+            left -= m
+            size = min(size * self.wave_growth, float(self.max_wave_blocks))
+        return sizes
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
