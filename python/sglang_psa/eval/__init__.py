@@ -1,0 +1,1 @@
+"""Long-context evaluation: seeded task generator and the policy-comparison runner."""

@@ -1,0 +1,105 @@
+"""Greedy decoding that shares one dense prefill among several decode policies.
+
+Long-context evaluation on CPU is dominated by prefill; the decode policies
+under comparison (dense, PSA at several ε, top-k at several budgets) only
+differ in decode. A `Session` prefills a context once, and each
+`decode(policy)` generates from it and then crops the KV cache back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sglang_psa.hf.attention import ATTN_NAME, DecodePolicy, install, runtime
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+    """Model and tokenizer from a HF folder, with the `psa` attention function selected."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    install()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                 attn_implementation=ATTN_NAME).to(device)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return model, tok
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    text: str
+    # Per layer: fraction of KV blocks read, one value per (step, request, KV head).
+    layer_fractions: dict[int, torch.Tensor] = field(repr=False, default_factory=dict)
+
+    def kv_fraction(self) -> float:
+        """Mean fraction of KV blocks read over layers, steps and KV heads."""
+        vals = [f for f in self.layer_fractions.values() if f.numel()]
+        return float(torch.cat(vals).mean()) if vals else float("nan")
+
+
+class Session:
+    """One context kept in a transformers KV cache, decoded under several policies."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tok = model, tokenizer
+        self.cache = None
+        self.length = 0
+        self.next_logits: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def extend(self, ids: list[int], chunk: int = 4096) -> None:
+        """Append tokens with dense (prefill) attention, in chunks to bound memory."""
+        from transformers import DynamicCache
+
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        dev = self.model.device
+        for s in range(0, len(ids), chunk):
+            part = torch.tensor([ids[s:s + chunk]], device=dev)
+            out = self.model(input_ids=part, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=1)
+            self.length += part.shape[1]
+        self.next_logits = out.logits[0, -1].float()
+
+    def rewind(self, length: int) -> None:
+        self.cache.crop(length)
+        self.length = length
+
+    @torch.inference_mode()
+    def decode(self, policy: DecodePolicy, max_new_tokens: int,
+               stop_ids: set[int] | None = None) -> Decoded:
+        """Greedy tokens after the current context; the context is unchanged afterwards."""
+        assert self.next_logits is not None, "extend() the session first"
+        rt = runtime()
+        rt.reset()
+        start = self.length
+        stop_ids = stop_ids or set()
+        tokens: list[int] = []
+        nxt = int(self.next_logits.argmax())
+        dev = self.model.device
+        with rt.use(policy):
+            for _ in range(max_new_tokens):
+                tokens.append(nxt)
+                if nxt in stop_ids or len(tokens) == max_new_tokens:
+                    break
+                out = self.model(input_ids=torch.tensor([[nxt]], device=dev),
+                                 past_key_values=self.cache, use_cache=True)
+                self.length += 1
+                nxt = int(out.logits[0, -1].argmax())
+        fractions = rt.layer_fractions()
+        self.rewind(start)
+        rt.reset()
+        text = self.tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
+        return Decoded(tokens, text, fractions)
+
+
+def greedy_decode(model, tokenizer, prompt: str, policy: DecodePolicy,
+                  max_new_tokens: int = 32) -> Decoded:
+    """One prompt, one policy: the simple entry point."""
+    s = Session(model, tokenizer)
+    s.extend(tokenizer(prompt)["input_ids"])
+    return s.decode(policy, max_new_tokens, stop_ids={tokenizer.eos_token_id})
