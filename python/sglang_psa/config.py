@@ -52,8 +52,8 @@ class PSAConfig:
     sink_blocks: int = 1
     recent_blocks: int = 1
     wave_blocks: int = 8
-    wave_growth: float = 2.0
-    max_wave_blocks: int = 256
+    wave_growth: float = 1.25
+    max_wave_blocks: int = 128
     microbatch_size: int = 32
     topk_tokens: int = 2048
     # Tiered store.
