@@ -1,0 +1,72 @@
+"""The transformers hook on a real model (SmolLM2-135M, converted from its PyPI GGUF)."""
+
+import pytest
+import torch
+
+from sglang_psa.config import PSAConfig
+from sglang_psa.hf.attention import DecodePolicy, runtime
+from sglang_psa.hf.decode import Session
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+PROMPT = ("The tower was built in 1889 by Gustave Eiffel for the World's Fair in Paris. " * 40
+          + "Question: In which city was the tower built? Answer: The tower was built in")
+
+
+@pytest.fixture(scope="module")
+def session(smollm2):
+    model, tok = smollm2
+    s = Session(model, tok)
+    s.extend(tok(PROMPT)["input_ids"])
+    return s
+
+
+def _step_logits(session, policy):
+    """Logits of the first decode step after the prompt's first generated token."""
+    rt = runtime()
+    rt.reset()
+    start = session.length
+    tok = int(session.next_logits.argmax())
+    with rt.use(policy), torch.inference_mode():
+        out = session.model(input_ids=torch.tensor([[tok]]), past_key_values=session.cache,
+                            use_cache=True)
+    session.rewind(start)
+    return out.logits[0, -1].float(), rt.layer_fractions()
+
+
+@pytest.mark.parametrize("rule", ["heuristic", "certified"])
+def test_threshold_one_gives_dense_logits_and_tokens(session, rule):
+    dense_logits, _ = _step_logits(session, DecodePolicy("dense"))
+    psa = DecodePolicy("psa", PSAConfig(threshold=1.0, stop_rule=rule))
+    psa_logits, fractions = _step_logits(session, psa)
+    assert len(fractions) == session.model.config.num_hidden_layers
+    assert all(bool((f == 1.0).all()) for f in fractions.values())
+    # Same attention, different kernels (fp32 reference vs bf16 sdpa): bf16-level agreement.
+    assert (psa_logits - dense_logits).abs().max() < 0.15 * dense_logits.abs().max()
+    assert psa_logits.argmax() == dense_logits.argmax()
+    d = session.decode(DecodePolicy("dense"), 8)
+    p = session.decode(psa, 8)
+    assert p.tokens == d.tokens
+
+
+def test_sparse_policies_read_fewer_blocks_and_session_rewinds(session):
+    length = session.length
+    psa = session.decode(DecodePolicy("psa", PSAConfig(threshold=0.9)), 6)
+    topk = session.decode(DecodePolicy("topk", PSAConfig(topk_tokens=64)), 6)
+    assert session.length == length  # decode() leaves the context as it found it
+    assert 0 < psa.kv_fraction() < 1.0
+    n_blocks = -(-(length + 5) // 32)
+    assert topk.kv_fraction() <= 2 / (n_blocks - 5) + 1e-6
+    assert "Paris" in session.decode(DecodePolicy("dense"), 6).text
+
+
+def test_padded_batch_is_rejected_with_a_clear_error(smollm2):
+    model, tok = smollm2
+    ids = torch.tensor([[1, 2, 3, 4], [0, 0, 3, 4]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.inference_mode(), runtime().use(DecodePolicy("psa")):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        with pytest.raises(NotImplementedError, match="unpadded"):
+            model(input_ids=ids[:, -1:], attention_mask=torch.cat(
+                [mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
+                past_key_values=out.past_key_values, use_cache=True)

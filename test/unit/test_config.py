@@ -1,0 +1,51 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sglang_psa.config import PSAConfig, PSAConfigError, flag_name
+
+
+def test_defaults_are_valid():
+    cfg = PSAConfig()
+    assert cfg.block_size == 32 and cfg.ws_window == 12 and cfg.stop_rule == "heuristic"
+
+
+@pytest.mark.parametrize(
+    "field,value,flag",
+    [
+        ("threshold", 0.0, "--psa-threshold"),
+        ("threshold", 1.01, "--psa-threshold"),
+        ("threshold", float("nan"), "--psa-threshold"),
+        ("stop_rule", "exact", "--psa-stop-rule"),
+        ("sparse_mode", "dense", "--sparse-mode"),
+        ("block_size", 48, "--psa-block-size"),
+        ("block_size", 0, "--psa-block-size"),
+        ("gpu_cache_gb", -1.0, "--psa-gpu-cache-gb"),
+        ("host_pool_gb", 0, "--psa-host-pool-gb"),
+        ("ws_window", 0, "--psa-ws-window"),
+        ("max_inject_tokens", 2.5, "--psa-max-inject-tokens"),
+        ("recent_blocks", 0, "--psa-recent-blocks"),
+        ("wave_growth", 0.5, "--psa-wave-growth"),
+        ("topk_tokens", 16, "--psa-topk-tokens"),
+    ],
+)
+def test_invalid_value_names_its_field_and_flag(field, value, flag):
+    with pytest.raises(PSAConfigError) as ei:
+        PSAConfig(**{field: value})
+    assert ei.value.field == field
+    assert ei.value.flag == flag == flag_name(field)
+    assert str(ei.value).startswith(flag)
+
+
+def test_max_wave_must_cover_first_wave():
+    with pytest.raises(PSAConfigError, match="--psa-max-wave-blocks"):
+        PSAConfig(wave_blocks=64, max_wave_blocks=32)
+
+
+@given(n=st.integers(0, 5000), first=st.integers(1, 64), growth=st.floats(1.0, 4.0),
+       cap=st.integers(64, 512))
+def test_wave_sizes_partition_the_blocks(n, first, growth, cap):
+    sizes = PSAConfig(wave_blocks=first, wave_growth=growth, max_wave_blocks=cap).wave_sizes(n)
+    assert sum(sizes) == n
+    assert all(1 <= s <= cap for s in sizes)
+    assert all(a <= b for a, b in zip(sizes[:-2], sizes[1:-1]))  # non-decreasing but the last
