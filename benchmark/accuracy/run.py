@@ -51,9 +51,11 @@ def aggregate(outcomes, pols) -> dict[str, dict]:
         for o in rows:
             per_kind[o.task].append(o.correct)
         table[p.label] = {
-            "kind": p.kind, "threshold": p.cfg.threshold if p.kind == "psa" else None,
+            "kind": p.kind,
+            "threshold": p.cfg.threshold if p.kind == "psa" else None,
             "stop_rule": p.cfg.stop_rule if p.kind == "psa" else None,
-            "score": p.cfg.score, "budget_tokens": p.budget_tokens,
+            "score": p.cfg.score,
+            "budget_tokens": p.budget_tokens,
             "accuracy": sum(o.correct for o in rows) / len(rows),
             "agreement_with_dense": sum(o.agrees_with_dense for o in rows) / len(rows),
             "kv_fraction": sum(o.kv_fraction for o in rows) / len(rows),
@@ -64,8 +66,11 @@ def aggregate(outcomes, pols) -> dict[str, dict]:
 
 def topk_equal_accuracy(table: dict, target: float, score: str) -> float | None:
     """Smallest measured KV fraction at which top-k (`score`) reaches `target` accuracy."""
-    pts = sorted((r["kv_fraction"], r["accuracy"]) for r in table.values()
-                 if r["kind"] == "topk" and r["score"] == score)
+    pts = sorted(
+        (r["kv_fraction"], r["accuracy"])
+        for r in table.values()
+        if r["kind"] == "topk" and r["score"] == score
+    )
     for frac, acc in pts:
         if acc >= target - 1e-9:
             return frac
@@ -80,8 +85,11 @@ def plot(table: dict, path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for score, style in (("mean", "o-"), ("bound", "s--")):
-        pts = sorted((r["kv_fraction"], r["accuracy"]) for r in table.values()
-                     if r["kind"] == "topk" and r["score"] == score)
+        pts = sorted(
+            (r["kv_fraction"], r["accuracy"])
+            for r in table.values()
+            if r["kind"] == "topk" and r["score"] == score
+        )
         if pts:
             ax.plot(*zip(*pts), style, label=f"top-k ({score} score)", alpha=0.8)
     for name, r in table.items():
@@ -121,8 +129,11 @@ def main() -> None:
     table = aggregate(outcomes, pols)
     ctx = round(sum(o.context_tokens for o in outcomes) / len(outcomes))
     psa98 = table["psa-heuristic-0.98"]["accuracy"]
-    eq = [v for v in (topk_equal_accuracy(table, psa98, s) for s in ("mean", "bound"))
-          if v is not None]
+    eq = [
+        v
+        for v in (topk_equal_accuracy(table, psa98, s) for s in ("mean", "bound"))
+        if v is not None
+    ]
     summary = {
         "context_tokens": ctx,
         "accuracy_dense": table["dense"]["accuracy"],
@@ -139,19 +150,35 @@ def main() -> None:
     }
     if summary["kv_fraction_topk_equal_accuracy"]:
         summary["topk_over_psa_098_kv_ratio"] = (
-            summary["kv_fraction_topk_equal_accuracy"] / summary["kv_fraction_psa_098"])
+            summary["kv_fraction_topk_equal_accuracy"] / summary["kv_fraction_psa_098"]
+        )
     name = args.name or f"accuracy_{'cpu' if args.device == 'cpu' else 'gpu'}"
-    out = write_result(RESULTS / f"{name}.json", summary,
-                       {"policies": table, "runs": [o.to_json() for o in outcomes]},
-                       model=MODELS[args.model].name, per_kind=args.per_kind, seed=args.seed)
-    plot(table, RESULTS / f"{name}.png",
-         f"{args.model}, {ctx} tokens, {len(tasks)} tasks ({args.device})")
+    out = write_result(
+        RESULTS / f"{name}.json",
+        summary,
+        {"policies": table, "runs": [o.to_json() for o in outcomes]},
+        model=MODELS[args.model].name,
+        per_kind=args.per_kind,
+        seed=args.seed,
+    )
+    plot(
+        table,
+        RESULTS / f"{name}.png",
+        f"{args.model}, {ctx} tokens, {len(tasks)} tasks ({args.device})",
+    )
     print(f"\n{'policy':28s} {'acc':>6s} {'agree':>6s} {'kv_frac':>8s}")
     for name_, r in table.items():
-        print(f"{name_:28s} {r['accuracy']:6.3f} {r['agreement_with_dense']:6.3f} "
-              f"{r['kv_fraction']:8.4f}")
-    print("summary:", {k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v)
-                       for k, v in summary.items()})
+        print(
+            f"{name_:28s} {r['accuracy']:6.3f} {r['agreement_with_dense']:6.3f} "
+            f"{r['kv_fraction']:8.4f}"
+        )
+    print(
+        "summary:",
+        {
+            k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v)
+            for k, v in summary.items()
+        },
+    )
     print(f"wrote {out}", file=sys.stderr)
 
 

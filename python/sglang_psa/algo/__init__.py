@@ -11,7 +11,16 @@ from sglang_psa.algo.criticality import bound_logits, criticality, mean_logits
 from sglang_psa.algo.metadata import BlockMeta, BlockMetaCache, block_metadata, num_blocks
 
 __all__ = [
-    "BlockMeta", "BlockMetaCache", "SparseResult", "block_metadata", "bound_logits",
-    "criticality", "dense_attention", "mean_logits", "num_blocks", "progressive_attention",
-    "topk_attention", "true_coverage",
+    "BlockMeta",
+    "BlockMetaCache",
+    "SparseResult",
+    "block_metadata",
+    "bound_logits",
+    "criticality",
+    "dense_attention",
+    "mean_logits",
+    "num_blocks",
+    "progressive_attention",
+    "topk_attention",
+    "true_coverage",
 ]

@@ -5,11 +5,11 @@ clarity over speed. Shapes: `q [B, Hq, d]` (one decode token per request),
 `k, v [B, Hkv, T, d]` padded past `lengths [B]`. Every sparse function returns
 the output and the exact set of blocks it read, so KV traffic can be counted.
 
-Exact per-block partials (log-sum-exp and normalised output of each block) are
-computed for every block up front; the selection logic only ever looks at the
-partials of blocks it has already chosen to read (plus metadata), so the result
-is identical to reading blocks one wave at a time and merging states as
-flash-decoding does.
+Exact scores and per-block masses are computed for every block up front; the
+selection logic only ever looks at the masses of blocks it has already chosen
+to read (plus metadata), and the output is a softmax over exactly the read
+tokens, so the result is identical to reading blocks one wave at a time and
+merging (output, max, sum) states as flash-decoding does.
 """
 
 from __future__ import annotations
@@ -31,54 +31,61 @@ class SparseResult(NamedTuple):
     n_waves: torch.Tensor  # [B, Hkv] int64: waves run (0 for top-k)
 
 
-class BlockPartials(NamedTuple):
-    lse: torch.Tensor  # [B, Hq, NB] float32, -inf for empty blocks
-    out: torch.Tensor  # [B, Hq, NB, d] float32, softmax-normalised within the block
-
-
-def _expand_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:
-    return x.repeat_interleave(n_q_heads // x.shape[1], dim=1)
-
-
 def _default_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                    scale: float | None = None) -> torch.Tensor:
-    """Plain softmax attention over each request's `lengths[b]` keys."""
-    scale = _default_scale(q, scale)
-    Hq = q.shape[1]
-    s = torch.einsum("bhd,bhtd->bht", q.float(), _expand_kv(k, Hq).float()) * scale
-    mask = torch.arange(k.shape[2], device=k.device)[None, :] >= lengths[:, None]
-    s = s.masked_fill(mask[:, None, :], -torch.inf)
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("bht,bhtd->bhd", p, _expand_kv(v, Hq).float()).to(q.dtype)
-
-
-def block_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                   block_size: int, scale: float) -> BlockPartials:
+def token_scores(
+    q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`scale * q . k` for every key, `[B, Hq, T]` float32, -inf past each length."""
     B, Hq, d = q.shape
-    T = k.shape[2]
+    Hkv, T = k.shape[1], k.shape[2]
+    qg = q.float().view(B, Hkv, Hq // Hkv, d)
+    s = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()).flatten(1, 2) * scale
+    pad = torch.arange(T, device=k.device)[None, :] >= lengths[:, None]
+    return s.masked_fill(pad[:, None, :], -torch.inf)
+
+
+def block_lse(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Log of each block's unnormalised softmax mass, `[B, Hq, NB]` (-inf if empty)."""
+    B, Hq, T = scores.shape
     nb = (T + block_size - 1) // block_size
-    pad = nb * block_size - T
-    kf = torch.nn.functional.pad(_expand_kv(k, Hq).float(), (0, 0, 0, pad))
-    vf = torch.nn.functional.pad(_expand_kv(v, Hq).float(), (0, 0, 0, pad))
-    s = torch.einsum("bhd,bhtd->bht", q.float(), kf) * scale
-    mask = torch.arange(nb * block_size, device=k.device)[None, :] >= lengths[:, None]
-    s = s.masked_fill(mask[:, None, :], -torch.inf).view(B, Hq, nb, block_size)
+    s = torch.nn.functional.pad(scores, (0, nb * block_size - T), value=-torch.inf)
+    return torch.logsumexp(s.view(B, Hq, nb, block_size), dim=-1)
+
+
+def attend(
+    scores: torch.Tensor, v: torch.Tensor, read: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over the tokens of the read blocks only.
+
+    `read [B, Hkv, NB]`; returns the output `[B, Hq, d]` (float32) and the log of
+    the attended mass `[B, Hq]`. Equal to merging per-block partial states.
+    """
+    B, Hq, T = scores.shape
+    Hkv = v.shape[1]
+    tok_read = read.repeat_interleave(block_size, dim=-1)[..., :T]  # [B, Hkv, T]
+    s = scores.view(B, Hkv, Hq // Hkv, T).masked_fill(~tok_read[:, :, None, :], -torch.inf)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty block: all zero
-    out = torch.einsum("bhnt,bhntd->bhnd", p, vf.view(B, Hq, nb, block_size, d))
-    return BlockPartials(lse, out)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v.float())
+    return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def merge_blocks(parts: BlockPartials, read_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine the partials of the blocks in `read_q [B, Hq, NB]` (the split-K merge)."""
-    lse_sel = parts.lse.masked_fill(~read_q, -torch.inf)
-    total = torch.logsumexp(lse_sel, dim=-1)
-    w = torch.exp(lse_sel - total.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.einsum("bhn,bhnd->bhd", w, parts.out), total
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain softmax attention over each request's `lengths[b]` keys."""
+    scores = token_scores(q, k, lengths, _default_scale(q, scale))
+    p = torch.softmax(scores, dim=-1)
+    B, Hq, T = p.shape
+    out = torch.einsum("bhgt,bhtd->bhgd", p.view(B, k.shape[1], -1, T), v.float())
+    return out.flatten(1, 2).to(q.dtype)
 
 
 def forced_blocks(lengths: torch.Tensor, nb: int, cfg: PSAConfig) -> torch.Tensor:
@@ -89,8 +96,9 @@ def forced_blocks(lengths: torch.Tensor, nb: int, cfg: PSAConfig) -> torch.Tenso
     return valid & ((idx < cfg.sink_blocks) | (idx >= nblk - cfg.recent_blocks))
 
 
-def rank_blocks(q: torch.Tensor, meta: BlockMeta, lengths: torch.Tensor, cfg: PSAConfig,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_blocks(
+    q: torch.Tensor, meta: BlockMeta, lengths: torch.Tensor, cfg: PSAConfig, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read order per (request, KV head): forced blocks first, then by criticality.
 
     Returns `order [B, Hkv, NB]` (block indices; empty blocks last) and
@@ -105,8 +113,9 @@ def rank_blocks(q: torch.Tensor, meta: BlockMeta, lengths: torch.Tensor, cfg: PS
     return order, forced.sum(-1)
 
 
-def _wave_checkpoints(nblk: torch.Tensor, n_forced: torch.Tensor, nb: int,
-                      cfg: PSAConfig) -> torch.Tensor:
+def _wave_checkpoints(
+    nblk: torch.Tensor, n_forced: torch.Tensor, nb: int, cfg: PSAConfig
+) -> torch.Tensor:
     """`[B, NB]` bool: read-order positions after which a wave ends and is verified."""
     ends = torch.tensor(cfg.wave_sizes(nb), device=nblk.device).cumsum(0)
     pos = torch.arange(nb, device=nblk.device)[None, :]
@@ -115,10 +124,15 @@ def _wave_checkpoints(nblk: torch.Tensor, n_forced: torch.Tensor, nb: int,
     return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
 
 
-def progressive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          lengths: torch.Tensor, cfg: PSAConfig,
-                          meta: BlockMeta | None = None,
-                          scale: float | None = None) -> SparseResult:
+def progressive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    cfg: PSAConfig,
+    meta: BlockMeta | None = None,
+    scale: float | None = None,
+) -> SparseResult:
     """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
 
     A (request, KV head) stops after the first wave at which every query head of
@@ -139,11 +153,11 @@ def progressive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     meta = block_metadata(k, lengths, bs) if meta is None else meta
     nb = meta.count.shape[1]
     nblk = num_blocks(lengths, bs)
-    parts = block_partials(q, k, v, lengths, bs, scale)
+    scores = token_scores(q, k, lengths, scale)
     order, n_forced = rank_blocks(q, meta, lengths, cfg, scale)
     order_q = order.repeat_interleave(G, dim=1)  # [B, Hq, NB]
 
-    lse_o = parts.lse.gather(-1, order_q)  # block masses in read order
+    lse_o = block_lse(scores, bs).gather(-1, order_q)  # block masses in read order
     covered = torch.logcumsumexp(lse_o, dim=-1)
     pos = torch.arange(nb, device=q.device)
     if cfg.stop_rule == "heuristic":
@@ -152,8 +166,9 @@ def progressive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         n_left = (nblk[:, None] - pos[None, :] - 1).clamp(min=0).float()
         uncovered = smallest + n_left.log()[:, None, :]
         # Before any ranked block is read there is no estimate: not done.
-        uncovered = torch.where(torch.isinf(smallest) & (n_left[:, None, :] > 0),
-                                torch.inf, uncovered)
+        uncovered = torch.where(
+            torch.isinf(smallest) & (n_left[:, None, :] > 0), torch.inf, uncovered
+        )
     else:
         ub = bound_logits(q, meta, scale) + meta.count.clamp(min=1).log()[:, None, :]
         ub = ub.masked_fill((meta.count == 0)[:, None, :], -torch.inf).gather(-1, order_q)
@@ -173,40 +188,50 @@ def progressive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
     read &= (meta.count > 0)[:, None, :]
     n_waves = (checks[:, None, :] & read_sorted).sum(-1)
-    out, lse = merge_blocks(parts, read.repeat_interleave(G, dim=1))
+    out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, n_waves)
 
 
-def topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                   cfg: PSAConfig, budget_tokens: int | None = None,
-                   meta: BlockMeta | None = None, scale: float | None = None) -> SparseResult:
+def topk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    cfg: PSAConfig,
+    budget_tokens: int | None = None,
+    meta: BlockMeta | None = None,
+    scale: float | None = None,
+) -> SparseResult:
     """Quest-style baseline: read a fixed budget of blocks (forced ones included).
 
     `cfg.score` picks the ranking: `bound` is Quest's key min/max bound, `mean`
     the cuboid mean.
     """
     scale = _default_scale(q, scale)
-    G = q.shape[1] // k.shape[1]
     bs = cfg.block_size
     budget = cfg.topk_tokens if budget_tokens is None else budget_tokens
     meta = block_metadata(k, lengths, bs) if meta is None else meta
     nb = meta.count.shape[1]
-    parts = block_partials(q, k, v, lengths, bs, scale)
     order, n_forced = rank_blocks(q, meta, lengths, cfg, scale)
     k_blocks = torch.maximum(torch.full_like(n_forced, max(budget // bs, 1)), n_forced)
     pos = torch.arange(nb, device=q.device)
     read_sorted = (pos[None, :] < k_blocks[:, None])[:, None, :].expand_as(order)
     read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
     read &= (meta.count > 0)[:, None, :]
-    out, lse = merge_blocks(parts, read.repeat_interleave(G, dim=1))
+    out, lse = attend(token_scores(q, k, lengths, scale), v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, torch.zeros_like(order[..., 0]))
 
 
-def true_coverage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                  read: torch.Tensor, block_size: int, scale: float | None = None) -> torch.Tensor:
+def true_coverage(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    read: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Fraction of each query head's true softmax mass inside the read blocks: `[B, Hq]`."""
-    scale = _default_scale(q, scale)
-    parts = block_partials(q, k, v, lengths, block_size, scale)
-    G = q.shape[1] // k.shape[1]
-    _, covered = merge_blocks(parts, read.repeat_interleave(G, dim=1))
-    return torch.exp(covered - torch.logsumexp(parts.lse, dim=-1))
+    scores = token_scores(q, k, lengths, _default_scale(q, scale))
+    _, covered = attend(scores, v, read, block_size)
+    return torch.exp(covered - torch.logsumexp(scores, dim=-1))

@@ -33,8 +33,9 @@ def bound_logits(q: torch.Tensor, meta: BlockMeta, scale: float) -> torch.Tensor
     Per channel, `q_c * k_c` is largest at `kmin_c` or `kmax_c` (Quest's bound).
     """
     qg = group_queries(q.float(), meta.mean.shape[1]) * scale
-    hi = torch.maximum(qg.unsqueeze(3) * meta.kmax.unsqueeze(2),
-                       qg.unsqueeze(3) * meta.kmin.unsqueeze(2))  # [B, Hkv, G, NB, d]
+    hi = torch.maximum(
+        qg.unsqueeze(3) * meta.kmax.unsqueeze(2), qg.unsqueeze(3) * meta.kmin.unsqueeze(2)
+    )  # [B, Hkv, G, NB, d]
     return hi.sum(-1).flatten(1, 2)
 
 
@@ -46,8 +47,9 @@ def block_logits(q: torch.Tensor, meta: BlockMeta, scale: float, method: str) ->
     raise ValueError(f"unknown criticality method {method!r} (mean|bound)")
 
 
-def criticality(q: torch.Tensor, meta: BlockMeta, scale: float, method: str = "mean"
-                ) -> torch.Tensor:
+def criticality(
+    q: torch.Tensor, meta: BlockMeta, scale: float, method: str = "mean"
+) -> torch.Tensor:
     """Score per (request, KV head, block), `[B, Hkv, NB]`; empty blocks get -inf.
 
     Each query head's logit estimate plus `log(count)` is normalised over the

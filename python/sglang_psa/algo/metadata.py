@@ -61,8 +61,15 @@ class BlockMetaCache:
     lengths: torch.Tensor  # [B] int64
 
     @classmethod
-    def empty(cls, batch: int, heads: int, head_dim: int, block_size: int,
-              capacity_blocks: int = 16, device: torch.device | str = "cpu") -> BlockMetaCache:
+    def empty(
+        cls,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        block_size: int,
+        capacity_blocks: int = 16,
+        device: torch.device | str = "cpu",
+    ) -> BlockMetaCache:
         shape = (batch, heads, capacity_blocks, head_dim)
         return cls(
             block_size=block_size,
@@ -87,11 +94,16 @@ class BlockMetaCache:
         def ext(t: torch.Tensor, fill: float) -> torch.Tensor:
             shape = list(t.shape)
             shape[-2 if t.dim() == 4 else -1] = extra
-            return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)],
-                             dim=-2 if t.dim() == 4 else -1)
+            return torch.cat(
+                [t, torch.full(shape, fill, dtype=t.dtype, device=t.device)],
+                dim=-2 if t.dim() == 4 else -1,
+            )
 
-        self.ksum, self.kmin, self.kmax = ext(self.ksum, 0.0), ext(self.kmin, torch.inf), ext(
-            self.kmax, -torch.inf)
+        self.ksum, self.kmin, self.kmax = (
+            ext(self.ksum, 0.0),
+            ext(self.kmin, torch.inf),
+            ext(self.kmax, -torch.inf),
+        )
         self.count = ext(self.count, 0)
 
     def append(self, k_new: torch.Tensor, n_new: torch.Tensor) -> None:
@@ -119,5 +131,9 @@ class BlockMetaCache:
         count = self.count[:, :nb]
         empty = (count == 0)[:, None, :, None]
         mean = self.ksum[:, :, :nb] / count.clamp(min=1)[:, None, :, None]
-        return BlockMeta(mean, self.kmin[:, :, :nb].masked_fill(empty, 0.0),
-                         self.kmax[:, :, :nb].masked_fill(empty, 0.0), count)
+        return BlockMeta(
+            mean,
+            self.kmin[:, :, :nb].masked_fill(empty, 0.0),
+            self.kmax[:, :, :nb].masked_fill(empty, 0.0),
+            count,
+        )

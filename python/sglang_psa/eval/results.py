@@ -14,8 +14,12 @@ from typing import Any
 
 
 def machine() -> str:
-    parts = [platform.node() or "host", platform.machine(), f"{os.cpu_count()} cpus",
-             f"python {platform.python_version()}"]
+    parts = [
+        platform.node() or "host",
+        platform.machine(),
+        f"{os.cpu_count()} cpus",
+        f"python {platform.python_version()}",
+    ]
     try:
         import torch
 
@@ -31,10 +35,19 @@ def machine() -> str:
 
 def git_commit(repo: Path | None = None) -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=repo or Path(__file__).resolve().parent, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=repo or Path.cwd()).stdout
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=repo or Path(__file__).resolve().parent,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=repo or Path.cwd(),
+        ).stdout
         return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("GIT_COMMIT", "unknown")

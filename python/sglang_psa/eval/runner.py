@@ -26,7 +26,9 @@ def chat_parts(tok, document: str, question: str) -> tuple[list[int], list[int]]
     if getattr(tok, "chat_template", None):
         rendered = tok.apply_chat_template(
             [{"role": "user", "content": document + "\n\n" + QUESTION_MARK}],
-            tokenize=False, add_generation_prompt=True)
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         head, tail = rendered.split(QUESTION_MARK)
     else:
         head, tail = document + "\n\n", "\nAnswer:"
@@ -58,8 +60,9 @@ def layer_summary(fractions: dict[int, torch.Tensor]) -> tuple[list[float], list
     return means, p99s
 
 
-def evaluate(model, tok, tasks: list[Task], policies: list[DecodePolicy],
-             progress: bool = True) -> list[Outcome]:
+def evaluate(
+    model, tok, tasks: list[Task], policies: list[DecodePolicy], progress: bool = True
+) -> list[Outcome]:
     """Run every task under every policy; returns one `Outcome` per (task, policy)."""
     from tqdm.auto import tqdm
 
@@ -67,8 +70,13 @@ def evaluate(model, tok, tasks: list[Task], policies: list[DecodePolicy],
         raise ValueError("the first policy must be dense (the reference for agreement)")
     stop = {tok.eos_token_id} | set(_extra_stops(tok))
     outcomes: list[Outcome] = []
-    bar = tqdm(total=len(tasks) * len(policies), disable=not progress, desc="decode",
-               unit="run", dynamic_ncols=True)
+    bar = tqdm(
+        total=len(tasks) * len(policies),
+        disable=not progress,
+        desc="decode",
+        unit="run",
+        dynamic_ncols=True,
+    )
     for task in tasks:
         doc_ids, q_ids = chat_parts(tok, task.prompt, task.question)
         session = Session(model, tok)
@@ -80,11 +88,19 @@ def evaluate(model, tok, tasks: list[Task], policies: list[DecodePolicy],
             dec = session.decode(policy, task.max_new_tokens, stop)
             dense_tokens = dec.tokens if dense_tokens is None else dense_tokens
             means, p99s = layer_summary(dec.layer_fractions)
-            outcomes.append(Outcome(
-                task=task.kind, context_tokens=session.length, policy=policy.label,
-                correct=task.score(dec.text), agrees_with_dense=dec.tokens == dense_tokens,
-                kv_fraction=dec.kv_fraction(), layer_mean=means, layer_p99=p99s,
-                output=dec.text))
+            outcomes.append(
+                Outcome(
+                    task=task.kind,
+                    context_tokens=session.length,
+                    policy=policy.label,
+                    correct=task.score(dec.text),
+                    agrees_with_dense=dec.tokens == dense_tokens,
+                    kv_fraction=dec.kv_fraction(),
+                    layer_mean=means,
+                    layer_p99=p99s,
+                    output=dec.text,
+                )
+            )
             bar.update(1)
     bar.close()
     return outcomes

@@ -13,29 +13,150 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-SUBJECTS = ["The river", "A quiet village", "The old library", "Our committee", "The harbor",
-            "A young painter", "The mountain road", "The orchestra", "A small bakery",
-            "The research team", "The garden", "An early train", "The museum", "A fisherman"]
-VERBS = ["remembered", "described", "discovered", "ignored", "celebrated", "measured",
-         "repaired", "visited", "questioned", "admired", "planned", "recorded"]
-OBJECTS = ["the long winter", "a forgotten map", "the morning market", "an unusual storm",
-           "the annual festival", "a broken bridge", "the northern lights", "a sealed letter",
-           "the autumn harvest", "a copper kettle", "the evening tide", "a narrow staircase"]
-TAILS = ["before anyone noticed.", "with great patience.", "as the bells rang.",
-         "while the rain continued.", "in the usual way.", "without saying a word.",
-         "for the third time that year.", "under a pale sky.", "as if nothing had changed.",
-         "to everyone's surprise."]
-CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito", "Dublin", "Kraków", "Porto",
-          "Tbilisi", "Accra", "Bergen", "Cusco", "Riga", "Tunis", "Zagreb", "Halifax", "Perth"]
-NAMES = ["Amara", "Bruno", "Chidi", "Dagny", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas",
-         "Kaito", "Leila", "Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Soren",
-         "Tamar"]
-JOBS = ["carpenter", "pilot", "chemist", "librarian", "baker", "surgeon", "architect",
-        "violinist", "gardener", "journalist", "astronomer", "tailor"]
-WORDS = ["apple", "button", "candle", "dolphin", "engine", "feather", "guitar", "hammer",
-         "island", "jacket", "kettle", "lantern", "marble", "needle", "orange", "pencil",
-         "quilt", "rocket", "saddle", "ticket", "umbrella", "violin", "wallet", "yogurt",
-         "zipper", "anchor", "basket", "cactus", "drum", "easel"]
+SUBJECTS = [
+    "The river",
+    "A quiet village",
+    "The old library",
+    "Our committee",
+    "The harbor",
+    "A young painter",
+    "The mountain road",
+    "The orchestra",
+    "A small bakery",
+    "The research team",
+    "The garden",
+    "An early train",
+    "The museum",
+    "A fisherman",
+]
+VERBS = [
+    "remembered",
+    "described",
+    "discovered",
+    "ignored",
+    "celebrated",
+    "measured",
+    "repaired",
+    "visited",
+    "questioned",
+    "admired",
+    "planned",
+    "recorded",
+]
+OBJECTS = [
+    "the long winter",
+    "a forgotten map",
+    "the morning market",
+    "an unusual storm",
+    "the annual festival",
+    "a broken bridge",
+    "the northern lights",
+    "a sealed letter",
+    "the autumn harvest",
+    "a copper kettle",
+    "the evening tide",
+    "a narrow staircase",
+]
+TAILS = [
+    "before anyone noticed.",
+    "with great patience.",
+    "as the bells rang.",
+    "while the rain continued.",
+    "in the usual way.",
+    "without saying a word.",
+    "for the third time that year.",
+    "under a pale sky.",
+    "as if nothing had changed.",
+    "to everyone's surprise.",
+]
+CITIES = [
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Lima",
+    "Hanoi",
+    "Quito",
+    "Dublin",
+    "Kraków",
+    "Porto",
+    "Tbilisi",
+    "Accra",
+    "Bergen",
+    "Cusco",
+    "Riga",
+    "Tunis",
+    "Zagreb",
+    "Halifax",
+    "Perth",
+]
+NAMES = [
+    "Amara",
+    "Bruno",
+    "Chidi",
+    "Dagny",
+    "Elif",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kaito",
+    "Leila",
+    "Mateo",
+    "Nadia",
+    "Oskar",
+    "Priya",
+    "Quentin",
+    "Rosa",
+    "Soren",
+    "Tamar",
+]
+JOBS = [
+    "carpenter",
+    "pilot",
+    "chemist",
+    "librarian",
+    "baker",
+    "surgeon",
+    "architect",
+    "violinist",
+    "gardener",
+    "journalist",
+    "astronomer",
+    "tailor",
+]
+WORDS = [
+    "apple",
+    "button",
+    "candle",
+    "dolphin",
+    "engine",
+    "feather",
+    "guitar",
+    "hammer",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "marble",
+    "needle",
+    "orange",
+    "pencil",
+    "quilt",
+    "rocket",
+    "saddle",
+    "ticket",
+    "umbrella",
+    "violin",
+    "wallet",
+    "yogurt",
+    "zipper",
+    "anchor",
+    "basket",
+    "cactus",
+    "drum",
+    "easel",
+]
 
 
 @dataclass(frozen=True)
@@ -61,8 +182,9 @@ class Builder:
         r = self.rng
         return f"{r.choice(SUBJECTS)} {r.choice(VERBS)} {r.choice(OBJECTS)} {r.choice(TAILS)}"
 
-    def document(self, n_tokens: int, needles: list[str],
-                 make_filler: Callable[[], str] | None = None) -> str:
+    def document(
+        self, n_tokens: int, needles: list[str], make_filler: Callable[[], str] | None = None
+    ) -> str:
         make_filler = make_filler or self.filler
         budget = n_tokens - sum(self.count(" " + s) for s in needles)
         sentences: list[str] = []
@@ -88,9 +210,13 @@ def niah(b: Builder, n_tokens: int, n_keys: int) -> Task:
     needles = [f"The special magic number for {k} is {values[k]}." for k in keys]
     doc = b.document(n_tokens, needles)
     target = rng.choice(keys)
-    return Task(f"niah_{n_keys}key", _intro("special magic numbers") + doc,
-                f"What is the special magic number for {target}? Answer with the number only.",
-                (values[target],), 16)
+    return Task(
+        f"niah_{n_keys}key",
+        _intro("special magic numbers") + doc,
+        f"What is the special magic number for {target}? Answer with the number only.",
+        (values[target],),
+        16,
+    )
 
 
 def niah_multivalue(b: Builder, n_tokens: int, n_values: int = 4) -> Task:
@@ -99,18 +225,24 @@ def niah_multivalue(b: Builder, n_tokens: int, n_values: int = 4) -> Task:
     values = [_number(rng) for _ in range(n_values)]
     needles = [f"One of the special magic numbers for {key} is {v}." for v in values]
     doc = b.document(n_tokens, needles)
-    return Task("niah_multivalue", _intro("special magic numbers") + doc,
-                f"List all the special magic numbers for {key}, separated by commas.",
-                tuple(values), 48)
+    return Task(
+        "niah_multivalue",
+        _intro("special magic numbers") + doc,
+        f"List all the special magic numbers for {key}, separated by commas.",
+        tuple(values),
+        48,
+    )
 
 
 def variable_tracking(b: Builder, n_tokens: int, hops: int = 3) -> Task:
     rng = b.rng
-    names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5))
-             for _ in range(hops + 1)]
+    names = [
+        "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(hops + 1)
+    ]
     value = str(rng.randint(10000, 99999))
     needles = [f"VAR {names[0]} = {value}."] + [
-        f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
+        f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)
+    ]
     doc = b.document(n_tokens, [])
     # Chain order must be kept: insert the hops at increasing depths.
     sents = doc.split(". ")
@@ -118,9 +250,14 @@ def variable_tracking(b: Builder, n_tokens: int, hops: int = 3) -> Task:
     for offset, (cut, needle) in enumerate(zip(cuts, needles)):
         sents.insert(cut + offset, needle.rstrip("."))
     doc = ". ".join(sents)
-    return Task("variable_tracking", _intro("variable assignments") + doc,
-                f"Which variables are assigned the value {value}, directly or through other "
-                "variables? List their names, separated by commas.", tuple(names), 48)
+    return Task(
+        "variable_tracking",
+        _intro("variable assignments") + doc,
+        f"Which variables are assigned the value {value}, directly or through other "
+        "variables? List their names, separated by commas.",
+        tuple(names),
+        48,
+    )
 
 
 def common_words(b: Builder, n_tokens: int, n_top: int = 3) -> Task:
@@ -135,9 +272,14 @@ def common_words(b: Builder, n_tokens: int, n_top: int = 3) -> Task:
         return f"{next(counter)}. {w}"
 
     doc = b.document(n_tokens, [], make_filler=item)
-    return Task("common_words", "Below is a numbered list of words. Memorize it.\n" + doc,
-                f"What are the {n_top} most common words in the list above? Answer with the "
-                "words only, separated by commas.", tuple(top), 32)
+    return Task(
+        "common_words",
+        "Below is a numbered list of words. Memorize it.\n" + doc,
+        f"What are the {n_top} most common words in the list above? Answer with the "
+        "words only, separated by commas.",
+        tuple(top),
+        32,
+    )
 
 
 def doc_qa(b: Builder, n_tokens: int) -> Task:
@@ -148,9 +290,13 @@ def doc_qa(b: Builder, n_tokens: int) -> Task:
     needles = [f"{p} is a {job} who lives in {city}." for p, (city, job) in facts.items()]
     doc = b.document(n_tokens, needles)
     target = rng.choice(people)
-    return Task("doc_qa", _intro("facts about people") + doc,
-                f"In which city does {target} live? Answer with the city only.",
-                (facts[target][0],), 16)
+    return Task(
+        "doc_qa",
+        _intro("facts about people") + doc,
+        f"In which city does {target} live? Answer with the city only.",
+        (facts[target][0],),
+        16,
+    )
 
 
 def _intro(what: str) -> str:
@@ -168,8 +314,9 @@ GENERATORS: dict[str, Callable[[Builder, int], Task]] = {
 }
 
 
-def make_tasks(kinds: list[str], n_tokens: int, n_per_kind: int, seed: int,
-               count_tokens: Callable[[str], int]) -> list[Task]:
+def make_tasks(
+    kinds: list[str], n_tokens: int, n_per_kind: int, seed: int, count_tokens: Callable[[str], int]
+) -> list[Task]:
     """`n_per_kind` tasks of each kind, each reproducible from (seed, kind, index)."""
     tasks = []
     for kind in kinds:

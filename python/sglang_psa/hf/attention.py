@@ -19,7 +19,6 @@ import torch
 
 from sglang_psa.algo import (
     BlockMetaCache,
-    dense_attention,
     num_blocks,
     progressive_attention,
     topk_attention,
@@ -90,12 +89,21 @@ class PSARuntime:
     def _meta_for(self, layer: int, key: torch.Tensor, block_size: int) -> BlockMetaCache:
         B, H, T, d = key.shape
         cache = self.meta.get(layer)
-        stale = (cache is None or cache.block_size != block_size or cache.ksum.shape[0] != B
-                 or int(cache.lengths.max()) > T)
+        stale = (
+            cache is None
+            or cache.block_size != block_size
+            or cache.ksum.shape[0] != B
+            or int(cache.lengths.max()) > T
+        )
         if stale:
-            cache = BlockMetaCache.empty(B, H, d, block_size, num_blocks(torch.tensor(T),
-                                                                         block_size).item(),
-                                         device=key.device)
+            cache = BlockMetaCache.empty(
+                B,
+                H,
+                d,
+                block_size,
+                num_blocks(torch.tensor(T), block_size).item(),
+                device=key.device,
+            )
             self.meta[layer] = cache
         start = int(cache.lengths.max())
         if start < T:
@@ -103,17 +111,33 @@ class PSARuntime:
             cache.append(key[:, :, start:], n)
         return cache
 
-    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, attention_mask: torch.Tensor | None,
-                 scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         policy = self.policy
         if query.shape[2] != 1 or policy.kind == "dense":
             if query.shape[2] == 1:
                 self._record_dense(module, key)
-            return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                          scaling=scaling, dropout=dropout, **kwargs)
+            return sdpa_attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=scaling,
+                dropout=dropout,
+                **kwargs,
+            )
         _check_unpadded(attention_mask)
         if getattr(module, "sliding_window", None):
             raise NotImplementedError("PSA decode does not support sliding-window layers yet")
@@ -125,10 +149,14 @@ class PSARuntime:
         if policy.kind == "psa":
             res = progressive_attention(q, key, value, lengths, cfg, meta=meta, scale=scaling)
         else:
-            res = topk_attention(q, key, value, lengths, cfg, policy.budget_tokens, meta=meta,
-                                 scale=scaling)
-        self._record(module.layer_idx, res.read.sum(-1).flatten(),
-                     num_blocks(lengths, cfg.block_size).repeat_interleave(res.read.shape[1]))
+            res = topk_attention(
+                q, key, value, lengths, cfg, policy.budget_tokens, meta=meta, scale=scaling
+            )
+        self._record(
+            module.layer_idx,
+            res.read.sum(-1).flatten(),
+            num_blocks(lengths, cfg.block_size).repeat_interleave(res.read.shape[1]),
+        )
         return res.out.unsqueeze(1).contiguous(), None
 
     def _record(self, layer: int, read: torch.Tensor, total: torch.Tensor) -> None:
@@ -150,7 +178,8 @@ def _check_unpadded(mask: torch.Tensor | None) -> None:
     if not bool(visible.all()):
         raise NotImplementedError(
             "PSA decode in the transformers hook supports unpadded sequences only "
-            "(batch of 1, or equal lengths with no attention-mask padding)")
+            "(batch of 1, or equal lengths with no attention-mask padding)"
+        )
 
 
 _RUNTIME: PSARuntime | None = None

@@ -21,8 +21,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     install()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                 attn_implementation=ATTN_NAME).to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=ATTN_NAME
+    ).to(device)
     model.eval()
     tok = AutoTokenizer.from_pretrained(str(path))
     return model, tok
@@ -59,9 +60,10 @@ class Session:
             self.cache = DynamicCache(config=self.model.config)
         dev = self.model.device
         for s in range(0, len(ids), chunk):
-            part = torch.tensor([ids[s:s + chunk]], device=dev)
-            out = self.model(input_ids=part, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=1)
+            part = torch.tensor([ids[s : s + chunk]], device=dev)
+            out = self.model(
+                input_ids=part, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            )
             self.length += part.shape[1]
         self.next_logits = out.logits[0, -1].float()
 
@@ -70,8 +72,9 @@ class Session:
         self.length = length
 
     @torch.inference_mode()
-    def decode(self, policy: DecodePolicy, max_new_tokens: int,
-               stop_ids: set[int] | None = None) -> Decoded:
+    def decode(
+        self, policy: DecodePolicy, max_new_tokens: int, stop_ids: set[int] | None = None
+    ) -> Decoded:
         """Greedy tokens after the current context; the context is unchanged afterwards."""
         assert self.next_logits is not None, "extend() the session first"
         rt = runtime()
@@ -86,8 +89,11 @@ class Session:
                 tokens.append(nxt)
                 if nxt in stop_ids or len(tokens) == max_new_tokens:
                     break
-                out = self.model(input_ids=torch.tensor([[nxt]], device=dev),
-                                 past_key_values=self.cache, use_cache=True)
+                out = self.model(
+                    input_ids=torch.tensor([[nxt]], device=dev),
+                    past_key_values=self.cache,
+                    use_cache=True,
+                )
                 self.length += 1
                 nxt = int(out.logits[0, -1].argmax())
         fractions = rt.layer_fractions()
@@ -97,8 +103,9 @@ class Session:
         return Decoded(tokens, text, fractions)
 
 
-def greedy_decode(model, tokenizer, prompt: str, policy: DecodePolicy,
-                  max_new_tokens: int = 32) -> Decoded:
+def greedy_decode(
+    model, tokenizer, prompt: str, policy: DecodePolicy, max_new_tokens: int = 32
+) -> Decoded:
     """One prompt, one policy: the simple entry point."""
     s = Session(model, tokenizer)
     s.extend(tokenizer(prompt)["input_ids"])

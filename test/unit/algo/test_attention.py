@@ -56,12 +56,14 @@ def loop_reference(q, k, v, lengths, cfg):
         nblk = (int(lengths[b]) + bs - 1) // bs
         for h in range(Hkv):
             f = [j for j in range(nblk) if forced[b, j]]
-            ranked = sorted((j for j in range(nblk) if not forced[b, j]),
-                            key=lambda j: (-float(crit[b, h, j]), j))
+            ranked = sorted(
+                (j for j in range(nblk) if not forced[b, j]),
+                key=lambda j: (-float(crit[b, h, j]), j),
+            )
             waves = [f + ranked[: cfg.wave_sizes(len(ranked))[0]]] if ranked else [f]
             pos = len(waves[0]) - len(f)
             for m in cfg.wave_sizes(len(ranked))[1:]:
-                waves.append(ranked[pos: pos + m])
+                waves.append(ranked[pos : pos + m])
                 pos += m
             done_blocks = []
             for wave in waves:
@@ -71,8 +73,8 @@ def loop_reference(q, k, v, lengths, cfg):
                 for g in range(G):
                     qh = q[b, h * G + g]
 
-                    def mass(j):
-                        kk = k[b, h, j * bs: min((j + 1) * bs, int(lengths[b]))]
+                    def mass(j, b=b, h=h, qh=qh):
+                        kk = k[b, h, j * bs : min((j + 1) * bs, int(lengths[b]))]
                         return torch.logsumexp(kk @ qh * scale, 0)
 
                     acc = torch.logsumexp(torch.stack([mass(j) for j in done_blocks]), 0)
@@ -82,8 +84,16 @@ def loop_reference(q, k, v, lengths, cfg):
                         rk = [j for j in done_blocks if j not in f]
                         unc = min(float(mass(j)) for j in rk) + math.log(len(left))
                     else:
-                        ub = [(torch.maximum(qh * meta.kmin[b, h, j], qh * meta.kmax[b, h, j])
-                               .sum() * scale + math.log(int(meta.count[b, j]))) for j in left]
+                        ub = [
+                            (
+                                torch.maximum(
+                                    qh * meta.kmin[b, h, j], qh * meta.kmax[b, h, j]
+                                ).sum()
+                                * scale
+                                + math.log(int(meta.count[b, j]))
+                            )
+                            for j in left
+                        ]
                         unc = float(torch.logsumexp(torch.stack(ub), 0))
                     cov = math.exp(float(acc)) / (math.exp(float(acc)) + math.exp(unc))
                     ok &= cov >= cfg.threshold
@@ -106,7 +116,8 @@ def test_threshold_one_equals_dense(rule, Hq, Hkv):
 def test_dense_reference_matches_torch_sdpa():
     q, k, v, lengths = make(1, ragged=False)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)).squeeze(2)
+        q.unsqueeze(2), k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    ).squeeze(2)
     torch.testing.assert_close(dense_attention(q, k, v, lengths), want, atol=1e-5, rtol=1e-5)
 
 
@@ -115,8 +126,15 @@ def test_dense_reference_matches_torch_sdpa():
 @pytest.mark.parametrize("score", ["mean", "bound"])
 def test_vectorised_psa_matches_the_loop_algorithm(rule, eps, score):
     q, k, v, lengths = make(3, B=2, T=200, spread=1.5)
-    cfg = PSAConfig(threshold=eps, stop_rule=rule, score=score, block_size=8, wave_blocks=2,
-                    wave_growth=1.5, max_wave_blocks=8)
+    cfg = PSAConfig(
+        threshold=eps,
+        stop_rule=rule,
+        score=score,
+        block_size=8,
+        wave_blocks=2,
+        wave_growth=1.5,
+        max_wave_blocks=8,
+    )
     res = progressive_attention(q, k, v, lengths, cfg)
     assert torch.equal(res.read, loop_reference(q, k, v, lengths, cfg))
     want = explicit_masked_attention(q, k, v, lengths, res.read, 8)
@@ -131,13 +149,18 @@ def adversarial(seed):
         for j in range(3, 8):
             t = j * 32 + 5
             k[b, 0, t] = 12 * qd  # spike
-            k[b, 0, j * 32: (j + 1) * 32] -= 12 * qd / 32  # mean unchanged
+            k[b, 0, j * 32 : (j + 1) * 32] -= 12 * qd / 32  # mean unchanged
     return q, k, v, lengths
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10**6), eps=st.sampled_from([0.5, 0.8, 0.95, 0.99]),
-       spread=st.floats(0.2, 6.0), adv=st.booleans(), score=st.sampled_from(["mean", "bound"]))
+@given(
+    seed=st.integers(0, 10**6),
+    eps=st.sampled_from([0.5, 0.8, 0.95, 0.99]),
+    spread=st.floats(0.2, 6.0),
+    adv=st.booleans(),
+    score=st.sampled_from(["mean", "bound"]),
+)
 def test_certified_rule_covers_at_least_eps_of_the_true_mass(seed, eps, spread, adv, score):
     q, k, v, lengths = adversarial(seed) if adv else make(seed, spread=spread)
     cfg = PSAConfig(threshold=eps, stop_rule="certified", score=score, block_size=32)
@@ -159,7 +182,7 @@ def test_heuristic_rule_is_not_a_bound_on_adversarial_input():
     q[0, 0, 0] = 4.0
     k = torch.randn(1, 1, 64 * 32, d) * 0.1
     v = torch.randn(1, 1, 64 * 32, d)
-    k[0, 0, 40 * 32: 41 * 32, 0] = -10.0
+    k[0, 0, 40 * 32 : 41 * 32, 0] = -10.0
     k[0, 0, 41 * 32 - 1, 0] = 15.0
     lengths = torch.tensor([64 * 32])
     cfg = PSAConfig(threshold=0.95, stop_rule="heuristic", wave_blocks=1, wave_growth=1.0)
@@ -193,8 +216,10 @@ def test_wave_ends_are_verification_points():
     n_forced = cfg.sink_blocks + cfg.recent_blocks
     ends = {n_forced + e for e in torch.tensor(cfg.wave_sizes(63)).cumsum(0).tolist()}
     assert set(res.read.sum(-1).flatten().tolist()) <= ends
-    assert torch.equal(res.n_waves, torch.tensor(
-        [[sorted(ends).index(int(n)) + 1 for n in row] for row in res.read.sum(-1)]))
+    assert torch.equal(
+        res.n_waves,
+        torch.tensor([[sorted(ends).index(int(n)) + 1 for n in row] for row in res.read.sum(-1)]),
+    )
 
 
 @pytest.mark.parametrize("score", ["mean", "bound"])
@@ -215,15 +240,17 @@ def test_topk_reads_the_budget_of_best_blocks(score):
             rest = [j for j in range(nblk) if j not in f]
             best = sorted(rest, key=lambda j: (-float(crit[b, h, j]), j))[: min(8, nblk) - len(f)]
             assert got == f | set(best)
-    torch.testing.assert_close(res.out, explicit_masked_attention(q, k, v, lengths, res.read, 32),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        res.out, explicit_masked_attention(q, k, v, lengths, res.read, 32), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_sparse_attention_reads_less_on_skewed_attention():
     """With a few dominant keys, PSA at 0.95 reads few blocks and stays close to dense."""
     q, k, v, lengths = make(8, B=1, Hq=4, Hkv=1, T=4096, d=32, ragged=False)
-    u = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(1)),
-                                      dim=0)
+    u = torch.nn.functional.normalize(
+        torch.randn(32, generator=torch.Generator().manual_seed(1)), dim=0
+    )
     q = 8 * u + 0.1 * q
     k *= 0.2
     for t in (100, 2000, 3500):

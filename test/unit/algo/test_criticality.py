@@ -33,8 +33,9 @@ def test_mean_logits_is_query_dot_block_mean():
     s = mean_logits(q, meta, 0.5)
     for h in range(q.shape[1]):
         kv = h // (q.shape[1] // k.shape[1])
-        torch.testing.assert_close(s[:, h], 0.5 * torch.einsum("bd,bnd->bn", q[:, h],
-                                                               meta.mean[:, kv]))
+        torch.testing.assert_close(
+            s[:, h], 0.5 * torch.einsum("bd,bnd->bn", q[:, h], meta.mean[:, kv])
+        )
 
 
 def test_criticality_is_group_max_of_normalised_shares_and_masks_empty_blocks():

@@ -40,8 +40,7 @@ def test_block_metadata_matches_explicit_loop():
 def test_incremental_update_equals_recomputation(data, bs, batch):
     """Appending keys in arbitrary ragged chunks gives the summaries of a full recompute."""
     T = data.draw(st.integers(1, 90))
-    lengths = torch.tensor(data.draw(st.lists(st.integers(1, T), min_size=batch,
-                                              max_size=batch)))
+    lengths = torch.tensor(data.draw(st.lists(st.integers(1, T), min_size=batch, max_size=batch)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     k = torch.randn(batch, 2, T, 4, generator=g)
     cache = BlockMetaCache.empty(batch, 2, 4, bs, capacity_blocks=1)
@@ -51,7 +50,7 @@ def test_incremental_update_equals_recomputation(data, bs, batch):
         chunk = torch.zeros(batch, 2, max(int(n.max()), 1), 4)
         for b in range(batch):
             s = int(cache.lengths[b])
-            chunk[b, :, : int(n[b])] = k[b, :, s: s + int(n[b])]
+            chunk[b, :, : int(n[b])] = k[b, :, s : s + int(n[b])]
         cache.append(chunk, n)
     got, want = cache.meta(), block_metadata(k, lengths, bs)
     nb = got.count.shape[1]  # blocks up to the longest request; the rest must be empty
