@@ -1,7 +1,7 @@
 """Criticality of KV blocks for a batch of decode queries, from block metadata.
 
-One program per (request, KV head) scores all of that request's blocks for the
-whole GQA group: per query head the logit estimate (`mean`: q . mean key;
+One program per (request, KV head, chunk of blocks) scores the blocks for the
+whole GQA group, so the launch is as parallel as the metadata: per query head the logit estimate (`mean`: q . mean key;
 `bound`: Quest's bound from key min/max) plus log(token count) is normalised
 over the blocks, and the group's max is the block's criticality (spec:
 `sglang_psa.algo.criticality`). With `want_bound`, the per-head true upper
@@ -16,15 +16,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length,
-            BS: tl.constexpr, D: tl.constexpr, BOUND: tl.constexpr):
+def _logits(
+    q,
+    mean_ptr,
+    min_ptr,
+    max_ptr,
+    base,
+    j,
+    dd,
+    nb,
+    length,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BOUND: tl.constexpr,
+):
     jm = j < nb
     offs = base + j[:, None] * D + dd[None, :]
     if BOUND:
         kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0)
         kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0)
-        x = tl.sum(tl.maximum(q[:, None, :] * kmin[None, :, :], q[:, None, :] * kmax[None, :, :]),
-                   axis=2)
+        x = tl.sum(
+            tl.maximum(q[:, None, :] * kmin[None, :, :], q[:, None, :] * kmax[None, :, :]), axis=2
+        )
     else:
         mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0)
         x = tl.sum(q[:, None, :] * mean[None, :, :], axis=2)
@@ -34,12 +47,13 @@ def _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length,
 
 
 @triton.jit
-def _score_kernel(q_ptr, mean_ptr, min_ptr, max_ptr, lengths_ptr, crit_ptr, ub_ptr,
+def _score_kernel(q_ptr, mean_ptr, min_ptr, max_ptr, lengths_ptr, logit_ptr, ub_ptr,
                   scale, Hkv, NB,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                   NBC: tl.constexpr, BOUND: tl.constexpr, WANT_UB: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b = tl.program_id(0) // Hkv
+    h = tl.program_id(0) % Hkv
+    j = tl.program_id(1) * NBC + tl.arange(0, NBC)
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
     g = tl.arange(0, GP)
@@ -49,34 +63,26 @@ def _score_kernel(q_ptr, mean_ptr, min_ptr, max_ptr, lengths_ptr, crit_ptr, ub_p
     q = tl.load(q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None],
                 other=0.0).to(tl.float32) * scale
     base = (b * Hkv + h) * NB * D
-    m = tl.full([GP], float("-inf"), tl.float32)
-    s = tl.zeros([GP], tl.float32)
-    j0 = 0
-    while j0 < nb:  # pass 1: per-head log-sum over blocks (while: the bound is a loaded value)
-        x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j0 + tl.arange(0, NBC), dd, nb, length,
-                    BS, D, BOUND)
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
-        m = m_new
-        j0 += NBC
-    lse = m + tl.log(s)
-    j0 = 0
-    while j0 < NB:  # pass 2: shares, group max; -inf past the last block
-        j = j0 + tl.arange(0, NBC)
-        j0 += NBC
-        x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, BS, D, BOUND)
-        share = tl.where(gmask[:, None], x - lse[:, None], float("-inf"))
-        tl.store(crit_ptr + (b * Hkv + h) * NB + j, tl.max(share, axis=0), mask=j < NB)
-        if WANT_UB:
-            ub = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, BS, D, True)
-            tl.store(ub_ptr + (b * Hkv * G + hq)[:, None] * NB + j[None, :], ub,
-                     mask=gmask[:, None] & (j < NB)[None, :])
+    out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
+    omask = gmask[:, None] & (j < NB)[None, :]
+    x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, BS, D, BOUND)
+    tl.store(logit_ptr + out, x, mask=omask)
+    if WANT_UB:
+        ub = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, BS, D, True)
+        tl.store(ub_ptr + out, ub, mask=omask)
 
 
-def block_scores(q: torch.Tensor, meta_mean: torch.Tensor, meta_min: torch.Tensor,
-                 meta_max: torch.Tensor, lengths: torch.Tensor, block_size: int, scale: float,
-                 method: str = "mean", want_bound: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def block_scores(
+    q: torch.Tensor,
+    meta_mean: torch.Tensor,
+    meta_min: torch.Tensor,
+    meta_max: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    scale: float,
+    method: str = "mean",
+    want_bound: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`.
 
     `meta_*` are `[B, Hkv, NB, d]` float32 (gathered per request by the caller).
@@ -86,11 +92,17 @@ def block_scores(q: torch.Tensor, meta_mean: torch.Tensor, meta_min: torch.Tenso
     B, Hq, D = q.shape
     Hkv, NB = meta_mean.shape[1], meta_mean.shape[2]
     G = Hq // Hkv
-    crit = torch.empty(B, Hkv, NB, dtype=torch.float32, device=q.device)
-    ub = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device) if want_bound else crit
-    _score_kernel[(B, Hkv)](
+    logits = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
+    ub = torch.empty_like(logits) if want_bound else logits
+    nbc = 16
+    lengths32 = lengths.to(torch.int32).contiguous()
+    _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
-        lengths.to(torch.int32).contiguous(), crit, ub, scale, Hkv, NB,
-        G=G, GP=max(triton.next_power_of_2(G), 2), D=D, BS=block_size, NBC=16,
-        BOUND=method == "bound", WANT_UB=want_bound)
+        lengths32, logits, ub, scale, Hkv, NB,
+        G=G, GP=max(triton.next_power_of_2(G), 2), D=D, BS=block_size, NBC=nbc,
+        BOUND=method == "bound", WANT_UB=want_bound,
+    )  # fmt: skip
+    # Normalise per query head over its blocks, then take the group's max (tiny tensors).
+    share = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    crit = share.view(B, Hkv, G, NB).amax(2)
     return crit, (ub if want_bound else None)

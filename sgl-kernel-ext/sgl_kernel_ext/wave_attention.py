@@ -30,8 +30,9 @@ HEURISTIC, CERTIFIED = 0, 1
 def _wave_attention_kernel(
     q_ptr, k_slots, v_slots, k_host, v_host, loc_ptr, order_ptr, lengths_ptr, nforced_ptr,
     wave_ends_ptr, ub_suffix_ptr, out_ptr, lse_ptr, nread_ptr, nwaves_ptr,
-    scale, limit, Hkv, NB,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, RULE: tl.constexpr,
+    scale, limit, max_read, Hkv, NB,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr,
+    RULE: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -42,9 +43,11 @@ def _wave_attention_kernel(
     gmask = g < G
     dd = tl.arange(0, D)
     tt = tl.arange(0, BS)
+    jj = tl.arange(0, NBLK)
     hq = h * G + g
     q = tl.load(q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None],
-                other=0.0).to(tl.float32) * scale
+                other=0.0)
+    q = (q.to(tl.float32) * scale).to(q.dtype)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -54,43 +57,53 @@ def _wave_attention_kernel(
     w = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
-        end = tl.minimum(nf + tl.load(wave_ends_ptr + w), nb)
+        end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
         while pos < end:
-            blk = tl.load(order_ptr + row + pos)
-            where = tl.load(loc_ptr + row + blk).to(tl.int64)
+            # NBLK ranked blocks per step; each is read from its HBM slot or, through UVA,
+            # from the host pool (two masked loads: only one touches memory per block).
+            pidx = pos + jj
+            pm = pidx < end
+            blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
+            where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
             in_hbm = where >= 0
             unit = tl.where(in_hbm, where, -where - 1)
-            offs = unit * (BS * D) + tt[:, None] * D + dd[None, :]
-            valid = (blk * BS + tt) < length
-            if in_hbm:
-                k = tl.load(k_slots + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-                v = tl.load(v_slots + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            else:
-                k = tl.load(k_host + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-                v = tl.load(v_host + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, BS]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            bmax = tl.max(s, axis=1)
-            blse = bmax + tl.log(tl.sum(tl.exp(s - bmax[:, None]), axis=1))
-            if pos >= nf:
-                smallest = tl.minimum(smallest, blse)
-            m_new = tl.maximum(m_i, bmax)
+            valid = pm[:, None] & ((blk[:, None] * BS + tt[None, :]) < length)  # [NBLK, BS]
+            offs = unit[:, None, None] * (BS * D) + tt[None, :, None] * D + dd[None, None, :]
+            m_dev = valid[:, :, None] & in_hbm[:, None, None]
+            m_host = valid[:, :, None] & (~in_hbm)[:, None, None]
+            k = tl.load(k_slots + offs, mask=m_dev, other=0.0) + tl.load(
+                k_host + offs, mask=m_host, other=0.0)
+            v = tl.load(v_slots + offs, mask=m_dev, other=0.0) + tl.load(
+                v_host + offs, mask=m_host, other=0.0)
+            k = tl.reshape(k, [NBLK * BS, D])
+            v = tl.reshape(v, [NBLK * BS, D])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, NBLK * BS] fp32
+            s = tl.where(tl.reshape(valid, [NBLK * BS])[None, :], s, float("-inf"))
+            s3 = tl.reshape(s, [GP, NBLK, BS])
+            bmax = tl.max(s3, axis=2)
+            blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
+            ranked = pm & (pidx >= nf)
+            smallest = tl.minimum(smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")),
+                                                   axis=1))
+            m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
-            pos += 1
+            pos = tl.minimum(pos + NBLK, end)
         covered = m_i + tl.log(l_i)
         if RULE == 0:
             n_left = (nb - pos).to(tl.float32)
-            uncovered = tl.where(n_left > 0, smallest + tl.log(n_left), float("-inf"))
+            uncovered = tl.where(n_left > 0, smallest + tl.log(tl.maximum(n_left, 1.0)),
+                                 float("-inf"))
         else:
             uncovered = tl.load(ub_suffix_ptr + (b * Hkv * G + hq) * (NB + 1) + pos, mask=gmask,
                                 other=float("-inf"))
         ok = ((uncovered - covered) <= limit) | (uncovered == float("-inf")) | (g >= G)
         w += 1
-        done = ((tl.min(ok.to(tl.int32), axis=0) > 0) | (pos >= nb)).to(tl.int32)
+        done = ((tl.min(ok.to(tl.int32), axis=0) > 0) | (pos >= nb) | (pos >= max_read)).to(
+            tl.int32)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], out, mask=gmask[:, None])
     tl.store(lse_ptr + b * Hkv * G + hq, m_i + tl.log(l_i), mask=gmask)
@@ -119,9 +132,19 @@ class WaveAttention:
     them (torch.sort and the suffix sums still allocate temporaries).
     """
 
-    def __init__(self, *, block_size: int, threshold: float, stop_rule: str = "heuristic",
-                 score: str = "mean", sink_blocks: int = 1, recent_blocks: int = 1,
-                 wave_blocks: int = 8, wave_growth: float = 1.25, max_wave_blocks: int = 128):
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        threshold: float,
+        stop_rule: str = "heuristic",
+        score: str = "mean",
+        sink_blocks: int = 1,
+        recent_blocks: int = 1,
+        wave_blocks: int = 8,
+        wave_growth: float = 1.25,
+        max_wave_blocks: int = 128,
+    ):
         if stop_rule not in ("heuristic", "certified"):
             raise ValueError(f"stop_rule must be heuristic|certified, got {stop_rule!r}")
         self.bs, self.threshold, self.rule, self.score = block_size, threshold, stop_rule, score
@@ -131,13 +154,27 @@ class WaveAttention:
 
     @classmethod
     def from_config(cls, cfg) -> WaveAttention:
-        return cls(block_size=cfg.block_size, threshold=cfg.threshold, stop_rule=cfg.stop_rule,
-                   score=cfg.score, sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
-                   wave_blocks=cfg.wave_blocks, wave_growth=cfg.wave_growth,
-                   max_wave_blocks=cfg.max_wave_blocks)
+        return cls(
+            block_size=cfg.block_size,
+            threshold=cfg.threshold,
+            stop_rule=cfg.stop_rule,
+            score=cfg.score,
+            sink_blocks=cfg.sink_blocks,
+            recent_blocks=cfg.recent_blocks,
+            wave_blocks=cfg.wave_blocks,
+            wave_growth=cfg.wave_growth,
+            max_wave_blocks=cfg.max_wave_blocks,
+        )
 
-    def plan(self, batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
-             max_blocks: int, device: torch.device | str) -> WaveAttention:
+    def plan(
+        self,
+        batch: int,
+        n_q_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_blocks: int,
+        device: torch.device | str,
+    ) -> WaveAttention:
         first, growth, cap = self.wave
         sizes, size, left = [], float(first), max_blocks
         while left > 0:
@@ -146,8 +183,13 @@ class WaveAttention:
             size = min(size * growth, float(cap))
         ends = torch.tensor(sizes or [1], dtype=torch.int64).cumsum(0)
         self.wave_ends = torch.cat([ends, ends[-1:]]).to(torch.int32).to(device)
-        self.B, self.Hq, self.Hkv, self.D, self.NB = (batch, n_q_heads, n_kv_heads, head_dim,
-                                                       max_blocks)
+        self.B, self.Hq, self.Hkv, self.D, self.NB = (
+            batch,
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+            max_blocks,
+        )
         f32 = dict(dtype=torch.float32, device=device)
         self.out = torch.empty(batch, n_q_heads, head_dim, **f32)
         self.lse = torch.empty(batch, n_q_heads, **f32)
@@ -155,21 +197,45 @@ class WaveAttention:
         self.n_waves = torch.empty_like(self.n_read)
         return self
 
-    def run(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-            loc: torch.Tensor, lengths: torch.Tensor, meta_mean: torch.Tensor,
-            meta_min: torch.Tensor, meta_max: torch.Tensor,
-            k_host: torch.Tensor | None = None, v_host: torch.Tensor | None = None,
-            scale: float | None = None) -> WaveResult:
-        """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`."""
+    def run(
+        self,
+        q: torch.Tensor,
+        k_slots: torch.Tensor,
+        v_slots: torch.Tensor,
+        loc: torch.Tensor,
+        lengths: torch.Tensor,
+        meta_mean: torch.Tensor,
+        meta_min: torch.Tensor,
+        meta_max: torch.Tensor,
+        k_host: torch.Tensor | None = None,
+        v_host: torch.Tensor | None = None,
+        scale: float | None = None,
+        max_read_blocks: int | None = None,
+    ) -> WaveResult:
+        """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
+
+        `max_read_blocks` caps the blocks read per (request, KV head): with
+        threshold 1 this is top-k attention over the same ranked order.
+        """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
-        assert (B, Hq, D) == (self.B, self.Hq, self.D) and loc.shape == (B, Hkv, NB), \
+        assert (B, Hq, D) == (self.B, self.Hq, self.D) and loc.shape == (B, Hkv, NB), (
             "run() shapes differ from plan()"
+        )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         dev = q.device
         nblk = (lengths + bs - 1) // bs
-        crit, ub = block_scores(q, meta_mean, meta_min, meta_max, lengths, bs, scale, self.score,
-                                want_bound=self.rule == "certified")
+        crit, ub = block_scores(
+            q,
+            meta_mean,
+            meta_min,
+            meta_max,
+            lengths,
+            bs,
+            scale,
+            self.score,
+            want_bound=self.rule == "certified",
+        )
         idx = torch.arange(NB, device=dev)[None, :]
         forced = (idx < nblk[:, None]) & ((idx < self.sink) | (idx >= nblk[:, None] - self.recent))
         key = torch.where(forced[:, None, :], torch.inf, crit)
@@ -188,11 +254,32 @@ class WaveAttention:
         order32 = order.to(torch.int32).contiguous()
         G = Hq // Hkv
         _wave_attention_kernel[(B, Hkv)](
-            q.contiguous(), k_slots, v_slots, k_host, v_host, loc.to(torch.int32).contiguous(),
-            order32, lengths.to(torch.int32).contiguous(), n_forced, self.wave_ends, ub_suffix,
-            self.out, self.lse, self.n_read, self.n_waves,
-            scale, self.limit, Hkv, NB,
-            G=G, GP=max(triton.next_power_of_2(G), 2), D=D, BS=bs,
+            q.contiguous(),
+            k_slots,
+            v_slots,
+            k_host,
+            v_host,
+            loc.to(torch.int32).contiguous(),
+            order32,
+            lengths.to(torch.int32).contiguous(),
+            n_forced,
+            self.wave_ends,
+            ub_suffix,
+            self.out,
+            self.lse,
+            self.n_read,
+            self.n_waves,
+            scale,
+            self.limit,
+            NB if max_read_blocks is None else max_read_blocks,
+            Hkv,
+            NB,
+            G=G,
+            GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
+            D=D,
+            BS=bs,
+            NBLK=max(1, 128 // bs),
             RULE=0 if self.rule == "heuristic" else 1,
+            PREC="ieee" if q.dtype == torch.float32 else "tf32",
         )
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)

@@ -1,6 +1,7 @@
 """Triton scoring and wave attention against the PyTorch reference (sglang_psa.algo)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from sglang_psa.config import PSAConfig
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU case runs under TRITON_INTERPRET=1 (CI); here kernels are compiled")
     return request.param
 
 
@@ -60,29 +63,80 @@ def test_block_scores_match_reference(device, method):
     q, k, _, lengths = _case(0, Hq=6, Hkv=2, T=300, device=device)
     meta = block_metadata(k, lengths, 32)
     scale = 1 / math.sqrt(q.shape[-1])
-    crit, ub = block_scores(q, meta.mean, meta.kmin, meta.kmax, lengths, 32, scale, method,
-                            want_bound=True)
+    crit, ub = block_scores(
+        q, meta.mean, meta.kmin, meta.kmax, lengths, 32, scale, method, want_bound=True
+    )
     torch.testing.assert_close(crit, criticality(q, meta, scale, method), atol=1e-4, rtol=1e-4)
     want_ub = bound_logits(q, meta, scale) + meta.count.clamp(min=1).log()[:, None]
     want_ub = want_ub.masked_fill((meta.count == 0)[:, None], -torch.inf)
     torch.testing.assert_close(ub, want_ub, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rule,eps,host", [("heuristic", 0.9, 0.0), ("heuristic", 0.98, 0.5),
-                                           ("certified", 0.95, 0.3), ("heuristic", 1.0, 1.0)])
+@pytest.mark.parametrize(
+    "rule,eps,host",
+    [
+        ("heuristic", 0.9, 0.0),
+        ("heuristic", 0.98, 0.5),
+        ("certified", 0.95, 0.3),
+        ("heuristic", 1.0, 1.0),
+    ],
+)
 def test_wave_attention_matches_reference(device, rule, eps, host):
     from sgl_kernel_ext.wave_attention import WaveAttention
 
-    cfg = PSAConfig(threshold=eps, stop_rule=rule, block_size=16, wave_blocks=2,
-                    wave_growth=1.5, max_wave_blocks=8)
+    cfg = PSAConfig(
+        threshold=eps,
+        stop_rule=rule,
+        block_size=16,
+        wave_blocks=2,
+        wave_growth=1.5,
+        max_wave_blocks=8,
+    )
     q, k, v, lengths = _case(1, device=device)
     ref = progressive_attention(q, k, v, lengths, cfg)
     meta = block_metadata(k, lengths, 16)
     k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, host, seed=2)
     wa = WaveAttention.from_config(cfg).plan(2, 4, 2, 16, loc.shape[-1], device)
-    res = wa.run(q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax,
-                 k_host=k_host, v_host=v_host)
+    res = wa.run(
+        q,
+        k_slots,
+        v_slots,
+        loc,
+        lengths,
+        meta.mean,
+        meta.kmin,
+        meta.kmax,
+        k_host=k_host,
+        v_host=v_host,
+    )
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
     assert torch.equal(res.n_waves.long(), ref.n_waves)
+
+
+def test_wave_attention_with_a_block_budget_is_topk(device):
+    from sgl_kernel_ext.wave_attention import WaveAttention
+    from sglang_psa.algo import topk_attention
+
+    cfg = PSAConfig(threshold=1.0, block_size=16, topk_tokens=16 * 5)
+    q, k, v, lengths = _case(3, device=device)
+    ref = topk_attention(q, k, v, lengths, cfg)
+    meta = block_metadata(k, lengths, 16)
+    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.5, seed=4)
+    wa = WaveAttention.from_config(cfg).plan(2, 4, 2, 16, loc.shape[-1], device)
+    res = wa.run(
+        q,
+        k_slots,
+        v_slots,
+        loc,
+        lengths,
+        meta.mean,
+        meta.kmin,
+        meta.kmax,
+        k_host=k_host,
+        v_host=v_host,
+        max_read_blocks=5,
+    )
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
