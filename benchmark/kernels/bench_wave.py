@@ -133,7 +133,7 @@ def run() -> dict:
         r["pcie_time_us"] = host_bytes / (h2d * 1e9) * 1e6
         host_rows.append(r)
         print(json.dumps(r), flush=True)
-    # Fixed cost per layer: the smallest step (2 blocks per head, batch 1, 1K context).
+    # Fixed cost per layer: the smallest step (2 blocks per head, batch 1, 1K context), replayed.
     overhead = bench_case(1, 1024, 0.0)["time_us"]
     key = next(r for r in rows if r["ctx"] == 131072 and r["batch"] == 8 and r["fraction"] == 0.05)
     full_host = host_rows[-1]
