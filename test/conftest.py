@@ -29,3 +29,11 @@ def smollm2():
     from sglang_psa.models import ensure_model
 
     return load_model(ensure_model("smollm2-135m"))
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def kernel_device(request):
+    """Run a kernel test on CPU under Triton's interpreter and compiled on a GPU."""
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU case runs under TRITON_INTERPRET=1 (CI); here kernels are compiled")
+    return request.param

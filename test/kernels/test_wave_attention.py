@@ -1,7 +1,6 @@
 """Triton scoring and wave attention against the PyTorch reference (sglang_psa.algo)."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -11,11 +10,9 @@ from sglang_psa.algo.criticality import bound_logits
 from sglang_psa.config import PSAConfig
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU case runs under TRITON_INTERPRET=1 (CI); here kernels are compiled")
-    return request.param
+@pytest.fixture
+def device(kernel_device):
+    return kernel_device
 
 
 def _case(seed, B=2, Hq=4, Hkv=2, T=200, d=16, spread=1.5, device="cpu"):

@@ -1,0 +1,122 @@
+"""Gather/scatter of scattered 8/16 KB KV blocks vs the cudaMemcpy peak, same run.
+
+(a) contiguous pinned H2D and D2H copies of 1 GiB (the peaks), (b) the UVA
+gather kernel host pool -> HBM slots for random 8 KB and 16 KB units, (c) the
+16 KB gather while decode attention runs on another stream, (d) the scatter
+HBM -> host, (e) the naive per-block cudaMemcpy loop.
+
+    python benchmark/kernels/bench_gather.py      # prints JSON
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from sgl_kernel_ext.gather import BlockCopier
+
+POOL_BYTES = 4 << 30  # host pool; gathers draw random units from all of it
+MOVE_BYTES = 1 << 30  # bytes moved per measured gather
+
+
+def _time(fn, reps: int = 10, warmup: int = 2, stream=None) -> float:
+    stream = stream or torch.cuda.current_stream()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def peaks() -> tuple[float, float]:
+    host = torch.empty(MOVE_BYTES, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(MOVE_BYTES, dtype=torch.uint8, device="cuda")
+    h2d = MOVE_BYTES / _time(lambda: dev.copy_(host, non_blocking=True)) / 1e9
+    d2h = MOVE_BYTES / _time(lambda: host.copy_(dev, non_blocking=True)) / 1e9
+    return h2d, d2h
+
+
+def gather_gbps(unit_bytes: int, pool: torch.Tensor, slots_bytes: int = MOVE_BYTES,
+                reverse: bool = False) -> float:
+    unit = unit_bytes // 2  # bf16 elements
+    host = pool.view(torch.bfloat16).view(-1, unit)
+    n = slots_bytes // unit_bytes
+    slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
+    src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
+    dst_idx = torch.randperm(n, device="cuda")
+    cp = BlockCopier(unit, torch.bfloat16)
+    if reverse:
+        f = lambda: cp.run(slots, dst_idx, host, src_idx)
+    else:
+        f = lambda: cp.run(host, src_idx, slots, dst_idx)
+    return n * unit_bytes / _time(f) / 1e9
+
+
+def gather_under_attention_gbps(unit_bytes: int, pool: torch.Tensor) -> tuple[float, float]:
+    """16 KB gather on one stream while SDPA decode (8 x 32K, 32q/8kv, d=128) runs on another."""
+    q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(8, 8, 32768, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    attn = torch.cuda.Stream()
+    copy = torch.cuda.Stream()
+    unit = unit_bytes // 2
+    host = pool.view(torch.bfloat16).view(-1, unit)
+    n = MOVE_BYTES // unit_bytes
+    slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
+    src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
+    dst_idx = torch.randperm(n, device="cuda")
+    cp = BlockCopier(unit, torch.bfloat16)
+    att = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    attn_alone = _time(lambda: [att() for _ in range(20)])
+
+    def both():
+        with torch.cuda.stream(attn):
+            for _ in range(200):  # keeps attention running through the whole copy
+                att()
+        with torch.cuda.stream(copy):
+            cp.run(host, src_idx, slots, dst_idx)
+
+    torch.cuda.synchronize()
+    t = _time(both, stream=copy)
+    torch.cuda.synchronize()
+    return n * unit_bytes / t / 1e9, attn_alone / 20 * 1e6
+
+
+def per_block_memcpy_gbps(unit_bytes: int, pool: torch.Tensor, n: int = 512) -> float:
+    host = pool.view(-1, unit_bytes)
+    slots = torch.empty(n, unit_bytes, dtype=torch.uint8, device="cuda")
+    idx = torch.randperm(host.shape[0])[:n].tolist()
+
+    def loop():
+        for i, j in enumerate(idx):
+            slots[i].copy_(host[j], non_blocking=True)
+
+    return n * unit_bytes / _time(loop, reps=3) / 1e9
+
+
+def run() -> dict:
+    h2d, d2h = peaks()
+    pool = torch.empty(POOL_BYTES, dtype=torch.uint8).pin_memory()
+    pool.random_()
+    r = {"h2d_memcpy_peak_gbps": h2d, "d2h_memcpy_peak_gbps": d2h}
+    for kb in (8, 16):
+        r[f"gather_{kb}k_gbps"] = gather_gbps(kb << 10, pool)
+        r[f"gather_ratio_{kb}k"] = r[f"gather_{kb}k_gbps"] / h2d
+    r["scatter_16k_gbps"] = gather_gbps(16 << 10, pool, reverse=True)
+    r["scatter_ratio_16k"] = r["scatter_16k_gbps"] / d2h
+    r["gather_16k_under_attention_gbps"], r["attention_alone_us"] = gather_under_attention_gbps(
+        16 << 10, pool)
+    r["gather_ratio_16k_under_attention"] = r["gather_16k_under_attention_gbps"] / h2d
+    r["per_block_memcpy_16k_gbps"] = per_block_memcpy_gbps(16 << 10, pool)
+    return r
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(), indent=1))

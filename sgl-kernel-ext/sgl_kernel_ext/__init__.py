@@ -1,0 +1,9 @@
+"""Triton kernels of sglang-psa (references in `sglang_psa.algo`)."""
+
+from sgl_kernel_ext.gather import BlockCopier, gather_blocks, scatter_blocks
+from sgl_kernel_ext.metadata import block_meta_update
+from sgl_kernel_ext.scoring import block_scores
+from sgl_kernel_ext.wave_attention import WaveAttention, WaveResult
+
+__all__ = ["BlockCopier", "WaveAttention", "WaveResult", "block_meta_update", "block_scores",
+           "gather_blocks", "scatter_blocks"]
