@@ -43,15 +43,21 @@ def peaks() -> tuple[float, float]:
     return h2d, d2h
 
 
-def gather_gbps(unit_bytes: int, pool: torch.Tensor, slots_bytes: int = MOVE_BYTES,
-                reverse: bool = False) -> float:
+def gather_gbps(
+    unit_bytes: int,
+    pool: torch.Tensor,
+    slots_bytes: int = MOVE_BYTES,
+    reverse: bool = False,
+    block: int = 1024,
+    num_warps: int = 4,
+) -> float:
     unit = unit_bytes // 2  # bf16 elements
     host = pool.view(torch.bfloat16).view(-1, unit)
     n = slots_bytes // unit_bytes
     slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
     src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
     dst_idx = torch.randperm(n, device="cuda")
-    cp = BlockCopier(unit, torch.bfloat16)
+    cp = BlockCopier(unit, torch.bfloat16, block, num_warps)
     if reverse:
         f = lambda: cp.run(slots, dst_idx, host, src_idx)
     else:
@@ -59,7 +65,9 @@ def gather_gbps(unit_bytes: int, pool: torch.Tensor, slots_bytes: int = MOVE_BYT
     return n * unit_bytes / _time(f) / 1e9
 
 
-def gather_under_attention_gbps(unit_bytes: int, pool: torch.Tensor) -> tuple[float, float]:
+def gather_under_attention_gbps(
+    unit_bytes: int, pool: torch.Tensor, block: int = 1024, num_warps: int = 4
+) -> tuple[float, float]:
     """16 KB gather on one stream while SDPA decode (8 x 32K, 32q/8kv, d=128) runs on another."""
     q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8, 8, 32768, 128, device="cuda", dtype=torch.bfloat16)
@@ -72,20 +80,26 @@ def gather_under_attention_gbps(unit_bytes: int, pool: torch.Tensor) -> tuple[fl
     slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
     src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
     dst_idx = torch.randperm(n, device="cuda")
-    cp = BlockCopier(unit, torch.bfloat16)
+    cp = BlockCopier(unit, torch.bfloat16, block, num_warps)
     att = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     attn_alone = _time(lambda: [att() for _ in range(20)])
 
-    def both():
+    times = []
+    for rep in range(6):
+        torch.cuda.synchronize()
         with torch.cuda.stream(attn):
-            for _ in range(200):  # keeps attention running through the whole copy
+            for _ in range(100):  # enough attention to outlast the copy
                 att()
-        with torch.cuda.stream(copy):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(copy):  # time only the copy, started once attention is queued
+            a.record(copy)
             cp.run(host, src_idx, slots, dst_idx)
-
+            b.record(copy)
+        b.synchronize()
+        if rep:
+            times.append(a.elapsed_time(b) / 1e3)
     torch.cuda.synchronize()
-    t = _time(both, stream=copy)
-    torch.cuda.synchronize()
+    t = sorted(times)[len(times) // 2]
     return n * unit_bytes / t / 1e9, attn_alone / 20 * 1e6
 
 
@@ -106,13 +120,27 @@ def run() -> dict:
     pool = torch.empty(POOL_BYTES, dtype=torch.uint8).pin_memory()
     pool.random_()
     r = {"h2d_memcpy_peak_gbps": h2d, "d2h_memcpy_peak_gbps": d2h}
+    # Launch shape: words per load step x warps per program; the best is kept and reported.
+    sweep = {
+        (b, w): gather_gbps(16 << 10, pool, block=b, num_warps=w)
+        for b in (512, 1024, 2048)
+        for w in (2, 4, 8)
+    }
+    best_block, best_warps = max(sweep, key=sweep.get)
+    r["launch_sweep_16k_gbps"] = {f"block{b}_warps{w}": v for (b, w), v in sweep.items()}
+    r["launch_block"], r["launch_warps"] = best_block, best_warps
     for kb in (8, 16):
-        r[f"gather_{kb}k_gbps"] = gather_gbps(kb << 10, pool)
+        r[f"gather_{kb}k_gbps"] = gather_gbps(
+            kb << 10, pool, block=best_block, num_warps=best_warps
+        )
         r[f"gather_ratio_{kb}k"] = r[f"gather_{kb}k_gbps"] / h2d
-    r["scatter_16k_gbps"] = gather_gbps(16 << 10, pool, reverse=True)
+    r["scatter_16k_gbps"] = gather_gbps(
+        16 << 10, pool, reverse=True, block=best_block, num_warps=best_warps
+    )
     r["scatter_ratio_16k"] = r["scatter_16k_gbps"] / d2h
     r["gather_16k_under_attention_gbps"], r["attention_alone_us"] = gather_under_attention_gbps(
-        16 << 10, pool)
+        16 << 10, pool, best_block, best_warps
+    )
     r["gather_ratio_16k_under_attention"] = r["gather_16k_under_attention_gbps"] / h2d
     r["per_block_memcpy_16k_gbps"] = per_block_memcpy_gbps(16 << 10, pool)
     return r

@@ -1,6 +1,6 @@
 """All kernel benchmarks on the GPU -> benchmark/results/kernels_h100.json and a plot.
 
-    PYTHONPATH=python:sgl-kernel-ext python benchmark/kernels/run_all.py [--name kernels_h100]
+PYTHONPATH=python:sgl-kernel-ext python benchmark/kernels/run_all.py [--name kernels_h100]
 """
 
 from __future__ import annotations
@@ -17,9 +17,16 @@ import bench_wave  # noqa: E402
 from sglang_psa.eval.results import write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-KEYS = ("h2d_memcpy_peak_gbps", "gather_ratio_8k", "gather_ratio_16k",
-        "gather_ratio_16k_under_attention", "scatter_ratio_16k",
-        "wave_attention_hbm_efficiency", "wave_fixed_overhead_us", "host_block_cost_ratio")
+KEYS = (
+    "h2d_memcpy_peak_gbps",
+    "gather_ratio_8k",
+    "gather_ratio_16k",
+    "gather_ratio_16k_under_attention",
+    "scatter_ratio_16k",
+    "wave_attention_hbm_efficiency",
+    "wave_fixed_overhead_us",
+    "host_block_cost_ratio",
+)
 
 
 def plot(wave: dict, path: Path) -> None:
@@ -34,10 +41,15 @@ def plot(wave: dict, path: Path) -> None:
             rows = [r for r in wave["rows"] if r["ctx"] == ctx and r["batch"] == batch]
             if not rows:
                 continue
-            line, = ax.plot([r["fraction"] for r in rows], [r["time_us"] for r in rows], style,
-                            label=f"wave {ctx // 1024}K x{batch}")
-            ax.axhline(wave["dense_sdpa_us"][f"{ctx}x{batch}"], color=line.get_color(), ls=":",
-                       lw=1)
+            (line,) = ax.plot(
+                [r["fraction"] for r in rows],
+                [r["time_us"] for r in rows],
+                style,
+                label=f"wave {ctx // 1024}K x{batch}",
+            )
+            ax.axhline(
+                wave["dense_sdpa_us"][f"{ctx}x{batch}"], color=line.get_color(), ls=":", lw=1
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("fraction of KV blocks read")
@@ -61,9 +73,13 @@ def main() -> None:
     merged = {**gather, **{k: v for k, v in wave.items() if not isinstance(v, (list, dict))}}
     summary = {k: merged[k] for k in KEYS}
     out = Path(args.out)
-    write_result(out / f"{args.name}.json", summary, {"gather": gather, "wave": wave},
-                 note="wave attention timed as CUDA-graph replay; random bf16 data, block "
-                      "budget forced (threshold 1 + max_read_blocks), Llama-3.1-8B head layout")
+    write_result(
+        out / f"{args.name}.json",
+        summary,
+        {"gather": gather, "wave": wave},
+        note="wave attention timed as CUDA-graph replay; random bf16 data, block "
+        "budget forced (threshold 1 + max_read_blocks), Llama-3.1-8B head layout",
+    )
     plot(wave, out / f"{args.name}.png")
     print(summary)
 

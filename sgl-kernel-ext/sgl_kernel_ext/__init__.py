@@ -5,5 +5,12 @@ from sgl_kernel_ext.metadata import block_meta_update
 from sgl_kernel_ext.scoring import block_scores
 from sgl_kernel_ext.wave_attention import WaveAttention, WaveResult
 
-__all__ = ["BlockCopier", "WaveAttention", "WaveResult", "block_meta_update", "block_scores",
-           "gather_blocks", "scatter_blocks"]
+__all__ = [
+    "BlockCopier",
+    "WaveAttention",
+    "WaveResult",
+    "block_meta_update",
+    "block_scores",
+    "gather_blocks",
+    "scatter_blocks",
+]

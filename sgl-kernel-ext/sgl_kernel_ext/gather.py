@@ -46,19 +46,23 @@ def _use_triton(*tensors: torch.Tensor) -> bool:
 class BlockCopier:
     """Plan for one unit size; `run()` launches once and allocates nothing."""
 
-    def __init__(self, unit_elems: int, dtype: torch.dtype):
+    def __init__(self, unit_elems: int, dtype: torch.dtype, block: int = 1024, num_warps: int = 4):
         self.unit_elems, self.dtype = unit_elems, dtype
+        self.block, self.num_warps = block, num_warps
 
-    def run(self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
-            dst_idx: torch.Tensor) -> None:
+    def run(
+        self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
+    ) -> None:
         """`dst[dst_idx[i]] = src[src_idx[i]]`; indices are int32/int64 on the launch device.
 
         Without CUDA and outside the Triton interpreter this is plain torch
         indexing (identical result). Destination indices must be distinct.
         """
         if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1]:
-            raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be "
-                             "[num_units, unit_elems] with equal unit_elems")
+            raise ValueError(
+                f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be "
+                "[num_units, unit_elems] with equal unit_elems"
+            )
         if src.dtype != dst.dtype:
             raise ValueError(f"dtype mismatch: {src.dtype} vs {dst.dtype}")
         n = src_idx.numel()
@@ -73,17 +77,26 @@ class BlockCopier:
         if ws.dtype != wd.dtype:  # alignment differs: fall back to the common narrower view
             ws, wd = src.view(torch.uint8), dst.view(torch.uint8)
         unit = ws.shape[1]
-        _copy_units_kernel[(n,)](ws, src_idx, wd, dst_idx, UNIT=unit,
-                                 BLOCK=min(triton.next_power_of_2(unit), 1024))
+        _copy_units_kernel[(n,)](
+            ws,
+            src_idx,
+            wd,
+            dst_idx,
+            UNIT=unit,
+            BLOCK=min(triton.next_power_of_2(unit), self.block),
+            num_warps=self.num_warps,
+        )
 
 
-def gather_blocks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
-                  dst_idx: torch.Tensor) -> None:
+def gather_blocks(
+    src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
     """Host pool (pinned; read through UVA) -> HBM slots, one launch for all units."""
     BlockCopier(src.shape[1], src.dtype).run(src, src_idx, dst, dst_idx)
 
 
-def scatter_blocks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
-                   dst_idx: torch.Tensor) -> None:
+def scatter_blocks(
+    src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
     """HBM slots -> host pool (pinned; written through UVA), one launch for all units."""
     BlockCopier(src.shape[1], src.dtype).run(src, src_idx, dst, dst_idx)

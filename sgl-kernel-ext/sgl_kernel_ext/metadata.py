@@ -18,8 +18,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_meta_kernel(k_ptr, unit_idx, counts, mean_ptr, min_ptr, max_ptr, meta_idx,
-                       BS: tl.constexpr, D: tl.constexpr):
+def _block_meta_kernel(
+    k_ptr, unit_idx, counts, mean_ptr, min_ptr, max_ptr, meta_idx, BS: tl.constexpr, D: tl.constexpr
+):
     i = tl.program_id(0)
     u = tl.load(unit_idx + i).to(tl.int64)
     c = tl.load(counts + i)
@@ -34,9 +35,15 @@ def _block_meta_kernel(k_ptr, unit_idx, counts, mean_ptr, min_ptr, max_ptr, meta
     tl.store(max_ptr + m * D + d, tl.max(tl.where(valid, k, float("-inf")), axis=0))
 
 
-def block_meta_update(k_units: torch.Tensor, unit_idx: torch.Tensor, counts: torch.Tensor,
-                      mean: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                      meta_idx: torch.Tensor) -> None:
+def block_meta_update(
+    k_units: torch.Tensor,
+    unit_idx: torch.Tensor,
+    counts: torch.Tensor,
+    mean: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    meta_idx: torch.Tensor,
+) -> None:
     """Summaries of units `unit_idx` (first `counts` tokens each, 1..block_size) into row
     `meta_idx` of `mean/kmin/kmax`. Torch fallback without CUDA or interpreter."""
     n = unit_idx.numel()
@@ -44,8 +51,7 @@ def block_meta_update(k_units: torch.Tensor, unit_idx: torch.Tensor, counts: tor
         return
     _, bs, d = k_units.shape
     if os.environ.get("TRITON_INTERPRET") == "1" or k_units.is_cuda:
-        _block_meta_kernel[(n,)](k_units, unit_idx, counts, mean, kmin, kmax, meta_idx,
-                                 BS=bs, D=d)
+        _block_meta_kernel[(n,)](k_units, unit_idx, counts, mean, kmin, kmax, meta_idx, BS=bs, D=d)
         return
     k = k_units[unit_idx.long()].float()
     valid = (torch.arange(bs)[None, :] < counts[:, None].long())[..., None]

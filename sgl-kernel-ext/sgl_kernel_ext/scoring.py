@@ -47,10 +47,25 @@ def _logits(
 
 
 @triton.jit
-def _score_kernel(q_ptr, mean_ptr, min_ptr, max_ptr, lengths_ptr, logit_ptr, ub_ptr,
-                  scale, Hkv, NB,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                  NBC: tl.constexpr, BOUND: tl.constexpr, WANT_UB: tl.constexpr):
+def _score_kernel(
+    q_ptr,
+    mean_ptr,
+    min_ptr,
+    max_ptr,
+    lengths_ptr,
+    logit_ptr,
+    ub_ptr,
+    scale,
+    Hkv,
+    NB,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    NBC: tl.constexpr,
+    BOUND: tl.constexpr,
+    WANT_UB: tl.constexpr,
+):
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
     j = tl.program_id(1) * NBC + tl.arange(0, NBC)
@@ -60,8 +75,12 @@ def _score_kernel(q_ptr, mean_ptr, min_ptr, max_ptr, lengths_ptr, logit_ptr, ub_
     gmask = g < G
     dd = tl.arange(0, D)
     hq = h * G + g
-    q = tl.load(q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None],
-                other=0.0).to(tl.float32) * scale
+    q = (
+        tl.load(
+            q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0
+        ).to(tl.float32)
+        * scale
+    )
     base = (b * Hkv + h) * NB * D
     out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
     omask = gmask[:, None] & (j < NB)[None, :]

@@ -28,11 +28,33 @@ HEURISTIC, CERTIFIED = 0, 1
 
 @triton.jit
 def _wave_attention_kernel(
-    q_ptr, k_slots, v_slots, k_host, v_host, loc_ptr, order_ptr, lengths_ptr, nforced_ptr,
-    wave_ends_ptr, ub_suffix_ptr, out_ptr, lse_ptr, nread_ptr, nwaves_ptr,
-    scale, limit, max_read, Hkv, NB,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr,
-    RULE: tl.constexpr, PREC: tl.constexpr,
+    q_ptr,
+    k_slots,
+    v_slots,
+    k_host,
+    v_host,
+    loc_ptr,
+    order_ptr,
+    lengths_ptr,
+    nforced_ptr,
+    wave_ends_ptr,
+    ub_suffix_ptr,
+    out_ptr,
+    lse_ptr,
+    nread_ptr,
+    nwaves_ptr,
+    scale,
+    limit,
+    max_read,
+    Hkv,
+    NB,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    NBLK: tl.constexpr,
+    RULE: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -45,8 +67,9 @@ def _wave_attention_kernel(
     tt = tl.arange(0, BS)
     jj = tl.arange(0, NBLK)
     hq = h * G + g
-    q = tl.load(q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None],
-                other=0.0)
+    q = tl.load(
+        q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0
+    )
     q = (q.to(tl.float32) * scale).to(q.dtype)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -72,9 +95,11 @@ def _wave_attention_kernel(
             m_dev = valid[:, :, None] & in_hbm[:, None, None]
             m_host = valid[:, :, None] & (~in_hbm)[:, None, None]
             k = tl.load(k_slots + offs, mask=m_dev, other=0.0) + tl.load(
-                k_host + offs, mask=m_host, other=0.0)
+                k_host + offs, mask=m_host, other=0.0
+            )
             v = tl.load(v_slots + offs, mask=m_dev, other=0.0) + tl.load(
-                v_host + offs, mask=m_host, other=0.0)
+                v_host + offs, mask=m_host, other=0.0
+            )
             k = tl.reshape(k, [NBLK * BS, D])
             v = tl.reshape(v, [NBLK * BS, D])
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, NBLK * BS] fp32
@@ -83,8 +108,9 @@ def _wave_attention_kernel(
             bmax = tl.max(s3, axis=2)
             blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
             ranked = pm & (pidx >= nf)
-            smallest = tl.minimum(smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")),
-                                                   axis=1))
+            smallest = tl.minimum(
+                smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
+            )
             m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -95,15 +121,18 @@ def _wave_attention_kernel(
         covered = m_i + tl.log(l_i)
         if RULE == 0:
             n_left = (nb - pos).to(tl.float32)
-            uncovered = tl.where(n_left > 0, smallest + tl.log(tl.maximum(n_left, 1.0)),
-                                 float("-inf"))
+            uncovered = tl.where(
+                n_left > 0, smallest + tl.log(tl.maximum(n_left, 1.0)), float("-inf")
+            )
         else:
-            uncovered = tl.load(ub_suffix_ptr + (b * Hkv * G + hq) * (NB + 1) + pos, mask=gmask,
-                                other=float("-inf"))
+            uncovered = tl.load(
+                ub_suffix_ptr + (b * Hkv * G + hq) * (NB + 1) + pos, mask=gmask, other=float("-inf")
+            )
         ok = ((uncovered - covered) <= limit) | (uncovered == float("-inf")) | (g >= G)
         w += 1
         done = ((tl.min(ok.to(tl.int32), axis=0) > 0) | (pos >= nb) | (pos >= max_read)).to(
-            tl.int32)
+            tl.int32
+        )
     out = acc / l_i[:, None]
     tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], out, mask=gmask[:, None])
     tl.store(lse_ptr + b * Hkv * G + hq, m_i + tl.log(l_i), mask=gmask)
