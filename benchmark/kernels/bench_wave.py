@@ -19,6 +19,7 @@ import torch
 from sgl_kernel_ext.wave_attention import WaveAttention
 
 HQ, HKV, D, BS = 32, 8, 128, 32
+LAUNCH = {"tile_tokens": 128, "num_warps": 4}  # set by the sweep in run()
 
 
 def _time(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -75,6 +76,7 @@ def bench_case(
     nb = ctx // BS
     budget = max(2, round(frac * nb))
     wa = WaveAttention(block_size=BS, threshold=1.0).plan(batch, HQ, HKV, D, nb, "cuda")
+    wa.tile_tokens, wa.num_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
     run = lambda: wa.run(
         q,
         ks,
@@ -136,6 +138,15 @@ def dense_sdpa_us(batch: int, ctx: int) -> float:
 
 def run() -> dict:
     hbm, h2d = hbm_peak_gbps(), h2d_peak_gbps()
+    sweep = {}
+    for tile in (64, 128, 256):
+        for warps in (4, 8):
+            LAUNCH.update(tile_tokens=tile, num_warps=warps)
+            sweep[f"tile{tile}_warps{warps}"] = bench_case(8, 131072, 0.05)["time_us"]
+            torch.cuda.empty_cache()
+    best = min(sweep, key=sweep.get)
+    LAUNCH.update(tile_tokens=int(best[4:].split("_")[0]), num_warps=int(best.split("warps")[1]))
+    print("launch sweep (us):", sweep, "->", LAUNCH, flush=True)
     rows, dense = [], {}
     for ctx in (32768, 131072):
         for batch in (1, 8, 32):
@@ -173,6 +184,8 @@ def run() -> dict:
         "host_rows": host_rows,
         "dense_sdpa_us": dense,
         "overhead_case": small,
+        "launch_sweep_us": sweep,
+        "launch": dict(LAUNCH),
     }
 
 
