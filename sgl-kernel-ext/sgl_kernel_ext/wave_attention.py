@@ -82,13 +82,15 @@ def _wave_attention_kernel(
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
+        # The block ids and locations of a tile are fetched one tile ahead, so the
+        # dependent order -> table lookups overlap the previous tile's K/V traffic.
+        pidx = pos + jj
+        pm = pidx < end
+        blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
+        where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
         while pos < end:
             # NBLK ranked blocks per step; each is read from its HBM slot or, through UVA,
             # from the host pool (two masked loads: only one touches memory per block).
-            pidx = pos + jj
-            pm = pidx < end
-            blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
-            where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
             in_hbm = where >= 0
             unit = tl.where(in_hbm, where, -where - 1)
             valid = pm[:, None] & ((blk[:, None] * BS + tt[None, :]) < length)  # [NBLK, BS]
@@ -105,6 +107,11 @@ def _wave_attention_kernel(
             else:
                 k = tl.load(k_slots + offs, mask=m_dev, other=0.0)
                 v = tl.load(v_slots + offs, mask=m_dev, other=0.0)
+            nxt = tl.minimum(pos + NBLK, end)
+            pidx_n = nxt + jj
+            pm_n = pidx_n < end
+            blk_n = tl.load(order_ptr + row + pidx_n, mask=pm_n, other=0)
+            where_n = tl.load(loc_ptr + row + blk_n, mask=pm_n, other=0).to(tl.int64)
             k = tl.reshape(k, [NBLK * BS, D])
             v = tl.reshape(v, [NBLK * BS, D])
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, NBLK * BS] fp32
@@ -122,7 +129,8 @@ def _wave_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
-            pos = tl.minimum(pos + NBLK, end)
+            pos = nxt
+            pidx, pm, blk, where = pidx_n, pm_n, blk_n, where_n
         covered = m_i + tl.log(l_i)
         if RULE == 0:
             n_left = (nb - pos).to(tl.float32)
