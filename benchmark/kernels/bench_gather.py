@@ -5,12 +5,13 @@ gather kernel host pool -> HBM slots for random 8 KB and 16 KB units, (c) the
 16 KB gather while decode attention runs on another stream, (d) the scatter
 HBM -> host, (e) the naive per-block cudaMemcpy loop.
 
-    python benchmark/kernels/bench_gather.py      # prints JSON
+    python benchmark/kernels/bench_gather.py      # table on stderr, JSON on stdout
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -57,7 +58,7 @@ def gather_gbps(
     slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
     src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
     dst_idx = torch.randperm(n, device="cuda")
-    cp = BlockCopier(unit, torch.bfloat16, block, num_warps)
+    cp = BlockCopier(unit, torch.bfloat16, "cuda", block=block, num_warps=num_warps)
     if reverse:
         f = lambda: cp.run(slots, dst_idx, host, src_idx)
     else:
@@ -80,7 +81,7 @@ def gather_under_attention_gbps(
     slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
     src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
     dst_idx = torch.randperm(n, device="cuda")
-    cp = BlockCopier(unit, torch.bfloat16, block, num_warps)
+    cp = BlockCopier(unit, torch.bfloat16, "cuda", block=block, num_warps=num_warps)
     att = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     attn_alone = _time(lambda: [att() for _ in range(20)])
 
@@ -143,8 +144,31 @@ def run() -> dict:
     )
     r["gather_ratio_16k_under_attention"] = r["gather_16k_under_attention_gbps"] / h2d
     r["per_block_memcpy_16k_gbps"] = per_block_memcpy_gbps(16 << 10, pool)
+    r["per_block_memcpy_ratio_16k"] = r["per_block_memcpy_16k_gbps"] / h2d
     return r
 
 
+def table(r: dict) -> str:
+    """The headline numbers, one line each (GB/s and fraction of the matching peak)."""
+    rows = [
+        ("H2D memcpy 1 GiB (peak)", r["h2d_memcpy_peak_gbps"], 1.0),
+        ("D2H memcpy 1 GiB (peak)", r["d2h_memcpy_peak_gbps"], 1.0),
+        ("gather 8 KB units", r["gather_8k_gbps"], r["gather_ratio_8k"]),
+        ("gather 16 KB units", r["gather_16k_gbps"], r["gather_ratio_16k"]),
+        (
+            "gather 16 KB under attention",
+            r["gather_16k_under_attention_gbps"],
+            r["gather_ratio_16k_under_attention"],
+        ),
+        ("scatter 16 KB units", r["scatter_16k_gbps"], r["scatter_ratio_16k"]),
+        ("per-block memcpy 16 KB", r["per_block_memcpy_16k_gbps"], r["per_block_memcpy_ratio_16k"]),
+    ]
+    lines = [f"{'case':32s} {'GB/s':>8s} {'of peak':>8s}"]
+    lines += [f"{name:32s} {gbps:8.1f} {ratio:8.1%}" for name, gbps, ratio in rows]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=1))
+    result = run()
+    print(table(result), file=sys.stderr)
+    print(json.dumps(result, indent=1))

@@ -5,8 +5,16 @@ programs each copy one unit reads pinned host memory through UVA (zero-copy)
 with many loads in flight and approaches the contiguous-copy peak. A *unit* is
 a contiguous run of `unit_elems` elements (one KV block of one head, K or V or
 both); source and destination are `[num_units, unit_elems]` views of any
-dtype. The same kernel serves both directions (gather: host -> slots,
-scatter: slots -> host).
+dtype, moved as the widest integer words the row size and alignment allow.
+The same kernel serves both directions (gather: host -> slots, scatter:
+slots -> host).
+
+Host memory on the GPU path: a pinned CPU tensor is passed to the kernel as
+is. Triton's launcher resolves every pointer argument with
+`cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`, which for
+page-locked memory returns its device-visible (UVA) address, the same address
+`cudaHostGetDevicePointer` gives; no wrapper is needed. Pageable memory has no
+such address, so unpinned CPU tensors are refused up front with a clear error.
 """
 
 from __future__ import annotations
@@ -19,69 +27,111 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_units_kernel(src, src_idx, dst, dst_idx, UNIT: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_units_kernel(
+    src, src_idx, dst, dst_idx, src_stride, dst_stride, UNIT: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.program_id(0)
-    s = tl.load(src_idx + i).to(tl.int64) * UNIT
-    d = tl.load(dst_idx + i).to(tl.int64) * UNIT
+    s = tl.load(src_idx + i).to(tl.int64) * src_stride
+    d = tl.load(dst_idx + i).to(tl.int64) * dst_stride
     offs = tl.arange(0, BLOCK)
     for off in tl.static_range(0, UNIT, BLOCK):
         m = off + offs < UNIT
         tl.store(dst + d + off + offs, tl.load(src + s + off + offs, mask=m), mask=m)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The widest integer view of a `[N, unit]` tensor whose rows stay whole."""
-    row_bytes = t.shape[1] * t.element_size()
+def _word_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer type every row, row stride and base address is a multiple of."""
     for dt in (torch.int64, torch.int32, torch.int16):
-        size = torch.empty((), dtype=dt).element_size()
-        if row_bytes % size == 0 and t.data_ptr() % size == 0:
-            return t.view(torch.uint8).view(dt) if t.dtype != dt else t
-    return t.view(torch.uint8)
+        if all(
+            (t.shape[1] * t.element_size()) % dt.itemsize == 0
+            and (t.stride(0) * t.element_size()) % dt.itemsize == 0
+            and t.data_ptr() % dt.itemsize == 0
+            for t in tensors
+        ):
+            return dt
+    return torch.uint8
 
 
-def _use_triton(*tensors: torch.Tensor) -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" or any(t.is_cuda for t in tensors)
+def _words(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dt else t.view(torch.uint8).view(dt)
+
+
+def _triton_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class BlockCopier:
-    """Plan for one unit size; `run()` launches once and allocates nothing."""
+    """Plan for one unit size and dtype; `run()` launches once and allocates nothing.
 
-    def __init__(self, unit_elems: int, dtype: torch.dtype, block: int = 1024, num_warps: int = 4):
+    `device` is where the kernel runs (the HBM side); `None` takes the device
+    of `dst` or `src`, whichever is on CUDA. `block` elements (words) per load
+    step and `num_warps` per program are the launch shape the benchmark sweeps.
+    """
+
+    def __init__(
+        self,
+        unit_elems: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        *,
+        block: int = 2048,
+        num_warps: int = 4,
+    ) -> None:
         self.unit_elems, self.dtype = unit_elems, dtype
+        self.device = torch.device(device) if device is not None else None
         self.block, self.num_warps = block, num_warps
+
+    def _check(
+        self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
+    ) -> None:
+        for name, t in (("src", src), ("dst", dst)):
+            if t.dim() != 2 or t.shape[1] != self.unit_elems or t.stride(1) != 1:
+                raise ValueError(
+                    f"{name} {tuple(t.shape)} must be [num_units, unit_elems={self.unit_elems}] "
+                    "with contiguous rows"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} differs from the plan's {self.dtype}")
+        if src_idx.numel() != dst_idx.numel():
+            raise ValueError(
+                f"{src_idx.numel()} source indices but {dst_idx.numel()} destination indices"
+            )
 
     def run(
         self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
     ) -> None:
-        """`dst[dst_idx[i]] = src[src_idx[i]]`; indices are int32/int64 on the launch device.
+        """`dst[dst_idx[i]] = src[src_idx[i]]` for all i, in one launch.
 
+        Indices are int32/int64 on the kernel's device; destinations must be
+        distinct (sources may repeat). On CUDA the host side must be pinned.
         Without CUDA and outside the Triton interpreter this is plain torch
-        indexing (identical result). Destination indices must be distinct.
+        indexing, which gives the identical result.
         """
-        if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1]:
-            raise ValueError(
-                f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be "
-                "[num_units, unit_elems] with equal unit_elems"
-            )
-        if src.dtype != dst.dtype:
-            raise ValueError(f"dtype mismatch: {src.dtype} vs {dst.dtype}")
+        self._check(src, src_idx, dst, dst_idx)
         n = src_idx.numel()
-        if n != dst_idx.numel():
-            raise ValueError(f"{n} source indices but {dst_idx.numel()} destination indices")
         if n == 0:
             return
-        if not _use_triton(src, dst):
+        device = self.device or (src.device if src.is_cuda else dst.device)
+        if not _triton_enabled(device):
             dst[dst_idx.long()] = src[src_idx.long()]
             return
-        ws, wd = _words(src), _words(dst)
-        if ws.dtype != wd.dtype:  # alignment differs: fall back to the common narrower view
-            ws, wd = src.view(torch.uint8), dst.view(torch.uint8)
+        if device.type == "cuda":
+            for name, t in (("src", src), ("dst", dst)):
+                if not t.is_cuda and not t.is_pinned():
+                    raise ValueError(
+                        f"{name} is pageable CPU memory, which the GPU cannot address; "
+                        "allocate the host pool with pin_memory=True (or .pin_memory())"
+                    )
+        wt = _word_dtype(src, dst)
+        ws, wd = _words(src, wt), _words(dst, wt)
         unit = ws.shape[1]
         _copy_units_kernel[(n,)](
             ws,
             src_idx,
             wd,
             dst_idx,
+            ws.stride(0),
+            wd.stride(0),
             UNIT=unit,
             BLOCK=min(triton.next_power_of_2(unit), self.block),
             num_warps=self.num_warps,
@@ -92,11 +142,11 @@ def gather_blocks(
     src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
 ) -> None:
     """Host pool (pinned; read through UVA) -> HBM slots, one launch for all units."""
-    BlockCopier(src.shape[1], src.dtype).run(src, src_idx, dst, dst_idx)
+    BlockCopier(src.shape[-1], src.dtype).run(src, src_idx, dst, dst_idx)
 
 
 def scatter_blocks(
     src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
 ) -> None:
     """HBM slots -> host pool (pinned; written through UVA), one launch for all units."""
-    BlockCopier(src.shape[1], src.dtype).run(src, src_idx, dst, dst_idx)
+    BlockCopier(src.shape[-1], src.dtype).run(src, src_idx, dst, dst_idx)
