@@ -44,6 +44,18 @@ def peaks() -> tuple[float, float]:
     return h2d, d2h
 
 
+def _copy_setup(unit_bytes: int, pool: torch.Tensor, move_bytes: int, block: int, num_warps: int):
+    """Host pool of bf16 units, HBM slots for `move_bytes`, random distinct indices."""
+    unit = unit_bytes // 2
+    host = pool.view(torch.bfloat16).view(-1, unit)
+    n = move_bytes // unit_bytes
+    slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
+    src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
+    dst_idx = torch.randperm(n, device="cuda")
+    cp = BlockCopier(unit, torch.bfloat16, "cuda", block=block, num_warps=num_warps)
+    return host, slots, src_idx, dst_idx, cp
+
+
 def gather_gbps(
     unit_bytes: int,
     pool: torch.Tensor,
@@ -52,18 +64,12 @@ def gather_gbps(
     block: int = 1024,
     num_warps: int = 4,
 ) -> float:
-    unit = unit_bytes // 2  # bf16 elements
-    host = pool.view(torch.bfloat16).view(-1, unit)
-    n = slots_bytes // unit_bytes
-    slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
-    src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
-    dst_idx = torch.randperm(n, device="cuda")
-    cp = BlockCopier(unit, torch.bfloat16, "cuda", block=block, num_warps=num_warps)
+    host, slots, src_idx, dst_idx, cp = _copy_setup(unit_bytes, pool, slots_bytes, block, num_warps)
     if reverse:
         f = lambda: cp.run(slots, dst_idx, host, src_idx)
     else:
         f = lambda: cp.run(host, src_idx, slots, dst_idx)
-    return n * unit_bytes / _time(f) / 1e9
+    return slots.shape[0] * unit_bytes / _time(f) / 1e9
 
 
 def gather_under_attention_gbps(
@@ -75,13 +81,8 @@ def gather_under_attention_gbps(
     v = torch.randn_like(k)
     attn = torch.cuda.Stream()
     copy = torch.cuda.Stream()
-    unit = unit_bytes // 2
-    host = pool.view(torch.bfloat16).view(-1, unit)
-    n = MOVE_BYTES // unit_bytes
-    slots = torch.empty(n, unit, dtype=torch.bfloat16, device="cuda")
-    src_idx = torch.randperm(host.shape[0], device="cuda")[:n]
-    dst_idx = torch.randperm(n, device="cuda")
-    cp = BlockCopier(unit, torch.bfloat16, "cuda", block=block, num_warps=num_warps)
+    host, slots, src_idx, dst_idx, cp = _copy_setup(unit_bytes, pool, MOVE_BYTES, block, num_warps)
+    n = slots.shape[0]
     att = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     attn_alone = _time(lambda: [att() for _ in range(20)])
 

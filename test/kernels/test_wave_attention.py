@@ -53,6 +53,33 @@ def _tiered_layout(k, v, lengths, bs, host_fraction, seed):
     return k_slots, v_slots, k_host, v_host, loc.view(B, Hkv, nb).to(k.device)
 
 
+def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, **kw):
+    """Lay the KV out over slots and host pool, then run the Triton wave attention."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    bs = cfg.block_size
+    meta = block_metadata(k, lengths, bs)
+    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(
+        k, v, lengths, bs, host_fraction, seed=layout_seed
+    )
+    wa = WaveAttention.from_config(cfg).plan(
+        *q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device
+    )
+    return wa.run(
+        q,
+        k_slots,
+        v_slots,
+        loc,
+        lengths,
+        meta.mean,
+        meta.kmin,
+        meta.kmax,
+        k_host=k_host,
+        v_host=v_host,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("method", ["mean", "bound"])
 def test_block_scores_match_reference(device, method):
     from sgl_kernel_ext.scoring import block_scores
@@ -79,7 +106,6 @@ def test_block_scores_match_reference(device, method):
     ],
 )
 def test_wave_attention_matches_reference(device, rule, eps, host):
-    from sgl_kernel_ext.wave_attention import WaveAttention
 
     cfg = PSAConfig(
         threshold=eps,
@@ -91,21 +117,7 @@ def test_wave_attention_matches_reference(device, rule, eps, host):
     )
     q, k, v, lengths = _case(1, device=device)
     ref = progressive_attention(q, k, v, lengths, cfg)
-    meta = block_metadata(k, lengths, 16)
-    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, host, seed=2)
-    wa = WaveAttention.from_config(cfg).plan(2, 4, 2, 16, loc.shape[-1], device)
-    res = wa.run(
-        q,
-        k_slots,
-        v_slots,
-        loc,
-        lengths,
-        meta.mean,
-        meta.kmin,
-        meta.kmax,
-        k_host=k_host,
-        v_host=v_host,
-    )
+    res = _run_tiered(cfg, q, k, v, lengths, host, 2, device)
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
@@ -113,27 +125,11 @@ def test_wave_attention_matches_reference(device, rule, eps, host):
 
 
 def test_wave_attention_with_a_block_budget_is_topk(device):
-    from sgl_kernel_ext.wave_attention import WaveAttention
     from sglang_psa.algo import topk_attention
 
     cfg = PSAConfig(threshold=1.0, block_size=16, topk_tokens=16 * 5)
     q, k, v, lengths = _case(3, device=device)
     ref = topk_attention(q, k, v, lengths, cfg)
-    meta = block_metadata(k, lengths, 16)
-    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.5, seed=4)
-    wa = WaveAttention.from_config(cfg).plan(2, 4, 2, 16, loc.shape[-1], device)
-    res = wa.run(
-        q,
-        k_slots,
-        v_slots,
-        loc,
-        lengths,
-        meta.mean,
-        meta.kmin,
-        meta.kmax,
-        k_host=k_host,
-        v_host=v_host,
-        max_read_blocks=5,
-    )
+    res = _run_tiered(cfg, q, k, v, lengths, 0.5, 4, device, max_read_blocks=5)
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
