@@ -68,7 +68,15 @@ class Session:
         self.next_logits = out.logits[0, -1].float()
 
     def rewind(self, length: int) -> None:
-        self.cache.crop(length)
+        """Drop every token after the first `length`."""
+        current = self.cache.get_seq_length()
+        extra = current - length
+        if extra < 0:
+            raise ValueError(f"cannot rewind a {current}-token context to {length} tokens")
+        if extra:
+            # A negative count ("remove this many") means the same in every transformers 5.x;
+            # a positive one (a target length) is refused by newer releases.
+            self.cache.crop(-extra)
         self.length = length
 
     @torch.inference_mode()
