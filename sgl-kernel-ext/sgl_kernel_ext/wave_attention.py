@@ -15,6 +15,7 @@ graph. Scoring and ranking come first (`scoring.py`, torch.sort on the device).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,9 @@ def _wave_attention_kernel(
     lse_ptr,
     nread_ptr,
     nwaves_ptr,
+    part_ptr,
+    acc_part_ptr,
+    counter_ptr,
     scale,
     limit,
     max_read,
@@ -56,9 +60,19 @@ def _wave_attention_kernel(
     RULE: tl.constexpr,
     PREC: tl.constexpr,
     HAS_HOST: tl.constexpr,
+    S: tl.constexpr,
 ):
+    """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
+
+    With S > 1 the programs of a (request, KV head) exchange their partial
+    states after every wave through `part_ptr`/`acc_part_ptr` (double-buffered
+    by wave parity) and a counter barrier; all S then take the same stop
+    decision. S > 1 needs every program resident at once (cooperative launch).
+    """
     b = tl.program_id(0)
     h = tl.program_id(1)
+    sid = tl.program_id(2)
+    bh = b * Hkv + h
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
     nf = tl.load(nforced_ptr + b)
@@ -76,21 +90,22 @@ def _wave_attention_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     smallest = tl.full([GP], float("inf"), tl.float32)
-    row = (b * Hkv + h) * NB
-    pos = 0
+    row = bh * NB
+    wstart = 0
     w = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
-        # The block ids and locations of a tile are fetched one tile ahead, so the
-        # dependent order -> table lookups overlap the previous tile's K/V traffic.
+        # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. Block ids and
+        # locations are fetched one tile ahead so the dependent lookups overlap K/V loads.
+        pos = wstart + sid * NBLK
         pidx = pos + jj
         pm = pidx < end
         blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
         where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
         while pos < end:
-            # NBLK ranked blocks per step; each is read from its HBM slot or, through UVA,
-            # from the host pool (two masked loads: only one touches memory per block).
+            # Each block is read from its HBM slot or, through UVA, from the host pool
+            # (two masked loads: only one touches memory per block).
             in_hbm = where >= 0
             unit = tl.where(in_hbm, where, -where - 1)
             valid = pm[:, None] & ((blk[:, None] * BS + tt[None, :]) < length)  # [NBLK, BS]
@@ -107,7 +122,7 @@ def _wave_attention_kernel(
             else:
                 k = tl.load(k_slots + offs, mask=m_dev, other=0.0)
                 v = tl.load(v_slots + offs, mask=m_dev, other=0.0)
-            nxt = tl.minimum(pos + NBLK, end)
+            nxt = pos + S * NBLK
             pidx_n = nxt + jj
             pm_n = pidx_n < end
             blk_n = tl.load(order_ptr + row + pidx_n, mask=pm_n, other=0)
@@ -124,33 +139,83 @@ def _wave_attention_kernel(
                 smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
             )
             m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+            p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
             pos = nxt
             pidx, pm, blk, where = pidx_n, pm_n, blk_n, where_n
-        covered = m_i + tl.log(l_i)
-        if RULE == 0:
-            n_left = (nb - pos).to(tl.float32)
-            uncovered = tl.where(
-                n_left > 0, smallest + tl.log(tl.maximum(n_left, 1.0)), float("-inf")
+        wstart = end
+        if S == 1:
+            covered = m_i + tl.log(l_i)
+            low = smallest
+        else:
+            # Publish this program's state, wait for the S programs of this (b, h), merge.
+            buf = (w % 2) * (tl.num_programs(0) * Hkv * S) + bh * S + sid
+            tl.store(part_ptr + buf * 3 * GP + g, m_i)
+            tl.store(part_ptr + buf * 3 * GP + GP + g, l_i)
+            tl.store(part_ptr + buf * 3 * GP + 2 * GP + g, smallest)
+            tl.store(acc_part_ptr + buf * GP * D + g[:, None] * D + dd[None, :], acc)
+            tl.debug_barrier()
+            target = (w + 1) * S
+            seen = tl.atomic_add(counter_ptr + bh, 1, sem="release") + 1
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+            tl.debug_barrier()
+            first = (w % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
+            ss = tl.arange(0, S)
+            base = (first + ss)[:, None] * 3 * GP + g[None, :]
+            m_all = tl.load(part_ptr + base, volatile=True)  # [S, GP]
+            l_all = tl.load(part_ptr + base + GP, volatile=True)
+            low = tl.min(tl.load(part_ptr + base + 2 * GP, volatile=True), axis=0)
+            m_top = tl.max(m_all, axis=0)
+            l_top = tl.sum(
+                tl.where(m_all == float("-inf"), 0.0, l_all * tl.exp(m_all - m_top[None, :])),
+                axis=0,
             )
+            covered = m_top + tl.log(l_top)
+        if RULE == 0:
+            n_left = (nb - wstart).to(tl.float32)
+            uncovered = tl.where(n_left > 0, low + tl.log(tl.maximum(n_left, 1.0)), float("-inf"))
         else:
             uncovered = tl.load(
-                ub_suffix_ptr + (b * Hkv * G + hq) * (NB + 1) + pos, mask=gmask, other=float("-inf")
+                ub_suffix_ptr + (b * Hkv * G + hq) * (NB + 1) + wstart,
+                mask=gmask,
+                other=float("-inf"),
             )
         ok = ((uncovered - covered) <= limit) | (uncovered == float("-inf")) | (g >= G)
         w += 1
-        done = ((tl.min(ok.to(tl.int32), axis=0) > 0) | (pos >= nb) | (pos >= max_read)).to(
+        done = ((tl.min(ok.to(tl.int32), axis=0) > 0) | (wstart >= nb) | (wstart >= max_read)).to(
             tl.int32
         )
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], out, mask=gmask[:, None])
-    tl.store(lse_ptr + b * Hkv * G + hq, m_i + tl.log(l_i), mask=gmask)
-    tl.store(nread_ptr + b * Hkv + h, pos)
-    tl.store(nwaves_ptr + b * Hkv + h, w)
+    if S == 1:
+        out = acc / l_i[:, None]
+        lse = m_i + tl.log(l_i)
+    else:
+        # Every program holds the merged scalars; program 0 merges the outputs.
+        last = ((w - 1) % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
+        ss = tl.arange(0, S)
+        base = (last + ss)[:, None] * 3 * GP + g[None, :]
+        m_all = tl.load(part_ptr + base, volatile=True)
+        l_all = tl.load(part_ptr + base + GP, volatile=True)
+        m_top = tl.max(m_all, axis=0)
+        wgt = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_top[None, :]))  # [S, GP]
+        accs = tl.load(
+            acc_part_ptr
+            + (last + ss)[:, None, None] * GP * D
+            + g[None, :, None] * D
+            + dd[None, None, :],
+            volatile=True,
+        )
+        lsum = tl.sum(wgt * l_all, axis=0)
+        out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
+        lse = m_top + tl.log(lsum)
+    if sid == 0:
+        tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], out, mask=gmask[:, None])
+        tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
+        tl.store(nread_ptr + bh, wstart)
+        tl.store(nwaves_ptr + bh, w)
 
 
 @dataclass
@@ -217,7 +282,28 @@ class WaveAttention:
         head_dim: int,
         max_blocks: int,
         device: torch.device | str,
+        splits: int | None = None,
     ) -> WaveAttention:
+        """Fix shapes, the wave schedule and buffers. `splits` programs share each
+        (request, KV head); by default as many as keep one program per SM resident
+        (always 1 in Triton's interpreter, which runs programs one after another)."""
+        dev = torch.device(device)
+        if splits is None:
+            splits = 1
+            if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                splits = max(1, min(16, sms // (batch * n_kv_heads)))
+        if splits & (splits - 1):
+            splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
+        self.splits = splits
+        gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
+        self.part = torch.empty(
+            2, batch, n_kv_heads, splits, 3, gp, dtype=torch.float32, device=dev
+        )
+        self.acc_part = torch.empty(
+            2, batch, n_kv_heads, splits, gp, head_dim, dtype=torch.float32, device=dev
+        )
+        self.counters = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=dev)
         first, growth, cap = self.wave
         sizes, size, left = [], float(first), max_blocks
         while left > 0:
@@ -297,7 +383,8 @@ class WaveAttention:
         v_host = v_slots if v_host is None else v_host
         order32 = order.to(torch.int32).contiguous()
         G = Hq // Hkv
-        _wave_attention_kernel[(B, Hkv)](
+        self.counters.zero_()
+        _wave_attention_kernel[(B, Hkv, self.splits)](
             q.contiguous(),
             k_slots,
             v_slots,
@@ -313,6 +400,9 @@ class WaveAttention:
             self.lse,
             self.n_read,
             self.n_waves,
+            self.part,
+            self.acc_part,
+            self.counters,
             scale,
             self.limit,
             NB if max_read_blocks is None else max_read_blocks,
@@ -327,5 +417,7 @@ class WaveAttention:
             num_warps=self.num_warps,
             RULE=0 if self.rule == "heuristic" else 1,
             PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            S=self.splits,
+            launch_cooperative_grid=self.splits > 1,
         )
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)

@@ -53,7 +53,7 @@ def _tiered_layout(k, v, lengths, bs, host_fraction, seed):
     return k_slots, v_slots, k_host, v_host, loc.view(B, Hkv, nb).to(k.device)
 
 
-def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, **kw):
+def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, splits=None, **kw):
     """Lay the KV out over slots and host pool, then run the Triton wave attention."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -63,7 +63,7 @@ def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, **kw)
         k, v, lengths, bs, host_fraction, seed=layout_seed
     )
     wa = WaveAttention.from_config(cfg).plan(
-        *q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device
+        *q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device, splits=splits
     )
     return wa.run(
         q,
@@ -133,3 +133,27 @@ def test_wave_attention_with_a_block_budget_is_topk(device):
     res = _run_tiered(cfg, q, k, v, lengths, 0.5, 4, device, max_read_blocks=5)
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize(
+    "rule,eps,host", [("heuristic", 0.9, 0.3), ("certified", 0.95, 0.0), ("heuristic", 1.0, 0.5)]
+)
+def test_split_waves_match_reference(splits, rule, eps, host):
+    """Several programs per (request, KV head), merging states after every wave."""
+    cfg = PSAConfig(
+        threshold=eps,
+        stop_rule=rule,
+        block_size=16,
+        wave_blocks=2,
+        wave_growth=1.5,
+        max_wave_blocks=8,
+    )
+    q, k, v, lengths = _case(5, T=700, device="cuda")
+    ref = progressive_attention(q, k, v, lengths, cfg)
+    res = _run_tiered(cfg, q, k, v, lengths, host, 6, "cuda", splits=splits)
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
+    assert torch.equal(res.n_waves.long(), ref.n_waves)
