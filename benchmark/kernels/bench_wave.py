@@ -19,7 +19,7 @@ import torch
 from sgl_kernel_ext.wave_attention import WaveAttention
 
 HQ, HKV, D, BS = 32, 8, 128, 32
-LAUNCH = {"tile_tokens": 128, "num_warps": 4}  # set by the sweep in run()
+LAUNCH = {"tile_tokens": 128, "num_warps": 4, "splits": None}  # set by the sweeps in run()
 
 
 def _time(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -75,7 +75,10 @@ def bench_case(
     q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, ctx, host_fraction)
     nb = ctx // BS
     budget = max(2, round(frac * nb))
-    wa = WaveAttention(block_size=BS, threshold=1.0).plan(batch, HQ, HKV, D, nb, "cuda")
+    splits = LAUNCH["splits"] if batch == 8 and ctx == 131072 else None
+    wa = WaveAttention(block_size=BS, threshold=1.0).plan(
+        batch, HQ, HKV, D, nb, "cuda", splits=splits
+    )
     wa.tile_tokens, wa.num_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
     run = lambda: wa.run(
         q,
@@ -147,6 +150,19 @@ def run() -> dict:
     best = min(sweep, key=sweep.get)
     LAUNCH.update(tile_tokens=int(best[4:].split("_")[0]), num_warps=int(best.split("warps")[1]))
     print("launch sweep (us):", sweep, "->", LAUNCH, flush=True)
+    # Programs per (request, KV head) for the headline case (more than one per SM needs
+    # them all resident: a cooperative launch that does not fit fails and is skipped).
+    split_sweep = {}
+    for sp in (1, 2, 4, 8):
+        LAUNCH["splits"] = sp
+        try:
+            split_sweep[sp] = bench_case(8, 131072, 0.05)["time_us"]
+        except Exception as e:  # noqa: BLE001 - report and keep measuring
+            split_sweep[sp] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        torch.cuda.empty_cache()
+    ok = {k: v for k, v in split_sweep.items() if isinstance(v, float)}
+    LAUNCH["splits"] = min(ok, key=ok.get)
+    print("split sweep (us):", split_sweep, "->", LAUNCH["splits"], flush=True)
     rows, dense = [], {}
     for ctx in (32768, 131072):
         for batch in (1, 8, 32):
@@ -185,6 +201,7 @@ def run() -> dict:
         "dense_sdpa_us": dense,
         "overhead_case": small,
         "launch_sweep_us": sweep,
+        "split_sweep_us": {str(k): v for k, v in split_sweep.items()},
         "launch": dict(LAUNCH),
     }
 
