@@ -3,6 +3,7 @@
 from sglang_psa.algo.attention import (
     SparseResult,
     dense_attention,
+    oracle_attention,
     progressive_attention,
     topk_attention,
     true_coverage,
@@ -20,6 +21,7 @@ __all__ = [
     "dense_attention",
     "mean_logits",
     "num_blocks",
+    "oracle_attention",
     "progressive_attention",
     "topk_attention",
     "true_coverage",

@@ -235,3 +235,42 @@ def true_coverage(
     scores = token_scores(q, k, lengths, _default_scale(q, scale))
     _, covered = attend(scores, v, read, block_size)
     return torch.exp(covered - torch.logsumexp(scores, dim=-1))
+
+
+def oracle_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    cfg: PSAConfig,
+    scale: float | None = None,
+) -> SparseResult:
+    """The fewest blocks any ranking could read: blocks by their *true* mass share.
+
+    A lower bound for analysis, not an algorithm (it reads every key to rank):
+    per (request, KV head), forced blocks first, then blocks by the group's max
+    true share, stopping at the first prefix where every query head of the group
+    covers ≥ ε of its softmax mass (one block at a time, no waves).
+    """
+    scale = _default_scale(q, scale)
+    B, Hq, _ = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    bs = cfg.block_size
+    scores = token_scores(q, k, lengths, scale)
+    lse_b = block_lse(scores, bs)
+    nb = lse_b.shape[-1]
+    share = (lse_b - torch.logsumexp(lse_b, -1, keepdim=True)).view(B, Hkv, G, nb).amax(2)
+    forced = forced_blocks(lengths, nb, cfg)
+    key = torch.where(forced[:, None, :], torch.inf, share)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    lse_o = lse_b.gather(-1, order.repeat_interleave(G, dim=1))
+    cov = torch.logcumsumexp(lse_o, -1) - torch.logsumexp(lse_b, -1, keepdim=True)
+    ok = (cov >= math.log(cfg.threshold) - 1e-6).view(B, Hkv, G, nb).all(2)
+    pos = torch.arange(nb, device=q.device)
+    first = torch.where(ok & (pos >= forced.sum(-1)[:, None, None] - 1), pos, nb - 1).amin(-1)
+    read_sorted = pos[None, None, :] <= first[..., None]
+    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
+    read &= num_blocks(lengths, bs)[:, None, None] > pos
+    out, lse = attend(scores, v, read, bs)
+    return SparseResult(out.to(q.dtype), read, lse, torch.zeros_like(first))

@@ -20,6 +20,7 @@ import torch
 from sglang_psa.algo import (
     BlockMetaCache,
     num_blocks,
+    oracle_attention,
     progressive_attention,
     topk_attention,
 )
@@ -30,20 +31,23 @@ ATTN_NAME = "psa"
 
 @dataclass(frozen=True)
 class DecodePolicy:
-    """Which decode attention to run: `dense`, `psa` (cfg.threshold / stop_rule) or `topk`."""
+    """Which decode attention to run: `dense`, `psa` (cfg.threshold / stop_rule), `topk`, or
+    `oracle` (blocks by true mass: the analysis lower bound, not deployable)."""
 
     kind: str = "dense"
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dense", "psa", "topk"):
-            raise ValueError(f"unknown decode policy {self.kind!r} (dense|psa|topk)")
+        if self.kind not in ("dense", "psa", "topk", "oracle"):
+            raise ValueError(f"unknown decode policy {self.kind!r} (dense|psa|topk|oracle)")
 
     @property
     def label(self) -> str:
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}"
+        if self.kind == "oracle":
+            return f"oracle-{self.cfg.threshold:g}"
         if self.kind == "topk":
             return f"topk-{self.cfg.score}-{self.budget_tokens or self.cfg.topk_tokens}"
         return "dense"
@@ -148,6 +152,8 @@ class PSARuntime:
         meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta()
         if policy.kind == "psa":
             res = progressive_attention(q, key, value, lengths, cfg, meta=meta, scale=scaling)
+        elif policy.kind == "oracle":
+            res = oracle_attention(q, key, value, lengths, cfg, scale=scaling)
         else:
             res = topk_attention(
                 q, key, value, lengths, cfg, policy.budget_tokens, meta=meta, scale=scaling

@@ -259,3 +259,33 @@ def test_sparse_attention_reads_less_on_skewed_attention():
     assert res.read.float().mean() < 0.2
     dense = dense_attention(q, k, v, lengths)
     assert (res.out - dense).norm() / dense.norm() < 0.05
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([0.5, 0.9, 0.98]))
+def test_oracle_is_the_smallest_true_mass_prefix(seed, eps):
+    from sglang_psa.algo import oracle_attention
+
+    q, k, v, lengths = make(seed, spread=2.0)
+    cfg = PSAConfig(threshold=eps)
+    res = oracle_attention(q, k, v, lengths, cfg)
+    cov = true_coverage(q, k, v, lengths, res.read, 32)
+    assert bool((cov >= eps - 1e-5).all())
+    # Dropping the least massive read non-forced block breaks the target for some head.
+    forced = forced_blocks(lengths, res.read.shape[-1], cfg)
+    from sglang_psa.algo.attention import block_lse, token_scores
+
+    lse_b = block_lse(token_scores(q, k, lengths, 1 / 4), 32)
+    G = q.shape[1] // k.shape[1]
+    share = (lse_b - torch.logsumexp(lse_b, -1, keepdim=True)).view(*res.read.shape[:2], G, -1)
+    share = share.amax(2)
+    for b in range(q.shape[0]):
+        for h in range(k.shape[1]):
+            cand = res.read[b, h] & ~forced[b]
+            if not cand.any():
+                continue
+            j = int(torch.where(cand, share[b, h], torch.inf).argmin())
+            fewer = res.read.clone()
+            fewer[b, h, j] = False
+            c = true_coverage(q, k, v, lengths, fewer, 32)[b, h * G : (h + 1) * G]
+            assert bool((c < eps + 1e-6).any())
