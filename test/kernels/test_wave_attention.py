@@ -15,6 +15,10 @@ def device(kernel_device):
     return kernel_device
 
 
+# Small blocks and waves, so a short context spans many waves.
+SMALL_WAVES = dict(block_size=16, wave_blocks=2, wave_growth=1.5, max_wave_blocks=8)
+
+
 def _case(seed, B=2, Hq=4, Hkv=2, T=200, d=16, spread=1.5, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, d, generator=g) * spread
@@ -80,6 +84,17 @@ def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, split
     )
 
 
+def _assert_matches_psa(cfg, case, host_fraction, layout_seed, device, splits=None):
+    """Same blocks, output, log-mass and wave count as `progressive_attention`."""
+    q, k, v, lengths = case
+    ref = progressive_attention(q, k, v, lengths, cfg)
+    res = _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, splits=splits)
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
+    assert torch.equal(res.n_waves.long(), ref.n_waves)
+
+
 @pytest.mark.parametrize("method", ["mean", "bound"])
 def test_block_scores_match_reference(device, method):
     from sgl_kernel_ext.scoring import block_scores
@@ -106,22 +121,8 @@ def test_block_scores_match_reference(device, method):
     ],
 )
 def test_wave_attention_matches_reference(device, rule, eps, host):
-
-    cfg = PSAConfig(
-        threshold=eps,
-        stop_rule=rule,
-        block_size=16,
-        wave_blocks=2,
-        wave_growth=1.5,
-        max_wave_blocks=8,
-    )
-    q, k, v, lengths = _case(1, device=device)
-    ref = progressive_attention(q, k, v, lengths, cfg)
-    res = _run_tiered(cfg, q, k, v, lengths, host, 2, device)
-    assert torch.equal(res.read_mask(), ref.read)
-    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
-    assert torch.equal(res.n_waves.long(), ref.n_waves)
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    _assert_matches_psa(cfg, _case(1, device=device), host, 2, device)
 
 
 def test_wave_attention_with_a_block_budget_is_topk(device):
@@ -142,18 +143,5 @@ def test_wave_attention_with_a_block_budget_is_topk(device):
 )
 def test_split_waves_match_reference(splits, rule, eps, host):
     """Several programs per (request, KV head), merging states after every wave."""
-    cfg = PSAConfig(
-        threshold=eps,
-        stop_rule=rule,
-        block_size=16,
-        wave_blocks=2,
-        wave_growth=1.5,
-        max_wave_blocks=8,
-    )
-    q, k, v, lengths = _case(5, T=700, device="cuda")
-    ref = progressive_attention(q, k, v, lengths, cfg)
-    res = _run_tiered(cfg, q, k, v, lengths, host, 6, "cuda", splits=splits)
-    assert torch.equal(res.read_mask(), ref.read)
-    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
-    assert torch.equal(res.n_waves.long(), ref.n_waves)
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    _assert_matches_psa(cfg, _case(5, T=700, device="cuda"), host, 6, "cuda", splits=splits)
