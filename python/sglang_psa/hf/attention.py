@@ -100,14 +100,8 @@ class PSARuntime:
             or int(cache.lengths.max()) > T
         )
         if stale:
-            cache = BlockMetaCache.empty(
-                B,
-                H,
-                d,
-                block_size,
-                num_blocks(torch.tensor(T), block_size).item(),
-                device=key.device,
-            )
+            capacity = -(-T // block_size)
+            cache = BlockMetaCache.empty(B, H, d, block_size, capacity, device=key.device)
             self.meta[layer] = cache
         start = int(cache.lengths.max())
         if start < T:
