@@ -1,0 +1,97 @@
+"""The host KV pool: every KV block of every request, in (layer, KV head)-major layout.
+
+`k` and `v` are `[layers, kv_heads, num_blocks, block_size, head_dim]`, so one
+block of one head is one contiguous run (8 KB for 32 x 128 bf16): the unit the
+gather kernel moves and the wave kernel reads through UVA. The memory is
+shared (a copy-engine process can map it) and, where CUDA exists, page-locked
+and registered so the GPU reads it at PCIe speed. A block id from `BlockPool`
+names the same block in every layer and head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def blocks_for_budget(
+    gb: float, layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """How many blocks (K and V, all layers and heads) fit in `gb` GiB."""
+    per_block = (
+        2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    )
+    return int(gb * (1 << 30) // per_block)
+
+
+class HostKVPool:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        num_blocks: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        pin: bool | None = None,
+    ):
+        if num_blocks < 1:
+            raise ValueError("the host pool needs at least one block (raise --psa-host-pool-gb)")
+        self.layers, self.kv_heads, self.num_blocks = layers, kv_heads, num_blocks
+        self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
+        shape = (layers, kv_heads, num_blocks, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype).share_memory_()
+        self.v = torch.zeros(shape, dtype=dtype).share_memory_()
+        self.pinned = False
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin:
+            self._register()
+
+    def _register(self) -> None:
+        """Page-lock the shared pages in place so the GPU can read them through UVA."""
+        cudart = torch.cuda.cudart()
+        for t in (self.k, self.v):
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(err) != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister failed ({err}) for a {t.numel() * t.element_size() / 2**30:.1f} GiB host pool"
+                )
+        self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            cudart = torch.cuda.cudart()
+            for t in (self.k, self.v):
+                cudart.cudaHostUnregister(t.data_ptr())
+            self.pinned = False
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def layer_units(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer` as `[kv_heads * num_blocks, block_size, head_dim]` unit arrays."""
+        n = self.kv_heads * self.num_blocks
+        return (
+            self.k[layer].view(n, self.block_size, self.head_dim),
+            self.v[layer].view(n, self.block_size, self.head_dim),
+        )
+
+    def unit(self, head: int | torch.Tensor, block: int | torch.Tensor):
+        """Index of (head, block) in a layer's unit array."""
+        return head * self.num_blocks + block
+
+    def write_tokens(
+        self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, start: int = 0
+    ) -> None:
+        """Store `k, v [kv_heads, n, head_dim]` at token positions `start..start+n` of a
+        request whose blocks are `blocks` (the CPU path; the GPU path is the scatter kernel)."""
+        n = k.shape[1]
+        bs = self.block_size
+        for i in range(math.ceil((start + n) / bs) - start // bs):
+            b = start // bs + i
+            lo, hi = max(start, b * bs), min(start + n, (b + 1) * bs)
+            self.k[layer, :, blocks[b], lo - b * bs : hi - b * bs] = k[:, lo - start : hi - start]
+            self.v[layer, :, blocks[b], lo - b * bs : hi - b * bs] = v[:, lo - start : hi - start]
