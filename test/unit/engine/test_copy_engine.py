@@ -1,0 +1,64 @@
+"""Copy-engine process: saved rows land in the right blocks; a killed engine is noticed,
+its jobs fail loudly, and a restarted engine works."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from sglang_psa.engine import CopyEngine, EngineDied, SaveJob
+from sglang_psa.store.host_pool import HostKVPool
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def pool():
+    p = HostKVPool(
+        layers=2, kv_heads=2, num_blocks=8, block_size=4, head_dim=8, dtype=torch.float32, pin=False
+    )
+    yield p
+    p.close()
+
+
+def test_save_scatters_rows_into_blocks(pool):
+    eng = CopyEngine(pool, staging_rows=16)
+    try:
+        rows = torch.randn(7, 2, 8)
+        eng.stage_k[3:10] = rows
+        eng.stage_v[3:10] = -rows
+        # 7 tokens: last 2 of block 5 (offset 2), then 4 in block 1, then 1 in block 6.
+        job = eng.submit(SaveJob(layer=1, row0=3, segments=[(5, 2, 2), (1, 0, 4), (6, 0, 1)]))
+        eng.wait(job)
+        torch.testing.assert_close(pool.k[1, :, 5, 2:4], rows[0:2].transpose(0, 1))
+        torch.testing.assert_close(pool.k[1, :, 1, 0:4], rows[2:6].transpose(0, 1))
+        torch.testing.assert_close(pool.v[1, :, 6, 0:1], -rows[6:7].transpose(0, 1))
+        assert not pool.k[0].any()  # other layer untouched
+        with pytest.raises(ValueError, match="staging ring"):
+            eng.submit(SaveJob(layer=0, row0=14, segments=[(0, 0, 4)]))
+    finally:
+        eng.close()
+
+
+def test_killed_engine_is_detected_jobs_fail_and_restart_works(pool):
+    eng = CopyEngine(pool, staging_rows=64, slow_ms=200)
+    try:
+        eng.stage_k[:32] = 1.0
+        job = eng.submit(SaveJob(layer=0, row0=0, segments=[(b, 0, 4) for b in range(8)]))
+        time.sleep(0.3)  # the engine is mid-save
+        os.kill(eng.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDied, match=rf"jobs not saved: \[{job}\]"):
+            eng.wait(job)
+        assert time.monotonic() - t0 < 1.0  # noticed within a second
+        assert not pool.k[0, :, 7].any()  # the last block of the killed save never landed
+        eng.slow_ms = 0
+        eng.restart()
+        job2 = eng.submit(SaveJob(layer=0, row0=0, segments=[(7, 0, 4)]))
+        eng.wait(job2)
+        assert bool((pool.k[0, :, 7] == 1.0).all())
+        assert eng.restarts == 1
+    finally:
+        eng.close()
