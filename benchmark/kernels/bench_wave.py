@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import torch
 
@@ -153,16 +154,22 @@ def run() -> dict:
     # Programs per (request, KV head) for the headline case (more than one per SM needs
     # them all resident: a cooperative launch that does not fit fails and is skipped).
     split_sweep = {}
-    for sp in (1, 2, 4, 8):
-        LAUNCH["splits"] = sp
-        try:
-            split_sweep[sp] = bench_case(8, 131072, 0.05)["time_us"]
-        except Exception as e:  # noqa: BLE001 - report and keep measuring
-            split_sweep[sp] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        torch.cuda.empty_cache()
+    best_tile, best_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
+    # Fewer warps per program lets two programs share an SM, so more splits fit.
+    for tile, warps in {(best_tile, best_warps), (64, 4), (128, 4)}:
+        for sp in (1, 2, 4, 8):
+            LAUNCH.update(tile_tokens=tile, num_warps=warps, splits=sp)
+            key = f"tile{tile}_warps{warps}_splits{sp}"
+            try:
+                split_sweep[key] = bench_case(8, 131072, 0.05)["time_us"]
+            except Exception as e:  # noqa: BLE001 - report and keep measuring
+                split_sweep[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+            torch.cuda.empty_cache()
     ok = {k: v for k, v in split_sweep.items() if isinstance(v, float)}
-    LAUNCH["splits"] = min(ok, key=ok.get)
-    print("split sweep (us):", split_sweep, "->", LAUNCH["splits"], flush=True)
+    best = min(ok, key=ok.get)
+    tile, warps, sp = (int(x) for x in re.findall(r"\d+", best))
+    LAUNCH.update(tile_tokens=tile, num_warps=warps, splits=sp)
+    print("split sweep (us):", split_sweep, "->", LAUNCH, flush=True)
     rows, dense = [], {}
     for ctx in (32768, 131072):
         for batch in (1, 8, 32):
@@ -201,7 +208,7 @@ def run() -> dict:
         "dense_sdpa_us": dense,
         "overhead_case": small,
         "launch_sweep_us": sweep,
-        "split_sweep_us": {str(k): v for k, v in split_sweep.items()},
+        "split_sweep_us": split_sweep,
         "launch": dict(LAUNCH),
     }
 

@@ -24,8 +24,9 @@ def main() -> None:
     nb = ctx // BS
     wa = WaveAttention(block_size=BS, threshold=1.0).plan(batch, HQ, HKV, D, nb, "cuda")
     wa.num_warps = 8
-    step = lambda: wa.run(q, ks, vs, loc, lengths, meta[0], meta[1], meta[2],
-                          max_read_blocks=round(frac * nb))
+    step = lambda: wa.run(
+        q, ks, vs, loc, lengths, meta[0], meta[1], meta[2], max_read_blocks=round(frac * nb)
+    )
     for _ in range(4):
         step()
     torch.cuda.synchronize()
