@@ -257,7 +257,8 @@ class WaveAttention:
         self.bs, self.threshold, self.rule, self.score = block_size, threshold, stop_rule, score
         self.sink, self.recent = sink_blocks, recent_blocks
         self.wave = (wave_blocks, wave_growth, max_wave_blocks)
-        self.tile_tokens, self.num_warps = 128, 4  # launch shape: benchmark/kernels
+        # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
+        self.tile_tokens, self.num_warps = 64, 4
         self.limit = math.log((1 - threshold) / threshold) if threshold < 1.0 else -math.inf
 
     @classmethod
@@ -292,18 +293,11 @@ class WaveAttention:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                splits = max(1, min(16, sms // (batch * n_kv_heads)))
+                # Two 4-warp programs fit an SM; run() halves this if a launch does not fit.
+                splits = max(1, min(16, 2 * sms // (batch * n_kv_heads)))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
-        self.splits = splits
-        gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
-        self.part = torch.empty(
-            2, batch, n_kv_heads, splits, 3, gp, dtype=torch.float32, device=dev
-        )
-        self.acc_part = torch.empty(
-            2, batch, n_kv_heads, splits, gp, head_dim, dtype=torch.float32, device=dev
-        )
-        self.counters = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=dev)
+        self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
         first, growth, cap = self.wave
         sizes, size, left = [], float(first), max_blocks
         while left > 0:
@@ -325,6 +319,22 @@ class WaveAttention:
         self.n_read = torch.empty(batch, n_kv_heads, dtype=torch.int32, device=device)
         self.n_waves = torch.empty_like(self.n_read)
         return self
+
+    def _alloc_splits(
+        self,
+        splits: int,
+        batch: int,
+        n_q_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dev: torch.device,
+    ) -> None:
+        self.splits = splits
+        gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.part = torch.empty(2, batch, n_kv_heads, splits, 3, gp, **f32)
+        self.acc_part = torch.empty(2, batch, n_kv_heads, splits, gp, head_dim, **f32)
+        self.counters = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=dev)
 
     def run(
         self,
@@ -383,41 +393,50 @@ class WaveAttention:
         v_host = v_slots if v_host is None else v_host
         order32 = order.to(torch.int32).contiguous()
         G = Hq // Hkv
-        self.counters.zero_()
-        _wave_attention_kernel[(B, Hkv, self.splits)](
-            q.contiguous(),
-            k_slots,
-            v_slots,
-            k_host,
-            v_host,
-            loc.to(torch.int32).contiguous(),
-            order32,
-            lengths.to(torch.int32).contiguous(),
-            n_forced,
-            self.wave_ends,
-            ub_suffix,
-            self.out,
-            self.lse,
-            self.n_read,
-            self.n_waves,
-            self.part,
-            self.acc_part,
-            self.counters,
-            scale,
-            self.limit,
-            NB if max_read_blocks is None else max_read_blocks,
-            Hkv,
-            NB,
-            G=G,
-            GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
-            D=D,
-            BS=bs,
-            NBLK=max(1, self.tile_tokens // bs),
-            HAS_HOST=has_host,
-            num_warps=self.num_warps,
-            RULE=0 if self.rule == "heuristic" else 1,
-            PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            S=self.splits,
-            launch_cooperative_grid=self.splits > 1,
-        )
+        while True:
+            self.counters.zero_()
+            try:
+                _wave_attention_kernel[(B, Hkv, self.splits)](
+                    q.contiguous(),
+                    k_slots,
+                    v_slots,
+                    k_host,
+                    v_host,
+                    loc.to(torch.int32).contiguous(),
+                    order32,
+                    lengths.to(torch.int32).contiguous(),
+                    n_forced,
+                    self.wave_ends,
+                    ub_suffix,
+                    self.out,
+                    self.lse,
+                    self.n_read,
+                    self.n_waves,
+                    self.part,
+                    self.acc_part,
+                    self.counters,
+                    scale,
+                    self.limit,
+                    NB if max_read_blocks is None else max_read_blocks,
+                    Hkv,
+                    NB,
+                    G=G,
+                    GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
+                    D=D,
+                    BS=bs,
+                    NBLK=max(1, self.tile_tokens // bs),
+                    HAS_HOST=has_host,
+                    num_warps=self.num_warps,
+                    RULE=0 if self.rule == "heuristic" else 1,
+                    PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                    S=self.splits,
+                    launch_cooperative_grid=self.splits > 1,
+                )
+                break
+            except RuntimeError as e:
+                # Too many programs for one cooperative launch (they must all be
+                # resident): halve the split and try again; the plan keeps the result.
+                if self.splits == 1 or "cooperative" not in str(e):
+                    raise
+                self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)
