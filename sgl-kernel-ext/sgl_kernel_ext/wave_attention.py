@@ -286,7 +286,7 @@ class WaveAttention:
         splits: int | None = None,
     ) -> WaveAttention:
         """Fix shapes, the wave schedule and buffers. `splits` programs share each
-        (request, KV head); by default as many as keep one program per SM resident
+        (request, KV head); by default as many as keep two programs per SM resident
         (always 1 in Triton's interpreter, which runs programs one after another)."""
         dev = torch.device(device)
         if splits is None:

@@ -145,3 +145,20 @@ def test_split_waves_match_reference(splits, rule, eps, host):
     """Several programs per (request, KV head), merging states after every wave."""
     cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
     _assert_matches_psa(cfg, _case(5, T=700, device="cuda"), host, 6, "cuda", splits=splits)
+
+
+@pytest.mark.gpu
+def test_split_too_large_for_one_cooperative_launch_is_halved():
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    cfg = PSAConfig(threshold=0.9, **SMALL_WAVES)
+    q, k, v, lengths = _case(7, B=8, Hq=8, Hkv=4, T=400, device="cuda")
+    ref = progressive_attention(q, k, v, lengths, cfg)
+    meta = block_metadata(k, lengths, 16)
+    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.0, seed=8)
+    # 8 x 4 x 64 programs cannot all be resident on any current GPU.
+    wa = WaveAttention.from_config(cfg).plan(8, 8, 4, 16, loc.shape[-1], "cuda", splits=64)
+    res = wa.run(q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax)
+    assert wa.splits < 64
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
