@@ -8,7 +8,11 @@ import time
 import pytest
 import torch
 
-from sglang_psa.engine import CopyEngine, EngineDied, SaveJob
+# pyzmq and orjson are dependencies of the package; a bare GPU host may lack them.
+pytest.importorskip("zmq", reason="pyzmq is not installed here (pip install sglang-psa)")
+pytest.importorskip("orjson", reason="orjson is not installed here (pip install sglang-psa)")
+
+from sglang_psa.engine import CopyEngine, EngineDied, SaveJob  # noqa: E402
 from sglang_psa.store.host_pool import HostKVPool
 
 pytestmark = pytest.mark.slow
