@@ -124,6 +124,12 @@ def _wave_checkpoints(
     return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
 
 
+def _unsort(order: torch.Tensor, read_sorted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Read mask by block index from one by read-order position; empty blocks never read."""
+    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
+    return read & valid[:, None, :]
+
+
 def progressive_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,8 +191,7 @@ def progressive_attention(
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
     read_sorted = pos[None, None, :] < n_read[..., None]
-    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
-    read &= (meta.count > 0)[:, None, :]
+    read = _unsort(order, read_sorted, meta.count > 0)
     n_waves = (checks[:, None, :] & read_sorted).sum(-1)
     out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, n_waves)
@@ -216,8 +221,7 @@ def topk_attention(
     k_blocks = torch.maximum(torch.full_like(n_forced, max(budget // bs, 1)), n_forced)
     pos = torch.arange(nb, device=q.device)
     read_sorted = (pos[None, :] < k_blocks[:, None])[:, None, :].expand_as(order)
-    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
-    read &= (meta.count > 0)[:, None, :]
+    read = _unsort(order, read_sorted, meta.count > 0)
     out, lse = attend(token_scores(q, k, lengths, scale), v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, torch.zeros_like(order[..., 0]))
 
@@ -270,7 +274,6 @@ def oracle_attention(
     pos = torch.arange(nb, device=q.device)
     first = torch.where(ok & (pos >= forced.sum(-1)[:, None, None] - 1), pos, nb - 1).amin(-1)
     read_sorted = pos[None, None, :] <= first[..., None]
-    read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
-    read &= num_blocks(lengths, bs)[:, None, None] > pos
+    read = _unsort(order, read_sorted, num_blocks(lengths, bs)[:, None] > pos)
     out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, torch.zeros_like(first))
