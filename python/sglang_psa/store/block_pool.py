@@ -47,17 +47,21 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free)
 
-    def blocks_needed(self, tokens: Sequence[int]) -> int:
-        """New blocks an `allocate(tokens)` would take, after prefix sharing."""
-        need, prev = 0, None
+    def _chain(self, tokens: Sequence[int]) -> list[int | None]:
+        """Per block of `tokens`: its chain hash if full, None for a partial tail."""
+        hashes, prev = [], None
         for i in range(0, len(tokens), self.block_size):
             chunk = tokens[i : i + self.block_size]
             if len(chunk) == self.block_size:
                 prev = chain_hash(prev, chunk)
-                if prev in self.by_hash:
-                    continue
-            need += 1
-        return need
+                hashes.append(prev)
+            else:
+                hashes.append(None)
+        return hashes
+
+    def blocks_needed(self, tokens: Sequence[int]) -> int:
+        """New blocks an `allocate(tokens)` would take, after prefix sharing."""
+        return sum(h is None or h not in self.by_hash for h in self._chain(tokens))
 
     def can_allocate(self, tokens: Sequence[int]) -> bool:
         return self.blocks_needed(tokens) <= self.num_free
@@ -69,20 +73,18 @@ class BlockPool:
                 f"need {self.blocks_needed(tokens)} host blocks, "
                 f"{self.num_free} free of {self.num_blocks}"
             )
-        table, prev = BlockTable(), None
-        for i in range(0, len(tokens), self.block_size):
-            chunk = tokens[i : i + self.block_size]
-            if len(chunk) == self.block_size:
-                prev = chain_hash(prev, chunk)
-                bid = self.by_hash.get(prev)
+        table = BlockTable()
+        for h in self._chain(tokens):
+            if h is None:
+                bid = self._take()  # partial tail: private until it fills
+            else:
+                bid = self.by_hash.get(h)
                 if bid is None:
                     bid = self._take()
-                    self.by_hash[prev], self.hash_of[bid] = bid, prev
+                    self.by_hash[h], self.hash_of[bid] = bid, h
                 else:
                     self.ref[bid] += 1
-                table.hashes.append(prev)
-            else:
-                bid = self._take()  # partial tail: private until it fills
+                table.hashes.append(h)
             table.blocks.append(bid)
         return table
 
