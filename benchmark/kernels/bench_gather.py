@@ -14,6 +14,7 @@ import json
 import sys
 
 import torch
+from timing import cuda_time
 
 from sgl_kernel_ext.gather import BlockCopier
 
@@ -22,18 +23,7 @@ MOVE_BYTES = 1 << 30  # bytes moved per measured gather
 
 
 def _time(fn, reps: int = 10, warmup: int = 2, stream=None) -> float:
-    stream = stream or torch.cuda.current_stream()
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        fn()
-        b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return cuda_time(fn, reps, warmup, stream)
 
 
 def peaks() -> tuple[float, float]:

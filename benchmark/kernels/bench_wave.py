@@ -16,6 +16,7 @@ import math
 import re
 
 import torch
+from timing import cuda_time
 
 from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -23,19 +24,8 @@ HQ, HKV, D, BS = 32, 8, 128, 32
 LAUNCH = {"tile_tokens": 128, "num_warps": 4, "splits": None}  # set by the sweeps in run()
 
 
-def _time(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of `fn` measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+def _time(fn, reps: int = 20, warmup: int = 3, stream=None) -> float:
+    return cuda_time(fn, reps, warmup, stream)
 
 
 def hbm_peak_gbps() -> float:
