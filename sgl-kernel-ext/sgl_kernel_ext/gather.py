@@ -28,14 +28,28 @@ import triton.language as tl
 
 @triton.jit
 def _copy_units_kernel(
-    src, src_idx, dst, dst_idx, src_stride, dst_stride, UNIT: tl.constexpr, BLOCK: tl.constexpr
+    src,
+    src_idx,
+    dst,
+    dst_idx,
+    count,
+    src_stride,
+    dst_stride,
+    UNIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
     i = tl.program_id(0)
-    s = tl.load(src_idx + i).to(tl.int64) * src_stride
+    if HAS_COUNT:
+        lim = tl.load(count)
+    else:
+        lim = count  # the launch size: every program is live
+    s = tl.load(src_idx + i).to(tl.int64) * src_stride  # i < launch size: in bounds
     d = tl.load(dst_idx + i).to(tl.int64) * dst_stride
     offs = tl.arange(0, BLOCK)
+    live = offs * 0 + i < lim
     for off in tl.static_range(0, UNIT, BLOCK):
-        m = off + offs < UNIT
+        m = (off + offs < UNIT) & live
         tl.store(dst + d + off + offs, tl.load(src + s + off + offs, mask=m), mask=m)
 
 
@@ -98,14 +112,22 @@ class BlockCopier:
             )
 
     def run(
-        self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
+        self,
+        src: torch.Tensor,
+        src_idx: torch.Tensor,
+        dst: torch.Tensor,
+        dst_idx: torch.Tensor,
+        count: torch.Tensor | None = None,
     ) -> None:
         """`dst[dst_idx[i]] = src[src_idx[i]]` for all i, in one launch.
 
         Indices are int32/int64 on the kernel's device; destinations must be
-        distinct (sources may repeat). On CUDA the host side must be pinned.
-        Without CUDA and outside the Triton interpreter this is plain torch
-        indexing, which gives the identical result.
+        distinct (sources may repeat). `count`, a one-element integer tensor on
+        the kernel's device, limits the copy to the first `count[0]` pairs, so
+        a caller whose number of misses is known only on the GPU launches for
+        the upper bound without a host sync. On CUDA the host side must be
+        pinned. Without CUDA and outside the Triton interpreter this is plain
+        torch indexing, which gives the identical result.
         """
         self._check(src, src_idx, dst, dst_idx)
         n = src_idx.numel()
@@ -113,7 +135,8 @@ class BlockCopier:
             return
         device = self.device or (src.device if src.is_cuda else dst.device)
         if not _triton_enabled(device):
-            dst[dst_idx.long()] = src[src_idx.long()]
+            m = n if count is None else int(count.reshape(-1)[0])
+            dst[dst_idx[:m].long()] = src[src_idx[:m].long()]
             return
         if device.type == "cuda":
             for name, t in (("src", src), ("dst", dst)):
@@ -130,10 +153,12 @@ class BlockCopier:
             src_idx,
             wd,
             dst_idx,
+            n if count is None else count,
             ws.stride(0),
             wd.stride(0),
             UNIT=unit,
             BLOCK=min(triton.next_power_of_2(unit), self.block),
+            HAS_COUNT=count is not None,
             num_warps=self.num_warps,
         )
 

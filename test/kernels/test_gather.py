@@ -49,6 +49,20 @@ def test_repeated_sources_strided_rows_and_byte_units(kernel_device):
     assert torch.equal(out.cpu(), raw.cpu()[perm.cpu()])
 
 
+@pytest.mark.parametrize("count", [0, 5, 9])
+def test_device_count_limits_the_copy(kernel_device, count):
+    """Only the first `count[0]` pairs move; the rest of the (upper-bound) launch is idle."""
+    g = torch.Generator().manual_seed(count)
+    host = _host(torch.randn(20, 4096, generator=g).to(torch.bfloat16), kernel_device)
+    slots = torch.zeros(12, 4096, dtype=torch.bfloat16, device=kernel_device)
+    src_idx = torch.randperm(20, generator=g)[:9].to(kernel_device)
+    dst_idx = torch.randperm(12, generator=g)[:9].to(kernel_device)
+    want = gather_blocks_ref(host, src_idx[:count], slots, dst_idx[:count])
+    n = torch.tensor([count], dtype=torch.int32, device=kernel_device)
+    BlockCopier(4096, torch.bfloat16, kernel_device).run(host, src_idx, slots, dst_idx, n)
+    assert torch.equal(slots.cpu(), want.cpu())
+
+
 def test_scatter_to_host_pool_and_round_trip(kernel_device):
     g = torch.Generator().manual_seed(0)
     slots = torch.randn(16, 8192, generator=g).to(torch.bfloat16).to(kernel_device)

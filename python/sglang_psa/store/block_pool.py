@@ -108,8 +108,12 @@ class BlockPool:
             self.by_hash[h], self.hash_of[bid] = bid, h
         table.hashes.append(h)
 
-    def free_table(self, table: BlockTable) -> None:
-        """Drop the request's references; blocks nobody holds return to the free list."""
+    def free_table(self, table: BlockTable) -> list[int]:
+        """Drop the request's references; blocks nobody holds return to the free list.
+
+        Returns those blocks, whose HBM slots the store must release too.
+        """
+        released = []
         for bid in table.blocks:
             self.ref[bid] -= 1
             if self.ref[bid] == 0:
@@ -117,8 +121,10 @@ class BlockPool:
                 if h is not None and self.by_hash.get(h) == bid:
                     del self.by_hash[h]
                 self.free.append(bid)
+                released.append(bid)
         table.blocks.clear()
         table.hashes.clear()
+        return released
 
     def _take(self) -> int:
         bid = self.free.popleft()

@@ -1,10 +1,13 @@
-"""HBM slots holding copies of host-pool units, and the block tables the wave kernel reads.
+"""HBM slots holding copies of host-pool units, and the location tables the wave kernel reads.
 
 One `k_slots/v_slots [num_slots, block_size, head_dim]` pair serves all
-layers. `SlotCache` decides which (layer, head, block) units are resident;
-`promote` brings missing units in with one gather launch; `location_table`
-writes, per layer, `[B, kv_heads, max_blocks]` int32: the slot of a resident
-unit, else `-(host unit + 1)` so the kernel reads it from the host pool.
+layers. `DeviceSlotTable` decides which units are resident; `promote` brings
+the missing ones in with one gather launch per K and V, sized for the number
+of units asked for and limited on the GPU to the actual misses, so it never
+waits for the host. `location_table` gives, per layer,
+`[B, kv_heads, max_blocks]` int32: the slot of a resident unit, else
+`-(host unit + 1)` so the kernel reads that block from the host pool through
+UVA. Both are a handful of tensor ops on the device.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 
 from sgl_kernel_ext.gather import BlockCopier
 from sglang_psa.store.host_pool import HostKVPool
-from sglang_psa.store.slot_cache import SlotCache
+from sglang_psa.store.slot_table import Acquired, DeviceSlotTable
 
 
 class SlotStore:
@@ -22,44 +25,66 @@ class SlotStore:
         shape = (num_slots, pool.block_size, pool.head_dim)
         self.k_slots = torch.zeros(shape, dtype=pool.dtype, device=self.device)
         self.v_slots = torch.zeros_like(self.k_slots)
-        self.cache = SlotCache(num_slots)
+        self.units_per_layer = pool.kv_heads * pool.num_blocks
+        self.table = DeviceSlotTable(pool.layers * self.units_per_layer, num_slots, self.device)
         unit = pool.block_size * pool.head_dim
         self.copier = BlockCopier(unit, pool.dtype, self.device)
+        flat = (pool.layers * self.units_per_layer, unit)
+        self._host_k, self._host_v = pool.k.view(flat), pool.v.view(flat)
 
-    def promote(self, layer: int, head_blocks: list[tuple[int, int]]) -> list[int]:
-        """Slots for the (head, block) units of `layer`, gathering the missing ones at once.
+    @property
+    def num_slots(self) -> int:
+        return self.table.num_slots
 
-        Units already resident are only marked recently used. Raises if every
-        slot is pinned by the running step.
+    def units(self, layer: int | torch.Tensor, head, block) -> torch.Tensor:
+        """Global unit ids (int64 on the device) of (layer, head, block), broadcast."""
+        as_t = lambda x: torch.as_tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        N = self.pool.num_blocks
+        return (as_t(layer) * self.pool.kv_heads + as_t(head)) * N + as_t(block)
+
+    def promote(
+        self, layer: int, head_blocks: list[tuple[int, int]] | torch.Tensor, pin: bool = False
+    ) -> torch.Tensor:
+        """Slots for the (head, block) pairs of `layer`, gathering the missing units at once."""
+        hb = torch.as_tensor(head_blocks, dtype=torch.int64, device=self.device).reshape(-1, 2)
+        return self.promote_units(self.units(layer, hb[:, 0], hb[:, 1]), pin).slots
+
+    def promote_units(self, units: torch.Tensor, pin: bool = False) -> Acquired:
+        """Make distinct global `units` resident (any layers): one gather each for K and V.
+
+        Runs on the current stream; the `Loader` calls it on its own stream.
         """
-        slots, src, dst = [], [], []
-        for head, block in head_blocks:
-            key = (layer, head, block)
-            slot = self.cache.lookup(key)
-            if slot is None:
-                slot, _ = self.cache.insert(key)
-                src.append(self.pool.unit(head, block))
-                dst.append(slot)
-            slots.append(slot)
-        if src:
-            s = torch.tensor(src, dtype=torch.int64, device=self.device)
-            d = torch.tensor(dst, dtype=torch.int64, device=self.device)
-            for host, slots_t in zip(self.pool.layer_units(layer), (self.k_slots, self.v_slots)):
-                self.copier.run(host.flatten(1), s, slots_t.flatten(1), d)
-        return slots
+        got = self.table.acquire(units, pin=pin)
+        if units.numel():
+            for host, slots in ((self._host_k, self.k_slots), (self._host_v, self.v_slots)):
+                self.copier.run(host, got.miss_units, slots.flatten(1), got.miss_slots, got.n_miss)
+        return got
 
     def location_table(
-        self, layer: int, block_tables: list[list[int]], max_blocks: int
+        self, layer: int, block_tables: list[list[int]] | torch.Tensor, max_blocks: int | None = None
     ) -> torch.Tensor:
         """`[B, kv_heads, max_blocks]` int32: slot if resident, else -(host unit + 1).
 
-        Entries past a request's last block are 0; the kernel never reads them.
+        `block_tables` is `[B, max_blocks]` block ids (a tensor, or lists padded
+        here); entries past a request's last block may hold anything, the
+        kernel never reads them.
         """
-        H = self.pool.kv_heads
-        loc = torch.zeros(len(block_tables), H, max_blocks, dtype=torch.int32)
-        for b, blocks in enumerate(block_tables):
-            for h in range(H):
-                for j, blk in enumerate(blocks):
-                    slot = self.cache.lru.get((layer, h, blk))
-                    loc[b, h, j] = slot if slot is not None else -(self.pool.unit(h, blk) + 1)
-        return loc.to(self.device)
+        if not torch.is_tensor(block_tables):
+            width = max_blocks or max(len(t) for t in block_tables)
+            padded = torch.zeros(len(block_tables), width, dtype=torch.int64)
+            for b, t in enumerate(block_tables):
+                padded[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+            block_tables = padded
+        bt = block_tables.to(self.device, torch.int64)[:, None, :]
+        heads = torch.arange(self.pool.kv_heads, device=self.device)[None, :, None]
+        local = heads * self.pool.num_blocks + bt
+        slot = self.table.slot_of[layer * self.units_per_layer + local]
+        return torch.where(slot >= 0, slot, -(local + 1)).to(torch.int32)
+
+    def drop_blocks(self, blocks: list[int] | torch.Tensor) -> None:
+        """Free the slots of `blocks` in every layer and head (their host blocks were freed)."""
+        b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device).reshape(1, 1, -1)
+        L, H = self.pool.layers, self.pool.kv_heads
+        layers = torch.arange(L, device=self.device).reshape(L, 1, 1)
+        heads = torch.arange(H, device=self.device).reshape(1, H, 1)
+        self.table.drop_units(self.units(layers, heads, b).flatten())

@@ -73,7 +73,20 @@ def test_wave_attention_over_host_pool_and_slots(kernel_device):
     )
     assert torch.equal(res.read_mask().cpu(), ref.read)
     torch.testing.assert_close(res.out.cpu(), ref.out, atol=2e-4, rtol=2e-4)
-    assert store.cache.stats.misses == 3 and store.cache.used == 3
-    store.cache.check_integrity()
-    alloc.check_integrity(tables)
+    stats = store.table.stats
+    assert stats["misses"] == 3 and stats["used"] == 3
+    store.table.check_integrity()
+    # The promoted units hold exactly the host pool's bytes.
+    for head, blk in [(0, tables[0].blocks[0]), (1, tables[0].blocks[3])]:
+        slot = int(store.table.slot_of[store.units(layer, head, blk)])
+        assert torch.equal(store.k_slots[slot].cpu(), pool.k[layer, head, blk])
+        assert torch.equal(store.v_slots[slot].cpu(), pool.v[layer, head, blk])
+    # Freeing a request's own (unshared) blocks frees their slots in every layer; the
+    # shared prefix stays resident for the other request.
+    own = tables[1].blocks[4:]
+    assert alloc.free_table(tables[1]) == own
+    store.drop_blocks(own)
+    assert store.table.stats["used"] == 2
+    store.table.check_integrity()
+    alloc.check_integrity(tables[:1])
     pool.close()
