@@ -1,5 +1,8 @@
-"""Copy engine: a helper process that moves new KV from a staging ring into the host pool."""
+"""Copy engine and pipeline: move new KV to the host pool and needed KV into HBM slots,
+off the compute stream."""
 
-from sglang_psa.engine.copy_engine import CopyEngine, EngineDied, SaveJob
+from sglang_psa.engine.copy_engine import CopyEngine, EngineDied, SaveFailed, SaveJob
+from sglang_psa.engine.loader import Loader, Ticket
+from sglang_psa.engine.saver import KVSaver
 
-__all__ = ["CopyEngine", "EngineDied", "SaveJob"]
+__all__ = ["CopyEngine", "EngineDied", "KVSaver", "Loader", "SaveFailed", "SaveJob", "Ticket"]

@@ -12,7 +12,6 @@ stuck engine within `heartbeat_timeout` seconds, fails the jobs in flight with
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing as mp
 import os
 import threading
@@ -23,21 +22,64 @@ import orjson
 import torch
 import zmq
 
-from sglang_psa.store.host_pool import HostKVPool
+from sglang_psa.store.host_pool import HostKVPool, register_host, unregister_host
 
 
 class EngineDied(RuntimeError):
     """The copy engine died or stopped answering; the listed jobs were not saved."""
 
 
+class SaveFailed(RuntimeError):
+    """The engine refused or failed a save (bad segments); the message says why."""
+
+
+# Completion flags the GPU writes after a job's D2H copy (see `KVSaver`): job j waits
+# for flags[j % FLAG_SLOTS] == j + 1. At most FLAG_SLOTS jobs are in flight.
+FLAG_SLOTS = 1024
+
+
 @dataclass
 class SaveJob:
-    """Staging rows `row0..row0+n` of `layer` go to `(block, offset, count)` segments in order."""
+    """Staging rows `row0..row0+n` of `layer` go to `(block, offset, count)` segments in order.
+
+    `gpu_flag`: the rows are written by an asynchronous GPU copy; the engine waits
+    for its completion flag in shared memory before reading them.
+    """
 
     layer: int
     row0: int
     segments: list[tuple[int, int, int]]
     job_id: int = field(default=-1)
+    gpu_flag: bool = False
+
+
+def scatter_rows(pool_k, pool_v, stage_k, stage_v, layer: int, row0: int, segments) -> None:
+    """Copy staged `[rows, heads, d]` into `[heads, block, offset, d]` pool blocks.
+
+    Runs of whole blocks are moved with one indexed copy each (the common case of
+    prefill), partial blocks with slices.
+    """
+    bs = pool_k.shape[3]
+    row, i = row0, 0
+    while i < len(segments):
+        j = i
+        while j < len(segments) and segments[j][1] == 0 and segments[j][2] == bs:
+            j += 1
+        if j - i >= 2:
+            blocks = torch.tensor([seg[0] for seg in segments[i:j]])
+            n = (j - i) * bs
+            for pool, stage in ((pool_k, stage_k), (pool_v, stage_v)):
+                src = stage[row : row + n].view(j - i, bs, *stage.shape[1:]).permute(2, 0, 1, 3)
+                pool[layer].index_copy_(1, blocks, src)
+            row, i = row + n, j
+            continue
+        block, off, count = segments[i]
+        if not (0 <= off and count >= 1 and off + count <= bs):
+            raise SaveFailed(f"segment {segments[i]} does not fit a {bs}-token block")
+        # [count, heads, d] staging rows -> [heads, count, d] in the block.
+        pool_k[layer, :, block, off : off + count] = stage_k[row : row + count].transpose(0, 1)
+        pool_v[layer, :, block, off : off + count] = stage_v[row : row + count].transpose(0, 1)
+        row, i = row + count, i + 1
 
 
 def _engine_main(
@@ -46,10 +88,12 @@ def _engine_main(
     pool_v: torch.Tensor,
     stage_k: torch.Tensor,
     stage_v: torch.Tensor,
+    flags: torch.Tensor,
     heartbeat,
     slow_ms: int,
+    threads: int,
 ) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     stop = threading.Event()
 
     def beat() -> None:
@@ -64,16 +108,25 @@ def _engine_main(
         msg = orjson.loads(sock.recv())
         if msg["op"] == "stop":
             break
-        row = msg["row0"]
-        layer = msg["layer"]
-        for block, off, count in msg["segments"]:
-            # [count, heads, d] staging rows -> [heads, count, d] in the block.
-            pool_k[layer, :, block, off : off + count] = stage_k[row : row + count].transpose(0, 1)
-            pool_v[layer, :, block, off : off + count] = stage_v[row : row + count].transpose(0, 1)
-            row += count
-            if slow_ms:
-                time.sleep(slow_ms / 1000)  # tests: widen the window for a mid-save kill
-        sock.send(orjson.dumps({"job": msg["job"], "ok": True}))
+        job = msg["job"]
+        if msg["gpu_flag"]:
+            slot = job % FLAG_SLOTS
+            while int(flags[slot]) != job + 1:  # the GPU's D2H copy has not landed yet
+                time.sleep(20e-6)
+        try:
+            if slow_ms:  # tests: one segment at a time, slowly, to allow a mid-save kill
+                row = msg["row0"]
+                for seg in msg["segments"]:
+                    scatter_rows(pool_k, pool_v, stage_k, stage_v, msg["layer"], row, [seg])
+                    row += seg[2]
+                    time.sleep(slow_ms / 1000)
+            else:
+                scatter_rows(
+                    pool_k, pool_v, stage_k, stage_v, msg["layer"], msg["row0"], msg["segments"]
+                )
+            sock.send(orjson.dumps({"job": job, "ok": True}))
+        except Exception as e:  # a bad job must not kill the engine; the client raises it
+            sock.send(orjson.dumps({"job": job, "ok": False, "error": f"{type(e).__name__}: {e}"}))
     stop.set()
     sock.close(linger=0)
 
@@ -82,17 +135,31 @@ class CopyEngine:
     """Client side: owns the staging ring, starts/monitors/restarts the engine process."""
 
     def __init__(
-        self, pool: HostKVPool, staging_rows: int, heartbeat_timeout: float = 1.0, slow_ms: int = 0
+        self,
+        pool: HostKVPool,
+        staging_rows: int,
+        heartbeat_timeout: float = 1.0,
+        slow_ms: int = 0,
+        threads: int = 4,
+        pin: bool | None = None,
     ):
         self.pool = pool
         shape = (staging_rows, pool.kv_heads, pool.head_dim)
         self.stage_k = torch.zeros(shape, dtype=pool.dtype).share_memory_()
         self.stage_v = torch.zeros(shape, dtype=pool.dtype).share_memory_()
+        self.flags = torch.zeros(FLAG_SLOTS, dtype=torch.int64).share_memory_()
+        self._registered: list[torch.Tensor] = []
+        if pin if pin is not None else torch.cuda.is_available():
+            for t in (self.stage_k, self.stage_v, self.flags):
+                register_host(t)
+                self._registered.append(t)
         self.timeout = heartbeat_timeout
         self.slow_ms = slow_ms
-        self._ids = itertools.count()
+        self.threads = threads
+        self._next_id = 0
         self.pending: dict[int, SaveJob] = {}
         self.done: set[int] = set()
+        self.failed: dict[int, str] = {}
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
         self._zmq = zmq.Context.instance()
@@ -114,8 +181,10 @@ class CopyEngine:
                 self.pool.v,
                 self.stage_k,
                 self.stage_v,
+                self.flags,
                 self.heartbeat,
                 self.slow_ms,
+                self.threads,
             ),
         )
         self.proc.start()
@@ -133,10 +202,13 @@ class CopyEngine:
 
     def submit(self, job: SaveJob) -> int:
         """Queue a save; the staged rows must not be overwritten until `wait()` returns."""
-        job.job_id = next(self._ids)
         n = sum(c for _, _, c in job.segments)
         if job.row0 < 0 or job.row0 + n > self.stage_k.shape[0]:
             raise ValueError(f"rows {job.row0}..{job.row0 + n} are outside the staging ring")
+        while len(self.pending) >= FLAG_SLOTS:  # flag slots are reused modulo FLAG_SLOTS
+            self.wait(min(self.pending))
+        job.job_id = self._next_id
+        self._next_id += 1
         self.pending[job.job_id] = job
         self.sock.send(
             orjson.dumps(
@@ -146,10 +218,15 @@ class CopyEngine:
                     "layer": job.layer,
                     "row0": job.row0,
                     "segments": job.segments,
+                    "gpu_flag": job.gpu_flag,
                 }
             )
         )
         return job.job_id
+
+    def peek_next_id(self) -> int:
+        """The id the next `submit` assigns (a GPU completion flag is written under it)."""
+        return self._next_id
 
     def check_health(self) -> None:
         """Raise `EngineDied` (naming the lost jobs) if the engine is dead or silent."""
@@ -165,17 +242,36 @@ class CopyEngine:
         )
         raise EngineDied(f"copy engine {why}; jobs not saved: {lost}")
 
+    def _take_ack(self) -> None:
+        ack = orjson.loads(self.sock.recv())
+        self.pending.pop(ack["job"], None)
+        if ack["ok"]:
+            self.done.add(ack["job"])
+        else:
+            self.failed[ack["job"]] = ack["error"]
+
+    def poll(self) -> None:
+        """Take every acknowledgement already there, without blocking."""
+        while self.sock.poll(0):
+            self._take_ack()
+
+    def is_saved(self, job_id: int) -> bool:
+        self.poll()
+        return job_id in self.done
+
     def wait(self, job_id: int) -> None:
-        """Block until `job_id` is saved; `EngineDied` if the engine dies first."""
+        """Block until `job_id` is saved; `EngineDied` if the engine dies first,
+        `SaveFailed` if the engine rejected the job."""
         while job_id not in self.done:
+            if job_id in self.failed:
+                raise SaveFailed(f"save job {job_id} failed: {self.failed.pop(job_id)}")
             if self.sock.poll(50):
-                ack = orjson.loads(self.sock.recv())
-                self.pending.pop(ack["job"], None)
-                self.done.add(ack["job"])
+                self._take_ack()
             else:
                 self.check_health()
                 if job_id not in self.pending and job_id not in self.done:
-                    raise EngineDied(f"job {job_id} was lost")
+                    if job_id not in self.failed:
+                        raise EngineDied(f"job {job_id} was lost")
         self.done.discard(job_id)
 
     def restart(self) -> None:
@@ -196,3 +292,8 @@ class CopyEngine:
         self.sock.close(linger=0)
         if os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
+
+    def unregister(self) -> None:
+        """Undo the page-locking of the staging ring (after `close`)."""
+        while self._registered:
+            unregister_host(self._registered.pop())

@@ -15,6 +15,20 @@ import math
 import torch
 
 
+def register_host(t: torch.Tensor) -> None:
+    """Page-lock `t`'s (shared) pages in place so the GPU reads and writes them through UVA."""
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister failed ({err}) for {nbytes / 2**30:.2f} GiB of host memory"
+        )
+
+
+def unregister_host(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 def blocks_for_budget(
     gb: float, layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
 ) -> int:
@@ -50,21 +64,14 @@ class HostKVPool:
             self._register()
 
     def _register(self) -> None:
-        """Page-lock the shared pages in place so the GPU can read them through UVA."""
-        cudart = torch.cuda.cudart()
         for t in (self.k, self.v):
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister failed ({err}) for a {t.numel() * t.element_size() / 2**30:.1f} GiB host pool"
-                )
+            register_host(t)
         self.pinned = True
 
     def close(self) -> None:
         if self.pinned:
-            cudart = torch.cuda.cudart()
             for t in (self.k, self.v):
-                cudart.cudaHostUnregister(t.data_ptr())
+                unregister_host(t)
             self.pinned = False
 
     @property

@@ -61,7 +61,10 @@ class SlotStore:
         return got
 
     def location_table(
-        self, layer: int, block_tables: list[list[int]] | torch.Tensor, max_blocks: int | None = None
+        self,
+        layer: int,
+        block_tables: list[list[int]] | torch.Tensor,
+        max_blocks: int | None = None,
     ) -> torch.Tensor:
         """`[B, kv_heads, max_blocks]` int32: slot if resident, else -(host unit + 1).
 
