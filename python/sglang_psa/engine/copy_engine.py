@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import orjson
@@ -53,33 +54,51 @@ class SaveJob:
     gpu_flag: bool = False
 
 
-def scatter_rows(pool_k, pool_v, stage_k, stage_v, layer: int, row0: int, segments) -> None:
-    """Copy staged `[rows, heads, d]` into `[heads, block, offset, d]` pool blocks.
+def staged(stage: torch.Tensor, row0: int, n: int, heads: int, d: int) -> torch.Tensor:
+    """The `[heads, n, d]` view of a job's rows in a flat staging ring.
 
-    Runs of whole blocks are moved with one indexed copy each (the common case of
-    prefill), partial blocks with slices.
+    A job's rows are stored head-major (the GPU transposes before its one D2H
+    copy), so each head's tokens are one contiguous run and the engine's work
+    is plain memcpy into pool blocks.
+    """
+    return stage[row0 * heads * d : (row0 + n) * heads * d].view(heads, n, d)
+
+
+def scatter_rows(pool_k, pool_v, sk, sv, layer: int, segments, workers=None) -> None:
+    """Copy a job's staged `[heads, n, d]` K/V into `(block, offset, count)` pool segments.
+
+    Runs of whole blocks move with one indexed copy per (head, K|V), spread over
+    `workers` (a thread pool; torch releases the GIL while copying); partial
+    blocks with slices.
     """
     bs = pool_k.shape[3]
-    row, i = row0, 0
+    tasks = []
+    row, i = 0, 0
     while i < len(segments):
+        block, off, count = segments[i]
+        if not (0 <= off and count >= 1 and off + count <= bs):
+            raise SaveFailed(f"segment {segments[i]} does not fit a {bs}-token block")
         j = i
         while j < len(segments) and segments[j][1] == 0 and segments[j][2] == bs:
             j += 1
         if j - i >= 2:
             blocks = torch.tensor([seg[0] for seg in segments[i:j]])
             n = (j - i) * bs
-            for pool, stage in ((pool_k, stage_k), (pool_v, stage_v)):
-                src = stage[row : row + n].view(j - i, bs, *stage.shape[1:]).permute(2, 0, 1, 3)
-                pool[layer].index_copy_(1, blocks, src)
+            for pool, stage in ((pool_k, sk), (pool_v, sv)):
+                for h in range(stage.shape[0]):
+                    src = stage[h, row : row + n].view(j - i, bs, -1)
+                    tasks.append((pool[layer, h], blocks, src))
             row, i = row + n, j
             continue
-        block, off, count = segments[i]
-        if not (0 <= off and count >= 1 and off + count <= bs):
-            raise SaveFailed(f"segment {segments[i]} does not fit a {bs}-token block")
-        # [count, heads, d] staging rows -> [heads, count, d] in the block.
-        pool_k[layer, :, block, off : off + count] = stage_k[row : row + count].transpose(0, 1)
-        pool_v[layer, :, block, off : off + count] = stage_v[row : row + count].transpose(0, 1)
+        pool_k[layer, :, block, off : off + count] = sk[:, row : row + count]
+        pool_v[layer, :, block, off : off + count] = sv[:, row : row + count]
         row, i = row + count, i + 1
+    run = lambda t: t[0].index_copy_(0, t[1], t[2])  # noqa: E731
+    if workers is None or len(tasks) < 2:
+        for t in tasks:
+            run(t)
+    else:
+        list(workers.map(run, tasks))
 
 
 def _engine_main(
@@ -93,7 +112,9 @@ def _engine_main(
     slow_ms: int,
     threads: int,
 ) -> None:
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # parallelism comes from the pool of copy threads
+    workers = ThreadPoolExecutor(threads, thread_name_prefix="psa-scatter")
+    heads, d = pool_k.shape[1], pool_k.shape[4]
     stop = threading.Event()
 
     def beat() -> None:
@@ -114,20 +135,23 @@ def _engine_main(
             while int(flags[slot]) != job + 1:  # the GPU's D2H copy has not landed yet
                 time.sleep(20e-6)
         try:
+            n = sum(seg[2] for seg in msg["segments"])
+            sk = staged(stage_k, msg["row0"], n, heads, d)
+            sv = staged(stage_v, msg["row0"], n, heads, d)
             if slow_ms:  # tests: one segment at a time, slowly, to allow a mid-save kill
-                row = msg["row0"]
+                row = 0
                 for seg in msg["segments"]:
-                    scatter_rows(pool_k, pool_v, stage_k, stage_v, msg["layer"], row, [seg])
+                    rows = slice(row, row + seg[2])
+                    scatter_rows(pool_k, pool_v, sk[:, rows], sv[:, rows], msg["layer"], [seg])
                     row += seg[2]
                     time.sleep(slow_ms / 1000)
             else:
-                scatter_rows(
-                    pool_k, pool_v, stage_k, stage_v, msg["layer"], msg["row0"], msg["segments"]
-                )
+                scatter_rows(pool_k, pool_v, sk, sv, msg["layer"], msg["segments"], workers)
             sock.send(orjson.dumps({"job": job, "ok": True}))
         except Exception as e:  # a bad job must not kill the engine; the client raises it
             sock.send(orjson.dumps({"job": job, "ok": False, "error": f"{type(e).__name__}: {e}"}))
     stop.set()
+    workers.shutdown()
     sock.close(linger=0)
 
 
@@ -144,9 +168,10 @@ class CopyEngine:
         pin: bool | None = None,
     ):
         self.pool = pool
-        shape = (staging_rows, pool.kv_heads, pool.head_dim)
-        self.stage_k = torch.zeros(shape, dtype=pool.dtype).share_memory_()
-        self.stage_v = torch.zeros(shape, dtype=pool.dtype).share_memory_()
+        self.staging_rows = staging_rows
+        size = staging_rows * pool.kv_heads * pool.head_dim
+        self.stage_k = torch.zeros(size, dtype=pool.dtype).share_memory_()
+        self.stage_v = torch.zeros(size, dtype=pool.dtype).share_memory_()
         self.flags = torch.zeros(FLAG_SLOTS, dtype=torch.int64).share_memory_()
         self._registered: list[torch.Tensor] = []
         if pin if pin is not None else torch.cuda.is_available():
@@ -203,7 +228,7 @@ class CopyEngine:
     def submit(self, job: SaveJob) -> int:
         """Queue a save; the staged rows must not be overwritten until `wait()` returns."""
         n = sum(c for _, _, c in job.segments)
-        if job.row0 < 0 or job.row0 + n > self.stage_k.shape[0]:
+        if job.row0 < 0 or job.row0 + n > self.staging_rows:
             raise ValueError(f"rows {job.row0}..{job.row0 + n} are outside the staging ring")
         while len(self.pending) >= FLAG_SLOTS:  # flag slots are reused modulo FLAG_SLOTS
             self.wait(min(self.pending))
@@ -223,6 +248,11 @@ class CopyEngine:
             )
         )
         return job.job_id
+
+    def staged(self, row0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[kv_heads, n, head_dim]` K and V views of staging rows `row0..row0+n`."""
+        H, d = self.pool.kv_heads, self.pool.head_dim
+        return staged(self.stage_k, row0, n, H, d), staged(self.stage_v, row0, n, H, d)
 
     def peek_next_id(self) -> int:
         """The id the next `submit` assigns (a GPU completion flag is written under it)."""
@@ -275,11 +305,17 @@ class CopyEngine:
         self.done.discard(job_id)
 
     def restart(self) -> None:
-        self.close()
+        self._stop()
         self.restarts += 1
         self._start()
 
     def close(self) -> None:
+        """Stop the engine and release the staging ring's page-locking."""
+        self._stop()
+        while self._registered:
+            unregister_host(self._registered.pop())
+
+    def _stop(self) -> None:
         if self.proc.is_alive():
             try:
                 self.sock.send(orjson.dumps({"op": "stop"}), zmq.NOBLOCK)
@@ -292,8 +328,3 @@ class CopyEngine:
         self.sock.close(linger=0)
         if os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
-
-    def unregister(self) -> None:
-        """Undo the page-locking of the staging ring (after `close`)."""
-        while self._registered:
-            unregister_host(self._registered.pop())

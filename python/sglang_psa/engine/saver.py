@@ -29,7 +29,7 @@ class KVSaver:
     def __init__(self, engine: CopyEngine, device: torch.device | str):
         self.engine = engine
         self.device = torch.device(device)
-        self.rows = engine.stage_k.shape[0]
+        self.rows = engine.staging_rows
         self.head = 0
         self.inflight: deque[tuple[int, int, int]] = deque()  # (job, row0, n), ring order
         self.jobs: dict[int, SaveJob] = {}
@@ -45,18 +45,17 @@ class KVSaver:
                 f"a save of {n} rows exceeds the staging ring ({self.rows} rows); save it in parts"
             )
         r0 = 0 if self.head + n > self.rows else self.head
-        while self.inflight:
-            job, a, m = self.inflight[0]
-            if not (a < r0 + n and r0 < a + m):
-                break
-            self.wait(job)
+        overlapping = [j for j, a, m in self.inflight if a < r0 + n and r0 < a + m]
+        if overlapping:  # the engine saves in order: the newest one covers the rest
+            self.wait(overlapping[-1])
+            for j in overlapping[:-1]:
+                self.wait(j)
         self.head = r0 + n
         return r0
 
     def _retire(self, job: int) -> None:
         self.jobs.pop(job, None)
-        while self.inflight and self.inflight[0][0] not in self.jobs:
-            self.inflight.popleft()
+        self.inflight = deque(e for e in self.inflight if e[0] in self.jobs)
 
     def save(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int, int]]
@@ -68,9 +67,10 @@ class KVSaver:
         r0 = self._reserve(n)
         eng = self.engine
         job = SaveJob(layer, r0, segments, gpu_flag=self.stream is not None)
+        sk, sv = eng.staged(r0, n)
         if self.stream is None:
-            eng.stage_k[r0 : r0 + n].copy_(k)
-            eng.stage_v[r0 : r0 + n].copy_(v)
+            sk.copy_(k.transpose(0, 1))
+            sv.copy_(v.transpose(0, 1))
             job_id = eng.submit(job)
         else:
             # The id is fixed before the copy so the flag the GPU writes names this job.
@@ -78,8 +78,9 @@ class KVSaver:
             job_id = eng.peek_next_id()
             slot = job_id % FLAG_SLOTS
             with torch.cuda.stream(self.stream):
-                eng.stage_k[r0 : r0 + n].copy_(k, non_blocking=True)
-                eng.stage_v[r0 : r0 + n].copy_(v, non_blocking=True)
+                # Head-major on the GPU (a cheap transpose), then one D2H copy each.
+                sk.copy_(k.transpose(0, 1).contiguous(), non_blocking=True)
+                sv.copy_(v.transpose(0, 1).contiguous(), non_blocking=True)
                 self._seq[slot].fill_(job_id + 1)
                 eng.flags[slot : slot + 1].copy_(self._seq[slot : slot + 1], non_blocking=True)
             k.record_stream(self.stream)

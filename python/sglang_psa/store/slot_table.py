@@ -76,7 +76,11 @@ class DeviceSlotTable:
         self.last_use[torch.where(hit, slot, S)] = clock
         # Victims: free slots (-1) first, then least recently used; pinned ones never.
         age = torch.where(self.pins[:S] > 0, torch.iinfo(torch.int64).max, self.last_use[:S])
-        vals, cand = torch.topk(age, n, largest=False, sorted=True)
+        if n * 16 < S:  # few units against many slots: a partial selection is cheaper
+            vals, cand = torch.topk(age, n, largest=False, sorted=True)
+        else:
+            vals, cand = torch.sort(age)
+            vals, cand = vals[:n], cand[:n]
         rank = (torch.cumsum(miss, 0) - 1).clamp_(min=0)
         victim = cand[rank]
         self.overflow |= (miss & (vals[rank] >= clock)).any()

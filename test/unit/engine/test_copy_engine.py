@@ -31,8 +31,9 @@ def test_save_scatters_rows_into_blocks(pool):
     eng = CopyEngine(pool, staging_rows=16)
     try:
         rows = torch.randn(7, 2, 8)
-        eng.stage_k[3:10] = rows
-        eng.stage_v[3:10] = -rows
+        sk, sv = eng.staged(3, 7)
+        sk.copy_(rows.transpose(0, 1))
+        sv.copy_(-rows.transpose(0, 1))
         # 7 tokens: last 2 of block 5 (offset 2), then 4 in block 1, then 1 in block 6.
         job = eng.submit(SaveJob(layer=1, row0=3, segments=[(5, 2, 2), (1, 0, 4), (6, 0, 1)]))
         eng.wait(job)
@@ -49,7 +50,7 @@ def test_save_scatters_rows_into_blocks(pool):
 def test_killed_engine_is_detected_jobs_fail_and_restart_works(pool):
     eng = CopyEngine(pool, staging_rows=64, slow_ms=200)
     try:
-        eng.stage_k[:32] = 1.0
+        eng.staged(0, 32)[0].fill_(1.0)
         job = eng.submit(SaveJob(layer=0, row0=0, segments=[(b, 0, 4) for b in range(8)]))
         time.sleep(0.3)  # the engine is mid-save
         os.kill(eng.proc.pid, signal.SIGKILL)

@@ -44,7 +44,6 @@ def rig(request):
     eng = CopyEngine(pool, staging_rows=24, pin=dev == "cuda", threads=2)
     yield dev, pool, ref, eng
     eng.close()
-    eng.unregister()
     pool.close()
 
 
