@@ -1,0 +1,28 @@
+"""Scheduler logic, pure Python: working sets, HBM admission, layer-segmented prefill plans.
+
+integration/ calls these from SGLang's scheduler; nothing here touches SGLang or a GPU.
+"""
+
+from sglang_psa.sched.admission import (
+    AdmissionController,
+    AdmissionStats,
+    AdmitResult,
+    Candidate,
+    CannotFit,
+)
+from sglang_psa.sched.prefill_plan import PrefillItem, PrefillPlan, PrefillPlanner, PromptProgress
+from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
+
+__all__ = [
+    "AdmissionController",
+    "AdmissionStats",
+    "AdmitResult",
+    "Candidate",
+    "CannotFit",
+    "PrefillItem",
+    "PrefillPlan",
+    "PrefillPlanner",
+    "PromptProgress",
+    "WorkingSetTracker",
+    "always_attended_units",
+]

@@ -1,0 +1,170 @@
+"""HBM admission: start new requests only while the running working sets fit the slot cache.
+
+With sparse decode a request's KV lives in the host pool and only its working set must sit
+in the GPU slot cache, so the limit is the sum of working sets, not of context lengths.
+Working sets drift; when their sum outgrows the cache, the newest requests are retracted
+(paused: their KV stays in the host pool, nothing is recomputed) until it fits again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sglang_psa.sched.working_set import WorkingSetTracker
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request asking to start (or resume) decoding; `est_units` from `estimate_new`."""
+
+    rid: Hashable
+    prompt_tokens: int
+    est_units: int
+
+
+class CannotFit(NamedTuple):
+    """A new request whose working set alone is estimated larger than the whole cache."""
+
+    candidate: Candidate
+    need_units: int
+    capacity_units: int
+
+    @property
+    def message(self) -> str:
+        return (
+            f"request {self.candidate.rid!r} ({self.candidate.prompt_tokens} prompt tokens) "
+            f"needs an estimated {self.need_units} KV slots in its working set, more than the "
+            f"whole GPU slot cache ({self.capacity_units}); shorten the prompt or raise "
+            f"--psa-gpu-cache-gb"
+        )
+
+
+class AdmitResult(NamedTuple):
+    """`try_admit`'s split of its candidates: every one lands in exactly one list, in order."""
+
+    admitted: list[Candidate]  # now running
+    waiting: list[Candidate]  # keep them queued, in this order
+    cannot_fit: list[CannotFit]  # answer with an error (`message`); never admitted
+
+
+@dataclass
+class AdmissionStats:
+    admitted: int = 0  # admissions, resumptions included
+    retracted: int = 0
+    finished: int = 0
+    rejected: int = 0  # CannotFit results
+    waiting: int = 0  # left waiting by the last try_admit
+
+
+class AdmissionController:
+    """Admission by working set, in units of slot-cache slots.
+
+    A running request's load is its measured working set once its window is full, and
+    max(estimate, measured) before (a young window understates). The controller owns its
+    tracker's requests: record steps through `on_step`, not on the tracker directly.
+    """
+
+    def __init__(self, capacity_units: int, tracker: WorkingSetTracker):
+        if capacity_units < 1:
+            raise ValueError(f"capacity_units must be positive, got {capacity_units}")
+        self.capacity_units = capacity_units
+        self.tracker = tracker
+        self.running: dict[Hashable, int] = {}  # rid -> est_units, oldest admission first
+        self.paused: set[Hashable] = set()  # retracted, not finished; tracker keeps history
+        self.used_units = 0  # Σ load over running, kept incrementally
+        self.stats = AdmissionStats()
+
+    def load(self, rid: Hashable, est_units: int) -> int:
+        size = self.tracker.size(rid)
+        return size if self.tracker.is_warm(rid) else max(est_units, size)
+
+    @property
+    def free_units(self) -> int:
+        """Negative when working sets have outgrown the cache (see `retract_victims`)."""
+        return self.capacity_units - self.used_units
+
+    def try_admit(self, candidates: Iterable[Candidate]) -> AdmitResult:
+        """Admit candidates in order while the running loads plus theirs fit the capacity.
+
+        FIFO with head-of-line blocking, deliberately: the first candidate that does not
+        fit stops admission of all later ones, even smaller ones that would fit, so that a
+        large request is not starved by a stream of small ones. It waits for running
+        requests to finish (they always do: the oldest is never retracted). Nothing is
+        dropped: a candidate is admitted, left waiting, or, if it is new and its load alone
+        exceeds the capacity, returned as CannotFit wherever it stands (it does not block).
+        A retracted request is never CannotFit: it was accepted once, and it may resume
+        alone when nothing else runs. Raises ValueError on a duplicate or running rid.
+        """
+        candidates = list(candidates)
+        rids = [c.rid for c in candidates]
+        if len(set(rids)) != len(rids):
+            raise ValueError("duplicate request ids among the candidates")
+        if running := [r for r in rids if r in self.running]:
+            raise ValueError(f"requests already running: {running}")
+        admitted, waiting, cannot_fit = [], [], []
+        for c in candidates:
+            need = self.load(c.rid, c.est_units)
+            if need > self.capacity_units and c.rid not in self.paused:
+                cannot_fit.append(CannotFit(c, need, self.capacity_units))
+            elif waiting or (self.running and self.used_units + need > self.capacity_units):
+                waiting.append(c)
+            else:
+                self.running[c.rid] = c.est_units
+                self.paused.discard(c.rid)
+                self.used_units += need
+                admitted.append(c)
+        self.stats.admitted += len(admitted)
+        self.stats.rejected += len(cannot_fit)
+        self.stats.waiting = len(waiting)
+        return AdmitResult(admitted, waiting, cannot_fit)
+
+    def on_step(
+        self, rid: Hashable, units: Iterable[Hashable], total_units: int | None = None
+    ) -> None:
+        """Record the units a running request used in one decode step."""
+        if rid not in self.running:
+            raise KeyError(f"request {rid!r} is not running")
+        est = self.running[rid]
+        before = self.load(rid, est)
+        self.tracker.record(rid, units, total_units)
+        self.used_units += self.load(rid, est) - before
+
+    def retract_victims(self) -> list[Hashable]:
+        """Pause the newest running requests until the loads fit; returns them, newest first.
+
+        The oldest running request is never retracted, even if it alone exceeds the cache:
+        it still makes progress (misses are read from the host pool), which rules out
+        livelock. The caller requeues the victims at the front of its waiting queue; their
+        history stays, so they come back with their measured working sets.
+        """
+        victims = []
+        while self.used_units > self.capacity_units and len(self.running) > 1:
+            rid, est = self.running.popitem()
+            self.used_units -= self.load(rid, est)
+            self.paused.add(rid)
+            victims.append(rid)
+        self.stats.retracted += len(victims)
+        return victims
+
+    def finish(self, rid: Hashable) -> None:
+        """Forget a running or retracted request (done or aborted). KeyError if neither."""
+        if rid in self.running:
+            self.used_units -= self.load(rid, self.running.pop(rid))
+        elif rid in self.paused:
+            self.paused.remove(rid)
+        else:
+            raise KeyError(f"request {rid!r} is neither running nor retracted")
+        self.tracker.forget(rid)
+        self.stats.finished += 1
+
+    def check_integrity(self) -> None:
+        assert not self.running.keys() & self.paused, "a request both running and retracted"
+        assert self.tracker.steps.keys() <= self.running.keys() | self.paused, (
+            "the tracker holds a request the controller does not know"
+        )
+        assert self.used_units == sum(self.load(r, e) for r, e in self.running.items()), (
+            "used_units drifted from the running loads"
+        )
+        self.tracker.check_integrity()
