@@ -106,6 +106,19 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int) -> dict:
         saver.drain()
         return sorted(times)[len(times) // 2]
 
+    # The engine's CPU scatter alone, in this process (the same code and thread count).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_psa.engine.copy_engine import scatter_rows
+
+    sk, sv = eng.staged(0, chunk)
+    workers = ThreadPoolExecutor(engine_threads)
+    t0 = time.perf_counter()
+    for layer in range(layers):
+        scatter_rows(pool.k, pool.v, sk, sv, layer, segs, workers)
+    cpu_scatter_s = time.perf_counter() - t0
+    workers.shutdown()
+
     t_compute = gpu_time(lambda: [compute() for _ in range(layers)])
     t_save = gpu_time(lambda: saves(False))
     t_both = gpu_time(lambda: saves(True))
@@ -118,6 +131,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int) -> dict:
         "engine_threads": engine_threads,
         "save_end_to_end_s": e2e,
         "save_gbps": nbytes / e2e / 1e9,
+        "engine_scatter_gbps": nbytes / cpu_scatter_s / 1e9,
         "save_gpu_copy_s": t_save,
         "save_gpu_copy_gbps": nbytes / t_save / 1e9,
         "compute_s": t_compute,

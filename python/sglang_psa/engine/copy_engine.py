@@ -82,7 +82,7 @@ def scatter_rows(pool_k, pool_v, sk, sv, layer: int, segments, workers=None) -> 
         while j < len(segments) and segments[j][1] == 0 and segments[j][2] == bs:
             j += 1
         if j - i >= 2:
-            blocks = torch.tensor([seg[0] for seg in segments[i:j]])
+            blocks = [seg[0] for seg in segments[i:j]]
             n = (j - i) * bs
             for pool, stage in ((pool_k, sk), (pool_v, sv)):
                 for h in range(stage.shape[0]):
@@ -93,12 +93,25 @@ def scatter_rows(pool_k, pool_v, sk, sv, layer: int, segments, workers=None) -> 
         pool_k[layer, :, block, off : off + count] = sk[:, row : row + count]
         pool_v[layer, :, block, off : off + count] = sv[:, row : row + count]
         row, i = row + count, i + 1
-    run = lambda t: t[0].index_copy_(0, t[1], t[2])  # noqa: E731
     if workers is None or len(tasks) < 2:
         for t in tasks:
-            run(t)
+            _copy_blocks(t)
     else:
-        list(workers.map(run, tasks))
+        list(workers.map(_copy_blocks, tasks))
+
+
+def _copy_blocks(task) -> None:
+    """`dst[blocks] = src` for one (head, K|V): a slice copy per run of consecutive block
+    ids (a fresh free list hands out runs), one indexed copy for the rest."""
+    dst, blocks, src = task
+    start = 0
+    for k in range(1, len(blocks) + 1):
+        if k == len(blocks) or blocks[k] != blocks[k - 1] + 1:
+            if k - start >= 4 or k == len(blocks) and start == 0:
+                dst[blocks[start] : blocks[k - 1] + 1].copy_(src[start:k])
+            else:
+                dst.index_copy_(0, torch.tensor(blocks[start:k]), src[start:k])
+            start = k
 
 
 def _engine_main(

@@ -55,6 +55,8 @@ class DeviceSlotTable:
         self.counters = torch.zeros(3, dtype=torch.int64, device=dev)  # hits, misses, evictions
         self.overflow = torch.zeros((), dtype=torch.bool, device=dev)
         self.clock = 0
+        # Scalar writes use index_fill_: `t[idx] = python_scalar` copies the scalar from
+        # pageable host memory, which synchronizes the stream (seen in the profiler).
 
     def lookup(self, units: torch.Tensor) -> torch.Tensor:
         """Slots of `units` (-1 where absent), without touching LRU state."""
@@ -73,7 +75,7 @@ class DeviceSlotTable:
         slot = self.slot_of[units]
         hit = slot >= 0
         miss = ~hit
-        self.last_use[torch.where(hit, slot, S)] = clock
+        self.last_use.index_fill_(0, torch.where(hit, slot, S), clock)
         # Victims: free slots (-1) first, then least recently used; pinned ones never.
         age = torch.where(self.pins[:S] > 0, torch.iinfo(torch.int64).max, self.last_use[:S])
         if n * 16 < S:  # few units against many slots: a partial selection is cheaper
@@ -86,11 +88,11 @@ class DeviceSlotTable:
         self.overflow |= (miss & (vals[rank] >= clock)).any()
         old = self.unit_of[victim]
         evict = miss & (old >= 0)
-        self.slot_of[torch.where(evict, old, U)] = -1
+        self.slot_of.index_fill_(0, torch.where(evict, old, U), -1)
         self.slot_of[torch.where(miss, units, U)] = victim
         self.unit_of[torch.where(miss, victim, S)] = units
         slots = torch.where(miss, victim, slot)
-        self.last_use[slots] = clock
+        self.last_use.index_fill_(0, slots, clock)
         if pin:
             self.pins.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
         self.slot_of[U] = -1
@@ -117,9 +119,9 @@ class DeviceSlotTable:
         slot = self.slot_of[units]
         held = slot >= 0
         idx = torch.where(held, slot, self.num_slots)
-        self.unit_of[idx] = -1
-        self.last_use[idx] = -1
-        self.slot_of[torch.where(held, units, self.num_units)] = -1
+        self.unit_of.index_fill_(0, idx, -1)
+        self.last_use.index_fill_(0, idx, -1)
+        self.slot_of.index_fill_(0, torch.where(held, units, self.num_units), -1)
         self.slot_of[self.num_units] = -1
         self.unit_of[self.num_slots] = -1
 

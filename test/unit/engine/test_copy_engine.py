@@ -67,3 +67,30 @@ def test_killed_engine_is_detected_jobs_fail_and_restart_works(pool):
         assert eng.restarts == 1
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_scatter_rows_runs_and_scattered_blocks_match_per_token_reference(threads):
+    """Whole-block runs (consecutive ids, short runs, shuffled ids) and partial blocks land
+    where a per-token copy puts them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_psa.engine.copy_engine import scatter_rows
+
+    g = torch.Generator().manual_seed(threads)
+    L, H, N, bs, d = 2, 3, 40, 4, 5
+    blocks = [7, 8, 9, 10, 11, 30, 2, 3, 19, 20, 21, 22, 23, 24, 5]
+    segs = [(39, 1, 3)] + [(b, 0, bs) for b in blocks] + [(33, 0, 2)]
+    n = sum(c for _, _, c in segs)
+    sk, sv = torch.randn(2, H, n, d, generator=g)
+    pool_k, pool_v = torch.zeros(2, L, H, N, bs, d)
+    want_k, want_v = torch.zeros(2, L, H, N, bs, d)
+    row = 0
+    for b, off, c in segs:
+        for t in range(c):
+            want_k[1, :, b, off + t] = sk[:, row]
+            want_v[1, :, b, off + t] = sv[:, row]
+            row += 1
+    pool = ThreadPoolExecutor(threads) if threads else None
+    scatter_rows(pool_k, pool_v, sk, sv, 1, segs, pool)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
