@@ -26,6 +26,20 @@ def main() -> None:
         t.wait()
         loader.release(t)
     torch.cuda.synchronize()
+    # Any op in a load that synchronizes the stream is reported with its stack.
+    import traceback
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"SYNC: {message}\n" + "".join(traceback.format_stack(limit=8)[:-1]))
+
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    t = loader.load(steps[2])
+    t.wait()
+    loader.release(t)
+    torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for u in steps[2:]:
             t = loader.load(u)

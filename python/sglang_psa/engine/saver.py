@@ -10,6 +10,12 @@ with its CPU threads and acknowledges. So the host never blocks on the GPU,
 and a block is read from the host only after its job is acknowledged
 (`is_saved` / `wait`); until then the caller keeps the HBM copy.
 
+Runs of at least `min_run` whole consecutive blocks (what a prefill into a
+fresh free list produces) skip the staging ring: per KV head they are one
+contiguous range of the pool, so the GPU copies them there directly (one
+large D2H copy per head), and the engine only confirms the job after the
+flag. Decode tokens and partial blocks go through the ring.
+
 Staging rows are a ring: a new job takes the next free run and, if it would
 overwrite rows of a job not yet acknowledged, waits for that job first (back
 pressure). If the engine dies, `recover()` restarts it and resubmits every
@@ -18,6 +24,7 @@ unacknowledged job from the staging rows, which are still intact.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 import torch
@@ -26,8 +33,9 @@ from sglang_psa.engine.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, Sa
 
 
 class KVSaver:
-    def __init__(self, engine: CopyEngine, device: torch.device | str):
+    def __init__(self, engine: CopyEngine, device: torch.device | str, min_run: int = 8):
         self.engine = engine
+        self.min_run = min_run
         self.device = torch.device(device)
         self.rows = engine.staging_rows
         self.head = 0
@@ -57,6 +65,29 @@ class KVSaver:
         self.jobs.pop(job, None)
         self.inflight = deque(e for e in self.inflight if e[0] in self.jobs)
 
+    def _split(self, segments: list[tuple[int, int, int]]):
+        """Direct runs `(row, first block, blocks)` of >= `min_run` whole consecutive
+        blocks, and the other segments `(row, segment)`, in row order."""
+        bs = self.engine.pool.block_size
+        direct, rest, row, i = [], [], 0, 0
+        while i < len(segments):
+            j = i
+            while (
+                j < len(segments)
+                and segments[j][1:] == (0, bs)
+                and (j == i or segments[j][0] == segments[j - 1][0] + 1)
+            ):
+                j += 1
+            if j - i >= self.min_run:
+                direct.append((row, segments[i][0], j - i))
+                row += (j - i) * bs
+                i = j
+            else:
+                rest.append((row, segments[i]))
+                row += segments[i][2]
+                i += 1
+        return direct, rest
+
     def save(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int, int]]
     ) -> int:
@@ -64,30 +95,49 @@ class KVSaver:
         n = k.shape[0]
         if sum(c for _, _, c in segments) != n:
             raise ValueError(f"segments cover {sum(c for _, _, c in segments)} rows, not {n}")
-        r0 = self._reserve(n)
-        eng = self.engine
-        job = SaveJob(layer, r0, segments, gpu_flag=self.stream is not None)
-        sk, sv = eng.staged(r0, n)
-        if self.stream is None:
-            sk.copy_(k.transpose(0, 1))
-            sv.copy_(v.transpose(0, 1))
-            job_id = eng.submit(job)
-        else:
-            # The id is fixed before the copy so the flag the GPU writes names this job.
+        direct, rest = self._split(segments)
+        n_rest = sum(seg[2] for _, seg in rest)
+        r0 = self._reserve(n_rest)
+        eng, pool = self.engine, self.engine.pool
+        job = SaveJob(layer, r0, [seg for _, seg in rest], gpu_flag=self.stream is not None)
+        sk, sv = eng.staged(r0, n_rest)
+        cuda = self.stream is not None
+        if cuda:
+            # The id is fixed before the copies so the flag the GPU writes names this job.
             self.stream.wait_stream(torch.cuda.current_stream())
             job_id = eng.peek_next_id()
             slot = job_id % FLAG_SLOTS
-            with torch.cuda.stream(self.stream):
-                # Head-major on the GPU (a cheap transpose), then one D2H copy each.
-                sk.copy_(k.transpose(0, 1).contiguous(), non_blocking=True)
-                sv.copy_(v.transpose(0, 1).contiguous(), non_blocking=True)
+            ctx = torch.cuda.stream(self.stream)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            # Head-major on the GPU (a cheap transpose): each head's tokens are one run.
+            kt, vt = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+            for row, b0, nb in direct:  # straight into the pool: one copy per head
+                rows = slice(row, row + nb * pool.block_size)
+                for h in range(pool.kv_heads):
+                    for dst, src in ((pool.k, kt), (pool.v, vt)):
+                        dst[layer, h, b0 : b0 + nb].view(-1, pool.head_dim).copy_(
+                            src[h, rows], non_blocking=cuda
+                        )
+            if rest:
+                if direct:  # gather the leftover rows (partial blocks, short runs) on the GPU
+                    parts = [slice(row, row + seg[2]) for row, seg in rest]
+                    kt = torch.cat([kt[:, r] for r in parts], 1)
+                    vt = torch.cat([vt[:, r] for r in parts], 1)
+                sk.copy_(kt, non_blocking=cuda)  # one D2H copy each into the staging ring
+                sv.copy_(vt, non_blocking=cuda)
+            if cuda:
                 self._seq[slot].fill_(job_id + 1)
                 eng.flags[slot : slot + 1].copy_(self._seq[slot : slot + 1], non_blocking=True)
+        if cuda:
             k.record_stream(self.stream)
             v.record_stream(self.stream)
             assert eng.submit(job) == job_id
+        else:
+            job_id = eng.submit(job)
         self.jobs[job_id] = job
-        self.inflight.append((job_id, r0, n))
+        self.inflight.append((job_id, r0, n_rest))
         return job_id
 
     def is_saved(self, job: int) -> bool:

@@ -47,9 +47,10 @@ def rig(request):
     pool.close()
 
 
-def test_saves_match_reference_across_ring_wraparound(rig):
+@pytest.mark.parametrize("min_run", [2, 1000])  # with direct block runs / all via the ring
+def test_saves_match_reference_across_ring_wraparound(rig, min_run):
     dev, pool, ref, eng = rig
-    saver = KVSaver(eng, dev)
+    saver = KVSaver(eng, dev, min_run=min_run)
     alloc = BlockPool(NB, BS)
     g = torch.Generator().manual_seed(0)
     lengths = [37, 13, 22]  # chunks of 10 and the rest: partial blocks at both ends
