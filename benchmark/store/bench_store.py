@@ -253,8 +253,26 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merge_hit_rate(path: Path) -> None:
+    """Fill `slot_hit_rate_at_10pct_cache` of an existing result from the CPU trace replay
+    (no GPU needed: the replay is a CPU simulation of the slot cache)."""
+    hit_file = RESULTS / "slot_hit_rate_cpu.json"
+    hit = json.loads(hit_file.read_text())
+    doc = json.loads(path.read_text())
+    doc["summary"]["slot_hit_rate_at_10pct_cache"] = hit["summary"]["slot_hit_rate_at_10pct_cache"]
+    doc["data"]["hit_rate_source"] = {
+        "file": hit_file.name,
+        "git_commit": hit["git_commit"],
+        "machine": hit["machine"],
+        "summary": hit["summary"],
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc["summary"], indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--merge-hit-rate-into", type=Path, help="only merge the CPU hit rate")
     ap.add_argument("--name", default="store_h100")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--layers", type=int, default=32)
@@ -266,6 +284,8 @@ def main() -> None:
     ap.add_argument("--reuse", type=float, default=0.9)
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
+    if args.merge_hit_rate_into:
+        return merge_hit_rate(args.merge_hit_rate_into)
     if not torch.cuda.is_available():
         sys.exit("bench_store needs a CUDA GPU")
     peaks = memcpy_peaks()

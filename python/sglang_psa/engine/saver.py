@@ -10,11 +10,12 @@ with its CPU threads and acknowledges. So the host never blocks on the GPU,
 and a block is read from the host only after its job is acknowledged
 (`is_saved` / `wait`); until then the caller keeps the HBM copy.
 
-Runs of at least `min_run` whole consecutive blocks (what a prefill into a
-fresh free list produces) skip the staging ring: per KV head they are one
+With `min_run` set, runs of at least that many whole consecutive blocks (what a
+prefill into a fresh free list produces) skip the staging ring: per KV head they are one
 contiguous range of the pool, so the GPU copies them there directly (one
 large D2H copy per head), and the engine only confirms the job after the
-flag. Decode tokens and partial blocks go through the ring.
+flag. Decode tokens and partial blocks go through the ring. Off by default
+until it has run on the GPU machine (CPU-tested only so far).
 
 Staging rows are a ring: a new job takes the next free run and, if it would
 overwrite rows of a job not yet acknowledged, waits for that job first (back
@@ -33,7 +34,7 @@ from sglang_psa.engine.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, Sa
 
 
 class KVSaver:
-    def __init__(self, engine: CopyEngine, device: torch.device | str, min_run: int = 8):
+    def __init__(self, engine: CopyEngine, device: torch.device | str, min_run: int | None = None):
         self.engine = engine
         self.min_run = min_run
         self.device = torch.device(device)
@@ -78,7 +79,7 @@ class KVSaver:
                 and (j == i or segments[j][0] == segments[j - 1][0] + 1)
             ):
                 j += 1
-            if j - i >= self.min_run:
+            if self.min_run is not None and j - i >= self.min_run:
                 direct.append((row, segments[i][0], j - i))
                 row += (j - i) * bs
                 i = j

@@ -34,6 +34,9 @@ def machine() -> str:
 
 
 def git_commit(repo: Path | None = None) -> str:
+    """`GIT_COMMIT` when set (the GPU machine's copy of .git can be stale), else git's HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

@@ -19,6 +19,34 @@ from sglang_psa.store.host_pool import HostKVPool
 from sglang_psa.store.slot_table import Acquired, DeviceSlotTable
 
 
+def slots_for_budget(
+    pool: HostKVPool,
+    gpu_cache_gb: float | None,
+    free_bytes: int,
+    free_fraction: float = 0.5,
+) -> int:
+    """Number of slots (one K and one V unit each) for `--psa-gpu-cache-gb`, or for
+    `free_fraction` of the free GPU memory when it is unset. Asking for more than is
+    free is an error naming the flag, not an out-of-memory crash later."""
+    unit = 2 * pool.block_size * pool.head_dim * torch.empty((), dtype=pool.dtype).element_size()
+    if gpu_cache_gb is not None:
+        want = int(gpu_cache_gb * (1 << 30))
+        if want > free_bytes:
+            raise ValueError(
+                f"--psa-gpu-cache-gb {gpu_cache_gb} asks for {want / 2**30:.1f} GiB but only "
+                f"{free_bytes / 2**30:.1f} GiB of GPU memory is free"
+            )
+    else:
+        want = int(free_bytes * free_fraction)
+    slots = want // unit
+    if slots < 1:
+        raise ValueError(
+            f"the HBM slot cache gets {want} bytes, less than one {unit}-byte slot "
+            "(raise --psa-gpu-cache-gb or free GPU memory)"
+        )
+    return slots
+
+
 class SlotStore:
     def __init__(self, pool: HostKVPool, num_slots: int, device: torch.device | str):
         self.pool, self.device = pool, torch.device(device)
@@ -31,6 +59,22 @@ class SlotStore:
         self.copier = BlockCopier(unit, pool.dtype, self.device)
         flat = (pool.layers * self.units_per_layer, unit)
         self._host_k, self._host_v = pool.k.view(flat), pool.v.view(flat)
+
+    @classmethod
+    def from_budget(
+        cls,
+        pool: HostKVPool,
+        device: torch.device | str,
+        gpu_cache_gb: float | None = None,
+        free_fraction: float = 0.5,
+    ) -> SlotStore:
+        """Size the slot cache at startup from the flag or from free memory on `device`."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(device)
+        else:
+            free_bytes = int(gpu_cache_gb * (1 << 30)) if gpu_cache_gb else 1 << 30
+        return cls(pool, slots_for_budget(pool, gpu_cache_gb, free_bytes, free_fraction), device)
 
     @property
     def num_slots(self) -> int:

@@ -95,8 +95,8 @@ class DeviceSlotTable:
         self.last_use.index_fill_(0, slots, clock)
         if pin:
             self.pins.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-        self.slot_of[U] = -1
-        self.unit_of[S] = -1
+        self.slot_of[U:].fill_(-1)
+        self.unit_of[S:].fill_(-1)
         n_miss = miss.sum()
         self.counters += torch.stack([n - n_miss, n_miss, evict.sum()])
         # Compact the misses to the front: lane i of a miss goes to position rank[i].
@@ -122,8 +122,8 @@ class DeviceSlotTable:
         self.unit_of.index_fill_(0, idx, -1)
         self.last_use.index_fill_(0, idx, -1)
         self.slot_of.index_fill_(0, torch.where(held, units, self.num_units), -1)
-        self.slot_of[self.num_units] = -1
-        self.unit_of[self.num_slots] = -1
+        self.slot_of[self.num_units :].fill_(-1)
+        self.unit_of[self.num_slots :].fill_(-1)
 
     def check(self) -> None:
         """Raise `SlotsExhausted` if an earlier `acquire` ran out of unpinned slots (syncs)."""

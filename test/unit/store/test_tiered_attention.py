@@ -8,7 +8,7 @@ from sglang_psa.algo import block_metadata, progressive_attention
 from sglang_psa.config import PSAConfig
 from sglang_psa.store import BlockPool
 from sglang_psa.store.host_pool import HostKVPool, blocks_for_budget
-from sglang_psa.store.slot_store import SlotStore
+from sglang_psa.store.slot_store import SlotStore, slots_for_budget
 
 
 def test_budget_sizing():
@@ -18,6 +18,20 @@ def test_budget_sizing():
     assert n == (1 << 30) // (2 * 2 * 2 * 16 * 64 * 2)
     with pytest.raises(ValueError, match="host-pool-gb"):
         HostKVPool(2, 2, 0, 16, 64, pin=False)
+
+
+def test_slot_cache_sizing_from_flag_or_free_memory():
+    pool = HostKVPool(2, 2, 4, 32, 128, pin=False)  # a slot = 2 x 8 KiB
+    assert slots_for_budget(pool, 1.0, free_bytes=4 << 30) == (1 << 30) // (16 << 10)
+    assert slots_for_budget(pool, None, free_bytes=1 << 30, free_fraction=0.25) == (
+        (1 << 28) // (16 << 10)
+    )
+    with pytest.raises(ValueError, match="--psa-gpu-cache-gb 8.*only 2.0 GiB"):
+        slots_for_budget(pool, 8.0, free_bytes=2 << 30)
+    with pytest.raises(ValueError, match="less than one"):
+        slots_for_budget(pool, None, free_bytes=1000)
+    store = SlotStore.from_budget(pool, "cpu", gpu_cache_gb=0.001)
+    assert store.num_slots == int(0.001 * (1 << 30)) // (16 << 10)
 
 
 def test_wave_attention_over_host_pool_and_slots(kernel_device):
