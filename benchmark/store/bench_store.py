@@ -310,7 +310,13 @@ def main() -> None:
         "save_staged_overlap_fraction": staged["save_overlap_fraction"],
         "load_cold_ratio_to_h2d_peak": load["cold_gbps"] / peaks["h2d_memcpy_peak_gbps"],
     }
-    data = {"peaks": peaks, "save": save, "save_staged": staged, "load": load, "hit_rate_source": str(hit_file.name)}
+    data = {
+        "peaks": peaks,
+        "save": save,
+        "save_staged": staged,
+        "load": load,
+        "hit_rate_source": str(hit_file.name),
+    }
     write_result(
         out / f"{args.name}.json",
         summary,

@@ -5,7 +5,8 @@ under the name `psa`, so any causal LM that dispatches through that registry
 uses it without a line of model code changing. Prefill (more than one query
 token) is dense, via transformers' registered `sdpa`; a single-token decode
 step runs the reference dense, PSA or top-k attention chosen by the active
-`DecodePolicy`, and records which KV blocks each layer read.
+`DecodePolicy`, and records which KV blocks each layer read: counts always,
+the full per-block read masks only when `runtime().trace` is a list (opt-in).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -66,16 +68,31 @@ class LayerReads:
         return torch.cat(self.read).float() / torch.cat(self.total).float()
 
 
+class BlockTrace(NamedTuple):
+    """One sparse decode call of one layer: which blocks were read."""
+
+    layer: int
+    read: torch.Tensor  # [B, Hkv, NB] bool (CPU); NB may exceed n_blocks (metadata capacity)
+    n_blocks: torch.Tensor  # [B] int64 (CPU): blocks holding tokens; the last is the tail
+
+
 class PSARuntime:
-    """State of the `psa` attention function: active policy, metadata caches, read stats."""
+    """State of the `psa` attention function: active policy, metadata caches, read stats.
+
+    `trace` is opt-in: None (the default) records nothing beyond the read counts;
+    a list receives one `BlockTrace` per psa/topk/oracle decode call, in call order
+    (layer 0..L-1 of step 0, then of step 1, ...). `reset()` leaves it alone: the
+    caller owns the list and sets `trace = None` to stop.
+    """
 
     def __init__(self) -> None:
         self.policy = DecodePolicy()
         self.meta: dict[int, BlockMetaCache] = {}
         self.reads: dict[int, LayerReads] = defaultdict(LayerReads)
+        self.trace: list[BlockTrace] | None = None
 
     def reset(self) -> None:
-        """Forget metadata and stats; call before decoding a new or rewound sequence."""
+        """Forget metadata and stats (not `trace`); call before a new or rewound sequence."""
         self.meta.clear()
         self.reads.clear()
 
@@ -152,11 +169,12 @@ class PSARuntime:
             res = topk_attention(
                 q, key, value, lengths, cfg, policy.budget_tokens, meta=meta, scale=scaling
             )
+        nblk = num_blocks(lengths, cfg.block_size)
         self._record(
-            module.layer_idx,
-            res.read.sum(-1).flatten(),
-            num_blocks(lengths, cfg.block_size).repeat_interleave(res.read.shape[1]),
+            module.layer_idx, res.read.sum(-1).flatten(), nblk.repeat_interleave(res.read.shape[1])
         )
+        if self.trace is not None:
+            self.trace.append(BlockTrace(module.layer_idx, res.read.cpu(), nblk.cpu()))
         return res.out.unsqueeze(1).contiguous(), None
 
     def _record(self, layer: int, read: torch.Tensor, total: torch.Tensor) -> None:
