@@ -36,7 +36,9 @@ def main() -> None:
     ap.add_argument("--filler-sentences", type=int, default=400)
     args = ap.parse_args()
     sgl.set_default_backend(sgl.RuntimeEndpoint(f"http://127.0.0.1:{args.port}"))
-    filler = " ".join(f"Line {i} of the report notes nothing unusual." for i in range(args.filler_sentences))
+    filler = " ".join(
+        f"Line {i} of the report notes nothing unusual." for i in range(args.filler_sentences)
+    )
     document = filler + " The vault code is 4417. " + filler
     state = document_qa.run(
         document=document,
