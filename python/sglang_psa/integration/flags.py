@@ -1,0 +1,118 @@
+"""The `--sparse-mode` / `--psa-*` command-line flags, derived from `PSAConfig`.
+
+Every field of `PSAConfig` becomes a flag with `PSAConfig`'s own spelling
+(`flag_name`), default None so that only what the user typed overrides the
+config defaults, and validation errors name the flag. The parsed config
+travels to SGLang's subprocesses in one environment variable, set by the
+launching process before it spawns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+
+from sglang_psa.config import (
+    SCORE_METHODS,
+    SPARSE_MODES,
+    STOP_RULES,
+    PSAConfig,
+    PSAConfigError,
+    flag_name,
+)
+
+ENV_VAR = "SGLANG_PSA_CONFIG"
+
+_HELP = {
+    "sparse_mode": "sparse decode attention over the tiered KV store: psa (progressive "
+    "sparse attention), topk (fixed token budget, for comparison) or none (plain SGLang)",
+    "threshold": "PSA: stop once this fraction of the softmax mass is covered",
+    "stop_rule": "PSA: heuristic (the paper's estimate) or certified (key-bound guarantee)",
+    "score": "block criticality: mean (cuboid-mean keys) or bound (Quest's min/max bound)",
+    "block_size": "tokens per KV block (sets SGLang's --page-size)",
+    "sink_blocks": "first blocks always attended",
+    "recent_blocks": "newest blocks always attended (>= 1: the tail block)",
+    "wave_blocks": "blocks attended by the first wave",
+    "wave_growth": "growth factor of successive waves",
+    "max_wave_blocks": "largest wave",
+    "microbatch_size": "requests per wave-attention launch",
+    "topk_tokens": "topk mode: tokens attended per step",
+    "gpu_cache_gb": "HBM slot cache size in GiB (default: a fraction of free GPU memory)",
+    "gpu_cache_free_fraction": "fraction of free GPU memory for the slot cache when "
+    "--psa-gpu-cache-gb is unset",
+    "host_pool_gb": "pinned host KV pool size in GiB (holds every KV block)",
+    "ws_window": "decode steps whose union of used blocks is a request's working set",
+    "max_inject_tokens": "prefill token-layers per batch (layer-segmented prefill)",
+}
+
+_CHOICES = {"sparse_mode": SPARSE_MODES, "stop_rule": STOP_RULES, "score": SCORE_METHODS}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(PSAConfig)
+    t = hints[f.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def add_psa_args(parser: argparse.ArgumentParser) -> None:
+    """Add the flags to `parser` (idempotent), in their own help group."""
+    if any("--sparse-mode" in a.option_strings for a in parser._actions):
+        return
+    group = parser.add_argument_group("sglang-psa (sparse decode over a tiered KV store)")
+    defaults = PSAConfig()
+    for f in dataclasses.fields(PSAConfig):
+        if f.name == "extra":
+            continue
+        default = getattr(defaults, f.name)
+        shown = "none" if f.name == "sparse_mode" else default
+        help_text = _HELP.get(f.name, f.name)
+        if shown is not None:
+            help_text += f" (default: {shown})"
+        group.add_argument(
+            flag_name(f.name),
+            dest=f"psa_{f.name}" if f.name != "sparse_mode" else "sparse_mode",
+            type=_field_type(f) if f.name not in _CHOICES else str,
+            choices=_CHOICES.get(f.name),
+            default=None,
+            help=help_text,
+        )
+
+
+def config_from_namespace(ns: argparse.Namespace | object) -> PSAConfig | None:
+    """The `PSAConfig` the flags ask for, or None for `--sparse-mode none` / no flag.
+
+    A `--psa-*` flag without `--sparse-mode` is an error, not silently ignored.
+    """
+    mode = getattr(ns, "sparse_mode", None)
+    given = {
+        f.name: getattr(ns, f"psa_{f.name}")
+        for f in dataclasses.fields(PSAConfig)
+        if f.name not in ("extra", "sparse_mode") and getattr(ns, f"psa_{f.name}", None) is not None
+    }
+    if mode in (None, "none"):
+        if given:
+            flags = ", ".join(flag_name(k) for k in given)
+            raise PSAConfigError(
+                "sparse_mode", f"{flags} given without --sparse-mode psa|topk; got {mode!r}"
+            )
+        return None
+    return PSAConfig(sparse_mode=mode, **given)
+
+
+def export(cfg: PSAConfig | None) -> None:
+    """Hand the config to child processes (scheduler, detokenizer) through the environment."""
+    if cfg is None:
+        os.environ.pop(ENV_VAR, None)
+        return
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "extra"}
+    os.environ[ENV_VAR] = json.dumps(d)
+
+
+def imported() -> PSAConfig | None:
+    """The config the launching process exported, if any."""
+    raw = os.environ.get(ENV_VAR)
+    return PSAConfig(**json.loads(raw)) if raw else None

@@ -1,0 +1,74 @@
+"""The --sparse-mode / --psa-* flags: derived from PSAConfig, validated with the flag's
+name, carried to child processes, shown in --help."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from sglang_psa.config import PSAConfig, PSAConfigError, flag_name
+from sglang_psa.integration import flags
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch_server")
+    flags.add_psa_args(p)
+    flags.add_psa_args(p)  # idempotent: a second hook call must not raise
+    return p
+
+
+def test_every_config_field_has_a_flag_in_help(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(PSAConfig):
+        if f.name != "extra":
+            assert flag_name(f.name) in out
+    for name in ("--psa-ws-window", "--psa-max-inject-tokens", "--psa-topk-tokens"):
+        assert name in out  # the issue's list, by name
+
+
+def test_only_given_flags_override_defaults():
+    ns = _parser().parse_args(["--sparse-mode", "psa", "--psa-threshold", "0.9"])
+    cfg = flags.config_from_namespace(ns)
+    assert cfg == PSAConfig(threshold=0.9)
+    topk = flags.config_from_namespace(
+        _parser().parse_args(["--sparse-mode", "topk", "--psa-topk-tokens", "1024"])
+    )
+    assert topk.sparse_mode == "topk" and topk.topk_tokens == 1024
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--sparse-mode", "psa", "--psa-threshold", "1.5"], "--psa-threshold"),
+        (["--sparse-mode", "psa", "--psa-block-size", "24"], "--psa-block-size"),
+        (["--sparse-mode", "psa", "--psa-host-pool-gb", "-1"], "--psa-host-pool-gb"),
+        (["--sparse-mode", "psa", "--psa-recent-blocks", "0"], "--psa-recent-blocks"),
+        (["--psa-threshold", "0.9"], "--sparse-mode"),  # a knob without the mode
+        (["--sparse-mode", "none", "--psa-ws-window", "4"], "--sparse-mode"),
+    ],
+)
+def test_invalid_values_name_the_flag(argv, flag):
+    with pytest.raises(PSAConfigError) as e:
+        flags.config_from_namespace(_parser().parse_args(argv))
+    assert str(e.value).startswith(flag)
+
+
+def test_argparse_rejects_bad_types_and_choices(capsys):
+    for argv in (["--sparse-mode", "dense"], ["--sparse-mode", "psa", "--psa-ws-window", "x"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(argv)
+        assert "--sparse-mode" in capsys.readouterr().err or "--psa-ws-window" in argv
+
+
+def test_no_flag_means_plain_sglang_and_config_reaches_children(monkeypatch):
+    monkeypatch.delenv(flags.ENV_VAR, raising=False)
+    assert flags.config_from_namespace(_parser().parse_args([])) is None
+    flags.export(None)
+    assert flags.imported() is None
+    cfg = PSAConfig(threshold=0.95, gpu_cache_gb=3.0, stop_rule="certified")
+    flags.export(cfg)
+    assert flags.imported() == cfg
+    flags.export(None)
+    assert flags.imported() is None
