@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,17 @@ import torch
 # chosen when a kernel is defined, so it must be set before any kernel module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# SGLang imports torchvision when it loads; PyPI has no torchvision that loads beside the
+# CPU torch build, so where SGLang is installed and torchvision is not, a stub (image
+# decoding only, which no test uses) takes its place. Never shadows a real torchvision.
+if importlib.util.find_spec("sglang") and not importlib.util.find_spec("torchvision"):
+    STUBS = str(Path(__file__).parent / "stubs")
+    sys.path.insert(0, STUBS)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (STUBS, os.environ.get("PYTHONPATH")) if p
+    )
 
 
 def pytest_collection_modifyitems(config, items):

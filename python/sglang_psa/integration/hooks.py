@@ -1,0 +1,113 @@
+"""Every place sglang-psa touches SGLang 0.5.17, in one table.
+
+Each entry names the SGLang target, the hook type and the parameters the
+target must still have. `check_targets()` resolves every target and compares
+its signature, so a SGLang upgrade that moves or changes one fails loudly
+(at plugin load and in `test/unit/integration/test_sglang_hooks.py`) instead
+of SGLang's hook registry logging the error and serving without PSA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SGLANG_VERSION = "0.5.17"
+
+
+class SGLangChanged(RuntimeError):
+    """An SGLang internal the plugin relies on is missing or has a different signature."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    target: str
+    kind: str  # "before" | "after" | "around" | "replace"
+    fn: str  # "module:function" in sglang_psa.integration
+    params: tuple[str, ...]  # parameters the target must have, in order
+    why: str
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(
+        "sglang.srt.server_args.ServerArgs.add_cli_args",
+        "after",
+        "server_args:after_add_cli_args",
+        ("parser",),
+        "show and parse --sparse-mode / --psa-*",
+    ),
+    Hook(
+        "sglang.srt.server_args.ServerArgs.from_cli_args",
+        "around",
+        "server_args:around_from_cli_args",
+        ("args",),
+        "turn the flags into a PSAConfig and set the SGLang fields PSA needs",
+    ),
+    Hook(
+        "sglang.srt.server_args.ServerArgs.__init__",
+        "around",
+        "server_args:around_init",
+        ("self", "model_path"),
+        "sgl.Engine(sparse_mode='psa', psa_threshold=...) keyword arguments",
+    ),
+)
+
+# Functions the plugin calls (not hooks): (target, parameters).
+CALLS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sglang.srt.server_args.add_attention_backend_choices", ("choices",)),
+    ("sglang.srt.layers.attention.attention_registry.register_attention_backend", ("name",)),
+)
+
+
+def _resolve(target: str):
+    try:
+        return pkgutil.resolve_name(target)
+    except ImportError as e:
+        if e.name and not e.name.startswith("sglang"):
+            raise SGLangChanged(
+                f"importing {target} failed: SGLang's dependency {e.name!r} is missing ({e})"
+            ) from e
+        raise SGLangChanged(
+            f"sglang-psa needs {target}, which this SGLang does not have "
+            f"(built for sglang=={SGLANG_VERSION}): {e}"
+        ) from e
+    except (AttributeError, ValueError) as e:
+        raise SGLangChanged(
+            f"sglang-psa needs {target}, which this SGLang does not have "
+            f"(built for sglang=={SGLANG_VERSION}): {e}"
+        ) from e
+
+
+def _check_params(target: str, obj, params: tuple[str, ...]) -> None:
+    fn = inspect.unwrap(obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj)
+    have = list(inspect.signature(fn).parameters)
+    missing = [p for p in params if p not in have]
+    if missing or [p for p in have if p in params] != list(params):
+        raise SGLangChanged(
+            f"{target} has parameters {have}; sglang-psa expects {list(params)} "
+            f"(built for sglang=={SGLANG_VERSION})"
+        )
+
+
+def check_targets() -> None:
+    """Resolve every hook target and called function; raise `SGLangChanged` on a mismatch."""
+    for hook in HOOKS:
+        _check_params(hook.target, _resolve(hook.target), hook.params)
+    for target, params in CALLS:
+        _check_params(target, _resolve(target), params)
+
+
+def hook_function(hook: Hook) -> Callable:
+    module, name = hook.fn.split(":")
+    return getattr(importlib.import_module(f"sglang_psa.integration.{module}"), name)
+
+
+def register_all() -> None:
+    """Register every hook with SGLang's HookRegistry (applied by `load_plugins()`)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for hook in HOOKS:
+        HookRegistry.register(hook.target, hook_function(hook), HookType(hook.kind))

@@ -1,0 +1,41 @@
+"""The `sglang.srt.plugins` entry point: SGLang calls `register()` in every process.
+
+It runs in the launching process before arguments are parsed and again in
+each scheduler process, so it must be cheap, idempotent and free of CUDA. It
+only registers: the flags and hooks (`hooks.HOOKS`) and the `psa` attention
+backend. Without `--sparse-mode` every hook passes straight through, so
+SGLang behaves as if the package were absent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_psa.integration import hooks
+
+logger = logging.getLogger("sglang_psa")
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    hooks.check_targets()  # a changed SGLang stops here with a clear message
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    from sglang_psa.integration.server_args import BACKEND
+
+    if BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND])
+    register_attention_backend(BACKEND)(_create_backend)
+    hooks.register_all()
+    _registered = True
+    logger.debug("sglang-psa plugin registered")
+
+
+def _create_backend(model_runner):
+    from sglang_psa.integration.backend import PSAAttnBackend
+
+    return PSAAttnBackend(model_runner)

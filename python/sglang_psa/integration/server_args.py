@@ -1,0 +1,143 @@
+"""`--sparse-mode` in SGLang's `ServerArgs`: parse, check against other flags, adjust.
+
+Both ways a server starts pass through here: the CLI (`add_cli_args` gains the
+flags, `from_cli_args` reads them) and `sgl.Engine(sparse_mode="psa", ...)`
+(`ServerArgs.__init__` takes the keyword arguments). The SGLang fields PSA
+depends on are set *before* SGLang resolves its defaults:
+
+- decode attention runs on the `psa` backend, prefill on `--prefill-attention-backend`
+  (or `--attention-backend`, default `triton`);
+- `--page-size` equals `--psa-block-size` (one SGLang page = one PSA block);
+- CUDA graphs are off for both phases (the decode step has data-dependent waves).
+
+Flags PSA cannot serve fail here, naming both flags. The resolved `PSAConfig`
+rides on the `ServerArgs` object as `_psa_config` (pickled into every
+scheduler process) and in the environment for processes that do not get it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.integration import flags
+
+BACKEND = "psa"
+DEFAULT_PREFILL_BACKEND = "triton"
+
+# SGLang options PSA cannot serve: (field, its flag, why).
+_INCOMPATIBLE = (
+    (
+        "speculative_algorithm",
+        "--speculative-algorithm",
+        "speculative verification runs SGLang's extend path, which PSA does not cover",
+    ),
+    (
+        "enable_mixed_chunk",
+        "--enable-mixed-chunk",
+        "mixed batches send decode tokens through the extend path",
+    ),
+    (
+        "enable_hisparse",
+        "--enable-hisparse",
+        "HiSparse is SGLang's own sparse KV tier for DeepSeek models",
+    ),
+    (
+        "enable_hierarchical_cache",
+        "--enable-hierarchical-cache",
+        "the tiered store already keeps every KV block in host memory",
+    ),
+)
+
+
+def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
+    """Check `fields` (SGLang's ServerArgs values, as given) and set what PSA needs."""
+    for name, flag, why in _INCOMPATIBLE:
+        if fields.get(name):
+            raise PSAConfigError("sparse_mode", f"cannot be combined with {flag}: {why}")
+    page = fields.get("page_size")
+    if page not in (None, cfg.block_size):
+        raise PSAConfigError(
+            "block_size",
+            f"--page-size {page} differs from the PSA block size {cfg.block_size}; "
+            "leave --page-size unset or make them equal",
+        )
+    decode = fields.get("decode_attention_backend")
+    if decode not in (None, BACKEND):
+        raise PSAConfigError(
+            "sparse_mode",
+            f"sets the decode attention backend to {BACKEND!r}; "
+            f"--decode-attention-backend {decode} conflicts",
+        )
+    for phase in ("decode", "prefill"):
+        name = f"cuda_graph_backend_{phase}"
+        if fields.get(name) not in (None, "disabled"):
+            raise PSAConfigError(
+                "sparse_mode",
+                f"runs without CUDA graphs; --cuda-graph-backend-{phase} {fields[name]} conflicts",
+            )
+        fields[name] = "disabled"
+    prefill = (
+        fields.get("prefill_attention_backend")
+        or fields.get("attention_backend")
+        or DEFAULT_PREFILL_BACKEND
+    )
+    if prefill == BACKEND:
+        raise PSAConfigError(
+            "sparse_mode", "prefill is dense: choose a dense --prefill-attention-backend"
+        )
+    fields.update(
+        page_size=cfg.block_size,
+        decode_attention_backend=BACKEND,
+        prefill_attention_backend=prefill,
+        attention_backend=prefill,
+    )
+
+
+def _pop_psa_kwargs(kwargs: dict[str, Any]) -> PSAConfig | None:
+    ns = argparse.Namespace(sparse_mode=kwargs.pop("sparse_mode", None))
+    for key in [k for k in kwargs if k.startswith("psa_")]:
+        setattr(ns, key, kwargs.pop(key))
+    return flags.config_from_namespace(ns)
+
+
+# --- the hooks (registered in `integration.hooks`) ---------------------------------
+
+
+def after_add_cli_args(result, parser: argparse.ArgumentParser):
+    flags.add_psa_args(parser)
+    return result
+
+
+def around_from_cli_args(original, cls, args: argparse.Namespace):
+    cfg = flags.config_from_namespace(args)
+    if cfg is None:
+        flags.export(None)
+        return original(cls, args)
+    fields = vars(args)
+    apply(cfg, fields)
+    server_args = original(cls, args)
+    object.__setattr__(server_args, "_psa_config", cfg)
+    flags.export(cfg)
+    return server_args
+
+
+def around_init(original, self, *args, **kwargs):
+    """`ServerArgs(**kwargs)` as `sgl.Engine` builds it: accept `sparse_mode=`/`psa_*=`."""
+    cfg = _pop_psa_kwargs(kwargs)
+    if cfg is not None:
+        if args:
+            raise TypeError("ServerArgs takes keyword arguments only with sparse_mode")
+        apply(cfg, kwargs)
+    result = original(self, *args, **kwargs)
+    if cfg is not None:
+        object.__setattr__(self, "_psa_config", cfg)
+        flags.export(cfg)
+    return result
+
+
+def config_of(server_args) -> PSAConfig | None:
+    """The PSA config a (possibly unpickled) ServerArgs carries, else the environment's."""
+    cfg = getattr(server_args, "_psa_config", None)
+    return cfg if cfg is not None else flags.imported()

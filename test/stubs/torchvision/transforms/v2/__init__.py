@@ -1,0 +1,1 @@
+from . import functional  # noqa: F401

@@ -1,0 +1,160 @@
+"""The plugin against the real SGLang 0.5.17 source, on CPU: entry-point discovery,
+flags in --help, ServerArgs adjustments, incompatible flags named, every hook target
+present with the expected signature, and no change at all without --sparse-mode.
+
+SGLang hooks patch classes for the life of a process, so anything that loads the
+plugin runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.server_args",
+    reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
+)
+
+from sglang_psa.integration import hooks  # noqa: E402
+
+
+def _run(code: str, env: dict | None = None, timeout: int = 240) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_hook_target_exists_with_its_signature():
+    hooks.check_targets()
+
+
+def test_a_changed_sglang_fails_with_a_clear_message(monkeypatch):
+    gone = hooks.Hook("sglang.srt.server_args.ServerArgs.no_such_method", "after", "x:y", (), "")
+    monkeypatch.setattr(hooks, "HOOKS", (gone,))
+    with pytest.raises(hooks.SGLangChanged, match="no_such_method.*sglang==0.5.17"):
+        hooks.check_targets()
+    moved = hooks.Hook(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", "after", "x:y", ("parser", "extra"), ""
+    )
+    monkeypatch.setattr(hooks, "HOOKS", (moved,))
+    with pytest.raises(hooks.SGLangChanged, match=r"expects \['parser', 'extra'\]"):
+        hooks.check_targets()
+
+
+SCENARIOS = """
+import dataclasses, json
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+def fields(sa):
+    return {f.name: repr(getattr(sa, f.name)) for f in dataclasses.fields(sa)}
+
+def err(argv):
+    try:
+        prepare_server_args(["--model-path", "dummy", *argv])
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+sa = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
+                          "--psa-threshold", "0.9", "--psa-ws-window", "4"])
+eng = ServerArgs(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
+                 attention_backend="torch_native")
+plain = prepare_server_args(["--model-path", "dummy"])
+print(json.dumps({
+    "cli": [sa.page_size, sa.decode_attention_backend, sa.prefill_attention_backend,
+            sa.cuda_graph_backend_decode, sa.cuda_graph_backend_prefill,
+            sa._psa_config.threshold, sa._psa_config.ws_window],
+    "engine": [eng.page_size, eng.decode_attention_backend, eng.prefill_attention_backend,
+               eng._psa_config.sparse_mode, eng._psa_config.topk_tokens],
+    "plain": fields(plain), "plain_has_cfg": hasattr(plain, "_psa_config"),
+    "errors": {
+        "spec": err(["--sparse-mode", "psa", "--speculative-algorithm", "EAGLE"]),
+        "mixed": err(["--sparse-mode", "psa", "--enable-mixed-chunk"]),
+        "page": err(["--sparse-mode", "psa", "--page-size", "16"]),
+        "graph": err(["--sparse-mode", "psa", "--cuda-graph-backend-decode", "full"]),
+        "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
+        "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
+        "knob_alone": err(["--psa-threshold", "0.9"]),
+    },
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> dict:
+    return _run(SCENARIOS)
+
+
+def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
+    assert scenarios["cli"] == [32, "psa", "triton", "disabled", "disabled", 0.9, 4]
+    assert scenarios["engine"] == [32, "psa", "torch_native", "topk", 1024]
+
+
+@pytest.mark.parametrize(
+    "case, flags",
+    [
+        ("spec", ["--sparse-mode", "--speculative-algorithm"]),
+        ("mixed", ["--sparse-mode", "--enable-mixed-chunk"]),
+        ("page", ["--psa-block-size", "--page-size 16"]),
+        ("graph", ["--sparse-mode", "--cuda-graph-backend-decode full"]),
+        ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
+        ("threshold", ["--psa-threshold"]),
+        ("knob_alone", ["--sparse-mode", "--psa-threshold"]),
+    ],
+)
+def test_incompatible_or_invalid_flags_fail_naming_them(scenarios, case, flags):
+    msg = scenarios["errors"][case]
+    assert msg is not None and msg.startswith("PSAConfigError"), msg
+    for flag in flags:
+        assert flag in msg, (flag, msg)
+
+
+def test_without_sparse_mode_sglang_is_unchanged(scenarios):
+    """Every ServerArgs field equals what SGLang produces with no plugin loaded."""
+    code = (
+        "import dataclasses, json\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "sa = prepare_server_args(['--model-path', 'dummy'])\n"
+        "print(json.dumps({f.name: repr(getattr(sa, f.name)) for f in dataclasses.fields(sa)}))\n"
+    )
+    bare = _run(code, env={"SGLANG_PLUGINS": "no-plugin-at-all"})
+    assert scenarios["plain"] == bare
+    assert not scenarios["plain_has_cfg"]
+
+
+def test_launch_server_help_lists_the_flags():
+    """`python -m sglang.launch_server --help` finds the plugin through its entry point."""
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in (
+        "--sparse-mode",
+        "--psa-threshold",
+        "--psa-stop-rule",
+        "--psa-block-size",
+        "--psa-gpu-cache-gb",
+        "--psa-host-pool-gb",
+        "--psa-ws-window",
+        "--psa-max-inject-tokens",
+        "--psa-topk-tokens",
+    ):
+        assert flag in out.stdout, flag
+    assert "psa" in out.stdout.split("--attention-backend")[1][:2000]  # a backend choice
