@@ -1,0 +1,143 @@
+"""The psa decode backend over SGLang's real KV pool and request table, on CPU: the new
+token's KV lands in the pool, ε = 1 equals dense attention, and ε < 1 / top-k equal the
+reference algorithm on the same keys; MLA, sliding windows and a page-size mismatch are
+refused with the flag's name."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.memory_pool",
+    reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
+)
+
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+
+from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
+from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
+from sglang_psa.integration.backend import PSAAttnBackend  # noqa: E402
+
+BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
+
+
+class _Mode:
+    def is_decode_or_idle(self):
+        return True
+
+
+def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    size = 64 * BS
+    kv = MHATokenToKVPool(
+        size, BS, torch.float32, HKV, D, LAYERS, "cpu", False, enable_alt_stream=False
+    )
+    req = ReqToTokenPool(8, 1024, "cpu", False)
+    # Requests own scattered pages (as SGLang's allocator hands them out); page 0 is padding.
+    pages = torch.randperm(60, generator=g) + 1
+    rows, used = [], 0
+    for r, n in enumerate(lengths, start=1):
+        npg = -(-n // BS)
+        slots = (pages[used : used + npg, None] * BS + torch.arange(BS)).flatten()[:n]
+        used += npg
+        req.req_to_token[r, :n] = slots.to(torch.int32)
+        rows.append(r)
+    for layer in range(LAYERS):
+        # Large keys make attention peaked, so PSA can stop before reading every block.
+        kv.k_buffer[layer].copy_(3 * torch.randn(kv.k_buffer[layer].shape, generator=g))
+        kv.v_buffer[layer].copy_(torch.randn(kv.v_buffer[layer].shape, generator=g))
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(_psa_config=cfg),
+        req_to_token_pool=req,
+        token_to_kv_pool=kv,
+        page_size=BS,
+        use_mla_backend=False,
+        sliding_window_size=None,
+    )
+    fb = SimpleNamespace(
+        forward_mode=_Mode(),
+        batch_size=len(lengths),
+        seq_lens=torch.tensor(lengths),
+        req_pool_indices=torch.tensor(rows),
+        out_cache_loc=torch.stack(
+            [req.req_to_token[r, n - 1].long() for r, n in zip(rows, lengths)]
+        ),
+    )
+    return runner, fb, g
+
+
+def _layer(layer_id: int):
+    return SimpleNamespace(
+        layer_id=layer_id,
+        tp_q_head_num=HQ,
+        tp_k_head_num=HKV,
+        head_dim=D,
+        v_head_dim=D,
+        scaling=D**-0.5,
+        logit_cap=0.0,
+        k_scale=None,
+        v_scale=None,
+    )
+
+
+def _dense_kv(runner, fb, layer_id):
+    kv, req = runner.token_to_kv_pool, runner.req_to_token_pool
+    T = int(fb.seq_lens.max())
+    ks, vs = [], []
+    for r, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens.tolist()):
+        idx = req.req_to_token[r, :n].long()
+        pad = T - n
+        ks.append(torch.nn.functional.pad(kv.k_buffer[layer_id][idx], (0, 0, 0, 0, 0, pad)))
+        vs.append(torch.nn.functional.pad(kv.v_buffer[layer_id][idx], (0, 0, 0, 0, 0, pad)))
+    return torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mode, threshold", [("psa", 1.0), ("psa", 0.9), ("topk", None)])
+def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold):
+    cfg = PSAConfig(
+        sparse_mode=mode,
+        threshold=threshold or 0.98,
+        topk_tokens=128,
+        wave_blocks=1,  # one-block waves: short test contexts can still stop early
+        max_wave_blocks=2,
+    )
+    lengths = [300, 77, 545]
+    runner, fb, g = _rig(cfg, lengths)
+    backend = PSAAttnBackend(runner)
+    backend.init_forward_metadata(fb)
+    layer = _layer(1)
+    q = torch.randn(len(lengths), HQ * D, generator=g)
+    k_new = torch.randn(len(lengths), HKV, D, generator=g)
+    v_new = torch.randn(len(lengths), HKV, D, generator=g)
+    out = backend.forward_decode(q, k_new, v_new, layer, fb)
+    # The new token's K/V went to its slot in the pool.
+    assert torch.equal(runner.token_to_kv_pool.k_buffer[1][fb.out_cache_loc], k_new)
+    assert torch.equal(runner.token_to_kv_pool.v_buffer[1][fb.out_cache_loc], v_new)
+    kc, vc = _dense_kv(runner, fb, 1)
+    qb, lens = q.view(-1, HQ, D), fb.seq_lens
+    if mode == "topk":
+        want = topk_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
+    elif threshold == 1.0:
+        want = dense_attention(qb, kc, vc, lens, scale=layer.scaling)
+        assert backend.read_fraction() == 1.0
+    else:
+        want = progressive_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
+        assert 0 < backend.read_fraction() < 1.0
+    torch.testing.assert_close(out.view(-1, HQ, D), want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_and_settings_are_refused_naming_the_flag():
+    cfg = PSAConfig()
+    runner, fb, _ = _rig(cfg, [40])
+    for change, match in (
+        ({"use_mla_backend": True}, "MLA"),
+        ({"sliding_window_size": 4096}, "sliding-window"),
+        ({"page_size": 16}, "--psa-block-size"),
+        ({"server_args": SimpleNamespace()}, "--sparse-mode"),
+    ):
+        bad = SimpleNamespace(**{**vars(runner), **change})
+        with pytest.raises(PSAConfigError, match=match):
+            PSAAttnBackend(bad)
