@@ -21,7 +21,18 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.algo.metadata import num_blocks
 from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.integration.scheduling import PSAServing, current, install
 from sglang_psa.integration.server_args import config_of
+from sglang_psa.store.host_pool import blocks_for_budget
+
+
+def hbm_units(cfg: PSAConfig, pool) -> int:
+    """Slot-cache capacity in (layer, KV head, block) units: `--psa-gpu-cache-gb` when
+    given, else SGLang's whole KV pool (everything resident: no extra constraint)."""
+    unit_bytes = 2 * cfg.block_size * pool.head_dim * pool.dtype.itemsize
+    if cfg.gpu_cache_gb is not None:
+        return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
+    return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
 
 
 class PSAAttnBackend(AttentionBackend):
@@ -53,6 +64,25 @@ class PSAAttnBackend(AttentionBackend):
                 "block_size",
                 f"SGLang's page size is {self.page_size}, not the PSA block size {cfg.block_size}",
             )
+        pool = self.token_to_kv_pool
+        self.layers = pool.layer_num
+        install(
+            PSAServing(
+                cfg,
+                layers=pool.layer_num,
+                kv_heads=pool.head_num,
+                hbm_units=hbm_units(cfg, pool),
+                host_tokens=blocks_for_budget(
+                    cfg.host_pool_gb,
+                    pool.layer_num,
+                    pool.head_num,
+                    cfg.block_size,
+                    pool.head_dim,
+                    pool.dtype,
+                )
+                * cfg.block_size,
+            )
+        )
         # Per layer: KV blocks read and available in the decode steps so far.
         self.blocks_read: dict[int, int] = {}
         self.blocks_total: dict[int, int] = {}
@@ -96,6 +126,12 @@ class PSAAttnBackend(AttentionBackend):
         else:
             res = progressive_attention(qb, kc, vc, lengths, self.cfg, scale=layer.scaling)
         lid = layer.layer_id
+        serving = current()
+        if serving is not None:  # working sets: (head, page) of every block read
+            pages = rows[:, :: self.cfg.block_size].long() // self.cfg.block_size
+            b, h, j = res.read.nonzero(as_tuple=True)
+            reads = zip(b.tolist(), zip(h.tolist(), pages[b, j].tolist()))
+            serving.note_reads(lid, forward_batch.req_pool_indices.tolist(), reads)
         self.blocks_read[lid] = self.blocks_read.get(lid, 0) + int(res.read.sum())
         total = int(num_blocks(lengths, self.cfg.block_size).sum()) * Hkv
         self.blocks_total[lid] = self.blocks_total.get(lid, 0) + total

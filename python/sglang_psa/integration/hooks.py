@@ -53,6 +53,34 @@ HOOKS: tuple[Hook, ...] = (
         ("self", "model_path"),
         "sgl.Engine(sparse_mode='psa', psa_threshold=...) keyword arguments",
     ),
+    Hook(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        "around",
+        "scheduling:around_add_one_req",
+        ("self", "req", "has_chunked_req", "truncation_align_size"),
+        "admit new requests by HBM working set",
+    ),
+    Hook(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+        "after",
+        "scheduling:after_check_decode_mem",
+        ("self", "selected_indices"),
+        "record working sets; retract when they outgrow the slot cache",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.common.release_kv_cache",
+        "after",
+        "scheduling:after_release_kv_cache",
+        ("req", "tree_cache", "is_insert"),
+        "forget finished requests, pause retracted ones",
+    ),
+    Hook(
+        "sglang.srt.managers.utils.validate_input_length",
+        "after",
+        "scheduling:after_validate_input_length",
+        ("req", "max_req_input_len", "allow_auto_truncate"),
+        "refuse requests the host pool or slot cache cannot hold (HTTP 400)",
+    ),
 )
 
 # Functions the plugin calls (not hooks): (target, parameters).

@@ -148,6 +148,25 @@ class AdmissionController:
         self.stats.retracted += len(victims)
         return victims
 
+    def admit_alone(self, candidate: Candidate) -> None:
+        """Admit regardless of capacity; for when nothing else runs, so a request whose
+        estimate exceeds the cache still makes progress instead of stalling the server."""
+        if candidate.rid in self.running:
+            raise ValueError(f"request {candidate.rid!r} is already running")
+        self.paused.discard(candidate.rid)
+        self.running[candidate.rid] = candidate.est_units
+        self.used_units += self.load(candidate.rid, candidate.est_units)
+        self.stats.admitted += 1
+
+    def pause(self, rid: Hashable) -> None:
+        """The server retracted `rid` by its own choice: stop counting its load, keep its
+        history so it resumes with its measured working set."""
+        if rid not in self.running:
+            raise KeyError(f"request {rid!r} is not running")
+        self.used_units -= self.load(rid, self.running.pop(rid))
+        self.paused.add(rid)
+        self.stats.retracted += 1
+
     def finish(self, rid: Hashable) -> None:
         """Forget a running or retracted request (done or aborted). KeyError if neither."""
         if rid in self.running:

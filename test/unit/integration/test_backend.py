@@ -19,9 +19,16 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
+from sglang_psa.integration import scheduling  # noqa: E402
 from sglang_psa.integration.backend import PSAAttnBackend  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_serving():
+    yield
+    scheduling.install(None)  # the backend installs the process's PSAServing
 
 
 class _Mode:
@@ -127,6 +134,13 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold):
         want = progressive_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
         assert 0 < backend.read_fraction() < 1.0
     torch.testing.assert_close(out.view(-1, HQ, D), want, atol=1e-5, rtol=1e-5)
+    # The blocks read became working-set units (layer, head, SGLang page) per request.
+    serving = scheduling.current()
+    n_read = sum(len(u) for u in serving._step_units.values())
+    assert n_read == backend.blocks_read[1]
+    pages = {p for (_, _, p) in serving._step_units[1]}
+    first = runner.req_to_token_pool.req_to_token[1, : lengths[0] : BS].long() // BS
+    assert pages <= set(first.tolist())
 
 
 def test_unsupported_models_and_settings_are_refused_naming_the_flag():

@@ -1,0 +1,174 @@
+"""Working-set admission, retraction and capacity checks inside SGLang's scheduler.
+
+One `PSAServing` per scheduler process (created with the `psa` backend) owns
+an `AdmissionController` whose capacity is the HBM slot cache in units of one
+(layer, KV head, block). The hooks below consult it; with no `--sparse-mode`
+there is none and every hook passes straight through.
+
+- `PrefillAdder.add_one_req` (around): a new request is admitted only while the
+  working sets of the running ones plus its estimate fit; otherwise it waits in
+  SGLang's queue (the adder stops for this round), never dropped. With nothing
+  running it is admitted anyway, so the server cannot stall.
+- `ScheduleBatch.check_decode_mem` (after): before each decode step, the blocks
+  the backend read in the last step are recorded as each request's working set;
+  if the selected requests' working sets outgrow the cache, SGLang retracts
+  (with its own victim policy; the check honours `selected_indices`).
+- `release_kv_cache` (after): a finished request is forgotten, a retracted one
+  keeps its history for when it resumes.
+- `validate_input_length` (after): a request whose KV cannot fit the host pool,
+  or whose working-set estimate alone exceeds the slot cache, is refused with a
+  message naming the flag to raise; SGLang turns it into HTTP 400.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
+
+from sglang_psa.config import PSAConfig, flag_name
+from sglang_psa.sched import AdmissionController, Candidate, WorkingSetTracker
+from sglang_psa.sched.working_set import always_attended_units
+
+
+class PSAServing:
+    def __init__(
+        self, cfg: PSAConfig, layers: int, kv_heads: int, hbm_units: int, host_tokens: int
+    ):
+        self.cfg = cfg
+        self.layer_heads = layers * kv_heads
+        self.host_tokens = host_tokens
+        self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
+        self._step_units: dict[int, set[Hashable]] = defaultdict(set)  # by req_pool_idx
+
+    # -- sizes --------------------------------------------------------------------
+    def total_units(self, tokens: int) -> int:
+        return math.ceil(tokens / self.cfg.block_size) * self.layer_heads
+
+    def estimate(self, tokens: int) -> int:
+        blocks = math.ceil(tokens / self.cfg.block_size)
+        floor = always_attended_units(self.cfg, blocks, self.layer_heads)
+        return self.controller.tracker.estimate_new(self.total_units(tokens), floor)
+
+    def reject_reason(self, prompt_tokens: int, max_new_tokens: int | None) -> str | None:
+        need = prompt_tokens + (max_new_tokens or 0)
+        if need > self.host_tokens:
+            return (
+                f"the request needs KV for {need} tokens but the host KV pool holds "
+                f"{self.host_tokens} ({flag_name('host_pool_gb')} {self.cfg.host_pool_gb:g}); "
+                "send a shorter request or raise the flag"
+            )
+        est = self.estimate(prompt_tokens)
+        if est > self.controller.capacity_units:
+            return (
+                f"the request's estimated working set ({est} block units) exceeds the HBM "
+                f"slot cache ({self.controller.capacity_units}); raise "
+                f"{flag_name('gpu_cache_gb')}"
+            )
+        return None
+
+    # -- admission ----------------------------------------------------------------
+    def try_admit(self, rid: Hashable, prompt_tokens: int, alone: bool) -> bool:
+        """Admit `rid` if its working set fits beside the running ones (or if `alone`)."""
+        if rid in self.controller.running:
+            return True
+        cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
+        if self.controller.try_admit([cand]).admitted:
+            return True
+        if alone:  # nothing else runs: admit anyway rather than stall the server
+            self.controller.admit_alone(cand)
+            return True
+        return False
+
+    def undo_admit(self, rid: Hashable, was_paused: bool) -> None:
+        """SGLang's own checks refused a request this controller had admitted."""
+        if rid not in self.controller.running:
+            return
+        if was_paused:
+            self.controller.pause(rid)
+            self.controller.stats.retracted -= 1
+        else:
+            self.controller.finish(rid)
+            self.controller.stats.finished -= 1
+
+    # -- decode steps -------------------------------------------------------------
+    def note_reads(self, layer: int, pool_idx: Sequence[int], units: Iterable[tuple]) -> None:
+        """Backend: blocks (layer, head, page) read this step, by request-table row."""
+        for row, (h, page) in units:
+            self._step_units[pool_idx[row]].add((layer, h, page))
+
+    def flush_step(self, reqs: Sequence) -> None:
+        """Record the last step's reads as working-set history (before the next step)."""
+        for req in reqs:
+            units = self._step_units.pop(req.req_pool_idx, None)
+            if units is not None and req.rid in self.controller.running:
+                self.controller.on_step(req.rid, units)
+        self._step_units.clear()
+
+    def fits(self, rids: Iterable[Hashable]) -> bool:
+        ctl = self.controller
+        load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
+        return load <= ctl.capacity_units
+
+    def release(self, rid: Hashable, retracted: bool) -> None:
+        ctl = self.controller
+        if retracted and rid in ctl.running:
+            ctl.pause(rid)
+        elif rid in ctl.running or rid in ctl.paused:
+            ctl.finish(rid)
+
+
+_current: PSAServing | None = None
+
+
+def current() -> PSAServing | None:
+    return _current
+
+
+def install(serving: PSAServing | None) -> None:
+    global _current
+    _current = serving
+
+
+# --- hooks (registered in `integration.hooks`) -------------------------------------
+
+
+def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):
+    serving = current()
+    if serving is None:
+        return original(adder, req, has_chunked_req, truncation_align_size)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    running = getattr(adder.running_batch, "reqs", None) or []
+    alone = not running and not adder.can_run_list
+    was_paused = req.rid in serving.controller.paused
+    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone):
+        return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
+    result = original(adder, req, has_chunked_req, truncation_align_size)
+    if req not in adder.can_run_list:
+        serving.undo_admit(req.rid, was_paused)
+    return result
+
+
+def after_check_decode_mem(result, batch, selected_indices=None):
+    serving = current()
+    if serving is None or not result:
+        return result
+    serving.flush_step(batch.reqs)
+    reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
+    return serving.fits(r.rid for r in reqs)
+
+
+def after_release_kv_cache(result, req, tree_cache, is_insert=True):
+    serving = current()
+    if serving is not None:
+        serving.release(req.rid, retracted=not is_insert and not req.finished())
+    return result
+
+
+def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):
+    serving = current()
+    if result is not None or serving is None:
+        return result
+    max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+    return serving.reject_reason(len(req.origin_input_ids), max_new)

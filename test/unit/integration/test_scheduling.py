@@ -1,0 +1,149 @@
+"""Working-set admission, retraction and rejection through the scheduler hooks, driven with
+synthetic requests (the hook functions are called as SGLang's HookRegistry calls them)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_psa.config import PSAConfig
+from sglang_psa.integration import scheduling
+from sglang_psa.integration.scheduling import PSAServing
+
+try:  # the real enum when SGLang is installed; the hook imports it lazily
+    from sglang.srt.managers.schedule_policy import AddReqResult
+except ImportError:
+    AddReqResult = None
+
+BS = 32
+
+
+@pytest.fixture
+def serving(monkeypatch):
+    if AddReqResult is None:
+        fake = SimpleNamespace(AddReqResult=Enum("AddReqResult", "CONTINUE NO_TOKEN OTHER"))
+        monkeypatch.setitem(__import__("sys").modules, "sglang.srt.managers.schedule_policy", fake)
+    cfg = PSAConfig(ws_window=2, host_pool_gb=1.0)
+    # 2 layers x 2 KV heads = 4 units per block; capacity 100 units; host pool 4096 tokens.
+    s = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100, host_tokens=4096)
+    scheduling.install(s)
+    yield s
+    scheduling.install(None)
+
+
+def _req(rid, tokens, pool_idx=None, finished=False):
+    return SimpleNamespace(
+        rid=rid,
+        origin_input_ids=[0] * tokens,
+        req_pool_idx=pool_idx,
+        sampling_params=SimpleNamespace(max_new_tokens=16),
+        finished=lambda: finished,
+    )
+
+
+def _adder(running=()):
+    return SimpleNamespace(can_run_list=[], running_batch=SimpleNamespace(reqs=list(running)))
+
+
+def _orig_admits(adder, req, has_chunked_req, truncation_align_size):
+    adder.can_run_list.append(req)
+    return _result().CONTINUE
+
+
+def _result():
+    import sys
+
+    return sys.modules["sglang.srt.managers.schedule_policy"].AddReqResult
+
+
+def test_admission_by_working_set_waits_then_admits_and_never_stalls(serving):
+    add = scheduling.around_add_one_req
+    # Estimate of a new request: default_fraction 0.5 of its units (4 per block).
+    a, b, c = _req("a", 640), _req("b", 640), _req("c", 640)  # 20 blocks -> 80 units, est 40
+    adder = _adder()
+    assert add(_orig_admits, adder, a, False, None) == _result().CONTINUE
+    assert add(_orig_admits, adder, b, False, None) == _result().CONTINUE
+    assert serving.controller.used_units == 80
+    # A third would need 120 > 100: it waits (stays queued), nothing is dropped.
+    assert add(_orig_admits, adder, c, False, None) == _result().OTHER
+    assert c not in adder.can_run_list and "c" not in serving.controller.running
+    # Alone (nothing running or being added), even an oversized request is admitted.
+    serving.release("a", retracted=False)
+    serving.release("b", retracted=False)
+    big = _req("big", 4000)  # est 250 units > 100
+    assert add(_orig_admits, _adder(), big, False, None) == _result().CONTINUE
+    assert "big" in serving.controller.running
+    serving.controller.check_integrity()
+
+
+def test_sglang_refusing_after_admission_is_rolled_back(serving):
+    def orig_refuses(adder, req, has_chunked_req, truncation_align_size):
+        return _result().NO_TOKEN
+
+    res = scheduling.around_add_one_req(orig_refuses, _adder(), _req("a", 320), False, None)
+    assert res == _result().NO_TOKEN
+    assert not serving.controller.running and serving.controller.used_units == 0
+    serving.controller.check_integrity()
+
+
+def test_decode_steps_record_working_sets_and_force_retraction(serving):
+    adder = _adder()
+    reqs = [_req("a", 640, pool_idx=1), _req("b", 640, pool_idx=2)]
+    for r in reqs:
+        scheduling.around_add_one_req(_orig_admits, adder, r, False, None)
+    batch = SimpleNamespace(reqs=reqs)
+    # One step: each request reads 60 distinct units (15 blocks x 2 heads x 2 layers).
+    for layer in range(2):
+        reads = [(row, (h, p)) for row in range(2) for h in range(2) for p in range(15)]
+        serving.note_reads(layer, [1, 2], reads)
+    # Windows are not full yet (ws_window=2): load = max(estimate 40, measured 60) = 60 each.
+    assert scheduling.after_check_decode_mem(True, batch) is False  # 120 > 100: retract
+    assert scheduling.after_check_decode_mem(True, batch, selected_indices=[0]) is True
+    assert serving.controller.tracker.size("a") == 60
+    # SGLang retracts "b" (release without insert, not finished): paused, history kept.
+    scheduling.after_release_kv_cache(None, reqs[1], None, is_insert=False)
+    assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60
+    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=reqs[:1])) is True
+    # "a" finishes: everything is returned.
+    done = _req("a", 640, pool_idx=1, finished=True)
+    scheduling.after_release_kv_cache(None, done, None, is_insert=True)
+    assert "a" not in serving.controller.running and serving.controller.used_units == 0
+    # The retracted request resumes through admission with its measured set.
+    assert scheduling.around_add_one_req(_orig_admits, _adder(), reqs[1], False, None) == (
+        _result().CONTINUE
+    )
+    assert serving.controller.used_units == 60
+    serving.controller.check_integrity()
+    # SGLang's own verdict (not enough KV pages) is never overruled.
+    assert scheduling.after_check_decode_mem(False, batch) is False
+
+
+def test_requests_too_large_are_refused_naming_the_flag(serving):
+    too_long = _req("x", 4090)  # + 16 new tokens > 4096 host-pool tokens
+    msg = scheduling.after_validate_input_length(None, too_long, 10**6, False)
+    assert "--psa-host-pool-gb" in msg and "4106" in msg
+    ok = _req("y", 1000)
+    assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
+    small_cache = PSAServing(PSAConfig(), layers=2, kv_heads=2, hbm_units=10, host_tokens=1 << 20)
+    scheduling.install(small_cache)
+    msg = scheduling.after_validate_input_length(None, ok, 10**6, False)
+    assert "--psa-gpu-cache-gb" in msg
+    # SGLang's own error message wins.
+    assert scheduling.after_validate_input_length("too long", ok, 10, False) == "too long"
+
+
+def test_without_sparse_mode_every_hook_passes_through():
+    scheduling.install(None)
+    calls = []
+
+    def orig(adder, req, has_chunked_req, truncation_align_size):
+        calls.append((req.rid, has_chunked_req, truncation_align_size))
+        return "whatever"
+
+    assert scheduling.around_add_one_req(orig, _adder(), _req("a", 10), True, 64) == "whatever"
+    assert calls == [("a", True, 64)]
+    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[])) is True
+    assert scheduling.after_validate_input_length(None, _req("a", 10**7), 1, False) is None
+    assert scheduling.after_release_kv_cache("r", _req("a", 1), None) == "r"
