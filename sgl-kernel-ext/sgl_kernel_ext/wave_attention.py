@@ -52,6 +52,9 @@ def _wave_attention_kernel(
     max_read,
     Hkv,
     NB,
+    slot_stride,
+    tok_stride,
+    head_stride,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -109,15 +112,23 @@ def _wave_attention_kernel(
             in_hbm = where >= 0
             unit = tl.where(in_hbm, where, -where - 1)
             valid = pm[:, None] & ((blk[:, None] * BS + tt[None, :]) < length)  # [NBLK, BS]
-            offs = unit[:, None, None] * (BS * D) + tt[None, :, None] * D + dd[None, None, :]
+            # HBM slots may be strided (SGLang's token-major pages: a slot is a page, the
+            # head an offset within each token); host units are [bs, d] runs.
+            offs = (
+                unit[:, None, None] * slot_stride
+                + h * head_stride
+                + tt[None, :, None] * tok_stride
+                + dd[None, None, :]
+            )
             m_dev = valid[:, :, None] & in_hbm[:, None, None]
             if HAS_HOST:
                 m_host = valid[:, :, None] & (~in_hbm)[:, None, None]
+                offs_h = unit[:, None, None] * (BS * D) + tt[None, :, None] * D + dd[None, None, :]
                 k = tl.load(k_slots + offs, mask=m_dev, other=0.0) + tl.load(
-                    k_host + offs, mask=m_host, other=0.0
+                    k_host + offs_h, mask=m_host, other=0.0
                 )
                 v = tl.load(v_slots + offs, mask=m_dev, other=0.0) + tl.load(
-                    v_host + offs, mask=m_host, other=0.0
+                    v_host + offs_h, mask=m_host, other=0.0
                 )
             else:
                 k = tl.load(k_slots + offs, mask=m_dev, other=0.0)
@@ -350,11 +361,15 @@ class WaveAttention:
         v_host: torch.Tensor | None = None,
         scale: float | None = None,
         max_read_blocks: int | None = None,
+        slot_strides: tuple[int, int, int] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
         `max_read_blocks` caps the blocks read per (request, KV head): with
         threshold 1 this is top-k attention over the same ranked order.
+        `slot_strides` (elements per slot, per token, per KV head) lets the slots be
+        another layout: SGLang's `[tokens, Hkv, d]` KV buffer is read in place as
+        slots = pages with `(bs * Hkv * d, Hkv * d, d)`. Default: `[num_slots, bs, d]`.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -420,6 +435,7 @@ class WaveAttention:
                     NB if max_read_blocks is None else max_read_blocks,
                     Hkv,
                     NB,
+                    *(slot_strides or (bs * D, D, 0)),
                     G=G,
                     GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
                     D=D,

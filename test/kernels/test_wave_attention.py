@@ -162,3 +162,58 @@ def test_split_too_large_for_one_cooperative_launch_is_halved():
     assert wa.splits < 64
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("host_fraction", [0.0, 0.5])
+def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
+    """HBM slots given as SGLang's KV buffer `[tokens, Hkv, d]` (a slot = a page, the head
+    an offset inside each token) with `slot_strides`; host blocks stay `[bs, d]` units."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    cfg = PSAConfig(threshold=0.9, **SMALL_WAVES)
+    q, k, v, lengths = _case(7, device=device)
+    B, Hkv, T, d = k.shape
+    bs = cfg.block_size
+    nb = -(-T // bs)
+    g = torch.Generator().manual_seed(3)
+    pages = torch.randperm(B * nb + 4, generator=g)[: B * nb].view(B, nb) + 1  # page 0: padding
+    kbuf = torch.zeros((B * nb + 5) * bs, Hkv, d, device=device)
+    vbuf = torch.zeros_like(kbuf)
+    k_host = torch.zeros(B * Hkv * nb, bs, d)
+    v_host = torch.zeros_like(k_host)
+    on_host = torch.rand(B, Hkv, nb, generator=g) < host_fraction
+    loc = torch.empty(B, Hkv, nb, dtype=torch.int32)
+    for b in range(B):
+        for j in range(nb):
+            t0, t1 = j * bs, min((j + 1) * bs, T)
+            slot = int(pages[b, j])
+            kbuf[slot * bs : slot * bs + t1 - t0] = k[b, :, t0:t1].transpose(0, 1)
+            vbuf[slot * bs : slot * bs + t1 - t0] = v[b, :, t0:t1].transpose(0, 1)
+            for h in range(Hkv):
+                if on_host[b, h, j]:
+                    u = (b * Hkv + h) * nb + j
+                    k_host[u, : t1 - t0] = k[b, h, t0:t1].cpu()
+                    v_host[u, : t1 - t0] = v[b, h, t0:t1].cpu()
+                    loc[b, h, j] = -u - 1
+                else:
+                    loc[b, h, j] = slot
+    if device == "cuda":
+        k_host, v_host = k_host.pin_memory(), v_host.pin_memory()
+    meta = block_metadata(k, lengths, bs)
+    ref = progressive_attention(q, k, v, lengths, cfg)
+    wa = WaveAttention.from_config(cfg).plan(B, q.shape[1], Hkv, d, nb, device)
+    res = wa.run(
+        q,
+        kbuf,
+        vbuf,
+        loc.to(device),
+        lengths,
+        meta.mean,
+        meta.kmin,
+        meta.kmax,
+        k_host=k_host if host_fraction else None,
+        v_host=v_host if host_fraction else None,
+        slot_strides=(bs * Hkv * d, Hkv * d, d),
+    )
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
