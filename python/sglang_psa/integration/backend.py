@@ -5,22 +5,29 @@ the dense `--prefill-attention-backend`, decode runs here. One SGLang page is
 one PSA block (`--page-size` = `--psa-block-size`), so a request's block table
 is its `req_to_token` row read every `block_size` tokens.
 
-This is the reference path: per layer it gathers the batch's keys and values
-from SGLang's KV pool and runs `sglang_psa.algo` (PSA or top-k, the exact
-semantics the kernels are tested against), so its outputs are the ones the
-end-to-end tests compare with plain SGLang. It reads the whole context, so it
-is not faster than dense attention; the wave-kernel path over the tiered store
-replaces the gather and the reference math (issue 6 notes).
+Two paths, the same semantics:
+- the kernel path (on CUDA, or under TRITON_INTERPRET=1): scoring, ranking and
+  the wave kernel read SGLang's KV buffers in place, slot = page, with block
+  metadata kept per page (`PageMeta`), so a decode step touches only the
+  blocks PSA attends;
+- the reference path (CPU without the interpreter): gathers each request's
+  keys and values and runs `sglang_psa.algo`, the spec the kernels are tested
+  against. It reads the whole context.
+All KV still lives in SGLang's HBM pool; serving from the tiered store (host
+pool + slot cache) is the next step.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sgl_kernel_ext.wave_attention import WaveAttention
 from sglang_psa.algo import progressive_attention, topk_attention
-from sglang_psa.algo.metadata import num_blocks
 from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.integration.page_meta import PageMeta
 from sglang_psa.integration.scheduling import PSAServing, current, install
 from sglang_psa.integration.server_args import config_of
 from sglang_psa.store.host_pool import blocks_for_budget
@@ -36,7 +43,7 @@ def hbm_units(cfg: PSAConfig, pool) -> int:
 
 
 class PSAAttnBackend(AttentionBackend):
-    def __init__(self, model_runner, cfg: PSAConfig | None = None):
+    def __init__(self, model_runner, cfg: PSAConfig | None = None, use_kernel: bool | None = None):
         super().__init__()
         cfg = cfg or config_of(model_runner.server_args)
         if cfg is None:
@@ -83,17 +90,55 @@ class PSAAttnBackend(AttentionBackend):
                 * cfg.block_size,
             )
         )
-        # Per layer: KV blocks read and available in the decode steps so far.
-        self.blocks_read: dict[int, int] = {}
-        self.blocks_total: dict[int, int] = {}
+        # Per layer: KV blocks read and available so far (device counters: no sync per step).
+        self._read: dict[int, torch.Tensor] = {}
+        self._total: dict[int, torch.Tensor] = {}
+        device = pool.k_buffer[0].device
+        if use_kernel is None:
+            use_kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self.use_kernel = use_kernel
+        self.last_layer = pool.start_layer + pool.layer_num - 1
+        self.meta = PageMeta(
+            pool.layer_num,
+            (pool.size + cfg.block_size) // cfg.block_size,
+            pool.head_num,
+            pool.head_dim,
+            cfg.block_size,
+            bounds=cfg.stop_rule == "certified" or cfg.score == "bound",
+            device=device,
+        )
+        current().page_meta = self.meta
+        topk = cfg.sparse_mode == "topk"
+        self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
+        self._max_read = cfg.topk_tokens // cfg.block_size if topk else None
+        self._plan_key = None
 
-    # SGLang calls this before every forward; decode needs nothing precomputed here.
+    # SGLang calls this before every forward: the step's block tables, once for all layers.
     def init_forward_metadata(self, forward_batch) -> None:
         if not forward_batch.forward_mode.is_decode_or_idle():
             raise RuntimeError(
                 "the psa backend serves decode only; extend batches belong to the "
                 "prefill backend (--sparse-mode builds a hybrid backend)"
             )
+        bs = self.cfg.block_size
+        lengths = forward_batch.seq_lens.to(torch.int64)
+        cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        T = int(cpu.max()) if cpu is not None and cpu.numel() else int(lengths.max())
+        nb = -(-T // bs)
+        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices.long(), :T]
+        pages = rows[:, ::bs].long() // bs  # [B, NB]: garbage past a request's end, never read
+        valid_blk = (
+            torch.arange(nb, device=pages.device)[None, :] < (lengths[:, None] + bs - 1) // bs
+        )
+        pages = torch.where(valid_blk, pages, 0)
+        full = torch.arange(nb, device=pages.device)[None, :] < (lengths // bs)[:, None]
+        self._step = {
+            "lengths": lengths,
+            "T": T,
+            "rows": rows,
+            "pages": pages,
+            "stale": self.meta.stale(pages, full) if self.use_kernel else None,
+        }
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -111,33 +156,77 @@ class PSAAttnBackend(AttentionBackend):
             pool.set_kv_buffer(
                 layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale
             )
-        Hq, Hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-        B = forward_batch.batch_size
-        lengths = forward_batch.seq_lens.to(torch.int64)
-        T = int(lengths.max())
-        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices.long(), :T]
-        valid = torch.arange(T, device=rows.device)[None, :] < lengths[:, None]
-        slots = torch.where(valid, rows.long(), 0)  # slot 0 is SGLang's padding sink
-        kc = pool.get_key_buffer(layer.layer_id)[slots].permute(0, 2, 1, 3)  # [B, Hkv, T, d]
-        vc = pool.get_value_buffer(layer.layer_id)[slots].permute(0, 2, 1, 3)
+        step = self._step
+        B, Hq, Hkv, d = (
+            forward_batch.batch_size,
+            layer.tp_q_head_num,
+            layer.tp_k_head_num,
+            layer.head_dim,
+        )
         qb = q.reshape(B, Hq, d)
-        if self.cfg.sparse_mode == "topk":
-            res = topk_attention(qb, kc, vc, lengths, self.cfg, scale=layer.scaling)
+        if self.use_kernel:
+            out, read = self._decode_kernel(qb, layer, step)
         else:
-            res = progressive_attention(qb, kc, vc, lengths, self.cfg, scale=layer.scaling)
+            out, read = self._decode_reference(qb, layer, step)
         lid = layer.layer_id
         serving = current()
-        if serving is not None:  # working sets: (head, page) of every block read
-            pages = rows[:, :: self.cfg.block_size].long() // self.cfg.block_size
-            b, h, j = res.read.nonzero(as_tuple=True)
-            reads = zip(b.tolist(), zip(h.tolist(), pages[b, j].tolist()))
-            serving.note_reads(lid, forward_batch.req_pool_indices.tolist(), reads)
-        self.blocks_read[lid] = self.blocks_read.get(lid, 0) + int(res.read.sum())
-        total = int(num_blocks(lengths, self.cfg.block_size).sum()) * Hkv
-        self.blocks_total[lid] = self.blocks_total.get(lid, 0) + total
-        return res.out.to(q.dtype).reshape(B, Hq * layer.v_head_dim)
+        if serving is not None:
+            serving.note_read_mask(lid, forward_batch.req_pool_indices, step["pages"], read)
+        self._read[lid] = self._read.get(lid, 0) + read.sum()
+        nblk = (step["lengths"] + self.cfg.block_size - 1) // self.cfg.block_size
+        self._total[lid] = self._total.get(lid, 0) + nblk.sum() * Hkv
+        return out.to(q.dtype).reshape(B, Hq * layer.v_head_dim)
+
+    def _decode_kernel(self, q, layer, step):
+        """Wave kernel over SGLang's pool in place: slots are pages, the head an offset."""
+        lid = layer.layer_id
+        kbuf = self.token_to_kv_pool.get_key_buffer(lid)
+        vbuf = self.token_to_kv_pool.get_value_buffer(lid)
+        self.meta.refresh(lid, kbuf, step["stale"])
+        if lid == self.last_layer:
+            self.meta.mark_valid(step["stale"])
+        pages = step["pages"]
+        B, NB = pages.shape
+        Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
+        key = (B, q.shape[1], Hkv, d, NB)
+        if self._plan_key != key:
+            self._plan = self._wave.plan(B, q.shape[1], Hkv, d, NB, q.device)
+            self._plan_key = key
+        loc = pages[:, None, :].expand(B, Hkv, NB).to(torch.int32)
+        mean, kmin, kmax = self.meta.gather(lid, pages)
+        res = self._plan.run(
+            q,
+            kbuf,
+            vbuf,
+            loc,
+            step["lengths"],
+            mean,
+            kmin,
+            kmax,
+            scale=layer.scaling,
+            max_read_blocks=self._max_read,
+            slot_strides=(bs * Hkv * d, Hkv * d, d),
+        )
+        return res.out, res.read_mask()
+
+    def _decode_reference(self, q, layer, step):
+        """`sglang_psa.algo` on the gathered keys: exact semantics, dense cost."""
+        pool, lengths, T = self.token_to_kv_pool, step["lengths"], step["T"]
+        valid = torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+        slots = torch.where(valid, step["rows"].long(), 0)  # slot 0: SGLang's padding sink
+        kc = pool.get_key_buffer(layer.layer_id)[slots].permute(0, 2, 1, 3)  # [B, Hkv, T, d]
+        vc = pool.get_value_buffer(layer.layer_id)[slots].permute(0, 2, 1, 3)
+        if self.cfg.sparse_mode == "topk":
+            res = topk_attention(q, kc, vc, lengths, self.cfg, scale=layer.scaling)
+        else:
+            res = progressive_attention(q, kc, vc, lengths, self.cfg, scale=layer.scaling)
+        return res.out, res.read
+
+    @property
+    def blocks_read(self) -> dict[int, int]:
+        return {lid: int(n) for lid, n in self._read.items()}
 
     def read_fraction(self) -> float:
-        """Fraction of KV blocks the decode steps read so far, over all layers."""
-        total = sum(self.blocks_total.values())
+        """Fraction of KV blocks the decode steps read so far, over all layers (syncs)."""
+        total = sum(int(n) for n in self._total.values())
         return sum(self.blocks_read.values()) / total if total else 0.0

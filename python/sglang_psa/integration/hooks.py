@@ -81,6 +81,20 @@ HOOKS: tuple[Hook, ...] = (
         ("req", "max_req_input_len", "allow_auto_truncate"),
         "refuse requests the host pool or slot cache cannot hold (HTTP 400)",
     ),
+    *(
+        Hook(
+            f"sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.{name}",
+            "after",
+            "scheduling:after_alloc",
+            params,
+            "pages handed out again get new keys: their block metadata is stale",
+        )
+        for name, params in (
+            ("alloc", ("self", "need_size")),
+            ("alloc_extend", ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens")),
+            ("alloc_decode", ("self", "seq_lens", "seq_lens_cpu", "last_loc")),
+        )
+    ),
 )
 
 # Functions the plugin calls (not hooks): (target, parameters).

@@ -26,6 +26,8 @@ import math
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 
+import torch
+
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.sched import AdmissionController, Candidate, WorkingSetTracker
 from sglang_psa.sched.working_set import always_attended_units
@@ -40,6 +42,8 @@ class PSAServing:
         self.host_tokens = host_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
         self._step_units: dict[int, set[Hashable]] = defaultdict(set)  # by req_pool_idx
+        self.page_meta = None  # the backend's PageMeta, invalidated by the allocator hook
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
@@ -97,8 +101,24 @@ class PSAServing:
         for row, (h, page) in units:
             self._step_units[pool_idx[row]].add((layer, h, page))
 
+    def note_read_mask(
+        self, layer: int, pool_idx: torch.Tensor, pages: torch.Tensor, read: torch.Tensor
+    ) -> None:
+        """Backend, on the device: `read [B, Hkv, NB]` over `pages [B, NB]`; turned into
+        units once per step in `flush_step` (one host copy per step, not per layer)."""
+        self._pending.append((layer, pool_idx, pages, read))
+
+    def _materialize(self) -> None:
+        for layer, pool_idx, pages, read in self._pending:
+            b, h, j = read.nonzero(as_tuple=True)
+            rows = pool_idx.tolist()
+            units = zip(b.tolist(), zip(h.tolist(), pages[b, j].tolist()))
+            self.note_reads(layer, rows, units)
+        self._pending.clear()
+
     def flush_step(self, reqs: Sequence) -> None:
         """Record the last step's reads as working-set history (before the next step)."""
+        self._materialize()
         for req in reqs:
             units = self._step_units.pop(req.req_pool_idx, None)
             if units is not None and req.rid in self.controller.running:
@@ -163,6 +183,13 @@ def after_release_kv_cache(result, req, tree_cache, is_insert=True):
     serving = current()
     if serving is not None:
         serving.release(req.rid, retracted=not is_insert and not req.finished())
+    return result
+
+
+def after_alloc(result, allocator, *args, **kwargs):
+    serving = current()
+    if serving is not None and serving.page_meta is not None and result is not None:
+        serving.page_meta.invalidate(result)
     return result
 
 

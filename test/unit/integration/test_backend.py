@@ -102,8 +102,9 @@ def _dense_kv(runner, fb, layer_id):
     return torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
 @pytest.mark.parametrize("mode, threshold", [("psa", 1.0), ("psa", 0.9), ("topk", None)])
-def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold):
+def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, use_kernel):
     cfg = PSAConfig(
         sparse_mode=mode,
         threshold=threshold or 0.98,
@@ -113,7 +114,7 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold):
     )
     lengths = [300, 77, 545]
     runner, fb, g = _rig(cfg, lengths)
-    backend = PSAAttnBackend(runner)
+    backend = PSAAttnBackend(runner, use_kernel=use_kernel)
     backend.init_forward_metadata(fb)
     layer = _layer(1)
     q = torch.randn(len(lengths), HQ * D, generator=g)
@@ -133,9 +134,10 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold):
     else:
         want = progressive_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
         assert 0 < backend.read_fraction() < 1.0
-    torch.testing.assert_close(out.view(-1, HQ, D), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.view(-1, HQ, D), want.float(), atol=2e-4, rtol=2e-4)
     # The blocks read became working-set units (layer, head, SGLang page) per request.
     serving = scheduling.current()
+    serving._materialize()
     n_read = sum(len(u) for u in serving._step_units.values())
     assert n_read == backend.blocks_read[1]
     pages = {p for (_, _, p) in serving._step_units[1]}
@@ -155,3 +157,27 @@ def test_unsupported_models_and_settings_are_refused_naming_the_flag():
         bad = SimpleNamespace(**{**vars(runner), **change})
         with pytest.raises(PSAConfigError, match=match):
             PSAAttnBackend(bad)
+
+
+def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
+    cfg = PSAConfig(threshold=0.9, wave_blocks=1, max_wave_blocks=2)
+    runner, fb, g = _rig(cfg, [300, 200])
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    kv = runner.token_to_kv_pool
+    q = torch.randn(2, HQ * D, generator=g)
+    for layer in range(LAYERS):  # one whole step: every full page gets its metadata
+        backend.init_forward_metadata(fb)
+        backend.forward_decode(q, None, None, _layer(layer), fb, save_kv_cache=False)
+    page = int(runner.req_to_token_pool.req_to_token[1, 64]) // BS  # request 1's third page
+    keys = kv.k_buffer[0].view(-1, BS, HKV, D)
+    assert torch.allclose(backend.meta.mean[0, page], keys[page].float().mean(0))
+    backend.init_forward_metadata(fb)
+    assert backend._step["stale"].numel() == 0  # nothing recomputed in the next step
+    # SGLang hands the page out again (new keys): the allocator hook invalidates it.
+    keys[page] = torch.randn(BS, HKV, D, generator=g)
+    slots = torch.arange(page * BS, (page + 1) * BS)
+    assert scheduling.after_alloc(slots, None) is slots
+    backend.init_forward_metadata(fb)
+    assert backend._step["stale"].tolist() == [page]
+    backend.forward_decode(q, None, None, _layer(0), fb, save_kv_cache=False)
+    assert torch.allclose(backend.meta.mean[0, page], keys[page].float().mean(0))
