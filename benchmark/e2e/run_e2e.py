@@ -16,7 +16,7 @@ Runs plain SGLang (triton attention, no CUDA graphs) and then the plugin
 - a request larger than the host pool: a clear error, then a normal request.
 
 `max_context_over_slot_cache` stays null until decode reads through the
-tiered store (the reference decode path keeps all KV in SGLang's pool).
+tiered store (today all KV stays in SGLang's HBM pool).
 """
 
 from __future__ import annotations
@@ -129,6 +129,10 @@ def main() -> None:
             )
             reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
             out["concurrent_completed"] = sum(r in ("length", "stop") for r in reasons)
+            if psa is not None:  # idle again: nothing admitted or paused, no KV page held
+                state = eng.get_server_info()["internal_states"][0]["psa"]
+                out["idle_state"] = state
+                out["leaked"] = state["running"] + state["paused"] + state["kv_held_tokens"]
             if psa is not None:
                 try:
                     eng.generate(prompt="x " * 300_000, sampling_params={"max_new_tokens": 4})
@@ -162,15 +166,15 @@ def main() -> None:
         "accuracy_dense": plain["accuracy"],
         "accuracy_psa_098": psa98["accuracy"],
         "max_context_over_slot_cache": None,
-        "leaked_blocks_after_load": None,
+        "leaked_blocks_after_load": psa98["leaked"],
         "concurrent_completed_psa": psa98["concurrent_completed"],
     }
     write_result(
         Path(args.out) / f"{args.name}.json",
         summary,
         data,
-        note="reference decode path (all KV in SGLang's pool); leak counters need the "
-        "scheduler's PSAServing state, not yet exported",
+        note="decode through the wave kernel over SGLang's KV pages (all KV in HBM); "
+        "leaks: requests still admitted or paused plus KV tokens neither free nor cached",
     )
     print(summary)
 

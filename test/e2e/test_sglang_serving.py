@@ -78,5 +78,9 @@ def test_sparse_decode_and_64_concurrent_requests_complete(model_dir):
         )
         reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
         assert all(r in ("length", "stop") for r in reasons), reasons
+        state = eng.get_server_info()["internal_states"][0]["psa"]
+        assert state["running"] == 0 and state["paused"] == 0, state
+        assert state["kv_held_tokens"] == 0, state  # every page free or in the prefix cache
+        assert state["finished"] >= 64, state
     finally:
         eng.shutdown()

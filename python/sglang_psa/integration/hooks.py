@@ -81,6 +81,13 @@ HOOKS: tuple[Hook, ...] = (
         ("req", "max_req_input_len", "allow_auto_truncate"),
         "refuse requests the host pool or slot cache cannot hold (HTTP 400)",
     ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+        "after",
+        "scheduling:after_get_internal_state",
+        ("self", "recv_req"),
+        "server info reports PSA's admission counters and KV pages held",
+    ),
     *(
         Hook(
             f"sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.{name}",

@@ -193,6 +193,35 @@ def after_alloc(result, allocator, *args, **kwargs):
     return result
 
 
+def after_get_internal_state(result, scheduler, recv_req):
+    """`/get_server_info` (and `Engine.get_server_info()`) report PSA's counters, and the KV
+    pages neither free nor held by the prefix cache: what the leak tests read."""
+    serving = current()
+    if serving is None:
+        return result
+    ctl = serving.controller
+    total = int(scheduler.max_total_num_tokens)
+    available = int(scheduler.token_to_kv_pool_allocator.available_size())
+    cached = int(scheduler.tree_cache.evictable_size()) + int(
+        getattr(scheduler.tree_cache, "protected_size", lambda: 0)()
+    )
+    result.internal_state["psa"] = {
+        "running": len(ctl.running),
+        "paused": len(ctl.paused),
+        "used_units": ctl.used_units,
+        "capacity_units": ctl.capacity_units,
+        "admitted": ctl.stats.admitted,
+        "retracted": ctl.stats.retracted,
+        "finished": ctl.stats.finished,
+        "rejected": ctl.stats.rejected,
+        "kv_total_tokens": total,
+        "kv_available_tokens": available,
+        "kv_cached_tokens": cached,
+        "kv_held_tokens": total - available - cached,
+    }
+    return result
+
+
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):
     serving = current()
     if result is not None or serving is None:

@@ -8,7 +8,9 @@ depends on are set *before* SGLang resolves its defaults:
 - decode attention runs on the `psa` backend, prefill on `--prefill-attention-backend`
   (or `--attention-backend`, default `triton`);
 - `--page-size` equals `--psa-block-size` (one SGLang page = one PSA block);
-- CUDA graphs are off for both phases (the decode step has data-dependent waves).
+- CUDA graphs are off for both phases (the decode step has data-dependent waves);
+- prompts are prefilled in chunks of `--psa-max-inject-tokens` unless
+  `--chunked-prefill-size` says otherwise.
 
 Flags PSA cannot serve fail here, naming both flags. The resolved `PSAConfig`
 rides on the `ServerArgs` object as `_psa_config` (pickled into every
@@ -87,6 +89,10 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError(
             "sparse_mode", "prefill is dense: choose a dense --prefill-attention-backend"
         )
+    if fields.get("chunked_prefill_size") is None:
+        # Prefill work per batch <= --psa-max-inject-tokens token-layers: chunk long
+        # prompts at that many tokens (layer segmentation is not implemented yet).
+        fields["chunked_prefill_size"] = cfg.max_inject_tokens
     fields.update(
         page_size=cfg.block_size,
         decode_attention_backend=BACKEND,

@@ -147,3 +147,16 @@ def test_without_sparse_mode_every_hook_passes_through():
     assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[])) is True
     assert scheduling.after_validate_input_length(None, _req("a", 10**7), 1, False) is None
     assert scheduling.after_release_kv_cache("r", _req("a", 1), None) == "r"
+
+
+def test_server_info_reports_counters_and_held_kv(serving):
+    scheduling.around_add_one_req(_orig_admits, _adder(), _req("a", 320), False, None)
+    sched = SimpleNamespace(
+        max_total_num_tokens=1000,
+        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 600),
+        tree_cache=SimpleNamespace(evictable_size=lambda: 300, protected_size=lambda: 64),
+    )
+    out = scheduling.after_get_internal_state(SimpleNamespace(internal_state={}), sched, None)
+    psa = out.internal_state["psa"]
+    assert psa["running"] == 1 and psa["admitted"] == 1 and psa["used_units"] == 20
+    assert psa["kv_held_tokens"] == 1000 - 600 - 364

@@ -77,7 +77,7 @@ plain = prepare_server_args(["--model-path", "dummy"])
 print(json.dumps({
     "cli": [sa.page_size, sa.decode_attention_backend, sa.prefill_attention_backend,
             sa.cuda_graph_backend_decode, sa.cuda_graph_backend_prefill,
-            sa._psa_config.threshold, sa._psa_config.ws_window],
+            sa._psa_config.threshold, sa._psa_config.ws_window, sa.chunked_prefill_size],
     "engine": [eng.page_size, eng.decode_attention_backend, eng.prefill_attention_backend,
                eng._psa_config.sparse_mode, eng._psa_config.topk_tokens],
     "plain": fields(plain), "plain_has_cfg": hasattr(plain, "_psa_config"),
@@ -100,7 +100,7 @@ def scenarios() -> dict:
 
 
 def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
-    assert scenarios["cli"] == [32, "psa", "triton", "disabled", "disabled", 0.9, 4]
+    assert scenarios["cli"] == [32, "psa", "triton", "disabled", "disabled", 0.9, 4, 8192]
     assert scenarios["engine"] == [32, "psa", "torch_native", "topk", 1024]
 
 
