@@ -26,12 +26,21 @@ def _logits(
     dd,
     nb,
     length,
+    pages_ptr,
+    page_row,
+    h,
+    Hkv,
     BS: tl.constexpr,
     D: tl.constexpr,
     BOUND: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     jm = j < nb
-    offs = base + j[:, None] * D + dd[None, :]
+    if PAGED:  # metadata per page `[P, Hkv, D]`, found through the request's page table
+        page = tl.load(pages_ptr + page_row + j, mask=jm, other=0).to(tl.int64)
+        offs = (page[:, None] * Hkv + h) * D + dd[None, :]
+    else:
+        offs = base + j[:, None] * D + dd[None, :]
     if BOUND:
         kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0)
         kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0)
@@ -54,6 +63,7 @@ def _score_kernel(
     min_ptr,
     max_ptr,
     lengths_ptr,
+    pages_ptr,
     logit_ptr,
     ub_ptr,
     scale,
@@ -66,6 +76,7 @@ def _score_kernel(
     NBC: tl.constexpr,
     BOUND: tl.constexpr,
     WANT_UB: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
@@ -85,10 +96,13 @@ def _score_kernel(
     base = (b * Hkv + h) * NB * D
     out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
     omask = gmask[:, None] & (j < NB)[None, :]
-    x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, BS, D, BOUND)
+    args = (pages_ptr, b * NB, h, Hkv)
+    x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, BOUND, PAGED)
     tl.store(logit_ptr + out, x, mask=omask)
     if WANT_UB:
-        ub = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, BS, D, True)
+        ub = _logits(
+            q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, True, PAGED
+        )
         tl.store(ub_ptr + out, ub, mask=omask)
 
 
@@ -104,25 +118,32 @@ def block_scores(
     want_bound: bool = False,
     blocks_per_program: int = 32,  # measured best on the H100 (128K ctx, batch 8)
     num_warps: int = 2,
+    pages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`.
 
-    `meta_*` are `[B, Hkv, NB, d]` float32 (gathered per request by the caller).
+    `meta_*` are `[B, Hkv, NB, d]` float32 (gathered per request by the caller), or,
+    with `pages [B, NB]`, `[P, Hkv, d]` per page, read through the page table in place.
     """
     if method not in ("mean", "bound"):
         raise ValueError(f"unknown criticality method {method!r} (mean|bound)")
     B, Hq, D = q.shape
-    Hkv, NB = meta_mean.shape[1], meta_mean.shape[2]
+    if pages is None:
+        Hkv, NB = meta_mean.shape[1], meta_mean.shape[2]
+    else:
+        Hkv, NB = meta_mean.shape[1], pages.shape[1]
     G = Hq // Hkv
     logits = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
     ub = torch.empty_like(logits) if want_bound else logits
     nbc = blocks_per_program
     lengths32 = lengths.to(torch.int32).contiguous()
+    paged = pages is not None
+    pages_arg = pages.to(torch.int32).contiguous() if paged else lengths32
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
-        lengths32, logits, ub, scale, Hkv, NB,
+        lengths32, pages_arg, logits, ub, scale, Hkv, NB,
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=max(nbc, 16),
-        BOUND=method == "bound", WANT_UB=want_bound, num_warps=num_warps,
+        BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged, num_warps=num_warps,
     )  # fmt: skip
     # Normalise per query head over its blocks, then take the group's max (tiny tensors).
     share = logits - torch.logsumexp(logits, dim=-1, keepdim=True)

@@ -362,6 +362,7 @@ class WaveAttention:
         scale: float | None = None,
         max_read_blocks: int | None = None,
         slot_strides: tuple[int, int, int] | None = None,
+        meta_pages: torch.Tensor | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -370,6 +371,7 @@ class WaveAttention:
         `slot_strides` (elements per slot, per token, per KV head) lets the slots be
         another layout: SGLang's `[tokens, Hkv, d]` KV buffer is read in place as
         slots = pages with `(bs * Hkv * d, Hkv * d, d)`. Default: `[num_slots, bs, d]`.
+        With `meta_pages [B, NB]`, meta_* are per page `[P, Hkv, d]` (no per-step gather).
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -389,6 +391,7 @@ class WaveAttention:
             scale,
             self.score,
             want_bound=self.rule == "certified",
+            pages=meta_pages,
         )
         idx = torch.arange(NB, device=dev)[None, :]
         forced = (idx < nblk[:, None]) & ((idx < self.sink) | (idx >= nblk[:, None] - self.recent))

@@ -111,6 +111,27 @@ def test_block_scores_match_reference(device, method):
     torch.testing.assert_close(ub, want_ub, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["mean", "bound"])
+def test_block_scores_read_per_page_metadata_through_the_page_table(device, method):
+    """Metadata stored per page `[P, Hkv, d]` and found through `pages [B, NB]` scores
+    exactly like the per-request gathered `[B, Hkv, NB, d]`."""
+    from sgl_kernel_ext.scoring import block_scores
+
+    q, k, _, lengths = _case(4, Hq=6, Hkv=2, T=300, device=device)
+    meta = block_metadata(k, lengths, 32)
+    B, Hkv, NB, d = meta.mean.shape
+    g = torch.Generator().manual_seed(5)
+    pages = (torch.randperm(B * NB + 3, generator=g)[: B * NB] + 1).view(B, NB).to(device)
+    per_page = [torch.zeros(B * NB + 4, Hkv, d, device=device) for _ in range(3)]
+    for dst, src in zip(per_page, (meta.mean, meta.kmin, meta.kmax)):
+        dst[pages] = src.permute(0, 2, 1, 3)
+    scale = 1 / math.sqrt(d)
+    want = block_scores(q, meta.mean, meta.kmin, meta.kmax, lengths, 32, scale, method, True)
+    got = block_scores(q, *per_page, lengths, 32, scale, method, True, pages=pages)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
 @pytest.mark.parametrize(
     "rule,eps,host",
     [

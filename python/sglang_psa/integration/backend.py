@@ -193,7 +193,7 @@ class PSAAttnBackend(AttentionBackend):
             self._plan = self._wave.plan(B, q.shape[1], Hkv, d, NB, q.device)
             self._plan_key = key
         loc = pages[:, None, :].expand(B, Hkv, NB).to(torch.int32)
-        mean, kmin, kmax = self.meta.gather(lid, pages)
+        mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via `pages`
         res = self._plan.run(
             q,
             kbuf,
@@ -206,6 +206,7 @@ class PSAAttnBackend(AttentionBackend):
             scale=layer.scaling,
             max_read_blocks=self._max_read,
             slot_strides=(bs * Hkv * d, Hkv * d, d),
+            meta_pages=pages,
         )
         return res.out, res.read_mask()
 

@@ -57,12 +57,10 @@ class PageMeta:
     def mark_valid(self, pages: torch.Tensor) -> None:
         self.valid[pages] = True
 
-    def gather(self, layer: int, pages: torch.Tensor):
-        """`[B, Hkv, NB, d]` mean, min, max of a batch's pages `[B, NB]` (min/max may be
-        the mean when bounds are not kept: the kernel then does not read them)."""
-        mean = self.mean[layer, pages].permute(0, 2, 1, 3).contiguous()
+    def layer(self, layer: int):
+        """`[pages, Hkv, d]` mean, min, max of `layer` (min/max are the mean when bounds
+        are not kept: the scoring kernel then does not read them)."""
+        mean = self.mean[layer]
         if self.kmin is None:
             return mean, mean, mean
-        kmin = self.kmin[layer, pages].permute(0, 2, 1, 3).contiguous()
-        kmax = self.kmax[layer, pages].permute(0, 2, 1, 3).contiguous()
-        return mean, kmin, kmax
+        return mean, self.kmin[layer], self.kmax[layer]

@@ -103,9 +103,18 @@ def _dense_kv(runner, fb, layer_id):
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
-@pytest.mark.parametrize("mode, threshold", [("psa", 1.0), ("psa", 0.9), ("topk", None)])
-def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, use_kernel):
+@pytest.mark.parametrize(
+    "mode, threshold, rule",
+    [
+        ("psa", 1.0, "heuristic"),
+        ("psa", 0.9, "heuristic"),
+        ("psa", 0.95, "certified"),
+        ("topk", None, "heuristic"),
+    ],
+)
+def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use_kernel):
     cfg = PSAConfig(
+        stop_rule=rule,
         sparse_mode=mode,
         threshold=threshold or 0.98,
         topk_tokens=128,
@@ -133,7 +142,9 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, use_kerne
         assert backend.read_fraction() == 1.0
     else:
         want = progressive_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
-        assert 0 < backend.read_fraction() < 1.0
+        assert 0 < backend.read_fraction() <= 1.0
+        if rule == "heuristic":
+            assert backend.read_fraction() < 1.0
     torch.testing.assert_close(out.view(-1, HQ, D), want.float(), atol=2e-4, rtol=2e-4)
     # The blocks read became working-set units (layer, head, SGLang page) per request.
     serving = scheduling.current()
