@@ -120,6 +120,9 @@ class PSAAttnBackend(AttentionBackend):
                 "the psa backend serves decode only; extend batches belong to the "
                 "prefill backend (--sparse-mode builds a hybrid backend)"
             )
+        if forward_batch.batch_size == 0:  # an idle batch (data-parallel attention)
+            self._step = None
+            return
         bs = self.cfg.block_size
         lengths = forward_batch.seq_lens.to(torch.int64)
         cpu = getattr(forward_batch, "seq_lens_cpu", None)
@@ -157,6 +160,8 @@ class PSAAttnBackend(AttentionBackend):
                 layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale
             )
         step = self._step
+        if step is None:
+            return q.new_empty(0, layer.tp_q_head_num * layer.v_head_dim)
         B, Hq, Hkv, d = (
             forward_batch.batch_size,
             layer.tp_q_head_num,

@@ -82,6 +82,13 @@ HOOKS: tuple[Hook, ...] = (
         "refuse requests the host pool or slot cache cannot hold (HTTP 400)",
     ),
     Hook(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        "after",
+        "scheduling:after_compute_cell_size",
+        ("self", "kvc", "num_layers"),
+        "count the per-page block metadata in SGLang's KV memory budget",
+    ),
+    Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
         "after",
         "scheduling:after_get_internal_state",

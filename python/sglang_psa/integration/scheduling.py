@@ -222,6 +222,22 @@ def after_get_internal_state(result, scheduler, recv_req):
     return result
 
 
+def after_compute_cell_size(result, configurator, kvc, num_layers):
+    """SGLang sizes its KV pool by bytes per token; add the per-page block metadata
+    (float32 mean keys, plus min/max for key bounds) so the pool and the metadata
+    together stay within --mem-fraction-static."""
+    from sglang_psa.integration.flags import imported
+
+    cfg = imported()
+    if cfg is None or getattr(kvc, "use_mla_backend", False):
+        return result
+    n_meta = 3 if cfg.stop_rule == "certified" or cfg.score == "bound" else 1
+    kv_size = torch.empty((), dtype=kvc.kv_cache_dtype).element_size()
+    # result = 2 (K, V) x layers x heads x d x kv_size; metadata = layers x heads x d x 4
+    # bytes x n_meta per block of block_size tokens.
+    return result + math.ceil(result * 2 * n_meta / (kv_size * cfg.block_size))
+
+
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):
     serving = current()
     if result is not None or serving is None:
