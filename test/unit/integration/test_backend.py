@@ -192,3 +192,52 @@ def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
     assert backend._step["stale"].tolist() == [page]
     backend.forward_decode(q, None, None, _layer(0), fb, save_kv_cache=False)
     assert torch.allclose(backend.meta.mean[0, page], keys[page].float().mean(0))
+
+
+def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
+    """Decode 40 steps for two requests through the kernel path, appending each step's K/V
+    as SGLang does (a new page from the allocator whenever the tail fills): every step
+    matches the reference on the pool's contents, and metadata follows the pages."""
+    cfg = PSAConfig(threshold=0.9, wave_blocks=1, max_wave_blocks=2)
+    lengths = [95, 64]  # a partial tail page, and an exactly full last page
+    runner, fb, g = _rig(cfg, lengths)
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    free_pages = [
+        p
+        for p in range(1, 64)
+        if p
+        not in set(req.req_to_token[1:3, :128].flatten().div(BS, rounding_mode="floor").tolist())
+    ]
+    lens = list(lengths)
+    for _ in range(40):
+        slots = []
+        for r, n in zip((1, 2), lens):
+            if n % BS == 0:  # the tail is full: the allocator hands out a new page
+                page = free_pages.pop(0)
+                scheduling.after_alloc(torch.arange(page * BS, (page + 1) * BS), None)
+                slot = page * BS
+            else:
+                slot = int(req.req_to_token[r, n - 1]) + 1
+            req.req_to_token[r, n] = slot
+            slots.append(slot)
+        lens = [n + 1 for n in lens]
+        fb.seq_lens = torch.tensor(lens)
+        fb.out_cache_loc = torch.tensor(slots)
+        q = torch.randn(2, HQ * D, generator=g)
+        backend.init_forward_metadata(fb)
+        for layer_id in range(LAYERS):
+            k_new = 3 * torch.randn(2, HKV, D, generator=g)
+            v_new = torch.randn(2, HKV, D, generator=g)
+            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+            kc, vc = _dense_kv(runner, fb, layer_id)
+            want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
+            torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
+    # Every full page of both requests has valid, exact metadata at the end.
+    for r, n in zip((1, 2), lens):
+        for j in range(n // BS):
+            page = int(req.req_to_token[r, j * BS]) // BS
+            assert bool(backend.meta.valid[page])
+            for layer_id in range(LAYERS):
+                keys = kv.k_buffer[layer_id].view(-1, BS, HKV, D)[page].float()
+                torch.testing.assert_close(backend.meta.mean[layer_id, page], keys.mean(0))
