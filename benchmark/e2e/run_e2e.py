@@ -97,6 +97,43 @@ def compare(plain: list[dict], psa: list[dict], tie: float) -> dict:
     }
 
 
+def kv_bytes_per_token(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K+V, bf16
+
+
+def exercise(eng, w: dict, psa: bool) -> dict:
+    """One engine through the whole workload `w` (prompts built in `main`)."""
+    t0 = time.time()
+    out = {"greedy": greedy(eng, w["greedy_prompts"], 48)}
+    answers = greedy(eng, w["task_ids"], max(t.max_new_tokens for t in w["tasks"]))
+    out["accuracy"] = sum(t.score(a["text"]) for t, a in zip(w["tasks"], answers)) / len(w["tasks"])
+    outs = eng.generate(
+        input_ids=w["mixed"], sampling_params={"temperature": 0, "max_new_tokens": 32}
+    )
+    reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+    out["concurrent_completed"] = sum(r in ("length", "stop") for r in reasons)
+    if psa:
+        # Idle again: nothing admitted or paused, no KV page held outside the prefix cache.
+        state = eng.get_server_info()["internal_states"][0]["psa"]
+        out["idle_state"] = state
+        out["leaked"] = state["running"] + state["paused"] + state["kv_held_tokens"]
+        try:  # within the model's context, beyond the host pool
+            eng.generate(input_ids=w["oversized"], sampling_params={"max_new_tokens": 4})
+            out["oversized_error"] = None
+        except ValueError as e:
+            out["oversized_error"] = str(e)
+        after = eng.generate(
+            prompt="The capital of France is", sampling_params={"max_new_tokens": 4}
+        )
+        out["served_after_error"] = bool(after["text"])
+    out["wall_s"] = time.time() - t0
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -113,46 +150,36 @@ def main() -> None:
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     tasks = make_tasks(list(KINDS), args.context_tokens, args.per_kind, 1, count)
     task_ids = [sum(chat_parts(tok, t.prompt, t.question), []) for t in tasks]
-    greedy_prompts = task_ids + [tok(p)["input_ids"] for p in RAW_PROMPTS]
-    mixed = [tok(" ".join(["word"] * (50 + 97 * i)))["input_ids"] for i in range(64)]
-    data: dict = {"model": args.model, "context_tokens": args.context_tokens}
+    # The host pool holds the longest task plus room; a prompt just beyond it is refused.
+    pool_tokens = max(len(t) for t in task_ids) + 1024
+    host_gb = pool_tokens * kv_bytes_per_token(model_dir) / 2**30
+    filler = tok(" word" * (pool_tokens + 512), add_special_tokens=False)["input_ids"]
+    w = {
+        "tasks": tasks,
+        "task_ids": task_ids,
+        "greedy_prompts": task_ids + [tok(p)["input_ids"] for p in RAW_PROMPTS],
+        "mixed": [tok(" ".join(["word"] * (50 + 97 * i)))["input_ids"] for i in range(64)],
+        "oversized": filler[: pool_tokens + 512],
+    }
+    data: dict = {
+        "model": args.model,
+        "context_tokens": args.context_tokens,
+        "host_pool_gb": host_gb,
+        "host_pool_tokens": pool_tokens,
+    }
 
     def run(psa: dict | None) -> dict:
-        t0 = time.time()
         eng = engine(model_dir, psa)
         try:
-            out = {"greedy": greedy(eng, greedy_prompts, 48)}
-            answers = greedy(eng, task_ids, max(t.max_new_tokens for t in tasks))
-            out["accuracy"] = sum(t.score(a["text"]) for t, a in zip(tasks, answers)) / len(tasks)
-            outs = eng.generate(
-                input_ids=mixed, sampling_params={"temperature": 0, "max_new_tokens": 32}
-            )
-            reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
-            out["concurrent_completed"] = sum(r in ("length", "stop") for r in reasons)
-            if psa is not None:  # idle again: nothing admitted or paused, no KV page held
-                state = eng.get_server_info()["internal_states"][0]["psa"]
-                out["idle_state"] = state
-                out["leaked"] = state["running"] + state["paused"] + state["kv_held_tokens"]
-            if psa is not None:
-                try:
-                    eng.generate(prompt="x " * 300_000, sampling_params={"max_new_tokens": 4})
-                    out["oversized_error"] = None
-                except ValueError as e:
-                    out["oversized_error"] = str(e)
-                after = eng.generate(
-                    prompt="The capital of France is", sampling_params={"max_new_tokens": 4}
-                )
-                out["served_after_error"] = bool(after["text"])
-            out["wall_s"] = time.time() - t0
-            return out
+            return exercise(eng, w, psa is not None)
         finally:
             eng.shutdown()
 
     plain = run(None)
     print("plain done", plain["accuracy"], flush=True)
-    exact = run({"sparse_mode": "psa", "psa_threshold": 1.0, "psa_host_pool_gb": 4.0})
+    exact = run({"sparse_mode": "psa", "psa_threshold": 1.0, "psa_host_pool_gb": host_gb})
     print("psa 1.0 done", flush=True)
-    psa98 = run({"sparse_mode": "psa", "psa_threshold": 0.98, "psa_host_pool_gb": 4.0})
+    psa98 = run({"sparse_mode": "psa", "psa_threshold": 0.98, "psa_host_pool_gb": host_gb})
     print("psa 0.98 done", psa98["accuracy"], flush=True)
     data.update(
         plain=plain,
