@@ -30,6 +30,7 @@ from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.integration.page_meta import PageMeta
 from sglang_psa.integration.scheduling import PSAServing, current, install
 from sglang_psa.integration.server_args import config_of
+from sglang_psa.integration.working_sets import WorkingSetStamps
 from sglang_psa.store.host_pool import blocks_for_budget
 
 
@@ -97,6 +98,7 @@ class PSAAttnBackend(AttentionBackend):
         if use_kernel is None:
             use_kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         self.use_kernel = use_kernel
+        self.first_layer = pool.start_layer
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.meta = PageMeta(
             pool.layer_num,
@@ -108,6 +110,10 @@ class PSAAttnBackend(AttentionBackend):
             device=device,
         )
         current().page_meta = self.meta
+        self.stamps = WorkingSetStamps(
+            pool.layer_num, pool.head_num, self.meta.valid.numel(), cfg.ws_window, device
+        )
+        current().measure = lambda: self.stamps.measure(cfg.block_size)
         topk = cfg.sparse_mode == "topk"
         self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // cfg.block_size if topk else None
@@ -135,6 +141,7 @@ class PSAAttnBackend(AttentionBackend):
         )
         pages = torch.where(valid_blk, pages, 0)
         full = torch.arange(nb, device=pages.device)[None, :] < (lengths // bs)[:, None]
+        self.stamps.begin_step(forward_batch.req_pool_indices, pages, lengths)
         self._step = {
             "lengths": lengths,
             "T": T,
@@ -174,21 +181,21 @@ class PSAAttnBackend(AttentionBackend):
         else:
             out, read = self._decode_reference(qb, layer, step)
         lid = layer.layer_id
-        serving = current()
-        if serving is not None:
-            serving.note_read_mask(lid, forward_batch.req_pool_indices, step["pages"], read)
+        self.stamps.mark(lid - self.first_layer, step["pages"], read)
         self._read[lid] = self._read.get(lid, 0) + read.sum()
         nblk = (step["lengths"] + self.cfg.block_size - 1) // self.cfg.block_size
         self._total[lid] = self._total.get(lid, 0) + nblk.sum() * Hkv
-        return out.to(q.dtype).reshape(B, Hq * layer.v_head_dim)
+        # A copy even when the dtype matches: the kernel's output buffer is reused.
+        return out.to(q.dtype, copy=True).reshape(B, Hq * layer.v_head_dim)
 
     def _decode_kernel(self, q, layer, step):
         """Wave kernel over SGLang's pool in place: slots are pages, the head an offset."""
         lid = layer.layer_id
         kbuf = self.token_to_kv_pool.get_key_buffer(lid)
         vbuf = self.token_to_kv_pool.get_value_buffer(lid)
+        lid -= self.first_layer  # index into this rank's layers (pipeline parallel)
         self.meta.refresh(lid, kbuf, step["stale"])
-        if lid == self.last_layer:
+        if lid + self.first_layer == self.last_layer:
             self.meta.mark_valid(step["stale"])
         pages = step["pages"]
         B, NB = pages.shape

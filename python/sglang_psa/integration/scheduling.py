@@ -23,8 +23,7 @@ there is none and every hook passes straight through.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -41,9 +40,9 @@ class PSAServing:
         self.layer_heads = layers * kv_heads
         self.host_tokens = host_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
-        self._step_units: dict[int, set[Hashable]] = defaultdict(set)  # by req_pool_idx
         self.page_meta = None  # the backend's PageMeta, invalidated by the allocator hook
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # The backend's measurement of the last step: (rows, working-set sizes, units owned).
+        self.measure: Callable[[], tuple[list[int], list[int], list[int]] | None] | None = None
 
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
@@ -96,34 +95,16 @@ class PSAServing:
             self.controller.stats.finished -= 1
 
     # -- decode steps -------------------------------------------------------------
-    def note_reads(self, layer: int, pool_idx: Sequence[int], units: Iterable[tuple]) -> None:
-        """Backend: blocks (layer, head, page) read this step, by request-table row."""
-        for row, (h, page) in units:
-            self._step_units[pool_idx[row]].add((layer, h, page))
-
-    def note_read_mask(
-        self, layer: int, pool_idx: torch.Tensor, pages: torch.Tensor, read: torch.Tensor
-    ) -> None:
-        """Backend, on the device: `read [B, Hkv, NB]` over `pages [B, NB]`; turned into
-        units once per step in `flush_step` (one host copy per step, not per layer)."""
-        self._pending.append((layer, pool_idx, pages, read))
-
-    def _materialize(self) -> None:
-        for layer, pool_idx, pages, read in self._pending:
-            b, h, j = read.nonzero(as_tuple=True)
-            rows = pool_idx.tolist()
-            units = zip(b.tolist(), zip(h.tolist(), pages[b, j].tolist()))
-            self.note_reads(layer, rows, units)
-        self._pending.clear()
-
     def flush_step(self, reqs: Sequence) -> None:
-        """Record the last step's reads as working-set history (before the next step)."""
-        self._materialize()
+        """Record the last decode step's working-set sizes (before the next step)."""
+        got = self.measure() if self.measure is not None else None
+        if got is None:
+            return
+        by_row = {row: (size, total) for row, size, total in zip(*got)}
         for req in reqs:
-            units = self._step_units.pop(req.req_pool_idx, None)
-            if units is not None and req.rid in self.controller.running:
-                self.controller.on_step(req.rid, units)
-        self._step_units.clear()
+            m = by_row.get(req.req_pool_idx)
+            if m is not None and req.rid in self.controller.running:
+                self.controller.on_step_size(req.rid, *m)
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
         ctl = self.controller

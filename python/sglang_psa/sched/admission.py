@@ -131,6 +131,15 @@ class AdmissionController:
         self.tracker.record(rid, units, total_units)
         self.used_units += self.load(rid, est) - before
 
+    def on_step_size(self, rid: Hashable, size: int, total_units: int | None = None) -> None:
+        """Like `on_step`, with the window's union size counted elsewhere (on the GPU)."""
+        if rid not in self.running:
+            raise KeyError(f"request {rid!r} is not running")
+        est = self.running[rid]
+        before = self.load(rid, est)
+        self.tracker.record_size(rid, size, total_units)
+        self.used_units += self.load(rid, est) - before
+
     def retract_victims(self) -> list[Hashable]:
         """Pause the newest running requests until the loads fit; returns them, newest first.
 
@@ -180,7 +189,8 @@ class AdmissionController:
 
     def check_integrity(self) -> None:
         assert not self.running.keys() & self.paused, "a request both running and retracted"
-        assert self.tracker.steps.keys() <= self.running.keys() | self.paused, (
+        tracked = self.tracker.steps.keys() | self.tracker.measured.keys()
+        assert tracked <= self.running.keys() | self.paused, (
             "the tracker holds a request the controller does not know"
         )
         assert self.used_units == sum(self.load(r, e) for r, e in self.running.items()), (

@@ -33,6 +33,9 @@ class WorkingSetTracker:
         self.steps: dict[Hashable, deque[frozenset[Hashable]]] = {}
         self.counts: dict[Hashable, Counter[Hashable]] = {}
         self.total_units: dict[Hashable, int] = {}  # rid -> all units it owns (last reported)
+        # Requests whose window union is measured elsewhere (the GPU counts it): rid ->
+        # (union size, steps seen, at most `window`).
+        self.measured: dict[Hashable, tuple[int, int]] = {}
 
     @classmethod
     def from_config(cls, config: PSAConfig, default_fraction: float = 0.5) -> WorkingSetTracker:
@@ -60,15 +63,29 @@ class WorkingSetTracker:
         if total_units is not None:
             self.total_units[rid] = total_units
 
+    def record_size(self, rid: Hashable, size: int, total_units: int | None = None) -> None:
+        """One decode step of `rid` whose window union, `size`, was counted elsewhere
+        (e.g. on the GPU from per-block last-use stamps), instead of unit sets."""
+        if rid in self.steps:
+            raise ValueError(f"{rid!r} is tracked by unit sets; do not mix the two")
+        steps = min(self.window, self.measured.get(rid, (0, 0))[1] + 1)
+        self.measured[rid] = (size, steps)
+        if total_units is not None:
+            self.total_units[rid] = total_units
+
     def working_set(self, rid: Hashable) -> set[Hashable]:
         """Union of the units `rid` used in its window (a copy; empty if unknown)."""
         return set(self.counts.get(rid, ()))
 
     def size(self, rid: Hashable) -> int:
+        if rid in self.measured:
+            return self.measured[rid][0]
         return len(self.counts.get(rid, ()))
 
     def num_steps(self, rid: Hashable) -> int:
         """Steps in the window so far (at most `window`)."""
+        if rid in self.measured:
+            return self.measured[rid][1]
         return len(self.steps.get(rid, ()))
 
     def is_warm(self, rid: Hashable) -> bool:
@@ -79,9 +96,10 @@ class WorkingSetTracker:
         self.steps.pop(rid, None)
         self.counts.pop(rid, None)
         self.total_units.pop(rid, None)
+        self.measured.pop(rid, None)
 
     def __contains__(self, rid: Hashable) -> bool:
-        return rid in self.steps
+        return rid in self.steps or rid in self.measured
 
     def _pooled(self) -> tuple[int, int]:
         """(Σ working-set size, Σ total units) over warm requests with a known total."""
@@ -113,7 +131,11 @@ class WorkingSetTracker:
 
     def check_integrity(self) -> None:
         assert self.steps.keys() == self.counts.keys(), "steps and counts track different requests"
-        assert self.total_units.keys() <= self.steps.keys(), "a total for an untracked request"
+        assert not self.steps.keys() & self.measured.keys(), "a request tracked both ways"
+        assert self.total_units.keys() <= self.steps.keys() | self.measured.keys(), (
+            "a total for an untracked request"
+        )
+        assert all(0 < n <= self.window for _, n in self.measured.values())
         for rid, steps in self.steps.items():
             assert len(steps) <= self.window, f"{rid!r}: window overflow"
             counts = self.counts[rid]

@@ -146,14 +146,12 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use
         if rule == "heuristic":
             assert backend.read_fraction() < 1.0
     torch.testing.assert_close(out.view(-1, HQ, D), want.float(), atol=2e-4, rtol=2e-4)
-    # The blocks read became working-set units (layer, head, SGLang page) per request.
-    serving = scheduling.current()
-    serving._materialize()
-    n_read = sum(len(u) for u in serving._step_units.values())
-    assert n_read == backend.blocks_read[1]
-    pages = {p for (_, _, p) in serving._step_units[1]}
-    first = runner.req_to_token_pool.req_to_token[1, : lengths[0] : BS].long() // BS
-    assert pages <= set(first.tolist())
+    # The blocks read are each request's working set (the requests share no page here).
+    rows, sizes, totals = scheduling.current().measure()
+    assert rows == fb.req_pool_indices.tolist()
+    assert sum(sizes) == backend.blocks_read[1]
+    assert totals == [-(-n // BS) * LAYERS * HKV for n in lengths]
+    assert scheduling.current().measure() is None  # measured once per step
 
 
 def test_unsupported_models_and_settings_are_refused_naming_the_flag():

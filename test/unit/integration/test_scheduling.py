@@ -94,10 +94,9 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     for r in reqs:
         scheduling.around_add_one_req(_orig_admits, adder, r, False, None)
     batch = SimpleNamespace(reqs=reqs)
-    # One step: each request reads 60 distinct units (15 blocks x 2 heads x 2 layers).
-    for layer in range(2):
-        reads = [(row, (h, p)) for row in range(2) for h in range(2) for p in range(15)]
-        serving.note_reads(layer, [1, 2], reads)
+    # The backend measured one step: each request's window holds 60 units of its 80.
+    pending = [([1, 2], [60, 60], [80, 80])]
+    serving.measure = lambda: pending.pop() if pending else None
     # Windows are not full yet (ws_window=2): load = max(estimate 40, measured 60) = 60 each.
     assert scheduling.after_check_decode_mem(True, batch) is False  # 120 > 100: retract
     assert scheduling.after_check_decode_mem(True, batch, selected_indices=[0]) is True
