@@ -28,6 +28,69 @@ HEURISTIC, CERTIFIED = 0, 1
 
 
 @triton.jit
+def _merge_tile(
+    q,
+    k,
+    v,
+    valid,
+    ranked,
+    m_i,
+    l_i,
+    acc,
+    smallest,
+    GP: tl.constexpr,
+    NBLK: tl.constexpr,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Merge one tile of NBLK blocks `k, v [NBLK, BS, D]` into the running (max, sum,
+    acc) state of the GQA group and track the smallest ranked block log-mass."""
+    k = tl.reshape(k, [NBLK * BS, D])
+    v = tl.reshape(v, [NBLK * BS, D])
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, NBLK * BS] fp32
+    s = tl.where(tl.reshape(valid, [NBLK * BS])[None, :], s, float("-inf"))
+    s3 = tl.reshape(s, [GP, NBLK, BS])
+    bmax = tl.max(s3, axis=2)
+    blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
+    smallest = tl.minimum(smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1))
+    m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+    p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc, smallest
+
+
+@triton.jit
+def _stop(
+    covered,
+    low,
+    ub_suffix_ptr,
+    ub_row,
+    wstart,
+    nb,
+    max_read,
+    limit,
+    gmask,
+    NB,
+    RULE: tl.constexpr,
+):
+    """1 when every query head of the group has covered enough mass (or nothing is left)."""
+    if RULE == 0:
+        n_left = (nb - wstart).to(tl.float32)
+        uncovered = tl.where(n_left > 0, low + tl.log(tl.maximum(n_left, 1.0)), float("-inf"))
+    else:
+        uncovered = tl.load(
+            ub_suffix_ptr + ub_row * (NB + 1) + wstart, mask=gmask, other=float("-inf")
+        )
+    ok = ((uncovered - covered) <= limit) | (uncovered == float("-inf")) | (~gmask)
+    return ((tl.min(ok.to(tl.int32), axis=0) > 0) | (wstart >= nb) | (wstart >= max_read)).to(
+        tl.int32
+    )
+
+
+@triton.jit
 def _wave_attention_kernel(
     q_ptr,
     k_slots,
@@ -138,23 +201,9 @@ def _wave_attention_kernel(
             pm_n = pidx_n < end
             blk_n = tl.load(order_ptr + row + pidx_n, mask=pm_n, other=0)
             where_n = tl.load(loc_ptr + row + blk_n, mask=pm_n, other=0).to(tl.int64)
-            k = tl.reshape(k, [NBLK * BS, D])
-            v = tl.reshape(v, [NBLK * BS, D])
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, NBLK * BS] fp32
-            s = tl.where(tl.reshape(valid, [NBLK * BS])[None, :], s, float("-inf"))
-            s3 = tl.reshape(s, [GP, NBLK, BS])
-            bmax = tl.max(s3, axis=2)
-            blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
-            ranked = pm & (pidx >= nf)
-            smallest = tl.minimum(
-                smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
+            m_i, l_i, acc, smallest = _merge_tile(
+                q, k, v, valid, pm & (pidx >= nf), m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC
             )
-            m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
-            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
-            p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
             pos = nxt
             pidx, pm, blk, where = pidx_n, pm_n, blk_n, where_n
         wstart = end
@@ -186,20 +235,11 @@ def _wave_attention_kernel(
                 axis=0,
             )
             covered = m_top + tl.log(l_top)
-        if RULE == 0:
-            n_left = (nb - wstart).to(tl.float32)
-            uncovered = tl.where(n_left > 0, low + tl.log(tl.maximum(n_left, 1.0)), float("-inf"))
-        else:
-            uncovered = tl.load(
-                ub_suffix_ptr + (b * Hkv * G + hq) * (NB + 1) + wstart,
-                mask=gmask,
-                other=float("-inf"),
-            )
-        ok = ((uncovered - covered) <= limit) | (uncovered == float("-inf")) | (g >= G)
         w += 1
-        done = ((tl.min(ok.to(tl.int32), axis=0) > 0) | (wstart >= nb) | (wstart >= max_read)).to(
-            tl.int32
-        )
+        done = _stop(
+            covered, low, ub_suffix_ptr, b * Hkv * G + hq, wstart, nb, max_read, limit, gmask,
+            NB, RULE,
+        )  # fmt: skip
     if S == 1:
         out = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
@@ -347,6 +387,39 @@ class WaveAttention:
         self.acc_part = torch.empty(2, batch, n_kv_heads, splits, gp, head_dim, **f32)
         self.counters = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=dev)
 
+    def rank(self, q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages=None):
+        """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
+        counts `[B]` and, for the certified rule, suffix sums of the bound log-mass."""
+        B, Hq, _ = q.shape
+        Hkv, NB, bs = self.Hkv, self.NB, self.bs
+        nblk = (lengths + bs - 1) // bs
+        crit, ub = block_scores(
+            q,
+            meta_mean,
+            meta_min,
+            meta_max,
+            lengths,
+            bs,
+            scale,
+            self.score,
+            want_bound=self.rule == "certified",
+            pages=meta_pages,
+        )
+        idx = torch.arange(NB, device=q.device)[None, :]
+        forced = (idx < nblk[:, None]) & ((idx < self.sink) | (idx >= nblk[:, None] - self.recent))
+        key = torch.where(forced[:, None, :], torch.inf, crit)
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        n_forced = forced.sum(-1).to(torch.int32)
+        if self.rule == "certified":
+            G = Hq // Hkv
+            ub_o = ub.gather(-1, order.repeat_interleave(G, dim=1))
+            tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
+            ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
+            ub_suffix = ub_suffix.contiguous()
+        else:
+            ub_suffix = self.lse  # unused by the heuristic rule
+        return order, n_forced, ub_suffix
+
     def run(
         self,
         q: torch.Tensor,
@@ -379,33 +452,9 @@ class WaveAttention:
             "run() shapes differ from plan()"
         )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
-        dev = q.device
-        nblk = (lengths + bs - 1) // bs
-        crit, ub = block_scores(
-            q,
-            meta_mean,
-            meta_min,
-            meta_max,
-            lengths,
-            bs,
-            scale,
-            self.score,
-            want_bound=self.rule == "certified",
-            pages=meta_pages,
+        order, n_forced, ub_suffix = self.rank(
+            q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages
         )
-        idx = torch.arange(NB, device=dev)[None, :]
-        forced = (idx < nblk[:, None]) & ((idx < self.sink) | (idx >= nblk[:, None] - self.recent))
-        key = torch.where(forced[:, None, :], torch.inf, crit)
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-        n_forced = forced.sum(-1).to(torch.int32)
-        if self.rule == "certified":
-            G = Hq // Hkv
-            ub_o = ub.gather(-1, order.repeat_interleave(G, dim=1))
-            tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
-            ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
-            ub_suffix = ub_suffix.contiguous()
-        else:
-            ub_suffix = self.lse  # unused by the heuristic rule
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
