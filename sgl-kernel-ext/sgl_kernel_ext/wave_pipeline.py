@@ -169,40 +169,42 @@ class WavePipeline:
         spare_next = 0
         order32 = order.to(torch.int32).contiguous()
 
+        # Per request: block positions in read order where each wave starts (forced first).
+        nb_h = torch.clamp((len_h + bs - 1) // bs, max=cap)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends_h[:-1].long()])
+        unit_in_order = loc_h.gather(-1, order_h)  # [B, Hkv, NB]: where each ranked block is
+        posn = torch.arange(NB)
+
         def load(w: int, heads_done: torch.Tensor) -> torch.cuda.Event | None:
             """Copy wave w's host-resident blocks of the heads not known done into spares."""
             nonlocal spare_next
-            src, dst, where = [], [], []
-            for b in range(B):
-                nb = min(-(-int(len_h[b]) // bs), cap)
-                lo = min(int(nf_h[b]) + (int(ends_h[w - 1]) if w else 0), nb)
-                hi = min(int(nf_h[b]) + int(ends_h[w]), nb)
-                if w == 0:
-                    lo = 0
-                for h in range(Hkv):
-                    if heads_done[b, h]:
-                        continue
-                    for blk in order_h[b, h, lo:hi].tolist():
-                        unit = int(loc_h[b, h, blk])
-                        if unit < 0:
-                            if spare_next == len(self.spare):
-                                raise RuntimeError(
-                                    f"{len(self.spare)} spare slots are too few for this step"
-                                )
-                            src.append(-unit - 1)
-                            dst.append(int(self.spare[spare_next]))
-                            where.append((b, h, blk))
-                            spare_next += 1
-            if not src:
+            lo = (
+                torch.clamp(nf_h.long() + starts[w], max=nb_h)
+                if w
+                else torch.zeros(B, dtype=torch.int64)
+            )
+            hi = torch.clamp(nf_h.long() + ends_h[w].long(), max=nb_h)
+            in_wave = (posn[None, :] >= lo[:, None]) & (posn[None, :] < hi[:, None])  # [B, NB]
+            need = in_wave[:, None, :] & ~heads_done[:, :, None] & (unit_in_order < 0)
+            b_i, h_i, p_i = need.nonzero(as_tuple=True)
+            count = b_i.numel()
+            if count == 0:
                 return None
-            s = torch.tensor(src, device=dev)
-            d = torch.tensor(dst, device=dev)
-            idx = torch.tensor(where, device=dev)
+            if spare_next + count > len(self.spare):
+                raise RuntimeError(f"{len(self.spare)} spare slots are too few for this step")
+            src = (-unit_in_order[b_i, h_i, p_i] - 1).to(dev)
+            dst = self.spare[spare_next : spare_next + count]
+            spare_next += count
+            blk = order_h[b_i, h_i, p_i].to(dev)
             ctx = torch.cuda.stream(copy_stream) if cuda else contextlib.nullcontext()
             with ctx:
+                if cuda:  # made on the default stream, used on the copy stream
+                    copy_stream.wait_stream(torch.cuda.current_stream())
+                    for t in (src, dst, blk):
+                        t.record_stream(copy_stream)
                 for host, slots in ((k_host, k_slots), (v_host, v_slots)):
-                    copier.run(host.flatten(1), s, slots.flatten(1), d)
-                loc[idx[:, 0], idx[:, 1], idx[:, 2]] = d.to(torch.int32)
+                    copier.run(host.flatten(1), src, slots.flatten(1), dst)
+                loc[b_i.to(dev), h_i.to(dev), blk] = dst.to(torch.int32)
                 if cuda:
                     ev = torch.cuda.Event()
                     ev.record(copy_stream)
