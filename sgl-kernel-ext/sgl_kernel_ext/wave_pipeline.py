@@ -192,19 +192,23 @@ class WavePipeline:
                 return None
             if spare_next + count > len(self.spare):
                 raise RuntimeError(f"{len(self.spare)} spare slots are too few for this step")
-            src = (-unit_in_order[b_i, h_i, p_i] - 1).to(dev)
             dst = self.spare[spare_next : spare_next + count]
             spare_next += count
-            blk = order_h[b_i, h_i, p_i].to(dev)
             ctx = torch.cuda.stream(copy_stream) if cuda else contextlib.nullcontext()
             with ctx:
-                if cuda:  # made on the default stream, used on the copy stream
-                    copy_stream.wait_stream(torch.cuda.current_stream())
-                    for t in (src, dst, blk):
-                        t.record_stream(copy_stream)
+                # Index lists go up on the copy stream itself (pinned, asynchronous), so
+                # nothing here waits for the wave computing on the compute stream.
+                up = (
+                    (lambda t: t.pin_memory().to(dev, non_blocking=True))
+                    if cuda
+                    else (lambda t: t.to(dev))
+                )  # noqa: E731
+                src = up(-unit_in_order[b_i, h_i, p_i] - 1)
+                blk = up(order_h[b_i, h_i, p_i])
+                b_d, h_d = up(b_i), up(h_i)
                 for host, slots in ((k_host, k_slots), (v_host, v_slots)):
                     copier.run(host.flatten(1), src, slots.flatten(1), dst)
-                loc[b_i.to(dev), h_i.to(dev), blk] = dst.to(torch.int32)
+                loc[b_d, h_d, blk] = dst.to(torch.int32)
                 if cuda:
                     ev = torch.cuda.Event()
                     ev.record(copy_stream)
