@@ -2,6 +2,9 @@
 
     python -m sglang_psa.demo [--context-tokens 8192] [--thresholds 0.95,0.98]
 
+(With a GPU and SGLang installed this runs the server demo, `sglang_psa.serve_demo`,
+instead; `--cpu` forces the CPU demo.)
+
 The document (seeded filler with facts hidden at random depths) is prefilled
 once with dense attention; each question is then decoded greedily with dense
 attention and with progressive sparse attention at each ε. Printed: each
@@ -12,6 +15,7 @@ fraction of KV blocks PSA read (mean and p99 over decode steps and KV heads).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import sys
 import time
@@ -59,6 +63,12 @@ def build_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Ta
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cpu" not in argv and torch.cuda.is_available() and importlib.util.find_spec("sglang"):
+        from sglang_psa import serve_demo  # a GPU and SGLang: the server is the main job
+
+        return serve_demo.main(argv)
+    argv = [a for a in argv if a != "--cpu"]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
     ap.add_argument("--context-tokens", type=int, default=8192)

@@ -11,6 +11,7 @@ def test_demo_prints_answers_and_per_layer_reads(capsys):
     assert (
         demo.main(
             [
+                "--cpu",  # the transformers demo, also where a GPU and SGLang exist
                 "--model",
                 "smollm2-135m",
                 "--context-tokens",
@@ -40,4 +41,14 @@ def test_demo_prints_answers_and_per_layer_reads(capsys):
 
 def test_demo_rejects_a_bad_threshold():
     with pytest.raises(SystemExit):
-        demo.main(["--model", "smollm2-135m", "--thresholds", "1.5"])
+        demo.main(["--cpu", "--model", "smollm2-135m", "--thresholds", "1.5"])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_demo_serves_the_small_model_with_psa(tmp_path):
+    """The README's main job on a GPU: the SGLang server with --sparse-mode psa."""
+    pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
+    log = tmp_path / "server.log"
+    rc = demo.main(["--exit-after-demo", "--context-tokens", "2048", "--log", str(log)])
+    assert rc == 0, log.read_text()[-3000:]

@@ -114,6 +114,7 @@ class PSAAttnBackend(AttentionBackend):
             pool.layer_num, pool.head_num, self.meta.valid.numel(), cfg.ws_window, device
         )
         current().measure = lambda: self.stamps.measure(cfg.block_size)
+        current().read_fraction = self.read_fraction
         topk = cfg.sparse_mode == "topk"
         self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // cfg.block_size if topk else None

@@ -43,6 +43,7 @@ class PSAServing:
         self.page_meta = None  # the backend's PageMeta, invalidated by the allocator hook
         # The backend's measurement of the last step: (rows, working-set sizes, units owned).
         self.measure: Callable[[], tuple[list[int], list[int], list[int]] | None] | None = None
+        self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
 
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
@@ -199,6 +200,7 @@ def after_get_internal_state(result, scheduler, recv_req):
         "kv_available_tokens": available,
         "kv_cached_tokens": cached,
         "kv_held_tokens": total - available - cached,
+        "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
     }
     return result
 
