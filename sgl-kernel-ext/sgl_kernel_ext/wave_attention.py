@@ -28,6 +28,13 @@ HEURISTIC, CERTIFIED = 0, 1
 
 
 @triton.jit
+def _group_query(q_ptr, rows, gmask, dd, scale, D: tl.constexpr):
+    """The GQA group's queries `[GP, D]` (padding rows zero), pre-scaled, in their dtype."""
+    q = tl.load(q_ptr + rows[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)
+    return (q.to(tl.float32) * scale).to(q.dtype)
+
+
+@triton.jit
 def _merge_tile(
     q,
     k,
@@ -148,10 +155,7 @@ def _wave_attention_kernel(
     tt = tl.arange(0, BS)
     jj = tl.arange(0, NBLK)
     hq = h * G + g
-    q = tl.load(
-        q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0
-    )
-    q = (q.to(tl.float32) * scale).to(q.dtype)
+    q = _group_query(q_ptr, b * Hkv * G + hq, gmask, dd, scale, D)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)

@@ -24,7 +24,13 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext.gather import BlockCopier
-from sgl_kernel_ext.wave_attention import WaveAttention, WaveResult, _merge_tile, _stop
+from sgl_kernel_ext.wave_attention import (
+    WaveAttention,
+    WaveResult,
+    _group_query,
+    _merge_tile,
+    _stop,
+)
 
 
 @triton.jit
@@ -74,8 +80,7 @@ def _wave_step_kernel(
         tt = tl.arange(0, BS)
         jj = tl.arange(0, NBLK)
         hq = b * Hkv * G + h * G + g
-        q = tl.load(q_ptr + hq[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)
-        q = (q.to(tl.float32) * scale).to(q.dtype)
+        q = _group_query(q_ptr, hq, gmask, dd, scale, D)
         m_i = tl.load(m_ptr + hq, mask=gmask, other=float("-inf"))
         l_i = tl.load(l_ptr + hq, mask=gmask, other=0.0)
         acc = tl.load(acc_ptr + hq[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)

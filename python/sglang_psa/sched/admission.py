@@ -124,20 +124,18 @@ class AdmissionController:
         self, rid: Hashable, units: Iterable[Hashable], total_units: int | None = None
     ) -> None:
         """Record the units a running request used in one decode step."""
-        if rid not in self.running:
-            raise KeyError(f"request {rid!r} is not running")
-        est = self.running[rid]
-        before = self.load(rid, est)
-        self.tracker.record(rid, units, total_units)
-        self.used_units += self.load(rid, est) - before
+        self._recorded(rid, lambda: self.tracker.record(rid, units, total_units))
 
     def on_step_size(self, rid: Hashable, size: int, total_units: int | None = None) -> None:
         """Like `on_step`, with the window's union size counted elsewhere (on the GPU)."""
+        self._recorded(rid, lambda: self.tracker.record_size(rid, size, total_units))
+
+    def _recorded(self, rid: Hashable, record) -> None:
         if rid not in self.running:
             raise KeyError(f"request {rid!r} is not running")
         est = self.running[rid]
         before = self.load(rid, est)
-        self.tracker.record_size(rid, size, total_units)
+        record()
         self.used_units += self.load(rid, est) - before
 
     def retract_victims(self) -> list[Hashable]:
