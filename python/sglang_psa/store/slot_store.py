@@ -93,16 +93,24 @@ class SlotStore:
         hb = torch.as_tensor(head_blocks, dtype=torch.int64, device=self.device).reshape(-1, 2)
         return self.promote_units(self.units(layer, hb[:, 0], hb[:, 1]), pin).slots
 
-    def promote_units(self, units: torch.Tensor, pin: bool = False) -> Acquired:
+    def promote_units(
+        self, units: torch.Tensor, pin: bool = False, bypass: bool = False
+    ) -> Acquired:
         """Make distinct global `units` resident (any layers): one gather each for K and V.
 
-        Runs on the current stream; the `Loader` calls it on its own stream.
+        With `bypass`, units the cache policy declines keep slot -1 and are read from
+        the host pool through UVA (`location_table` says so). Runs on the current
+        stream; the `Loader` calls it on its own stream.
         """
-        got = self.table.acquire(units, pin=pin)
+        got = self.table.acquire(units, pin=pin, bypass=bypass)
         if units.numel():
             for host, slots in ((self._host_k, self.k_slots), (self._host_v, self.v_slots)):
                 self.copier.run(host, got.miss_units, slots.flatten(1), got.miss_slots, got.n_miss)
         return got
+
+    def next_step(self) -> None:
+        """A decode step ended: age the cache policy's access scores."""
+        self.table.next_step()
 
     def location_table(
         self,

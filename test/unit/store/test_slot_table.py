@@ -27,7 +27,7 @@ def _resident(t: DeviceSlotTable) -> set[int]:
 )
 def test_single_unit_accesses_follow_exact_lru(device, seq, num_slots):
     """One unit per call: residency, hits and evictions equal the host LRU model's."""
-    table = DeviceSlotTable(24, num_slots, device)
+    table = DeviceSlotTable(24, num_slots, device, policy="lru")
     model = SlotCache(num_slots)
     hits = 0
     for unit, pin_and_release in seq:
@@ -49,12 +49,13 @@ def test_single_unit_accesses_follow_exact_lru(device, seq, num_slots):
     table.check()
 
 
+@pytest.mark.parametrize("policy", ["lru", "frequency"])
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), num_slots=st.integers(4, 16))
-def test_batched_acquire_keeps_invariants_and_never_evicts_pins(device, data, num_slots):
+def test_batched_acquire_keeps_invariants_and_never_evicts_pins(device, policy, data, num_slots):
     U = 40
-    table = DeviceSlotTable(U, num_slots, device)
+    table = DeviceSlotTable(U, num_slots, device, policy=policy)
     pinned: dict[int, int] = {}  # unit -> slot
     for _ in range(data.draw(st.integers(1, 12))):
         free_for_use = num_slots - len(pinned)
@@ -91,7 +92,7 @@ def test_batched_acquire_keeps_invariants_and_never_evicts_pins(device, data, nu
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lru_victims_are_the_oldest_and_overflow_is_reported(device):
-    t = DeviceSlotTable(10, 3, device)
+    t = DeviceSlotTable(10, 3, device, policy="lru")
     for u in (0, 1, 2):
         t.acquire(torch.tensor([u], device=device))
     t.acquire(torch.tensor([0], device=device))  # 1 is now the oldest, then 2
@@ -117,4 +118,45 @@ def test_drop_units_frees_slots(device):
     assert _resident(t) == {1, 3} and t.stats["used"] == 2
     got = t.acquire(torch.tensor([4, 5], device=device))
     assert int(got.n_miss) == 2 and t.stats["evictions"] == 0  # two free slots, no eviction
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frequency_policy_keeps_hot_units_and_bypasses_one_off_reads(device):
+    """Hot units read every step stay resident; cold units read once are declined (left on
+    the host) once the cache is full of hotter ones, where LRU would let them evict."""
+    t = DeviceSlotTable(100, 4, device, policy="frequency", decay=0.8)
+    hot = torch.tensor([0, 1, 2, 3], device=device)
+    t.acquire(hot)
+    t.next_step()
+    for step in range(10):
+        got = t.acquire(hot, bypass=True)
+        assert int(got.n_miss) == 0 and bool((got.slots >= 0).all())
+        cold = torch.tensor([10 + 2 * step, 11 + 2 * step], device=device)
+        got = t.acquire(cold, bypass=True)
+        assert got.slots.tolist() == [-1, -1] and int(got.n_miss) == 0  # read from the host
+        t.next_step()
+    st = t.stats
+    assert st["bypasses"] == 20 and st["evictions"] == 0 and st["used"] == 4
+    # Without bypass every unit gets a slot: the coldest resident ones are evicted.
+    got = t.acquire(torch.tensor([50, 51], device=device))
+    assert bool((got.slots >= 0).all()) and t.stats["evictions"] == 2
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frequency_scores_decay_so_a_new_hot_set_takes_over(device):
+    t = DeviceSlotTable(100, 2, device, policy="frequency", decay=0.9)
+    old, new = torch.tensor([0, 1], device=device), torch.tensor([7, 8], device=device)
+    for _ in range(3):
+        t.acquire(old, bypass=True)
+        t.next_step()
+    admitted = []
+    for _ in range(6):  # the old set is no longer read; the new one every step
+        admitted.append(int(t.acquire(new, bypass=True).n_miss))
+        t.next_step()
+    assert admitted == [0, 0, 0, 2, 0, 0]  # declined until hotter than the decaying old set
+    assert sorted(t.slot_of[:100].ne(-1).nonzero().flatten().tolist()) == [7, 8]
+    t.drop_units(new)
+    assert float(t.score[7]) == 0.0 and t.stats["used"] == 0
     t.check_integrity()
