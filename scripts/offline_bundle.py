@@ -67,6 +67,7 @@ PACKAGES: tuple[str, ...] = (
     "pyzmq==27.3.0",
     "dill==0.4.1",
     "openai==2.6.1",
+    "distro==1.9.0",  # openai imports it; the GPU host lacks it (found on the H100)
     "partial-json-parser==0.2.1.1.post7",
     "setproctitle==1.3.8",
     "jsonschema==4.26.0",

@@ -1,4 +1,5 @@
-"""The psa decode backend over SGLang's real KV pool and request table, on CPU: the new
+"""The psa decode backend over SGLang's real KV pool and request table (on the GPU when
+there is one, where SGLang's own CUDA store kernels write the pool; else on CPU): the new
 token's KV lands in the pool, ε = 1 equals dense attention, and ε < 1 / top-k equal the
 reference algorithm on the same keys; MLA, sliding windows and a page-size mismatch are
 refused with the flag's name."""
@@ -23,6 +24,7 @@ from sglang_psa.integration import scheduling  # noqa: E402
 from sglang_psa.integration.backend import PSAAttnBackend  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +42,9 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     size = 64 * BS
     kv = MHATokenToKVPool(
-        size, BS, torch.float32, HKV, D, LAYERS, "cpu", False, enable_alt_stream=False
+        size, BS, torch.float32, HKV, D, LAYERS, DEV, False, enable_alt_stream=False
     )
-    req = ReqToTokenPool(8, 1024, "cpu", False)
+    req = ReqToTokenPool(8, 1024, DEV, False)
     # Requests own scattered pages (as SGLang's allocator hands them out); page 0 is padding.
     pages = torch.randperm(60, generator=g) + 1
     rows, used = [], 0
@@ -50,7 +52,7 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
         npg = -(-n // BS)
         slots = (pages[used : used + npg, None] * BS + torch.arange(BS)).flatten()[:n]
         used += npg
-        req.req_to_token[r, :n] = slots.to(torch.int32)
+        req.req_to_token[r, :n] = slots.to(DEV, torch.int32)
         rows.append(r)
     for layer in range(LAYERS):
         # Large keys make attention peaked, so PSA can stop before reading every block.
@@ -67,8 +69,8 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
     fb = SimpleNamespace(
         forward_mode=_Mode(),
         batch_size=len(lengths),
-        seq_lens=torch.tensor(lengths),
-        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(lengths, device=DEV),
+        req_pool_indices=torch.tensor(rows, device=DEV),
         out_cache_loc=torch.stack(
             [req.req_to_token[r, n - 1].long() for r, n in zip(rows, lengths)]
         ),
@@ -126,9 +128,9 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use
     backend = PSAAttnBackend(runner, use_kernel=use_kernel)
     backend.init_forward_metadata(fb)
     layer = _layer(1)
-    q = torch.randn(len(lengths), HQ * D, generator=g)
-    k_new = torch.randn(len(lengths), HKV, D, generator=g)
-    v_new = torch.randn(len(lengths), HKV, D, generator=g)
+    q = torch.randn(len(lengths), HQ * D, generator=g).to(DEV)
+    k_new = torch.randn(len(lengths), HKV, D, generator=g).to(DEV)
+    v_new = torch.randn(len(lengths), HKV, D, generator=g).to(DEV)
     out = backend.forward_decode(q, k_new, v_new, layer, fb)
     # The new token's K/V went to its slot in the pool.
     assert torch.equal(runner.token_to_kv_pool.k_buffer[1][fb.out_cache_loc], k_new)
@@ -173,7 +175,7 @@ def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
     runner, fb, g = _rig(cfg, [300, 200])
     backend = PSAAttnBackend(runner, use_kernel=True)
     kv = runner.token_to_kv_pool
-    q = torch.randn(2, HQ * D, generator=g)
+    q = torch.randn(2, HQ * D, generator=g).to(DEV)
     for layer in range(LAYERS):  # one whole step: every full page gets its metadata
         backend.init_forward_metadata(fb)
         backend.forward_decode(q, None, None, _layer(layer), fb, save_kv_cache=False)
@@ -183,8 +185,8 @@ def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
     backend.init_forward_metadata(fb)
     assert backend._step["stale"].numel() == 0  # nothing recomputed in the next step
     # SGLang hands the page out again (new keys): the allocator hook invalidates it.
-    keys[page] = torch.randn(BS, HKV, D, generator=g)
-    slots = torch.arange(page * BS, (page + 1) * BS)
+    keys[page] = torch.randn(BS, HKV, D, generator=g).to(DEV)
+    slots = torch.arange(page * BS, (page + 1) * BS, device=DEV)
     assert scheduling.after_alloc(slots, None) is slots
     backend.init_forward_metadata(fb)
     assert backend._step["stale"].tolist() == [page]
@@ -213,20 +215,20 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
         for r, n in zip((1, 2), lens):
             if n % BS == 0:  # the tail is full: the allocator hands out a new page
                 page = free_pages.pop(0)
-                scheduling.after_alloc(torch.arange(page * BS, (page + 1) * BS), None)
+                scheduling.after_alloc(torch.arange(page * BS, (page + 1) * BS, device=DEV), None)
                 slot = page * BS
             else:
                 slot = int(req.req_to_token[r, n - 1]) + 1
             req.req_to_token[r, n] = slot
             slots.append(slot)
         lens = [n + 1 for n in lens]
-        fb.seq_lens = torch.tensor(lens)
-        fb.out_cache_loc = torch.tensor(slots)
-        q = torch.randn(2, HQ * D, generator=g)
+        fb.seq_lens = torch.tensor(lens, device=DEV)
+        fb.out_cache_loc = torch.tensor(slots, device=DEV)
+        q = torch.randn(2, HQ * D, generator=g).to(DEV)
         backend.init_forward_metadata(fb)
         for layer_id in range(LAYERS):
-            k_new = 3 * torch.randn(2, HKV, D, generator=g)
-            v_new = torch.randn(2, HKV, D, generator=g)
+            k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
+            v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
             out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
             kc, vc = _dense_kv(runner, fb, layer_id)
             want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
