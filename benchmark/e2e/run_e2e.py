@@ -25,6 +25,7 @@ import argparse
 import time
 from pathlib import Path
 
+from sglang_psa.eval.agreement import DEFAULT_TIE, compare, greedy
 from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import chat_parts
 from sglang_psa.eval.tasks import make_tasks
@@ -37,6 +38,7 @@ RAW_PROMPTS = (
     "Once upon a time, in a village by the sea,",
     "The three laws of thermodynamics state that",
 )
+BLOCK = 32  # --psa-block-size default
 KINDS = ("niah_1key", "niah_4key", "variable_tracking", "doc_qa")
 
 
@@ -52,49 +54,15 @@ def engine(model_dir: str, psa: dict | None, **extra):
         random_seed=0,
         **extra,
     )
-    if psa is None:
-        kw.update(cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled")
+    if psa is None:  # the same pages and no CUDA graphs, as --sparse-mode psa sets
+        kw.update(
+            page_size=BLOCK,
+            cuda_graph_backend_decode="disabled",
+            cuda_graph_backend_prefill="disabled",
+        )
     else:
         kw.update(psa)
     return sgl.Engine(**kw)
-
-
-def greedy(eng, prompts: list, max_new: int) -> list[dict]:
-    key = "input_ids" if isinstance(prompts[0], list) else "prompt"
-    outs = eng.generate(
-        **{key: prompts},
-        sampling_params={"temperature": 0, "max_new_tokens": max_new},
-        return_logprob=True,
-        top_logprobs_num=2,
-    )
-    return [
-        {
-            "ids": [t[1] for t in o["meta_info"]["output_token_logprobs"]],
-            "top2": [[x[0] for x in step[:2]] for step in o["meta_info"]["output_top_logprobs"]],
-            "text": o["text"],
-        }
-        for o in outs
-    ]
-
-
-def compare(plain: list[dict], psa: list[dict], tie: float) -> dict:
-    same, ties, first_lp = 0, 0, []
-    for a, b in zip(plain, psa):
-        if a["ids"] == b["ids"]:
-            same += 1
-        else:
-            i = next(j for j, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y)
-            gap = a["top2"][i][0] - a["top2"][i][1] if len(a["top2"][i]) > 1 else 0.0
-            ties += gap < tie
-        first_lp.append(abs(a["top2"][0][0] - b["top2"][0][0]))
-    n = len(plain)
-    return {
-        "n": n,
-        "identical": same,
-        "fraction_identical": same / n,
-        "divergences_at_near_tie": ties,
-        "max_first_token_logprob_diff": max(first_lp),
-    }
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
@@ -141,7 +109,9 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=3)
     ap.add_argument("--name", default="e2e_h100")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--tie", type=float, default=0.05, help="near-tie: top-2 logprob gap")
+    ap.add_argument(
+        "--tie", type=float, default=DEFAULT_TIE, help="near-tie: top-2 logprob gap (nats)"
+    )
     args = ap.parse_args()
     from transformers import AutoTokenizer
 

@@ -28,10 +28,10 @@ HEURISTIC, CERTIFIED = 0, 1
 
 
 @triton.jit
-def _group_query(q_ptr, rows, gmask, dd, scale, D: tl.constexpr):
-    """The GQA group's queries `[GP, D]` (padding rows zero), pre-scaled, in their dtype."""
-    q = tl.load(q_ptr + rows[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)
-    return (q.to(tl.float32) * scale).to(q.dtype)
+def _group_query(q_ptr, rows, gmask, dd, D: tl.constexpr):
+    """The GQA group's queries `[GP, D]` (padding rows zero) in their dtype. Not pre-scaled:
+    rounding q * scale to bf16 would shift every logit (1/sqrt(128) is no power of two)."""
+    return tl.load(q_ptr + rows[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)
 
 
 @triton.jit
@@ -41,6 +41,7 @@ def _merge_tile(
     v,
     valid,
     ranked,
+    scale,
     m_i,
     l_i,
     acc,
@@ -55,7 +56,7 @@ def _merge_tile(
     acc) state of the GQA group and track the smallest ranked block log-mass."""
     k = tl.reshape(k, [NBLK * BS, D])
     v = tl.reshape(v, [NBLK * BS, D])
-    s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, NBLK * BS] fp32
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, NBLK * BS] fp32
     s = tl.where(tl.reshape(valid, [NBLK * BS])[None, :], s, float("-inf"))
     s3 = tl.reshape(s, [GP, NBLK, BS])
     bmax = tl.max(s3, axis=2)
@@ -155,7 +156,7 @@ def _wave_attention_kernel(
     tt = tl.arange(0, BS)
     jj = tl.arange(0, NBLK)
     hq = h * G + g
-    q = _group_query(q_ptr, b * Hkv * G + hq, gmask, dd, scale, D)
+    q = _group_query(q_ptr, b * Hkv * G + hq, gmask, dd, D)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -206,7 +207,21 @@ def _wave_attention_kernel(
             blk_n = tl.load(order_ptr + row + pidx_n, mask=pm_n, other=0)
             where_n = tl.load(loc_ptr + row + blk_n, mask=pm_n, other=0).to(tl.int64)
             m_i, l_i, acc, smallest = _merge_tile(
-                q, k, v, valid, pm & (pidx >= nf), m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC
+                q,
+                k,
+                v,
+                valid,
+                pm & (pidx >= nf),
+                scale,
+                m_i,
+                l_i,
+                acc,
+                smallest,
+                GP,
+                NBLK,
+                BS,
+                D,
+                PREC,
             )
             pos = nxt
             pidx, pm, blk, where = pidx_n, pm_n, blk_n, where_n

@@ -80,7 +80,7 @@ def _wave_step_kernel(
         tt = tl.arange(0, BS)
         jj = tl.arange(0, NBLK)
         hq = b * Hkv * G + h * G + g
-        q = _group_query(q_ptr, hq, gmask, dd, scale, D)
+        q = _group_query(q_ptr, hq, gmask, dd, D)
         m_i = tl.load(m_ptr + hq, mask=gmask, other=float("-inf"))
         l_i = tl.load(l_ptr + hq, mask=gmask, other=0.0)
         acc = tl.load(acc_ptr + hq[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)
@@ -98,7 +98,21 @@ def _wave_step_kernel(
             k = tl.load(k_slots + offs, mask=valid[:, :, None], other=0.0)
             v = tl.load(v_slots + offs, mask=valid[:, :, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
-                q, k, v, valid, pm & (pidx >= nf), m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC
+                q,
+                k,
+                v,
+                valid,
+                pm & (pidx >= nf),
+                scale,
+                m_i,
+                l_i,
+                acc,
+                smallest,
+                GP,
+                NBLK,
+                BS,
+                D,
+                PREC,
             )
             pos += NBLK
         pos = end

@@ -14,7 +14,13 @@ PROMPTS = [
     "Once upon a time, in a village by the sea,",
     "The three laws of thermodynamics state that",
     " ".join(f"Item {i} costs {i * 7 % 13} dollars." for i in range(200)) + " Item 42 costs",
+    "Photosynthesis is the process by which",
+    "import numpy as np\n\ndef normalize(x):\n",
+    "The recipe calls for three eggs, two cups of flour and",
+    "In 1969, the first humans to walk on the Moon were",
+    "Dear hiring manager, I am writing to apply for",
 ]
+BLOCK = 32  # --psa-block-size's default: plain SGLang gets the same page size
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +44,19 @@ def _engine(model_dir, **kw):
     )
 
 
-def _greedy(eng, n=32):
-    outs = eng.generate(prompt=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": n})
-    return [o["text"] for o in outs]
+def _greedy(eng, n=48):
+    from sglang_psa.eval.agreement import greedy
+
+    return greedy(eng, PROMPTS, n)
 
 
 @pytest.fixture(scope="module")
 def plain(model_dir):
     eng = _engine(
-        model_dir, cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled"
+        model_dir,
+        page_size=BLOCK,  # same pages, same prefill kernel: only decode attention differs
+        cuda_graph_backend_decode="disabled",
+        cuda_graph_backend_prefill="disabled",
     )
     try:
         yield _greedy(eng)
@@ -57,9 +67,16 @@ def plain(model_dir):
 def test_threshold_1_matches_plain_sglang_and_bad_requests_are_refused(model_dir, plain):
     eng = _engine(model_dir, sparse_mode="psa", psa_threshold=1.0, psa_host_pool_gb=0.05)
     try:
-        got = _greedy(eng)
-        same = sum(a == b for a, b in zip(plain, got))
-        assert same >= 0.9 * len(PROMPTS), list(zip(plain, got))
+        from sglang_psa.eval.agreement import compare
+
+        runs = _greedy(eng)
+        got = compare(plain, runs)
+        texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
+        # Next-token log-probs of the first decode step agree to bf16 resolution, any split
+        # is at a near-tie of plain SGLang's top 2, and 90% of completions are identical.
+        assert got["max_second_step_logprob_diff"] <= got["tie"], got
+        assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
+        assert got["fraction_identical"] >= 0.9, (got, texts)
         # 0.05 GiB of host pool holds ~2.8K tokens of SmolLM2's KV: a 5K-token prompt is refused.
         with pytest.raises(ValueError, match="--psa-host-pool-gb"):
             eng.generate(prompt="word " * 5000, sampling_params={"max_new_tokens": 4})
