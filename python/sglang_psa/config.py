@@ -15,6 +15,7 @@ from typing import Any
 SPARSE_MODES = ("none", "psa", "topk")
 STOP_RULES = ("heuristic", "certified")
 SCORE_METHODS = ("mean", "bound")
+KV_HOMES = ("hbm", "host")
 
 # Fields whose CLI flag is not simply `--psa-<field>`.
 _FLAG_OVERRIDES = {"sparse_mode": "--sparse-mode"}
@@ -60,6 +61,7 @@ class PSAConfig:
     gpu_cache_gb: float | None = None  # None: size from free GPU memory at startup
     gpu_cache_free_fraction: float = 0.5
     host_pool_gb: float = 32.0
+    kv_home: str = "hbm"  # where SGLang's KV pool lives: hbm, or host (pinned, read via UVA)
     # Scheduler.
     ws_window: int = 12
     max_inject_tokens: int = 8192
@@ -76,6 +78,7 @@ class PSAConfig:
         need(self.sparse_mode in SPARSE_MODES, "sparse_mode", f"must be one of {SPARSE_MODES}")
         need(self.stop_rule in STOP_RULES, "stop_rule", f"must be one of {STOP_RULES}")
         need(self.score in SCORE_METHODS, "score", f"must be one of {SCORE_METHODS}")
+        need(self.kv_home in KV_HOMES, "kv_home", f"must be one of {KV_HOMES}")
         need(
             isinstance(self.threshold, (int, float))
             and math.isfinite(self.threshold)

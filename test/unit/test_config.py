@@ -27,6 +27,7 @@ def test_defaults_are_valid():
         ("recent_blocks", 0, "--psa-recent-blocks"),
         ("wave_growth", 0.5, "--psa-wave-growth"),
         ("topk_tokens", 16, "--psa-topk-tokens"),
+        ("kv_home", "disk", "--psa-kv-home"),
     ],
 )
 def test_invalid_value_names_its_field_and_flag(field, value, flag):

@@ -16,6 +16,7 @@ import os
 import typing
 
 from sglang_psa.config import (
+    KV_HOMES,
     SCORE_METHODS,
     SPARSE_MODES,
     STOP_RULES,
@@ -44,11 +45,19 @@ _HELP = {
     "gpu_cache_free_fraction": "fraction of free GPU memory for the slot cache when "
     "--psa-gpu-cache-gb is unset",
     "host_pool_gb": "pinned host KV pool size in GiB (holds every KV block)",
+    "kv_home": "where SGLang's KV pool lives: hbm (GPU memory) or host (pinned host memory "
+    "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
+    "the block metadata)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
     "max_inject_tokens": "prefill token-layers per batch (layer-segmented prefill)",
 }
 
-_CHOICES = {"sparse_mode": SPARSE_MODES, "stop_rule": STOP_RULES, "score": SCORE_METHODS}
+_CHOICES = {
+    "sparse_mode": SPARSE_MODES,
+    "stop_rule": STOP_RULES,
+    "score": SCORE_METHODS,
+    "kv_home": KV_HOMES,
+}
 
 
 def _field_type(f: dataclasses.Field) -> type:

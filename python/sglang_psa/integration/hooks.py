@@ -84,9 +84,23 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
         "after",
-        "scheduling:after_compute_cell_size",
+        "kv_pool:after_compute_cell_size",
         ("self", "kvc", "num_layers"),
-        "count the per-page block metadata in SGLang's KV memory budget",
+        "count the per-page block metadata in SGLang's HBM budget (only it, KV on the host)",
+    ),
+    Hook(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
+        "after",
+        "kv_pool:after_calculate_pool_sizes",
+        ("self", "available_bytes", "page_size"),
+        "--psa-kv-home host: the token budget is the host pool's",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
+        "around",
+        "kv_pool:around_create_buffers_normal",
+        ("self",),
+        "--psa-kv-home host: K/V buffers in pinned host memory, seen through UVA",
     ),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",

@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
-import torch
-
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.sched import AdmissionController, Candidate, WorkingSetTracker
 from sglang_psa.sched.working_set import always_attended_units
@@ -203,22 +201,6 @@ def after_get_internal_state(result, scheduler, recv_req):
         "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
     }
     return result
-
-
-def after_compute_cell_size(result, configurator, kvc, num_layers):
-    """SGLang sizes its KV pool by bytes per token; add the per-page block metadata
-    (float32 mean keys, plus min/max for key bounds) so the pool and the metadata
-    together stay within --mem-fraction-static."""
-    from sglang_psa.integration.flags import imported
-
-    cfg = imported()
-    if cfg is None or getattr(kvc, "use_mla_backend", False):
-        return result
-    n_meta = 3 if cfg.stop_rule == "certified" or cfg.score == "bound" else 1
-    kv_size = torch.empty((), dtype=kvc.kv_cache_dtype).element_size()
-    # result = 2 (K, V) x layers x heads x d x kv_size; metadata = layers x heads x d x 4
-    # bytes x n_meta per block of block_size tokens.
-    return result + math.ceil(result * 2 * n_meta / (kv_size * cfg.block_size))
 
 
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):

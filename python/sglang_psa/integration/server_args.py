@@ -20,6 +20,7 @@ scheduler process) and in the environment for processes that do not get it.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from sglang_psa.config import PSAConfig, PSAConfigError
@@ -89,6 +90,8 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError(
             "sparse_mode", "prefill is dense: choose a dense --prefill-attention-backend"
         )
+    if cfg.kv_home == "host":
+        _check_host_home(fields)
     if fields.get("chunked_prefill_size") is None:
         # Prefill work per batch <= --psa-max-inject-tokens token-layers: chunk long
         # prompts at that many tokens (layer segmentation is not implemented yet).
@@ -99,6 +102,25 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         prefill_attention_backend=prefill,
         attention_backend=prefill,
     )
+
+
+def _check_host_home(fields: dict[str, Any]) -> None:
+    """The host-resident pool replaces SGLang's plain (unquantized, token-major) K/V buffers;
+    other layouts would silently stay in HBM, so they are refused."""
+    dtype = fields.get("kv_cache_dtype")
+    if dtype not in (None, "auto", "bfloat16", "bf16", "float16", "fp16"):
+        raise PSAConfigError(
+            "kv_home",
+            f"host keeps SGLang's unquantized KV layout; --kv-cache-dtype {dtype} conflicts",
+        )
+    if fields.get("enable_memory_saver"):
+        raise PSAConfigError(
+            "kv_home", "host: the KV pool is not GPU memory; --enable-memory-saver conflicts"
+        )
+    if os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in ("1", "true", "yes"):
+        raise PSAConfigError(
+            "kv_home", "host keeps SGLang's token-major KV layout; unset SGLANG_USE_HND_KVCACHE"
+        )
 
 
 def _pop_psa_kwargs(kwargs: dict[str, Any]) -> PSAConfig | None:

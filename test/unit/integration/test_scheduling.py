@@ -159,19 +159,3 @@ def test_server_info_reports_counters_and_held_kv(serving):
     psa = out.internal_state["psa"]
     assert psa["running"] == 1 and psa["admitted"] == 1 and psa["used_units"] == 20
     assert psa["kv_held_tokens"] == 1000 - 600 - 364
-
-
-def test_kv_budget_counts_block_metadata(monkeypatch):
-    import torch
-
-    from sglang_psa.integration import flags
-
-    kvc = SimpleNamespace(kv_cache_dtype=torch.bfloat16, use_mla_backend=False)
-    per_token = 2 * 24 * 2 * 64 * 2  # K+V x layers x kv heads x d x bf16
-    monkeypatch.delenv(flags.ENV_VAR, raising=False)
-    assert scheduling.after_compute_cell_size(per_token, None, kvc, 24) == per_token
-    flags.export(PSAConfig())  # mean keys only: 24 x 2 x 64 x 4 bytes per 32 tokens
-    assert scheduling.after_compute_cell_size(per_token, None, kvc, 24) == per_token + 384
-    flags.export(PSAConfig(stop_rule="certified"))  # mean, min and max
-    assert scheduling.after_compute_cell_size(per_token, None, kvc, 24) == per_token + 3 * 384
-    flags.export(None)

@@ -89,6 +89,10 @@ print(json.dumps({
         "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
         "knob_alone": err(["--psa-threshold", "0.9"]),
+        "host_fp8": err(["--sparse-mode", "psa", "--psa-kv-home", "host",
+                         "--kv-cache-dtype", "fp8_e4m3"]),
+        "host_saver": err(["--sparse-mode", "psa", "--psa-kv-home", "host",
+                           "--enable-memory-saver"]),
     },
 }))
 """
@@ -114,6 +118,8 @@ def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),
         ("knob_alone", ["--sparse-mode", "--psa-threshold"]),
+        ("host_fp8", ["--psa-kv-home", "--kv-cache-dtype fp8_e4m3"]),
+        ("host_saver", ["--psa-kv-home", "--enable-memory-saver"]),
     ],
 )
 def test_incompatible_or_invalid_flags_fail_naming_them(scenarios, case, flags):
@@ -155,6 +161,54 @@ def test_launch_server_help_lists_the_flags():
         "--psa-ws-window",
         "--psa-max-inject-tokens",
         "--psa-topk-tokens",
+        "--psa-kv-home",
     ):
         assert flag in out.stdout, flag
     assert "psa" in out.stdout.split("--attention-backend")[1][:2000]  # a backend choice
+
+
+POOL = """
+import json, torch
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_psa.config import PSAConfig
+from sglang_psa.integration import flags
+
+def pool():
+    return MHATokenToKVPool(256, 32, torch.bfloat16, 2, 16, 3, DEVICE, False,
+                            enable_alt_stream=False)
+
+flags.export(PSAConfig(kv_home="hbm"))
+hbm = pool()
+flags.export(PSAConfig(kv_home="host"))
+before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+host = pool()
+grew = (torch.cuda.memory_allocated() - before) if DEVICE == "cuda" else 0
+loc = torch.tensor([5, 40, 100], device=DEVICE)
+k = torch.randn(3, 2, 16, device=DEVICE).bfloat16()
+host.set_kv_buffer(None, loc, k, 2 * k, layer_id_override=1)
+h = host._psa_host[0].host  # the host memory behind layer 1's K
+print(json.dumps({
+    "hbm_has_host": hasattr(hbm, "_psa_host"),
+    "shapes": [list(t.shape) for t in hbm.k_buffer] == [list(t.shape) for t in host.k_buffer],
+    "devices": sorted({str(t.device.type) for t in host.k_buffer + host.v_buffer}),
+    "host_sees_write": bool(torch.equal(h[1][loc.cpu()], k.cpu())),
+    "v_ok": bool(torch.equal(host.get_value_buffer(1)[loc].cpu(), (2 * k).cpu())),
+    "hbm_bytes_for_kv": grew,
+}))
+"""
+
+
+def test_host_home_puts_sglangs_pool_in_host_memory():
+    """With --psa-kv-home host, SGLang's own pool (built after load_plugins) gets its K/V
+    buffers from host memory; SGLang's store path writes into it. On a GPU the buffers
+    are CUDA tensors through UVA and take no GPU memory."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = _run(POOL.replace("DEVICE", repr(device)))
+    assert not got["hbm_has_host"] and got["shapes"]
+    assert got["devices"] == [device]
+    assert got["host_sees_write"] and got["v_ok"]
+    assert got["hbm_bytes_for_kv"] == 0

@@ -1,0 +1,104 @@
+"""Where SGLang's KV pool lives and how large it is, under `--sparse-mode`.
+
+- `--psa-kv-home hbm`: the pool stays in GPU memory; its byte budget per token
+  grows by the per-page block metadata (mean keys, plus min/max for key bounds).
+- `--psa-kv-home host`: the pool's K/V buffers are page-locked host memory of
+  `--psa-host-pool-gb`, seen by the GPU through unified addressing
+  (`store/uva.py`). SGLang's kernels write new KV there and its prefill reads
+  prefixes from there; decode reads the blocks PSA selects across PCIe. HBM then
+  holds only the block metadata, so the token budget is the host pool's, not
+  GPU memory's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+
+from sglang_psa.config import flag_name
+
+logger = logging.getLogger(__name__)
+
+
+def _config():
+    from sglang_psa.integration.flags import imported
+
+    return imported()
+
+
+def _host_home(cfg) -> bool:
+    return cfg is not None and cfg.kv_home == "host"
+
+
+def metadata_bytes_per_token(kv_bytes_per_token: int, kv_elem: int, cfg) -> int:
+    """HBM bytes of block metadata per token: float32 key vectors (the mean, plus min and
+    max for key bounds) per (layer, KV head) per block of `block_size` tokens."""
+    n_meta = 3 if cfg.stop_rule == "certified" or cfg.score == "bound" else 1
+    # kv_bytes_per_token = 2 (K, V) x layers x heads x d x kv_elem
+    return math.ceil(kv_bytes_per_token * 2 * n_meta / (kv_elem * cfg.block_size))
+
+
+def after_compute_cell_size(result, configurator, kvc, num_layers):
+    """SGLang sizes its KV pool by HBM bytes per token: with the pool in HBM that is the KV
+    plus the block metadata; with the pool on the host only the metadata."""
+    cfg = _config()
+    if cfg is None or getattr(kvc, "use_mla_backend", False):
+        return result
+    kv_elem = torch.empty((), dtype=kvc.kv_cache_dtype).element_size()
+    meta = metadata_bytes_per_token(result, kv_elem, cfg)
+    if _host_home(cfg):
+        configurator._psa_kv_bytes_per_token = result
+        return meta
+    return result + meta
+
+
+def after_calculate_pool_sizes(result, configurator, available_bytes, page_size):
+    """With the pool on the host, the token budget is what `--psa-host-pool-gb` holds."""
+    cfg = _config()
+    per_token = getattr(configurator, "_psa_kv_bytes_per_token", None)
+    if not _host_home(cfg) or not per_token:
+        return result
+    host_tokens = int(cfg.host_pool_gb * 2**30) // per_token // page_size * page_size
+    if host_tokens < page_size:
+        raise ValueError(
+            f"{flag_name('host_pool_gb')} {cfg.host_pool_gb:g} holds {host_tokens} tokens "
+            f"of this model's KV ({per_token} bytes per token): raise it"
+        )
+    tokens = min(result.max_total_num_tokens, host_tokens)
+    logger.info(
+        "sglang-psa: KV pool on the host: %d tokens (%.2f GiB pinned, %s %g)%s",
+        tokens,
+        tokens * per_token / 2**30,
+        flag_name("host_pool_gb"),
+        cfg.host_pool_gb,
+        "" if tokens == host_tokens else "; capped by the HBM left for block metadata",
+    )
+    return dataclasses.replace(result, max_total_num_tokens=tokens)
+
+
+def around_create_buffers_normal(original, pool):
+    """Allocate the K/V buffers in registered host memory instead of HBM."""
+    cfg = _config()
+    layout = getattr(pool, "kv_cache_layout", None)
+    if not _host_home(cfg) or getattr(pool, "use_hnd", False) or layout == "vectorized_5d":
+        return original(pool)
+    from sglang_psa.store.uva import HostResident
+
+    k_shape, v_shape = pool._kv_buffer_shapes()
+    dtype, n = pool.store_dtype, pool.layer_num
+    pool._psa_host = (
+        HostResident((n, *k_shape), dtype, pool.device),
+        HostResident((n, *v_shape), dtype, pool.device),
+    )
+    k_all, v_all = (h.view for h in pool._psa_host)
+    pool.k_buffer = [k_all[i] for i in range(n)]
+    pool.v_buffer = [v_all[i] for i in range(n)]
+    logger.info(
+        "sglang-psa: %d layers of K/V (%.2f GiB) in pinned host memory, read through UVA",
+        n,
+        sum(h.nbytes for h in pool._psa_host) / 2**30,
+    )
+    return None

@@ -1,0 +1,66 @@
+"""Sizing SGLang's KV pool under --sparse-mode: block metadata is counted in the HBM
+budget; with --psa-kv-home host only the metadata is, and the token budget is what
+--psa-host-pool-gb holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_psa.config import PSAConfig
+from sglang_psa.integration import flags, kv_pool
+
+PER_TOKEN = 2 * 24 * 2 * 64 * 2  # K+V x layers x kv heads x d x bf16 = 12288 bytes
+KVC = SimpleNamespace(kv_cache_dtype=torch.bfloat16, use_mla_backend=False)
+
+
+@dataclass
+class PoolConfig:  # the fields of SGLang's MemoryPoolConfig the hook reads
+    max_total_num_tokens: int
+
+
+@pytest.fixture(autouse=True)
+def _no_config(monkeypatch):
+    monkeypatch.delenv(flags.ENV_VAR, raising=False)
+    yield
+    flags.export(None)
+
+
+def test_hbm_budget_counts_block_metadata():
+    conf = SimpleNamespace()
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN
+    flags.export(PSAConfig())  # mean keys only: 24 x 2 x 64 x 4 bytes per 32 tokens
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 384
+    flags.export(PSAConfig(stop_rule="certified"))  # mean, min and max
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 384
+    # The pool in HBM: the token budget is SGLang's own.
+    assert (
+        kv_pool.after_calculate_pool_sizes(PoolConfig(1000), conf, 0, 32).max_total_num_tokens
+        == 1000
+    )
+    mla = SimpleNamespace(kv_cache_dtype=torch.bfloat16, use_mla_backend=True)
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, mla, 24) == PER_TOKEN
+
+
+def test_host_home_budgets_hbm_for_metadata_and_tokens_for_the_host_pool():
+    conf = SimpleNamespace()
+    flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5))
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == 384
+    host_tokens = (2**29 // PER_TOKEN) // 32 * 32  # 43680
+    # HBM for metadata of far more tokens than the host pool holds: the host pool decides.
+    got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 0, 32)
+    assert got.max_total_num_tokens == host_tokens
+    # Metadata HBM for fewer tokens than the host pool: HBM decides.
+    got = kv_pool.after_calculate_pool_sizes(PoolConfig(4096), conf, 0, 32)
+    assert got.max_total_num_tokens == 4096
+
+
+def test_a_host_pool_too_small_for_one_page_names_the_flag():
+    conf = SimpleNamespace()
+    flags.export(PSAConfig(kv_home="host", host_pool_gb=1e-6))
+    kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
+    with pytest.raises(ValueError, match="--psa-host-pool-gb"):
+        kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 0, 32)
