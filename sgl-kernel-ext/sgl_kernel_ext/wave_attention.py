@@ -126,6 +126,9 @@ def _wave_attention_kernel(
     slot_stride,
     tok_stride,
     head_stride,
+    host_slot_stride,
+    host_tok_stride,
+    host_head_stride,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -191,7 +194,12 @@ def _wave_attention_kernel(
             m_dev = valid[:, :, None] & in_hbm[:, None, None]
             if HAS_HOST:
                 m_host = valid[:, :, None] & (~in_hbm)[:, None, None]
-                offs_h = unit[:, None, None] * (BS * D) + tt[None, :, None] * D + dd[None, None, :]
+                offs_h = (
+                    unit[:, None, None] * host_slot_stride
+                    + h * host_head_stride
+                    + tt[None, :, None] * host_tok_stride
+                    + dd[None, None, :]
+                )
                 k = tl.load(k_slots + offs, mask=m_dev, other=0.0) + tl.load(
                     k_host + offs_h, mask=m_host, other=0.0
                 )
@@ -455,6 +463,7 @@ class WaveAttention:
         max_read_blocks: int | None = None,
         slot_strides: tuple[int, int, int] | None = None,
         meta_pages: torch.Tensor | None = None,
+        host_strides: tuple[int, int, int] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -464,6 +473,8 @@ class WaveAttention:
         another layout: SGLang's `[tokens, Hkv, d]` KV buffer is read in place as
         slots = pages with `(bs * Hkv * d, Hkv * d, d)`. Default: `[num_slots, bs, d]`.
         With `meta_pages [B, NB]`, meta_* are per page `[P, Hkv, d]` (no per-step gather).
+        `host_strides` is the same for the host side (default: head-major `[units, bs, d]`,
+        a unit per (head, block)); a host-resident SGLang pool is token-major like its pages.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -507,6 +518,7 @@ class WaveAttention:
                     Hkv,
                     NB,
                     *(slot_strides or (bs * D, D, 0)),
+                    *(host_strides or (bs * D, D, 0)),
                     G=G,
                     GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
                     D=D,

@@ -13,12 +13,15 @@ Two paths, the same semantics:
 - the reference path (CPU without the interpreter): gathers each request's
   keys and values and runs `sglang_psa.algo`, the spec the kernels are tested
   against. It reads the whole context.
-All KV still lives in SGLang's HBM pool; serving from the tiered store (host
-pool + slot cache) is the next step.
+With `--psa-kv-home host` SGLang's pool lives in pinned host memory (seen through
+UVA, `kv_pool.py`) and a `PageCache` in HBM holds hot full pages: each block is
+read from its cache slot or across PCIe from the host page, and pages read from
+the host are admitted to the cache after the layer, for the next steps.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -27,16 +30,23 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sgl_kernel_ext.wave_attention import WaveAttention
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.integration import kv_pool
+from sglang_psa.integration.page_cache import PageCache
 from sglang_psa.integration.page_meta import PageMeta
 from sglang_psa.integration.scheduling import PSAServing, current, install
 from sglang_psa.integration.server_args import config_of
 from sglang_psa.integration.working_sets import WorkingSetStamps
 from sglang_psa.store.host_pool import blocks_for_budget
 
+logger = logging.getLogger(__name__)
 
-def hbm_units(cfg: PSAConfig, pool) -> int:
-    """Slot-cache capacity in (layer, KV head, block) units: `--psa-gpu-cache-gb` when
-    given, else SGLang's whole KV pool (everything resident: no extra constraint)."""
+
+def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
+    """Slot-cache capacity in (layer, KV head, block) units: the page cache's when the
+    pool is on the host, else `--psa-gpu-cache-gb` when given, else SGLang's whole KV
+    pool (everything resident: no extra constraint)."""
+    if cache is not None:
+        return cache.S * pool.head_num
     unit_bytes = 2 * cfg.block_size * pool.head_dim * pool.dtype.itemsize
     if cfg.gpu_cache_gb is not None:
         return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
@@ -74,12 +84,13 @@ class PSAAttnBackend(AttentionBackend):
             )
         pool = self.token_to_kv_pool
         self.layers = pool.layer_num
+        self.cache = self._page_cache(cfg, pool)
         install(
             PSAServing(
                 cfg,
                 layers=pool.layer_num,
                 kv_heads=pool.head_num,
-                hbm_units=hbm_units(cfg, pool),
+                hbm_units=hbm_units(cfg, pool, self.cache),
                 host_tokens=blocks_for_budget(
                     cfg.host_pool_gb,
                     pool.layer_num,
@@ -110,6 +121,7 @@ class PSAAttnBackend(AttentionBackend):
             device=device,
         )
         current().page_meta = self.meta
+        current().page_cache = self.cache
         self.stamps = WorkingSetStamps(
             pool.layer_num, pool.head_num, self.meta.valid.numel(), cfg.ws_window, device
         )
@@ -119,6 +131,35 @@ class PSAAttnBackend(AttentionBackend):
         self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // cfg.block_size if topk else None
         self._plan_key = None
+
+    @staticmethod
+    def _page_cache(cfg: PSAConfig, pool) -> PageCache | None:
+        """The HBM page cache over a host-resident pool, sized while SGLang sized its pool."""
+        if getattr(pool, "_psa_host", None) is None:
+            return None
+        page_elems = cfg.block_size * pool.head_num * pool.head_dim
+        slot_bytes = 2 * page_elems * pool.store_dtype.itemsize
+        if cfg.gpu_cache_gb is not None:
+            budget = int(cfg.gpu_cache_gb * 2**30)
+        else:  # what SGLang's KV budget left after the block metadata
+            budget = kv_pool.slot_cache_bytes()
+        slots = (budget or 0) // slot_bytes
+        if slots < 1:
+            logger.warning(
+                "sglang-psa: no HBM left for a page cache; every block is read from the "
+                "host through UVA (raise --mem-fraction-static or %s)",
+                "--psa-gpu-cache-gb",
+            )
+            return None
+        num_pages = pool.k_buffer[0].shape[0] // cfg.block_size
+        return PageCache(
+            pool.layer_num,
+            num_pages,
+            page_elems,
+            pool.store_dtype,
+            slots,
+            pool.k_buffer[0].device,
+        )
 
     # SGLang calls this before every forward: the step's block tables, once for all layers.
     def init_forward_metadata(self, forward_batch) -> None:
@@ -143,7 +184,10 @@ class PSAAttnBackend(AttentionBackend):
         pages = torch.where(valid_blk, pages, 0)
         full = torch.arange(nb, device=pages.device)[None, :] < (lengths // bs)[:, None]
         self.stamps.begin_step(forward_batch.req_pool_indices, pages, lengths)
+        if self.cache is not None:
+            self.cache.next_step()
         self._step = {
+            "full": full,
             "lengths": lengths,
             "T": T,
             "rows": rows,
@@ -205,12 +249,19 @@ class PSAAttnBackend(AttentionBackend):
         if self._plan_key != key:
             self._plan = self._wave.plan(B, q.shape[1], Hkv, d, NB, q.device)
             self._plan_key = key
-        loc = pages[:, None, :].expand(B, Hkv, NB).to(torch.int32)
+        strides = (bs * Hkv * d, Hkv * d, d)
+        if self.cache is None:  # slots are the pool's pages
+            page_loc = pages.to(torch.int32)
+            slots_k, slots_v, host_k, host_v = kbuf, vbuf, None, None
+        else:  # cached pages from HBM slots, the rest from the host pages through UVA
+            page_loc = self.cache.locate(lid, pages, step["full"])
+            slots_k, slots_v, host_k, host_v = self.cache.k, self.cache.v, kbuf, vbuf
+        loc = page_loc[:, None, :].expand(B, Hkv, NB)
         mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via `pages`
         res = self._plan.run(
             q,
-            kbuf,
-            vbuf,
+            slots_k,
+            slots_v,
             loc,
             step["lengths"],
             mean,
@@ -218,10 +269,16 @@ class PSAAttnBackend(AttentionBackend):
             kmax,
             scale=layer.scaling,
             max_read_blocks=self._max_read,
-            slot_strides=(bs * Hkv * d, Hkv * d, d),
+            slot_strides=strides,
             meta_pages=pages,
+            k_host=host_k,
+            v_host=host_v,
+            host_strides=strides,
         )
-        return res.out, res.read_mask()
+        read = res.read_mask()
+        if self.cache is not None:
+            self.cache.admit(lid, pages, read.any(1), step["full"], page_loc, kbuf, vbuf)
+        return res.out, read
 
     def _decode_reference(self, q, layer, step):
         """`sglang_psa.algo` on the gathered keys: exact semantics, dense cost."""

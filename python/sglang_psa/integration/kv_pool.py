@@ -22,6 +22,14 @@ from sglang_psa.config import flag_name
 
 logger = logging.getLogger(__name__)
 
+# HBM bytes set aside for the page cache when the pool is on the host (decided while
+# SGLang sizes its pool, read by the backend in the same process).
+_slot_cache_bytes: int | None = None
+
+
+def slot_cache_bytes() -> int | None:
+    return _slot_cache_bytes
+
 
 def _config():
     from sglang_psa.integration.flags import imported
@@ -56,7 +64,10 @@ def after_compute_cell_size(result, configurator, kvc, num_layers):
 
 
 def after_calculate_pool_sizes(result, configurator, available_bytes, page_size):
-    """With the pool on the host, the token budget is what `--psa-host-pool-gb` holds."""
+    """With the pool on the host, the token budget is what `--psa-host-pool-gb` holds, and
+    the HBM SGLang budgeted for KV that the metadata leaves over becomes the page cache
+    (or `--psa-gpu-cache-gb` of it)."""
+    global _slot_cache_bytes
     cfg = _config()
     per_token = getattr(configurator, "_psa_kv_bytes_per_token", None)
     if not _host_home(cfg) or not per_token:
@@ -68,12 +79,25 @@ def after_calculate_pool_sizes(result, configurator, available_bytes, page_size)
             f"of this model's KV ({per_token} bytes per token): raise it"
         )
     tokens = min(result.max_total_num_tokens, host_tokens)
+    left = max(0, int(available_bytes) - tokens * configurator._cell_size)
+    if cfg.gpu_cache_gb is not None:
+        want = int(cfg.gpu_cache_gb * 2**30)
+        if want > left:
+            raise ValueError(
+                f"{flag_name('gpu_cache_gb')} {cfg.gpu_cache_gb:g} exceeds the "
+                f"{left / 2**30:.2f} GiB of GPU memory left for KV after block metadata "
+                "(raise --mem-fraction-static or lower it)"
+            )
+        left = want
+    _slot_cache_bytes = left
     logger.info(
-        "sglang-psa: KV pool on the host: %d tokens (%.2f GiB pinned, %s %g)%s",
+        "sglang-psa: KV pool on the host: %d tokens (%.2f GiB pinned, %s %g), "
+        "HBM page cache %.2f GiB%s",
         tokens,
         tokens * per_token / 2**30,
         flag_name("host_pool_gb"),
         cfg.host_pool_gb,
+        left / 2**30,
         "" if tokens == host_tokens else "; capped by the HBM left for block metadata",
     )
     return dataclasses.replace(result, max_total_num_tokens=tokens)

@@ -39,6 +39,7 @@ class PSAServing:
         self.host_tokens = host_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
         self.page_meta = None  # the backend's PageMeta, invalidated by the allocator hook
+        self.page_cache = None  # the backend's PageCache (pool on the host), likewise
         # The backend's measurement of the last step: (rows, working-set sizes, units owned).
         self.measure: Callable[[], tuple[list[int], list[int], list[int]] | None] | None = None
         self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
@@ -170,6 +171,8 @@ def after_alloc(result, allocator, *args, **kwargs):
     serving = current()
     if serving is not None and serving.page_meta is not None and result is not None:
         serving.page_meta.invalidate(result)
+        if serving.page_cache is not None:
+            serving.page_cache.invalidate(result.long() // serving.cfg.block_size)
     return result
 
 
@@ -199,6 +202,9 @@ def after_get_internal_state(result, scheduler, recv_req):
         "kv_cached_tokens": cached,
         "kv_held_tokens": total - available - cached,
         "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
+        "kv_home": serving.cfg.kv_home,
+        # Hits, host reads, admissions of the HBM page cache (pool on the host), else None.
+        "page_cache": serving.page_cache.stats() if serving.page_cache is not None else None,
     }
     return result
 

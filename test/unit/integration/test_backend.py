@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
-from sglang_psa.integration import scheduling  # noqa: E402
+from sglang_psa.integration import flags, kv_pool, scheduling  # noqa: E402
 from sglang_psa.integration.backend import PSAAttnBackend  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
@@ -44,6 +44,13 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
     kv = MHATokenToKVPool(
         size, BS, torch.float32, HKV, D, LAYERS, DEV, False, enable_alt_stream=False
     )
+    if cfg.kv_home == "host":  # what the plugin's pool hook does when SGLang builds it
+        flags.export(cfg)
+        try:
+            kv_pool.around_create_buffers_normal(lambda pool: None, kv)
+        finally:
+            flags.export(None)
+        kv._init_data_ptrs_and_strides()
     req = ReqToTokenPool(8, 1024, DEV, False)
     # Requests own scattered pages (as SGLang's allocator hands them out); page 0 is padding.
     pages = torch.randperm(60, generator=g) + 1
@@ -194,11 +201,20 @@ def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
     assert torch.allclose(backend.meta.mean[0, page], keys[page].float().mean(0))
 
 
-def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
+# Six pages of float32 K+V (2 x 32 tokens x 2 heads x 16 dims x 4 bytes each).
+SIX_PAGES_GB = 6 * 2 * BS * HKV * D * 4 / 2**30
+
+
+@pytest.mark.parametrize("home", ["hbm", "host"])
+def test_many_decode_steps_with_pages_filling_and_new_pages_allocated(home):
     """Decode 40 steps for two requests through the kernel path, appending each step's K/V
     as SGLang does (a new page from the allocator whenever the tail fills): every step
-    matches the reference on the pool's contents, and metadata follows the pages."""
-    cfg = PSAConfig(threshold=0.9, wave_blocks=1, max_wave_blocks=2)
+    matches the reference on the pool's contents, and metadata follows the pages. With
+    the pool on the host, a six-page HBM cache serves repeated reads and always holds
+    its pages' current bytes."""
+    cfg = PSAConfig(
+        threshold=0.9, wave_blocks=1, max_wave_blocks=2, kv_home=home, gpu_cache_gb=SIX_PAGES_GB
+    )
     lengths = [95, 64]  # a partial tail page, and an exactly full last page
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
@@ -233,6 +249,19 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
             kc, vc = _dense_kv(runner, fb, layer_id)
             want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
+    cache = backend.cache
+    if home == "host":
+        assert kv.k_buffer[0].data_ptr() == kv._psa_host[0].host.data_ptr()  # the host pool
+        stats = cache.stats()
+        assert stats["slots"] == 6 and stats["admitted"] > 0 and stats["hits"] > 0, stats
+        cache.check_integrity()
+        P = cache.P
+        for slot in torch.nonzero(cache.tag[:6] >= 0).flatten().tolist():
+            layer_id, page = divmod(int(cache.tag[slot]), P)
+            want_k = kv.k_buffer[layer_id].reshape(P, -1)[page]
+            assert torch.equal(cache.k[slot], want_k), (slot, layer_id, page)
+    else:
+        assert cache is None
     # Every full page of both requests has valid, exact metadata at the end.
     for r, n in zip((1, 2), lens):
         for j in range(n // BS):

@@ -48,19 +48,33 @@ def test_hbm_budget_counts_block_metadata():
 def test_host_home_budgets_hbm_for_metadata_and_tokens_for_the_host_pool():
     conf = SimpleNamespace()
     flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5))
-    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == 384
+    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
+    assert conf._cell_size == 384
     host_tokens = (2**29 // PER_TOKEN) // 32 * 32  # 43680
-    # HBM for metadata of far more tokens than the host pool holds: the host pool decides.
-    got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 0, 32)
+    # HBM for metadata of far more tokens than the host pool holds: the host pool decides,
+    # and the HBM the metadata leaves over is the page cache.
+    avail = 10**7 * 384
+    got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, avail, 32)
     assert got.max_total_num_tokens == host_tokens
-    # Metadata HBM for fewer tokens than the host pool: HBM decides.
-    got = kv_pool.after_calculate_pool_sizes(PoolConfig(4096), conf, 0, 32)
-    assert got.max_total_num_tokens == 4096
+    assert kv_pool.slot_cache_bytes() == avail - host_tokens * 384
+    # Metadata HBM for fewer tokens than the host pool: HBM decides, no page cache left.
+    got = kv_pool.after_calculate_pool_sizes(PoolConfig(4096), conf, 4096 * 384, 32)
+    assert got.max_total_num_tokens == 4096 and kv_pool.slot_cache_bytes() == 0
+
+
+def test_gpu_cache_gb_takes_its_share_and_too_much_names_the_flag():
+    conf = SimpleNamespace()
+    flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5, gpu_cache_gb=0.25))
+    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
+    kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 2**31, 32)
+    assert kv_pool.slot_cache_bytes() == 2**28
+    with pytest.raises(ValueError, match="--psa-gpu-cache-gb"):
+        kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 2**27, 32)
 
 
 def test_a_host_pool_too_small_for_one_page_names_the_flag():
     conf = SimpleNamespace()
     flags.export(PSAConfig(kv_home="host", host_pool_gb=1e-6))
-    kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
+    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
     with pytest.raises(ValueError, match="--psa-host-pool-gb"):
         kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 0, 32)
