@@ -103,6 +103,57 @@ def test_sparse_decode_and_64_concurrent_requests_complete(model_dir):
         eng.shutdown()
 
 
+def test_host_home_serves_contexts_far_larger_than_its_hbm_page_cache(model_dir, plain):
+    """--psa-kv-home host: SGLang's KV pool in pinned host memory, a page cache in HBM a
+    quarter of the longest prompt's KV. At threshold 1 every block is attended, so the
+    answers must agree with plain SGLang as at HBM home; the cache serves reads; and 64
+    concurrent requests leave nothing held."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sglang_psa.eval.agreement import compare
+
+    c = AutoConfig.from_pretrained(model_dir)
+    kv_per_token = (
+        2
+        * c.num_hidden_layers
+        * c.num_key_value_heads
+        * (c.hidden_size // c.num_attention_heads)
+        * 2
+    )
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    longest = max(len(tok(p)["input_ids"]) for p in PROMPTS)
+    assert longest >= 1000  # the long prompt's KV spans many pages
+    cache_gb = longest * kv_per_token / 4 / 2**30
+    eng = _engine(
+        model_dir,
+        sparse_mode="psa",
+        psa_threshold=1.0,
+        psa_kv_home="host",
+        psa_host_pool_gb=0.25,
+        psa_gpu_cache_gb=cache_gb,
+    )
+    try:
+        runs = _greedy(eng)
+        got = compare(plain, runs)
+        texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
+        assert got["max_second_step_logprob_diff"] <= got["tie"], got
+        assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
+        assert got["fraction_identical"] >= 0.9, (got, texts)
+        state = eng.get_server_info()["internal_states"][0]["psa"]
+        assert state["kv_home"] == "host", state
+        cache = state["page_cache"]
+        assert cache["hits"] > 0 and cache["host_reads"] > 0, cache
+        prompts = [" ".join(["word"] * (20 + 37 * i)) for i in range(64)]
+        outs = eng.generate(
+            prompt=prompts, sampling_params={"temperature": 0, "max_new_tokens": 16}
+        )
+        assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
+        state = eng.get_server_info()["internal_states"][0]["psa"]
+        assert state["running"] == 0 and state["paused"] == 0 and state["kv_held_tokens"] == 0
+    finally:
+        eng.shutdown()
+
+
 @pytest.fixture(scope="module")
 def http_server(model_dir, tmp_path_factory):
     """`python -m sglang.launch_server --sparse-mode psa` on the small model."""
