@@ -5,11 +5,13 @@
 #
 #   source /tmp/psa-site/psa-env.sh && bash scripts/gpu_validate.sh STEP
 #
-# STEP: tests      kernel, unit and GPU end-to-end tests (compiled kernels, SGLang engines)
-#       interp     the same kernel tests under Triton's interpreter (the CI path)
+# STEP: tests      kernel and unit tests, compiled kernels (~4 min on the H100)
+#       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~6 min)
+#       interp     the kernel tests under Triton's interpreter (the CI path)
 #       store      benchmark/store/bench_store.py  -> store_h100.json
 #       kernels    benchmark/kernels/run_all.py    -> kernels_h100.json
-#       e2e        benchmark/e2e/run_e2e.py        -> e2e_h100.json
+#       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_h100.json once all four engines
+#                  have run; RUNS (e.g. plain,psa_1) spreads them over calls
 # Set GIT_COMMIT to this checkout's commit: the machine's copy of .git can be stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,12 @@ py() { python3 "$@"; }
 case "${1:-}" in
   tests)
     py -m sglang_psa.models smollm2-135m >/dev/null
-    py -m pytest -q -p no:cacheprovider -rs test/kernels test/unit test/e2e 2>&1 | tee "$OUT/tests.log"
+    py -m pytest -q -p no:cacheprovider -rs --timeout=300 test/kernels test/unit 2>&1 |
+      tee "$OUT/tests.log"
+    ;;
+  e2e-tests)
+    py -m sglang_psa.models smollm2-135m >/dev/null
+    py -m pytest -v -p no:cacheprovider -rs --timeout=300 test/e2e 2>&1 | tee "$OUT/e2e-tests.log"
     ;;
   interp)
     TRITON_INTERPRET=1 py -m pytest -q -p no:cacheprovider -k cpu test/kernels 2>&1 | tee "$OUT/interp.log"
@@ -29,8 +36,8 @@ case "${1:-}" in
   kernels) py benchmark/kernels/run_all.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
   e2e)
     py -m sglang_psa.models smollm2-135m >/dev/null
-    py benchmark/e2e/run_e2e.py --model smollm2-135m --context-tokens 4096 --out "$OUT" 2>&1 |
-      tee "$OUT/e2e.log"
+    py benchmark/e2e/run_e2e.py --model smollm2-135m --context-tokens 4096 --out "$OUT" \
+      ${2:+--runs "$2"} 2>&1 | tee "$OUT/e2e.log"
     ;;
-  *) echo "usage: $0 tests|interp|store|kernels|e2e" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
 esac

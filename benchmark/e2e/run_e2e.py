@@ -24,6 +24,7 @@ Runs plain SGLang (triton attention, no CUDA graphs) and then the plugin
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from sglang_psa.eval.runner import chat_parts
 from sglang_psa.eval.tasks import make_tasks
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmark" / "results"
 RAW_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -114,6 +116,10 @@ def main() -> None:
     ap.add_argument(
         "--tie", type=float, default=DEFAULT_TIE, help="near-tie: top-2 logprob gap (nats)"
     )
+    ap.add_argument("--runs", default="plain,psa_1,psa_098,psa_1_host", help="engines to run")
+    ap.add_argument(
+        "--parts", default=str(REPO / "build" / "e2e_parts"), help="per-engine results kept here"
+    )
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -147,25 +153,39 @@ def main() -> None:
         finally:
             eng.shutdown()
 
-    plain = run(None)
-    print("plain done", plain["accuracy"], flush=True)
-    exact = run({"sparse_mode": "psa", "psa_threshold": 1.0, "psa_host_pool_gb": host_gb})
-    print("psa 1.0 done", flush=True)
-    psa98 = run({"sparse_mode": "psa", "psa_threshold": 0.98, "psa_host_pool_gb": host_gb})
-    print("psa 0.98 done", psa98["accuracy"], flush=True)
     per_token = kv_bytes_per_token(model_dir)
     prompt_kv = [len(p) * per_token for p in w["greedy_prompts"]]
     cache_bytes = max(prompt_kv) // 8
-    host = run(
-        {
-            "sparse_mode": "psa",
+    common = {"sparse_mode": "psa", "psa_host_pool_gb": host_gb}
+    configs = {
+        "plain": None,
+        "psa_1": {**common, "psa_threshold": 1.0},
+        "psa_098": {**common, "psa_threshold": 0.98},
+        "psa_1_host": {
+            **common,
             "psa_threshold": 1.0,
-            "psa_host_pool_gb": host_gb,
             "psa_kv_home": "host",
             "psa_gpu_cache_gb": cache_bytes / 2**30,
-        }
-    )
-    print("psa 1.0, KV on the host, done", flush=True)
+        },
+    }
+    # Each engine's results are kept in --parts, so the runs can be spread over calls
+    # (`--runs plain,psa_1` then `--runs psa_098,psa_1_host`); the summary needs all four.
+    parts = Path(args.parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    for name in args.runs.split(","):
+        if name not in configs:
+            ap.error(f"--runs: unknown run {name!r} (choose from {', '.join(configs)})")
+        t0 = time.time()
+        print(f"[e2e] {name}: starting an engine", flush=True)
+        result = run(configs[name])
+        (parts / f"{name}.json").write_text(json.dumps(result))
+        print(f"[e2e] {name}: done in {time.time() - t0:.0f} s", flush=True)
+    got = {n: parts / f"{n}.json" for n in configs}
+    missing = [n for n, f in got.items() if not f.exists()]
+    if missing:
+        print(f"[e2e] not yet run: {', '.join(missing)} (rerun with --runs {','.join(missing)})")
+        return
+    plain, exact, psa98, host = (json.loads(got[n].read_text()) for n in configs)
     greedy_host = compare(plain["greedy"], host["greedy"], args.tie)
     bad = {d["prompt"] for d in greedy_host["divergences"] if not d["near_tie"]}
     served = [kv for i, kv in enumerate(prompt_kv) if i not in bad]
