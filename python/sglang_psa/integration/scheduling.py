@@ -16,8 +16,10 @@ there is none and every hook passes straight through.
 - `release_kv_cache` (after): a finished request is forgotten, a retracted one
   keeps its history for when it resumes.
 - `validate_input_length` (after): a request whose KV cannot fit the host pool,
-  or whose working-set estimate alone exceeds the slot cache, is refused with a
-  message naming the flag to raise; SGLang turns it into HTTP 400.
+  or (KV in HBM) whose working-set estimate alone exceeds the slot cache, is
+  refused with a message naming the flag to raise; SGLang turns it into HTTP
+  400. With the KV on the host a working set beyond the page cache is served,
+  its extra blocks read across PCIe.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class PSAServing:
                 f"{self.host_tokens} ({flag_name('host_pool_gb')} {self.cfg.host_pool_gb:g}); "
                 "send a shorter request or raise the flag"
             )
+        if self.cfg.kv_home == "host":
+            return None  # blocks beyond the page cache are read from the host: slower, served
         est = self.estimate(prompt_tokens)
         if est > self.controller.capacity_units:
             return (

@@ -129,6 +129,13 @@ def test_requests_too_large_are_refused_naming_the_flag(serving):
     scheduling.install(small_cache)
     msg = scheduling.after_validate_input_length(None, ok, 10**6, False)
     assert "--psa-gpu-cache-gb" in msg
+    # KV on the host: blocks beyond the page cache are read across PCIe, so it is served.
+    host = PSAConfig(kv_home="host")
+    scheduling.install(PSAServing(host, layers=2, kv_heads=2, hbm_units=10, host_tokens=1 << 20))
+    assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
+    assert "--psa-host-pool-gb" in scheduling.after_validate_input_length(
+        None, _req("z", 1 << 20), 10**6, False
+    )
     # SGLang's own error message wins.
     assert scheduling.after_validate_input_length("too long", ok, 10, False) == "too long"
 
