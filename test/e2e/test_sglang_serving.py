@@ -64,19 +64,22 @@ def plain(model_dir):
         eng.shutdown()
 
 
+def _assert_agrees_with_plain(plain, runs):
+    """Next-token log-probs of the first decode step agree to bf16 resolution, any split is
+    at a near-tie of plain SGLang's top 2, and 90% of completions are identical."""
+    from sglang_psa.eval.agreement import compare
+
+    got = compare(plain, runs)
+    texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
+    assert got["max_second_step_logprob_diff"] <= got["tie"], got
+    assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
+    assert got["fraction_identical"] >= 0.9, (got, texts)
+
+
 def test_threshold_1_matches_plain_sglang_and_bad_requests_are_refused(model_dir, plain):
     eng = _engine(model_dir, sparse_mode="psa", psa_threshold=1.0, psa_host_pool_gb=0.05)
     try:
-        from sglang_psa.eval.agreement import compare
-
-        runs = _greedy(eng)
-        got = compare(plain, runs)
-        texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
-        # Next-token log-probs of the first decode step agree to bf16 resolution, any split
-        # is at a near-tie of plain SGLang's top 2, and 90% of completions are identical.
-        assert got["max_second_step_logprob_diff"] <= got["tie"], got
-        assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
-        assert got["fraction_identical"] >= 0.9, (got, texts)
+        _assert_agrees_with_plain(plain, _greedy(eng))
         # 0.05 GiB of host pool holds ~2.8K tokens of SmolLM2's KV: a 5K-token prompt is refused.
         with pytest.raises(ValueError, match="--psa-host-pool-gb"):
             eng.generate(prompt="word " * 5000, sampling_params={"max_new_tokens": 4})
@@ -110,8 +113,6 @@ def test_host_home_serves_contexts_far_larger_than_its_hbm_page_cache(model_dir,
     concurrent requests leave nothing held."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from sglang_psa.eval.agreement import compare
-
     c = AutoConfig.from_pretrained(model_dir)
     kv_per_token = (
         2
@@ -133,12 +134,7 @@ def test_host_home_serves_contexts_far_larger_than_its_hbm_page_cache(model_dir,
         psa_gpu_cache_gb=cache_gb,
     )
     try:
-        runs = _greedy(eng)
-        got = compare(plain, runs)
-        texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
-        assert got["max_second_step_logprob_diff"] <= got["tie"], got
-        assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
-        assert got["fraction_identical"] >= 0.9, (got, texts)
+        _assert_agrees_with_plain(plain, _greedy(eng))
         state = eng.get_server_info()["internal_states"][0]["psa"]
         assert state["kv_home"] == "host", state
         cache = state["page_cache"]
