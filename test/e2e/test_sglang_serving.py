@@ -139,6 +139,14 @@ def test_host_home_serves_contexts_far_larger_than_its_hbm_page_cache(model_dir,
         assert state["kv_home"] == "host", state
         cache = state["page_cache"]
         assert cache["hits"] > 0 and cache["host_reads"] > 0, cache
+        # Prefix sharing: the radix cache hands the second request the first one's host
+        # pages, and its prefill reads that prefix across PCIe.
+        shared = PROMPTS[4]  # the long prompt, already served above
+        again = eng.generate(
+            prompt=shared + " Item 43 costs",
+            sampling_params={"temperature": 0, "max_new_tokens": 4},
+        )
+        assert again["meta_info"]["cached_tokens"] >= longest - 2 * BLOCK, again["meta_info"]
         prompts = [" ".join(["word"] * (20 + 37 * i)) for i in range(64)]
         outs = eng.generate(
             prompt=prompts, sampling_params={"temperature": 0, "max_new_tokens": 16}
