@@ -113,6 +113,8 @@ def around_create_buffers_normal(original, pool):
 
     k_shape, v_shape = pool._kv_buffer_shapes()
     dtype, n = pool.store_dtype, pool.layer_num
+    gib = n * (math.prod(k_shape) + math.prod(v_shape)) * dtype.itemsize / 2**30
+    logger.info("sglang-psa: allocating and page-locking %.2f GiB of host memory for KV", gib)
     pool._psa_host = (
         HostResident((n, *k_shape), dtype, pool.device),
         HostResident((n, *v_shape), dtype, pool.device),
