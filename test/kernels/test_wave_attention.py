@@ -240,6 +240,68 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
+def test_wave_attention_reads_cached_pages_and_token_major_host_pages(device):
+    """SGLang's pool on the host (token-major pages, `host_strides`) with some pages copied
+    into HBM cache slots of the same page layout: each block comes from its slot or its
+    host page, and the result equals the reference."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    cfg = PSAConfig(threshold=0.9, **SMALL_WAVES)
+    q, k, v, lengths = _case(11, device=device)
+    B, Hkv, T, d = k.shape
+    bs = cfg.block_size
+    nb = -(-T // bs)
+    g = torch.Generator().manual_seed(5)
+    pages = torch.randperm(B * nb + 4, generator=g)[: B * nb].view(B, nb) + 1
+    k_pool = torch.zeros((B * nb + 5) * bs, Hkv, d)  # the host-resident pool
+    v_pool = torch.zeros_like(k_pool)
+    for b in range(B):
+        for j in range(nb):
+            t0, t1 = j * bs, min((j + 1) * bs, T)
+            p = int(pages[b, j])
+            k_pool[p * bs : p * bs + t1 - t0] = k[b, :, t0:t1].transpose(0, 1).cpu()
+            v_pool[p * bs : p * bs + t1 - t0] = v[b, :, t0:t1].transpose(0, 1).cpu()
+    cached = torch.rand(B, nb, generator=g) < 0.5
+    n_slots = int(cached.sum())
+    page_elems = bs * Hkv * d
+    k_cache = torch.zeros(n_slots + 1, page_elems, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.empty(B, nb, dtype=torch.int32)
+    slot = 0
+    for b in range(B):
+        for j in range(nb):
+            p = int(pages[b, j])
+            if cached[b, j]:
+                k_cache[slot] = k_pool[p * bs : (p + 1) * bs].reshape(-1).to(device)
+                v_cache[slot] = v_pool[p * bs : (p + 1) * bs].reshape(-1).to(device)
+                loc[b, j] = slot
+                slot += 1
+            else:
+                loc[b, j] = -p - 1
+    if device == "cuda":
+        k_pool, v_pool = k_pool.pin_memory(), v_pool.pin_memory()
+    meta = block_metadata(k, lengths, bs)
+    ref = progressive_attention(q, k, v, lengths, cfg)
+    wa = WaveAttention.from_config(cfg).plan(B, q.shape[1], Hkv, d, nb, device)
+    strides = (page_elems, Hkv * d, d)
+    res = wa.run(
+        q,
+        k_cache,
+        v_cache,
+        loc[:, None, :].expand(B, Hkv, nb).to(device),
+        lengths,
+        meta.mean,
+        meta.kmin,
+        meta.kmax,
+        k_host=k_pool,
+        v_host=v_pool,
+        slot_strides=strides,
+        host_strides=strides,
+    )
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize(
     "rule,eps,host", [("heuristic", 0.9, 0.0), ("heuristic", 0.95, 0.5), ("certified", 0.95, 0.4)]
 )
