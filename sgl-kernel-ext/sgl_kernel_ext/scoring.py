@@ -119,8 +119,10 @@ def block_scores(
     blocks_per_program: int = 32,  # measured best on the H100 (128K ctx, batch 8)
     num_warps: int = 2,
     pages: torch.Tensor | None = None,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`.
+    """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
+    `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
 
     `meta_*` are `[B, Hkv, NB, d]` float32 (gathered per request by the caller), or,
     with `pages [B, NB]`, `[P, Hkv, d]` per page, read through the page table in place.
@@ -145,6 +147,8 @@ def block_scores(
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=max(nbc, 16),
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged, num_warps=num_warps,
     )  # fmt: skip
+    if not normalize:
+        return logits, (ub if want_bound else None)
     # Normalise per query head over its blocks, then take the group's max (tiny tensors).
     share = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     crit = share.view(B, Hkv, G, NB).amax(2)

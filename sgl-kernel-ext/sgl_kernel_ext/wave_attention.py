@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel_ext.ranking import rank_blocks
 from sgl_kernel_ext.scoring import block_scores
 
 HEURISTIC, CERTIFIED = 0, 1
@@ -300,14 +301,14 @@ def _wave_attention_kernel(
 class WaveResult:
     out: torch.Tensor  # [B, Hq, d] float32
     lse: torch.Tensor  # [B, Hq] float32
-    order: torch.Tensor  # [B, Hkv, NB] int64: read order
+    order: torch.Tensor  # [B, Hkv, NB] int32: read order
     n_read: torch.Tensor  # [B, Hkv] int32: blocks read = order[..., :n_read]
     n_waves: torch.Tensor  # [B, Hkv] int32
 
     def read_mask(self) -> torch.Tensor:
         pos = torch.arange(self.order.shape[-1], device=self.order.device)
         sorted_read = pos < self.n_read[..., None]
-        return torch.zeros_like(sorted_read).scatter(-1, self.order, sorted_read)
+        return torch.zeros_like(sorted_read).scatter(-1, self.order.long(), sorted_read)
 
 
 class WaveAttention:
@@ -395,6 +396,8 @@ class WaveAttention:
         self.out = torch.empty(batch, n_q_heads, head_dim, **f32)
         self.lse = torch.empty(batch, n_q_heads, **f32)
         self.n_read = torch.empty(batch, n_kv_heads, dtype=torch.int32, device=device)
+        self.order = torch.empty(batch, n_kv_heads, max_blocks, dtype=torch.int32, device=device)
+        self.n_forced = torch.empty(batch, dtype=torch.int32, device=device)
         self.n_waves = torch.empty_like(self.n_read)
         return self
 
@@ -418,9 +421,8 @@ class WaveAttention:
         """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
         counts `[B]` and, for the certified rule, suffix sums of the bound log-mass."""
         B, Hq, _ = q.shape
-        Hkv, NB, bs = self.Hkv, self.NB, self.bs
-        nblk = (lengths + bs - 1) // bs
-        crit, ub = block_scores(
+        Hkv, bs = self.Hkv, self.bs
+        logits, ub = block_scores(
             q,
             meta_mean,
             meta_min,
@@ -431,15 +433,15 @@ class WaveAttention:
             self.score,
             want_bound=self.rule == "certified",
             pages=meta_pages,
+            normalize=False,
         )
-        idx = torch.arange(NB, device=q.device)[None, :]
-        forced = (idx < nblk[:, None]) & ((idx < self.sink) | (idx >= nblk[:, None] - self.recent))
-        key = torch.where(forced[:, None, :], torch.inf, crit)
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-        n_forced = forced.sum(-1).to(torch.int32)
+        # One launch: group criticality, forced blocks first, stable descending sort.
+        order, n_forced = rank_blocks(
+            logits, lengths, bs, self.sink, self.recent, Hkv, self.order, self.n_forced
+        )
         if self.rule == "certified":
             G = Hq // Hkv
-            ub_o = ub.gather(-1, order.repeat_interleave(G, dim=1))
+            ub_o = ub.gather(-1, order.long().repeat_interleave(G, dim=1))
             tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
             ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
             ub_suffix = ub_suffix.contiguous()
@@ -488,7 +490,7 @@ class WaveAttention:
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
-        order32 = order.to(torch.int32).contiguous()
+        order32 = order
         G = Hq // Hkv
         while True:
             self.counters.zero_()

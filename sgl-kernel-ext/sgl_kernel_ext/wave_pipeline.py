@@ -167,7 +167,7 @@ class WavePipeline:
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         order, n_forced, ub_suffix = wa.rank(q, meta_mean, meta_min, meta_max, lengths, scale)
         # The loader needs the read order and the layout on the host: one copy per step.
-        order_h, loc_h = order.cpu(), loc.cpu()
+        order_h, loc_h = order.cpu().long(), loc.cpu()
         nf_h, len_h = n_forced.cpu(), lengths.cpu()
         ends_h = wa.wave_ends.cpu()
         loc = loc.to(torch.int32).clone()

@@ -104,9 +104,14 @@ def rank_blocks(
     Returns `order [B, Hkv, NB]` (block indices; empty blocks last) and
     `n_forced [B]`.
     """
-    nb = meta.count.shape[1]
-    forced = forced_blocks(lengths, nb, cfg)
-    crit = criticality(q, meta, scale, cfg.score)
+    return order_blocks(criticality(q, meta, scale, cfg.score), lengths, cfg)
+
+
+def order_blocks(
+    crit: torch.Tensor, lengths: torch.Tensor, cfg: PSAConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forced blocks first (in block order), then by criticality `[B, Hkv, NB]`."""
+    forced = forced_blocks(lengths, crit.shape[-1], cfg)
     key = torch.where(forced.unsqueeze(1), torch.inf, crit)
     # Ties (and the forced +inf) are broken by block index, so the order is deterministic.
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices

@@ -55,9 +55,15 @@ def criticality(
     Each query head's logit estimate plus `log(count)` is normalised over the
     blocks (a predicted mass share, in log space), then the group's max is taken.
     """
-    B, Hkv = meta.mean.shape[:2]
     logits = block_logits(q, meta, scale, method)
     logits = logits + meta.count.clamp(min=1).log().unsqueeze(1)
     logits = logits.masked_fill((meta.count == 0).unsqueeze(1), -torch.inf)
+    return criticality_from_logits(logits, meta.mean.shape[1])
+
+
+def criticality_from_logits(logits: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """`[B, Hq, NB]` per-head block logits (-inf for empty blocks) -> `[B, Hkv, NB]`: each
+    head's share of its predicted mass (log space), maximised over the GQA group."""
+    B, _, NB = logits.shape
     share = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return share.view(B, Hkv, -1, share.shape[-1]).amax(2)
+    return share.view(B, n_kv_heads, -1, NB).amax(2)

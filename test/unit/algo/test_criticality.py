@@ -24,7 +24,9 @@ def test_bound_is_an_upper_bound_of_every_logit_in_the_block(seed, spread):
     logits = torch.einsum("bhd,bhtd->bht", q, k.repeat_interleave(G, 1)) * scale
     for b in range(q.shape[0]):
         for t in range(int(lengths[b])):
-            assert bool((logits[b, :, t] <= ub[b, :, t // bs] + 1e-4).all())
+            # float32 sums of d products: allow a few ulps of the logit's magnitude.
+            bound = ub[b, :, t // bs]
+            assert bool((logits[b, :, t] <= bound + 1e-4 + 1e-6 * bound.abs()).all())
 
 
 def test_mean_logits_is_query_dot_block_mean():
