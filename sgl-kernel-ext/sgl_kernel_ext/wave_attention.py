@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.ranking import rank_blocks
+from sgl_kernel_ext.ranking import criticality_from_logits, rank_blocks
 from sgl_kernel_ext.scoring import block_scores
 
 HEURISTIC, CERTIFIED = 0, 1
@@ -315,8 +315,12 @@ class WaveAttention:
     """Plan once for a batch shape, run per layer: scoring, ranking and the wave kernel.
 
     `plan()` fixes the wave schedule and the output buffers; `run()` writes into
-    them (torch.sort and the suffix sums still allocate temporaries).
+    them (the certified rule's suffix sums still allocate temporaries).
     """
+
+    # Up to this many blocks per request (128K tokens of 32) the ranking is one fused
+    # launch that sorts in one program's registers; beyond, torch sorts (same order).
+    fused_rank_max_blocks = 4096
 
     def __init__(
         self,
@@ -435,10 +439,22 @@ class WaveAttention:
             pages=meta_pages,
             normalize=False,
         )
-        # One launch: group criticality, forced blocks first, stable descending sort.
-        order, n_forced = rank_blocks(
-            logits, lengths, bs, self.sink, self.recent, Hkv, self.order, self.n_forced
-        )
+        if self.NB <= self.fused_rank_max_blocks:
+            # One launch: group criticality, forced blocks first, stable descending sort.
+            order, n_forced = rank_blocks(
+                logits, lengths, bs, self.sink, self.recent, Hkv, self.order, self.n_forced
+            )
+        else:  # too many blocks for one program's registers: torch's sort, same result
+            crit = criticality_from_logits(logits, Hkv)
+            nblk = (lengths + bs - 1) // bs
+            idx = torch.arange(self.NB, device=q.device)[None, :]
+            forced = (idx < nblk[:, None]) & (
+                (idx < self.sink) | (idx >= nblk[:, None] - self.recent)
+            )
+            key = torch.where(forced[:, None, :], torch.inf, crit)
+            order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+            order = order.to(torch.int32)
+            n_forced = forced.sum(-1).to(torch.int32)
         if self.rule == "certified":
             G = Hq // Hkv
             ub_o = ub.gather(-1, order.long().repeat_interleave(G, dim=1))

@@ -146,6 +146,18 @@ def test_wave_attention_matches_reference(device, rule, eps, host):
     _assert_matches_psa(cfg, _case(1, device=device), host, 2, device)
 
 
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.9), ("certified", 0.95)])
+def test_ranking_beyond_the_fused_kernels_reach_gives_the_same_result(
+    device, rule, eps, monkeypatch
+):
+    """Past `fused_rank_max_blocks` the ranking runs in torch: same reads, same output."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    monkeypatch.setattr(WaveAttention, "fused_rank_max_blocks", 0)
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    _assert_matches_psa(cfg, _case(13, device=device), 0.3, 4, device)
+
+
 def test_wave_attention_with_a_block_budget_is_topk(device):
     from sglang_psa.algo import topk_attention
 
