@@ -48,11 +48,13 @@ class PSAConfig:
     sparse_mode: str = "psa"
     threshold: float = 0.98
     stop_rule: str = "heuristic"
-    score: str = "mean"
+    # Quest's bound ranks long-context answers well where mean keys do not, and a first
+    # wave of 16 blocks acts as a floor (benchmark/results/defaults_cpu_{8k,16k}.json).
+    score: str = "bound"
     block_size: int = 32
     sink_blocks: int = 1
     recent_blocks: int = 1
-    wave_blocks: int = 8
+    wave_blocks: int = 16
     wave_growth: float = 1.25
     max_wave_blocks: int = 128
     microbatch_size: int = 32

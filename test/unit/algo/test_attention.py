@@ -185,13 +185,19 @@ def test_heuristic_rule_is_not_a_bound_on_adversarial_input():
     k[0, 0, 40 * 32 : 41 * 32, 0] = -10.0
     k[0, 0, 41 * 32 - 1, 0] = 15.0
     lengths = torch.tensor([64 * 32])
-    cfg = PSAConfig(threshold=0.95, stop_rule="heuristic", wave_blocks=1, wave_growth=1.0)
+    cfg = PSAConfig(
+        threshold=0.95, stop_rule="heuristic", score="mean", wave_blocks=1, wave_growth=1.0
+    )
     heur = progressive_attention(q, k, v, lengths, cfg)
     cert = progressive_attention(q, k, v, lengths, cfg.replace(stop_rule="certified"))
     assert not heur.read[0, 0, 40] and heur.read.sum() < 64
     assert true_coverage(q, k, v, lengths, heur.read, 32).min() < 0.5
     assert cert.read[0, 0, 40]
     assert true_coverage(q, k, v, lengths, cert.read, 32).min() >= 0.95
+    # Ranking by Quest's bound (the default) sees the spike's key max and reads it first.
+    bound = progressive_attention(q, k, v, lengths, cfg.replace(score="bound"))
+    assert bound.read[0, 0, 40]
+    assert true_coverage(q, k, v, lengths, bound.read, 32).min() >= 0.95
 
 
 @settings(max_examples=20, deadline=None)

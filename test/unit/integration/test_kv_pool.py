@@ -32,9 +32,11 @@ def _no_config(monkeypatch):
 def test_hbm_budget_counts_block_metadata():
     conf = SimpleNamespace()
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN
-    flags.export(PSAConfig())  # mean keys only: 24 x 2 x 64 x 4 bytes per 32 tokens
+    flags.export(PSAConfig(score="mean"))  # mean keys only: 24 x 2 x 64 x 4 B per 32 tokens
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 384
-    flags.export(PSAConfig(stop_rule="certified"))  # mean, min and max
+    flags.export(PSAConfig(score="mean", stop_rule="certified"))  # mean, min and max
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 384
+    flags.export(PSAConfig())  # the default ranks by the bound: mean, min and max
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 384
     # The pool in HBM: the token budget is SGLang's own.
     assert (
@@ -47,7 +49,7 @@ def test_hbm_budget_counts_block_metadata():
 
 def test_host_home_budgets_hbm_for_metadata_and_tokens_for_the_host_pool():
     conf = SimpleNamespace()
-    flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5))
+    flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5, score="mean"))
     conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
     assert conf._cell_size == 384
     host_tokens = (2**29 // PER_TOKEN) // 32 * 32  # 43680
