@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import evaluate
+from sglang_psa.eval.runner import evaluate, policy_summary
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
@@ -54,9 +54,7 @@ def main() -> None:
     for i, name in enumerate(names):
         rows = outs[i :: len(names)]
         table[name] = {
-            "accuracy": sum(o.correct for o in rows) / len(rows),
-            "agreement_with_dense": sum(o.agrees_with_dense for o in rows) / len(rows),
-            "kv_fraction": sum(o.kv_fraction for o in rows) / len(rows),
+            **policy_summary(rows),
             "tasks": [
                 {"task": o.task, "correct": o.correct, "kv_fraction": o.kv_fraction} for o in rows
             ],

@@ -18,7 +18,7 @@ import torch
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import evaluate
+from sglang_psa.eval.runner import evaluate, policy_summary
 from sglang_psa.eval.tasks import make_tasks
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
@@ -56,9 +56,7 @@ def main() -> None:
     for i, name in enumerate(names):
         rows = outcomes[i :: len(policies)]
         table[name] = {
-            "kv_fraction": sum(o.kv_fraction for o in rows) / len(rows),
-            "agreement_with_dense": sum(o.agrees_with_dense for o in rows) / len(rows),
-            "accuracy": sum(o.correct for o in rows) / len(rows),
+            **policy_summary(rows),
             "layer_mean": [sum(col) / len(col) for col in zip(*(o.layer_mean for o in rows))],
         }
     ctx = round(sum(o.context_tokens for o in outcomes) / len(outcomes))

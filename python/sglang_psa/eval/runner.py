@@ -60,6 +60,16 @@ def layer_summary(fractions: dict[int, torch.Tensor]) -> tuple[list[float], list
     return means, p99s
 
 
+def policy_summary(rows: list[Outcome]) -> dict[str, float]:
+    """Accuracy, agreement with dense and KV fraction read, averaged over one policy's runs."""
+    n = len(rows)
+    return {
+        "accuracy": sum(o.correct for o in rows) / n,
+        "agreement_with_dense": sum(o.agrees_with_dense for o in rows) / n,
+        "kv_fraction": sum(o.kv_fraction for o in rows) / n,
+    }
+
+
 def evaluate(
     model, tok, tasks: list[Task], policies: list[DecodePolicy], progress: bool = True
 ) -> list[Outcome]:
