@@ -178,6 +178,36 @@ def simulate_table(
     return StepCounts(hits, misses)
 
 
+def simulate_page_cache(steps: Sequence[Step], num_slots: int, chunks: int = 24) -> StepCounts:
+    """Replay through the serving path's `PageCache` (direct-mapped, frequency admission
+    after each read, CPU tensors; one placeholder element per unit). Its units are a KV
+    head's block here, as for the other policies (serving caches whole pages). The KV
+    lives on the host, so a tail that fills is not cached until it is read."""
+    import torch
+
+    from sglang_psa.integration.page_cache import PageCache
+
+    top = max((int(x.max()) for st in steps for x in (st.reads, st.drops) if len(x)), default=0)
+    cache = PageCache(1, top + 1, 1, torch.float32, num_slots, "cpu")
+    pool = torch.zeros(top + 1, 1)
+    hits = np.zeros(len(steps), dtype=np.int64)
+    misses = np.zeros(len(steps), dtype=np.int64)
+    for s, st in enumerate(steps):
+        if len(st.drops):
+            cache.invalidate(torch.from_numpy(st.drops))
+        for part in np.array_split(st.reads, chunks):
+            if not len(part):
+                continue
+            units = torch.from_numpy(part)[None, :]
+            yes = torch.ones_like(units, dtype=torch.bool)
+            loc = cache.locate(0, units, yes)
+            hits[s] += int((loc >= 0).sum())
+            misses[s] += int((loc < 0).sum())
+            cache.admit(0, units, yes, yes, loc, pool, pool)
+        cache.next_step()
+    return StepCounts(hits, misses)
+
+
 def simulate_opt(steps: Sequence[Step], num_slots: int) -> StepCounts:
     """Belady's MIN with bypass: the most hits any policy can get with `num_slots` slots.
 
@@ -305,6 +335,7 @@ def analyse(requests: Sequence[RequestTrace], percents: Sequence[float] = PERCEN
                 "opt": _policy_rates(simulate_opt(steps, n)),
                 "table_frequency": _policy_rates(simulate_table(steps, n, "frequency", True)),
                 "table_lru": _policy_rates(simulate_table(steps, n, "lru", False)),
+                "page_cache": _policy_rates(simulate_page_cache(steps, n)),
             }
         )
     return {
@@ -422,6 +453,7 @@ def main() -> None:
         "lru_hit_rate_at_10pct_cache": at10["lru"]["hit_rate_warm"],
         "table_lru_hit_rate_at_10pct_cache": at10["table_lru"]["hit_rate_warm"],
         "opt_hit_rate_at_10pct_cache": at10["opt"]["hit_rate_warm"],
+        "page_cache_hit_rate_at_10pct_cache": at10["page_cache"]["hit_rate_warm"],
         "ws_prefetch_hit_rate": result["window"]["hit_rate_warm"],
         "ws_prefetch_mean_ws_percent": result["window"]["mean_ws_percent"],
         "mean_fraction_of_blocks_read": mean_fraction_read(requests),
@@ -457,6 +489,9 @@ def main() -> None:
         "a tail that fills enters the cache without a miss.",
         "Requests = the recorded tasks decoding concurrently in lockstep, accesses ordered layer "
         "by layer across requests; cache size in % of all units of those requests.",
+        "page_cache = the serving path's PageCache (--psa-kv-home host): direct-mapped slots, "
+        "a unit read from the host replaces the slot's occupant when its decayed read count "
+        "is higher; fills are not admitted (the KV lives on the host).",
         "opt = Belady's MIN with bypass (upper bound for any replacement policy at that size); "
         "window = perfect prefetch of the union of the last w steps' reads (size-independent, "
         "needs a cache of mean_ws_percent).",

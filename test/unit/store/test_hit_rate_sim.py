@@ -219,3 +219,14 @@ def test_runtime_trace_records_read_masks_and_stack_trace_stores_them():
     assert read[:, :, :, 0].all() and read[:, :, :, 6].all()  # sink and tail always read
     with pytest.raises(ValueError, match="whole steps"):
         rec.stack_trace(rt.trace[:3], L)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 3), st.integers(2, 8), st.booleans())
+def test_page_cache_replay_never_beats_opt(seed, n_req, steps, grow):
+    """The serving path's direct-mapped PageCache replayed on the same steps gets no more
+    hits than Belady's bound at the same size."""
+    trace, total = sim.build_steps(random_requests(seed, n_req, steps, grow=grow))
+    for slots in sorted({1, max(1, total // 3), max(1, total)}):
+        page = int(sim.simulate_page_cache(trace, slots).hits.sum())
+        assert page <= int(sim.simulate_opt(trace, slots).hits.sum())
