@@ -216,22 +216,9 @@ def _wave_attention_kernel(
             blk_n = tl.load(order_ptr + row + pidx_n, mask=pm_n, other=0)
             where_n = tl.load(loc_ptr + row + blk_n, mask=pm_n, other=0).to(tl.int64)
             m_i, l_i, acc, smallest = _merge_tile(
-                q,
-                k,
-                v,
-                valid,
-                pm & (pidx >= nf),
-                scale,
-                m_i,
-                l_i,
-                acc,
-                smallest,
-                GP,
-                NBLK,
-                BS,
-                D,
-                PREC,
-            )
+                q, k, v, valid, pm & (pidx >= nf), scale,
+                m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC,
+            )  # fmt: skip
             pos = nxt
             pidx, pm, blk, where = pidx_n, pm_n, blk_n, where_n
         wstart = end

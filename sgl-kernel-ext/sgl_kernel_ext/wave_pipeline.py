@@ -98,22 +98,9 @@ def _wave_step_kernel(
             k = tl.load(k_slots + offs, mask=valid[:, :, None], other=0.0)
             v = tl.load(v_slots + offs, mask=valid[:, :, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
-                q,
-                k,
-                v,
-                valid,
-                pm & (pidx >= nf),
-                scale,
-                m_i,
-                l_i,
-                acc,
-                smallest,
-                GP,
-                NBLK,
-                BS,
-                D,
-                PREC,
-            )
+                q, k, v, valid, pm & (pidx >= nf), scale,
+                m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC,
+            )  # fmt: skip
             pos += NBLK
         pos = end
         covered = m_i + tl.log(l_i)
