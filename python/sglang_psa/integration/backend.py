@@ -186,6 +186,7 @@ class PSAAttnBackend(AttentionBackend):
         self.stamps.begin_step(forward_batch.req_pool_indices, pages, lengths)
         if self.cache is not None:
             self.cache.next_step()
+        pages32 = pages.to(torch.int32)
         self._step = {
             "full": full,
             "lengths": lengths,
@@ -193,6 +194,12 @@ class PSAAttnBackend(AttentionBackend):
             "rows": rows,
             "pages": pages,
             "stale": self.meta.stale(pages, full) if self.use_kernel else None,
+            # The kernels' int32 forms, once per step rather than once per layer.
+            "lengths32": lengths.to(torch.int32),
+            "pages32": pages32,
+            "page_loc": pages32[:, None, :]
+            .expand(pages.shape[0], self.token_to_kv_pool.head_num, pages.shape[1])
+            .contiguous(),
         }
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -251,26 +258,26 @@ class PSAAttnBackend(AttentionBackend):
             self._plan_key = key
         strides = (bs * Hkv * d, Hkv * d, d)
         if self.cache is None:  # slots are the pool's pages
-            page_loc = pages.to(torch.int32)
+            loc = step["page_loc"]
             slots_k, slots_v, host_k, host_v = kbuf, vbuf, None, None
         else:  # cached pages from HBM slots, the rest from the host pages through UVA
             page_loc = self.cache.locate(lid, pages, step["full"])
+            loc = page_loc[:, None, :].expand(B, Hkv, NB)
             slots_k, slots_v, host_k, host_v = self.cache.k, self.cache.v, kbuf, vbuf
-        loc = page_loc[:, None, :].expand(B, Hkv, NB)
         mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via `pages`
         res = self._plan.run(
             q,
             slots_k,
             slots_v,
             loc,
-            step["lengths"],
+            step["lengths32"],
             mean,
             kmin,
             kmax,
             scale=layer.scaling,
             max_read_blocks=self._max_read,
             slot_strides=strides,
-            meta_pages=pages,
+            meta_pages=step["pages32"],
             k_host=host_k,
             v_host=host_v,
             host_strides=strides,
