@@ -57,6 +57,23 @@ def _tiered_layout(k, v, lengths, bs, host_fraction, seed):
     return k_slots, v_slots, k_host, v_host, loc.view(B, Hkv, nb).to(k.device)
 
 
+def _paged_pool(k, v, bs, g, device):
+    """k, v laid out as SGLang's `[tokens, Hkv, d]` pool: each request's blocks on random
+    pages (page 0 is SGLang's padding page). Returns (pages `[B, nb]`, k_pool, v_pool)."""
+    B, Hkv, T, d = k.shape
+    nb = -(-T // bs)
+    pages = torch.randperm(B * nb + 4, generator=g)[: B * nb].view(B, nb) + 1
+    k_pool = torch.zeros((B * nb + 5) * bs, Hkv, d, device=device)
+    v_pool = torch.zeros_like(k_pool)
+    for b in range(B):
+        for j in range(nb):
+            t0, t1 = j * bs, min((j + 1) * bs, T)
+            p = int(pages[b, j])
+            k_pool[p * bs : p * bs + t1 - t0] = k[b, :, t0:t1].transpose(0, 1).to(device)
+            v_pool[p * bs : p * bs + t1 - t0] = v[b, :, t0:t1].transpose(0, 1).to(device)
+    return pages, k_pool, v_pool
+
+
 def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, splits=None, **kw):
     """Lay the KV out over slots and host pool, then run the Triton wave attention."""
     from sgl_kernel_ext.wave_attention import WaveAttention
@@ -209,9 +226,7 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
     bs = cfg.block_size
     nb = -(-T // bs)
     g = torch.Generator().manual_seed(3)
-    pages = torch.randperm(B * nb + 4, generator=g)[: B * nb].view(B, nb) + 1  # page 0: padding
-    kbuf = torch.zeros((B * nb + 5) * bs, Hkv, d, device=device)
-    vbuf = torch.zeros_like(kbuf)
+    pages, kbuf, vbuf = _paged_pool(k, v, bs, g, device)
     k_host = torch.zeros(B * Hkv * nb, bs, d)
     v_host = torch.zeros_like(k_host)
     on_host = torch.rand(B, Hkv, nb, generator=g) < host_fraction
@@ -220,8 +235,6 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
         for j in range(nb):
             t0, t1 = j * bs, min((j + 1) * bs, T)
             slot = int(pages[b, j])
-            kbuf[slot * bs : slot * bs + t1 - t0] = k[b, :, t0:t1].transpose(0, 1)
-            vbuf[slot * bs : slot * bs + t1 - t0] = v[b, :, t0:t1].transpose(0, 1)
             for h in range(Hkv):
                 if on_host[b, h, j]:
                     u = (b * Hkv + h) * nb + j
@@ -264,15 +277,7 @@ def test_wave_attention_reads_cached_pages_and_token_major_host_pages(device):
     bs = cfg.block_size
     nb = -(-T // bs)
     g = torch.Generator().manual_seed(5)
-    pages = torch.randperm(B * nb + 4, generator=g)[: B * nb].view(B, nb) + 1
-    k_pool = torch.zeros((B * nb + 5) * bs, Hkv, d)  # the host-resident pool
-    v_pool = torch.zeros_like(k_pool)
-    for b in range(B):
-        for j in range(nb):
-            t0, t1 = j * bs, min((j + 1) * bs, T)
-            p = int(pages[b, j])
-            k_pool[p * bs : p * bs + t1 - t0] = k[b, :, t0:t1].transpose(0, 1).cpu()
-            v_pool[p * bs : p * bs + t1 - t0] = v[b, :, t0:t1].transpose(0, 1).cpu()
+    pages, k_pool, v_pool = _paged_pool(k, v, bs, g, "cpu")  # the host-resident pool
     cached = torch.rand(B, nb, generator=g) < 0.5
     n_slots = int(cached.sum())
     page_elems = bs * Hkv * d
