@@ -55,13 +55,6 @@ def _rank_kernel(
     tl.store(nforced_ptr + b, n_forced, mask=h == 0)
 
 
-def criticality_from_logits(logits: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """The torch form of the kernel's criticality (for block counts beyond its reach)."""
-    B, _, NB = logits.shape
-    share = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return share.view(B, n_kv_heads, -1, NB).amax(2)
-
-
 def rank_blocks(
     logits: torch.Tensor,
     lengths: torch.Tensor,

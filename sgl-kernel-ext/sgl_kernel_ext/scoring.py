@@ -147,9 +147,13 @@ def block_scores(
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=max(nbc, 16),
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged, num_warps=num_warps,
     )  # fmt: skip
-    if not normalize:
-        return logits, (ub if want_bound else None)
-    # Normalise per query head over its blocks, then take the group's max (tiny tensors).
+    out = logits if not normalize else criticality_from_logits(logits, Hkv)
+    return out, (ub if want_bound else None)
+
+
+def criticality_from_logits(logits: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Per-head logits `[B, Hq, NB]` -> criticality `[B, Hkv, NB]`: normalise per query head
+    over its blocks, then take the GQA group's max (torch; `rank_blocks` fuses this)."""
+    B, _, NB = logits.shape
     share = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-    crit = share.view(B, Hkv, G, NB).amax(2)
-    return crit, (ub if want_bound else None)
+    return share.view(B, n_kv_heads, -1, NB).amax(2)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.ranking import criticality_from_logits, rank_blocks
-from sgl_kernel_ext.scoring import block_scores
+from sgl_kernel_ext.ranking import rank_blocks
+from sgl_kernel_ext.scoring import block_scores, criticality_from_logits
 
 HEURISTIC, CERTIFIED = 0, 1
 
