@@ -147,6 +147,11 @@ class PSAConfig:
             f"({(self.sink_blocks + self.recent_blocks) * self.block_size} tokens)",
         )
 
+    @property
+    def needs_key_bounds(self) -> bool:
+        """Blocks keep per-channel key min/max (bound ranking or the certified rule)."""
+        return self.stop_rule == "certified" or self.score == "bound"
+
     def replace(self, **changes: Any) -> PSAConfig:
         return dataclasses.replace(self, **changes)
 

@@ -84,7 +84,9 @@ class PSAAttnBackend(AttentionBackend):
             )
         pool = self.token_to_kv_pool
         self.layers = pool.layer_num
-        self.cache = self._page_cache(cfg, pool)
+        # SGLang's pool rows are its tokens plus one padding page.
+        num_pages = (pool.size + cfg.block_size) // cfg.block_size
+        self.cache = self._page_cache(cfg, pool, num_pages)
         install(
             PSAServing(
                 cfg,
@@ -113,11 +115,11 @@ class PSAAttnBackend(AttentionBackend):
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.meta = PageMeta(
             pool.layer_num,
-            (pool.size + cfg.block_size) // cfg.block_size,
+            num_pages,
             pool.head_num,
             pool.head_dim,
             cfg.block_size,
-            bounds=cfg.stop_rule == "certified" or cfg.score == "bound",
+            bounds=cfg.needs_key_bounds,
             device=device,
         )
         current().page_meta = self.meta
@@ -133,7 +135,7 @@ class PSAAttnBackend(AttentionBackend):
         self._plan_key = None
 
     @staticmethod
-    def _page_cache(cfg: PSAConfig, pool) -> PageCache | None:
+    def _page_cache(cfg: PSAConfig, pool, num_pages: int) -> PageCache | None:
         """The HBM page cache over a host-resident pool, sized while SGLang sized its pool."""
         if getattr(pool, "_psa_host", None) is None:
             return None
@@ -151,7 +153,6 @@ class PSAAttnBackend(AttentionBackend):
                 "--psa-gpu-cache-gb",
             )
             return None
-        num_pages = pool.k_buffer[0].shape[0] // cfg.block_size
         return PageCache(
             pool.layer_num,
             num_pages,

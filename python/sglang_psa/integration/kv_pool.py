@@ -44,7 +44,7 @@ def _host_home(cfg) -> bool:
 def metadata_bytes_per_token(kv_bytes_per_token: int, kv_elem: int, cfg) -> int:
     """HBM bytes of block metadata per token: float32 key vectors (the mean, plus min and
     max for key bounds) per (layer, KV head) per block of `block_size` tokens."""
-    n_meta = 3 if cfg.stop_rule == "certified" or cfg.score == "bound" else 1
+    n_meta = 3 if cfg.needs_key_bounds else 1
     # kv_bytes_per_token = 2 (K, V) x layers x heads x d x kv_elem
     return math.ceil(kv_bytes_per_token * 2 * n_meta / (kv_elem * cfg.block_size))
 
