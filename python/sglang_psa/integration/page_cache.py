@@ -78,7 +78,8 @@ class PageCache:
         units = (layer * self.P + pages).reshape(-1)
         read = read.reshape(-1)
         self.score.index_add_(0, units, read.to(torch.float32))
-        from_host = read & full.reshape(-1) & (loc.reshape(-1) < 0)
+        read_host = read & (loc.reshape(-1) < 0)
+        from_host = read_host & full.reshape(-1)
         slot = self._slot(units)
         occ = self.tag[slot]
         occ_score = torch.where(
@@ -98,8 +99,9 @@ class PageCache:
         count = win.sum().reshape(1)
         for pool, cache in ((k_pool, self.k), (v_pool, self.v)):
             self.copier.run(pool.reshape(-1, self.page_elems), src[:n], cache, dst[:n], count)
-        hits = (read & (loc.reshape(-1) >= 0)).sum()
-        self.counters[:3] += torch.stack([hits, (read & (loc.reshape(-1) < 0)).sum(), count[0]])
+        host_reads = read_host.sum()
+        hits = read.sum() - host_reads
+        self.counters[:3] += torch.stack([hits, host_reads, count[0]])
 
     def invalidate(self, pages: torch.Tensor) -> None:
         """SGLang handed `pages` out again (new keys): drop them from every layer."""
