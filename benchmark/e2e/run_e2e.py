@@ -43,6 +43,7 @@ RAW_PROMPTS = (
     "The three laws of thermodynamics state that",
 )
 BLOCK = 32  # --psa-block-size default
+RUNS = ("plain", "psa_1", "psa_098", "psa_1_host")  # the engines, in the order they run
 KINDS = ("niah_1key", "niah_4key", "variable_tracking", "doc_qa")
 
 
@@ -116,11 +117,15 @@ def main() -> None:
     ap.add_argument(
         "--tie", type=float, default=DEFAULT_TIE, help="near-tie: top-2 logprob gap (nats)"
     )
-    ap.add_argument("--runs", default="plain,psa_1,psa_098,psa_1_host", help="engines to run")
+    ap.add_argument("--runs", default=",".join(RUNS), help="engines to run")
     ap.add_argument(
         "--parts", default=str(REPO / "build" / "e2e_parts"), help="per-engine results kept here"
     )
     args = ap.parse_args()
+    runs = args.runs.split(",")
+    unknown = [n for n in runs if n not in RUNS]
+    if unknown:  # before the model loads or any engine starts
+        ap.error(f"--runs: unknown run(s) {', '.join(unknown)} (choose from {', '.join(RUNS)})")
     from transformers import AutoTokenizer
 
     model_dir = str(ensure_model(args.model))
@@ -157,7 +162,7 @@ def main() -> None:
     prompt_kv = [len(p) * per_token for p in w["greedy_prompts"]]
     cache_bytes = max(prompt_kv) // 8
     common = {"sparse_mode": "psa", "psa_host_pool_gb": host_gb}
-    configs = {
+    configs = {  # keys: RUNS
         "plain": None,
         "psa_1": {**common, "psa_threshold": 1.0},
         "psa_098": {**common, "psa_threshold": 0.98},
@@ -172,9 +177,7 @@ def main() -> None:
     # (`--runs plain,psa_1` then `--runs psa_098,psa_1_host`); the summary needs all four.
     parts = Path(args.parts)
     parts.mkdir(parents=True, exist_ok=True)
-    for name in args.runs.split(","):
-        if name not in configs:
-            ap.error(f"--runs: unknown run {name!r} (choose from {', '.join(configs)})")
+    for name in runs:
         t0 = time.time()
         print(f"[e2e] {name}: starting an engine", flush=True)
         result = run(configs[name])
