@@ -11,7 +11,7 @@
 #       store      benchmark/store/bench_store.py  -> store_h100.json
 #       kernels    benchmark/kernels/run_all.py    -> kernels_h100.json
 #       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_h100.json once all four engines
-#                  have run; RUNS (e.g. plain,psa_1) spreads them over calls
+#                  have run; RUNS (e.g. plain,plain_splits,psa_1) spreads them over calls
 # Set GIT_COMMIT to this checkout's commit: the machine's copy of .git can be stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."

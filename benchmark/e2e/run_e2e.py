@@ -8,7 +8,11 @@ Runs plain SGLang (triton attention, no CUDA graphs) and then the plugin
 - greedy agreement at ε = 1: 48-token greedy completions of generated
   long-context prompts and short raw prompts, identical or not; where they
   differ, whether the first differing step was a near-tie in plain SGLang's
-  top-2 log-probabilities; first-token log-probabilities compared;
+  top log-probabilities; first-token log-probabilities compared;
+- the same agreement between plain SGLang and plain SGLang with a different
+  number of KV splits in its decode kernel (`plain_splits`): how far two
+  correct dense kernels that round differently already part ways on this
+  model, the yardstick for the ε = 1 figure;
 - accuracy of the generated long-context tasks (`benchmark/accuracy/`), plain
   (dense) vs PSA at ε = 0.98;
 - 64 concurrent requests of mixed lengths: all complete, and the PSA
@@ -43,7 +47,8 @@ RAW_PROMPTS = (
     "The three laws of thermodynamics state that",
 )
 BLOCK = 32  # --psa-block-size default
-RUNS = ("plain", "psa_1", "psa_098", "psa_1_host")  # the engines, in the order they run
+RUNS = ("plain", "plain_splits", "psa_1", "psa_098", "psa_1_host")  # in the order they run
+SPLITS = 16  # plain_splits: SGLang's triton decode kernel with 16 KV splits (default 8)
 KINDS = ("niah_1key", "niah_4key", "variable_tracking", "doc_qa")
 
 
@@ -141,7 +146,11 @@ def main() -> None:
         "tasks": tasks,
         "task_ids": task_ids,
         "greedy_prompts": task_ids + [tok(p)["input_ids"] for p in RAW_PROMPTS],
-        "mixed": [tok(" ".join(["word"] * (50 + 97 * i)))["input_ids"] for i in range(64)],
+        # Mixed lengths up to half the host pool: together far beyond it, each within it.
+        "mixed": [
+            tok(" ".join(["word"] * (50 + (pool_tokens // 2 - 50) * i // 63)))["input_ids"]
+            for i in range(64)
+        ],
         "oversized": filler[: pool_tokens + 512],
     }
     data: dict = {
@@ -151,8 +160,8 @@ def main() -> None:
         "host_pool_tokens": pool_tokens,
     }
 
-    def run(psa: dict | None) -> dict:
-        eng = engine(model_dir, psa)
+    def run(psa: dict | None, extra: dict) -> dict:
+        eng = engine(model_dir, psa, **extra)
         try:
             return exercise(eng, w, psa is not None)
         finally:
@@ -164,6 +173,7 @@ def main() -> None:
     common = {"sparse_mode": "psa", "psa_host_pool_gb": host_gb}
     configs = {  # keys: RUNS
         "plain": None,
+        "plain_splits": None,
         "psa_1": {**common, "psa_threshold": 1.0},
         "psa_098": {**common, "psa_threshold": 0.98},
         "psa_1_host": {
@@ -174,13 +184,14 @@ def main() -> None:
         },
     }
     # Each engine's results are kept in --parts, so the runs can be spread over calls
-    # (`--runs plain,psa_1` then `--runs psa_098,psa_1_host`); the summary needs all four.
+    # (`--runs plain,plain_splits,psa_1`, then the rest); the summary needs them all.
     parts = Path(args.parts)
     parts.mkdir(parents=True, exist_ok=True)
     for name in runs:
         t0 = time.time()
         print(f"[e2e] {name}: starting an engine", flush=True)
-        result = run(configs[name])
+        extra = {"triton_attention_num_kv_splits": SPLITS} if name == "plain_splits" else {}
+        result = run(configs[name], extra)
         (parts / f"{name}.json").write_text(json.dumps(result))
         print(f"[e2e] {name}: done in {time.time() - t0:.0f} s", flush=True)
     got = {n: parts / f"{n}.json" for n in configs}
@@ -188,13 +199,15 @@ def main() -> None:
     if missing:
         print(f"[e2e] not yet run: {', '.join(missing)} (rerun with --runs {','.join(missing)})")
         return
-    plain, exact, psa98, host = (json.loads(got[n].read_text()) for n in configs)
+    plain, splits, exact, psa98, host = (json.loads(got[n].read_text()) for n in configs)
     greedy_host = compare(plain["greedy"], host["greedy"], args.tie)
     bad = {d["prompt"] for d in greedy_host["divergences"] if not d["near_tie"]}
     served = [kv for i, kv in enumerate(prompt_kv) if i not in bad]
     max_over_cache = max(served) / cache_bytes if served else 0.0
     data.update(
         plain=plain,
+        plain_splits=splits,
+        greedy_plain_vs_plain_splits=compare(plain["greedy"], splits["greedy"], args.tie),
         psa_1=exact,
         psa_098=psa98,
         greedy_at_1=compare(plain["greedy"], exact["greedy"], args.tie),
@@ -210,6 +223,9 @@ def main() -> None:
         "accuracy_psa_098": psa98["accuracy"],
         "max_context_over_slot_cache": max_over_cache,
         "greedy_match_at_threshold_1_host": greedy_host["fraction_identical"],
+        "greedy_match_plain_vs_plain_splits": data["greedy_plain_vs_plain_splits"][
+            "fraction_identical"
+        ],
         "leaked_blocks_after_load": psa98["leaked"],
         "concurrent_completed_psa": psa98["concurrent_completed"],
     }

@@ -46,6 +46,15 @@ class PSAServing:
         self.measure: Callable[[], tuple[list[int], list[int], list[int]] | None] | None = None
         self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
 
+    @property
+    def gates_by_working_set(self) -> bool:
+        """With the KV pool in HBM, blocks outside the slot cache cannot be read, so working
+        sets bound admission and force retraction. With it on the host (`--psa-kv-home
+        host`) the page cache only speeds reads up: a working set beyond it is read across
+        PCIe, so nothing waits or is retracted for it (SGLang's own token budget still
+        applies)."""
+        return self.cfg.kv_home != "host"
+
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
         return math.ceil(tokens / self.cfg.block_size) * self.layer_heads
@@ -63,8 +72,8 @@ class PSAServing:
                 f"{self.host_tokens} ({flag_name('host_pool_gb')} {self.cfg.host_pool_gb:g}); "
                 "send a shorter request or raise the flag"
             )
-        if self.cfg.kv_home == "host":
-            return None  # blocks beyond the page cache are read from the host: slower, served
+        if not self.gates_by_working_set:
+            return None
         est = self.estimate(prompt_tokens)
         if est > self.controller.capacity_units:
             return (
@@ -80,6 +89,9 @@ class PSAServing:
         if rid in self.controller.running:
             return True
         cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
+        if not self.gates_by_working_set:  # tracked for server info, never held back
+            self.controller.admit_alone(cand)
+            return True
         if self.controller.try_admit([cand]).admitted:
             return True
         if alone:  # nothing else runs: admit anyway rather than stall the server
@@ -111,6 +123,8 @@ class PSAServing:
                 self.controller.on_step_size(req.rid, *m)
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
+        if not self.gates_by_working_set:
+            return True
         ctl = self.controller
         load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
         return load <= ctl.capacity_units

@@ -119,6 +119,35 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert scheduling.after_check_decode_mem(False, batch) is False
 
 
+def test_host_home_neither_holds_back_nor_retracts_for_working_sets(serving):
+    """With the KV pool on the host, working sets beyond the page cache are read across
+    PCIe: requests are tracked but none waits or is retracted for them (on the H100 the
+    gate retracted a lone request and SGLang aborted it as out of memory)."""
+    host = PSAServing(
+        PSAConfig(ws_window=2, kv_home="host"),
+        layers=2,
+        kv_heads=2,
+        hbm_units=100,
+        host_tokens=1 << 20,
+    )
+    scheduling.install(host)
+    adder = _adder()
+    reqs = [_req(r, 640, pool_idx=i) for i, r in enumerate("abc")]  # est 40 units each
+    for r in reqs:  # 120 > 100 units: at HBM home the third would wait
+        assert scheduling.around_add_one_req(_orig_admits, adder, r, False, None) == (
+            _result().CONTINUE
+        )
+    assert set(host.controller.running) == {"a", "b", "c"}
+    host.measure = lambda: ([0, 1, 2], [80, 80, 80], [80, 80, 80])
+    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=reqs)) is True
+    assert host.controller.tracker.size("a") == 80  # still measured, for server info
+    assert scheduling.after_check_decode_mem(False, SimpleNamespace(reqs=reqs)) is False
+    for r in reqs:
+        scheduling.after_release_kv_cache(None, _req(r.rid, 640, finished=True), None)
+    assert not host.controller.running and host.controller.used_units == 0
+    host.controller.check_integrity()
+
+
 def test_requests_too_large_are_refused_naming_the_flag(serving):
     too_long = _req("x", 4090)  # + 16 new tokens > 4096 host-pool tokens
     msg = scheduling.after_validate_input_length(None, too_long, 10**6, False)
