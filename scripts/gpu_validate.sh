@@ -11,7 +11,9 @@
 #       store      benchmark/store/bench_store.py  -> store_h100.json
 #       kernels    benchmark/kernels/run_all.py    -> kernels_h100.json
 #       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_h100.json once all four engines
-#                  have run; RUNS (e.g. plain,plain_splits,psa_1) spreads them over calls
+#                  have run; RUNS (e.g. plain,plain_splits,psa_1) spreads them over calls;
+#                  E2E_MODEL / E2E_CONTEXT pick the model and context (smollm2-135m, 4096;
+#                  qwen2.5-0.5b needs a bundle built with --model qwen2.5-0.5b)
 # Set GIT_COMMIT to this checkout's commit: the machine's copy of .git can be stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,8 +37,9 @@ case "${1:-}" in
   store) py benchmark/store/bench_store.py --out "$OUT" 2>&1 | tee "$OUT/store.log" ;;
   kernels) py benchmark/kernels/run_all.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
   e2e)
-    py -m sglang_psa.models smollm2-135m >/dev/null
-    py benchmark/e2e/run_e2e.py --model smollm2-135m --context-tokens 4096 --out "$OUT" \
+    py -m sglang_psa.models "${E2E_MODEL:-smollm2-135m}" >/dev/null
+    py benchmark/e2e/run_e2e.py --model "${E2E_MODEL:-smollm2-135m}" \
+      --context-tokens "${E2E_CONTEXT:-4096}" --out "$OUT" \
       ${2:+--runs "$2"} 2>&1 | tee "$OUT/e2e.log"
     ;;
   *) echo "usage: $0 tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
