@@ -19,8 +19,11 @@ import torch
 from timing import cuda_time
 
 from sgl_kernel_ext.wave_attention import WaveAttention
+from sglang_psa.config import PSAConfig
 
 HQ, HKV, D, BS = 32, 8, 128, 32
+# The server's defaults (ranking score, wave sizes), at ε = 1: a budget forces the fraction.
+CONFIG = PSAConfig(block_size=BS, threshold=1.0)
 LAUNCH = {"tile_tokens": 128, "num_warps": 4, "splits": None}  # set by the sweeps in run()
 
 
@@ -67,9 +70,7 @@ def bench_case(
     nb = ctx // BS
     budget = max(2, round(frac * nb))
     splits = LAUNCH["splits"] if batch == 8 and ctx == 131072 else None
-    wa = WaveAttention(block_size=BS, threshold=1.0).plan(
-        batch, HQ, HKV, D, nb, "cuda", splits=splits
-    )
+    wa = WaveAttention.from_config(CONFIG).plan(batch, HQ, HKV, D, nb, "cuda", splits=splits)
     wa.tile_tokens, wa.num_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
     run = lambda: wa.run(
         q,
@@ -106,6 +107,7 @@ def bench_case(
         "host_fraction": host_fraction,
         "time_us": t * 1e6,
         "eager_time_us": t_eager * 1e6,
+        "score": wa.score,
         "splits": wa.splits,  # after any halving for the cooperative launch
         "gbps_on_bytes_read": read_bytes / t / 1e9,
         "bytes_read": read_bytes,
@@ -141,7 +143,7 @@ def bench_pipelined(batch: int, ctx: int, frac: float, host_fraction: float) -> 
     if kh is None:
         kh, vh = ks[:n].cpu().pin_memory(), vs[:n].cpu().pin_memory()
     spare = torch.arange(n, n + spare_n, device="cuda")
-    wa = WaveAttention(block_size=BS, threshold=1.0).plan(batch, HQ, HKV, D, nb, "cuda")
+    wa = WaveAttention.from_config(CONFIG).plan(batch, HQ, HKV, D, nb, "cuda")
     pipe = WavePipeline(wa, spare)
 
     def step():
