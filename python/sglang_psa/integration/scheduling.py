@@ -229,7 +229,16 @@ def after_get_internal_state(result, scheduler, recv_req):
 
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):
     serving = current()
-    if result is not None or serving is None:
+    if serving is None:
         return result
+    if result is not None:
+        if serving.cfg.kv_home != "host":
+            return result
+        # SGLang's token budget is the host pool here: say which flag sets it.
+        return (
+            f"{result} (with {flag_name('kv_home')} host the KV pool is "
+            f"{flag_name('host_pool_gb')} {serving.cfg.host_pool_gb:g}, "
+            f"{serving.host_tokens} tokens: raise it for longer requests)"
+        )
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
     return serving.reject_reason(len(req.origin_input_ids), max_new)

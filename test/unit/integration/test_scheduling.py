@@ -165,7 +165,12 @@ def test_requests_too_large_are_refused_naming_the_flag(serving):
     assert "--psa-host-pool-gb" in scheduling.after_validate_input_length(
         None, _req("z", 1 << 20), 10**6, False
     )
-    # SGLang's own error message wins.
+    # With the pool on the host, SGLang's own length limit is the host pool: its message
+    # gains the flag that sets it.
+    msg = scheduling.after_validate_input_length("too long", ok, 10, False)
+    assert msg.startswith("too long") and "--psa-host-pool-gb" in msg, msg
+    # At HBM home SGLang's own error message stands as it is.
+    scheduling.install(small_cache)
     assert scheduling.after_validate_input_length("too long", ok, 10, False) == "too long"
 
 
