@@ -3,6 +3,9 @@
     python benchmark/accuracy/compare_defaults.py --context-tokens 8192 --per-kind 1
     python benchmark/accuracy/compare_defaults.py --context-tokens 16384 --kinds doc_qa \
         --name defaults_cpu_16k
+    python benchmark/accuracy/compare_defaults.py --model smollm2-135m --context-tokens 4096 \
+        --per-kind 3 --kinds niah_1key,niah_4key,variable_tracking,doc_qa --seed 1 \
+        --extra "wave 32:wave_blocks=32" --name defaults_cpu_smollm_4k
 
 The candidate is Quest's bound for ranking with a 16-block first wave
 (`--psa-score bound --psa-wave-blocks 16`), the flag-level stand-in for the
@@ -37,6 +40,19 @@ POLICIES = {
 }
 
 
+def extra_policy(spec: str) -> tuple[str, DecodePolicy]:
+    """`NAME:field=value,...` -> PSA at the current defaults (ε 0.98) with those fields."""
+    name, _, fields = spec.partition(":")
+    base = PSAConfig(threshold=0.98)
+    changes = {}
+    for item in filter(None, fields.split(",")):
+        key, _, value = item.partition("=")
+        if not hasattr(base, key):
+            raise SystemExit(f"--extra {spec!r}: PSAConfig has no field {key!r}")
+        changes[key] = type(getattr(base, key))(value)
+    return name, DecodePolicy("psa", base.replace(**changes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -45,14 +61,24 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(GENERATORS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="defaults_cpu_8k")
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE,...",
+        help="another policy: the current defaults with these PSAConfig fields changed "
+        "(e.g. 'wave 32:wave_blocks=32'); repeatable",
+    )
     args = ap.parse_args()
+    policies = dict(POLICIES)
+    policies.update(extra_policy(spec) for spec in args.extra)
     model, tok = load_model(ensure_model(args.model))
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     kinds = args.kinds.split(",")
     tasks = make_tasks(kinds, args.context_tokens, args.per_kind, args.seed, count)
-    print(f"[defaults] {len(tasks)} tasks x {len(POLICIES)} policies", flush=True)
-    outs = evaluate(model, tok, tasks, list(POLICIES.values()), progress=True)
-    names = list(POLICIES)
+    print(f"[defaults] {len(tasks)} tasks x {len(policies)} policies", flush=True)
+    outs = evaluate(model, tok, tasks, list(policies.values()), progress=True)
+    names = list(policies)
     table = {}
     for i, name in enumerate(names):
         rows = outs[i :: len(names)]
@@ -70,6 +96,11 @@ def main() -> None:
         "accuracy_candidate": table[names[2]]["accuracy"],
         "kv_fraction_default": table[names[1]]["kv_fraction"],
         "kv_fraction_candidate": table[names[2]]["kv_fraction"],
+        **{
+            f"{key}_{name}": table[name][field]
+            for name in names[3:]
+            for key, field in (("accuracy", "accuracy"), ("kv_fraction", "kv_fraction"))
+        },
     }
     write_result(
         RESULTS / f"{args.name}.json",
