@@ -49,7 +49,8 @@ _HELP = {
     "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
     "the block metadata)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
-    "max_inject_tokens": "prefill token-layers per batch (layer-segmented prefill)",
+    "max_inject_tokens": "prefill tokens per batch: long prompts are chunked at this size "
+    "(sets --chunked-prefill-size unless given; layer-segmented prefill is not implemented)",
 }
 
 _CHOICES = {

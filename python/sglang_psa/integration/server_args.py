@@ -93,8 +93,8 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     if cfg.kv_home == "host":
         _check_host_home(fields)
     if fields.get("chunked_prefill_size") is None:
-        # Prefill work per batch <= --psa-max-inject-tokens token-layers: chunk long
-        # prompts at that many tokens (layer segmentation is not implemented yet).
+        # Bound each prefill batch by chunking long prompts at --psa-max-inject-tokens
+        # (sched.prefill_plan's layer segmentation is not wired into SGLang yet).
         fields["chunked_prefill_size"] = cfg.max_inject_tokens
     fields.update(
         page_size=cfg.block_size,
