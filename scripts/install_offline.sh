@@ -8,7 +8,7 @@
 # receives the packages. Steps: verify every part's sha256 against MANIFEST.json
 # (a missing or corrupt part is named), join the parts and untar them into
 # STAGE_DIR/unpacked, `pip install --no-index --no-deps --no-compile --target SITE`
-# the wheels, copy the slim sglang-kernel folders into SITE, put the model's GGUF
+# the wheels, copy the slim sglang-kernel folders into SITE, put each model's GGUF
 # where sglang_psa.models finds it ($SGLANG_PSA_CACHE, default ~/.cache/sglang-psa),
 # and write SITE/psa-env.sh. The last line printed is the `export PYTHONPATH=...`
 # to use (or `source SITE/psa-env.sh`). Rerunning with the same bundle does
@@ -82,9 +82,13 @@ if [ -d "$B/kernel" ]; then
 fi
 
 if [ -n "$(ls "$B"/models/*.whl 2>/dev/null)" ]; then
-  echo "install_offline: placing the model GGUF in the sglang-psa cache" >&2
-  gguf="$("$PY" "$TOOL" place-model "$B")" || die "placing the model failed"
-  echo "install_offline: model GGUF at $gguf (convert: python3 -m sglang_psa.models <key>)" >&2
+  echo "install_offline: placing the model GGUFs in the sglang-psa cache" >&2
+  # One path per line: a bundle may carry several models (offline_bundle.py --model a,b).
+  ggufs="$("$PY" "$TOOL" place-model "$B")" || die "placing the models failed"
+  while IFS= read -r gguf; do
+    echo "install_offline: model GGUF at $gguf" >&2
+  done <<< "$ggufs"
+  echo "install_offline: convert with: python3 -m sglang_psa.models <key>" >&2
 fi
 
 cat > "$SITE/psa-env.sh" <<EOF

