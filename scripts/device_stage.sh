@@ -10,7 +10,7 @@
 #
 # How the lead uses it. The device tool carries at most 64 MiB per call (working
 # tree included) and a machine is forgotten ~30 s after a call, so the bundle
-# (built here by `python scripts/offline_bundle.py --model smollm2-135m` into
+# (built here by `python scripts/offline_bundle.py --model smollm2-135m,qwen2.5-0.5b` into
 # build/offline/parts/) travels one part per call, the calls back to back:
 #
 #   call 1:   carry ["build/offline/parts/psa-bundle.part-000", "build/offline/parts/MANIFEST.json"]
