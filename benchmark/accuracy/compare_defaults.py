@@ -17,6 +17,7 @@ KV fraction per policy, and per task.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from sglang_psa.config import PSAConfig
@@ -97,7 +98,7 @@ def main() -> None:
         "kv_fraction_default": table[names[1]]["kv_fraction"],
         "kv_fraction_candidate": table[names[2]]["kv_fraction"],
         **{
-            f"{key}_{name}": table[name][field]
+            f"{key}_{re.sub(r'[^a-z0-9]+', '_', name.lower())}": table[name][field]
             for name in names[3:]
             for key, field in (("accuracy", "accuracy"), ("kv_fraction", "kv_fraction"))
         },
