@@ -44,8 +44,10 @@ def _logits(
     if BOUND:
         kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0)
         kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0)
-        x = tl.sum(
-            tl.maximum(q[:, None, :] * kmin[None, :, :], q[:, None, :] * kmax[None, :, :]), axis=2
+        # sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min: two tensor-core products
+        # instead of a [GP, NBC, D] elementwise tensor (which spilled registers).
+        x = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision="tf32x3") + tl.dot(
+            tl.minimum(q, 0.0), tl.trans(kmin), input_precision="tf32x3"
         )
     else:
         mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0)
