@@ -58,7 +58,8 @@ def setup(batch: int, ctx: int, host_fraction: float, seed: int = 0):
         on_host = torch.rand(n, device="cuda", generator=g) < host_fraction
         loc = torch.where(on_host, -loc - 1, loc)
     loc = loc.view(batch, HKV, nb)
-    lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
+    # int32, as the serving backend passes them (converted once per step, not per layer)
+    lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     meta = torch.randn(3, batch, HKV, nb, D, device="cuda", generator=g)
     return q, k_slots, v_slots, k_host, v_host, loc, lengths, meta
 

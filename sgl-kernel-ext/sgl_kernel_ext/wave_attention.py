@@ -364,7 +364,9 @@ class WaveAttention:
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 # Two 4-warp programs fit an SM; run() halves this if a launch does not fit.
-                splits = max(1, min(16, 2 * sms // (batch * n_kv_heads)))
+                # Short contexts get fewer: every wave ends in a barrier of all the
+                # splits, which costs more than it saves below ~16 blocks per split.
+                splits = max(1, min(16, 2 * sms // (batch * n_kv_heads), max_blocks // 16))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
