@@ -6,7 +6,8 @@
 #   source /tmp/psa-site/psa-env.sh && bash scripts/gpu_validate.sh STEP
 #
 # STEP: tests      kernel and unit tests, compiled kernels (~4 min on the H100)
-#       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~6 min)
+#       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~8 min);
+#                  PSA_E2E_MODEL=qwen2.5-0.5b runs the serving tests on Qwen
 #       interp     the kernel tests under Triton's interpreter (the CI path)
 #       store      benchmark/store/bench_store.py  -> store_h100.json
 #       kernels    benchmark/kernels/run_all.py    -> kernels_h100.json
@@ -29,6 +30,7 @@ case "${1:-}" in
     ;;
   e2e-tests)
     py -m sglang_psa.models smollm2-135m >/dev/null
+    [ -z "${PSA_E2E_MODEL:-}" ] || py -m sglang_psa.models "$PSA_E2E_MODEL" >/dev/null
     py -m pytest -v -p no:cacheprovider -rs --timeout=300 test/e2e 2>&1 | tee "$OUT/e2e-tests.log"
     ;;
   interp)

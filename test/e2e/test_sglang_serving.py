@@ -1,8 +1,11 @@
 """SGLang serving with `sparse_mode="psa"` on the GPU, against plain SGLang on the same
-prompts (SmolLM2-135M, the small real test model). Needs a GPU and SGLang's CUDA stack;
-run on the GPU machine (see README, "Air-gapped GPU host")."""
+prompts (SmolLM2-135M, the small real test model; `PSA_E2E_MODEL=qwen2.5-0.5b` runs them
+on the model MODELS.md names for GPU e2e). Needs a GPU and SGLang's CUDA stack; run on the
+GPU machine (see README, "Air-gapped GPU host")."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -28,7 +31,7 @@ def model_dir():
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
     from sglang_psa.models import ensure_model
 
-    return str(ensure_model("smollm2-135m"))
+    return str(ensure_model(os.environ.get("PSA_E2E_MODEL", "smollm2-135m")))
 
 
 def _engine(model_dir, **kw):
@@ -80,7 +83,8 @@ def test_threshold_1_matches_plain_sglang_and_bad_requests_are_refused(model_dir
     eng = _engine(model_dir, sparse_mode="psa", psa_threshold=1.0, psa_host_pool_gb=0.05)
     try:
         _assert_agrees_with_plain(plain, _greedy(eng))
-        # 0.05 GiB of host pool holds ~2.8K tokens of SmolLM2's KV: a 5K-token prompt is refused.
+        # 0.05 GiB of host pool holds ~2.3K tokens of SmolLM2's KV (~4.4K of Qwen's): a
+        # 5K-token prompt is refused.
         with pytest.raises(ValueError, match="--psa-host-pool-gb"):
             eng.generate(prompt="word " * 5000, sampling_params={"max_new_tokens": 4})
         after = eng.generate(prompt=PROMPTS[0], sampling_params={"max_new_tokens": 4})
