@@ -39,7 +39,7 @@ from sglang_psa.algo.attention import (
     topk_attention,
     true_coverage,
 )
-from sglang_psa.algo.criticality import criticality
+from sglang_psa.algo.criticality import bound_logits, criticality
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import _extra_stops, chat_parts
@@ -108,6 +108,12 @@ def _diagnose_call(q, k, v, lengths, cfg, meta, sc, res: SparseResult) -> None:
     # Needle's rank by true mass (group max share), for reference.
     share = (blse - tot[:, None]).view(Hkv, Hq // Hkv, -1).amax(1)[:, :nblk]
     ranks["true"] = (share > share[:, nd].amax(-1, keepdim=True)).sum(-1).tolist()
+    # How far Quest's bound overshoots each block's true max logit (nats): a loose bound
+    # ranks blocks by their key ranges rather than by their match with q.
+    tmax = token_scores(q, k, lengths, sc)[0]  # [Hq, T]
+    tmax = torch.nn.functional.pad(tmax, (0, nblk * bs - tmax.shape[-1]), value=-torch.inf)
+    tmax = tmax.view(Hq, nblk, bs).amax(-1)
+    slack = (bound_logits(q, meta, sc)[0][:, :nblk] - tmax)[torch.isfinite(tmax)]
     DIAG.rows.append(
         {
             "layer": runtime()._cur_layer,
@@ -116,6 +122,7 @@ def _diagnose_call(q, k, v, lengths, cfg, meta, sc, res: SparseResult) -> None:
             "needle_share": needle_share.tolist(),
             "needle_read": needle_read.tolist(),
             "needle_rank": ranks,
+            "bound_slack_median": float(slack.median()),
         }
     )
 
@@ -267,6 +274,9 @@ def summarize_diag(rows: list[dict], n_layers: int, eps: float) -> dict:
                 "needle_rank_mean": [r["needle_rank"]["mean"] for r in rs],
                 "needle_rank_bound": [r["needle_rank"]["bound"] for r in rs],
                 "needle_rank_true": [r["needle_rank"]["true"] for r in rs],
+                "bound_slack_median_nats": float(
+                    torch.tensor([r["bound_slack_median"] for r in rs]).median()
+                ),
             }
         )
     return {"per_layer": per_layer}
