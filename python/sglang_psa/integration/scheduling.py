@@ -232,9 +232,11 @@ def after_validate_input_length(result, req, max_req_input_len, allow_auto_trunc
     if serving is None:
         return result
     if result is not None:
-        if serving.cfg.kv_home != "host":
+        # At host home SGLang's token budget is the host pool; when that (not the model's
+        # context) set SGLang's limit, say which flag raises it.
+        pool_binds = serving.host_tokens <= max_req_input_len + serving.cfg.block_size
+        if serving.cfg.kv_home != "host" or not pool_binds:
             return result
-        # SGLang's token budget is the host pool here: say which flag sets it.
         return (
             f"{result} (with {flag_name('kv_home')} host the KV pool is "
             f"{flag_name('host_pool_gb')} {serving.cfg.host_pool_gb:g}, "
