@@ -103,12 +103,14 @@ class PSAServing:
         """SGLang's own checks refused a request this controller had admitted."""
         if rid not in self.controller.running:
             return
+        stats = self.controller.stats
         if was_paused:
             self.controller.pause(rid)
-            self.controller.stats.retracted -= 1
+            stats.retracted -= 1
         else:
             self.controller.finish(rid)
-            self.controller.stats.finished -= 1
+            stats.finished -= 1
+        stats.admitted -= 1  # counters read as if the attempt never happened
 
     # -- decode steps -------------------------------------------------------------
     def flush_step(self, reqs: Sequence) -> None:

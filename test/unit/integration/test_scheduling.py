@@ -85,6 +85,8 @@ def test_sglang_refusing_after_admission_is_rolled_back(serving):
     res = scheduling.around_add_one_req(orig_refuses, _adder(), _req("a", 320), False, None)
     assert res == _result().NO_TOKEN
     assert not serving.controller.running and serving.controller.used_units == 0
+    stats = serving.controller.stats
+    assert (stats.admitted, stats.finished, stats.retracted) == (0, 0, 0)
     serving.controller.check_integrity()
 
 
