@@ -104,17 +104,19 @@ class PageCache:
         self.counters[:3] += torch.stack([hits, host_reads, count[0]])
 
     def invalidate(self, pages: torch.Tensor) -> None:
-        """SGLang handed `pages` out again (new keys): drop them from every layer."""
+        """SGLang handed `pages` out again (new keys): drop them from every layer. `pages`
+        may repeat (one entry per allocated token); each dropped slot counts once."""
         pages = pages.reshape(-1).to(torch.int64)
         units = (torch.arange(self.layers, device=pages.device)[:, None] * self.P + pages).reshape(
             -1
         )
         slot = self._slot(units)
         held = self.tag[slot] == units
+        cached = (self.tag[: self.S] >= 0).sum()
         self.tag.index_copy_(0, torch.where(held, slot, self.S), torch.full_like(units, -1))
         self.tag[self.S] = -1
         self.score[units] = 0.0
-        self.counters[3] += held.sum()
+        self.counters[3] += cached - (self.tag[: self.S] >= 0).sum()
 
     def next_step(self) -> None:
         self.score.mul_(self.decay)

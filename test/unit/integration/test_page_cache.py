@@ -66,7 +66,8 @@ def test_a_colder_page_does_not_displace_a_hotter_one_and_invalidation_drops_it(
     assert int(cache.locate(0, cold, full)[0, 0]) == -7
     # SGLang frees page 5 and hands it out again with new keys.
     kp[0].view(P, E)[5] = 0.5
-    cache.invalidate(torch.tensor([5 * BS + 1]) // BS)
+    # The hook passes one page per allocated token: a page repeats, and counts once.
+    cache.invalidate(torch.tensor([5 * BS + 1, 5 * BS + 2, 5 * BS + 3]) // BS)
     assert int(cache.locate(0, hot, full)[0, 0]) == -6
     assert cache.stats()["invalidated"] == 1
     _coherent(cache, kp, vp)
