@@ -495,7 +495,6 @@ class WaveAttention:
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
-        order32 = order
         G = Hq // Hkv
         while True:
             self.counters.zero_()
@@ -507,7 +506,7 @@ class WaveAttention:
                     k_host,
                     v_host,
                     loc.to(torch.int32).contiguous(),
-                    order32,
+                    order,
                     lengths.to(torch.int32).contiguous(),
                     n_forced,
                     self.wave_ends,

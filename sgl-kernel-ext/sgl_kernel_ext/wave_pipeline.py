@@ -173,7 +173,6 @@ class WavePipeline:
         copier = BlockCopier(bs * D, k_slots.dtype, dev)
         copy_stream = torch.cuda.Stream(dev) if cuda else None
         spare_next = 0
-        order32 = order.to(torch.int32).contiguous()
 
         # Per request: block positions in read order where each wave starts (forced first).
         nb_h = torch.clamp((len_h + bs - 1) // bs, max=cap)
@@ -223,7 +222,7 @@ class WavePipeline:
 
         def launch(w: int) -> None:
             _wave_step_kernel[(B, Hkv)](
-                q.contiguous(), k_slots, v_slots, loc, order32,
+                q.contiguous(), k_slots, v_slots, loc, order,
                 lengths.to(torch.int32).contiguous(), n_forced, wa.wave_ends, ub_suffix,
                 state["m"], state["l"], state["acc"], state["small"], state["pos"],
                 state["done"], flags, state["waves"], w, scale, wa.limit, cap, Hkv, NB,
