@@ -36,7 +36,7 @@ from sglang_psa.eval.agreement import DEFAULT_TIE, compare, greedy
 from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import chat_parts
 from sglang_psa.eval.tasks import make_tasks
-from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
+from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model, kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmark" / "results"
@@ -73,14 +73,6 @@ def engine(model_dir: str, psa: dict | None, **extra):
     else:
         kw.update(psa)
     return sgl.Engine(**kw)
-
-
-def kv_bytes_per_token(model_dir: str) -> int:
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K+V, bf16
 
 
 def exercise(eng, w: dict, psa: bool) -> dict:
@@ -140,7 +132,8 @@ def main() -> None:
     task_ids = [sum(chat_parts(tok, t.prompt, t.question), []) for t in tasks]
     # The host pool holds the longest task plus room; a prompt just beyond it is refused.
     pool_tokens = max(len(t) for t in task_ids) + 1024
-    host_gb = pool_tokens * kv_bytes_per_token(model_dir) / 2**30
+    per_token = kv_bytes_per_token(model_dir)
+    host_gb = pool_tokens * per_token / 2**30
     filler = tok(" word" * (pool_tokens + 512), add_special_tokens=False)["input_ids"]
     w = {
         "tasks": tasks,
@@ -167,7 +160,6 @@ def main() -> None:
         finally:
             eng.shutdown()
 
-    per_token = kv_bytes_per_token(model_dir)
     prompt_kv = [len(p) * per_token for p in w["greedy_prompts"]]
     cache_bytes = max(prompt_kv) // 8
     common = {"sparse_mode": "psa", "psa_host_pool_gb": host_gb}

@@ -144,6 +144,16 @@ def ensure_model(key: str = DEFAULT_MODEL) -> Path:
     return folder
 
 
+def kv_bytes_per_token(model_dir: str | Path) -> int:
+    """bf16 K+V bytes one token takes across all layers: sizes pools and caches in tests
+    and benchmarks from the model's own config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
+
+
 def _spec(key: str) -> ModelSpec:
     if key not in MODELS:
         raise ModelFetchError(f"unknown model {key!r}; known: {', '.join(MODELS)}")

@@ -115,16 +115,11 @@ def test_host_home_serves_contexts_far_larger_than_its_hbm_page_cache(model_dir,
     quarter of the longest prompt's KV. At threshold 1 every block is attended, so the
     answers must agree with plain SGLang as at HBM home; the cache serves reads; and 64
     concurrent requests leave nothing held."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    c = AutoConfig.from_pretrained(model_dir)
-    kv_per_token = (
-        2
-        * c.num_hidden_layers
-        * c.num_key_value_heads
-        * (c.hidden_size // c.num_attention_heads)
-        * 2
-    )
+    from sglang_psa.models import kv_bytes_per_token
+
+    kv_per_token = kv_bytes_per_token(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     longest = max(len(tok(p)["input_ids"]) for p in PROMPTS)
     assert longest >= 1000  # the long prompt's KV spans many pages
