@@ -20,12 +20,13 @@ import argparse
 import re
 from pathlib import Path
 
-from sglang_psa.config import PSAConfig
+from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import evaluate, policy_summary
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
+from sglang_psa.integration.flags import add_psa_args, config_from_namespace
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -42,16 +43,16 @@ POLICIES = {
 
 
 def extra_policy(spec: str) -> tuple[str, DecodePolicy]:
-    """`NAME:field=value,...` -> PSA at the current defaults (ε 0.98) with those fields."""
+    """`NAME:field=value,...` -> PSA at the current defaults (ε 0.98) with those fields,
+    parsed and checked as the server's `--psa-<field>` flags are."""
     name, _, fields = spec.partition(":")
-    base = PSAConfig(threshold=0.98)
-    changes = {}
+    parser = argparse.ArgumentParser(prog=f"--extra {name!r}")
+    add_psa_args(parser)
+    argv = ["--sparse-mode", "psa", "--psa-threshold", "0.98"]
     for item in filter(None, fields.split(",")):
         key, _, value = item.partition("=")
-        if not hasattr(base, key):
-            raise SystemExit(f"--extra {spec!r}: PSAConfig has no field {key!r}")
-        changes[key] = type(getattr(base, key))(value)
-    return name, DecodePolicy("psa", base.replace(**changes))
+        argv += [flag_name(key), value]
+    return name, DecodePolicy("psa", config_from_namespace(parser.parse_args(argv)))
 
 
 def main() -> None:
