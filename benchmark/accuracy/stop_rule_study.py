@@ -95,7 +95,8 @@ def _diagnose_call(q, k, v, lengths, cfg, meta, sc, res: SparseResult) -> None:
     cov = true_coverage(q, k, v, lengths, res.read, bs, scale=sc)[0]  # [Hq]
     nblk = int((lengths[0] + bs - 1) // bs)
     frac = res.read[0, :, :nblk].float().mean(-1)  # [Hkv]
-    blse = block_lse(token_scores(q, k, lengths, sc), bs)[0]  # [Hq, NB]
+    scores = token_scores(q, k, lengths, sc)
+    blse = block_lse(scores, bs)[0]  # [Hq, NB]
     tot = torch.logsumexp(blse, -1)
     nd = torch.tensor(DIAG.needle, dtype=torch.long)
     needle_share = torch.exp(torch.logsumexp(blse[:, nd], -1) - tot)  # [Hq]
@@ -110,8 +111,7 @@ def _diagnose_call(q, k, v, lengths, cfg, meta, sc, res: SparseResult) -> None:
     ranks["true"] = (share > share[:, nd].amax(-1, keepdim=True)).sum(-1).tolist()
     # How far Quest's bound overshoots each block's true max logit (nats): a loose bound
     # ranks blocks by their key ranges rather than by their match with q.
-    tmax = token_scores(q, k, lengths, sc)[0]  # [Hq, T]
-    tmax = torch.nn.functional.pad(tmax, (0, nblk * bs - tmax.shape[-1]), value=-torch.inf)
+    tmax = torch.nn.functional.pad(scores[0], (0, nblk * bs - scores.shape[-1]), value=-torch.inf)
     tmax = tmax.view(Hq, nblk, bs).amax(-1)
     slack = (bound_logits(q, meta, sc)[0][:, :nblk] - tmax)[torch.isfinite(tmax)]
     DIAG.rows.append(
