@@ -45,14 +45,14 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 ESTIMATES = ("oracle", "mean", "bound", "sub4")
 
 
-def estimate(name: str, q, k, lengths, bs: int, scale: float, true_share) -> torch.Tensor:
-    """`[B, Hkv, NB]` criticality (higher = read earlier)."""
+def estimate(name: str, q, k, lengths, meta, bs: int, scale: float, true_share) -> torch.Tensor:
+    """`[B, Hkv, NB]` criticality (higher = read earlier); `meta` is the blocks' metadata."""
     Hkv = k.shape[1]
     if name == "oracle":
         B, Hq, NB = true_share.shape
         return true_share.view(B, Hkv, Hq // Hkv, NB).amax(2)
     if name in ("mean", "bound"):
-        return criticality(q, block_metadata(k, lengths, bs), scale, name)
+        return criticality(q, meta, scale, name)
     sub = bs // 4
     c = criticality(q, block_metadata(k, lengths, sub), scale, "mean")  # [B, Hkv, 4 NB]
     nb = int(num_blocks(lengths, bs).max())
@@ -86,10 +86,9 @@ def needed_fraction(order_key, true_share, lengths, cfg: PSAConfig, eps: float):
     return n.float() / num_blocks(lengths, cfg.block_size)[:, None].float()
 
 
-def estimated_stop(q, k, lengths, cfg: PSAConfig, scale, true_share, eps: float):
+def estimated_stop(q, meta, lengths, cfg: PSAConfig, scale, true_share, eps: float):
     """Stop once the *estimated* shares (bound logits + log count, normalised per head)
     of the blocks read pass `eps`: fraction read and each group's min true coverage."""
-    meta = block_metadata(k, lengths, cfg.block_size)
     est = bound_logits(q, meta, scale) + meta.count.clamp(min=1).log()[:, None, :]
     est = est.masked_fill((meta.count == 0)[:, None, :], -torch.inf)
     est = est - torch.logsumexp(est, -1, keepdim=True)
@@ -120,19 +119,24 @@ class Capture:
         bs = self.cfg.block_size
         blse = block_lse(token_scores(q, k, lengths, scale), bs)
         true_share = blse - torch.logsumexp(blse, -1, keepdim=True)  # [B, Hq, NB]
+        block_meta = block_metadata(k, lengths, bs)
         for name in ESTIMATES:
-            key = estimate(name, q, k, lengths, bs, scale, true_share)
+            key = estimate(name, q, k, lengths, block_meta, bs, scale, true_share)
             frac = needed_fraction(key, true_share, lengths, self.cfg, self.eps)
             self.per_layer[name][self.layer].extend(frac.flatten().tolist())
         # Stop rules at ε, scored by the true mass they cover (min over each group's heads).
-        res = self.original(q, k, v, lengths, self.cfg.replace(threshold=self.eps), scale=scale)
+        res = self.original(
+            q, k, v, lengths, self.cfg.replace(threshold=self.eps), meta=block_meta, scale=scale
+        )
         readq = res.read.repeat_interleave(q.shape[1] // k.shape[1], 1)
         cov = torch.logsumexp(true_share.masked_fill(~readq, -torch.inf), -1).exp()
         cov = cov.view(*res.read.shape[:2], -1).amin(-1)
         nblk = num_blocks(lengths, bs)[:, None].float()
         rules = {
             "heuristic": (res.read.sum(-1).float() / nblk, cov),
-            "estimated_bound": estimated_stop(q, k, lengths, self.cfg, scale, true_share, self.eps),
+            "estimated_bound": estimated_stop(
+                q, block_meta, lengths, self.cfg, scale, true_share, self.eps
+            ),
         }
         for name, (frac, cov) in rules.items():
             self.rules[name][self.layer].append(

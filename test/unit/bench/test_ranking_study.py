@@ -31,7 +31,8 @@ def test_the_true_order_reads_the_heavy_block_right_after_the_forced_ones():
     cfg = PSAConfig(block_size=32, sink_blocks=1, recent_blocks=1)
     lengths = torch.tensor([320])  # 10 blocks; 0 and 9 are forced
     true = _shares([5])
-    oracle = study.estimate("oracle", None, torch.zeros(1, 1, 320, 4), lengths, 32, 1.0, true)
+    k = torch.zeros(1, 1, 320, 4)
+    oracle = study.estimate("oracle", None, k, lengths, None, 32, 1.0, true)
     got = study.needed_fraction(oracle, true, lengths, cfg, eps=0.9)
     assert float(got) == pytest.approx(0.3)  # blocks 0, 9, then 5: 0.9 + 2/90 >= 0.9
     # The reverse order finds the heavy block last: everything is read.
