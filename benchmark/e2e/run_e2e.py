@@ -32,6 +32,7 @@ import json
 import time
 from pathlib import Path
 
+from sglang_psa.config import PSAConfig
 from sglang_psa.eval.agreement import DEFAULT_TIE, compare, greedy
 from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import chat_parts
@@ -46,7 +47,7 @@ RAW_PROMPTS = (
     "Once upon a time, in a village by the sea,",
     "The three laws of thermodynamics state that",
 )
-BLOCK = 32  # --psa-block-size default
+BLOCK = PSAConfig().block_size  # --psa-block-size default: plain SGLang's page size too
 RUNS = ("plain", "plain_splits", "psa_1", "psa_098", "psa_1_host")  # in the order they run
 SPLITS = 16  # plain_splits: SGLang's triton decode kernel with 16 KV splits (default 8)
 KINDS = ("niah_1key", "niah_4key", "variable_tracking", "doc_qa")

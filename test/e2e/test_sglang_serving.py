@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from sglang_psa.config import PSAConfig
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 
 PROMPTS = [
@@ -23,7 +25,7 @@ PROMPTS = [
     "In 1969, the first humans to walk on the Moon were",
     "Dear hiring manager, I am writing to apply for",
 ]
-BLOCK = 32  # --psa-block-size's default: plain SGLang gets the same page size
+BLOCK = PSAConfig().block_size  # --psa-block-size's default: plain SGLang's page size too
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,8 @@ def plain(model_dir):
 
 def _assert_agrees_with_plain(plain, runs):
     """Next-token log-probs of the first decode step agree to bf16 resolution, any split is
-    at a near-tie of plain SGLang's top 2, and 90% of completions are identical."""
+    at a near-tie (a token plain SGLang ranked within the tie of its own choice), and 90%
+    of completions are identical."""
     from sglang_psa.eval.agreement import compare
 
     got = compare(plain, runs)
