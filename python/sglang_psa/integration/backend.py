@@ -29,7 +29,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sgl_kernel_ext.wave_attention import WaveAttention
 from sglang_psa.algo import progressive_attention, topk_attention
-from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.config import PSAConfig, PSAConfigError, flag_name
 from sglang_psa.integration import kv_pool
 from sglang_psa.integration.page_cache import PageCache
 from sglang_psa.integration.page_meta import PageMeta
@@ -150,7 +150,7 @@ class PSAAttnBackend(AttentionBackend):
             logger.warning(
                 "sglang-psa: no HBM left for a page cache; every block is read from the "
                 "host through UVA (raise --mem-fraction-static or %s)",
-                "--psa-gpu-cache-gb",
+                flag_name("gpu_cache_gb"),
             )
             return None
         return PageCache(
