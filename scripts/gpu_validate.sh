@@ -7,14 +7,14 @@
 #
 # STEP: tests      kernel and unit tests, compiled kernels (~4 min on the H100)
 #       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~8 min);
-#                  PSA_E2E_MODEL=qwen2.5-0.5b runs the serving tests on Qwen
+#                  serving tests on Qwen2.5-0.5B (PSA_E2E_MODEL=smollm2-135m: the small one)
 #       interp     the kernel tests under Triton's interpreter (the CI path)
 #       store      benchmark/store/bench_store.py  -> store_h100.json
 #       kernels    benchmark/kernels/run_all.py    -> kernels_h100.json
 #       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_h100.json once all four engines
 #                  have run; RUNS (e.g. plain,plain_splits,psa_1) spreads them over calls;
-#                  E2E_MODEL / E2E_CONTEXT pick the model and context (smollm2-135m, 4096;
-#                  qwen2.5-0.5b needs a bundle built with --model qwen2.5-0.5b)
+#                  E2E_MODEL / E2E_CONTEXT pick the model and context (qwen2.5-0.5b, 8192;
+#                  the bundle must carry the model: --model smollm2-135m,qwen2.5-0.5b)
 # Set GIT_COMMIT to this checkout's commit: the machine's copy of .git can be stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ case "${1:-}" in
     ;;
   e2e-tests)
     py -m sglang_psa.models smollm2-135m >/dev/null
-    [ -z "${PSA_E2E_MODEL:-}" ] || py -m sglang_psa.models "$PSA_E2E_MODEL" >/dev/null
+    py -m sglang_psa.models "${PSA_E2E_MODEL:-qwen2.5-0.5b}" >/dev/null
     py -m pytest -v -p no:cacheprovider -rs --timeout=300 test/e2e 2>&1 | tee "$OUT/e2e-tests.log"
     ;;
   interp)
@@ -39,9 +39,9 @@ case "${1:-}" in
   store) py benchmark/store/bench_store.py --out "$OUT" 2>&1 | tee "$OUT/store.log" ;;
   kernels) py benchmark/kernels/run_all.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
   e2e)
-    py -m sglang_psa.models "${E2E_MODEL:-smollm2-135m}" >/dev/null
-    py benchmark/e2e/run_e2e.py --model "${E2E_MODEL:-smollm2-135m}" \
-      --context-tokens "${E2E_CONTEXT:-4096}" --out "$OUT" \
+    py -m sglang_psa.models "${E2E_MODEL:-qwen2.5-0.5b}" >/dev/null
+    py benchmark/e2e/run_e2e.py --model "${E2E_MODEL:-qwen2.5-0.5b}" \
+      --context-tokens "${E2E_CONTEXT:-8192}" --out "$OUT" \
       ${2:+--runs "$2"} 2>&1 | tee "$OUT/e2e.log"
     ;;
   *) echo "usage: $0 tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;

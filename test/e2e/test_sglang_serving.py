@@ -1,6 +1,7 @@
 """SGLang serving with `sparse_mode="psa"` on the GPU, against plain SGLang on the same
-prompts (SmolLM2-135M, the small real test model; `PSA_E2E_MODEL=qwen2.5-0.5b` runs them
-on the model MODELS.md names for GPU e2e). Needs a GPU and SGLang's CUDA stack; run on the
+prompts (Qwen2.5-Coder-0.5B, the model MODELS.md names for GPU e2e; `PSA_E2E_MODEL=smollm2-135m`
+runs them on the smaller model, whose frequent near-ties make the 90% identical-completion
+criterion fail there although every split is at a near-tie). Needs a GPU and SGLang's CUDA stack; run on the
 GPU machine (see README, "Air-gapped GPU host")."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def model_dir():
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
     from sglang_psa.models import ensure_model
 
-    return str(ensure_model(os.environ.get("PSA_E2E_MODEL", "smollm2-135m")))
+    return str(ensure_model(os.environ.get("PSA_E2E_MODEL", "qwen2.5-0.5b")))
 
 
 def _engine(model_dir, **kw):
@@ -64,8 +65,11 @@ def plain(model_dir):
         cuda_graph_backend_prefill="disabled",
     )
     try:
-        yield _greedy(eng)
+        return _greedy(eng)
     finally:
+        # Shut down now, not at module teardown: each later Engine.shutdown() kills every
+        # child of this process, and a plain engine still alive then sees its scheduler
+        # die and takes the whole test process down with it (seen on the H100).
         eng.shutdown()
 
 
