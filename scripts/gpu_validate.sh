@@ -9,19 +9,24 @@
 #       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~8 min);
 #                  serving tests on Qwen2.5-0.5B (PSA_E2E_MODEL=smollm2-135m: the small one)
 #       interp     the kernel tests under Triton's interpreter (the CI path)
-#       store      benchmark/store/bench_store.py  -> store_h100.json
-#       kernels    benchmark/kernels/run_all.py    -> kernels_h100.json
-#       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_h100.json once all four engines
+#       store      benchmark/store/bench_store.py  -> store_<gpu>.json
+#       kernels    benchmark/kernels/run_all.py    -> kernels_<gpu>.json
+#       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_<gpu>.json once all five engines
 #                  have run; RUNS (e.g. plain,plain_splits,psa_1) spreads them over calls;
 #                  E2E_MODEL / E2E_CONTEXT pick the model and context (qwen2.5-0.5b, 8192;
 #                  the bundle must carry the model: --model smollm2-135m,qwen2.5-0.5b)
-# Set GIT_COMMIT to this checkout's commit: the machine's copy of .git can be stale.
+# <gpu> is the GPU's model (h100, h200, ...), so a run on another kind never lands under
+# the H100's file name. Set GIT_COMMIT to this checkout's commit: the machine's copy of
+# .git can be stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?run on the device machine (OUT is where results come back)}"
 : "${GIT_COMMIT:?export GIT_COMMIT=<commit hash of this checkout>}"
 export PYTHONUNBUFFERED=1
 py() { python3 "$@"; }
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+  grep -oiE '[ABHL][0-9]{2,3}' | head -1 | tr '[:upper:]' '[:lower:]')
+gpu=${gpu:-gpu}
 case "${1:-}" in
   tests)
     py -m sglang_psa.models smollm2-135m >/dev/null
@@ -36,12 +41,14 @@ case "${1:-}" in
   interp)
     TRITON_INTERPRET=1 py -m pytest -q -p no:cacheprovider -k cpu test/kernels 2>&1 | tee "$OUT/interp.log"
     ;;
-  store) py benchmark/store/bench_store.py --out "$OUT" 2>&1 | tee "$OUT/store.log" ;;
-  kernels) py benchmark/kernels/run_all.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
+  store) py benchmark/store/bench_store.py --out "$OUT" --name "store_$gpu" 2>&1 |
+    tee "$OUT/store.log" ;;
+  kernels) py benchmark/kernels/run_all.py --out "$OUT" --name "kernels_$gpu" 2>&1 |
+    tee "$OUT/kernels.log" ;;
   e2e)
     py -m sglang_psa.models "${E2E_MODEL:-qwen2.5-0.5b}" >/dev/null
     py benchmark/e2e/run_e2e.py --model "${E2E_MODEL:-qwen2.5-0.5b}" \
-      --context-tokens "${E2E_CONTEXT:-8192}" --out "$OUT" \
+      --context-tokens "${E2E_CONTEXT:-8192}" --out "$OUT" --name "e2e_$gpu" \
       ${2:+--runs "$2"} 2>&1 | tee "$OUT/e2e.log"
     ;;
   *) echo "usage: $0 tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
