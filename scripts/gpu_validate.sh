@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 py() { python3 "$@"; }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
-  grep -oiE '[ABHL][0-9]{2,3}' | head -1 | tr '[:upper:]' '[:lower:]')
+  grep -oiE '[ABHL][0-9]{2,3}' | head -1 | tr '[:upper:]' '[:lower:]' || true)
 gpu=${gpu:-gpu}
 case "${1:-}" in
   tests)
