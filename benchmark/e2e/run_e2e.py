@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.agreement import DEFAULT_TIE, compare, greedy
-from sglang_psa.eval.results import write_result
+from sglang_psa.eval.results import git_commit, machine, write_result
 from sglang_psa.eval.runner import chat_parts
 from sglang_psa.eval.tasks import make_tasks
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model, kv_bytes_per_token
@@ -103,6 +106,17 @@ def exercise(eng, w: dict, psa: bool) -> dict:
         out["served_after_error"] = bool(after["text"])
     out["wall_s"] = time.time() - t0
     return out
+
+
+def runs_provenance(results: dict[str, dict]) -> dict[str, dict]:
+    """Each engine run's own command, commit, machine and date. Runs spread over calls
+    may differ in commit or machine: allowed, but said out loud, never mixed silently."""
+    origin = {name: r.get("provenance", {}) for name, r in results.items()}
+    for field in ("git_commit", "machine"):
+        seen = {o.get(field, "unknown") for o in origin.values()}
+        if len(seen) > 1:
+            print(f"[e2e] warning: the engine runs differ in {field}: {sorted(seen)}")
+    return origin
 
 
 def main() -> None:
@@ -185,6 +199,12 @@ def main() -> None:
         print(f"[e2e] {name}: starting an engine", flush=True)
         extra = {"triton_attention_num_kv_splits": SPLITS} if name == "plain_splits" else {}
         result = run(configs[name], extra)
+        result["provenance"] = {  # parts may come from several calls: each says its own
+            "command": shlex.join(["python3", *sys.argv]),
+            "git_commit": git_commit(),
+            "machine": machine(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
         (parts / f"{name}.json").write_text(json.dumps(result))
         print(f"[e2e] {name}: done in {time.time() - t0:.0f} s", flush=True)
     got = {n: parts / f"{n}.json" for n in configs}
@@ -193,11 +213,13 @@ def main() -> None:
         print(f"[e2e] not yet run: {', '.join(missing)} (rerun with --runs {','.join(missing)})")
         return
     plain, splits, exact, psa98, host = (json.loads(got[n].read_text()) for n in configs)
+    origin = runs_provenance(dict(zip(configs, (plain, splits, exact, psa98, host))))
     greedy_host = compare(plain["greedy"], host["greedy"], args.tie)
     bad = {d["prompt"] for d in greedy_host["divergences"] if not d["near_tie"]}
     served = [kv for i, kv in enumerate(prompt_kv) if i not in bad]
     max_over_cache = max(served) / cache_bytes if served else 0.0
     data.update(
+        runs_provenance=origin,
         plain=plain,
         plain_splits=splits,
         greedy_plain_vs_plain_splits=compare(plain["greedy"], splits["greedy"], args.tie),

@@ -68,3 +68,17 @@ def test_exercise_scores_completes_and_checks_the_oversized_request():
     assert "--psa-host-pool-gb" in out["oversized_error"]
     assert out["served_after_error"] is True
     assert len(out["greedy"]) == 3 and len(out["greedy"][0]["ids"]) == 48
+
+
+def test_runs_from_different_commits_are_reported_not_mixed_silently(capsys):
+    same = {"git_commit": "abc", "machine": "H200"}
+    runs = {"plain": {"provenance": same}, "psa_1": {"provenance": dict(same)}}
+    assert run_e2e.runs_provenance(runs) == {"plain": same, "psa_1": same}
+    assert "warning" not in capsys.readouterr().out
+    runs["psa_1"]["provenance"]["git_commit"] = "def"
+    runs["old"] = {}  # a part written before parts recorded their provenance
+    origin = run_e2e.runs_provenance(runs)
+    assert origin["psa_1"]["git_commit"] == "def" and origin["old"] == {}
+    out = capsys.readouterr().out
+    assert "differ in git_commit" in out and "'unknown'" in out
+    assert "differ in machine" in out  # the old part's machine is unknown too
