@@ -152,6 +152,11 @@ class PSAConfig:
         """Blocks keep per-channel key min/max (bound ranking or the certified rule)."""
         return self.stop_rule == "certified" or self.score == "bound"
 
+    @property
+    def needs_key_mean(self) -> bool:
+        """Blocks keep their mean key (only the mean score reads it)."""
+        return self.score == "mean"
+
     def replace(self, **changes: Any) -> PSAConfig:
         return dataclasses.replace(self, **changes)
 

@@ -5,8 +5,8 @@ summaries are computed on the GPU in a single launch for the whole batch
 (spec: `sglang_psa.algo.block_metadata`). Keys are stored as units
 `[num_units, block_size, d]`; `counts[i]` tokens at the start of unit
 `unit_idx[i]` are valid; the summaries go to row `meta_idx[i]` of the
-float32 outputs `[num_meta, d]`. One program per unit reads the whole unit
-as one tile and reduces it in float32.
+outputs `[num_meta, d]` (float32, or the KV dtype: min and max are exact in it).
+One program per unit reads the whole unit as one tile and reduces it in float32.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def block_meta_update(
     meta_idx: torch.Tensor,
 ) -> None:
     """Summaries of units `unit_idx` (first `counts` tokens each, 1..block_size) into rows
-    `meta_idx` of the contiguous float32 `mean/kmin/kmax` `[num_meta, d]`, one launch.
+    `meta_idx` of the contiguous floating `mean/kmin/kmax` `[num_meta, d]`, one launch.
 
     Without CUDA and outside the Triton interpreter this is the same computation
     in torch (identical up to float32 summation order).
@@ -69,8 +69,8 @@ def block_meta_update(
         return
     _, bs, d = k_units.shape
     for name, t in (("mean", mean), ("kmin", kmin), ("kmax", kmax)):
-        if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != d or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 [num_meta, {d}] tensor")
+        if not t.is_floating_point() or t.dim() != 2 or t.shape[1] != d or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous floating [num_meta, {d}] tensor")
     if counts.numel() != n or meta_idx.numel() != n:
         raise ValueError(f"unit_idx, counts and meta_idx must have equal length ({n})")
     if k_units.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
@@ -95,6 +95,6 @@ def block_meta_update(
     k = k_units[unit_idx.long()].float()
     valid = (torch.arange(bs, device=k.device)[None, :] < counts[:, None].long())[..., None]
     rows = meta_idx.long()
-    mean[rows] = (k * valid).sum(1) / counts.float()[:, None]
-    kmin[rows] = torch.where(valid, k, torch.inf).amin(1)
-    kmax[rows] = torch.where(valid, k, -torch.inf).amax(1)
+    mean[rows] = ((k * valid).sum(1) / counts.float()[:, None]).to(mean.dtype)
+    kmin[rows] = torch.where(valid, k, torch.inf).amin(1).to(kmin.dtype)
+    kmax[rows] = torch.where(valid, k, -torch.inf).amax(1).to(kmax.dtype)

@@ -42,15 +42,15 @@ def _logits(
     else:
         offs = base + j[:, None] * D + dd[None, :]
     if BOUND:
-        kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0)
-        kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0)
+        kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0).to(tl.float32)
+        kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0).to(tl.float32)
         # sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min: two tensor-core products
         # instead of a [GP, NBC, D] elementwise tensor (which spilled registers).
         x = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision="tf32x3") + tl.dot(
             tl.minimum(q, 0.0), tl.trans(kmin), input_precision="tf32x3"
         )
     else:
-        mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0)
+        mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0).to(tl.float32)
         # Tensor cores; three tf32 passes keep fp32-level accuracy (GP, NBC >= 16).
         x = tl.dot(q, tl.trans(mean), input_precision="tf32x3")
     count = tl.minimum(length - j * BS, BS).to(tl.float32)
@@ -126,8 +126,9 @@ def block_scores(
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
 
-    `meta_*` are `[B, Hkv, NB, d]` float32 (gathered per request by the caller), or,
-    with `pages [B, NB]`, `[P, Hkv, d]` per page, read through the page table in place.
+    `meta_*` are `[B, Hkv, NB, d]` (gathered per request by the caller), or,
+    with `pages [B, NB]`, `[P, Hkv, d]` per page, read through the page table in place;
+    float32, or the KV dtype (half the bytes to read; scored in float32).
     """
     if method not in ("mean", "bound"):
         raise ValueError(f"unknown criticality method {method!r} (mean|bound)")

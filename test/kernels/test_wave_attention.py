@@ -149,6 +149,23 @@ def test_block_scores_read_per_page_metadata_through_the_page_table(device, meth
     torch.testing.assert_close(got[1], want[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["mean", "bound"])
+def test_block_scores_read_metadata_in_the_kv_dtype(device, method, dtype):
+    """Metadata kept in the KV dtype (the serving default: half the bytes of float32) is
+    scored in float32: the same scores as float32 copies of the same values."""
+    from sgl_kernel_ext.scoring import block_scores
+
+    q, k, _, lengths = _case(6, Hq=8, Hkv=2, T=300, device=device)
+    meta = block_metadata(k.to(dtype), lengths, 32)  # min/max exact in dtype, mean rounded
+    low = [t.to(dtype) for t in (meta.mean, meta.kmin, meta.kmax)]
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = block_scores(q, *low, lengths, 32, scale, method, want_bound=True)
+    want = block_scores(q, *(t.float() for t in low), lengths, 32, scale, method, True)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "rule,eps,host",
     [

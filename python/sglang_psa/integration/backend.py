@@ -119,7 +119,9 @@ class PSAAttnBackend(AttentionBackend):
             pool.head_num,
             pool.head_dim,
             cfg.block_size,
+            mean=cfg.needs_key_mean,
             bounds=cfg.needs_key_bounds,
+            key_dtype=kv_pool.metadata_dtype(pool.dtype),
             device=device,
         )
         current().page_meta = self.meta
@@ -198,10 +200,13 @@ class PSAAttnBackend(AttentionBackend):
             # The kernels' int32 forms, once per step rather than once per layer.
             "lengths32": lengths.to(torch.int32),
             "pages32": pages32,
-            "page_loc": pages32[:, None, :]
-            .expand(pages.shape[0], self.token_to_kv_pool.head_num, pages.shape[1])
-            .contiguous(),
         }
+        if self.cache is None:  # at HBM home a block's slot is its page, for every head
+            self._step["page_loc"] = (
+                pages32[:, None, :]
+                .expand(pages.shape[0], self.token_to_kv_pool.head_num, pages.shape[1])
+                .contiguous()
+            )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

@@ -41,12 +41,22 @@ def _host_home(cfg) -> bool:
     return cfg is not None and cfg.kv_home == "host"
 
 
-def metadata_bytes_per_token(kv_bytes_per_token: int, kv_elem: int, cfg) -> int:
-    """HBM bytes of block metadata per token: float32 key vectors (the mean, plus min and
-    max for key bounds) per (layer, KV head) per block of `block_size` tokens."""
-    n_meta = 3 if cfg.needs_key_bounds else 1
+def metadata_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """Block metadata is kept in the KV dtype (a min or max of bf16 keys is exact in bf16);
+    8-bit caches get bf16, which holds every fp8 value exactly."""
+    return kv_dtype if torch.empty((), dtype=kv_dtype).element_size() >= 2 else torch.bfloat16
+
+
+def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg) -> int:
+    """HBM bytes of block metadata per token: per (layer, KV head) per block of
+    `block_size` tokens, the key vectors the ranking and the stop rule read (the mean
+    for the mean score, min and max for key bounds), in `metadata_dtype`."""
+    n_meta = (2 if cfg.needs_key_bounds else 0) + (1 if cfg.needs_key_mean else 0)
+    kv_elem = torch.empty((), dtype=kv_dtype).element_size()
+    meta_elem = torch.empty((), dtype=metadata_dtype(kv_dtype)).element_size()
     # kv_bytes_per_token = 2 (K, V) x layers x heads x d x kv_elem
-    return math.ceil(kv_bytes_per_token * 2 * n_meta / (kv_elem * cfg.block_size))
+    per_vector_token = kv_bytes_per_token // (2 * kv_elem)  # layers x heads x d
+    return math.ceil(per_vector_token * n_meta * meta_elem / cfg.block_size)
 
 
 def after_compute_cell_size(result, configurator, kvc, num_layers):
@@ -55,8 +65,7 @@ def after_compute_cell_size(result, configurator, kvc, num_layers):
     cfg = _config()
     if cfg is None or getattr(kvc, "use_mla_backend", False):
         return result
-    kv_elem = torch.empty((), dtype=kvc.kv_cache_dtype).element_size()
-    meta = metadata_bytes_per_token(result, kv_elem, cfg)
+    meta = metadata_bytes_per_token(result, kvc.kv_cache_dtype, cfg)
     if _host_home(cfg):
         configurator._psa_kv_bytes_per_token = result
         return meta

@@ -5,9 +5,10 @@ shared by every request whose table holds the page (prefix sharing for free).
 A page's keys change only after SGLang hands it out again, so `invalidate`
 (fed by the allocator hook with the token slots it allocated) clears it, and
 `refresh` computes the missing ones, for full pages only: the partial tail
-page is always attended and never ranked. Per layer `[pages, Hkv, d]` float32
-mean keys, plus per-channel min/max when the stop rule or the score needs
-key bounds.
+page is always attended and never ranked. Per layer `[pages, Hkv, d]` vectors
+in the KV dtype (bf16 min/max of bf16 keys are exact; the scoring kernel reads
+them in float32): the mean key when the score is the mean, per-channel min and
+max when the score or the stop rule needs key bounds, nothing it would not read.
 """
 
 from __future__ import annotations
@@ -23,16 +24,27 @@ class PageMeta:
         kv_heads: int,
         head_dim: int,
         page_size: int,
+        *,
+        mean: bool,
         bounds: bool,
+        key_dtype: torch.dtype,
         device: torch.device | str,
     ):
+        if not (mean or bounds):
+            raise ValueError("PageMeta keeps the mean key, the key bounds, or both")
         shape = (layers, num_pages, kv_heads, head_dim)
-        f32 = dict(dtype=torch.float32, device=device)
+        kw = dict(dtype=key_dtype, device=device)
         self.page_size = page_size
-        self.mean = torch.zeros(shape, **f32)
-        self.kmin = torch.zeros(shape, **f32) if bounds else None
-        self.kmax = torch.zeros(shape, **f32) if bounds else None
+        self.mean = torch.zeros(shape, **kw) if mean else None
+        self.kmin = torch.zeros(shape, **kw) if bounds else None
+        self.kmax = torch.zeros(shape, **kw) if bounds else None
         self.valid = torch.zeros(num_pages, dtype=torch.bool, device=device)
+
+    @property
+    def bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (self.mean, self.kmin, self.kmax) if t is not None
+        )
 
     def invalidate(self, token_slots: torch.Tensor) -> None:
         """The pages holding these newly allocated token slots get new keys."""
@@ -48,9 +60,10 @@ class PageMeta:
         if pages.numel() == 0:
             return
         H, d = k_buffer.shape[1:]
-        k = k_buffer.view(-1, self.page_size, H, d)[pages].float()  # [n, bs, Hkv, d]
-        self.mean[layer, pages] = k.mean(1)
-        if self.kmin is not None:
+        k = k_buffer.view(-1, self.page_size, H, d)[pages]  # [n, bs, Hkv, d]
+        if self.mean is not None:
+            self.mean[layer, pages] = k.float().mean(1).to(self.mean.dtype)
+        if self.kmin is not None:  # exact in the keys' own dtype
             self.kmin[layer, pages] = k.amin(1)
             self.kmax[layer, pages] = k.amax(1)
 
@@ -58,9 +71,10 @@ class PageMeta:
         self.valid[pages] = True
 
     def layer(self, layer: int):
-        """`[pages, Hkv, d]` mean, min, max of `layer` (min/max are the mean when bounds
-        are not kept: the scoring kernel then does not read them)."""
-        mean = self.mean[layer]
+        """`[pages, Hkv, d]` mean, min, max of `layer`. What is not kept is replaced by a
+        kept tensor, which the scoring kernel then does not read."""
+        kept = self.mean if self.mean is not None else self.kmin
+        mean = kept[layer]
         if self.kmin is None:
             return mean, mean, mean
         return mean, self.kmin[layer], self.kmax[layer]

@@ -177,8 +177,32 @@ def test_unsupported_models_and_settings_are_refused_naming_the_flag():
             PSAAttnBackend(bad)
 
 
-def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
-    cfg = PSAConfig(threshold=0.9, wave_blocks=1, max_wave_blocks=2)
+def _assert_page_meta(meta, layer, page, keys):
+    """Whatever the page's metadata keeps equals its keys' summaries (min/max exactly)."""
+    keys = keys.float()
+    if meta.mean is not None:
+        torch.testing.assert_close(meta.mean[layer, page].float(), keys.mean(0))
+    if meta.kmin is not None:
+        assert torch.equal(meta.kmin[layer, page].float(), keys.amin(0))
+        assert torch.equal(meta.kmax[layer, page].float(), keys.amax(0))
+
+
+@pytest.mark.parametrize("score", ["bound", "mean"])
+def test_page_metadata_keeps_what_the_score_reads_in_the_kv_dtype(score):
+    cfg = PSAConfig(score=score)
+    runner, _, _ = _rig(cfg, [64])
+    meta = PSAAttnBackend(runner, use_kernel=True).meta
+    assert (meta.mean is not None) == (score == "mean")
+    assert (meta.kmin is not None) == (score == "bound")
+    kept = [t for t in (meta.mean, meta.kmin, meta.kmax) if t is not None]
+    assert all(t.dtype == runner.token_to_kv_pool.dtype for t in kept)
+    per_vector = meta.valid.numel() * LAYERS * HKV * D * 4  # float32 pool in this rig
+    assert meta.bytes == len(kept) * per_vector
+
+
+@pytest.mark.parametrize("score", ["bound", "mean"])
+def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page(score):
+    cfg = PSAConfig(threshold=0.9, wave_blocks=1, max_wave_blocks=2, score=score)
     runner, fb, g = _rig(cfg, [300, 200])
     backend = PSAAttnBackend(runner, use_kernel=True)
     kv = runner.token_to_kv_pool
@@ -188,7 +212,7 @@ def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
         backend.forward_decode(q, None, None, _layer(layer), fb, save_kv_cache=False)
     page = int(runner.req_to_token_pool.req_to_token[1, 64]) // BS  # request 1's third page
     keys = kv.k_buffer[0].view(-1, BS, HKV, D)
-    assert torch.allclose(backend.meta.mean[0, page], keys[page].float().mean(0))
+    _assert_page_meta(backend.meta, 0, page, keys[page])
     backend.init_forward_metadata(fb)
     assert backend._step["stale"].numel() == 0  # nothing recomputed in the next step
     # SGLang hands the page out again (new keys): the allocator hook invalidates it.
@@ -198,7 +222,7 @@ def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page():
     backend.init_forward_metadata(fb)
     assert backend._step["stale"].tolist() == [page]
     backend.forward_decode(q, None, None, _layer(0), fb, save_kv_cache=False)
-    assert torch.allclose(backend.meta.mean[0, page], keys[page].float().mean(0))
+    _assert_page_meta(backend.meta, 0, page, keys[page])
 
 
 # Six pages of float32 K+V (2 x 32 tokens x 2 heads x 16 dims x 4 bytes each).
@@ -268,5 +292,5 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated(home):
             page = int(req.req_to_token[r, j * BS]) // BS
             assert bool(backend.meta.valid[page])
             for layer_id in range(LAYERS):
-                keys = kv.k_buffer[layer_id].view(-1, BS, HKV, D)[page].float()
-                torch.testing.assert_close(backend.meta.mean[layer_id, page], keys.mean(0))
+                keys = kv.k_buffer[layer_id].view(-1, BS, HKV, D)[page]
+                _assert_page_meta(backend.meta, layer_id, page, keys)

@@ -32,12 +32,17 @@ def _no_config(monkeypatch):
 def test_hbm_budget_counts_block_metadata():
     conf = SimpleNamespace()
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN
-    flags.export(PSAConfig(score="mean"))  # mean keys only: 24 x 2 x 64 x 4 B per 32 tokens
-    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 384
+    # Metadata is kept in the KV dtype (bf16 here): one key vector per block is
+    # 24 layers x 2 heads x 64 x 2 B per 32 tokens = 192 B per token.
+    flags.export(PSAConfig(score="mean"))  # the mean key only
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 192
     flags.export(PSAConfig(score="mean", stop_rule="certified"))  # mean, min and max
-    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 384
-    flags.export(PSAConfig())  # the default ranks by the bound: mean, min and max
-    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 384
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 192
+    flags.export(PSAConfig())  # the default ranks by the bound: min and max, no mean
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 2 * 192
+    fp8 = SimpleNamespace(kv_cache_dtype=torch.float8_e4m3fn, use_mla_backend=False)
+    # An fp8 cache (half the KV bytes) keeps bf16 metadata: the same 2 x 192 B per token.
+    assert kv_pool.after_compute_cell_size(PER_TOKEN // 2, conf, fp8, 24) == PER_TOKEN // 2 + 384
     # The pool in HBM: the token budget is SGLang's own.
     assert (
         kv_pool.after_calculate_pool_sizes(PoolConfig(1000), conf, 0, 32).max_total_num_tokens
@@ -51,16 +56,16 @@ def test_host_home_budgets_hbm_for_metadata_and_tokens_for_the_host_pool():
     conf = SimpleNamespace()
     flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5, score="mean"))
     conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
-    assert conf._cell_size == 384
+    assert conf._cell_size == 192
     host_tokens = (2**29 // PER_TOKEN) // 32 * 32  # 43680
     # HBM for metadata of far more tokens than the host pool holds: the host pool decides,
     # and the HBM the metadata leaves over is the page cache.
-    avail = 10**7 * 384
+    avail = 10**7 * 192
     got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, avail, 32)
     assert got.max_total_num_tokens == host_tokens
-    assert kv_pool.slot_cache_bytes() == avail - host_tokens * 384
+    assert kv_pool.slot_cache_bytes() == avail - host_tokens * 192
     # Metadata HBM for fewer tokens than the host pool: HBM decides, no page cache left.
-    got = kv_pool.after_calculate_pool_sizes(PoolConfig(4096), conf, 4096 * 384, 32)
+    got = kv_pool.after_calculate_pool_sizes(PoolConfig(4096), conf, 4096 * 192, 32)
     assert got.max_total_num_tokens == 4096 and kv_pool.slot_cache_bytes() == 0
 
 
