@@ -24,7 +24,12 @@ from sglang_psa.config import PSAConfig
 HQ, HKV, D, BS = 32, 8, 128, 32
 # The server's defaults (ranking score, wave sizes), at ε = 1: a budget forces the fraction.
 CONFIG = PSAConfig(block_size=BS, threshold=1.0)
-LAUNCH = {"tile_tokens": 128, "num_warps": 4, "splits": None}  # set by the sweeps in run()
+LAUNCH = {
+    "tile_tokens": 128,
+    "num_warps": 4,
+    "splits": None,
+    "num_stages": 2,
+}  # set by the sweeps in run()
 
 
 def _time(fn, reps: int = 20, warmup: int = 3, stream=None) -> float:
@@ -60,19 +65,36 @@ def setup(batch: int, ctx: int, host_fraction: float, seed: int = 0):
     loc = loc.view(batch, HKV, nb)
     # int32, as the serving backend passes them (converted once per step, not per layer)
     lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    meta = torch.randn(3, batch, HKV, nb, D, device="cuda", generator=g)
+    # Metadata in the KV dtype, as the server keeps it (bf16 min/max are exact).
+    meta = torch.randn(3, batch, HKV, nb, D, device="cuda", generator=g).to(torch.bfloat16)
     return q, k_slots, v_slots, k_host, v_host, loc, lengths, meta
 
 
+def meta_bytes(batch: int, ctx: int) -> int:
+    """Metadata the scoring reads per layer: every block's key vectors (bf16)."""
+    vectors = int(CONFIG.needs_key_mean) + 2 * int(CONFIG.needs_key_bounds)
+    return batch * HKV * (ctx // BS) * D * 2 * vectors
+
+
 def bench_case(
-    batch: int, ctx: int, frac: float, host_fraction: float = 0.0, profile: bool = False
+    batch: int,
+    ctx: int,
+    frac: float,
+    host_fraction: float = 0.0,
+    profile: bool = False,
+    splits: int | None = None,
+    torch_rank: bool = False,
 ) -> dict:
     q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, ctx, host_fraction)
     nb = ctx // BS
     budget = max(2, round(frac * nb))
-    splits = LAUNCH["splits"] if batch == 8 and ctx == 131072 else None
+    if splits is None:
+        splits = LAUNCH["splits"] if batch == 8 and ctx == 131072 else None
     wa = WaveAttention.from_config(CONFIG).plan(batch, HQ, HKV, D, nb, "cuda", splits=splits)
     wa.tile_tokens, wa.num_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
+    wa.num_stages = LAUNCH["num_stages"]
+    if torch_rank:  # torch.sort instead of the one-launch ranking kernel (same order)
+        wa.fused_rank_max_blocks = 0
     run = lambda: wa.run(
         q,
         ks,
@@ -112,6 +134,9 @@ def bench_case(
         "splits": wa.splits,  # after any halving for the cooperative launch
         "gbps_on_bytes_read": read_bytes / t / 1e9,
         "bytes_read": read_bytes,
+        # K/V plus the metadata the ranking reads (every block's, whatever the fraction).
+        "meta_bytes_read": meta_bytes(batch, ctx),
+        "gbps_on_all_bytes": (read_bytes + meta_bytes(batch, ctx)) / t / 1e9,
     }
     if profile:
         from torch.profiler import ProfilerActivity
@@ -187,6 +212,18 @@ def run() -> dict:
             torch.cuda.empty_cache()
     best = min(sweep, key=sweep.get)
     LAUNCH.update(tile_tokens=int(best[4:].split("_")[0]), num_warps=int(best.split("warps")[1]))
+    # Software-pipeline depth of the tile loop (1: loads wait for the previous merge).
+    stage_sweep = {}
+    for stages in (1, 2, 3, 4):
+        LAUNCH.update(num_stages=stages)
+        try:
+            stage_sweep[f"stages{stages}"] = bench_case(8, 131072, 0.05)["time_us"]
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            stage_sweep[f"stages{stages}"] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+        torch.cuda.empty_cache()
+    ok = {k: v for k, v in stage_sweep.items() if isinstance(v, float)}
+    LAUNCH.update(num_stages=int(min(ok, key=ok.get)[6:]))
+    sweep.update(stage_sweep)
     print("launch sweep (us):", sweep, "->", LAUNCH, flush=True)
     # Programs per (request, KV head) for the headline case (more than one per SM needs
     # them all resident: a cooperative launch that does not fit fails and is skipped).
@@ -222,6 +259,7 @@ def run() -> dict:
                 torch.cuda.empty_cache()
                 r["dense_sdpa_us"] = dense[f"{ctx}x{batch}"]
                 r["hbm_efficiency"] = r["gbps_on_bytes_read"] / hbm
+                r["hbm_efficiency_all_bytes"] = r["gbps_on_all_bytes"] / hbm
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     host_rows = []
@@ -237,12 +275,17 @@ def run() -> dict:
     # Fixed cost per layer: the smallest step (2 blocks per head, batch 1, 1K context), replayed.
     small = bench_case(1, 1024, 0.0, profile=True)
     overhead = small["time_us"]
+    by_splits = {sp: bench_case(1, 1024, 0.0, splits=sp)["time_us"] for sp in (1, 2)}
     key = next(r for r in rows if r["ctx"] == 131072 and r["batch"] == 8 and r["fraction"] == 0.05)
+    # Where the headline step's time goes (scoring, ranking, waves), eager, profiled.
+    key_profile = bench_case(8, 131072, 0.05, profile=True)["kernels_us"]
+    key_torch_rank = bench_case(8, 131072, 0.05, torch_rank=True, profile=True)
     full_host = host_rows[-1]
     return {
         "hbm_peak_gbps": hbm,
         "h2d_memcpy_peak_gbps_wave_run": h2d,
         "wave_attention_hbm_efficiency": key["hbm_efficiency"],
+        "wave_attention_hbm_efficiency_all_bytes": key["hbm_efficiency_all_bytes"],
         "wave_fixed_overhead_us": overhead,
         "host_block_cost_ratio": full_host["time_us"] / full_host["pcie_time_us"]
         if full_host["pcie_time_us"] > 0
@@ -252,6 +295,12 @@ def run() -> dict:
         "pipelined_alternative": pipelined,
         "dense_sdpa_us": dense,
         "overhead_case": small,
+        "overhead_by_splits_us": by_splits,
+        "headline_kernels_us": key_profile,
+        "headline_with_torch_sort": {
+            "time_us": key_torch_rank["time_us"],
+            "kernels_us": key_torch_rank["kernels_us"],
+        },
         "launch_sweep_us": sweep,
         "split_sweep_us": split_sweep,
         "launch": dict(LAUNCH),

@@ -72,6 +72,10 @@ def main() -> None:
     wave = bench_wave.run()
     merged = {**gather, **{k: v for k, v in wave.items() if not isinstance(v, (list, dict))}}
     summary = {k: merged[k] for k in KEYS}
+    # Also on every byte the step reads (K/V plus the ranking's metadata), not a contract key.
+    summary["wave_attention_hbm_efficiency_all_bytes"] = wave[
+        "wave_attention_hbm_efficiency_all_bytes"
+    ]
     out = Path(args.out)
     write_result(
         out / f"{args.name}.json",

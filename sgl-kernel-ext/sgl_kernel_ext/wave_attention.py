@@ -139,6 +139,7 @@ def _wave_attention_kernel(
     PREC: tl.constexpr,
     HAS_HOST: tl.constexpr,
     S: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -171,14 +172,15 @@ def _wave_attention_kernel(
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
-        # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. Block ids and
-        # locations are fetched one tile ahead so the dependent lookups overlap K/V loads.
-        pos = wstart + sid * NBLK
-        pidx = pos + jj
-        pm = pidx < end
-        blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
-        where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
-        while pos < end:
+        # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
+        # that Triton software-pipelines (STAGES): the block ids, their locations and the
+        # K/V tiles of later iterations are in flight while this one is merged.
+        n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
+        for i in tl.range(0, n_tiles, num_stages=STAGES):
+            pidx = wstart + (sid + i * S) * NBLK + jj
+            pm = pidx < end
+            blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
+            where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
             # Each block is read from its HBM slot or, through UVA, from the host pool
             # (two masked loads: only one touches memory per block).
             in_hbm = where >= 0
@@ -210,17 +212,10 @@ def _wave_attention_kernel(
             else:
                 k = tl.load(k_slots + offs, mask=m_dev, other=0.0)
                 v = tl.load(v_slots + offs, mask=m_dev, other=0.0)
-            nxt = pos + S * NBLK
-            pidx_n = nxt + jj
-            pm_n = pidx_n < end
-            blk_n = tl.load(order_ptr + row + pidx_n, mask=pm_n, other=0)
-            where_n = tl.load(loc_ptr + row + blk_n, mask=pm_n, other=0).to(tl.int64)
             m_i, l_i, acc, smallest = _merge_tile(
                 q, k, v, valid, pm & (pidx >= nf), scale,
                 m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC,
             )  # fmt: skip
-            pos = nxt
-            pidx, pm, blk, where = pidx_n, pm_n, blk_n, where_n
         wstart = end
         if S == 1:
             covered = m_i + tl.log(l_i)
@@ -329,6 +324,8 @@ class WaveAttention:
         self.wave = (wave_blocks, wave_growth, max_wave_blocks)
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
+        # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
+        self.num_stages = 2
         self.limit = math.log((1 - threshold) / threshold) if threshold < 1.0 else -math.inf
 
     @classmethod
@@ -365,8 +362,9 @@ class WaveAttention:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 # Two 4-warp programs fit an SM; run() halves this if a launch does not fit.
                 # Short contexts get fewer: every wave ends in a barrier of all the
-                # splits, which costs more than it saves below ~16 blocks per split.
-                splits = max(1, min(16, 2 * sms // (batch * n_kv_heads), max_blocks // 16))
+                # splits (and a split launch is cooperative), which costs more than it
+                # saves below ~64 blocks per split (bench_wave: overhead_by_splits_us).
+                splits = max(1, min(16, 2 * sms // (batch * n_kv_heads), max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
@@ -535,6 +533,7 @@ class WaveAttention:
                     RULE=0 if self.rule == "heuristic" else 1,
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
                     S=self.splits,
+                    STAGES=self.num_stages,
                     launch_cooperative_grid=self.splits > 1,
                 )
                 break
