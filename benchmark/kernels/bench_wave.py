@@ -29,6 +29,8 @@ LAUNCH = {
     "num_warps": 4,
     "splits": None,
     "num_stages": 2,
+    "score_blocks": 32,
+    "score_warps": 2,
 }  # set by the sweeps in run()
 
 
@@ -93,6 +95,7 @@ def bench_case(
     wa = WaveAttention.from_config(CONFIG).plan(batch, HQ, HKV, D, nb, "cuda", splits=splits)
     wa.tile_tokens, wa.num_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
     wa.num_stages = LAUNCH["num_stages"]
+    wa.score_blocks, wa.score_warps = LAUNCH["score_blocks"], LAUNCH["score_warps"]
     if torch_rank:  # torch.sort instead of the one-launch ranking kernel (same order)
         wa.fused_rank_max_blocks = 0
     run = lambda: wa.run(
@@ -224,6 +227,17 @@ def run() -> dict:
     ok = {k: v for k, v in stage_sweep.items() if isinstance(v, float)}
     LAUNCH.update(num_stages=int(min(ok, key=ok.get)[6:]))
     sweep.update(stage_sweep)
+    # Scoring launch shape (blocks per program, warps), whole step timed.
+    score_sweep = {}
+    for blocks in (32, 64, 128):
+        for warps in (2, 4, 8):
+            LAUNCH.update(score_blocks=blocks, score_warps=warps)
+            score_sweep[f"score{blocks}_warps{warps}"] = bench_case(8, 131072, 0.05)["time_us"]
+            torch.cuda.empty_cache()
+    best = min(score_sweep, key=score_sweep.get)
+    blocks, warps = (int(x) for x in re.findall(r"\d+", best))
+    LAUNCH.update(score_blocks=blocks, score_warps=warps)
+    sweep.update(score_sweep)
     print("launch sweep (us):", sweep, "->", LAUNCH, flush=True)
     # Programs per (request, KV head) for the headline case (more than one per SM needs
     # them all resident: a cooperative launch that does not fit fails and is skipped).

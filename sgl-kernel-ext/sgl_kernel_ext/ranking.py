@@ -1,10 +1,17 @@
-"""Read order of KV blocks from their per-head logits, in one launch.
+"""Read order of KV blocks from their per-head logits: a chunked sort, one or two launches.
 
-Replaces a dozen small torch kernels per layer (log-sum-exp, group max, forced
-mask, stable descending sort, forced count) with one program per (request, KV
-head). The spec is `WaveAttention.rank`'s torch path: criticality = max over
-the GQA group of (logit - logsumexp over the request's blocks); sink and tail
-blocks first, in block order; then by criticality, descending, ties by block.
+The spec is `WaveAttention.rank`'s torch path: criticality = max over the GQA group
+of (logit - logsumexp over the request's blocks); sink and tail blocks first, in
+block order; then by criticality, descending, ties by block.
+
+One program per (request, KV head) sorting a whole row left most SMs idle and took
+91 us at 4096 blocks (H100, batch 8). Instead each row is cut into chunks of `C`
+blocks: one program per (request, KV head, chunk) sorts its chunk in registers,
+and a second launch places every element at its global rank = its rank in its own
+chunk + its count of smaller elements in each other chunk (binary searches). Keys
+are unique (the block index is packed under the float key), so ranks are too.
+Rows of at most `C` blocks need only the first launch. The row's log-sum-exp comes
+from per-chunk (max, sum of exp) partials the scoring kernel writes.
 """
 
 from __future__ import annotations
@@ -15,44 +22,91 @@ import triton.language as tl
 
 
 @triton.jit
-def _rank_kernel(
+def _rank_chunk_kernel(
     logit_ptr,
+    part_ptr,
     lengths_ptr,
+    sorted_ptr,
     order_ptr,
     nforced_ptr,
     Hkv,
     NB,
+    NP,
     sink,
     recent,
     G: tl.constexpr,
     BS: tl.constexpr,
-    NBP: tl.constexpr,
+    C: tl.constexpr,
+    NPP: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     length = tl.load(lengths_ptr + b)
     nblk = (length + BS - 1) // BS
-    j = tl.arange(0, NBP)
+    i = tl.arange(0, C)
+    j = c * C + i
     inb = j < NB
-    crit = tl.full([NBP], float("-inf"), tl.float32)
+    p = tl.arange(0, NPP)
+    pm = p < NP
+    crit = tl.full([C], float("-inf"), tl.float32)
     for g in tl.static_range(G):
-        x = tl.load(logit_ptr + ((b * Hkv + h) * G + g) * NB + j, mask=inb, other=float("-inf"))
-        m = tl.max(x, axis=0)
-        lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+        row = (b * Hkv + h) * G + g
+        # The row's log-sum-exp from its partial (max, sum of exp) pairs.
+        pmax = tl.load(part_ptr + (row * NP + p) * 2, mask=pm, other=float("-inf"))
+        psum = tl.load(part_ptr + (row * NP + p) * 2 + 1, mask=pm, other=0.0)
+        m = tl.max(pmax, axis=0)
+        lse = m + tl.log(tl.sum(tl.where(pmax == float("-inf"), 0.0, psum * tl.exp(pmax - m)), 0))
+        x = tl.load(logit_ptr + row * NB + j, mask=inb, other=float("-inf"))
         crit = tl.maximum(crit, x - lse)
     forced = (j < nblk) & ((j < sink) | (j >= nblk - recent))
     key = tl.where(forced, float("inf"), crit)
     key = tl.where(inb, key, float("-inf"))
     # Float order as signed-int order (flip the magnitude bits of negatives), reversed for
-    # a descending sort, packed above the block index so ties keep block order.
+    # an ascending sort to give descending keys, packed above the block index so ties keep
+    # block order (and padding, -inf with the largest indices, sorts last).
     bits = key.to(tl.int32, bitcast=True)
     s = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    packed = ((~s).to(tl.int64) << 32) | j.to(tl.int64)
-    packed = tl.sort(packed, dim=0)
-    idx = (packed & 0xFFFFFFFF).to(tl.int32)
-    tl.store(order_ptr + (b * Hkv + h) * NB + j, idx, mask=inb)
-    n_forced = tl.sum(forced.to(tl.int32), axis=0)
-    tl.store(nforced_ptr + b, n_forced, mask=h == 0)
+    packed = tl.sort(((~s).to(tl.int64) << 32) | j.to(tl.int64), dim=0)
+    if DIRECT:  # the row is one chunk: its sorted order is the answer
+        tl.store(order_ptr + (b * Hkv + h) * NB + i, (packed & 0xFFFFFFFF).to(tl.int32), mask=inb)
+    else:
+        tl.store(sorted_ptr + ((b * Hkv + h) * tl.num_programs(2) + c) * C + i, packed)
+    # sink and tail blocks, overlapping when the request is short
+    tl.store(nforced_ptr + b, tl.minimum(nblk, sink + recent), mask=(h == 0) & (c == 0))
+
+
+@triton.jit
+def _rank_merge_kernel(sorted_ptr, order_ptr, Hkv, NB, C: tl.constexpr, LOG2C: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    nch = tl.num_programs(2)
+    base = sorted_ptr + (b * Hkv + h) * nch * C
+    i = tl.arange(0, C)
+    x = tl.load(base + c * C + i)
+    pos = i
+    for c2 in range(0, nch):
+        if c2 != c:
+            other = base + c2 * C
+            # Branchless lower bound: how many of the other chunk's keys are below x.
+            lo = tl.zeros([C], tl.int32)
+            for k in tl.static_range(LOG2C):
+                step = C >> (k + 1)
+                lo = tl.where(tl.load(other + lo + step - 1) < x, lo + step, lo)
+            lo += (tl.load(other + lo) < x).to(tl.int32)
+            pos += lo
+    idx = (x & 0xFFFFFFFF).to(tl.int32)
+    tl.store(order_ptr + (b * Hkv + h) * NB + pos, idx, mask=idx < NB)
+
+
+def logit_partials(logits: torch.Tensor) -> torch.Tensor:
+    """`[B, Hq, 1, 2]` (max, sum of exp below it) of each row: the partials `rank_blocks`
+    combines, for callers whose scoring did not write them."""
+    m = logits.amax(-1, keepdim=True)
+    s = torch.where(logits == -torch.inf, 0.0, (logits - m).exp()).sum(-1, keepdim=True)
+    return torch.stack([m, s], -1).float().contiguous()
 
 
 def rank_blocks(
@@ -64,27 +118,40 @@ def rank_blocks(
     n_kv_heads: int,
     order: torch.Tensor | None = None,
     n_forced: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
+    chunk_blocks: int = 512,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order `[B, Hkv, NB]` int32 and forced counts `[B]` int32 from logits `[B, Hq, NB]`
-    (float32, -inf past each request's blocks). Pass `order`/`n_forced` to reuse buffers."""
+    (float32, -inf past each request's blocks). `partials [B, Hq, P, 2]` are the rows'
+    (max, sum of exp) over P chunks (`block_scores(partials=...)`); without them they are
+    computed here. Pass `order`/`n_forced` to reuse buffers."""
     B, Hq, NB = logits.shape
     G = Hq // n_kv_heads
+    dev = logits.device
     if order is None:
-        order = torch.empty(B, n_kv_heads, NB, dtype=torch.int32, device=logits.device)
+        order = torch.empty(B, n_kv_heads, NB, dtype=torch.int32, device=dev)
     if n_forced is None:
-        n_forced = torch.empty(B, dtype=torch.int32, device=logits.device)
-    _rank_kernel[(B, n_kv_heads)](
-        logits.contiguous(),
-        lengths.to(torch.int32).contiguous(),
-        order,
-        n_forced,
-        n_kv_heads,
-        NB,
-        sink,
-        recent,
-        G=G,
-        BS=block_size,
-        NBP=triton.next_power_of_2(max(NB, 2)),
-        num_warps=4 if NB <= 1024 else 8,
+        n_forced = torch.empty(B, dtype=torch.int32, device=dev)
+    if partials is None:
+        partials = logit_partials(logits)
+    if chunk_blocks < 2 or chunk_blocks & (chunk_blocks - 1):
+        raise ValueError(f"chunk_blocks must be a power of two >= 2, got {chunk_blocks}")
+    C = min(chunk_blocks, triton.next_power_of_2(max(NB, 2)))
+    nch = triton.cdiv(NB, C)
+    direct = nch == 1
+    scratch = (
+        order if direct else torch.empty(B * n_kv_heads * nch * C, dtype=torch.int64, device=dev)
     )
+    NP = partials.shape[2]
+    lengths32 = lengths.to(torch.int32).contiguous()
+    _rank_chunk_kernel[(B, n_kv_heads, nch)](
+        logits.contiguous(), partials.contiguous(), lengths32, scratch, order, n_forced,
+        n_kv_heads, NB, NP, sink, recent,
+        G=G, BS=block_size, C=C, NPP=triton.next_power_of_2(max(NP, 2)), DIRECT=direct,
+        num_warps=4 if C <= 1024 else 8,
+    )  # fmt: skip
+    if not direct:
+        _rank_merge_kernel[(B, n_kv_heads, nch)](
+            scratch, order, n_kv_heads, NB, C=C, LOG2C=C.bit_length() - 1, num_warps=4
+        )
     return order, n_forced

@@ -68,6 +68,7 @@ def _score_kernel(
     pages_ptr,
     logit_ptr,
     ub_ptr,
+    part_ptr,
     scale,
     Hkv,
     NB,
@@ -79,6 +80,7 @@ def _score_kernel(
     BOUND: tl.constexpr,
     WANT_UB: tl.constexpr,
     PAGED: tl.constexpr,
+    WANT_PART: tl.constexpr,
 ):
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
@@ -101,6 +103,12 @@ def _score_kernel(
     args = (pages_ptr, b * NB, h, Hkv)
     x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, BOUND, PAGED)
     tl.store(logit_ptr + out, x, mask=omask)
+    if WANT_PART:  # this chunk's (max, sum of exp) per query head, for the row's lse
+        m = tl.max(x, axis=1)
+        ssum = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m[:, None])), axis=1)
+        pbase = ((b * Hkv * G + hq) * tl.num_programs(1) + tl.program_id(1)) * 2
+        tl.store(part_ptr + pbase, m, mask=gmask)
+        tl.store(part_ptr + pbase + 1, ssum, mask=gmask)
     if WANT_UB:
         ub = _logits(
             q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, True, PAGED
@@ -122,6 +130,7 @@ def block_scores(
     num_warps: int = 2,
     pages: torch.Tensor | None = None,
     normalize: bool = True,
+    partials: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
@@ -129,6 +138,8 @@ def block_scores(
     `meta_*` are `[B, Hkv, NB, d]` (gathered per request by the caller), or,
     with `pages [B, NB]`, `[P, Hkv, d]` per page, read through the page table in place;
     float32, or the KV dtype (half the bytes to read; scored in float32).
+    `partials` (`[B, Hq, partial_chunks(NB), 2]` float32, see there) receives each
+    chunk's (max, sum of exp) of the raw logits, from which `rank_blocks` gets the lse.
     """
     if method not in ("mean", "bound"):
         raise ValueError(f"unknown criticality method {method!r} (mean|bound)")
@@ -144,14 +155,23 @@ def block_scores(
     lengths32 = lengths.to(torch.int32).contiguous()
     paged = pages is not None
     pages_arg = pages.to(torch.int32).contiguous() if paged else lengths32
+    nbc = max(nbc, 16)
+    if partials is not None and partials.shape != (B, Hq, triton.cdiv(NB, nbc), 2):
+        raise ValueError(f"partials must be [B, Hq, {triton.cdiv(NB, nbc)}, 2] float32")
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
-        lengths32, pages_arg, logits, ub, scale, Hkv, NB,
-        G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=max(nbc, 16),
-        BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged, num_warps=num_warps,
+        lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
+        G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=nbc,
+        BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
+        WANT_PART=partials is not None, num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
     return out, (ub if want_bound else None)
+
+
+def partial_chunks(n_blocks: int, blocks_per_program: int = 32) -> int:
+    """How many (max, sum of exp) partials per row `block_scores` writes."""
+    return triton.cdiv(n_blocks, max(blocks_per_program, 16))
 
 
 def criticality_from_logits(logits: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext.ranking import rank_blocks
-from sgl_kernel_ext.scoring import block_scores, criticality_from_logits
+from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
 HEURISTIC, CERTIFIED = 0, 1
 
@@ -300,9 +300,9 @@ class WaveAttention:
     them (the certified rule's suffix sums still allocate temporaries).
     """
 
-    # Up to this many blocks per request (128K tokens of 32) the ranking is one fused
-    # launch that sorts in one program's registers; beyond, torch sorts (same order).
-    fused_rank_max_blocks = 4096
+    # Up to this many blocks per request (2M tokens of 32) the ranking kernels sort
+    # (`ranking.py`); beyond, torch sorts (the same order).
+    fused_rank_max_blocks = 1 << 16
 
     def __init__(
         self,
@@ -326,6 +326,10 @@ class WaveAttention:
         self.tile_tokens, self.num_warps = 64, 4
         # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
         self.num_stages = 2
+        # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
+        self.rank_chunk_blocks = 512
+        # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
+        self.score_blocks, self.score_warps = 32, 2
         self.limit = math.log((1 - threshold) / threshold) if threshold < 1.0 else -math.inf
 
     @classmethod
@@ -413,6 +417,19 @@ class WaveAttention:
         counts `[B]` and, for the certified rule, suffix sums of the bound log-mass."""
         B, Hq, _ = q.shape
         Hkv, bs = self.Hkv, self.bs
+        fused = self.NB <= self.fused_rank_max_blocks
+        partials = (
+            torch.empty(
+                B,
+                Hq,
+                partial_chunks(self.NB, self.score_blocks),
+                2,
+                dtype=torch.float32,
+                device=q.device,
+            )
+            if fused
+            else None
+        )
         logits, ub = block_scores(
             q,
             meta_mean,
@@ -425,11 +442,22 @@ class WaveAttention:
             want_bound=self.rule == "certified",
             pages=meta_pages,
             normalize=False,
+            partials=partials,
+            blocks_per_program=self.score_blocks,
+            num_warps=self.score_warps,
         )
-        if self.NB <= self.fused_rank_max_blocks:
-            # One launch: group criticality, forced blocks first, stable descending sort.
+        if fused:  # group criticality, forced blocks first, stable descending chunked sort
             order, n_forced = rank_blocks(
-                logits, lengths, bs, self.sink, self.recent, Hkv, self.order, self.n_forced
+                logits,
+                lengths,
+                bs,
+                self.sink,
+                self.recent,
+                Hkv,
+                self.order,
+                self.n_forced,
+                partials=partials,
+                chunk_blocks=self.rank_chunk_blocks,
             )
         else:  # too many blocks for one program's registers: torch's sort, same result
             crit = criticality_from_logits(logits, Hkv)

@@ -1,6 +1,7 @@
-"""The fused ranking kernel equals the reference: criticality from per-head logits
+"""The ranking kernels equal the reference: criticality from per-head logits
 (`criticality_from_logits`) and the forced-first stable order (`order_blocks`), including
-ties, requests of different lengths and block counts that are not powers of two."""
+ties, requests of different lengths, block counts that are not powers of two, and rows
+sorted in several chunks and merged."""
 
 import pytest
 import torch
@@ -15,8 +16,11 @@ def device(kernel_device):
     return kernel_device
 
 
-@pytest.mark.parametrize("nb, G, sink, recent", [(37, 4, 1, 1), (64, 1, 2, 3), (5, 7, 1, 2)])
-def test_rank_kernel_matches_reference(device, nb, G, sink, recent):
+@pytest.mark.parametrize("chunk", [512, 8])  # one chunk per row; up to 8 chunks merged
+@pytest.mark.parametrize(
+    "nb, G, sink, recent", [(37, 4, 1, 1), (64, 1, 2, 3), (5, 7, 1, 2), (300, 2, 0, 1)]
+)
+def test_rank_kernel_matches_reference(device, nb, G, sink, recent, chunk):
     from sgl_kernel_ext.ranking import rank_blocks
 
     bs, B, Hkv = 16, 3, 2
@@ -27,7 +31,41 @@ def test_rank_kernel_matches_reference(device, nb, G, sink, recent):
     logits = logits.masked_fill(torch.arange(nb)[None, None, :] >= nblk[:, None, None], -torch.inf)
     cfg = PSAConfig(block_size=bs, sink_blocks=sink, recent_blocks=recent)
     want_order, want_forced = order_blocks(criticality_from_logits(logits, Hkv), lengths, cfg)
-    order, n_forced = rank_blocks(logits.to(device), lengths.to(device), bs, sink, recent, Hkv)
+    order, n_forced = rank_blocks(
+        logits.to(device), lengths.to(device), bs, sink, recent, Hkv, chunk_blocks=chunk
+    )
     assert order.dtype == torch.int32 and order.shape == (B, Hkv, nb)
     assert torch.equal(order.cpu().long(), want_order)
     assert torch.equal(n_forced.cpu().long(), want_forced)
+
+
+def test_partials_from_the_scoring_kernel_give_the_same_order(device):
+    """The row log-sum-exp combined from the scoring kernel's per-chunk partials ranks
+    like the one computed from the whole row."""
+    from sgl_kernel_ext.ranking import logit_partials, rank_blocks
+    from sgl_kernel_ext.scoring import block_scores, partial_chunks
+    from sglang_psa.algo import block_metadata
+
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, T, d, bs = 2, 8, 2, 1500, 16, 16
+    q = torch.randn(B, Hq, d, generator=g).to(device)
+    k = torch.randn(B, Hkv, T, d, generator=g).to(device)
+    lengths = torch.tensor([T, 700]).to(device)
+    meta = block_metadata(k, lengths, bs)
+    nb = meta.mean.shape[2]
+    part = torch.empty(B, Hq, partial_chunks(nb), 2, device=device)
+    assert part.shape[2] > 1
+    logits, _ = block_scores(
+        q, meta.mean, meta.kmin, meta.kmax, lengths, bs, 0.25, "bound", normalize=False,
+        partials=part,
+    )  # fmt: skip
+    whole = logit_partials(logits)
+
+    def lse(p):
+        top = p[..., 0].amax(-1, keepdim=True)
+        return top[..., 0] + torch.log((p[..., 1] * (p[..., 0] - top).exp()).sum(-1))
+
+    torch.testing.assert_close(lse(part.cpu()), lse(whole.cpu()), atol=1e-5, rtol=1e-6)
+    got = rank_blocks(logits, lengths, bs, 1, 1, Hkv, partials=part, chunk_blocks=16)
+    want = rank_blocks(logits, lengths, bs, 1, 1, Hkv)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

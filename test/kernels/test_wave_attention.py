@@ -180,14 +180,25 @@ def test_wave_attention_matches_reference(device, rule, eps, host):
     _assert_matches_psa(cfg, _case(1, device=device), host, 2, device)
 
 
+@pytest.mark.parametrize("path", ["torch", "chunked"])
 @pytest.mark.parametrize("rule,eps", [("heuristic", 0.9), ("certified", 0.95)])
-def test_ranking_beyond_the_fused_kernels_reach_gives_the_same_result(
-    device, rule, eps, monkeypatch
+def test_ranking_in_torch_or_in_merged_chunks_gives_the_same_result(
+    device, rule, eps, path, monkeypatch
 ):
-    """Past `fused_rank_max_blocks` the ranking runs in torch: same reads, same output."""
+    """Past `fused_rank_max_blocks` the ranking runs in torch; rows longer than
+    `rank_chunk_blocks` are sorted in chunks and merged: same reads, same output."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
-    monkeypatch.setattr(WaveAttention, "fused_rank_max_blocks", 0)
+    if path == "torch":
+        monkeypatch.setattr(WaveAttention, "fused_rank_max_blocks", 0)
+    else:  # 13 blocks per row in chunks of 4
+        real_init = WaveAttention.__init__
+
+        def small_chunks(self, **kw):
+            real_init(self, **kw)
+            self.rank_chunk_blocks = 4
+
+        monkeypatch.setattr(WaveAttention, "__init__", small_chunks)
     cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
     _assert_matches_psa(cfg, _case(13, device=device), 0.3, 4, device)
 
