@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     gather = bench_gather.run()
     print(gather, flush=True)
-    wave = bench_wave.run()
+    wave = bench_wave.run(h2d_floor_gbps=gather["h2d_memcpy_peak_gbps"])
     merged = {**gather, **{k: v for k, v in wave.items() if not isinstance(v, (list, dict))}}
     summary = {k: merged[k] for k in KEYS}
     # Also on every byte the step reads (K/V plus the ranking's metadata), not a contract key.

@@ -10,9 +10,39 @@ bound of each block's log-mass is also written, for the certified stop rule.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _qdot(q, k, INTERP: tl.constexpr):
+    """`q [GP, D]` float32 times `k [N, D]`^T in float32. Float32 keys: three tf32 passes.
+    16-bit keys stay 16-bit (half the registers, no conversion): q is split into three
+    16-bit terms whose sum is q to ~24 bits, and each product with the exact keys is
+    accumulated in float32, so the result is float32-accurate."""
+    kt = tl.trans(k)
+    if k.dtype == tl.float32:
+        return tl.dot(q, kt, input_precision="tf32x3")
+    q1 = q.to(k.dtype)
+    r = q - q1.to(tl.float32)
+    q2 = r.to(k.dtype)
+    q3 = (r - q2.to(tl.float32)).to(k.dtype)
+    if INTERP and k.dtype == tl.bfloat16:
+        # Triton's interpreter computes bf16 dots wrongly (numpy has no bf16): the same
+        # exact products, as float32 operands.
+        kt = kt.to(tl.float32)
+        q1, q2, q3 = q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+        p = "ieee"
+        return tl.dot(
+            q1,
+            kt,
+            acc=tl.dot(q2, kt, acc=tl.dot(q3, kt, input_precision=p), input_precision=p),
+            input_precision=p,
+        )
+    return tl.dot(q1, kt, acc=tl.dot(q2, kt, acc=tl.dot(q3, kt)))
 
 
 @triton.jit
@@ -34,6 +64,7 @@ def _logits(
     D: tl.constexpr,
     BOUND: tl.constexpr,
     PAGED: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     jm = j < nb
     if PAGED:  # metadata per page `[P, Hkv, D]`, found through the request's page table
@@ -42,17 +73,14 @@ def _logits(
     else:
         offs = base + j[:, None] * D + dd[None, :]
     if BOUND:
-        kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0).to(tl.float32)
-        kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0).to(tl.float32)
+        kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0)
+        kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0)
         # sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min: two tensor-core products
         # instead of a [GP, NBC, D] elementwise tensor (which spilled registers).
-        x = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision="tf32x3") + tl.dot(
-            tl.minimum(q, 0.0), tl.trans(kmin), input_precision="tf32x3"
-        )
+        x = _qdot(tl.maximum(q, 0.0), kmax, INTERP) + _qdot(tl.minimum(q, 0.0), kmin, INTERP)
     else:
-        mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0).to(tl.float32)
-        # Tensor cores; three tf32 passes keep fp32-level accuracy (GP, NBC >= 16).
-        x = tl.dot(q, tl.trans(mean), input_precision="tf32x3")
+        mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0)
+        x = _qdot(q, mean, INTERP)  # tensor cores (GP, NBC >= 16)
     count = tl.minimum(length - j * BS, BS).to(tl.float32)
     x = x + tl.log(tl.maximum(count, 1.0))[None, :]
     return tl.where(jm[None, :], x, float("-inf"))
@@ -81,6 +109,7 @@ def _score_kernel(
     WANT_UB: tl.constexpr,
     PAGED: tl.constexpr,
     WANT_PART: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
@@ -101,7 +130,9 @@ def _score_kernel(
     out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
     omask = gmask[:, None] & (j < NB)[None, :]
     args = (pages_ptr, b * NB, h, Hkv)
-    x = _logits(q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, BOUND, PAGED)
+    x = _logits(
+        q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, BOUND, PAGED, INTERP
+    )
     tl.store(logit_ptr + out, x, mask=omask)
     if WANT_PART:  # this chunk's (max, sum of exp) per query head, for the row's lse
         m = tl.max(x, axis=1)
@@ -111,7 +142,21 @@ def _score_kernel(
         tl.store(part_ptr + pbase + 1, ssum, mask=gmask)
     if WANT_UB:
         ub = _logits(
-            q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, True, PAGED
+            q,
+            mean_ptr,
+            min_ptr,
+            max_ptr,
+            base,
+            j,
+            dd,
+            nb,
+            length,
+            *args,
+            BS,
+            D,
+            True,
+            PAGED,
+            INTERP,
         )
         tl.store(ub_ptr + out, ub, mask=omask)
 
@@ -163,7 +208,8 @@ def block_scores(
         lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=nbc,
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
-        WANT_PART=partials is not None, num_warps=num_warps,
+        WANT_PART=partials is not None, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
     return out, (ub if want_bound else None)

@@ -325,7 +325,7 @@ class WaveAttention:
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
         # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
-        self.num_stages = 2
+        self.num_stages = 3
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
