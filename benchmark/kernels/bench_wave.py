@@ -212,8 +212,8 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
     hbm = hbm_peak_gbps()
     h2d = max(h2d_peak_gbps(), h2d_peak_gbps(), h2d_floor_gbps)
     sweep = {}
-    for tile in (64, 128, 256):
-        for warps in (4, 8):
+    for tile in (32, 64, 128, 256):
+        for warps in (2, 4, 8):
             LAUNCH.update(tile_tokens=tile, num_warps=warps)
             sweep[f"tile{tile}_warps{warps}"] = bench_case(8, 131072, 0.05)["time_us"]
             torch.cuda.empty_cache()
@@ -248,7 +248,7 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
     split_sweep = {}
     best_tile, best_warps = LAUNCH["tile_tokens"], LAUNCH["num_warps"]
     # Fewer warps per program lets two programs share an SM, so more splits fit.
-    for tile, warps in {(best_tile, best_warps), (64, 4), (128, 4)}:
+    for tile, warps in {(best_tile, best_warps), (64, 4), (128, 4), (32, 2), (64, 2)}:
         for sp in (1, 2, 4, 8):
             LAUNCH.update(tile_tokens=tile, num_warps=warps, splits=sp)
             key = f"tile{tile}_warps{warps}_splits{sp}"

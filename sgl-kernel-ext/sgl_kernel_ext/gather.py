@@ -79,7 +79,10 @@ class BlockCopier:
 
     `device` is where the kernel runs (the HBM side); `None` takes the device
     of `dst` or `src`, whichever is on CUDA. `block` elements (words) per load
-    step and `num_warps` per program are the launch shape the benchmark sweeps.
+    step and `num_warps` per program are the launch shape the benchmark sweeps;
+    copies into host memory (scatter) take `scatter_block`/`scatter_warps`: writes
+    across PCIe want more of them in flight per program (H100: 16 warps reach ~95%
+    of the D2H memcpy peak where 4 reach ~88%, `bench_gather.py`).
     """
 
     def __init__(
@@ -90,10 +93,13 @@ class BlockCopier:
         *,
         block: int = 2048,
         num_warps: int = 4,
+        scatter_block: int = 1024,
+        scatter_warps: int = 16,
     ) -> None:
         self.unit_elems, self.dtype = unit_elems, dtype
         self.device = torch.device(device) if device is not None else None
         self.block, self.num_warps = block, num_warps
+        self.scatter_block, self.scatter_warps = scatter_block, scatter_warps
 
     def _check(
         self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
@@ -148,6 +154,10 @@ class BlockCopier:
         wt = _word_dtype(src, dst)
         ws, wd = _words(src, wt), _words(dst, wt)
         unit = ws.shape[1]
+        to_host = not dst.is_cuda and device.type == "cuda"
+        block, warps = (
+            (self.scatter_block, self.scatter_warps) if to_host else (self.block, self.num_warps)
+        )
         _copy_units_kernel[(n,)](
             ws,
             src_idx,
@@ -157,9 +167,9 @@ class BlockCopier:
             ws.stride(0),
             wd.stride(0),
             UNIT=unit,
-            BLOCK=min(triton.next_power_of_2(unit), self.block),
+            BLOCK=min(triton.next_power_of_2(unit), block),
             HAS_COUNT=count is not None,
-            num_warps=self.num_warps,
+            num_warps=warps,
         )
 
 

@@ -29,6 +29,8 @@ def _rank_chunk_kernel(
     sorted_ptr,
     order_ptr,
     nforced_ptr,
+    loc_ptr,
+    rloc_ptr,
     Hkv,
     NB,
     NP,
@@ -39,6 +41,7 @@ def _rank_chunk_kernel(
     C: tl.constexpr,
     NPP: tl.constexpr,
     DIRECT: tl.constexpr,
+    LOC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,7 +73,11 @@ def _rank_chunk_kernel(
     s = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     packed = tl.sort(((~s).to(tl.int64) << 32) | j.to(tl.int64), dim=0)
     if DIRECT:  # the row is one chunk: its sorted order is the answer
-        tl.store(order_ptr + (b * Hkv + h) * NB + i, (packed & 0xFFFFFFFF).to(tl.int32), mask=inb)
+        idx = (packed & 0xFFFFFFFF).to(tl.int32)
+        tl.store(order_ptr + (b * Hkv + h) * NB + i, idx, mask=inb)
+        if LOC:
+            where = tl.load(loc_ptr + (b * Hkv + h) * NB + idx, mask=inb)
+            tl.store(rloc_ptr + (b * Hkv + h) * NB + i, where, mask=inb)
     else:
         tl.store(sorted_ptr + ((b * Hkv + h) * tl.num_programs(2) + c) * C + i, packed)
     # sink and tail blocks, overlapping when the request is short
@@ -78,7 +85,17 @@ def _rank_chunk_kernel(
 
 
 @triton.jit
-def _rank_merge_kernel(sorted_ptr, order_ptr, Hkv, NB, C: tl.constexpr, LOG2C: tl.constexpr):
+def _rank_merge_kernel(
+    sorted_ptr,
+    order_ptr,
+    loc_ptr,
+    rloc_ptr,
+    Hkv,
+    NB,
+    C: tl.constexpr,
+    LOG2C: tl.constexpr,
+    LOC: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -99,6 +116,9 @@ def _rank_merge_kernel(sorted_ptr, order_ptr, Hkv, NB, C: tl.constexpr, LOG2C: t
             pos += lo
     idx = (x & 0xFFFFFFFF).to(tl.int32)
     tl.store(order_ptr + (b * Hkv + h) * NB + pos, idx, mask=idx < NB)
+    if LOC:
+        where = tl.load(loc_ptr + (b * Hkv + h) * NB + idx, mask=idx < NB)
+        tl.store(rloc_ptr + (b * Hkv + h) * NB + pos, where, mask=idx < NB)
 
 
 def logit_partials(logits: torch.Tensor) -> torch.Tensor:
@@ -120,11 +140,16 @@ def rank_blocks(
     n_forced: torch.Tensor | None = None,
     partials: torch.Tensor | None = None,
     chunk_blocks: int = 512,
+    loc: torch.Tensor | None = None,
+    ranked_loc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order `[B, Hkv, NB]` int32 and forced counts `[B]` int32 from logits `[B, Hq, NB]`
     (float32, -inf past each request's blocks). `partials [B, Hq, P, 2]` are the rows'
     (max, sum of exp) over P chunks (`block_scores(partials=...)`); without them they are
-    computed here. Pass `order`/`n_forced` to reuse buffers."""
+    computed here. Pass `order`/`n_forced` to reuse buffers. With a block table `loc`
+    `[B, Hkv, NB]` int32, `ranked_loc [B, Hkv, NB]` int32 receives it in read order
+    (`loc.gather(-1, order)`), so the wave kernel finds a ranked block's K/V with one
+    load fewer on its critical path."""
     B, Hq, NB = logits.shape
     G = Hq // n_kv_heads
     dev = logits.device
@@ -144,14 +169,23 @@ def rank_blocks(
     )
     NP = partials.shape[2]
     lengths32 = lengths.to(torch.int32).contiguous()
+    has_loc = loc is not None
+    if has_loc:
+        if loc.shape != (B, n_kv_heads, NB) or loc.dtype != torch.int32:
+            raise ValueError(f"loc must be [{B}, {n_kv_heads}, {NB}] int32")
+        if ranked_loc is None:
+            ranked_loc = torch.empty_like(loc)
+        loc = loc.contiguous()
+    loc_args = (loc, ranked_loc) if has_loc else (order, order)
     _rank_chunk_kernel[(B, n_kv_heads, nch)](
         logits.contiguous(), partials.contiguous(), lengths32, scratch, order, n_forced,
-        n_kv_heads, NB, NP, sink, recent,
+        *loc_args, n_kv_heads, NB, NP, sink, recent,
         G=G, BS=block_size, C=C, NPP=triton.next_power_of_2(max(NP, 2)), DIRECT=direct,
-        num_warps=4 if C <= 1024 else 8,
+        LOC=has_loc, num_warps=4 if C <= 1024 else 8,
     )  # fmt: skip
     if not direct:
         _rank_merge_kernel[(B, n_kv_heads, nch)](
-            scratch, order, n_kv_heads, NB, C=C, LOG2C=C.bit_length() - 1, num_warps=4
-        )
+            scratch, order, *loc_args, n_kv_heads, NB,
+            C=C, LOG2C=C.bit_length() - 1, LOC=has_loc, num_warps=4,
+        )  # fmt: skip
     return order, n_forced

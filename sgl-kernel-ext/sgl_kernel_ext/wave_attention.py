@@ -36,12 +36,43 @@ def _group_query(q_ptr, rows, gmask, dd, D: tl.constexpr):
 
 
 @triton.jit
+def _tile_index(
+    order_ptr,
+    loc_ptr,
+    row,
+    first,
+    end,
+    length,
+    BS: tl.constexpr,
+    NBLK: tl.constexpr,
+    RANKED: tl.constexpr,
+):
+    """One row per token of a tile of NBLK ranked blocks starting at rank `first`: its
+    location (slot >= 0, host unit < 0), its token within the block and whether it
+    holds a token. `loc_ptr` is the block table in read order (RANKED) or by block.
+    The rows of a block load the same ids (one L1 line), so the K/V tile is a plain 2-D
+    gather that Triton pipelines straight into shared memory."""
+    r = tl.arange(0, NBLK * BS)
+    pidx = first + r // BS
+    pm = pidx < end
+    blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
+    if RANKED:  # independent of `blk`: one dependent load fewer before the K/V gather
+        where = tl.load(loc_ptr + row + pidx, mask=pm, other=0).to(tl.int64)
+    else:
+        where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
+    tok = r % BS
+    return where, tok, pm & (blk * BS + tok < length)
+
+
+@triton.jit
 def _merge_tile(
     q,
     k,
     v,
     valid,
-    ranked,
+    first,
+    end,
+    nf,
     scale,
     m_i,
     l_i,
@@ -52,20 +83,42 @@ def _merge_tile(
     BS: tl.constexpr,
     D: tl.constexpr,
     PREC: tl.constexpr,
+    TRACK: tl.constexpr,
+    BLOCK_DOT: tl.constexpr,
 ):
-    """Merge one tile of NBLK blocks `k, v [NBLK, BS, D]` into the running (max, sum,
-    acc) state of the GQA group and track the smallest ranked block log-mass."""
-    k = tl.reshape(k, [NBLK * BS, D])
-    v = tl.reshape(v, [NBLK * BS, D])
+    """Merge one tile `k, v [NBLK * BS, D]` (`valid [NBLK * BS]`, blocks of ranks
+    `first ..`) into the running (max, sum, acc) state of the GQA group. With TRACK
+    (the heuristic stop rule) also keep the smallest log-mass of a ranked block (rank
+    in [nf, end)): per block from its own max (BLOCK_DOT=0), or as a product with the
+    block-indicator matrix from the exponentials the merge computes anyway (1)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, NBLK * BS] fp32
-    s = tl.where(tl.reshape(valid, [NBLK * BS])[None, :], s, float("-inf"))
-    s3 = tl.reshape(s, [GP, NBLK, BS])
-    bmax = tl.max(s3, axis=2)
-    blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
-    smallest = tl.minimum(smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1))
-    m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
+    s = tl.where(valid[None, :], s, float("-inf"))
+    if TRACK and not BLOCK_DOT:
+        s3 = tl.reshape(s, [GP, NBLK, BS])
+        bmax = tl.max(s3, axis=2)
+        blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
+        pb = first + tl.arange(0, NBLK)
+        ranked = (pb < end) & (pb >= nf)
+        smallest = tl.minimum(
+            smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
+        )
+        m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
     p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
+    if TRACK and BLOCK_DOT:
+        NBP: tl.constexpr = 16 if NBLK < 16 else NBLK
+        r = tl.arange(0, NBLK * BS)
+        jb = tl.arange(0, NBP)
+        onehot = ((r[:, None] // BS) == jb[None, :]).to(tl.float32)  # [NBLK * BS, NBP]
+        bsum = tl.dot(p, onehot, input_precision="ieee")  # [GP, NBP]: each block's sum
+        pb = first + jb
+        ranked = (pb < end) & (pb >= nf) & (jb < NBLK)
+        blse = m_new[:, None] + tl.log(bsum)
+        smallest = tl.minimum(
+            smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
+        )
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc, smallest
@@ -106,7 +159,7 @@ def _wave_attention_kernel(
     v_slots,
     k_host,
     v_host,
-    loc_ptr,
+    rloc_ptr,
     order_ptr,
     lengths_ptr,
     nforced_ptr,
@@ -140,13 +193,15 @@ def _wave_attention_kernel(
     HAS_HOST: tl.constexpr,
     S: tl.constexpr,
     STAGES: tl.constexpr,
+    BLOCK_DOT: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
-    With S > 1 the programs of a (request, KV head) exchange their partial
-    states after every wave through `part_ptr`/`acc_part_ptr` (double-buffered
-    by wave parity) and a counter barrier; all S then take the same stop
-    decision. S > 1 needs every program resident at once (cooperative launch).
+    With S > 1 the programs of a (request, KV head) exchange their (max, sum,
+    smallest) after every wave through `part_ptr` (double-buffered by wave
+    parity) and a counter barrier, so all S take the same stop decision; their
+    accumulators meet once, in `acc_part_ptr`, after the last wave. S > 1 needs
+    every program resident at once (cooperative launch).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -158,8 +213,6 @@ def _wave_attention_kernel(
     g = tl.arange(0, GP)
     gmask = g < G
     dd = tl.arange(0, D)
-    tt = tl.arange(0, BS)
-    jj = tl.arange(0, NBLK)
     hq = h * G + g
     q = _group_query(q_ptr, b * Hkv * G + hq, gmask, dd, D)
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -177,56 +230,42 @@ def _wave_attention_kernel(
         # K/V tiles of later iterations are in flight while this one is merged.
         n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
         for i in tl.range(0, n_tiles, num_stages=STAGES):
-            pidx = wstart + (sid + i * S) * NBLK + jj
-            pm = pidx < end
-            blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
-            where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
-            # Each block is read from its HBM slot or, through UVA, from the host pool
-            # (two masked loads: only one touches memory per block).
+            first = wstart + (sid + i * S) * NBLK
+            where, tok, valid = _tile_index(
+                order_ptr, rloc_ptr, row, first, end, length, BS, NBLK, True
+            )
+            # Each block is read from its HBM slot or, through UVA, from the host pool: one
+            # load through a pointer chosen per row. HBM slots may be strided (SGLang's
+            # token-major pages: a slot is a page, the head an offset within each token);
+            # host units are [bs, d] runs unless `host_*_stride` say otherwise.
             in_hbm = where >= 0
             unit = tl.where(in_hbm, where, -where - 1)
-            valid = pm[:, None] & ((blk[:, None] * BS + tt[None, :]) < length)  # [NBLK, BS]
-            # HBM slots may be strided (SGLang's token-major pages: a slot is a page, the
-            # head an offset within each token); host units are [bs, d] runs.
-            offs = (
-                unit[:, None, None] * slot_stride
-                + h * head_stride
-                + tt[None, :, None] * tok_stride
-                + dd[None, None, :]
-            )
-            m_dev = valid[:, :, None] & in_hbm[:, None, None]
+            offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[None, :]
             if HAS_HOST:
-                m_host = valid[:, :, None] & (~in_hbm)[:, None, None]
-                offs_h = (
-                    unit[:, None, None] * host_slot_stride
-                    + h * host_head_stride
-                    + tt[None, :, None] * host_tok_stride
-                    + dd[None, None, :]
-                )
-                k = tl.load(k_slots + offs, mask=m_dev, other=0.0) + tl.load(
-                    k_host + offs_h, mask=m_host, other=0.0
-                )
-                v = tl.load(v_slots + offs, mask=m_dev, other=0.0) + tl.load(
-                    v_host + offs_h, mask=m_host, other=0.0
-                )
+                offs_h = (unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride)[
+                    :, None
+                ] + dd[None, :]
+                kp = tl.where(in_hbm[:, None], k_slots + offs, k_host + offs_h)
+                vp = tl.where(in_hbm[:, None], v_slots + offs, v_host + offs_h)
             else:
-                k = tl.load(k_slots + offs, mask=m_dev, other=0.0)
-                v = tl.load(v_slots + offs, mask=m_dev, other=0.0)
+                kp, vp = k_slots + offs, v_slots + offs
+            k = tl.load(kp, mask=valid[:, None], other=0.0)
+            v = tl.load(vp, mask=valid[:, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
-                q, k, v, valid, pm & (pidx >= nf), scale,
-                m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC,
+                q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
+                GP, NBLK, BS, D, PREC, RULE == 0, BLOCK_DOT,
             )  # fmt: skip
         wstart = end
         if S == 1:
             covered = m_i + tl.log(l_i)
             low = smallest
         else:
-            # Publish this program's state, wait for the S programs of this (b, h), merge.
+            # Publish this program's (max, sum, smallest), wait for the S programs of this
+            # (b, h), merge. The accumulators are exchanged once, after the last wave.
             buf = (w % 2) * (tl.num_programs(0) * Hkv * S) + bh * S + sid
             tl.store(part_ptr + buf * 3 * GP + g, m_i)
             tl.store(part_ptr + buf * 3 * GP + GP + g, l_i)
             tl.store(part_ptr + buf * 3 * GP + 2 * GP + g, smallest)
-            tl.store(acc_part_ptr + buf * GP * D + g[:, None] * D + dd[None, :], acc)
             tl.debug_barrier()
             target = (w + 1) * S
             seen = tl.atomic_add(counter_ptr + bh, 1, sem="release") + 1
@@ -254,7 +293,18 @@ def _wave_attention_kernel(
         out = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
     else:
-        # Every program holds the merged scalars; program 0 merges the outputs.
+        # Every program holds the merged scalars and took the same stop decision; each
+        # publishes its accumulator and program 0 merges them.
+        tl.store(acc_part_ptr + (bh * S + sid) * GP * D + g[:, None] * D + dd[None, :], acc)
+        tl.debug_barrier()
+        if sid != 0:
+            tl.atomic_add(counter_ptr + bh, 1, sem="release")
+        else:
+            target = w * S + S - 1
+            seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+        tl.debug_barrier()
         last = ((w - 1) % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
         ss = tl.arange(0, S)
         base = (last + ss)[:, None] * 3 * GP + g[None, :]
@@ -264,9 +314,11 @@ def _wave_attention_kernel(
         wgt = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_top[None, :]))  # [S, GP]
         accs = tl.load(
             acc_part_ptr
-            + (last + ss)[:, None, None] * GP * D
+            + (bh * S + ss)[:, None, None] * GP * D
             + g[None, :, None] * D
             + dd[None, None, :],
+            mask=(sid == 0),
+            other=0.0,
             volatile=True,
         )
         lsum = tl.sum(wgt * l_all, axis=0)
@@ -325,11 +377,13 @@ class WaveAttention:
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
         # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
-        self.num_stages = 3
+        self.num_stages = 2
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
         self.score_blocks, self.score_warps = 32, 2
+        # How the heuristic rule's per-block mass is formed (see `_merge_tile`).
+        self.block_mass_dot = False
         self.limit = math.log((1 - threshold) / threshold) if threshold < 1.0 else -math.inf
 
     @classmethod
@@ -364,11 +418,13 @@ class WaveAttention:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                # Two 4-warp programs fit an SM; run() halves this if a launch does not fit.
-                # Short contexts get fewer: every wave ends in a barrier of all the
-                # splits (and a split launch is cooperative), which costs more than it
-                # saves below ~64 blocks per split (bench_wave: overhead_by_splits_us).
-                splits = max(1, min(16, 2 * sms // (batch * n_kv_heads), max_blocks // 64))
+                # About 8 warps' registers per SM (two 4-warp programs, four 2-warp ones);
+                # run() halves this if a launch does not fit. Short contexts get fewer:
+                # every wave ends in a barrier of all the splits (and a split launch is
+                # cooperative), which costs more than it saves below ~64 blocks per
+                # split (bench_wave: overhead_by_splits_us).
+                per_sm = max(1, 8 // self.num_warps)
+                splits = max(1, min(16, per_sm * sms // (batch * n_kv_heads), max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
@@ -392,6 +448,7 @@ class WaveAttention:
         self.lse = torch.empty(batch, n_q_heads, **f32)
         self.n_read = torch.empty(batch, n_kv_heads, dtype=torch.int32, device=device)
         self.order = torch.empty(batch, n_kv_heads, max_blocks, dtype=torch.int32, device=device)
+        self.ranked_loc = torch.empty_like(self.order)  # the block table in read order
         self.n_forced = torch.empty(batch, dtype=torch.int32, device=device)
         self.n_waves = torch.empty_like(self.n_read)
         return self
@@ -408,13 +465,14 @@ class WaveAttention:
         self.splits = splits
         gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
         f32 = dict(dtype=torch.float32, device=dev)
-        self.part = torch.empty(2, batch, n_kv_heads, splits, 3, gp, **f32)
-        self.acc_part = torch.empty(2, batch, n_kv_heads, splits, gp, head_dim, **f32)
+        self.part = torch.empty(2, batch, n_kv_heads, splits, 3, gp, **f32)  # by wave parity
+        self.acc_part = torch.empty(batch, n_kv_heads, splits, gp, head_dim, **f32)
         self.counters = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=dev)
 
-    def rank(self, q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages=None):
+    def rank(self, q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages=None, loc=None):
         """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
-        counts `[B]` and, for the certified rule, suffix sums of the bound log-mass."""
+        counts `[B]` and, for the certified rule, suffix sums of the bound log-mass.
+        With the block table `loc` (int32), `self.ranked_loc` receives it in read order."""
         B, Hq, _ = q.shape
         Hkv, bs = self.Hkv, self.bs
         fused = self.NB <= self.fused_rank_max_blocks
@@ -458,6 +516,8 @@ class WaveAttention:
                 self.n_forced,
                 partials=partials,
                 chunk_blocks=self.rank_chunk_blocks,
+                loc=loc,
+                ranked_loc=self.ranked_loc,
             )
         else:  # too many blocks for one program's registers: torch's sort, same result
             crit = criticality_from_logits(logits, Hkv)
@@ -470,6 +530,8 @@ class WaveAttention:
             order = torch.sort(key, dim=-1, descending=True, stable=True).indices
             order = order.to(torch.int32)
             n_forced = forced.sum(-1).to(torch.int32)
+            if loc is not None:
+                torch.gather(loc, -1, order.long(), out=self.ranked_loc)
         if self.rule == "certified":
             G = Hq // Hkv
             ub_o = ub.gather(-1, order.long().repeat_interleave(G, dim=1))
@@ -515,8 +577,9 @@ class WaveAttention:
             "run() shapes differ from plan()"
         )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
+        loc = loc.to(torch.int32).contiguous()
         order, n_forced, ub_suffix = self.rank(
-            q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages
+            q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc
         )
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
@@ -531,7 +594,7 @@ class WaveAttention:
                     v_slots,
                     k_host,
                     v_host,
-                    loc.to(torch.int32).contiguous(),
+                    self.ranked_loc,
                     order,
                     lengths.to(torch.int32).contiguous(),
                     n_forced,
@@ -562,6 +625,7 @@ class WaveAttention:
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
                     S=self.splits,
                     STAGES=self.num_stages,
+                    BLOCK_DOT=self.block_mass_dot,
                     launch_cooperative_grid=self.splits > 1,
                 )
                 break

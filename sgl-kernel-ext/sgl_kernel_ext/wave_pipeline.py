@@ -30,6 +30,7 @@ from sgl_kernel_ext.wave_attention import (
     _group_query,
     _merge_tile,
     _stop,
+    _tile_index,
 )
 
 
@@ -77,8 +78,6 @@ def _wave_step_kernel(
         g = tl.arange(0, GP)
         gmask = g < G
         dd = tl.arange(0, D)
-        tt = tl.arange(0, BS)
-        jj = tl.arange(0, NBLK)
         hq = b * Hkv * G + h * G + g
         q = _group_query(q_ptr, hq, gmask, dd, D)
         m_i = tl.load(m_ptr + hq, mask=gmask, other=float("-inf"))
@@ -89,17 +88,15 @@ def _wave_step_kernel(
         pos = tl.load(pos_ptr + bh)
         end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
         while pos < end:
-            pidx = pos + jj
-            pm = pidx < end
-            blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
-            slot = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
-            valid = pm[:, None] & ((blk[:, None] * BS + tt[None, :]) < length)
-            offs = slot[:, None, None] * (BS * D) + tt[None, :, None] * D + dd[None, None, :]
-            k = tl.load(k_slots + offs, mask=valid[:, :, None], other=0.0)
-            v = tl.load(v_slots + offs, mask=valid[:, :, None], other=0.0)
+            where, tok, valid = _tile_index(
+                order_ptr, loc_ptr, row, pos, end, length, BS, NBLK, False
+            )
+            offs = (where * (BS * D) + tok * D)[:, None] + dd[None, :]
+            k = tl.load(k_slots + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_slots + offs, mask=valid[:, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
-                q, k, v, valid, pm & (pidx >= nf), scale,
-                m_i, l_i, acc, smallest, GP, NBLK, BS, D, PREC,
+                q, k, v, valid, pos, end, nf, scale, m_i, l_i, acc, smallest,
+                GP, NBLK, BS, D, PREC, RULE == 0, False,
             )  # fmt: skip
             pos += NBLK
         pos = end

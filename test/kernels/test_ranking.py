@@ -31,12 +31,17 @@ def test_rank_kernel_matches_reference(device, nb, G, sink, recent, chunk):
     logits = logits.masked_fill(torch.arange(nb)[None, None, :] >= nblk[:, None, None], -torch.inf)
     cfg = PSAConfig(block_size=bs, sink_blocks=sink, recent_blocks=recent)
     want_order, want_forced = order_blocks(criticality_from_logits(logits, Hkv), lengths, cfg)
+    # A block table (slots and negative host units) to be written out in read order.
+    loc = torch.randperm(B * Hkv * nb, generator=g).view(B, Hkv, nb).to(torch.int32)
+    loc = torch.where(torch.rand(loc.shape, generator=g) < 0.3, -loc - 1, loc)
     order, n_forced = rank_blocks(
-        logits.to(device), lengths.to(device), bs, sink, recent, Hkv, chunk_blocks=chunk
-    )
+        logits.to(device), lengths.to(device), bs, sink, recent, Hkv, chunk_blocks=chunk,
+        loc=loc.to(device), ranked_loc=(ranked := torch.full_like(loc, 7).to(device)),
+    )  # fmt: skip
     assert order.dtype == torch.int32 and order.shape == (B, Hkv, nb)
     assert torch.equal(order.cpu().long(), want_order)
     assert torch.equal(n_forced.cpu().long(), want_forced)
+    assert torch.equal(ranked.cpu(), loc.gather(-1, want_order))
 
 
 def test_partials_from_the_scoring_kernel_give_the_same_order(device):
