@@ -84,16 +84,14 @@ def _merge_tile(
     D: tl.constexpr,
     PREC: tl.constexpr,
     TRACK: tl.constexpr,
-    BLOCK_DOT: tl.constexpr,
 ):
     """Merge one tile `k, v [NBLK * BS, D]` (`valid [NBLK * BS]`, blocks of ranks
     `first ..`) into the running (max, sum, acc) state of the GQA group. With TRACK
     (the heuristic stop rule) also keep the smallest log-mass of a ranked block (rank
-    in [nf, end)): per block from its own max (BLOCK_DOT=0), or as a product with the
-    block-indicator matrix from the exponentials the merge computes anyway (1)."""
+    in [nf, end))."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, NBLK * BS] fp32
     s = tl.where(valid[None, :], s, float("-inf"))
-    if TRACK and not BLOCK_DOT:
+    if TRACK:
         s3 = tl.reshape(s, [GP, NBLK, BS])
         bmax = tl.max(s3, axis=2)
         blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
@@ -107,18 +105,6 @@ def _merge_tile(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
     p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
-    if TRACK and BLOCK_DOT:
-        NBP: tl.constexpr = 16 if NBLK < 16 else NBLK
-        r = tl.arange(0, NBLK * BS)
-        jb = tl.arange(0, NBP)
-        onehot = ((r[:, None] // BS) == jb[None, :]).to(tl.float32)  # [NBLK * BS, NBP]
-        bsum = tl.dot(p, onehot, input_precision="ieee")  # [GP, NBP]: each block's sum
-        pb = first + jb
-        ranked = (pb < end) & (pb >= nf) & (jb < NBLK)
-        blse = m_new[:, None] + tl.log(bsum)
-        smallest = tl.minimum(
-            smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
-        )
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc, smallest
@@ -193,7 +179,6 @@ def _wave_attention_kernel(
     HAS_HOST: tl.constexpr,
     S: tl.constexpr,
     STAGES: tl.constexpr,
-    BLOCK_DOT: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -253,7 +238,7 @@ def _wave_attention_kernel(
             v = tl.load(vp, mask=valid[:, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
                 q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
-                GP, NBLK, BS, D, PREC, RULE == 0, BLOCK_DOT,
+                GP, NBLK, BS, D, PREC, RULE == 0,
             )  # fmt: skip
         wstart = end
         if S == 1:
@@ -382,8 +367,6 @@ class WaveAttention:
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
         self.score_blocks, self.score_warps = 32, 2
-        # How the heuristic rule's per-block mass is formed (see `_merge_tile`).
-        self.block_mass_dot = False
         self.limit = math.log((1 - threshold) / threshold) if threshold < 1.0 else -math.inf
 
     @classmethod
@@ -625,7 +608,6 @@ class WaveAttention:
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
                     S=self.splits,
                     STAGES=self.num_stages,
-                    BLOCK_DOT=self.block_mass_dot,
                     launch_cooperative_grid=self.splits > 1,
                 )
                 break

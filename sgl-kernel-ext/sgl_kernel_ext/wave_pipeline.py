@@ -96,7 +96,7 @@ def _wave_step_kernel(
             v = tl.load(v_slots + offs, mask=valid[:, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
                 q, k, v, valid, pos, end, nf, scale, m_i, l_i, acc, smallest,
-                GP, NBLK, BS, D, PREC, RULE == 0, False,
+                GP, NBLK, BS, D, PREC, RULE == 0,
             )  # fmt: skip
             pos += NBLK
         pos = end
