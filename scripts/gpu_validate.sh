@@ -6,11 +6,13 @@
 #   source /tmp/psa-site/psa-env.sh && bash scripts/gpu_validate.sh STEP
 #
 # STEP: tests      kernel and unit tests, compiled kernels (~4 min on the H100)
+#       kernel-tests kernel, store and algorithm tests only: needs no bundle (the GPU image
+#                  has torch, triton and pytest; set PYTHONPATH=python:sgl-kernel-ext)
 #       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~8 min);
 #                  serving tests on Qwen2.5-0.5B (PSA_E2E_MODEL=smollm2-135m: the small one)
 #       interp     the kernel tests under Triton's interpreter (the CI path)
 #       store      benchmark/store/bench_store.py  -> store_<gpu>.json
-#       kernels    benchmark/kernels/run_all.py    -> kernels_<gpu>.json
+#       kernels    benchmark/kernels/run_all.py    -> kernels_<gpu>.json (no bundle needed)
 #       e2e [RUNS] benchmark/e2e/run_e2e.py        -> e2e_<gpu>.json once all five engines
 #                  have run; RUNS (e.g. plain,plain_splits,psa_1) spreads them over calls;
 #                  E2E_MODEL / E2E_CONTEXT pick the model and context (qwen2.5-0.5b, 8192;
@@ -38,6 +40,10 @@ case "${1:-}" in
     py -m sglang_psa.models "${PSA_E2E_MODEL:-qwen2.5-0.5b}" >/dev/null
     py -m pytest -v -p no:cacheprovider -rs --timeout=300 test/e2e 2>&1 | tee "$OUT/e2e-tests.log"
     ;;
+  kernel-tests)
+    py -m pytest -q -p no:cacheprovider -rs test/kernels test/unit/store test/unit/algo 2>&1 |
+      tee "$OUT/kernel-tests.log"
+    ;;
   interp)
     TRITON_INTERPRET=1 py -m pytest -q -p no:cacheprovider -k cpu test/kernels 2>&1 | tee "$OUT/interp.log"
     ;;
@@ -51,5 +57,5 @@ case "${1:-}" in
       --context-tokens "${E2E_CONTEXT:-8192}" --out "$OUT" --name "e2e_$gpu" \
       ${2:+--runs "$2"} 2>&1 | tee "$OUT/e2e.log"
     ;;
-  *) echo "usage: $0 tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernel-tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
 esac
