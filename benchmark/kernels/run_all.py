@@ -73,11 +73,13 @@ def main() -> None:
     merged = {**gather, **{k: v for k, v in wave.items() if not isinstance(v, (list, dict))}}
     summary = {k: merged[k] for k in KEYS}
     # Not contract keys: the step on every byte it reads (K/V plus the ranking's metadata),
-    # the most the contract ratio can reach, and the wave kernel alone.
+    # the most the contract ratio can reach, the wave kernel alone, and the headline with
+    # the sweeps' best launch shape (the contract keys use the library's defaults).
     for extra in (
         "wave_attention_hbm_efficiency_all_bytes",
         "wave_attention_hbm_efficiency_ceiling",
         "wave_kernel_hbm_efficiency",
+        "wave_attention_hbm_efficiency_best_launch",
     ):
         summary[extra] = wave[extra]
     out = Path(args.out)

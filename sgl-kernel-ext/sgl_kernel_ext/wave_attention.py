@@ -366,7 +366,7 @@ class WaveAttention:
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
-        self.score_blocks, self.score_warps = 32, 2
+        self.score_blocks, self.score_warps = 64, 4
         self.limit = math.log((1 - threshold) / threshold) if threshold < 1.0 else -math.inf
 
     @classmethod
@@ -569,7 +569,8 @@ class WaveAttention:
         v_host = v_slots if v_host is None else v_host
         G = Hq // Hkv
         while True:
-            self.counters.zero_()
+            if self.splits > 1:  # the barrier's counters; one program per head needs none
+                self.counters.zero_()
             try:
                 _wave_attention_kernel[(B, Hkv, self.splits)](
                     q.contiguous(),
