@@ -401,12 +401,14 @@ class WaveAttention:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                # About 8 warps' registers per SM (two 4-warp programs, four 2-warp ones);
-                # run() halves this if a launch does not fit. Short contexts get fewer:
+                # As many programs as the register file holds per SM (two 4-warp
+                # programs at ~160 registers); run() halves this if a launch does not fit. Short contexts get fewer:
                 # every wave ends in a barrier of all the splits (and a split launch is
                 # cooperative), which costs more than it saves below ~64 blocks per
                 # split (bench_wave: overhead_by_splits_us).
-                per_sm = max(1, 8 // self.num_warps)
+                # ~160 registers a thread (H100; capping them with maxnreg spilled and
+                # ran slower in bench_wave's tests).
+                per_sm = max(1, 65536 // (160 * 32 * self.num_warps))
                 splits = max(1, min(16, per_sm * sms // (batch * n_kv_heads), max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
