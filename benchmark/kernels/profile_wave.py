@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_wave import BS, HKV, HQ, D, setup  # noqa: E402
+from bench_wave import BS, CONFIG, HKV, HQ, D, setup  # noqa: E402
 
 from sgl_kernel_ext.wave_attention import WaveAttention  # noqa: E402
 
@@ -22,8 +22,8 @@ def main() -> None:
     batch, ctx, frac = 8, 131072, 0.05
     q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, ctx, 0.0)
     nb = ctx // BS
-    wa = WaveAttention(block_size=BS, threshold=1.0).plan(batch, HQ, HKV, D, nb, "cuda")
-    wa.num_warps = 8
+    # The server's configuration and launch defaults, as bench_wave's rows run them.
+    wa = WaveAttention.from_config(CONFIG).plan(batch, HQ, HKV, D, nb, "cuda")
     step = lambda: wa.run(
         q, ks, vs, loc, lengths, meta[0], meta[1], meta[2], max_read_blocks=round(frac * nb)
     )
