@@ -9,7 +9,9 @@ ranked order wave by wave, merges each block into the running (max, sum, acc)
 state, and after every wave verifies the stop rule (the spec is
 `sglang_psa.algo.progressive_attention`). A finished head simply stops, so a
 decode step needs no CPU round trip and the launch can be captured in a CUDA
-graph. Scoring and ranking come first (`scoring.py`, torch.sort on the device).
+graph. Scoring and ranking come first (`scoring.py`, `ranking.py`); the ranking
+also writes the block table in read order, so a tile's K/V addresses wait on
+one load, not two.
 """
 
 from __future__ import annotations
