@@ -8,8 +8,7 @@ One program per (request, KV head) sorting a whole row left most SMs idle and to
 91 us at 4096 blocks (H100, batch 8). Instead each row is cut into chunks of `C`
 blocks: one program per (request, KV head, chunk) sorts its chunk in registers,
 and a second launch places every element at its global rank = its rank in its own
-chunk + its count of smaller elements in each other chunk (a comparison with every
-32nd key, then a binary search within 32). Keys
+chunk + its count of smaller elements in each other chunk (binary searches). Keys
 are unique (the block index is packed under the float key), so ranks are too.
 Rows of at most `C` blocks need only the first launch. The row's log-sum-exp comes
 from per-chunk (max, sum of exp) partials the scoring kernel writes.
@@ -94,8 +93,7 @@ def _rank_merge_kernel(
     Hkv,
     NB,
     C: tl.constexpr,
-    W: tl.constexpr,
-    LOG2W: tl.constexpr,
+    LOG2C: tl.constexpr,
     LOC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -106,21 +104,15 @@ def _rank_merge_kernel(
     i = tl.arange(0, C)
     x = tl.load(base + c * C + i)
     pos = i
-    last = tl.arange(0, C // W) * W + W - 1  # the last key of each window of W
     for c2 in range(0, nch):
         if c2 != c:
             other = base + c2 * C
-            # How many of the other chunk's keys are below x: first the windows whose last
-            # key is below x (the same C // W keys for every x: broadcast loads), then a
-            # branchless lower bound inside x's window (LOG2W dependent gathers, not
-            # log2(C) + 1). Its last key is >= x, so W - 1 steps cover it.
-            ends = tl.load(other + last)
-            lo = tl.sum((ends[None, :] < x[:, None]).to(tl.int32), axis=1) * W
-            inside = lo < C
-            for k in tl.static_range(LOG2W):
-                step = W >> (k + 1)
-                probe = tl.load(other + lo + step - 1, mask=inside, other=0)
-                lo = tl.where(inside & (probe < x), lo + step, lo)
+            # Branchless lower bound: how many of the other chunk's keys are below x.
+            lo = tl.zeros([C], tl.int32)
+            for k in tl.static_range(LOG2C):
+                step = C >> (k + 1)
+                lo = tl.where(tl.load(other + lo + step - 1) < x, lo + step, lo)
+            lo += (tl.load(other + lo) < x).to(tl.int32)
             pos += lo
     idx = (x & 0xFFFFFFFF).to(tl.int32)
     tl.store(order_ptr + (b * Hkv + h) * NB + pos, idx, mask=idx < NB)
@@ -192,9 +184,8 @@ def rank_blocks(
         LOC=has_loc, num_warps=4 if C <= 1024 else 8,
     )  # fmt: skip
     if not direct:
-        W = min(C, 32)  # window of the merge's binary search
         _rank_merge_kernel[(B, n_kv_heads, nch)](
             scratch, order, *loc_args, n_kv_heads, NB,
-            C=C, W=W, LOG2W=W.bit_length() - 1, LOC=has_loc, num_warps=4,
+            C=C, LOG2C=C.bit_length() - 1, LOC=has_loc, num_warps=4,
         )  # fmt: skip
     return order, n_forced
