@@ -116,7 +116,6 @@ def run() -> dict:
     pool = torch.empty(POOL_BYTES, dtype=torch.uint8).pin_memory()
     pool.random_()
     r = {"h2d_memcpy_peak_gbps": h2d, "d2h_memcpy_peak_gbps": d2h}
-    # Launch shape: words per load step x warps per program; the best is kept and reported.
     # Launch shape per unit size: words per load step x warps per program; each size's
     # best is measured again and reported (one sweep for both sizes picked, on noise, a
     # shape that left the other size 5% lower).
@@ -147,7 +146,7 @@ def run() -> dict:
     )  # the library's default scatter shape, measured again (not the sweep's best)
     r["scatter_ratio_16k"] = r["scatter_16k_gbps"] / d2h
     r["gather_16k_under_attention_gbps"], r["attention_alone_us"] = gather_under_attention_gbps(
-        16 << 10, pool, best_block, best_warps
+        16 << 10, pool, r["launch_16k"]["block"], r["launch_16k"]["warps"]
     )
     r["gather_ratio_16k_under_attention"] = r["gather_16k_under_attention_gbps"] / h2d
     r["per_block_memcpy_16k_gbps"] = per_block_memcpy_gbps(16 << 10, pool)

@@ -27,9 +27,16 @@ CONFIG = PSAConfig(block_size=BS, threshold=1.0)
 # Launch shape; None: the library's default (what the server runs). The sweeps in run()
 # set it for the headline case, then put the defaults back for every other row.
 DEFAULT_LAUNCH = dict.fromkeys(
-    ("tile_tokens", "num_warps", "splits", "num_stages", "score_blocks", "score_warps")
+    (
+        "tile_tokens",
+        "num_warps",
+        "splits",
+        "num_stages",
+        "score_blocks",
+        "score_warps",
+        "rank_chunk_blocks",
+    )
 )
-DEFAULT_LAUNCH["rank_chunk_blocks"] = None
 LAUNCH = dict(DEFAULT_LAUNCH)
 
 

@@ -173,8 +173,8 @@ def rank_blocks(
     if has_loc:
         if loc.shape != (B, n_kv_heads, NB) or loc.dtype != torch.int32:
             raise ValueError(f"loc must be [{B}, {n_kv_heads}, {NB}] int32")
-        if ranked_loc is None:
-            ranked_loc = torch.empty_like(loc)
+        if ranked_loc is None or ranked_loc.shape != loc.shape or ranked_loc.dtype != loc.dtype:
+            raise ValueError(f"with loc, pass ranked_loc [{B}, {n_kv_heads}, {NB}] int32 to fill")
         loc = loc.contiguous()
     loc_args = (loc, ranked_loc) if has_loc else (order, order)
     _rank_chunk_kernel[(B, n_kv_heads, nch)](

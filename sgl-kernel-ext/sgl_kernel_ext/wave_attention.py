@@ -403,13 +403,12 @@ class WaveAttention:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                # As many programs as the register file holds per SM (two 4-warp
-                # programs at ~160 registers); run() halves this if a launch does not fit. Short contexts get fewer:
-                # every wave ends in a barrier of all the splits (and a split launch is
+                # As many programs as the register file holds per SM, at ~160 registers a
+                # thread (H100; capping them with maxnreg spilled and ran slower); run()
+                # halves this if a launch does not fit. Short contexts get fewer: every
+                # wave ends in a barrier of all the splits (and a split launch is
                 # cooperative), which costs more than it saves below ~64 blocks per
                 # split (bench_wave: overhead_by_splits_us).
-                # ~160 registers a thread (H100; capping them with maxnreg spilled and
-                # ran slower in bench_wave's tests).
                 per_sm = max(1, 65536 // (160 * 32 * self.num_warps))
                 splits = max(1, min(16, per_sm * sms // (batch * n_kv_heads), max_blocks // 64))
         if splits & (splits - 1):

@@ -16,7 +16,7 @@ def device(kernel_device):
     return kernel_device
 
 
-# one chunk per row; chunks of 8 (one search window each) or 64 (two windows of 32) merged
+# one chunk per row; 5 chunks of 64 or up to 38 chunks of 8 merged
 @pytest.mark.parametrize("chunk", [512, 64, 8])
 @pytest.mark.parametrize(
     "nb, G, sink, recent", [(37, 4, 1, 1), (64, 1, 2, 3), (5, 7, 1, 2), (300, 2, 0, 1)]
