@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from sglang_psa.eval.tasks import Task
+from sglang_psa.eval.tasks import Task, chat_text
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import Session
 
@@ -23,15 +23,7 @@ def chat_parts(tok, document: str, question: str) -> tuple[list[int], list[int]]
 
     Split so that several questions can follow one prefilled document.
     """
-    if getattr(tok, "chat_template", None):
-        rendered = tok.apply_chat_template(
-            [{"role": "user", "content": document + "\n\n" + QUESTION_MARK}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        head, tail = rendered.split(QUESTION_MARK)
-    else:
-        head, tail = document + "\n\n", "\nAnswer:"
+    head, tail = chat_text(tok, document, QUESTION_MARK).split(QUESTION_MARK)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     return enc(head), enc(question + tail)
 

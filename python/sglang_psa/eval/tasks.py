@@ -299,6 +299,19 @@ def doc_qa(b: Builder, n_tokens: int) -> Task:
     )
 
 
+def chat_text(tok, document: str, question: str) -> str:
+    """The prompt text a chat model reads: `document` and `question` as one user turn
+    through the tokenizer's chat template, ending where the assistant's answer starts
+    (`document`, a blank line, `question` and "Answer:" where there is no template)."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(
+            [{"role": "user", "content": document + "\n\n" + question}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    return document + "\n\n" + question + "\nAnswer:"
+
+
 def _intro(what: str) -> str:
     return f"A long text is given below. Some {what} are hidden in it. Memorize them.\n"
 

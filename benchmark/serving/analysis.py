@@ -1,0 +1,405 @@
+"""What the serving benchmark computes from what it saw: the server's decode log lines,
+`bench_serving`'s per-request results, `/get_server_info` before and after; and how
+stage results ("parts") merge into one result file with the issue's summary keys.
+
+Pure functions of JSON-able data, so the GPU run and the CPU tests share them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable
+
+DECODE_RE = re.compile(
+    r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})[^\]]*\]\s+Decode batch[^,]*,\s+"
+    r"#running-req:\s*(?P<running>\d+),\s+#token:\s*(?P<tokens>\d+),\s+"
+    r"token usage:\s*(?P<usage>[0-9.]+),.*?"
+    r"(?P<graph>cuda graph|[a-z ]*graph):\s*(?P<graph_on>True|False),\s+"
+    r"gen throughput \(token/s\):\s*(?P<gen>[0-9.]+),\s+#queue-req:\s*(?P<queue>\d+)"
+)
+
+
+def parse_decode_lines(text: str) -> list[dict]:
+    """SGLang's "Decode batch" log lines: running and queued requests, KV tokens held,
+    whether the step ran in a CUDA graph, and generated tokens/s over the interval."""
+    out = []
+    for m in DECODE_RE.finditer(text):
+        out.append(
+            {
+                "time": m["time"],
+                "running": int(m["running"]),
+                "tokens": int(m["tokens"]),
+                "usage": float(m["usage"]),
+                "graph": m["graph_on"] == "True",
+                "gen_tok_s": float(m["gen"]),
+                "queue": int(m["queue"]),
+            }
+        )
+    return out
+
+
+def steady_step(lines: list[dict], batch: int | None = None) -> dict:
+    """The decode step at full batch: the median over log intervals at `batch` running
+    requests (default: the most seen) of running / generated tokens per second. The first
+    such interval is dropped when there are others (it may hold the last prefill)."""
+    if not lines:
+        return {"step_ms": None, "batch": None, "intervals": 0, "graph": None}
+    batch = batch or max(ln["running"] for ln in lines)
+    at = [ln for ln in lines if ln["running"] == batch and ln["gen_tok_s"] > 0]
+    if len(at) > 1:
+        at = at[1:]
+    if not at:
+        return {"step_ms": None, "batch": batch, "intervals": 0, "graph": None}
+    steps = [1000.0 * ln["running"] / ln["gen_tok_s"] for ln in at]
+    return {
+        "step_ms": statistics.median(steps),
+        "batch": batch,
+        "intervals": len(at),
+        "graph": all(ln["graph"] for ln in at),
+    }
+
+
+def pct(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation), None for no values."""
+    v = sorted(x for x in values if x is not None and not math.isnan(x))
+    if not v:
+        return None
+    k = (len(v) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def stats(values: list[float]) -> dict:
+    v = [x for x in values if x is not None]
+    return {
+        "mean": statistics.fmean(v) if v else None,
+        "p50": pct(v, 50),
+        "p99": pct(v, 99),
+    }
+
+
+def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[dict]:
+    """One record per request of a `bench_serving --output-details` result, matched to its
+    task by prompt token count. `score(text, task)` and `answer_ids(text)` come from the
+    tokenizer (workloads.is_correct / answer_ids)."""
+    rows = []
+    n = len(bench["input_lens"])
+    for i in range(n):
+        plen = bench["input_lens"][i]
+        task = meta.get(plen)
+        if task is None:
+            raise KeyError(
+                f"bench_serving reported a prompt of {plen} tokens that the dataset does not "
+                "have: the tokenizer counted differently from the dataset build"
+            )
+        err = bench["errors"][i]
+        text = bench["generated_texts"][i]
+        out_len = bench["output_lens"][i]
+        itl = bench["itls"][i] or []
+        ok = not err and out_len > 0
+        rows.append(
+            {
+                "prompt_len": plen,
+                "kind": task["kind"],
+                "output_len": out_len,
+                "ttft_s": bench["ttfts"][i] if ok else None,
+                "tpot_s": (sum(itl) / (out_len - 1)) if ok and out_len > 1 else None,
+                "latency_s": (bench["ttfts"][i] + sum(itl)) if ok else None,
+                "error": err or None,
+                "correct": bool(score(text, task)) if ok else False,
+                "answer_ids": answer_ids(text) if ok else [],
+            }
+        )
+    return rows
+
+
+def run_metrics(bench: dict, rows: list[dict], decode_lines: list[dict], batch: int | None) -> dict:
+    """Throughput, latency and decode-step figures of one timed run."""
+    ok = [r for r in rows if r["error"] is None]
+    return {
+        "requests": len(rows),
+        "completed": len(ok),
+        "failed": len(rows) - len(ok),
+        "duration_s": bench["duration"],
+        "output_tok_s": bench["output_throughput"],
+        "requests_per_s": bench["request_throughput"],
+        "input_tok_s": bench["input_throughput"],
+        "ttft_s": stats([r["ttft_s"] for r in ok]),
+        "tpot_s": stats([r["tpot_s"] for r in ok]),
+        "steady_decode": steady_step(decode_lines, batch),
+        "peak_running": max([ln["running"] for ln in decode_lines], default=0),
+        "max_concurrent_client": bench.get("max_concurrent_requests"),
+        "accuracy": (sum(r["correct"] for r in rows) / len(rows)) if rows else None,
+    }
+
+
+def goodput(rows: list[dict], duration_s: float, ttft_slo_s: float, tpot_slo_s: float) -> float:
+    """Requests per second that met both objectives (a request with one output token has
+    no TPOT and is judged on its TTFT)."""
+    good = sum(
+        1
+        for r in rows
+        if r["error"] is None
+        and r["ttft_s"] <= ttft_slo_s
+        and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo_s)
+    )
+    return good / duration_s if duration_s > 0 else 0.0
+
+
+def identical_fraction(rows: list[dict], ref: list[dict]) -> dict:
+    """Completions whose first answer-window tokens equal the reference's, per prompt, over
+    the prompts both answered; and the mean common prefix in tokens."""
+    by_len = {r["prompt_len"]: r for r in ref if r["error"] is None}
+    pairs = [
+        (r, by_len[r["prompt_len"]])
+        for r in rows
+        if r["error"] is None and r["prompt_len"] in by_len
+    ]
+    if not pairs:
+        return {"identical": None, "compared": 0, "mean_common_prefix": None}
+
+    def common(a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    same = sum(1 for r, p in pairs if r["answer_ids"] == p["answer_ids"])
+    return {
+        "identical": same / len(pairs),
+        "compared": len(pairs),
+        "mean_common_prefix": statistics.fmean(
+            common(r["answer_ids"], p["answer_ids"]) for r, p in pairs
+        ),
+    }
+
+
+def psa_counters(info: dict | None) -> dict | None:
+    """sglang-psa's block in `/get_server_info` (`internal_states[0].psa`), if any."""
+    try:
+        return info["internal_states"][0]["psa"]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict:
+    """KV fraction read (cumulative over the server's life, warm-up included) and the HBM
+    page cache's hit rate over the timed window (hits / (hits + host reads))."""
+    a, b = psa_counters(after), psa_counters(before)
+    if a is None:
+        return {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
+    hit = None
+    if a.get("page_cache") and b and b.get("page_cache"):
+        hits = a["page_cache"]["hits"] - b["page_cache"]["hits"]
+        host = a["page_cache"]["host_reads"] - b["page_cache"]["host_reads"]
+        hit = hits / (hits + host) if hits + host else None
+    return {"kv_fraction_read": a.get("blocks_read_fraction"), "hbm_hit_rate": hit}
+
+
+def server_info_digest(info: dict | None) -> dict | None:
+    """What a result keeps of `/get_server_info`: the KV pool size and the PSA block."""
+    if info is None:
+        return None
+    state = (info.get("internal_states") or [{}])[0]
+    return {
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+        "page_size": info.get("page_size"),
+        "cuda_graph_backend_decode": info.get("cuda_graph_backend_decode"),
+        "memory_usage": state.get("memory_usage"),
+        "psa": state.get("psa"),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Merging parts into one result
+# ---------------------------------------------------------------------------------------
+
+SUMMARY_KEYS = (
+    "decode_step_ratio_psa_vs_plain",
+    "decode_step_ratio_topk_vs_plain",
+    "throughput_ratio_psa_vs_plain",
+    "throughput_ratio_host_vs_plain_capped",
+    "goodput_ratio_vs_plain_strict",
+    "goodput_ratio_vs_plain_relaxed",
+    "ttft_p99_ratio_host_vs_hbm",
+    "accuracy_delta_vs_plain",
+    "decode_step_ratio_topk_vs_plain_8b",
+)
+
+
+def latest_parts(parts: list[dict]) -> dict[tuple[str, str], dict]:
+    """(workload, system) -> the newest part that measured it (parts sort by date)."""
+    best: dict[tuple[str, str], dict] = {}
+    for p in sorted(parts, key=lambda p: p["date"]):
+        for name, rec in p["systems"].items():
+            if rec.get("error") is None:
+                best[(p["workload"], name)] = p
+    return best
+
+
+def _ratio(num, den) -> float | None:
+    return num / den if num is not None and den not in (None, 0) else None
+
+
+def _sys(best, workload: str, system: str) -> tuple[dict | None, dict | None]:
+    """The system's record and plain's record from the same part (the same run)."""
+    p = best.get((workload, system))
+    if p is None:
+        return None, None
+    return p["systems"][system], p["systems"].get("plain")
+
+
+def _step(rec):
+    return rec["metrics"]["steady_decode"]["step_ms"] if rec else None
+
+
+def _best_goodput(rec, which: str) -> float | None:
+    if not rec:
+        return None
+    vals = [r[f"goodput_{which}"] for r in rec["rates"].values()]
+    return max(vals) if vals else None
+
+
+def summarize(parts: list[dict]) -> dict:
+    """The issue's summary keys; each ratio compares a system with plain SGLang measured in
+    the same part (run). A key whose systems were not measured is None."""
+    best = latest_parts(parts)
+    s: dict[str, float | None] = {}
+    for mode in ("psa", "topk"):
+        rec, plain = _sys(best, "a", mode)
+        s[f"decode_step_ratio_{mode}_vs_plain"] = _ratio(_step(rec), _step(plain))
+    rec, plain = _sys(best, "a", "psa")
+    s["throughput_ratio_psa_vs_plain"] = _ratio(
+        rec and rec["metrics"]["output_tok_s"], plain and plain["metrics"]["output_tok_s"]
+    )
+    rec, plain = _sys(best, "b", "psa_host")
+    s["throughput_ratio_host_vs_plain_capped"] = _ratio(
+        rec and rec["metrics"]["output_tok_s"], plain and plain["metrics"]["output_tok_s"]
+    )
+    rec, plain = _sys(best, "c", "psa")
+    for which in ("strict", "relaxed"):
+        s[f"goodput_ratio_vs_plain_{which}"] = _ratio(
+            _best_goodput(rec, which), _best_goodput(plain, which)
+        )
+    host, _ = _sys(best, "a", "psa_host")
+    hbm, _ = _sys(best, "a", "psa")
+    s["ttft_p99_ratio_host_vs_hbm"] = _ratio(
+        host and host["metrics"]["ttft_s"]["p99"], hbm and hbm["metrics"]["ttft_s"]["p99"]
+    )
+    s["accuracy_delta_vs_plain"] = accuracy_delta(best, "psa")
+    rec, plain = _sys(best, "d", "topk")
+    s["decode_step_ratio_topk_vs_plain_8b"] = _ratio(_step(rec), _step(plain))
+    return s
+
+
+def accuracy_delta(best, system: str) -> float | None:
+    """`system`'s accuracy minus plain's over every scored prompt both answered in the same
+    runs (workloads with real-model tasks; d has random weights and is left out)."""
+    ours = theirs = n = 0
+    for (workload, name), p in best.items():
+        if name != system or workload == "d" or "plain" not in p["systems"]:
+            continue
+        ref = {r["prompt_len"]: r for r in _all_rows(p["systems"]["plain"])}
+        for r in _all_rows(p["systems"][system]):
+            q = ref.get(r["prompt_len"])
+            if q is None or r["error"] or q["error"]:
+                continue
+            ours += r["correct"]
+            theirs += q["correct"]
+            n += 1
+    return (ours - theirs) / n if n else None
+
+
+def _all_rows(rec: dict) -> list[dict]:
+    if "rates" in rec:
+        return [r for rate in rec["rates"].values() for r in rate["rows"]]
+    return rec["rows"]
+
+
+def merge(parts: list[dict]) -> dict:
+    """One document from stage parts: provenance of each part, the newest measurement of
+    every (workload, system) with plain from its own run, the summary."""
+    best = latest_parts(parts)
+    used = {id(p) for p in best.values()}
+    kept = [p for p in sorted(parts, key=lambda p: p["date"]) if id(p) in used]
+    prov = [
+        {
+            k: p[k]
+            for k in ("workload", "run_id", "machine", "device", "command", "date", "git_commit")
+        }
+        | {"systems": sorted(p["systems"])}
+        for p in kept
+    ]
+    return {
+        "summary": summarize(kept),
+        "provenance": prov,
+        "mixed": {
+            "machines": sorted({p["device"] for p in kept}),
+            "git_commits": sorted({p["git_commit"] for p in kept}),
+        },
+        "parts": kept,
+    }
+
+
+def table_rows(doc: dict) -> list[dict]:
+    """One row per (workload, system) of a merged document, for README and the console."""
+    rows = []
+    for p in doc["parts"]:
+        for name, rec in p["systems"].items():
+            if rec.get("error"):
+                rows.append({"workload": p["workload"], "system": name, "error": rec["error"][:80]})
+                continue
+            if "rates" in rec:
+                for rate, r in rec["rates"].items():
+                    m = r["metrics"]
+                    rows.append(_row(p["workload"] + f"@{rate}/s", name, m, rec, r))
+            else:
+                rows.append(_row(p["workload"], name, rec["metrics"], rec, rec))
+    return rows
+
+
+def _row(workload: str, name: str, m: dict, rec: dict, r: dict) -> dict:
+    ident = r.get("identical_to_plain") or {}
+    return {
+        "workload": workload,
+        "system": name,
+        "output_tok_s": m["output_tok_s"],
+        "ttft_p99_s": m["ttft_s"]["p99"],
+        "tpot_p50_ms": (m["tpot_s"]["p50"] or 0) * 1000,
+        "step_ms": m["steady_decode"]["step_ms"],
+        "step_batch": m["steady_decode"]["batch"],
+        "peak_running": m["peak_running"],
+        "kv_read": rec.get("counters", {}).get("kv_fraction_read"),
+        "hbm_hit": rec.get("counters", {}).get("hbm_hit_rate"),
+        "accuracy": m["accuracy"],
+        "identical": ident.get("identical"),
+        "goodput_strict": r.get("goodput_strict"),
+        "goodput_relaxed": r.get("goodput_relaxed"),
+    }
+
+
+def markdown_table(doc: dict) -> str:
+    def f(x, spec):
+        return "–" if x is None else format(x, spec)
+
+    out = [
+        "| workload | system | output tok/s | p99 TTFT (s) | p50 TPOT (ms) | decode step (ms) @ batch "
+        "| peak running | KV read | accuracy | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table_rows(doc):
+        if "error" in r:
+            out.append(f"| {r['workload']} | {r['system']} | failed: {r['error']} |||||||")
+            continue
+        step = f"{f(r['step_ms'], '.2f')} @ {r['step_batch']}" if r["step_ms"] else "–"
+        out.append(
+            f"| {r['workload']} | {r['system']} | {f(r['output_tok_s'], '.0f')} | "
+            f"{f(r['ttft_p99_s'], '.1f')} | {f(r['tpot_p50_ms'], '.1f')} | {step} | "
+            f"{r['peak_running']} | {f(r['kv_read'], '.0%')} | {f(r['accuracy'], '.2f')} | "
+            f"{f(r['identical'], '.2f')} |"
+        )
+    return "\n".join(out)

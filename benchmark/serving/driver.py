@@ -1,0 +1,232 @@
+"""One real server at a time: start, wait for health, warm up, drive with SGLang's own
+client, read its counters, stop.
+
+Contract: `Server` owns a `python -m sglang.launch_server` process group (it and
+the scheduler/detokenizer processes it spawns); leaving the `with` block
+terminates the whole group, so the next system starts on a free GPU. A server
+that exits or stays unhealthy raises `ServerFailed` with the tail of its log.
+`bench_serving` runs as its own process (`python -m sglang.bench_serving`,
+unchanged) with `stubs/` on its path for the `datasets` import it does not use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+STUBS = HERE / "stubs"
+LOG_TAIL_LINES = 60
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[serving {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class Server:
+    def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict | None = None):
+        self.cmd, self.port, self.log_path = cmd, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = float("nan")
+
+    def __enter__(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log("$ " + " ".join(self.cmd))
+        self._log_file = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env,
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout: float) -> float:
+        """Seconds until `/health` answered 200; raises ServerFailed on exit or time-out."""
+        t0 = time.time()
+        last = t0
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise ServerFailed(
+                    f"the server exited with code {self.proc.returncode} during start-up; "
+                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    self.startup_s = time.time() - t0
+                    log(f"healthy after {self.startup_s:.0f} s")
+                    return self.startup_s
+            except requests.RequestException:
+                pass
+            if time.time() - last > 30:
+                last = time.time()
+                log(
+                    f"waiting for the server ({time.time() - t0:.0f} s): {_last_line(self.log_path)}"
+                )
+            time.sleep(1.0)
+        raise ServerFailed(
+            f"the server was not healthy after {timeout:.0f} s; last lines of "
+            f"{self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def get(self, path: str, timeout: float = 60) -> dict:
+        r = requests.get(self.url + path, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(self, text: str, max_new_tokens: int, timeout: float = 600) -> dict:
+        body = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        }
+        r = requests.post(self.url + "/generate", json=body, timeout=timeout)
+        if r.status_code != 200:
+            raise ServerFailed(f"warm-up request failed: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def log_size(self) -> int:
+        self._log_file.flush()
+        return self.log_path.stat().st_size
+
+    def log_text(self, start: int = 0, end: int | None = None) -> str:
+        with self.log_path.open("rb") as f:
+            f.seek(start)
+            data = f.read() if end is None else f.read(max(0, end - start))
+        return data.decode(errors="replace")
+
+    def stop(self, grace: float = 30) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.proc.pid, signal.SIGKILL)  # the scheduler and detokenizer too
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log_file.close()
+        self.proc = None
+        time.sleep(2.0)  # let the driver release the GPU memory of the killed processes
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _last_line(path: Path) -> str:
+    lines = tail(path, 1)
+    return lines[-200:] if lines else ""
+
+
+def client_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def bench_command(
+    python: str,
+    url: str,
+    model_dir: str,
+    dataset: Path,
+    num_prompts: int,
+    rate: float,
+    fixed_output: int | None,
+    seed: int,
+    out_file: Path,
+) -> list[str]:
+    cmd = [
+        python, "-m", "sglang.bench_serving",
+        "--backend", "sglang",
+        "--base-url", url,
+        "--model", model_dir, "--tokenizer", model_dir,
+        "--dataset-name", "custom", "--dataset-path", str(dataset),
+        "--num-prompts", str(num_prompts),
+        "--request-rate", "inf" if rate == float("inf") else f"{rate:g}",
+        "--seed", str(seed),
+        "--warmup-requests", "0",  # warmed up by the driver with prompts outside the dataset
+        "--output-file", str(out_file), "--output-details",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec", "0",
+    ]  # fmt: skip
+    if fixed_output is not None:
+        cmd += ["--sharegpt-output-len", str(fixed_output)]
+    return cmd
+
+
+def run_bench(
+    cmd: list[str], server: Server, log_path: Path, out_file: Path, timeout: float
+) -> dict:
+    """Run `bench_serving`; show progress from the server's decode log lines meanwhile.
+    Returns the JSON line it wrote (with per-request details)."""
+    out_file.unlink(missing_ok=True)
+    log("$ " + " ".join(cmd))
+    with log_path.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=client_env())
+        stop = threading.Event()
+        threading.Thread(target=_progress, args=(server, stop), daemon=True).start()
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise ServerFailed(f"bench_serving ran past {timeout:.0f} s; see {log_path}") from None
+        finally:
+            stop.set()
+    if rc != 0 or not out_file.exists():
+        raise ServerFailed(
+            f"bench_serving exited with code {rc}; last lines of {log_path}:\n{tail(log_path)}"
+        )
+    return json.loads(out_file.read_text().splitlines()[-1])
+
+
+def _progress(server: Server, stop: threading.Event, every: float = 20.0) -> None:
+    from analysis import parse_decode_lines  # same folder; imported lazily for the thread
+
+    start = server.log_size()
+    while not stop.wait(every):
+        lines = parse_decode_lines(server.log_text(start))
+        if lines:
+            last = lines[-1]
+            log(
+                f"  decoding: {last['running']} running, {last['queue']} queued, "
+                f"{last['gen_tok_s']:.0f} tok/s"
+            )
+        else:
+            log("  prefilling (no decode line yet)")
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,573 @@
+#!/usr/bin/env python3
+"""Serving benchmark: sglang-psa against plain SGLang, as real servers, under long-context load.
+
+    python benchmark/serving/run.py stage a                     # workload a, its default systems
+    python benchmark/serving/run.py stage a --systems psa,topk  # plain SGLang always runs too
+    python benchmark/serving/run.py merge --parts DIR ...       # fold stage parts into the result
+    python benchmark/serving/run.py table                       # README table from the result
+    python benchmark/serving/run.py list                        # workloads and systems
+
+A stage is one workload (see `list`) against some systems, plain SGLang (triton
+attention, decode CUDA graphs) always among them and always first, so every
+ratio compares two servers of the same run. Each system is a real
+`python -m sglang.launch_server` process: started, waited on until healthy,
+warmed up with prompts outside the dataset (kernel compilation stays outside the
+timed window), then driven by SGLang's own client, `python -m sglang.bench_serving
+--dataset-name custom`, with a seeded dataset of long-context tasks from
+`sglang_psa.eval.tasks` so that every answer is scored. `/get_server_info` is
+read before and after, the server's own "Decode batch" log lines give the
+steady decode step, and the server is shut down before the next one starts.
+
+A stage writes its part (`WORK/parts/WORKLOAD.RUN_ID.json`: measurements plus
+machine, command, date and commit) after every system, so a stage cut short
+keeps what finished; `--export DIR` mirrors parts and the merged result there
+(the device's $OUT). Merging keeps, for every (workload, system), the newest
+part that measured it, and takes plain SGLang from that same part: re-running
+one stage re-measures only what it names. Each stage of the default workloads
+fits in one 10-minute device call with its default systems, except `a`, which
+is split (`--systems psa,topk` then `--systems psa_host,plain_eager,plain_hicache`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import analysis  # noqa: E402
+import driver  # noqa: E402
+import systems as systems_mod  # noqa: E402
+import workloads as workloads_mod  # noqa: E402
+from driver import Server, ServerFailed, log  # noqa: E402
+
+RESULTS = REPO / "benchmark" / "results"
+DEFAULT_WORK = Path(os.environ.get("PSA_SERVING_WORK", "/tmp/psa-serving"))
+WARMUP_SHORT = 4  # concurrent short requests in the warm-up (decode at several batch sizes)
+SLO_FACTORS = {"strict": 5.0, "relaxed": 25.0}  # x plain SGLang's single-request TTFT/TPOT
+PROBE_OUTPUT = 128
+STARTUP_TIMEOUT_S = 600
+MIN_SYSTEM_BUDGET_S = 90  # a system is not started with less of the stage budget left
+
+
+# ---------------------------------------------------------------------------------------
+# provenance
+# ---------------------------------------------------------------------------------------
+
+
+def device_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        name = out.stdout.strip().splitlines()[0] if out.returncode == 0 else ""
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        name = ""
+    return name or "no GPU"
+
+
+def result_name(device: str) -> str:
+    """serving_h100 / serving_h200 / serving_gpu: a run on another kind never lands under
+    the H100's name."""
+    for tag in ("H100", "H200", "B200", "A100"):
+        if tag in device:
+            return f"serving_{tag.lower()}"
+    return "serving_gpu" if device != "no GPU" else "serving_cpu"
+
+
+def provenance() -> dict:
+    from sglang_psa.eval.results import git_commit, machine
+
+    return {
+        "machine": machine(),
+        "device": device_name(),
+        "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(REPO),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# one system
+# ---------------------------------------------------------------------------------------
+
+
+def warm_up(server: Server, tok, w: workloads_mod.Workload) -> None:
+    """A prompt of the workload's longest length and a few short ones at once, none of them
+    in the dataset; then the prefix cache is flushed."""
+    import concurrent.futures as cf
+    import random
+
+    from sglang_psa.eval.tasks import Builder, niah
+
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    task = niah(Builder(count, random.Random("serving/warmup")), max(w.prompt_tokens) - 256, 1)
+    long_prompt = workloads_mod.chat_text(tok, task.prompt, task.question)
+    short = [f"Count from {i} to {i + 20}:" for i in range(WARMUP_SHORT)]
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(WARMUP_SHORT + 1) as pool:
+        jobs = [pool.submit(server.generate, long_prompt, 16)]
+        jobs += [pool.submit(server.generate, s, 32) for s in short]
+        for j in jobs:
+            j.result()
+    requests_flush(server)
+    log(f"warmed up in {time.time() - t0:.0f} s")
+
+
+def requests_flush(server: Server) -> None:
+    import requests
+
+    r = requests.post(server.url + "/flush_cache", timeout=60)
+    if r.status_code != 200:
+        log(f"flush_cache answered {r.status_code}: {r.text[:200]}")
+
+
+def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
+    """One request alone (the workload's longest prompt, not in the dataset): TTFT and TPOT
+    as a client sees them. Plain SGLang's probe sets the goodput objectives."""
+    import random
+
+    import requests
+
+    from sglang_psa.eval.tasks import Builder, niah
+
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    task = niah(Builder(count, random.Random("serving/probe")), max(w.prompt_tokens) - 256, 1)
+    body = {
+        "text": workloads_mod.chat_text(tok, task.prompt, task.question),
+        "sampling_params": {"max_new_tokens": PROBE_OUTPUT, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            n = json.loads(line[6:])["meta_info"]["completion_tokens"]
+            first = first or now
+            last = now
+    requests_flush(server)
+    ttft = first - t0
+    tpot = (last - first) / max(1, n - 1)
+    log(f"single-request probe: TTFT {ttft * 1e3:.0f} ms, TPOT {tpot * 1e3:.2f} ms")
+    return {"ttft_s": ttft, "tpot_s": tpot, "output_tokens": n}
+
+
+def run_system(
+    name: str,
+    w: workloads_mod.Workload,
+    ctx: dict,
+    port: int,
+    deadline: float,
+) -> dict:
+    """Start `name`'s server, warm it up, run the workload's timed run(s), stop it."""
+    system = systems_mod.SYSTEMS[name]
+    extra = []
+    if ctx["cap"] is not None:
+        extra += systems_mod.cap_flags(system, ctx["cap"])
+    cmd = systems_mod.launch_command(
+        driver.python(),
+        system,
+        str(ctx["model_dir"]),
+        port,
+        max_batch=ctx["max_batch"],
+        load_format="dummy" if w.model == workloads_mod.LLAMA_8B_DUMMY else None,
+        extra=extra,
+        launcher=ctx["launcher"],
+    )
+    logs = ctx["work"] / "logs" / ctx["run_id"]
+    rec: dict = {"what": system.what, "launch": cmd, "error": None}
+    with Server(cmd, port, logs / f"{w.name}-{name}.server.log") as server:
+        try:
+            server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
+            rec["startup_s"] = server.startup_s
+            warm_up(server, ctx["tok"], w)
+            info = server.get("/get_server_info")
+            rec["server_info_before"] = analysis.server_info_digest(info)
+            num_prompts = w.prompts
+            if w.batch_from_capacity:
+                num_prompts = ctx.setdefault("batch", capacity_batch(info, w))
+            rec["num_prompts"] = num_prompts
+            if w.name == "c" and name == "plain":
+                ctx["probe"] = probe(server, ctx["tok"], w)
+            runs = {}
+            for rate in w.rates:
+                key = "inf" if math.isinf(rate) else f"{rate:g}"
+                log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
+                start = server.log_size()
+                bench = driver.run_bench(
+                    driver.bench_command(
+                        driver.python(),
+                        server.url,
+                        str(ctx["model_dir"]),
+                        ctx["dataset"],
+                        num_prompts,
+                        rate,
+                        w.fixed_output,
+                        w.seed,
+                        logs / f"{w.name}-{name}-{key}.bench.jsonl",
+                    ),
+                    server,
+                    logs / f"{w.name}-{name}-{key}.bench.log",
+                    logs / f"{w.name}-{name}-{key}.bench.jsonl",
+                    timeout=max(60.0, deadline - time.time()),
+                )
+                lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
+                rows = analysis.per_request(
+                    bench,
+                    ctx["meta"],
+                    lambda text, task: workloads_mod.is_correct(ctx["tok"], text, task),
+                    lambda text: workloads_mod.answer_ids(ctx["tok"], text),
+                )
+                batch = num_prompts if math.isinf(rate) else None
+                runs[key] = {
+                    "metrics": analysis.run_metrics(bench, rows, lines, batch),
+                    "decode_log": lines,
+                    "rows": rows,
+                }
+                m = runs[key]["metrics"]
+                log(
+                    f"{w.name}/{name} @ {key}/s: {m['output_tok_s']:.0f} output tok/s, "
+                    f"p99 TTFT {m['ttft_s']['p99'] or float('nan'):.1f} s, steady step "
+                    f"{m['steady_decode']['step_ms'] or float('nan'):.2f} ms at batch "
+                    f"{m['steady_decode']['batch']}, accuracy {m['accuracy']:.2f}, "
+                    f"{m['failed']} failed"
+                )
+            after = server.get("/get_server_info")
+            rec["server_info_after"] = analysis.server_info_digest(after)
+            rec["counters"] = analysis.counter_delta(info, after)
+            if len(w.rates) == 1:
+                rec.update(next(iter(runs.values())))
+            else:
+                rec["rates"] = runs
+        except (ServerFailed, OSError, ValueError, KeyError) as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["log_tail"] = driver.tail(server.log_path)
+            log(f"{w.name}/{name} FAILED: {rec['error'][:2000]}")
+    return rec
+
+
+def capacity_batch(info: dict, w: workloads_mod.Workload) -> int:
+    """The largest batch of the workload's requests that plain SGLang's KV pool holds,
+    less 4% so that sglang-psa (whose pool also keeps block metadata) holds it too."""
+    tokens = int(info["max_total_num_tokens"])
+    batch = max(1, min(w.prompts, int(0.96 * tokens) // w.max_request_tokens))
+    log(f"KV pool of {tokens} tokens: batch {batch} of {w.max_request_tokens}-token requests")
+    return batch
+
+
+def finish_part(part: dict, w: workloads_mod.Workload, ctx: dict) -> None:
+    """Comparisons that need plain's record: completions identical to plain, and for the
+    rate sweep the goodput objectives from plain's single-request probe."""
+    plain = part["systems"].get("plain")
+    if not plain or plain.get("error"):
+        return
+    probe_ = ctx.get("probe")
+    if probe_:
+        part["slo"] = {
+            which: {"ttft_s": f * probe_["ttft_s"], "tpot_s": f * probe_["tpot_s"]}
+            for which, f in SLO_FACTORS.items()
+        } | {"probe": probe_, "factors": SLO_FACTORS}
+    for rec in part["systems"].values():
+        if rec.get("error"):
+            continue
+        if "rates" in rec:
+            for key, run in rec["rates"].items():
+                run["identical_to_plain"] = analysis.identical_fraction(
+                    run["rows"], plain["rates"][key]["rows"]
+                )
+                if probe_:
+                    for which, slo in part["slo"].items():
+                        if which in SLO_FACTORS:
+                            run[f"goodput_{which}"] = analysis.goodput(
+                                run["rows"],
+                                run["metrics"]["duration_s"],
+                                slo["ttft_s"],
+                                slo["tpot_s"],
+                            )
+        else:
+            rec["identical_to_plain"] = analysis.identical_fraction(rec["rows"], plain["rows"])
+
+
+def stage(args) -> int:
+    from transformers import AutoTokenizer
+
+    w = workloads_mod.WORKLOADS[args.workload]
+    if args.smoke:
+        w = workloads_mod.smoke(w)
+    names = [s for s in (args.systems.split(",") if args.systems else w.systems) if s]
+    unknown = [s for s in names if s not in systems_mod.SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; known: {', '.join(systems_mod.SYSTEMS)}")
+    names = ["plain"] + [s for s in names if s != "plain"]  # plain always, and first
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    work = Path(args.work)
+    log(f"stage {w.name}: {w.what}; systems {', '.join(names)}; budget {args.budget_s:.0f} s")
+    model_dir = (
+        Path(args.model_dir) if args.model_dir else workloads_mod.prepare_model(w.model, work)
+    )
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    dataset = workloads_mod.ensure_dataset(w, tok, work)
+    log(f"model {model_dir}; dataset {dataset} ({time.time() - t0:.0f} s so far)")
+    kv, meta_bytes = workloads_mod.kv_bytes(model_dir)
+    cap = None
+    if w.kv_cap_requests:
+        cap = systems_mod.KVCap(
+            tokens=w.kv_cap_requests * w.max_request_tokens,
+            bytes_per_token=kv,
+            metadata_bytes_per_token=meta_bytes,
+            host_tokens=w.prompts * w.max_request_tokens,
+        )
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    part = {
+        "workload": w.name,
+        "run_id": run_id,
+        **provenance(),
+        "config": {
+            "workload": w.to_json(),
+            "model_dir": str(model_dir),
+            "kv_bytes_per_token": kv,
+            "psa_metadata_bytes_per_token": meta_bytes,
+            "kv_cap_tokens": cap.tokens if cap else None,
+            "mem_fraction_static": systems_mod.MEM_FRACTION_STATIC,
+            "decode_log_interval": systems_mod.DECODE_LOG_INTERVAL,
+            "smoke": args.smoke,
+        },
+        "systems": {},
+    }
+    ctx = {
+        "work": work,
+        "run_id": run_id,
+        "model_dir": model_dir,
+        "tok": tok,
+        "dataset": dataset,
+        "meta": workloads_mod.load_meta(dataset),
+        "cap": cap,
+        "max_batch": w.prompts,
+        "launcher": shlex.split(args.launcher) if args.launcher else None,
+    }
+    part_path = work / "parts" / f"{w.name}.{run_id}.json"
+    for i, name in enumerate(names):
+        left = deadline - time.time()
+        if left < MIN_SYSTEM_BUDGET_S:
+            log(f"{w.name}/{name}: not started, {left:.0f} s of the stage budget left")
+            part.setdefault("not_run", []).append(name)
+            continue
+        log(f"[{i + 1}/{len(names)}] {w.name}/{name} ({left:.0f} s of the budget left)")
+        part["systems"][name] = run_system(name, w, ctx, args.port + i, deadline)
+        if name == "plain" and part["systems"][name]["error"]:
+            log("plain SGLang failed: the other systems would have nothing to compare with")
+            break
+        finish_part(part, w, ctx)
+        save_part(part, part_path, args)
+    finish_part(part, w, ctx)
+    save_part(part, part_path, args)
+    out = Path(args.out) if args.out else None
+    if args.smoke and out is None:
+        out = Path(args.work) / "serving_smoke.json"  # never merged into a real result
+    merged = merge_into(out, [part], args)
+    print(analysis.markdown_table({"parts": [part]}))
+    print(json.dumps(merged["summary"], indent=1))
+    log(f"stage {w.name} done in {time.time() - t0:.0f} s")
+    return 0 if all(not r.get("error") for r in part["systems"].values()) else 1
+
+
+def save_part(part: dict, path: Path, args) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(part, indent=1) + "\n")
+    if args.export:
+        dst = Path(args.export) / "parts"
+        dst.mkdir(parents=True, exist_ok=True)
+        for p in path.parent.glob("*.json"):
+            shutil.copy2(p, dst / p.name)
+
+
+# ---------------------------------------------------------------------------------------
+# merging, the result file, plots
+# ---------------------------------------------------------------------------------------
+
+
+def load_parts(paths: list[Path]) -> list[dict]:
+    parts = []
+    for p in paths:
+        files = sorted(p.glob("*.json")) if p.is_dir() else [p]
+        for f in files:
+            doc = json.loads(f.read_text())
+            parts.extend(doc["data"]["parts"] if "data" in doc else [doc])
+    return parts
+
+
+def write_result(path: Path, merged: dict) -> None:
+    """The result contract: machine, command, date, git_commit, summary, data. Provenance
+    of a merged result is per part; the top level names every machine and commit used."""
+    prov = merged["provenance"]
+    doc = {
+        "machine": "; ".join(sorted({p["machine"] for p in prov})),
+        "device": "; ".join(merged["mixed"]["machines"]),
+        "command": [p["command"] for p in prov],
+        "date": max(p["date"] for p in prov),
+        "git_commit": "; ".join(merged["mixed"]["git_commits"]),
+        "summary": merged["summary"],
+        "provenance": prov,
+        "data": {"parts": merged["parts"]},
+    }
+    if len(merged["mixed"]["git_commits"]) > 1 or len(merged["mixed"]["machines"]) > 1:
+        doc["warning"] = "parts come from different commits or devices; see provenance"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"wrote {path}")
+
+
+def merge_into(out: Path | None, new_parts: list[dict], args) -> dict:
+    """Merge `new_parts` into the result at `out` (default: results/NAME.json for this
+    device, under --export too) and redraw its plot."""
+    device = new_parts[0]["device"] if new_parts else device_name()
+    out = out or RESULTS / f"{result_name(device)}.json"
+    old = load_parts([out]) if out.exists() and not getattr(args, "fresh", False) else []
+    ids = {(p["workload"], p["run_id"]) for p in new_parts}
+    merged = analysis.merge([p for p in old if (p["workload"], p["run_id"]) not in ids] + new_parts)
+    write_result(out, merged)
+    plot(merged, out.with_suffix(".png"))
+    if getattr(args, "export", None):
+        Path(args.export).mkdir(parents=True, exist_ok=True)
+        for f in (out, out.with_suffix(".png")):
+            if f.exists():
+                shutil.copy2(f, Path(args.export) / f.name)
+    return merged
+
+
+def plot(merged: dict, path: Path) -> None:
+    """Output throughput against request rate (workload c) and the per-request TPOT
+    distribution (workload a) of every system."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    parts = {p["workload"]: p for p in merged["parts"]}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in merged["parts"]:
+        if p["workload"] != "c":
+            continue
+        for name, rec in p["systems"].items():
+            if rec.get("error") or "rates" not in rec:
+                continue
+            rates = sorted(rec["rates"], key=float)
+            ax1.plot(
+                [float(r) for r in rates],
+                [rec["rates"][r]["metrics"]["output_tok_s"] for r in rates],
+                marker="o",
+                label=name,
+            )
+    ax1.set(xlabel="request rate (req/s)", ylabel="output tok/s", title="c: throughput vs rate")
+    for p in merged["parts"]:
+        if p["workload"] != "a":
+            continue
+        for name, rec in p["systems"].items():
+            if rec.get("error") or "rows" not in rec:
+                continue
+            tp = sorted(1e3 * r["tpot_s"] for r in rec["rows"] if r["tpot_s"] is not None)
+            if tp:
+                ax2.plot(tp, [(i + 1) / len(tp) for i in range(len(tp))], label=name)
+    ax2.set(xlabel="TPOT (ms)", ylabel="fraction of requests", title="a: TPOT distribution")
+    ax2.set_xscale("log")
+    for ax in (ax1, ax2):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    if not parts:
+        plt.close(fig)
+        return
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge_cmd(args) -> int:
+    parts = load_parts([Path(p) for p in args.parts])
+    if not parts:
+        raise SystemExit("merge: no parts found in " + ", ".join(args.parts))
+    merged = merge_into(Path(args.out) if args.out else None, parts, args)
+    print(json.dumps(merged["summary"], indent=1))
+    return 0
+
+
+def table_cmd(args) -> int:
+    path = Path(args.result) if args.result else RESULTS / "serving_h100.json"
+    doc = json.loads(path.read_text())
+    print(analysis.markdown_table(doc["data"]))
+    return 0
+
+
+def list_cmd(args) -> int:
+    for w in workloads_mod.WORKLOADS.values():
+        print(f"{w.name:4} {w.what}\n     systems: {', '.join(w.systems)}")
+    print()
+    for s in systems_mod.SYSTEMS.values():
+        print(f"{s.name:14} {s.what}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("stage", help="run one workload against plain SGLang and other systems")
+    st.add_argument("workload", choices=sorted(workloads_mod.WORKLOADS))
+    st.add_argument("--systems", help="comma list (default: the workload's); plain is always run")
+    st.add_argument("--budget-s", type=float, default=560, help="wall-clock budget of the stage")
+    st.add_argument("--work", default=str(DEFAULT_WORK), help="datasets, logs, parts")
+    st.add_argument("--port", type=int, default=31000)
+    st.add_argument("--export", help="mirror parts and the merged result here (e.g. $OUT)")
+    st.add_argument("--out", help="merged result file (default results/serving_<gpu>.json)")
+    st.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a small version of the workload (8 requests, 1/16 lengths) to check the path; "
+        "merged into WORK/serving_smoke.json, never into the real result",
+    )
+    st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
+    st.add_argument(
+        "--launcher",
+        help="server command to use instead of `python -m sglang.launch_server` (tests)",
+    )
+    st.set_defaults(fn=stage)
+    mg = sub.add_parser("merge", help="merge stage parts (files, folders or result files)")
+    mg.add_argument("parts", nargs="+")
+    mg.add_argument("--out", help="result file to merge into (default by device of the parts)")
+    mg.add_argument("--fresh", action="store_true", help="ignore the parts already in --out")
+    mg.add_argument("--export")
+    mg.set_defaults(fn=merge_cmd)
+    tb = sub.add_parser("table", help="markdown table of a result file")
+    tb.add_argument("result", nargs="?")
+    tb.set_defaults(fn=table_cmd)
+    ls = sub.add_parser("list", help="workloads and systems")
+    ls.set_defaults(fn=list_cmd)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

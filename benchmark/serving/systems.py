@@ -1,0 +1,141 @@
+"""The systems the serving benchmark races: plain SGLang and sglang-psa, as server flags.
+
+Every system is `python -m sglang.launch_server` with the same common flags
+(model, triton attention, pytorch sampling, `--mem-fraction-static`, prefill
+CUDA graphs off, a decode log line every `DECODE_LOG_INTERVAL` steps) plus its
+own. Plain SGLang's strongest configuration that runs on the air-gapped GPU
+host is the triton attention backend with decode CUDA graphs: FA3 is not in the
+slim kernel bundle and flashinfer would JIT-compile its kernels at start-up.
+Prefill CUDA graphs are off for every system: they serve short extends, the
+workloads here prefill 4K-32K-token prompts, and capturing them costs minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEM_FRACTION_STATIC = 0.80  # same HBM budget (weights + KV pool) for every system
+DECODE_LOG_INTERVAL = 10  # decode steps per "Decode batch" log line
+HICACHE_HOST_GB = 16  # SGLang's hierarchical cache: host pool size
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    what: str
+    flags: tuple[str, ...]
+    plain: bool  # plain SGLang (no --sparse-mode): decode graphs are its own setting
+    graphs: bool  # decode runs in CUDA graphs
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("plain", "plain SGLang, triton attention, decode CUDA graphs", (), True, True),
+        System(
+            "plain_eager",
+            "plain SGLang, triton attention, no CUDA graphs",
+            ("--cuda-graph-backend-decode", "disabled"),
+            True,
+            False,
+        ),
+        System(
+            "plain_hicache",
+            f"plain SGLang with --enable-hierarchical-cache ({HICACHE_HOST_GB} GB host pool), "
+            "decode CUDA graphs",
+            ("--enable-hierarchical-cache", "--hicache-size", str(HICACHE_HOST_GB)),
+            True,
+            True,
+        ),
+        System(
+            "psa",
+            "sglang-psa --sparse-mode psa (KV in HBM)",
+            ("--sparse-mode", "psa"),
+            False,
+            False,
+        ),
+        System(
+            "topk",
+            "sglang-psa --sparse-mode topk (fixed 2048-token budget, KV in HBM)",
+            ("--sparse-mode", "topk"),
+            False,
+            False,
+        ),
+        System(
+            "psa_host",
+            "sglang-psa --sparse-mode psa --psa-kv-home host (KV in pinned host memory, "
+            "HBM page cache)",
+            ("--sparse-mode", "psa", "--psa-kv-home", "host"),
+            False,
+            False,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class KVCap:
+    """HBM for KV capped to `tokens` tokens of `bytes_per_token` (workload b)."""
+
+    tokens: int
+    bytes_per_token: int  # K+V, all layers
+    metadata_bytes_per_token: int  # sglang-psa's block metadata in HBM, all layers
+    host_tokens: int  # what the host tier must hold: every request of the workload
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
+def host_pool_gb(tokens: int, bytes_per_token: int) -> float:
+    """`--psa-host-pool-gb` (GiB) holding `tokens` tokens, rounded up to 1/4 GiB plus 1 GiB."""
+    return round(-(-tokens * bytes_per_token // 2**28) / 4 + 1.0, 2)
+
+
+def cap_flags(system: System, cap: KVCap) -> list[str]:
+    """Flags that give `system` the same HBM for KV as plain SGLang at `--max-total-tokens
+    cap.tokens`. sglang-psa at host home gets that HBM as page cache less the block
+    metadata it keeps in HBM for every host-tier token."""
+    if system.plain or "host" not in system.flags:
+        return ["--max-total-tokens", str(cap.tokens)]
+    pool_gb = host_pool_gb(cap.host_tokens, cap.bytes_per_token)
+    pool_tokens = int(pool_gb * 2**30) // cap.bytes_per_token
+    cache = cap.hbm_bytes - pool_tokens * cap.metadata_bytes_per_token
+    if cache <= 0:
+        raise ValueError(
+            f"capped HBM ({cap.hbm_bytes / 2**30:.2f} GiB) does not cover the block metadata "
+            f"of {pool_tokens} host-tier tokens"
+        )
+    return ["--psa-gpu-cache-gb", f"{cache / 2**30:.4f}", "--psa-host-pool-gb", f"{pool_gb:g}"]
+
+
+def launch_command(
+    python: str,
+    system: System,
+    model_dir: str,
+    port: int,
+    *,
+    max_batch: int,
+    load_format: str | None = None,
+    extra: list[str] | None = None,
+    launcher: list[str] | None = None,
+) -> list[str]:
+    """The `launch_server` argv for `system`; `max_batch` is the largest decode batch the
+    workload reaches (the decode graphs plain SGLang captures stop there). `launcher`
+    replaces `python -m sglang.launch_server` (a test's fake server)."""
+    cmd = [
+        *(launcher or [python, "-m", "sglang.launch_server"]),
+        "--model-path", model_dir,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--attention-backend", "triton",
+        "--sampling-backend", "pytorch",
+        "--mem-fraction-static", f"{MEM_FRACTION_STATIC:g}",
+        "--cuda-graph-backend-prefill", "disabled",
+        "--decode-log-interval", str(DECODE_LOG_INTERVAL),
+        "--random-seed", "0",
+    ]  # fmt: skip
+    if load_format:
+        cmd += ["--load-format", load_format]
+    if system.plain and system.graphs:
+        cmd += ["--cuda-graph-max-bs-decode", str(max(max_batch, 1))]
+    return cmd + list(system.flags) + list(extra or [])
