@@ -42,11 +42,13 @@ def parse_decode_lines(text: str) -> list[dict]:
 
 def steady_step(lines: list[dict], batch: int | None = None) -> dict:
     """The decode step at full batch: the median over log intervals at `batch` running
-    requests (default: the most seen) of running / generated tokens per second. The first
-    such interval is dropped when there are others (it may hold the last prefill)."""
+    requests (or, when the server never ran that many at once, the most it ran) of running /
+    generated tokens per second. The first such interval is dropped when there are others
+    (it may hold the last prefill)."""
     if not lines:
         return {"step_ms": None, "batch": None, "intervals": 0, "graph": None}
-    batch = batch or max(ln["running"] for ln in lines)
+    most = max(ln["running"] for ln in lines)
+    batch = batch if batch and batch <= most else most
     at = [ln for ln in lines if ln["running"] == batch and ln["gen_tok_s"] > 0]
     if len(at) > 1:
         at = at[1:]

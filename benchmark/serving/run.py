@@ -25,7 +25,7 @@ keeps what finished; `--export DIR` mirrors parts and the merged result there
 part that measured it, and takes plain SGLang from that same part: re-running
 one stage re-measures only what it names. Each stage of the default workloads
 fits in one 10-minute device call with its default systems, except `a`, which
-is split (`--systems psa,topk` then `--systems psa_host,plain_eager,plain_hicache`).
+is split (`--systems psa,topk` then `--systems psa_host,plain_eager`).
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ def run_system(
             for rate in w.rates:
                 key = "inf" if math.isinf(rate) else f"{rate:g}"
                 log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
+                requests_flush(server)  # the same prompts again at each rate: no prefix hits
                 start = server.log_size()
                 bench = driver.run_bench(
                     driver.bench_command(

@@ -79,7 +79,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (28_000,),
             (1024,),
-            ("plain", "psa", "topk", "psa_host", "plain_eager", "plain_hicache"),
+            ("plain", "psa", "topk", "psa_host", "plain_eager"),
         ),
         Workload(
             "a16",
@@ -107,11 +107,11 @@ WORKLOADS: dict[str, Workload] = {
             "Poisson arrivals of a mixed-length mix (4K-28K prompts, 64-1024 outputs) at a "
             "sweep of rates; goodput under TTFT and TPOT objectives",
             "qwen2.5-0.5b",
-            48,
+            24,
             (4_000, 8_000, 12_000, 16_000, 20_000, 24_000, 28_000),
             (64, 128, 256, 512, 1024),
             ("plain", "psa"),
-            rates=(0.25, 0.5, 1.0),
+            rates=(0.5, 1.0, 2.0),
         ),
         Workload(
             "d",
