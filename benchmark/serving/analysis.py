@@ -109,7 +109,7 @@ def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[d
                 "ttft_s": bench["ttfts"][i] if ok else None,
                 "tpot_s": (sum(itl) / (out_len - 1)) if ok and out_len > 1 else None,
                 "latency_s": (bench["ttfts"][i] + sum(itl)) if ok else None,
-                "error": err or None,
+                "error": err or (None if ok else "no output tokens"),
                 "correct": bool(score(text, task)) if ok else False,
                 "answer_ids": answer_ids(text) if ok else [],
             }
@@ -305,9 +305,9 @@ def accuracy_delta(best, system: str) -> float | None:
     for (workload, name), p in best.items():
         if name != system or workload == "d" or "plain" not in p["systems"]:
             continue
-        ref = {r["prompt_len"]: r for r in _all_rows(p["systems"]["plain"])}
-        for r in _all_rows(p["systems"][system]):
-            q = ref.get(r["prompt_len"])
+        ref = {(rate, r["prompt_len"]): r for rate, r in _all_rows(p["systems"]["plain"])}
+        for rate, r in _all_rows(p["systems"][system]):
+            q = ref.get((rate, r["prompt_len"]))
             if q is None or r["error"] or q["error"]:
                 continue
             ours += r["correct"]
@@ -316,10 +316,11 @@ def accuracy_delta(best, system: str) -> float | None:
     return (ours - theirs) / n if n else None
 
 
-def _all_rows(rec: dict) -> list[dict]:
+def _all_rows(rec: dict) -> list[tuple[str, dict]]:
+    """(rate, row) for every request of a record (rate "inf" for a single run)."""
     if "rates" in rec:
-        return [r for rate in rec["rates"].values() for r in rate["rows"]]
-    return rec["rows"]
+        return [(k, r) for k, run in rec["rates"].items() for r in run["rows"]]
+    return [("inf", r) for r in rec["rows"]]
 
 
 def merge(parts: list[dict]) -> dict:

@@ -195,8 +195,9 @@ def run_system(
     )
     logs = ctx["work"] / "logs" / ctx["run_id"]
     rec: dict = {"what": system.what, "launch": cmd, "error": None}
-    with Server(cmd, port, logs / f"{w.name}-{name}.server.log") as server:
-        try:
+    server = Server(cmd, port, logs / f"{w.name}-{name}.server.log")
+    try:
+        with server:
             server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
             rec["startup_s"] = server.startup_s
             warm_up(server, ctx["tok"], w)
@@ -259,10 +260,10 @@ def run_system(
                 rec.update(next(iter(runs.values())))
             else:
                 rec["rates"] = runs
-        except (ServerFailed, OSError, ValueError, KeyError) as e:
-            rec["error"] = f"{type(e).__name__}: {e}"
-            rec["log_tail"] = driver.tail(server.log_path)
-            log(f"{w.name}/{name} FAILED: {rec['error'][:2000]}")
+    except (ServerFailed, OSError, ValueError, KeyError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+        rec["log_tail"] = driver.tail(server.log_path)
+        log(f"{w.name}/{name} FAILED: {rec['error'][:2000]}")
     return rec
 
 

@@ -231,7 +231,10 @@ def load_meta(dataset: Path) -> dict[int, dict]:
 def ensure_dataset(w: Workload, tok, work_dir: Path) -> Path:
     """The workload's dataset under `work_dir`, built once per workload definition (seeded:
     a rebuild is equal)."""
-    digest = hashlib.sha256(json.dumps(w.to_json(), sort_keys=True).encode()).hexdigest()[:10]
+    # Keyed by the workload and the tokenizer (its size and how it splits a probe text):
+    # the sidecar maps token counts to tasks, which only hold for the tokenizer counting.
+    key = [w.to_json(), len(tok), tok.encode("Tokenizer fingerprint: 0123456789, Kraków.")]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     path = work_dir / "datasets" / f"{w.name}-{digest}.jsonl"
     if not (path.exists() and meta_path(path).exists()):
         write_dataset(build_rows(w, tok), tok, path)

@@ -1,0 +1,474 @@
+"""The serving benchmark (benchmark/serving) on CPU: log parsing, scoring, merging with
+provenance, dataset building, server flags, and the whole stage against a fake server
+driven by SGLang's real `bench_serving` client."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "benchmark" / "serving"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import analysis  # noqa: E402
+import fake_sglang  # noqa: E402
+import systems  # noqa: E402
+import workloads  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("serving_run", REPO / "benchmark/serving/run.py")
+run = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run)
+
+SMOKE_C = workloads.smoke(workloads.WORKLOADS["c"])
+SMOKE_A = workloads.smoke(workloads.WORKLOADS["a"])
+
+
+def decode(t, running, gen, graph=True, tp=""):
+    return (
+        f"[2026-11-25 07:00:{t:02d}{tp}] Decode batch, #running-req: {running}, #token: "
+        f"{running * 28000}, token usage: 0.21, cuda graph: {graph}, gen throughput "
+        f"(token/s): {gen:.2f}, #queue-req: 0"
+    )
+
+
+# --- 1. log parsing -------------------------------------------------------------------
+
+
+def test_decode_lines_are_parsed_and_other_lines_ignored():
+    text = "\n".join(
+        [
+            "[2026-11-25 07:00:00] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token:"
+            " 0, #token: 8192, token usage: 0.01, #running-req: 0, #queue-req: 3, "
+            "#pending-token: 0, cuda graph: False, input throughput (token/s): 12345.67",
+            "[2026-11-25 07:00:01] Decode batch, #running-req: 32, #token: 912345, token usage:"
+            " 0.21, cuda graph: True, gen throughput (token/s): 5120.50, #queue-req: 0",
+            "INFO:     127.0.0.1:51234 - POST /generate HTTP/1.1 200 OK",
+            "[2026-11-25 07:00:02 TP0] Decode batch, #running-req: 4, #token: 1000, token usage:"
+            " 0.02, cuda graph: False, gen throughput (token/s): 300.00, #queue-req: 7",
+        ]
+    )
+    keys = ("time", "running", "tokens", "usage", "graph", "gen_tok_s", "queue")
+    assert [tuple(ln[k] for k in keys) for ln in analysis.parse_decode_lines(text)] == [
+        ("2026-11-25 07:00:01", 32, 912345, 0.21, True, 5120.5, 0),
+        ("2026-11-25 07:00:02", 4, 1000, 0.02, False, 300.0, 7),
+    ]
+    assert set(analysis.parse_decode_lines(text)[0]) == set(keys)
+
+
+def test_steady_step_is_the_median_at_the_batch_without_the_first_interval():
+    # at 32 running: steps 50 (first, dropped), 10, 12, 11 ms; at 16: 1 ms (other batch)
+    lines = analysis.parse_decode_lines(
+        "\n".join(
+            [decode(0, 16, 16000)]
+            + [decode(i + 1, 32, 32000 / ms) for i, ms in enumerate([50, 10, 12, 11])]
+            + [decode(9, 32, 0.0)]  # an idle interval does not count
+        )
+    )
+    s = analysis.steady_step(lines, 32)
+    assert s["step_ms"] == pytest.approx(11.0)
+    assert (s["batch"], s["intervals"], s["graph"]) == (32, 3, True)
+    assert analysis.steady_step(lines, None)["step_ms"] == pytest.approx(11.0)  # the max
+    assert analysis.steady_step(lines, 64)["batch"] == 32  # never ran 64: the most it ran
+    one = analysis.steady_step(lines, 16)  # a single interval is kept
+    assert (one["step_ms"], one["intervals"]) == (pytest.approx(1.0), 1)
+    mixed = analysis.parse_decode_lines("\n".join([decode(0, 8, 800), decode(1, 8, 800, False)]))
+    assert analysis.steady_step(mixed, 8)["graph"] is False
+    empty = analysis.steady_step([], 8)
+    assert (empty["step_ms"], empty["batch"], empty["intervals"]) == (None, None, 0)
+
+
+# --- 2. percentiles, goodput, identical completions, counters -------------------------
+
+
+def test_pct():
+    assert analysis.pct([4, 1, 3, 2], 50) == 2.5
+    assert analysis.pct([1, 2, 3, 4], 0) == 1 and analysis.pct([1, 2, 3, 4], 100) == 4
+    assert analysis.pct([10, 20, None, float("nan")], 99) == pytest.approx(19.9)
+    assert analysis.pct([], 50) is None and analysis.pct([None], 50) is None
+
+
+def _r(ttft, tpot, error=None, plen=0, ids=()):
+    keys = ("ttft_s", "tpot_s", "error", "prompt_len", "answer_ids")
+    return dict(zip(keys, (ttft, tpot, error, plen, list(ids))))
+
+
+def test_goodput_needs_both_objectives():
+    rows = [
+        _r(0.5, 0.01),  # good
+        _r(2.0, 0.01),  # TTFT missed
+        _r(0.5, 0.05),  # TPOT missed
+        _r(0.1, 0.01, error="Timeout"),  # errored: never good
+        _r(0.9, None),  # one output token: judged on TTFT, good
+        _r(1.5, None),  # one output token, TTFT missed
+    ]
+    assert analysis.goodput(rows, 2.0, ttft_slo_s=1.0, tpot_slo_s=0.02) == 1.0
+    assert analysis.goodput(rows, 0.0, 1.0, 0.02) == 0.0
+
+
+def test_identical_fraction_matches_by_prompt_length():
+    ref = [
+        _r(0, 0, plen=300, ids=[7, 8, 9]),
+        _r(0, 0, plen=100, ids=[1, 2, 3, 4]),
+        _r(0, 0, plen=400, ids=[5], error="x"),
+    ]
+    rows = [
+        _r(0, 0, plen=100, ids=[1, 2, 3, 4]),  # identical (4 common)
+        _r(0, 0, plen=300, ids=[7, 8, 0]),  # differs at the third token (2 common)
+        _r(0, 0, plen=200, ids=[1]),  # not in the reference
+        _r(0, 0, plen=400, ids=[5]),  # the reference errored
+        _r(0, 0, plen=300, ids=[7, 8, 9], error="y"),  # errored itself
+    ]
+    got = analysis.identical_fraction(rows, ref)
+    assert got == {"identical": 0.5, "compared": 2, "mean_common_prefix": 3.0}
+    assert analysis.identical_fraction(rows[2:3], ref)["identical"] is None
+
+
+def test_counter_delta():
+    def info(hits, host, frac=0.3):
+        pc = {"hits": hits, "host_reads": host}
+        return {"internal_states": [{"psa": {"blocks_read_fraction": frac, "page_cache": pc}}]}
+
+    d = analysis.counter_delta(info(100, 50, 0.2), info(400, 150, 0.3))
+    assert d == {"kv_fraction_read": 0.3, "hbm_hit_rate": pytest.approx(0.75)}
+    assert analysis.counter_delta(info(5, 5), info(5, 5))["hbm_hit_rate"] is None
+    assert analysis.counter_delta(None, info(5, 5))["hbm_hit_rate"] is None
+    plain = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
+    assert analysis.counter_delta(plain, plain) == {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
+
+
+# --- 3. per-request records -----------------------------------------------------------
+
+
+def test_per_request_matches_tasks_by_prompt_length():
+    meta = {
+        500: {"kind": "niah_1key", "answers": ["1234567"]},
+        600: {"kind": "doc_qa", "answers": ["Oslo"]},
+        700: {"kind": "niah_4key", "answers": ["7654321"]},
+    }
+    bench = {
+        "input_lens": [600, 500, 700],
+        "output_lens": [4, 0, 1],
+        "ttfts": [0.5, 0.0, 0.2],
+        "itls": [[0.1, 0.1, 0.1], [], []],
+        "generated_texts": ["Oslo x x x", "", "7654321"],
+        "errors": ["", "Timeout", ""],
+    }
+    rows = analysis.per_request(
+        bench, meta, lambda text, task: task["answers"][0] in text, lambda t: [len(t)]
+    )
+    assert [r["kind"] for r in rows] == ["doc_qa", "niah_1key", "niah_4key"]
+    ok, err, one = rows
+    assert ok["tpot_s"] == pytest.approx(0.1) and ok["latency_s"] == pytest.approx(0.8)
+    assert (ok["correct"], ok["error"], ok["answer_ids"]) == (True, None, [10])
+    assert err["error"] == "Timeout" and err["correct"] is False
+    assert err["ttft_s"] is None and err["latency_s"] is None and err["answer_ids"] == []
+    assert (one["tpot_s"], one["ttft_s"], one["correct"]) == (None, 0.2, True)
+    bench["input_lens"][0] = 999
+    with pytest.raises(KeyError, match="prompt of 999 tokens"):
+        analysis.per_request(bench, meta, lambda *a: True, lambda t: [])
+
+
+# --- 4. merging and provenance --------------------------------------------------------
+
+
+def _rec(step=None, tok_s=None, p99=None, correct=(), rates=None, error=None):
+    if error:
+        return {"error": error}
+    rows = [  # correct None: an errored request
+        dict(prompt_len=100 + i, correct=c, error=None if c is not None else "boom", tpot_s=0.01)
+        for i, c in enumerate(correct)
+    ]
+    rec = {"error": None, "counters": {"kv_fraction_read": 1.0}, "rows": rows}
+    rec["metrics"] = {
+        "steady_decode": {"step_ms": step},
+        "output_tok_s": tok_s,
+        "ttft_s": {"p99": p99},
+    }
+    if rates:
+        rec["rates"] = {
+            k: {"goodput_strict": s, "goodput_relaxed": r, "rows": rows, "metrics": rec["metrics"]}
+            for k, (s, r) in rates.items()
+        }
+    return rec
+
+
+def _part(workload, date, commit, **systems_):
+    return {
+        "workload": workload,
+        "run_id": f"{workload}-{date}",
+        "machine": "host1",
+        "device": "NVIDIA H100 80GB HBM3",
+        "command": f"python run.py stage {workload}",
+        "date": f"2026-{date}T00:00:00+00:00",
+        "git_commit": commit,
+        "systems": systems_,
+    }
+
+
+def _parts():
+    return [
+        _part("a", "01-01", "c0", plain=_rec(99, 1), psa=_rec(1, 1)),  # superseded entirely
+        _part(
+            "a",
+            "02-01",
+            "c1",
+            plain=_rec(10, 100, correct=(True, True, False, True)),
+            psa=_rec(5, 150, p99=2.0, correct=(True, False, False, None)),
+        ),
+        _part("a", "03-01", "c2", plain=_rec(20, 1), topk=_rec(4, 1), psa_host=_rec(p99=3.0)),
+        _part("a", "04-01", "c3", plain=_rec(30, 1), psa=_rec(error="ServerFailed: boom")),
+        _part(
+            "c",
+            "02-15",
+            "c1",
+            plain=_rec(correct=(True, False), rates={"8": (2.0, 3.0), "16": (4.0, 5.0)}),
+            psa=_rec(correct=(True, True), rates={"8": (1.0, 3.0), "16": (3.0, 4.0)}),
+        ),
+    ]
+
+
+def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
+    parts = _parts()
+    best = analysis.latest_parts(parts)
+    assert best[("a", "psa")]["date"].startswith("2026-02-01")  # the errored newer psa loses
+    assert best[("a", "plain")]["date"].startswith("2026-04-01")
+    merged = analysis.merge(parts)
+    s = merged["summary"]
+    assert tuple(s) == analysis.SUMMARY_KEYS
+    assert s["decode_step_ratio_psa_vs_plain"] == 0.5  # 5 / 10, not 5 / 30
+    assert s["decode_step_ratio_topk_vs_plain"] == 0.2  # 4 / 20
+    assert s["throughput_ratio_psa_vs_plain"] == 1.5
+    assert s["ttft_p99_ratio_host_vs_hbm"] == 1.5
+    assert s["goodput_ratio_vs_plain_strict"] == 0.75  # best rates: 3 / 4
+    assert s["goodput_ratio_vs_plain_relaxed"] == 0.8  # 4 / 5
+    # a: 3 prompts compared (psa's errored one left out), psa 1 right, plain 2;
+    # c: 2 prompts at each of 2 rates, psa 2 right, plain 1 (per rate)
+    assert s["accuracy_delta_vs_plain"] == pytest.approx(((1 + 4) - (2 + 2)) / (3 + 4))
+    assert s["throughput_ratio_host_vs_plain_capped"] is None
+    assert s["decode_step_ratio_topk_vs_plain_8b"] is None
+    assert [p["git_commit"] for p in merged["parts"]] == ["c1", "c1", "c2", "c3"]
+    assert merged["mixed"]["git_commits"] == ["c1", "c2", "c3"]
+    assert [p["run_id"] for p in merged["provenance"]] == [
+        "a-02-01",
+        "c-02-15",
+        "a-03-01",
+        "a-04-01",
+    ]
+    assert merged["provenance"][0]["systems"] == ["plain", "psa"]
+
+
+def test_result_file_round_trip(tmp_path):
+    merged = analysis.merge(_parts())
+    out = tmp_path / "res" / "serving_h100.json"
+    run.write_result(out, merged)
+    doc = json.loads(out.read_text())
+    assert doc["git_commit"] == "c1; c2; c3" and "warning" in doc
+    assert doc["date"] == "2026-04-01T00:00:00+00:00" and doc["summary"] == merged["summary"]
+    assert run.load_parts([out]) == json.loads(json.dumps(merged["parts"]))
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for p in merged["parts"]:
+        (folder / f"{p['run_id']}.json").write_text(json.dumps(p))
+    assert sorted(p["run_id"] for p in run.load_parts([folder])) == sorted(
+        p["run_id"] for p in merged["parts"]
+    )
+    # merging a re-saved part (same workload and run id) replaces it, not duplicates it
+    newer = dict(merged["parts"][-1], git_commit="c4")
+    args = SimpleNamespace(fresh=False, export=None)
+    again = run.merge_into(out, [newer], args)
+    assert [p["git_commit"] for p in again["parts"]] == ["c1", "c1", "c2", "c4"]
+
+
+# --- 5. datasets ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def word_tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    texts = [r.prompt for r in workloads.build_rows(SMOKE_C, fake_sglang.WordCounter())]
+    texts += [r.prompt for r in workloads.build_rows(SMOKE_A, fake_sglang.WordCounter())]
+    folder = fake_sglang.make_tokenizer(tmp_path_factory.mktemp("tok"), texts + ["1234567"])
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("key", ["c", "a"])
+@pytest.mark.parametrize("real", [False, True], ids=["counter", "tokenizer"])
+def test_dataset(key, real, word_tok, tmp_path):
+    w = workloads.smoke(workloads.WORKLOADS[key])
+    tok = word_tok if real else fake_sglang.WordCounter()
+    rows = workloads.build_rows(w, tok)
+    lens = [r.prompt_len for r in rows]
+    assert len(rows) == w.prompts == 8 and len(set(lens)) == len(lens)
+    assert [r.kind for r in rows] == [w.kinds[i % len(w.kinds)] for i in range(8)]
+    for r in rows:
+        assert r.prompt_len == len(tok.encode(r.prompt))
+        near = min(abs(r.prompt_len - t) for t in w.prompt_tokens)
+        assert near <= workloads.TEMPLATE_SLACK and r.output_len in w.output_tokens
+    if real:  # the fake server's counter agrees with the tokenizer it stands in for
+        counter = fake_sglang.WordCounter()
+        assert lens == [r.prompt_len for r in workloads.build_rows(w, counter)]
+    path = workloads.write_dataset(rows, tok, tmp_path / "one.jsonl")
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(rows)
+    for line, r in zip(lines, rows):
+        conv = json.loads(line)
+        assert list(conv) == ["conversations"] and len(conv["conversations"]) == 2
+        user, assistant = (t["content"] for t in conv["conversations"])
+        assert user == r.prompt and len(tok.encode(assistant)) == r.output_len
+    meta = workloads.load_meta(path)
+    assert meta == {
+        r.prompt_len: {
+            "kind": r.kind,
+            "answers": list(r.answers),
+            "answer_tokens": r.answer_tokens,
+            "output_len": r.output_len,
+        }
+        for r in rows
+    }
+    twice = workloads.write_dataset(workloads.build_rows(w, tok), tok, tmp_path / "two.jsonl")
+    assert twice.read_bytes() == path.read_bytes()
+    assert workloads.meta_path(twice).read_bytes() == workloads.meta_path(path).read_bytes()
+
+
+def test_ensure_dataset_builds_once(tmp_path):
+    tok = fake_sglang.WordCounter()
+    path = workloads.ensure_dataset(SMOKE_A, tok, tmp_path)
+    assert path.parent == tmp_path / "datasets" and workloads.meta_path(path).exists()
+    path.write_text("kept\n")
+    assert workloads.ensure_dataset(SMOKE_A, tok, tmp_path) == path
+    assert path.read_text() == "kept\n"  # reused, not rebuilt
+    other = workloads.ensure_dataset(SMOKE_C, tok, tmp_path)
+    assert other != path and other.read_text() != "kept\n"
+
+
+def test_text_of_tokens_and_scoring(word_tok):
+    for n in (1, 8, 64, 1000):
+        assert len(word_tok.encode(workloads.text_of_tokens(word_tok, n))) == n
+    task = {"kind": "niah_1key", "answers": ["1234567"], "answer_tokens": 4}
+    assert workloads.is_correct(word_tok, "x x x 1234567 x", task)  # the 4th token
+    assert not workloads.is_correct(word_tok, "x x x x 1234567", task)  # the 5th: too late
+    long = " ".join(["x"] * 100)
+    assert len(workloads.answer_ids(word_tok, long)) == workloads.ANSWER_WINDOW
+
+
+# --- 6. server flags ------------------------------------------------------------------
+
+CAP = systems.KVCap(
+    tokens=4 * 29_000, bytes_per_token=12_288, metadata_bytes_per_token=96, host_tokens=32 * 29_000
+)
+
+
+def test_cap_flags():
+    S = systems.SYSTEMS
+    for name in ("plain", "plain_hicache", "psa"):
+        assert systems.cap_flags(S[name], CAP) == ["--max-total-tokens", str(CAP.tokens)]
+    flags = systems.cap_flags(S["psa_host"], CAP)
+    assert flags[0::2] == ["--psa-gpu-cache-gb", "--psa-host-pool-gb"]
+    pool_gb = float(flags[3])
+    assert CAP.host_tokens * CAP.bytes_per_token <= pool_gb * 2**30  # the host pool holds all
+    assert pool_gb * 2**30 <= CAP.host_tokens * CAP.bytes_per_token + 1.25 * 2**30
+    pool_tokens = int(pool_gb * 2**30) // CAP.bytes_per_token
+    cache = CAP.tokens * CAP.bytes_per_token - pool_tokens * CAP.metadata_bytes_per_token
+    assert float(flags[1]) == pytest.approx(cache / 2**30, abs=1e-4)
+    assert 0 < float(flags[1]) < CAP.hbm_bytes / 2**30
+    tight = systems.KVCap(1000, 12_288, 96, 10**6)  # 11.7 MiB of HBM, ~94 MiB of metadata
+    with pytest.raises(ValueError, match="block metadata"):
+        systems.cap_flags(S["psa_host"], tight)
+
+
+def test_launch_command():
+    S = systems.SYSTEMS
+
+    def cmd(name, **kw):
+        return systems.launch_command("/py", S[name], "/m", 30001, max_batch=32, **kw)
+
+    plain = cmd("plain", extra=["--max-total-tokens", "9"])
+    assert plain[:3] == ["/py", "-m", "sglang.launch_server"]
+    i = plain.index("--cuda-graph-max-bs-decode")
+    assert plain[i + 1] == "32" and plain[-2:] == ["--max-total-tokens", "9"]
+    assert plain[plain.index("--port") + 1] == "30001"
+    assert plain[plain.index("--model-path") + 1] == "/m"
+    eager = cmd("plain_eager")
+    assert "--cuda-graph-max-bs-decode" not in eager and eager[-2:] == [
+        "--cuda-graph-backend-decode",
+        "disabled",
+    ]
+    for name in ("psa", "topk", "psa_host"):
+        c = cmd(name, load_format="dummy")
+        assert "--cuda-graph-max-bs-decode" not in c and "--sparse-mode" in c
+        assert c[c.index("--load-format") + 1] == "dummy"
+    fake = cmd("psa", launcher=["/py", "fake.py"])
+    assert fake[:3] == ["/py", "fake.py", "--model-path"] and "sglang.launch_server" not in fake
+
+
+# --- 7. the whole stage against the fake server ---------------------------------------
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.mark.slow
+def test_stage_c_smoke_end_to_end(tmp_path):
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
+    if importlib.util.find_spec("aiohttp") is None:
+        pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
+    rows = workloads.build_rows(SMOKE_C, fake_sglang.WordCounter())
+    tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
+    launcher = f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
+    )
+    cmd = [sys.executable, "benchmark/serving/run.py", "stage", "c", "--smoke"]
+    cmd += ["--model-dir", str(tok), "--launcher", launcher, "--work", str(tmp_path / "work")]
+    cmd += ["--export", str(out), "--port", str(_free_port_pair())]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    (part_file,) = (out / "parts").glob("c.*.json")
+    part = json.loads(part_file.read_text())
+    assert set(part["systems"]) == {"plain", "psa"}
+    assert {"strict", "relaxed"} <= set(part["slo"])
+    rates = {f"{r:g}" for r in SMOKE_C.rates}
+    assert len(rates) == 2
+    for name, rec in part["systems"].items():
+        assert rec["error"] is None and set(rec["rates"]) == rates, name
+        for run_ in rec["rates"].values():
+            got = run_["rows"]
+            assert len(got) == SMOKE_C.prompts == 8 and run_["metrics"]["failed"] == 0
+            assert sorted(r["prompt_len"] for r in got) == sorted(r.prompt_len for r in rows)
+            # the fake answers every 7-digit number of the prompt: needle tasks are right,
+            # doc_qa and variable_tracking are not
+            assert [r["correct"] for r in got] == [r["kind"].startswith("niah") for r in got]
+            niah = sum(r["kind"] in ("niah_1key", "niah_4key") for r in got) / len(got)
+            assert 0 < niah < 1 and run_["metrics"]["accuracy"] == pytest.approx(niah)
+            assert run_["goodput_strict"] is not None and run_["goodput_relaxed"] is not None
+    assert part["systems"]["psa"]["counters"]["kv_fraction_read"] == 0.25
+    assert part["systems"]["plain"]["counters"]["kv_fraction_read"] == 1.0
+    summary = json.loads((out / "serving_smoke.json").read_text())["summary"]
+    assert summary["goodput_ratio_vs_plain_strict"] is not None
+    assert summary["goodput_ratio_vs_plain_relaxed"] is not None
