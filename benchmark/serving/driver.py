@@ -119,7 +119,7 @@ class Server:
             data = f.read() if end is None else f.read(max(0, end - start))
         return data.decode(errors="replace")
 
-    def stop(self, grace: float = 30) -> None:
+    def stop(self, grace: float = 15) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:

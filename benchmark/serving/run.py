@@ -59,6 +59,7 @@ SLO_FACTORS = {"strict": 5.0, "relaxed": 25.0}  # x plain SGLang's single-reques
 PROBE_OUTPUT = 128
 STARTUP_TIMEOUT_S = 600
 MIN_SYSTEM_BUDGET_S = 90  # a system is not started with less of the stage budget left
+STOP_MARGIN_S = 25  # a timed run ends this long before the budget: shutdown and merge
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def run_system(
                     server,
                     logs / f"{w.name}-{name}-{key}.bench.log",
                     logs / f"{w.name}-{name}-{key}.bench.jsonl",
-                    timeout=max(60.0, deadline - time.time()),
+                    timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
                 )
                 lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
                 rows = analysis.per_request(
