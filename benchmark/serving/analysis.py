@@ -233,13 +233,21 @@ SUMMARY_KEYS = (
 )
 
 
-def latest_parts(parts: list[dict]) -> dict[tuple[str, str], dict]:
-    """(workload, system) -> the newest part that measured it (parts sort by date)."""
-    best: dict[tuple[str, str], dict] = {}
+def _runs(rec: dict) -> dict[str, dict]:
+    """rate -> timed run of a system's record ("inf": the one run of a workload sent all at
+    once); none for a record that failed."""
+    if not rec or rec.get("error"):
+        return {}
+    return rec["rates"] if "rates" in rec else {"inf": rec}
+
+
+def latest_runs(parts: list[dict]) -> dict[tuple[str, str, str], dict]:
+    """(workload, system, rate) -> the newest part that measured it (parts sort by date)."""
+    best: dict[tuple[str, str, str], dict] = {}
     for p in sorted(parts, key=lambda p: p["date"]):
         for name, rec in p["systems"].items():
-            if rec.get("error") is None:
-                best[(p["workload"], name)] = p
+            for rate in _runs(rec):
+                best[(p["workload"], name, rate)] = p
     return best
 
 
@@ -247,67 +255,80 @@ def _ratio(num, den) -> float | None:
     return num / den if num is not None and den not in (None, 0) else None
 
 
-def _sys(best, workload: str, system: str) -> tuple[dict | None, dict | None]:
-    """The system's record and plain's record from the same part (the same run)."""
-    p = best.get((workload, system))
+def _pair(best, workload: str, system: str, rate: str = "inf") -> tuple[dict | None, dict | None]:
+    """The system's newest run at `rate`, and plain SGLang's run at that rate in the same
+    part (the same stage run), or None."""
+    p = best.get((workload, system, rate))
     if p is None:
         return None, None
-    return p["systems"][system], p["systems"].get("plain")
+    return _runs(p["systems"][system])[rate], _runs(p["systems"].get("plain")).get(rate)
 
 
-def _step(rec):
-    return rec["metrics"]["steady_decode"]["step_ms"] if rec else None
-
-
-def _best_goodput(rec, which: str) -> float | None:
-    if not rec:
-        return None
-    vals = [r[f"goodput_{which}"] for r in rec["rates"].values()]
-    return max(vals) if vals else None
+def _metric(run, *path):
+    for k in path:
+        if run is None:
+            return None
+        run = run[k]
+    return run
 
 
 def summarize(parts: list[dict]) -> dict:
     """The issue's summary keys; each ratio compares a system with plain SGLang measured in
-    the same part (run). A key whose systems were not measured is None."""
-    best = latest_parts(parts)
+    the same part (stage run), except `ttft_p99_ratio_host_vs_hbm`, which compares the two
+    sglang-psa homes (from one part when a stage ran both). A key whose systems were not
+    measured is None."""
+    best = latest_runs(parts)
+    step = ("metrics", "steady_decode", "step_ms")
+    tok_s = ("metrics", "output_tok_s")
     s: dict[str, float | None] = {}
     for mode in ("psa", "topk"):
-        rec, plain = _sys(best, "a", mode)
-        s[f"decode_step_ratio_{mode}_vs_plain"] = _ratio(_step(rec), _step(plain))
-    rec, plain = _sys(best, "a", "psa")
-    s["throughput_ratio_psa_vs_plain"] = _ratio(
-        rec and rec["metrics"]["output_tok_s"], plain and plain["metrics"]["output_tok_s"]
-    )
-    rec, plain = _sys(best, "b", "psa_host")
+        run, plain = _pair(best, "a", mode)
+        s[f"decode_step_ratio_{mode}_vs_plain"] = _ratio(_metric(run, *step), _metric(plain, *step))
+    run, plain = _pair(best, "a", "psa")
+    s["throughput_ratio_psa_vs_plain"] = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
+    run, plain = _pair(best, "b", "psa_host")
     s["throughput_ratio_host_vs_plain_capped"] = _ratio(
-        rec and rec["metrics"]["output_tok_s"], plain and plain["metrics"]["output_tok_s"]
+        _metric(run, *tok_s), _metric(plain, *tok_s)
     )
-    rec, plain = _sys(best, "c", "psa")
     for which in ("strict", "relaxed"):
-        s[f"goodput_ratio_vs_plain_{which}"] = _ratio(
-            _best_goodput(rec, which), _best_goodput(plain, which)
-        )
-    host, _ = _sys(best, "a", "psa_host")
-    hbm, _ = _sys(best, "a", "psa")
-    s["ttft_p99_ratio_host_vs_hbm"] = _ratio(
-        host and host["metrics"]["ttft_s"]["p99"], hbm and hbm["metrics"]["ttft_s"]["p99"]
-    )
+        s[f"goodput_ratio_vs_plain_{which}"] = sweep_ratio(best, "psa", f"goodput_{which}")
+    host, _ = _pair(best, "a", "psa_host")
+    hbm, _ = _pair(best, "a", "psa")
+    p99 = ("metrics", "ttft_s", "p99")
+    s["ttft_p99_ratio_host_vs_hbm"] = _ratio(_metric(host, *p99), _metric(hbm, *p99))
     s["accuracy_delta_vs_plain"] = accuracy_delta(best, "psa")
-    rec, plain = _sys(best, "d", "topk")
-    s["decode_step_ratio_topk_vs_plain_8b"] = _ratio(_step(rec), _step(plain))
+    run, plain = _pair(best, "d", "topk")
+    s["decode_step_ratio_topk_vs_plain_8b"] = _ratio(_metric(run, *step), _metric(plain, *step))
     return s
+
+
+def sweep_ratio(best, system: str, key: str) -> float | None:
+    """`system`'s best `key` (a goodput) over the rates of workload c it was measured at,
+    over plain SGLang's best at the same rates, each rate paired within one part."""
+    mine, theirs = [], []
+    for workload, name, rate in best:
+        if workload != "c" or name != system:
+            continue
+        run, plain = _pair(best, "c", system, rate)
+        if plain is not None and key in run and key in plain:
+            mine.append(run[key])
+            theirs.append(plain[key])
+    return _ratio(max(mine, default=None), max(theirs, default=None))
 
 
 def accuracy_delta(best, system: str) -> float | None:
     """`system`'s accuracy minus plain's over every scored prompt both answered in the same
     runs (workloads with real-model tasks; d has random weights and is left out)."""
     ours = theirs = n = 0
-    for (workload, name), p in best.items():
-        if name != system or workload == "d" or "plain" not in p["systems"]:
+    for workload, name, rate in best:
+        if name != system or workload == "d":
             continue
-        ref = {(rate, r["prompt_len"]): r for rate, r in _all_rows(p["systems"]["plain"])}
-        for rate, r in _all_rows(p["systems"][system]):
-            q = ref.get((rate, r["prompt_len"]))
+        run, plain = _pair(best, workload, system, rate)
+        if plain is None:
+            continue
+        ref = {r["prompt_len"]: r for r in plain["rows"]}
+        for r in run["rows"]:
+            q = ref.get(r["prompt_len"])
             if q is None or r["error"] or q["error"]:
                 continue
             ours += r["correct"]
@@ -316,17 +337,10 @@ def accuracy_delta(best, system: str) -> float | None:
     return (ours - theirs) / n if n else None
 
 
-def _all_rows(rec: dict) -> list[tuple[str, dict]]:
-    """(rate, row) for every request of a record (rate "inf" for a single run)."""
-    if "rates" in rec:
-        return [(k, r) for k, run in rec["rates"].items() for r in run["rows"]]
-    return [("inf", r) for r in rec["rows"]]
-
-
 def merge(parts: list[dict]) -> dict:
     """One document from stage parts: provenance of each part, the newest measurement of
-    every (workload, system) with plain from its own run, the summary."""
-    best = latest_parts(parts)
+    every (workload, system, rate) with plain from its own run, the summary."""
+    best = latest_runs(parts)
     used = {id(p) for p in best.values()}
     kept = [p for p in sorted(parts, key=lambda p: p["date"]) if id(p) in used]
     prov = [

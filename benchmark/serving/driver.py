@@ -202,7 +202,10 @@ def run_bench(
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise ServerFailed(f"bench_serving ran past {timeout:.0f} s; see {log_path}") from None
+            raise ServerFailed(
+                f"bench_serving had not finished when the stage's time budget ran out "
+                f"({timeout:.0f} s left for it); see {log_path}"
+            ) from None
         finally:
             stop.set()
     if rc != 0 or not out_file.exists():

@@ -23,14 +23,15 @@ machine, command, date and commit) after every system, so a stage cut short
 keeps what finished; `--export DIR` mirrors parts and the merged result there
 (the device's $OUT). Merging keeps, for every (workload, system), the newest
 part that measured it, and takes plain SGLang from that same part: re-running
-one stage re-measures only what it names. Each stage of the default workloads
-fits in one 10-minute device call with its default systems, except `a`, which
-is split (`--systems psa,topk` then `--systems psa_host,plain_eager`).
+one stage re-measures only what it names. A 10-minute device call holds plain
+SGLang and one or two other systems of a workload (`--systems`, `--rates` split
+the rest); benchmark/serving/README.md lists what each call takes on the H100.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -210,62 +211,90 @@ def run_system(
             rec["num_prompts"] = num_prompts
             if w.name == "c" and name == "plain":
                 ctx["probe"] = probe(server, ctx["tok"], w)
-            runs = {}
+            runs, failed = {}, {}
             for rate in w.rates:
                 key = "inf" if math.isinf(rate) else f"{rate:g}"
-                log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
-                requests_flush(server)  # the same prompts again at each rate: no prefix hits
-                start = server.log_size()
-                bench = driver.run_bench(
-                    driver.bench_command(
-                        driver.python(),
-                        server.url,
-                        str(ctx["model_dir"]),
-                        ctx["dataset"],
-                        num_prompts,
-                        rate,
-                        w.fixed_output,
-                        w.seed,
-                        logs / f"{w.name}-{name}-{key}.bench.jsonl",
-                    ),
-                    server,
-                    logs / f"{w.name}-{name}-{key}.bench.log",
-                    logs / f"{w.name}-{name}-{key}.bench.jsonl",
-                    timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
-                )
-                lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
-                rows = analysis.per_request(
-                    bench,
-                    ctx["meta"],
-                    lambda text, task: workloads_mod.is_correct(ctx["tok"], text, task),
-                    lambda text: workloads_mod.answer_ids(ctx["tok"], text),
-                )
-                batch = num_prompts if math.isinf(rate) else None
-                runs[key] = {
-                    "metrics": analysis.run_metrics(bench, rows, lines, batch),
-                    "decode_log": lines,
-                    "rows": rows,
-                }
-                m = runs[key]["metrics"]
-                log(
-                    f"{w.name}/{name} @ {key}/s: {m['output_tok_s']:.0f} output tok/s, "
-                    f"p99 TTFT {m['ttft_s']['p99'] or float('nan'):.1f} s, steady step "
-                    f"{m['steady_decode']['step_ms'] or float('nan'):.2f} ms at batch "
-                    f"{m['steady_decode']['batch']}, accuracy {m['accuracy']:.2f}, "
-                    f"{m['failed']} failed"
-                )
+                try:
+                    runs[key] = timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline)
+                except ServerFailed as e:
+                    if not w.is_sweep:
+                        raise
+                    failed[key] = f"{type(e).__name__}: {e}"
+                    log(f"{w.name}/{name} @ {key}/s FAILED: {failed[key][:2000]}; no more rates")
+                    break
+            if not runs:
+                raise ServerFailed(f"no rate completed: {failed}")
             after = server.get("/get_server_info")
             rec["server_info_after"] = analysis.server_info_digest(after)
             rec["counters"] = analysis.counter_delta(info, after)
-            if len(w.rates) == 1:
-                rec.update(next(iter(runs.values())))
-            else:
+            if w.is_sweep:
                 rec["rates"] = runs
+                rec["rates_failed"] = failed
+            else:
+                rec.update(runs["inf"])
     except (ServerFailed, OSError, ValueError, KeyError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
         rec["log_tail"] = driver.tail(server.log_path)
         log(f"{w.name}/{name} FAILED: {rec['error'][:2000]}")
     return rec
+
+
+def timed_run(
+    server: Server,
+    w: workloads_mod.Workload,
+    name: str,
+    rate: float,
+    num_prompts: int,
+    ctx: dict,
+    logs: Path,
+    deadline: float,
+) -> dict:
+    """One `bench_serving` run at `rate` against a warm server with an empty prefix cache:
+    its metrics, the decode log lines of its window, and one row per request."""
+    key = "inf" if math.isinf(rate) else f"{rate:g}"
+    log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
+    requests_flush(server)  # the same prompts again at each rate: no prefix hits
+    start = server.log_size()
+    out = logs / f"{w.name}-{name}-{key}.bench.jsonl"
+    cmd = driver.bench_command(
+        driver.python(),
+        server.url,
+        str(ctx["model_dir"]),
+        ctx["dataset"],
+        num_prompts,
+        rate,
+        w.fixed_output,
+        w.seed,
+        out,
+    )
+    bench = driver.run_bench(
+        cmd,
+        server,
+        logs / f"{w.name}-{name}-{key}.bench.log",
+        out,
+        timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
+    )
+    lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
+    rows = analysis.per_request(
+        bench,
+        ctx["meta"],
+        lambda text, task: workloads_mod.is_correct(ctx["tok"], text, task),
+        lambda text: workloads_mod.answer_ids(ctx["tok"], text),
+    )
+    batch = num_prompts if math.isinf(rate) else None
+    run = {
+        "metrics": analysis.run_metrics(bench, rows, lines, batch),
+        "decode_log": lines,
+        "rows": rows,
+    }
+    m = run["metrics"]
+    log(
+        f"{w.name}/{name} @ {key}/s: {m['output_tok_s']:.0f} output tok/s, "
+        f"p99 TTFT {m['ttft_s']['p99'] or float('nan'):.1f} s, steady step "
+        f"{m['steady_decode']['step_ms'] or float('nan'):.2f} ms at batch "
+        f"{m['steady_decode']['batch']}, accuracy {m['accuracy']:.2f}, {m['failed']} failed"
+    )
+    return run
 
 
 def capacity_batch(info: dict, w: workloads_mod.Workload) -> int:
@@ -294,6 +323,8 @@ def finish_part(part: dict, w: workloads_mod.Workload, ctx: dict) -> None:
             continue
         if "rates" in rec:
             for key, run in rec["rates"].items():
+                if key not in plain["rates"]:
+                    continue  # plain did not complete this rate: nothing to compare with
                 run["identical_to_plain"] = analysis.identical_fraction(
                     run["rows"], plain["rates"][key]["rows"]
                 )
@@ -316,6 +347,11 @@ def stage(args) -> int:
     w = workloads_mod.WORKLOADS[args.workload]
     if args.smoke:
         w = workloads_mod.smoke(w)
+    if args.rates:
+        rates = tuple(float(r) for r in args.rates.split(","))
+        if not w.is_sweep or not set(rates) <= set(w.rates):
+            raise SystemExit(f"--rates: workload {w.name} sweeps {list(w.rates)}; got {args.rates}")
+        w = dataclasses.replace(w, rates=rates)
     names = [s for s in (args.systems.split(",") if args.systems else w.systems) if s]
     unknown = [s for s in names if s not in systems_mod.SYSTEMS]
     if unknown:
@@ -470,6 +506,12 @@ def plot(merged: dict, path: Path) -> None:
         log("matplotlib missing: no plot")
         return
     parts = {p["workload"]: p for p in merged["parts"]}
+    seen = [(p["workload"], n) for p in merged["parts"] for n in p["systems"]]
+
+    def label(p: dict, name: str) -> str:  # a system measured in several runs: say which
+        many = seen.count((p["workload"], name)) > 1
+        return f"{name} (run {p['run_id']})" if many else name
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for p in merged["parts"]:
         if p["workload"] != "c":
@@ -482,7 +524,7 @@ def plot(merged: dict, path: Path) -> None:
                 [float(r) for r in rates],
                 [rec["rates"][r]["metrics"]["output_tok_s"] for r in rates],
                 marker="o",
-                label=name,
+                label=label(p, name),
             )
     ax1.set(xlabel="request rate (req/s)", ylabel="output tok/s", title="c: throughput vs rate")
     for p in merged["parts"]:
@@ -493,7 +535,7 @@ def plot(merged: dict, path: Path) -> None:
                 continue
             tp = sorted(1e3 * r["tpot_s"] for r in rec["rows"] if r["tpot_s"] is not None)
             if tp:
-                ax2.plot(tp, [(i + 1) / len(tp) for i in range(len(tp))], label=name)
+                ax2.plot(tp, [(i + 1) / len(tp) for i in range(len(tp))], label=label(p, name))
     ax2.set(xlabel="TPOT (ms)", ylabel="fraction of requests", title="a: TPOT distribution")
     ax2.set_xscale("log")
     for ax in (ax1, ax2):
@@ -550,6 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a small version of the workload (8 requests, 1/16 lengths) to check the path; "
         "merged into WORK/serving_smoke.json, never into the real result",
+    )
+    st.add_argument(
+        "--rates",
+        help="a rate sweep's subset to run, e.g. 1,2 (a long sweep split over several calls)",
     )
     st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
     st.add_argument(

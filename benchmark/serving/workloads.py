@@ -52,6 +52,11 @@ class Workload:
     kinds: tuple[str, ...] = field(default=KINDS)
 
     @property
+    def is_sweep(self) -> bool:
+        """Requests arrive at rates (one timed run per rate), not all at once."""
+        return any(not math.isinf(r) for r in self.rates)
+
+    @property
     def fixed_output(self) -> int | None:
         return self.output_tokens[0] if len(self.output_tokens) == 1 else None
 
@@ -89,7 +94,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (16_000,),
             (256,),
-            ("plain", "psa", "topk", "psa_host", "plain_eager"),
+            ("plain", "psa", "topk"),
         ),
         Workload(
             "b",

@@ -234,14 +234,24 @@ def _parts():
             plain=_rec(correct=(True, False), rates={"8": (2.0, 3.0), "16": (4.0, 5.0)}),
             psa=_rec(correct=(True, True), rates={"8": (1.0, 3.0), "16": (3.0, 4.0)}),
         ),
+        # a later stage run of one more rate: paired with its own plain, kept beside the rest
+        _part(
+            "c",
+            "05-01",
+            "c4",
+            plain=_rec(correct=(True,), rates={"32": (10.0, 10.0)}),
+            psa=_rec(correct=(True,), rates={"32": (6.0, 20.0)}),
+        ),
     ]
 
 
 def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     parts = _parts()
-    best = analysis.latest_parts(parts)
-    assert best[("a", "psa")]["date"].startswith("2026-02-01")  # the errored newer psa loses
-    assert best[("a", "plain")]["date"].startswith("2026-04-01")
+    best = analysis.latest_runs(parts)
+    assert best[("a", "psa", "inf")]["date"].startswith("2026-02-01")  # errored newer psa loses
+    assert best[("a", "plain", "inf")]["date"].startswith("2026-04-01")
+    assert best[("c", "psa", "16")]["date"].startswith("2026-02-15")
+    assert best[("c", "psa", "32")]["date"].startswith("2026-05-01")
     merged = analysis.merge(parts)
     s = merged["summary"]
     assert tuple(s) == analysis.SUMMARY_KEYS
@@ -249,20 +259,21 @@ def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     assert s["decode_step_ratio_topk_vs_plain"] == 0.2  # 4 / 20
     assert s["throughput_ratio_psa_vs_plain"] == 1.5
     assert s["ttft_p99_ratio_host_vs_hbm"] == 1.5
-    assert s["goodput_ratio_vs_plain_strict"] == 0.75  # best rates: 3 / 4
-    assert s["goodput_ratio_vs_plain_relaxed"] == 0.8  # 4 / 5
+    assert s["goodput_ratio_vs_plain_strict"] == 0.6  # best over all rates: 6 / 10
+    assert s["goodput_ratio_vs_plain_relaxed"] == 2.0  # 20 / 10
     # a: 3 prompts compared (psa's errored one left out), psa 1 right, plain 2;
-    # c: 2 prompts at each of 2 rates, psa 2 right, plain 1 (per rate)
-    assert s["accuracy_delta_vs_plain"] == pytest.approx(((1 + 4) - (2 + 2)) / (3 + 4))
+    # c: 2 prompts at each of 2 rates, psa 2 right, plain 1 (per rate); 1 at rate 32, both right
+    assert s["accuracy_delta_vs_plain"] == pytest.approx(((1 + 4 + 1) - (2 + 2 + 1)) / (3 + 4 + 1))
     assert s["throughput_ratio_host_vs_plain_capped"] is None
     assert s["decode_step_ratio_topk_vs_plain_8b"] is None
-    assert [p["git_commit"] for p in merged["parts"]] == ["c1", "c1", "c2", "c3"]
-    assert merged["mixed"]["git_commits"] == ["c1", "c2", "c3"]
+    assert [p["git_commit"] for p in merged["parts"]] == ["c1", "c1", "c2", "c3", "c4"]
+    assert merged["mixed"]["git_commits"] == ["c1", "c2", "c3", "c4"]
     assert [p["run_id"] for p in merged["provenance"]] == [
         "a-02-01",
         "c-02-15",
         "a-03-01",
         "a-04-01",
+        "c-05-01",
     ]
     assert merged["provenance"][0]["systems"] == ["plain", "psa"]
 
@@ -272,8 +283,8 @@ def test_result_file_round_trip(tmp_path):
     out = tmp_path / "res" / "serving_h100.json"
     run.write_result(out, merged)
     doc = json.loads(out.read_text())
-    assert doc["git_commit"] == "c1; c2; c3" and "warning" in doc
-    assert doc["date"] == "2026-04-01T00:00:00+00:00" and doc["summary"] == merged["summary"]
+    assert doc["git_commit"] == "c1; c2; c3; c4" and "warning" in doc
+    assert doc["date"] == "2026-05-01T00:00:00+00:00" and doc["summary"] == merged["summary"]
     assert run.load_parts([out]) == json.loads(json.dumps(merged["parts"]))
     folder = tmp_path / "parts"
     folder.mkdir()
@@ -283,10 +294,10 @@ def test_result_file_round_trip(tmp_path):
         p["run_id"] for p in merged["parts"]
     )
     # merging a re-saved part (same workload and run id) replaces it, not duplicates it
-    newer = dict(merged["parts"][-1], git_commit="c4")
+    newer = dict(merged["parts"][-1], git_commit="c5")
     args = SimpleNamespace(fresh=False, export=None)
     again = run.merge_into(out, [newer], args)
-    assert [p["git_commit"] for p in again["parts"]] == ["c1", "c1", "c2", "c4"]
+    assert [p["git_commit"] for p in again["parts"]] == ["c1", "c1", "c2", "c3", "c5"]
 
 
 # --- 5. datasets ----------------------------------------------------------------------
@@ -341,15 +352,21 @@ def test_dataset(key, real, word_tok, tmp_path):
     assert workloads.meta_path(twice).read_bytes() == workloads.meta_path(path).read_bytes()
 
 
-def test_ensure_dataset_builds_once(tmp_path):
-    tok = fake_sglang.WordCounter()
-    path = workloads.ensure_dataset(SMOKE_A, tok, tmp_path)
+def test_ensure_dataset_builds_once_per_workload_and_tokenizer(word_tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = workloads.ensure_dataset(SMOKE_A, word_tok, tmp_path)
     assert path.parent == tmp_path / "datasets" and workloads.meta_path(path).exists()
     path.write_text("kept\n")
-    assert workloads.ensure_dataset(SMOKE_A, tok, tmp_path) == path
+    assert workloads.ensure_dataset(SMOKE_A, word_tok, tmp_path) == path
     assert path.read_text() == "kept\n"  # reused, not rebuilt
-    other = workloads.ensure_dataset(SMOKE_C, tok, tmp_path)
+    other = workloads.ensure_dataset(SMOKE_C, word_tok, tmp_path)
     assert other != path and other.read_text() != "kept\n"
+    # Another tokenizer counts differently: the sidecar's counts would not hold for it.
+    small = AutoTokenizer.from_pretrained(
+        str(fake_sglang.make_tokenizer(tmp_path / "small", ["only a few words"]))
+    )
+    assert workloads.ensure_dataset(SMOKE_A, small, tmp_path) != path
 
 
 def test_text_of_tokens_and_scoring(word_tok):
