@@ -108,17 +108,24 @@ def provenance() -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-def warm_up(server: Server, tok, w: workloads_mod.Workload) -> None:
-    """A prompt of the workload's longest length and a few short ones at once, none of them
-    in the dataset; then the prefix cache is flushed."""
-    import concurrent.futures as cf
+def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
+    """A needle task of the workload's longest prompt length that is not in its dataset."""
     import random
 
     from sglang_psa.eval.tasks import Builder, niah
 
     count = lambda s: len(tok.encode(s, add_special_tokens=False))
-    task = niah(Builder(count, random.Random("serving/warmup")), max(w.prompt_tokens) - 256, 1)
-    long_prompt = workloads_mod.chat_text(tok, task.prompt, task.question)
+    n = max(w.prompt_tokens) - workloads_mod.TEMPLATE_SLACK
+    task = niah(Builder(count, random.Random(f"serving/{seed}")), n, 1)
+    return workloads_mod.chat_text(tok, task.prompt, task.question)
+
+
+def warm_up(server: Server, tok, w: workloads_mod.Workload) -> None:
+    """A prompt of the workload's longest length and a few short ones at once, none of them
+    in the dataset; then the prefix cache is flushed."""
+    import concurrent.futures as cf
+
+    long_prompt = side_prompt(tok, w, "warmup")
     short = [f"Count from {i} to {i + 20}:" for i in range(WARMUP_SHORT)]
     t0 = time.time()
     with cf.ThreadPoolExecutor(WARMUP_SHORT + 1) as pool:
@@ -141,16 +148,10 @@ def requests_flush(server: Server) -> None:
 def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
     """One request alone (the workload's longest prompt, not in the dataset): TTFT and TPOT
     as a client sees them. Plain SGLang's probe sets the goodput objectives."""
-    import random
-
     import requests
 
-    from sglang_psa.eval.tasks import Builder, niah
-
-    count = lambda s: len(tok.encode(s, add_special_tokens=False))
-    task = niah(Builder(count, random.Random("serving/probe")), max(w.prompt_tokens) - 256, 1)
     body = {
-        "text": workloads_mod.chat_text(tok, task.prompt, task.question),
+        "text": side_prompt(tok, w, "probe"),
         "sampling_params": {"max_new_tokens": PROBE_OUTPUT, "temperature": 0.0, "ignore_eos": True},
         "stream": True,
     }
@@ -418,8 +419,7 @@ def stage(args) -> int:
             break
         finish_part(part, w, ctx)
         save_part(part, part_path, args)
-    finish_part(part, w, ctx)
-    save_part(part, part_path, args)
+    save_part(part, part_path, args)  # with the systems left unstarted, if any
     out = Path(args.out) if args.out else None
     if args.smoke and out is None:
         out = Path(args.work) / "serving_smoke.json"  # never merged into a real result
@@ -505,7 +505,8 @@ def plot(merged: dict, path: Path) -> None:
     except ImportError:
         log("matplotlib missing: no plot")
         return
-    parts = {p["workload"]: p for p in merged["parts"]}
+    if not merged["parts"]:
+        return
     seen = [(p["workload"], n) for p in merged["parts"] for n in p["systems"]]
 
     def label(p: dict, name: str) -> str:  # a system measured in several runs: say which
@@ -541,9 +542,6 @@ def plot(merged: dict, path: Path) -> None:
     for ax in (ax1, ax2):
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    if not parts:
-        plt.close(fig)
-        return
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
