@@ -5,6 +5,7 @@
     python benchmark/serving/run.py stage a --systems psa,topk  # plain SGLang always runs too
     python benchmark/serving/run.py merge --parts DIR ...       # fold stage parts into the result
     python benchmark/serving/run.py table                       # README table from the result
+    python benchmark/serving/run.py missing                     # stages the result still lacks
     python benchmark/serving/run.py list                        # workloads and systems
 
 A stage is one workload (see `list`) against some systems, plain SGLang (triton
@@ -563,6 +564,33 @@ def table_cmd(args) -> int:
     return 0
 
 
+def missing(doc: dict | None) -> dict[str, dict[str, list[str]]]:
+    """workload -> system -> rates of the default plan (every workload's default systems at
+    its rates) that a merged result has no successful measurement of."""
+    have = analysis.latest_runs(doc["data"]["parts"]) if doc else {}
+    out: dict[str, dict[str, list[str]]] = {}
+    for w in workloads_mod.WORKLOADS.values():
+        keys = ["inf" if math.isinf(r) else f"{r:g}" for r in w.rates]
+        for name in w.systems:
+            lack = [k for k in keys if (w.name, name, k) not in have]
+            if lack:
+                out.setdefault(w.name, {})[name] = lack
+    return out
+
+
+def missing_cmd(args) -> int:
+    path = Path(args.result) if args.result else RESULTS / "serving_h100.json"
+    todo = missing(json.loads(path.read_text()) if path.exists() else None)
+    for wname, systems in todo.items():
+        others = {n: r for n, r in systems.items() if n != "plain"} or systems  # plain always runs
+        for name, rates in others.items():
+            extra = "" if rates == ["inf"] else f" --rates {','.join(rates)}"
+            print(f"stage {wname} --systems {name}{extra}")
+    if not todo:
+        print(f"{path}: every workload's default systems are measured")
+    return 0
+
+
 def list_cmd(args) -> int:
     for w in workloads_mod.WORKLOADS.values():
         print(f"{w.name:4} {w.what}\n     systems: {', '.join(w.systems)}")
@@ -610,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     tb = sub.add_parser("table", help="markdown table of a result file")
     tb.add_argument("result", nargs="?")
     tb.set_defaults(fn=table_cmd)
+    ms = sub.add_parser("missing", help="stages a result still lacks (default plan)")
+    ms.add_argument("result", nargs="?")
+    ms.set_defaults(fn=missing_cmd)
     ls = sub.add_parser("list", help="workloads and systems")
     ls.set_defaults(fn=list_cmd)
     args = ap.parse_args(argv)

@@ -489,3 +489,14 @@ def test_stage_c_smoke_end_to_end(tmp_path):
     summary = json.loads((out / "serving_smoke.json").read_text())["summary"]
     assert summary["goodput_ratio_vs_plain_strict"] is not None
     assert summary["goodput_ratio_vs_plain_relaxed"] is not None
+
+
+def test_missing_lists_the_default_plan_minus_what_was_measured():
+    doc = {"data": {"parts": _parts()}}
+    todo = run.missing(doc)
+    assert "psa" not in todo["a"] and "topk" not in todo["a"]  # measured (a newer psa failed)
+    assert todo["a"]["plain_eager"] == ["inf"]
+    assert set(todo["b"]) == set(workloads.WORKLOADS["b"].systems)  # nothing of b measured
+    # c was measured at the fake rates 8, 16 and 32 only: every default rate is missing
+    assert todo["c"]["psa"] == ["0.5", "1", "2"]
+    assert run.missing(None).keys() == workloads.WORKLOADS.keys()
