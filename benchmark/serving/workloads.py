@@ -116,7 +116,9 @@ WORKLOADS: dict[str, Workload] = {
             (4_000, 8_000, 12_000, 16_000, 20_000, 24_000, 28_000),
             (64, 128, 256, 512, 1024),
             ("plain", "psa"),
-            rates=(0.5, 1.0, 2.0),
+            # Plain SGLang met both strict objectives for every request up to 2/s on the H100:
+            # the sweep goes on to where it saturates.
+            rates=(1.0, 2.0, 4.0, 8.0),
         ),
         Workload(
             "d",

@@ -497,6 +497,6 @@ def test_missing_lists_the_default_plan_minus_what_was_measured():
     assert "psa" not in todo["a"] and "topk" not in todo["a"]  # measured (a newer psa failed)
     assert todo["a"]["plain_eager"] == ["inf"]
     assert set(todo["b"]) == set(workloads.WORKLOADS["b"].systems)  # nothing of b measured
-    # c was measured at the fake rates 8, 16 and 32 only: every default rate is missing
-    assert todo["c"]["psa"] == ["0.5", "1", "2"]
+    # c was measured at rates 8, 16 and 32: of the default rates, 8 is there
+    assert todo["c"]["psa"] == ["1", "2", "4"]
     assert run.missing(None).keys() == workloads.WORKLOADS.keys()
