@@ -109,6 +109,13 @@ class Server:
             raise ServerFailed(f"warm-up request failed: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
 
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (the server must be idle), so no timed request reuses the KV
+        of a warm-up or of an earlier run."""
+        r = requests.post(self.url + "/flush_cache", timeout=60)
+        if r.status_code != 200:
+            log(f"flush_cache answered {r.status_code}: {r.text[:200]}")
+
     def log_size(self) -> int:
         self._log_file.flush()
         return self.log_path.stat().st_size

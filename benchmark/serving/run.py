@@ -115,9 +115,8 @@ def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
 
     from sglang_psa.eval.tasks import Builder, niah
 
-    count = lambda s: len(tok.encode(s, add_special_tokens=False))
     n = max(w.prompt_tokens) - workloads_mod.TEMPLATE_SLACK
-    task = niah(Builder(count, random.Random(f"serving/{seed}")), n, 1)
+    task = niah(Builder(workloads_mod.counter(tok), random.Random(f"serving/{seed}")), n, 1)
     return workloads_mod.chat_text(tok, task.prompt, task.question)
 
 
@@ -134,16 +133,8 @@ def warm_up(server: Server, tok, w: workloads_mod.Workload) -> None:
         jobs += [pool.submit(server.generate, s, 32) for s in short]
         for j in jobs:
             j.result()
-    requests_flush(server)
+    server.flush_cache()
     log(f"warmed up in {time.time() - t0:.0f} s")
-
-
-def requests_flush(server: Server) -> None:
-    import requests
-
-    r = requests.post(server.url + "/flush_cache", timeout=60)
-    if r.status_code != 200:
-        log(f"flush_cache answered {r.status_code}: {r.text[:200]}")
 
 
 def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
@@ -168,7 +159,7 @@ def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
             n = json.loads(line[6:])["meta_info"]["completion_tokens"]
             first = first or now
             last = now
-    requests_flush(server)
+    server.flush_cache()
     ttft = first - t0
     tpot = (last - first) / max(1, n - 1)
     log(f"single-request probe: TTFT {ttft * 1e3:.0f} ms, TPOT {tpot * 1e3:.2f} ms")
@@ -255,7 +246,7 @@ def timed_run(
     its metrics, the decode log lines of its window, and one row per request."""
     key = "inf" if math.isinf(rate) else f"{rate:g}"
     log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
-    requests_flush(server)  # the same prompts again at each rate: no prefix hits
+    server.flush_cache()  # the same prompts again at each rate: no prefix hits
     start = server.log_size()
     out = logs / f"{w.name}-{name}-{key}.bench.jsonl"
     cmd = driver.bench_command(
@@ -330,15 +321,11 @@ def finish_part(part: dict, w: workloads_mod.Workload, ctx: dict) -> None:
                 run["identical_to_plain"] = analysis.identical_fraction(
                     run["rows"], plain["rates"][key]["rows"]
                 )
-                if probe_:
-                    for which, slo in part["slo"].items():
-                        if which in SLO_FACTORS:
-                            run[f"goodput_{which}"] = analysis.goodput(
-                                run["rows"],
-                                run["metrics"]["duration_s"],
-                                slo["ttft_s"],
-                                slo["tpot_s"],
-                            )
+                for which in SLO_FACTORS if probe_ else ():
+                    slo = part["slo"][which]
+                    run[f"goodput_{which}"] = analysis.goodput(
+                        run["rows"], run["metrics"]["duration_s"], slo["ttft_s"], slo["tpot_s"]
+                    )
         else:
             rec["identical_to_plain"] = analysis.identical_fraction(rec["rows"], plain["rows"])
 

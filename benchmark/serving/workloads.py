@@ -161,7 +161,8 @@ def text_of_tokens(tok, n: int) -> str:
     raise ValueError(f"could not make text of exactly {n} tokens with this tokenizer")
 
 
-def _counter(tok) -> Callable[[str], int]:
+def counter(tok) -> Callable[[str], int]:
+    """Tokens of a text fragment, without special tokens (what the task builder measures)."""
     return lambda s: len(tok.encode(s, add_special_tokens=False))
 
 
@@ -181,7 +182,7 @@ def build_rows(w: Workload, tok) -> list[Row]:
     """The workload's requests: task `i` has kind `kinds[i % len]`, a prompt length and an
     output length drawn with the workload's seed; token counts are made distinct."""
     rng = random.Random(f"serving/{w.name}/{w.seed}")
-    count = _counter(tok)
+    count = counter(tok)
     seen: set[int] = set()
     rows = []
     for i in range(w.prompts):
