@@ -24,8 +24,8 @@ class System:
     name: str
     what: str
     flags: tuple[str, ...]
-    plain: bool  # plain SGLang (no --sparse-mode): decode graphs are its own setting
-    graphs: bool  # decode runs in CUDA graphs
+    plain: bool  # plain SGLang (no --sparse-mode)
+    graphs: bool  # decode runs in CUDA graphs (captured up to the workload's batch)
 
 
 SYSTEMS: dict[str, System] = {
@@ -49,17 +49,26 @@ SYSTEMS: dict[str, System] = {
         ),
         System(
             "psa",
-            "sglang-psa --sparse-mode psa (KV in HBM)",
+            "sglang-psa --sparse-mode psa (KV in HBM), decode CUDA graphs",
             ("--sparse-mode", "psa"),
             False,
+            True,
+        ),
+        System(
+            "psa_eps1",
+            "sglang-psa --sparse-mode psa --psa-threshold 1.0 (reads every block: the "
+            "sparse path's overhead over plain), decode CUDA graphs",
+            ("--sparse-mode", "psa", "--psa-threshold", "1.0"),
             False,
+            True,
         ),
         System(
             "topk",
-            "sglang-psa --sparse-mode topk (fixed 2048-token budget, KV in HBM)",
+            "sglang-psa --sparse-mode topk (fixed 2048-token budget, KV in HBM), decode "
+            "CUDA graphs",
             ("--sparse-mode", "topk"),
             False,
-            False,
+            True,
         ),
         System(
             "psa_host",
@@ -136,6 +145,6 @@ def launch_command(
     ]  # fmt: skip
     if load_format:
         cmd += ["--load-format", load_format]
-    if system.plain and system.graphs:
+    if system.graphs:
         cmd += ["--cuda-graph-max-bs-decode", str(max(max_batch, 1))]
     return cmd + list(system.flags) + list(extra or [])

@@ -1,7 +1,7 @@
 """Triton kernels of sglang-psa (references in `sglang_psa.algo`)."""
 
 from sgl_kernel_ext.gather import BlockCopier, gather_blocks, scatter_blocks
-from sgl_kernel_ext.metadata import block_meta_update
+from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
 from sgl_kernel_ext.scoring import block_scores
 from sgl_kernel_ext.wave_attention import WaveAttention, WaveResult
 
@@ -9,8 +9,9 @@ __all__ = [
     "BlockCopier",
     "WaveAttention",
     "WaveResult",
-    "block_meta_update",
     "block_scores",
     "gather_blocks",
+    "page_meta_from_locs",
+    "page_meta_from_table",
     "scatter_blocks",
 ]

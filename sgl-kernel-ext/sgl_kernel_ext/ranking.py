@@ -71,7 +71,9 @@ def _rank_chunk_kernel(
     # block order (and padding, -inf with the largest indices, sorts last).
     bits = key.to(tl.int32, bitcast=True)
     s = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    packed = tl.sort(((~s).to(tl.int64) << 32) | j.to(tl.int64), dim=0)
+    packed = ((~s).to(tl.int64) << 32) | j.to(tl.int64)
+    if c * C < nblk:  # a chunk past the request's blocks is all padding, already in order
+        packed = tl.sort(packed, dim=0)
     if DIRECT:  # the row is one chunk: its sorted order is the answer
         idx = (packed & 0xFFFFFFFF).to(tl.int32)
         tl.store(order_ptr + (b * Hkv + h) * NB + i, idx, mask=inb)
@@ -90,8 +92,10 @@ def _rank_merge_kernel(
     order_ptr,
     loc_ptr,
     rloc_ptr,
+    lengths_ptr,
     Hkv,
     NB,
+    BS: tl.constexpr,
     C: tl.constexpr,
     LOG2C: tl.constexpr,
     LOC: tl.constexpr,
@@ -103,8 +107,12 @@ def _rank_merge_kernel(
     base = sorted_ptr + (b * Hkv + h) * nch * C
     i = tl.arange(0, C)
     x = tl.load(base + c * C + i)
-    pos = i
-    for c2 in range(0, nch):
+    # Only chunks holding the request's blocks are counted: a chunk past them is padding,
+    # which sorts after every block and keeps block order (its elements stay in place).
+    length = tl.load(lengths_ptr + b)
+    nvalid = tl.cdiv((length + BS - 1) // BS, C)
+    pos = i + tl.where(c >= nvalid, c * C, 0)
+    for c2 in range(0, tl.where(c < nvalid, tl.minimum(nvalid, nch), 0)):
         if c2 != c:
             other = base + c2 * C
             # Branchless lower bound: how many of the other chunk's keys are below x.
@@ -142,6 +150,7 @@ def rank_blocks(
     chunk_blocks: int = 512,
     loc: torch.Tensor | None = None,
     ranked_loc: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order `[B, Hkv, NB]` int32 and forced counts `[B]` int32 from logits `[B, Hq, NB]`
     (float32, -inf past each request's blocks). `partials [B, Hq, P, 2]` are the rows'
@@ -149,7 +158,8 @@ def rank_blocks(
     computed here. Pass `order`/`n_forced` to reuse buffers. With a block table `loc`
     `[B, Hkv, NB]` int32, `ranked_loc [B, Hkv, NB]` int32 receives it in read order
     (`loc.gather(-1, order)`), so the wave kernel finds a ranked block's K/V with one
-    load fewer on its critical path."""
+    load fewer on its critical path. `scratch` (int64, `rank_scratch_numel` elements)
+    holds the sorted chunks; without it one is allocated per call."""
     B, Hq, NB = logits.shape
     G = Hq // n_kv_heads
     dev = logits.device
@@ -164,9 +174,10 @@ def rank_blocks(
     C = min(chunk_blocks, triton.next_power_of_2(max(NB, 2)))
     nch = triton.cdiv(NB, C)
     direct = nch == 1
-    scratch = (
-        order if direct else torch.empty(B * n_kv_heads * nch * C, dtype=torch.int64, device=dev)
-    )
+    if direct:
+        scratch = order
+    elif scratch is None or scratch.numel() < B * n_kv_heads * nch * C:
+        scratch = torch.empty(B * n_kv_heads * nch * C, dtype=torch.int64, device=dev)
     NP = partials.shape[2]
     lengths32 = lengths.to(torch.int32).contiguous()
     has_loc = loc is not None
@@ -185,7 +196,14 @@ def rank_blocks(
     )  # fmt: skip
     if not direct:
         _rank_merge_kernel[(B, n_kv_heads, nch)](
-            scratch, order, *loc_args, n_kv_heads, NB,
-            C=C, LOG2C=C.bit_length() - 1, LOC=has_loc, num_warps=4,
+            scratch, order, *loc_args, lengths32, n_kv_heads, NB,
+            BS=block_size, C=C, LOG2C=C.bit_length() - 1, LOC=has_loc, num_warps=4,
         )  # fmt: skip
     return order, n_forced
+
+
+def rank_scratch_numel(batch: int, n_kv_heads: int, n_blocks: int, chunk_blocks: int = 512) -> int:
+    """Elements of the int64 scratch `rank_blocks` needs for this shape (0: none)."""
+    C = min(chunk_blocks, triton.next_power_of_2(max(n_blocks, 2)))
+    nch = triton.cdiv(n_blocks, C)
+    return 0 if nch == 1 else batch * n_kv_heads * nch * C

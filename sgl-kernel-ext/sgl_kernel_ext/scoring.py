@@ -176,6 +176,7 @@ def block_scores(
     pages: torch.Tensor | None = None,
     normalize: bool = True,
     partials: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
@@ -185,6 +186,7 @@ def block_scores(
     float32, or the KV dtype (half the bytes to read; scored in float32).
     `partials` (`[B, Hq, partial_chunks(NB), 2]` float32, see there) receives each
     chunk's (max, sum of exp) of the raw logits, from which `rank_blocks` gets the lse.
+    `out` receives the raw logits (else they are allocated).
     """
     if method not in ("mean", "bound"):
         raise ValueError(f"unknown criticality method {method!r} (mean|bound)")
@@ -194,7 +196,12 @@ def block_scores(
     else:
         Hkv, NB = meta_mean.shape[1], pages.shape[1]
     G = Hq // Hkv
-    logits = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
+    if out is None:  # the raw logits' buffer; callers that plan pass their own
+        logits = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
+    else:
+        if out.shape != (B, Hq, NB) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 [{B}, {Hq}, {NB}] tensor")
+        logits = out
     ub = torch.empty_like(logits) if want_bound else logits
     nbc = blocks_per_program
     lengths32 = lengths.to(torch.int32).contiguous()

@@ -16,6 +16,7 @@ one load, not two.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.ranking import rank_blocks
+from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
 HEURISTIC, CERTIFIED = 0, 1
@@ -160,6 +161,11 @@ def _wave_attention_kernel(
     part_ptr,
     acc_part_ptr,
     counter_ptr,
+    pages_ptr,
+    stamp_ptr,
+    step_ptr,
+    stats_ptr,
+    stamp_stride,
     scale,
     limit,
     max_read,
@@ -181,8 +187,15 @@ def _wave_attention_kernel(
     HAS_HOST: tl.constexpr,
     S: tl.constexpr,
     STAGES: tl.constexpr,
+    STAMP: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
+
+    Bookkeeping is written here, not by later launches: with STAMP every block read
+    gets `*step_ptr` in `stamp_ptr[h * stamp_stride + page]` (its page from the page
+    table `pages_ptr [B, NB]`: last-use stamps for working sets and residency), and
+    with STATS the blocks read and the blocks available are added to `stats_ptr[0:2]`.
 
     With S > 1 the programs of a (request, KV head) exchange their (max, sum,
     smallest) after every wave through `part_ptr` (double-buffered by wave
@@ -207,6 +220,8 @@ def _wave_attention_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     smallest = tl.full([GP], float("inf"), tl.float32)
     row = bh * NB
+    if STAMP:
+        step = tl.load(step_ptr)
     wstart = 0
     w = 0
     done = (nb <= 0).to(tl.int32)
@@ -242,6 +257,12 @@ def _wave_attention_kernel(
                 q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
                 GP, NBLK, BS, D, PREC, RULE == 0,
             )  # fmt: skip
+            if STAMP:  # one store per block: its first token's row
+                lead = valid & (tok == 0)
+                pos = first + tl.arange(0, NBLK * BS) // BS
+                blk = tl.load(order_ptr + row + pos, mask=lead, other=0)
+                page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
+                tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
         wstart = end
         if S == 1:
             covered = m_i + tl.log(l_i)
@@ -291,6 +312,9 @@ def _wave_attention_kernel(
             seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
             while seen < target:
                 seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+            # Every other program has arrived for the last time: the barrier's counter is
+            # reset here for the next launch (no zeroing launch per layer).
+            tl.atomic_xchg(counter_ptr + bh, 0)
         tl.debug_barrier()
         last = ((w - 1) % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
         ss = tl.arange(0, S)
@@ -312,15 +336,19 @@ def _wave_attention_kernel(
         out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
         lse = m_top + tl.log(lsum)
     if sid == 0:
+        out = out.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], out, mask=gmask[:, None])
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
+        if STATS:
+            tl.atomic_add(stats_ptr, wstart.to(tl.int64))
+            tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
 
 
 @dataclass
 class WaveResult:
-    out: torch.Tensor  # [B, Hq, d] float32
+    out: torch.Tensor  # [B, Hq, d] in the plan's output dtype
     lse: torch.Tensor  # [B, Hq] float32
     order: torch.Tensor  # [B, Hkv, NB] int32: read order
     n_read: torch.Tensor  # [B, Hkv] int32: blocks read = order[..., :n_read]
@@ -332,11 +360,37 @@ class WaveResult:
         return torch.zeros_like(sorted_read).scatter(-1, self.order.long(), sorted_read)
 
 
+class Workspace:
+    """Device buffers shared by plans that never run at the same time (SGLang replays one
+    decode graph at a time, one per captured batch size): each plan takes views of the
+    same flat buffers instead of its own. A request larger than a buffer replaces it
+    (plans holding the old one keep it alive), so size it by the largest plan first."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._bufs.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            # zeroed once: the split barrier's counters rely on it (each launch resets them)
+            buf = torch.zeros(max(n, 1), dtype=dtype, device=self.device)
+            self._bufs[(name, dtype)] = buf
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._bufs.values())
+
+
 class WaveAttention:
     """Plan once for a batch shape, run per layer: scoring, ranking and the wave kernel.
 
-    `plan()` fixes the wave schedule and the output buffers; `run()` writes into
-    them (the certified rule's suffix sums still allocate temporaries).
+    `plan()` fixes the wave schedule and every buffer a run writes (from a shared
+    `Workspace` when given); `run()` allocates nothing with the heuristic rule (the
+    certified rule's suffix sums still do) and never synchronises with the host, so a
+    decode step of runs is captured in a CUDA graph.
     """
 
     # Up to this many blocks per request (2M tokens of 32) the ranking kernels sort
@@ -394,11 +448,16 @@ class WaveAttention:
         max_blocks: int,
         device: torch.device | str,
         splits: int | None = None,
+        out_dtype: torch.dtype = torch.float32,
+        workspace: Workspace | None = None,
     ) -> WaveAttention:
-        """Fix shapes, the wave schedule and buffers. `splits` programs share each
-        (request, KV head); by default as many as keep two programs per SM resident
-        (always 1 in Triton's interpreter, which runs programs one after another)."""
+        """Fix shapes, the wave schedule and buffers, on this object (plan a copy, see
+        `planned`, to keep several). `splits` programs share each (request, KV head); by
+        default as many as keep two programs per SM resident (always 1 in Triton's
+        interpreter, which runs programs one after another). The output is written in
+        `out_dtype` (the model's, so no conversion follows)."""
         dev = torch.device(device)
+        self._ws = workspace if workspace is not None else Workspace(dev)
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -413,6 +472,13 @@ class WaveAttention:
                 splits = max(1, min(16, per_sm * sms // (batch * n_kv_heads), max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
+        self.B, self.Hq, self.Hkv, self.D, self.NB = (
+            batch,
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+            max_blocks,
+        )
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
         first, growth, cap = self.wave
         sizes, size, left = [], float(first), max_blocks
@@ -422,22 +488,26 @@ class WaveAttention:
             size = min(size * growth, float(cap))
         ends = torch.tensor(sizes or [1], dtype=torch.int64).cumsum(0)
         self.wave_ends = torch.cat([ends, ends[-1:]]).to(torch.int32).to(device)
-        self.B, self.Hq, self.Hkv, self.D, self.NB = (
-            batch,
-            n_q_heads,
-            n_kv_heads,
-            head_dim,
-            max_blocks,
-        )
-        f32 = dict(dtype=torch.float32, device=device)
-        self.out = torch.empty(batch, n_q_heads, head_dim, **f32)
-        self.lse = torch.empty(batch, n_q_heads, **f32)
-        self.n_read = torch.empty(batch, n_kv_heads, dtype=torch.int32, device=device)
-        self.order = torch.empty(batch, n_kv_heads, max_blocks, dtype=torch.int32, device=device)
-        self.ranked_loc = torch.empty_like(self.order)  # the block table in read order
-        self.n_forced = torch.empty(batch, dtype=torch.int32, device=device)
-        self.n_waves = torch.empty_like(self.n_read)
+        take = self._ws.take
+        i32, f32 = torch.int32, torch.float32
+        B, Hq, Hkv, NB = batch, n_q_heads, n_kv_heads, max_blocks
+        self.out = take("out", (B, Hq, head_dim), out_dtype)
+        self.lse = take("lse", (B, Hq), f32)
+        self.n_read = take("n_read", (B, Hkv), i32)
+        self.order = take("order", (B, Hkv, NB), i32)
+        self.ranked_loc = take("ranked_loc", (B, Hkv, NB), i32)  # the table in read order
+        self.n_forced = take("n_forced", (B,), i32)
+        self.n_waves = take("n_waves", (B, Hkv), i32)
+        self.logits = take("logits", (B, Hq, NB), f32)
+        self.partials = take("partials", (B, Hq, partial_chunks(NB, self.score_blocks), 2), f32)
+        n = rank_scratch_numel(B, Hkv, NB, self.rank_chunk_blocks)
+        self.rank_scratch = take("rank_scratch", (n,), torch.int64) if n else None
         return self
+
+    def planned(self, *args, **kwargs) -> WaveAttention:
+        """A copy of this (unplanned or planned) object, planned with these arguments."""
+        other = copy.copy(self)
+        return other.plan(*args, **kwargs)
 
     def _alloc_splits(
         self,
@@ -450,10 +520,11 @@ class WaveAttention:
     ) -> None:
         self.splits = splits
         gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
-        f32 = dict(dtype=torch.float32, device=dev)
-        self.part = torch.empty(2, batch, n_kv_heads, splits, 3, gp, **f32)  # by wave parity
-        self.acc_part = torch.empty(batch, n_kv_heads, splits, gp, head_dim, **f32)
-        self.counters = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=dev)
+        take, f32 = self._ws.take, torch.float32
+        self.part = take("part", (2, batch, n_kv_heads, splits, 3, gp), f32)  # wave parity
+        self.acc_part = take("acc_part", (batch, n_kv_heads, splits, gp, head_dim), f32)
+        # The split barrier's arrival counters: zero between launches (each resets its own).
+        self.counters = take("counters", (batch * n_kv_heads,), torch.int32)
 
     def rank(self, q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages=None, loc=None):
         """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
@@ -462,18 +533,6 @@ class WaveAttention:
         B, Hq, _ = q.shape
         Hkv, bs = self.Hkv, self.bs
         fused = self.NB <= self.fused_rank_max_blocks
-        partials = (
-            torch.empty(
-                B,
-                Hq,
-                partial_chunks(self.NB, self.score_blocks),
-                2,
-                dtype=torch.float32,
-                device=q.device,
-            )
-            if fused
-            else None
-        )
         logits, ub = block_scores(
             q,
             meta_mean,
@@ -486,9 +545,10 @@ class WaveAttention:
             want_bound=self.rule == "certified",
             pages=meta_pages,
             normalize=False,
-            partials=partials,
+            partials=self.partials if fused else None,
             blocks_per_program=self.score_blocks,
             num_warps=self.score_warps,
+            out=self.logits,
         )
         if fused:  # group criticality, forced blocks first, stable descending chunked sort
             order, n_forced = rank_blocks(
@@ -500,10 +560,11 @@ class WaveAttention:
                 Hkv,
                 self.order,
                 self.n_forced,
-                partials=partials,
+                partials=self.partials,
                 chunk_blocks=self.rank_chunk_blocks,
                 loc=loc,
                 ranked_loc=self.ranked_loc,
+                scratch=self.rank_scratch,
             )
         else:  # too many blocks for one program's registers: torch's sort, same result
             crit = criticality_from_logits(logits, Hkv)
@@ -545,6 +606,9 @@ class WaveAttention:
         slot_strides: tuple[int, int, int] | None = None,
         meta_pages: torch.Tensor | None = None,
         host_strides: tuple[int, int, int] | None = None,
+        stamps: torch.Tensor | None = None,
+        step: torch.Tensor | None = None,
+        stats: torch.Tensor | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -553,9 +617,13 @@ class WaveAttention:
         `slot_strides` (elements per slot, per token, per KV head) lets the slots be
         another layout: SGLang's `[tokens, Hkv, d]` KV buffer is read in place as
         slots = pages with `(bs * Hkv * d, Hkv * d, d)`. Default: `[num_slots, bs, d]`.
-        With `meta_pages [B, NB]`, meta_* are per page `[P, Hkv, d]` (no per-step gather).
-        `host_strides` is the same for the host side (default: head-major `[units, bs, d]`,
-        a unit per (head, block)); a host-resident SGLang pool is token-major like its pages.
+        With `meta_pages [B, NB]` (int32), meta_* are per page `[P, Hkv, d]` (no per-step
+        gather). `host_strides` is the same for the host side (default: head-major
+        `[units, bs, d]`, a unit per (head, block)); a host-resident SGLang pool is
+        token-major like its pages.
+        Bookkeeping, written by the kernel: with `stamps [Hkv, P]` (int32, needs
+        `meta_pages`) every block read stamps its page with `step [1]` (int32); `stats [2]`
+        (int64) gains the blocks read and the blocks available.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -564,16 +632,17 @@ class WaveAttention:
         )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         loc = loc.to(torch.int32).contiguous()
+        lengths = lengths.to(torch.int32).contiguous()
         order, n_forced, ub_suffix = self.rank(
             q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc
         )
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
+        if stamps is not None and (meta_pages is None or step is None):
+            raise ValueError("stamps need the page table (meta_pages) and the step counter")
         G = Hq // Hkv
         while True:
-            if self.splits > 1:  # the barrier's counters; one program per head needs none
-                self.counters.zero_()
             try:
                 _wave_attention_kernel[(B, Hkv, self.splits)](
                     q.contiguous(),
@@ -583,7 +652,7 @@ class WaveAttention:
                     v_host,
                     self.ranked_loc,
                     order,
-                    lengths.to(torch.int32).contiguous(),
+                    lengths,
                     n_forced,
                     self.wave_ends,
                     ub_suffix,
@@ -594,6 +663,11 @@ class WaveAttention:
                     self.part,
                     self.acc_part,
                     self.counters,
+                    meta_pages if stamps is not None else self.n_read,
+                    stamps if stamps is not None else self.n_read,
+                    step if stamps is not None else self.n_read,
+                    stats if stats is not None else self.n_read,
+                    stamps.stride(0) if stamps is not None else 0,
                     scale,
                     self.limit,
                     NB if max_read_blocks is None else max_read_blocks,
@@ -612,6 +686,8 @@ class WaveAttention:
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
                     S=self.splits,
                     STAGES=self.num_stages,
+                    STAMP=stamps is not None,
+                    STATS=stats is not None,
                     launch_cooperative_grid=self.splits > 1,
                 )
                 break

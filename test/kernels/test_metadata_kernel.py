@@ -1,64 +1,139 @@
-"""Block metadata kernel against `sglang_psa.algo.block_metadata`.
+"""Page metadata kernels against `sglang_psa.algo.block_metadata`.
 
-The same random keys are laid out twice: as `[B, H, T, d]` for the reference
-and as a shuffled pool of `[block_size, d]` units for the kernel, whose
-summaries go to shuffled metadata rows.
+Keys live in an SGLang-style token-major pool `[tokens, Hkv, d]` whose pages are
+handed to requests in shuffled order; the reference sees the same keys as
+`[B, Hkv, T, d]`. Decode updates the page of each new token; prefill updates
+every page an extend wrote, found through the request table.
 """
 
 import pytest
 import torch
 
-from sgl_kernel_ext.metadata import block_meta_update
+from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
 from sglang_psa.algo import block_metadata
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bs,d", [(32, 16), (12, 24)])  # power-of-two and odd tile sizes
-def test_block_meta_update_matches_reference(kernel_device, dtype, bs, d):
-    g = torch.Generator().manual_seed(bs)
-    B, H = 2, 2
-    T = 3 * bs + 1
-    lengths = torch.tensor([T, bs + 5])  # counts: full blocks, 1 token, partial, empty
-    k = torch.randn(B, H, T, d, generator=g).to(dtype)
-    ref = block_metadata(k, lengths, bs)
-    nb = ref.count.shape[1]
-    kb = torch.nn.functional.pad(k, (0, 0, 0, nb * bs - T)).reshape(B * H * nb, bs, d)
-    perm = torch.randperm(B * H * nb, generator=g)
-    pool = torch.empty_like(kb)
-    pool[perm] = kb
-    counts = ref.count[:, None, :].expand(B, H, nb).reshape(-1)
-    keep = counts > 0
-    assert {1, bs}.issubset(set(counts.tolist())) and (counts[keep] < bs).sum() > 1
-    units = perm[keep]
-    meta_rows = torch.randperm(int(keep.sum()), generator=g)
+def _pool(g, lengths, bs, H, d, dtype, pages_total=None):
+    """Pool, request table and per-request page lists (page 0 is SGLang's padding)."""
+    need = sum(-(-n // bs) for n in lengths)
+    P = pages_total or need + 3
+    pool = torch.randn(P * bs, H, d, generator=g).to(dtype)
+    perm = (torch.randperm(P - 1, generator=g) + 1)[:need]
+    width = max(lengths) + bs
+    table = torch.zeros(len(lengths) + 1, width, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(lengths, start=1):
+        npg = -(-n // bs)
+        pages = perm[used : used + npg]
+        used += npg
+        table[r, : npg * bs] = (pages[:, None] * bs + torch.arange(bs)).flatten().to(torch.int32)
+    return pool, table, P
+
+
+def _ref(pool, table, lengths, bs):
+    """Reference metadata `[B, H, NB, d]` of each request's keys."""
+    T = max(lengths)
+    ks = []
+    for r, n in enumerate(lengths, start=1):
+        k = pool[table[r, :n].long()]  # [n, H, d]
+        ks.append(torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, T - n)))
+    return block_metadata(torch.stack(ks).transpose(1, 2), torch.tensor(lengths), bs)
+
+
+def _bufs(P, H, d, dtype, dev, mean=True, bounds=True):
+    def mk():
+        return torch.full((P, H, d), 7.0, dtype=dtype, device=dev)
+
+    return (mk() if mean else None, mk() if bounds else None, mk() if bounds else None)
+
+
+def _assert_page(meta, ref, page, r, j, exact_bounds):
+    mean, kmin, kmax = meta
+    if mean is not None:
+        torch.testing.assert_close(
+            mean[page].float().cpu(), ref.mean[r, :, j], rtol=1e-2, atol=1e-2
+        )
+    if kmin is not None:
+        got_min, got_max = kmin[page].float().cpu(), kmax[page].float().cpu()
+        if exact_bounds:
+            assert torch.equal(got_min, ref.kmin[r, :, j])
+            assert torch.equal(got_max, ref.kmax[r, :, j])
+        else:
+            torch.testing.assert_close(got_min, ref.kmin[r, :, j])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,H,d", [(32, 2, 64), (32, 8, 128), (16, 4, 24)])
+def test_prefill_pages_from_the_table_match_reference(kernel_device, dtype, bs, H, d):
+    g = torch.Generator().manual_seed(bs + H + d)
+    lengths = [5 * bs + 7, 2 * bs, 1]
+    prefix = [2 * bs, 0, 0]  # an extend after a cached prefix, a whole prompt, one token
+    pool, table, P = _pool(g, lengths, bs, H, d, dtype)
     dev = kernel_device
-    out = [torch.full((len(meta_rows), d), 7.0, device=dev) for _ in range(3)]
-    block_meta_update(
-        pool.to(dev), units.to(dev), counts[keep].to(torch.int32).to(dev), *out, meta_rows.to(dev)
-    )
-    for got, want in zip(out, ref[:3]):
-        want = want.reshape(-1, d)[keep]
-        torch.testing.assert_close(got.cpu()[meta_rows], want, rtol=1e-5, atol=1e-5)
+    meta = _bufs(P, H, d, dtype, dev)
+    max_pages = max(-(-(n - p) // bs) + 1 for n, p in zip(lengths, prefix))
+    page_meta_from_table(
+        pool.to(dev), table.to(dev), torch.tensor([1, 2, 3], device=dev),
+        torch.tensor(prefix, device=dev), torch.tensor(lengths, device=dev), max_pages, bs, *meta,
+    )  # fmt: skip
+    ref = _ref(pool, table, lengths, bs)
+    touched = set()
+    for r, (n, p0) in enumerate(zip(lengths, prefix)):
+        for j in range(p0 // bs, -(-n // bs)):
+            page = int(table[r + 1, j * bs]) // bs
+            touched.add(page)
+            _assert_page(meta, ref, page, r, j, exact_bounds=True)
+    # Pages of the cached prefix and pages of nobody are left alone.
+    for page in set(range(P)) - touched:
+        assert all((t[page] == 7.0).all() for t in meta)
 
 
-def test_empty_list_leaves_outputs(kernel_device):
-    k = torch.randn(4, 8, 16, device=kernel_device)
-    out = [torch.full((4, 16), 7.0, device=kernel_device) for _ in range(3)]
-    none = torch.zeros(0, dtype=torch.int64, device=kernel_device)
-    block_meta_update(k, none, none, *out, none)
-    assert all((o == 7.0).all() for o in out)
+@pytest.mark.parametrize("mean,bounds", [(True, False), (False, True)])
+def test_decode_updates_the_new_tokens_page_whatever_it_holds(kernel_device, mean, bounds):
+    g = torch.Generator().manual_seed(5)
+    bs, H, d, dtype = 32, 4, 64, torch.bfloat16
+    lengths = [3 * bs, 2 * bs + 1, 40]  # a page just filled, one token in, partial
+    pool, table, P = _pool(g, lengths, bs, H, d, dtype)
+    dev = kernel_device
+    meta = _bufs(P, H, d, dtype, dev, mean, bounds)
+    locs = torch.tensor([int(table[r + 1, n - 1]) for r, n in enumerate(lengths)] + [0])
+    page_meta_from_locs(pool.to(dev), locs.to(dev), bs, *meta)  # row 4: graph padding
+    ref = _ref(pool, table, lengths, bs)
+    for r, n in enumerate(lengths):
+        j = (n - 1) // bs
+        _assert_page(meta, ref, int(locs[r]) // bs, r, j, exact_bounds=True)
+    other = [int(table[1, 0]) // bs, int(table[2, 0]) // bs]  # earlier pages untouched
+    for page in other:
+        assert all((t[page] == 7.0).all() for t in meta if t is not None)
+
+
+def test_bad_arguments_are_refused():
+    pool = torch.zeros(64, 2, 8)
+    with pytest.raises(ValueError, match="whole pages"):
+        page_meta_from_locs(torch.zeros(40, 2, 8), torch.zeros(1, dtype=torch.long), 32,
+                            torch.zeros(2, 2, 8), None, None)  # fmt: skip
+    with pytest.raises(ValueError, match="mean, the bounds"):
+        page_meta_from_locs(pool, torch.zeros(1, dtype=torch.long), 32, None, None, None)
+    with pytest.raises(ValueError, match=r"\[pages, 2, 8\]"):
+        page_meta_from_locs(pool, torch.zeros(1, dtype=torch.long), 32, torch.zeros(2, 8), None,
+                            None)  # fmt: skip
 
 
 def test_torch_fallback_without_cuda_or_interpreter(monkeypatch):
+    """The CPU path the demo takes computes the same summaries."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     g = torch.Generator().manual_seed(3)
-    bs, d = 8, 4
-    k = torch.randn(1, 1, 2 * bs, d, generator=g)
-    ref = block_metadata(k, torch.tensor([bs + 3]), bs)
-    out = [torch.zeros(2, d) for _ in range(3)]
-    units = k.view(2, bs, d)
-    block_meta_update(
-        units, torch.tensor([1, 0]), torch.tensor([3, bs]), *out, torch.tensor([1, 0])
-    )
-    for got, want in zip(out, ref[:3]):
-        torch.testing.assert_close(got, want.view(2, d))
+    bs, H, d = 8, 2, 4
+    lengths = [2 * bs + 3, bs]
+    pool, table, P = _pool(g, lengths, bs, H, d, torch.float32)
+    meta = _bufs(P, H, d, torch.float32, "cpu")
+    page_meta_from_table(pool, table, torch.tensor([1, 2]), torch.tensor([0, 0]),
+                         torch.tensor(lengths), 4, bs, *meta)  # fmt: skip
+    ref = _ref(pool, table, lengths, bs)
+    for r, n in enumerate(lengths):
+        for j in range(-(-n // bs)):
+            _assert_page(meta, ref, int(table[r + 1, j * bs]) // bs, r, j, exact_bounds=True)
+    locs = torch.tensor([int(table[1, lengths[0] - 1])])
+    meta2 = _bufs(P, H, d, torch.float32, "cpu")
+    page_meta_from_locs(pool, locs, bs, *meta2)
+    _assert_page(meta2, ref, int(locs[0]) // bs, 0, 2, exact_bounds=True)

@@ -103,6 +103,13 @@ HOOKS: tuple[Hook, ...] = (
         "--psa-kv-home host: K/V buffers in pinned host memory, seen through UVA",
     ),
     Hook(
+        "sglang.srt.layers.attention.hybrid_attn_backend.HybridAttnBackend.forward",
+        "after",
+        "extend:after_hybrid_forward",
+        ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
+        "block metadata of the pages each prefill extend wrote, per layer",
+    ),
+    Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
         "after",
         "scheduling:after_get_internal_state",
@@ -115,7 +122,7 @@ HOOKS: tuple[Hook, ...] = (
             "after",
             "scheduling:after_alloc",
             params,
-            "pages handed out again get new keys: their block metadata is stale",
+            "pages handed out again get new keys: the HBM page cache drops its copies",
         )
         for name, params in (
             ("alloc", ("self", "need_size")),

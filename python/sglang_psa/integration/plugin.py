@@ -36,6 +36,6 @@ def register() -> None:
 
 
 def _create_backend(model_runner):
-    from sglang_psa.integration.backend import PSAAttnBackend
+    from sglang_psa.attention.psa_backend import PSAAttnBackend
 
     return PSAAttnBackend(model_runner)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.sched import AdmissionController, Candidate, WorkingSetTracker
@@ -40,10 +41,11 @@ class PSAServing:
         self.layer_heads = layers * kv_heads
         self.host_tokens = host_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
-        self.page_meta = None  # the backend's PageMeta, invalidated by the allocator hook
-        self.page_cache = None  # the backend's PageCache (pool on the host), likewise
-        # The backend's measurement of the last step: (rows, working-set sizes, units owned).
-        self.measure: Callable[[], tuple[list[int], list[int], list[int]] | None] | None = None
+        self.page_cache = None  # the backend's PageCache (pool on the host), invalidated
+        # by the allocator hook
+        # The backend's working sets by request-table row, as the GPU last published them
+        # (host memory, read without a sync): (sizes, lengths measured at).
+        self.measure: Callable[[], tuple[Any, Any]] | None = None
         self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
 
     @property
@@ -114,15 +116,21 @@ class PSAServing:
 
     # -- decode steps -------------------------------------------------------------
     def flush_step(self, reqs: Sequence) -> None:
-        """Record the last decode step's working-set sizes (before the next step)."""
-        got = self.measure() if self.measure is not None else None
-        if got is None:
+        """Record the working-set sizes the GPU last published (before the next step). A
+        row's value counts only if it was measured at most a window of steps ago for this
+        request (its length then is close to the request's now); otherwise the row is
+        stale or belongs to the row's previous request."""
+        if self.measure is None:
             return
-        by_row = {row: (size, total) for row, size, total in zip(*got)}
+        sizes, lengths = self.measure()
+        window = self.cfg.ws_window
         for req in reqs:
-            m = by_row.get(req.req_pool_idx)
-            if m is not None and req.rid in self.controller.running:
-                self.controller.on_step_size(req.rid, *m)
+            row = getattr(req, "req_pool_idx", None)
+            if row is None or req.rid not in self.controller.running:
+                continue
+            n = int(lengths[row])
+            if n > 0 and 0 <= req.seqlen - n <= window:
+                self.controller.on_step_size(req.rid, int(sizes[row]), self.total_units(n))
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
         if not self.gates_by_working_set:
@@ -188,11 +196,11 @@ def after_release_kv_cache(result, req, tree_cache, is_insert=True):
 
 
 def after_alloc(result, allocator, *args, **kwargs):
+    """Pages handed out again get new keys: the HBM page cache (pool on the host) drops
+    its copies. (Block metadata needs nothing: it is rewritten where keys are written.)"""
     serving = current()
-    if serving is not None and serving.page_meta is not None and result is not None:
-        serving.page_meta.invalidate(result)
-        if serving.page_cache is not None:
-            serving.page_cache.invalidate(result.long() // serving.cfg.block_size)
+    if serving is not None and serving.page_cache is not None and result is not None:
+        serving.page_cache.invalidate(result.long() // serving.cfg.block_size)
     return result
 
 

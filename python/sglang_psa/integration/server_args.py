@@ -8,7 +8,9 @@ depends on are set *before* SGLang resolves its defaults:
 - decode attention runs on the `psa` backend, prefill on `--prefill-attention-backend`
   (or `--attention-backend`, default `triton`);
 - `--page-size` equals `--psa-block-size` (one SGLang page = one PSA block);
-- CUDA graphs are off for both phases (the decode step has data-dependent waves);
+- CUDA graphs stay SGLang's: the sparse decode step has fixed shapes and no host
+  sync, so it runs inside SGLang's decode graphs; prefill is dense. Only
+  `--psa-kv-home host` (its page cache admits eagerly) turns decode graphs off;
 - prompts are prefilled in chunks of `--psa-max-inject-tokens` unless
   `--chunked-prefill-size` says otherwise.
 
@@ -73,12 +75,13 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
             f"sets the decode attention backend to {BACKEND!r}; "
             f"--decode-attention-backend {decode} conflicts",
         )
-    for phase in ("decode", "prefill"):
-        name = f"cuda_graph_backend_{phase}"
+    if cfg.kv_home == "host":  # the page cache's admission runs eagerly per layer
+        name = "cuda_graph_backend_decode"
         if fields.get(name) not in (None, "disabled"):
             raise PSAConfigError(
-                "sparse_mode",
-                f"runs without CUDA graphs; --cuda-graph-backend-{phase} {fields[name]} conflicts",
+                "kv_home",
+                f"host decodes without CUDA graphs; --cuda-graph-backend-decode {fields[name]} "
+                "conflicts",
             )
         fields[name] = "disabled"
     prefill = (

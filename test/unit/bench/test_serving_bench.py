@@ -421,10 +421,12 @@ def test_launch_command():
         "--cuda-graph-backend-decode",
         "disabled",
     ]
-    for name in ("psa", "topk", "psa_host"):
+    for name in ("psa", "topk", "psa_eps1", "psa_host"):
         c = cmd(name, load_format="dummy")
-        assert "--cuda-graph-max-bs-decode" not in c and "--sparse-mode" in c
-        assert c[c.index("--load-format") + 1] == "dummy"
+        # sglang-psa decodes in graphs captured up to the same batch (not at host home)
+        assert ("--cuda-graph-max-bs-decode" in c) == (name != "psa_host")
+        assert "--sparse-mode" in c and c[c.index("--load-format") + 1] == "dummy"
+    assert cmd("psa_eps1")[-2:] == ["--psa-threshold", "1.0"]
     fake = cmd("psa", launcher=["/py", "fake.py"])
     assert fake[:3] == ["/py", "fake.py", "--model-path"] and "sglang.launch_server" not in fake
 

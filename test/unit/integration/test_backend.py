@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.integration import flags, kv_pool, scheduling  # noqa: E402
-from sglang_psa.integration.backend import PSAAttnBackend  # noqa: E402
+from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,12 +38,11 @@ class _Mode:
         return True
 
 
-def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
+def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0, hkv=HKV, d=D, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    size = 64 * BS
-    kv = MHATokenToKVPool(
-        size, BS, torch.float32, HKV, D, LAYERS, DEV, False, enable_alt_stream=False
-    )
+    n_pages = max(64, sum(-(-n // BS) for n in lengths) + 8)
+    size = n_pages * BS
+    kv = MHATokenToKVPool(size, BS, dtype, hkv, d, LAYERS, DEV, False, enable_alt_stream=False)
     if cfg.kv_home == "host":  # what the plugin's pool hook does when SGLang builds it
         flags.export(cfg)
         try:
@@ -51,9 +50,9 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
         finally:
             flags.export(None)
         kv._init_data_ptrs_and_strides()
-    req = ReqToTokenPool(8, 1024, DEV, False)
+    req = ReqToTokenPool(8, max(1024, max(lengths) + 4 * BS), DEV, False)
     # Requests own scattered pages (as SGLang's allocator hands them out); page 0 is padding.
-    pages = torch.randperm(60, generator=g) + 1
+    pages = torch.randperm(n_pages - 4, generator=g) + 1
     rows, used = [], 0
     for r, n in enumerate(lengths, start=1):
         npg = -(-n // BS)
@@ -65,6 +64,8 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
         # Large keys make attention peaked, so PSA can stop before reading every block.
         kv.k_buffer[layer].copy_(3 * torch.randn(kv.k_buffer[layer].shape, generator=g))
         kv.v_buffer[layer].copy_(torch.randn(kv.v_buffer[layer].shape, generator=g))
+    kv.k_buffer[0][:BS] = 0  # the padding page, as SGLang leaves it
+    kv.v_buffer[0][:BS] = 0
     runner = SimpleNamespace(
         server_args=SimpleNamespace(_psa_config=cfg),
         req_to_token_pool=req,
@@ -85,14 +86,29 @@ def _rig(cfg: PSAConfig, lengths: list[int], seed: int = 0):
     return runner, fb, g
 
 
-def _layer(layer_id: int):
+def _prefill(backend, fb, layers=range(LAYERS)):
+    """What SGLang's prefill leaves behind: each request's tokens before its new one are
+    in the pool, and the hook on the hybrid backend hands every extend layer to ours."""
+    B = fb.batch_size
+    ext = SimpleNamespace(
+        batch_size=B,
+        req_pool_indices=fb.req_pool_indices,
+        extend_prefix_lens=torch.zeros(B, dtype=torch.int64, device=DEV),
+        seq_lens=fb.seq_lens - 1,
+        extend_num_tokens=int((fb.seq_lens - 1).sum()),
+    )
+    for layer in layers:
+        backend.on_extend(_layer(layer), ext)
+
+
+def _layer(layer_id: int, hq=HQ, hkv=HKV, d=D):
     return SimpleNamespace(
         layer_id=layer_id,
-        tp_q_head_num=HQ,
-        tp_k_head_num=HKV,
-        head_dim=D,
-        v_head_dim=D,
-        scaling=D**-0.5,
+        tp_q_head_num=hq,
+        tp_k_head_num=hkv,
+        head_dim=d,
+        v_head_dim=d,
+        scaling=d**-0.5,
         logit_cap=0.0,
         k_scale=None,
         v_scale=None,
@@ -133,6 +149,7 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use
     lengths = [300, 77, 545]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=use_kernel)
+    _prefill(backend, fb)
     backend.init_forward_metadata(fb)
     layer = _layer(1)
     q = torch.randn(len(lengths), HQ * D, generator=g).to(DEV)
@@ -155,12 +172,13 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use
         if rule == "heuristic":
             assert backend.read_fraction() < 1.0
     torch.testing.assert_close(out.view(-1, HQ, D), want.float(), atol=2e-4, rtol=2e-4)
-    # The blocks read are each request's working set (the requests share no page here).
-    rows, sizes, totals = scheduling.current().measure()
-    assert rows == fb.req_pool_indices.tolist()
-    assert sum(sizes) == backend.blocks_read[1]
-    assert totals == [-(-n // BS) * LAYERS * HKV for n in lengths]
-    assert scheduling.current().measure() is None  # measured once per step
+    # The blocks read are each request's working set (the requests share no page here),
+    # measured at the start of the next step and published by request-table row.
+    backend.init_forward_metadata(fb)
+    sizes, lens = scheduling.current().measure()
+    rows = fb.req_pool_indices.tolist()
+    assert sum(int(sizes[r]) for r in rows) == backend.blocks_read[1] > 0
+    assert [int(lens[r]) for r in rows] == lengths
 
 
 def test_unsupported_models_and_settings_are_refused_naming_the_flag():
@@ -196,32 +214,33 @@ def test_page_metadata_keeps_what_the_score_reads_in_the_kv_dtype(score):
     assert (meta.kmin is not None) == (score == "bound")
     kept = [t for t in (meta.mean, meta.kmin, meta.kmax) if t is not None]
     assert all(t.dtype == runner.token_to_kv_pool.dtype for t in kept)
-    per_vector = meta.valid.numel() * LAYERS * HKV * D * 4  # float32 pool in this rig
+    per_vector = meta.num_pages * LAYERS * HKV * D * 4  # float32 pool in this rig
     assert meta.bytes == len(kept) * per_vector
 
 
 @pytest.mark.parametrize("score", ["bound", "mean"])
-def test_page_metadata_is_kept_and_refreshed_when_sglang_reallocates_a_page(score):
+def test_page_metadata_is_written_by_prefill_and_decode_and_follows_reused_pages(score):
     cfg = PSAConfig(threshold=0.9, wave_blocks=1, max_wave_blocks=2, score=score)
     runner, fb, g = _rig(cfg, [300, 200])
     backend = PSAAttnBackend(runner, use_kernel=True)
-    kv = runner.token_to_kv_pool
-    q = torch.randn(2, HQ * D, generator=g).to(DEV)
-    for layer in range(LAYERS):  # one whole step: every full page gets its metadata
-        backend.init_forward_metadata(fb)
-        backend.forward_decode(q, None, None, _layer(layer), fb, save_kv_cache=False)
-    page = int(runner.req_to_token_pool.req_to_token[1, 64]) // BS  # request 1's third page
+    kv, req = runner.token_to_kv_pool, runner.req_to_token_pool
+    _prefill(backend, fb)
     keys = kv.k_buffer[0].view(-1, BS, HKV, D)
-    _assert_page_meta(backend.meta, 0, page, keys[page])
+    for r, n in zip((1, 2), (299, 199)):  # every page the prompt wrote, the tail partial
+        for j in range(-(-n // BS)):
+            page = int(req.req_to_token[r, j * BS]) // BS
+            _assert_page_meta(backend.meta, 0, page, keys[page][: min(BS, n - j * BS)])
+    # A decode step: the tail page of each request now holds one more key.
     backend.init_forward_metadata(fb)
-    assert backend._step["stale"].numel() == 0  # nothing recomputed in the next step
-    # SGLang hands the page out again (new keys): the allocator hook invalidates it.
-    keys[page] = torch.randn(BS, HKV, D, generator=g).to(DEV)
-    slots = torch.arange(page * BS, (page + 1) * BS, device=DEV)
-    assert scheduling.after_alloc(slots, None) is slots
-    backend.init_forward_metadata(fb)
-    assert backend._step["stale"].tolist() == [page]
+    q = torch.randn(2, HQ * D, generator=g).to(DEV)
     backend.forward_decode(q, None, None, _layer(0), fb, save_kv_cache=False)
+    for r, n in zip((1, 2), (300, 200)):
+        page = int(req.req_to_token[r, n - 1]) // BS
+        _assert_page_meta(backend.meta, 0, page, keys[page][: (n - 1) % BS + 1])
+    # SGLang hands a page out again (new keys) and a prefill writes it: rewritten.
+    page = int(req.req_to_token[1, 64]) // BS  # request 1's third page
+    keys[page] = torch.randn(BS, HKV, D, generator=g).to(DEV)
+    _prefill(backend, fb, layers=[0])
     _assert_page_meta(backend.meta, 0, page, keys[page])
 
 
@@ -243,6 +262,8 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated(home):
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
     req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    fb.seq_lens = fb.seq_lens + 1  # the prompts' KV (no new token yet)
+    _prefill(backend, fb)
     free_pages = [
         p
         for p in range(1, 64)
@@ -290,7 +311,93 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated(home):
     for r, n in zip((1, 2), lens):
         for j in range(n // BS):
             page = int(req.req_to_token[r, j * BS]) // BS
-            assert bool(backend.meta.valid[page])
             for layer_id in range(LAYERS):
                 keys = kv.k_buffer[layer_id].view(-1, BS, HKV, D)[page]
                 _assert_page_meta(backend.meta, layer_id, page, keys)
+
+
+# --- on the GPU: the step inside a CUDA graph, at real shapes, with no host sync ---------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hkv, d", [(14, 2, 64), (32, 8, 128)], ids=["qwen05b", "llama8b"])
+@pytest.mark.parametrize("mode, threshold", [("psa", 0.95), ("psa", 1.0), ("topk", None)])
+def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(hq, hkv, d, mode, threshold):
+    """A decode step captured as SGLang captures it (out-of-graph prep, two eager warmups,
+    capture of the in-graph prep and every layer), replayed on a new batch of a smaller
+    size padded as SGLang pads it: equal to the eager step bit for bit and to the
+    reference; no host sync in the eager step or the replay (sync debug mode "error")."""
+    cfg = PSAConfig(sparse_mode=mode, threshold=threshold or 0.98, topk_tokens=2048)
+    # > 512 blocks per request table; a short request beside long ones; max batch 4.
+    lengths = [20011, 300, 9000, 33]
+    runner, fb, g = _rig(cfg, lengths, hkv=hkv, d=d, dtype=torch.bfloat16)
+    backend = PSAAttnBackend(runner)
+    assert backend.max_blocks > 512
+    _prefill(backend, fb)
+    layers = [_layer(i, hq, hkv, d) for i in range(LAYERS)]
+    kv = runner.token_to_kv_pool
+
+    def step(batch, q):
+        return torch.stack([backend.forward_decode(q, None, None, ly, batch, False) for ly in layers])
+
+    # Capture with SGLang's static buffers: batch size 4.
+    backend.init_cuda_graph_state(4, 4)
+    static = SimpleNamespace(**vars(fb))
+    q_static = torch.zeros(4, hq * d, dtype=torch.bfloat16, device=DEV)
+    backend.init_forward_metadata_out_graph(static, in_capture=True)
+    for _ in range(2):
+        backend.init_forward_metadata_in_graph(static)
+        step(static, q_static)
+    backend.on_after_cuda_graph_warmup()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_in_graph(static)
+        out_graph = step(static, q_static)
+    # Replay: three real requests (rows 1..3, the first one longer by a token) + padding.
+    real = [20012, 300, 9000]
+    rows = [1, 2, 3]
+    req = runner.req_to_token_pool.req_to_token
+    req[1, 20011] = req[1, 20010] + 1 if (20011 % BS) else 0
+    locs = [int(req[r, n - 1]) for r, n in zip(rows, real)]
+    static.seq_lens.copy_(torch.tensor(real + [1], device=DEV))
+    static.req_pool_indices.copy_(torch.tensor(rows + [0], device=DEV))
+    static.out_cache_loc.copy_(torch.tensor(locs + [0], device=DEV))
+    q = torch.randn(4, hq * d, generator=g).to(DEV, torch.bfloat16)
+    q_static.copy_(q)
+    # The same batch eagerly (no padding row: batch 3 has its own plan, made at its first
+    # step, which may copy the wave schedule to the device: once per batch size).
+    eager_fb = SimpleNamespace(
+        forward_mode=_Mode(),
+        batch_size=3,
+        seq_lens=static.seq_lens[:3].clone(),
+        req_pool_indices=static.req_pool_indices[:3].clone(),
+        out_cache_loc=static.out_cache_loc[:3].clone(),
+    )
+    backend.init_forward_metadata(eager_fb)
+    step(eager_fb, q[:3].contiguous())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.init_forward_metadata_out_graph(static)
+        graph.replay()
+        replayed = out_graph.clone()
+        backend.init_forward_metadata(eager_fb)
+        eager = step(eager_fb, q[:3].contiguous())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(replayed[:, :3], eager)
+    for i, ly in enumerate(layers):
+        kc, vc = _dense_kv(runner, eager_fb, i)
+        qb = q[:3].view(3, hq, d)
+        if mode == "topk":
+            want = topk_attention(qb, kc, vc, eager_fb.seq_lens, cfg, scale=ly.scaling).out
+        elif threshold == 1.0:
+            want = dense_attention(qb, kc, vc, eager_fb.seq_lens, scale=ly.scaling)
+        else:
+            want = progressive_attention(qb, kc, vc, eager_fb.seq_lens, cfg, scale=ly.scaling).out
+        torch.testing.assert_close(
+            eager[i].view(3, hq, d).float(), want.float(), atol=3e-2, rtol=3e-2
+        )
+    frac = backend.read_fraction()
+    assert (frac == 1.0) if threshold == 1.0 else (0 < frac < 1.0), frac
+    assert kv.k_buffer[0].dtype == torch.bfloat16

@@ -37,6 +37,7 @@ def _req(rid, tokens, pool_idx=None, finished=False):
     return SimpleNamespace(
         rid=rid,
         origin_input_ids=[0] * tokens,
+        seqlen=tokens,
         req_pool_idx=pool_idx,
         sampling_params=SimpleNamespace(max_new_tokens=16),
         finished=lambda: finished,
@@ -96,13 +97,20 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     for r in reqs:
         scheduling.around_add_one_req(_orig_admits, adder, r, False, None)
     batch = SimpleNamespace(reqs=reqs)
-    # The backend measured one step: each request's window holds 60 units of its 80.
-    pending = [([1, 2], [60, 60], [80, 80])]
-    serving.measure = lambda: pending.pop() if pending else None
+    # The GPU published one step (by request-table row: sizes, lengths measured at): each
+    # request's window holds 60 units of its 80. Row 3 is someone else's.
+    sizes, lengths = [0, 60, 60, 5], [0, 639, 640, 900]
+    serving.measure = lambda: (sizes, lengths)
     # Windows are not full yet (ws_window=2): load = max(estimate 40, measured 60) = 60 each.
     assert scheduling.after_check_decode_mem(True, batch) is False  # 120 > 100: retract
     assert scheduling.after_check_decode_mem(True, batch, selected_indices=[0]) is True
     assert serving.controller.tracker.size("a") == 60
+    # A row measured at another length (a new request in a reused row, or a value older
+    # than the window) is not taken.
+    sizes[1], lengths[1] = 7, 600
+    scheduling.after_check_decode_mem(True, batch)
+    assert serving.controller.tracker.size("a") == 60
+    sizes[1], lengths[1] = 60, 639
     # SGLang retracts "b" (release without insert, not finished): paused, history kept.
     scheduling.after_release_kv_cache(None, reqs[1], None, is_insert=False)
     assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60
@@ -140,7 +148,7 @@ def test_host_home_neither_holds_back_nor_retracts_for_working_sets(serving):
             _result().CONTINUE
         )
     assert set(host.controller.running) == {"a", "b", "c"}
-    host.measure = lambda: ([0, 1, 2], [80, 80, 80], [80, 80, 80])
+    host.measure = lambda: ([80, 80, 80], [640, 640, 640])
     assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=reqs)) is True
     assert host.controller.tracker.size("a") == 80  # still measured, for server info
     assert scheduling.after_check_decode_mem(False, SimpleNamespace(reqs=reqs)) is False

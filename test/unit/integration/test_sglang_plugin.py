@@ -74,10 +74,13 @@ sa = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
 eng = ServerArgs(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
                  attention_backend="torch_native")
 plain = prepare_server_args(["--model-path", "dummy"])
+host = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
+                            "--psa-kv-home", "host"])
+graphs = lambda a: [a.cuda_graph_backend_decode, a.cuda_graph_backend_prefill]
 print(json.dumps({
     "cli": [sa.page_size, sa.decode_attention_backend, sa.prefill_attention_backend,
-            sa.cuda_graph_backend_decode, sa.cuda_graph_backend_prefill,
             sa._psa_config.threshold, sa._psa_config.ws_window, sa.chunked_prefill_size],
+    "graphs": {"psa": graphs(sa), "plain": graphs(plain), "host": graphs(host)},
     "engine": [eng.page_size, eng.decode_attention_backend, eng.prefill_attention_backend,
                eng._psa_config.sparse_mode, eng._psa_config.topk_tokens],
     "plain": fields(plain), "plain_has_cfg": hasattr(plain, "_psa_config"),
@@ -85,7 +88,8 @@ print(json.dumps({
         "spec": err(["--sparse-mode", "psa", "--speculative-algorithm", "EAGLE"]),
         "mixed": err(["--sparse-mode", "psa", "--enable-mixed-chunk"]),
         "page": err(["--sparse-mode", "psa", "--page-size", "16"]),
-        "graph": err(["--sparse-mode", "psa", "--cuda-graph-backend-decode", "full"]),
+        "graph": err(["--sparse-mode", "psa", "--psa-kv-home", "host",
+                      "--cuda-graph-backend-decode", "full"]),
         "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
         "knob_alone": err(["--psa-threshold", "0.9"]),
@@ -104,8 +108,16 @@ def scenarios() -> dict:
 
 
 def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
-    assert scenarios["cli"] == [32, "psa", "triton", "disabled", "disabled", 0.9, 4, 8192]
+    assert scenarios["cli"] == [32, "psa", "triton", 0.9, 4, 8192]
     assert scenarios["engine"] == [32, "psa", "torch_native", "topk", 1024]
+
+
+def test_cuda_graphs_stay_sglangs_except_decode_at_host_home(scenarios):
+    """The plugin leaves SGLang's per-phase graph choices alone (SGLang resolves its
+    defaults later: decode graphs on a GPU), except decode at host home."""
+    graphs = scenarios["graphs"]
+    assert graphs["psa"] == graphs["plain"] == [None, None]
+    assert graphs["host"] == ["disabled", None]
 
 
 @pytest.mark.parametrize(
@@ -114,7 +126,7 @@ def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
         ("spec", ["--sparse-mode", "--speculative-algorithm"]),
         ("mixed", ["--sparse-mode", "--enable-mixed-chunk"]),
         ("page", ["--psa-block-size", "--page-size 16"]),
-        ("graph", ["--sparse-mode", "--cuda-graph-backend-decode full"]),
+        ("graph", ["--psa-kv-home", "--cuda-graph-backend-decode full"]),
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),
         ("knob_alone", ["--sparse-mode", "--psa-threshold"]),

@@ -1,0 +1,1 @@
+"""The `psa` decode attention backend (graph state, per-step metadata, kernel calls)."""

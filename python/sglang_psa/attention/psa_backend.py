@@ -1,0 +1,401 @@
+"""The `psa` attention backend: SGLang's decode attention, sparse, inside its CUDA graphs.
+
+`--sparse-mode` makes SGLang build a hybrid backend: prefill (extend) runs on
+the dense `--prefill-attention-backend`, decode runs here. One SGLang page is
+one PSA block (`--page-size` = `--psa-block-size`), so a request's block table
+is its `req_to_token` row read every `block_size` tokens.
+
+A decode step (the kernel path: CUDA, or TRITON_INTERPRET=1 on CPU), with fixed
+shapes and no host sync, so SGLang captures it in its decode graphs (one per
+batch size; graph state comes from `init_cuda_graph_state`):
+- once per step (`init_forward_metadata_in_graph`): the page table `[B, NB]`
+  (NB = blocks of the longest context SGLang allows) gathered from SGLang's
+  request table, the lengths, the working-set measurement of the batch
+  (`mem_cache.working_sets`), the step counter;
+- per layer (`forward_decode`): SGLang stores the new K/V; the page of each new
+  token gets its metadata (`mem_cache.page_meta`); scoring, ranking and the wave
+  kernel read SGLang's KV buffers in place (slot = page), writing the output in
+  the model's dtype, last-use stamps and read counters as they go. Work beyond a
+  request's own blocks exits early, so a short request pays for its length.
+Pages written by prefill get their metadata after each extend layer (`on_extend`,
+called by the hook on SGLang's hybrid backend).
+
+The reference path (CPU without the interpreter) gathers each request's keys
+and runs `sglang_psa.algo`, the spec the kernels are tested against, eagerly.
+With `--psa-kv-home host` SGLang's pool lives in pinned host memory (seen
+through UVA, `integration/kv_pool.py`) and a `PageCache` in HBM holds hot full
+pages; that home runs eagerly (no decode graphs) until the tiered store replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
+from sglang_psa.algo import progressive_attention, topk_attention
+from sglang_psa.config import PSAConfig, PSAConfigError, flag_name
+from sglang_psa.integration import kv_pool
+from sglang_psa.integration.page_cache import PageCache
+from sglang_psa.integration.scheduling import PSAServing, current, install
+from sglang_psa.integration.server_args import config_of
+from sglang_psa.mem_cache.page_meta import PageMeta
+from sglang_psa.mem_cache.working_sets import WorkingSets
+from sglang_psa.store.host_pool import blocks_for_budget
+
+logger = logging.getLogger(__name__)
+
+
+def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
+    """Slot-cache capacity in (layer, KV head, block) units: the page cache's when the
+    pool is on the host, else `--psa-gpu-cache-gb` when given, else SGLang's whole KV
+    pool (everything resident: no extra constraint)."""
+    if cache is not None:
+        return cache.S * pool.head_num
+    unit_bytes = 2 * cfg.block_size * pool.head_dim * pool.dtype.itemsize
+    if cfg.gpu_cache_gb is not None:
+        return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
+    return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
+
+
+@dataclass
+class _Batch:
+    """Per batch size: the step's page table and lengths (views of the graph-static
+    buffers up to the largest captured batch), and the wave plan (shared workspace)."""
+
+    pages: torch.Tensor  # [B, NB] int32
+    lengths: torch.Tensor  # [B] int32
+    loc: torch.Tensor | None = None  # [B, Hkv, NB] int32: a block's slot is its page
+    plan: WaveAttention | None = None
+
+
+class PSAAttnBackend(AttentionBackend):
+    def __init__(self, model_runner, cfg: PSAConfig | None = None, use_kernel: bool | None = None):
+        super().__init__()
+        cfg = cfg or config_of(model_runner.server_args)
+        if cfg is None:
+            raise PSAConfigError(
+                "sparse_mode",
+                "the psa attention backend was selected without --sparse-mode psa|topk",
+            )
+        if getattr(model_runner, "use_mla_backend", False):
+            raise PSAConfigError(
+                "sparse_mode", "this model uses MLA attention, which PSA does not support yet"
+            )
+        window = getattr(model_runner, "sliding_window_size", None)
+        if window not in (None, -1, 0):
+            raise PSAConfigError(
+                "sparse_mode",
+                f"this model has sliding-window attention ({window} tokens), "
+                "which PSA does not support yet",
+            )
+        self.cfg = cfg
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.page_size = model_runner.page_size
+        if self.page_size != cfg.block_size:
+            raise PSAConfigError(
+                "block_size",
+                f"SGLang's page size is {self.page_size}, not the PSA block size {cfg.block_size}",
+            )
+        pool = self.token_to_kv_pool
+        bs = cfg.block_size
+        self.layers = pool.layer_num
+        # SGLang's pool rows are its tokens plus one padding page.
+        num_pages = (pool.size + bs) // bs
+        self.cache = self._page_cache(cfg, pool, num_pages)
+        install(
+            PSAServing(
+                cfg,
+                layers=pool.layer_num,
+                kv_heads=pool.head_num,
+                hbm_units=hbm_units(cfg, pool, self.cache),
+                host_tokens=blocks_for_budget(
+                    cfg.host_pool_gb,
+                    pool.layer_num,
+                    pool.head_num,
+                    cfg.block_size,
+                    pool.head_dim,
+                    pool.dtype,
+                )
+                * cfg.block_size,
+            )
+        )
+        device = pool.k_buffer[0].device
+        if use_kernel is None:
+            use_kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self.use_kernel = use_kernel
+        # The kernel path needs no host copy of the lengths; the reference path gathers
+        # up to the longest request.
+        self.needs_cpu_seq_lens = not use_kernel
+        self.first_layer = pool.start_layer
+        req_to_token = self.req_to_token_pool.req_to_token
+        # Every `block_size`-th token slot of each request row: its pages, times bs.
+        self._page_cols = req_to_token[:, ::bs]
+        self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
+        self.meta = PageMeta(
+            pool.layer_num,
+            num_pages,
+            pool.head_num,
+            pool.head_dim,
+            bs,
+            mean=cfg.needs_key_mean,
+            bounds=cfg.needs_key_bounds,
+            key_dtype=kv_pool.metadata_dtype(pool.dtype),
+            device=device,
+        )
+        self.ws = WorkingSets(
+            pool.layer_num,
+            pool.head_num,
+            num_pages,
+            cfg.ws_window,
+            req_to_token.shape[0],
+            bs,
+            device,
+        )
+        # Per layer: KV blocks read and available (device counters the kernel adds to).
+        self.stats = torch.zeros(pool.layer_num, 2, dtype=torch.int64, device=device)
+        serving = current()
+        serving.page_cache = self.cache
+        serving.measure = self.ws.read
+        serving.read_fraction = self.read_fraction
+        topk = cfg.sparse_mode == "topk"
+        self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
+        self._max_read = cfg.topk_tokens // bs if topk else None
+        self._workspace = Workspace(device)
+        self._device = device
+        self._graph_bs = 0
+        self._graph_pages = self._graph_lengths = None
+        self._batches: dict[int, _Batch] = {}
+        self._step: _Batch | None = None
+
+    @staticmethod
+    def _page_cache(cfg: PSAConfig, pool, num_pages: int) -> PageCache | None:
+        """The HBM page cache over a host-resident pool, sized while SGLang sized its pool."""
+        if getattr(pool, "_psa_host", None) is None:
+            return None
+        page_elems = cfg.block_size * pool.head_num * pool.head_dim
+        slot_bytes = 2 * page_elems * pool.store_dtype.itemsize
+        if cfg.gpu_cache_gb is not None:
+            budget = int(cfg.gpu_cache_gb * 2**30)
+        else:  # what SGLang's KV budget left after the block metadata
+            budget = kv_pool.slot_cache_bytes()
+        slots = (budget or 0) // slot_bytes
+        if slots < 1:
+            logger.warning(
+                "sglang-psa: no HBM left for a page cache; every block is read from the "
+                "host through UVA (raise --mem-fraction-static or %s)",
+                flag_name("gpu_cache_gb"),
+            )
+            return None
+        return PageCache(
+            pool.layer_num,
+            num_pages,
+            page_elems,
+            pool.store_dtype,
+            slots,
+            pool.k_buffer[0].device,
+        )
+
+    # -- graph state and per-step metadata ------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static page table and lengths for every batch SGLang captures."""
+        if self.cache is not None:
+            raise RuntimeError(
+                f"{flag_name('kv_home')} host runs decode eagerly; the plugin disables "
+                "decode CUDA graphs for it"
+            )
+        self._graph_bs = max_bs
+        self._graph_pages = torch.zeros(
+            max_bs, self.max_blocks, dtype=torch.int32, device=self._device
+        )
+        self._graph_lengths = torch.ones(max_bs, dtype=torch.int32, device=self._device)
+        self._batches.clear()
+
+    def _batch(self, B: int) -> _Batch:
+        got = self._batches.get(B)
+        if got is None:
+            if B <= self._graph_bs:
+                pages, lengths = self._graph_pages[:B], self._graph_lengths[:B]
+            else:  # eager only (larger than any captured batch, or graphs off)
+                pages = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=self._device)
+                lengths = torch.ones(B, dtype=torch.int32, device=self._device)
+            loc = None
+            if self.cache is None:
+                Hkv = self.token_to_kv_pool.head_num
+                loc = torch.zeros(B, Hkv, self.max_blocks, dtype=torch.int32, device=self._device)
+            got = self._batches[B] = _Batch(pages, lengths, loc)
+        return got
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        mode = forward_batch.forward_mode
+        if not mode.is_decode_or_idle():
+            raise RuntimeError(
+                "the psa backend serves decode only; extend batches belong to the "
+                "prefill backend (--sparse-mode builds a hybrid backend)"
+            )
+        B = forward_batch.batch_size
+        self._step = self._batch(B) if B > 0 else None  # B = 0: an idle batch (DP attention)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Recorded into the decode graph: the step's page table, lengths, working sets."""
+        st = self._step
+        if st is None:
+            return
+        rows = forward_batch.req_pool_indices
+        torch.index_select(self._page_cols, 0, rows, out=st.pages)
+        st.pages.floor_divide_(self.cfg.block_size)
+        st.lengths.copy_(forward_batch.seq_lens)
+        if self.cache is None:  # the block table of every head, once per step
+            st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
+        else:
+            self.cache.next_step()
+        self.ws.begin_step(rows, st.pages, st.lengths)
+
+    def on_after_cuda_graph_warmup(self) -> None:
+        """Warmup ran decode steps on dummy batches: forget their stamps and counts."""
+        self.ws.reset()
+        self.stats.zero_()
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # -- prefill: metadata of the pages an extend wrote -------------------------------
+    def on_extend(self, layer, forward_batch) -> None:
+        """After the dense prefill backend ran `layer` of an extend batch (its K/V are in
+        SGLang's pool): compute the metadata of every page the extend wrote."""
+        if not self.use_kernel:
+            return  # the reference path computes metadata from the keys it gathers
+        B = forward_batch.batch_size
+        n_tokens = getattr(forward_batch, "extend_num_tokens", None)
+        if n_tokens is None:
+            n_tokens = forward_batch.input_ids.shape[0]
+        max_pages = -(-int(n_tokens) // self.cfg.block_size) + 1
+        lid = layer.layer_id
+        self.meta.on_extend(
+            lid - self.first_layer,
+            self.token_to_kv_pool.get_key_buffer(lid),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices[:B],
+            forward_batch.extend_prefix_lens[:B],
+            forward_batch.seq_lens[:B],
+            max_pages,
+        )
+
+    # -- decode -----------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        raise RuntimeError("the psa backend serves decode only; prefill is dense")
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+            raise PSAConfigError(
+                "sparse_mode", "models with attention logit capping are not supported"
+            )
+        pool = self.token_to_kv_pool
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(
+                layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale
+            )
+        step = self._step
+        if step is None:
+            return q.new_empty(0, layer.tp_q_head_num * layer.v_head_dim)
+        B, Hq, d = forward_batch.batch_size, layer.tp_q_head_num, layer.head_dim
+        qb = q.reshape(B, Hq, d)
+        if self.use_kernel:
+            out = self._decode_kernel(qb, layer, forward_batch, step)
+        else:
+            out = self._decode_reference(qb, layer, forward_batch).to(q.dtype)
+        return out.reshape(B, Hq * layer.v_head_dim)
+
+    def _plan(self, step: _Batch, q: torch.Tensor, layer) -> WaveAttention:
+        if step.plan is None:  # first use of this batch size (eager: before any capture)
+            step.plan = self._wave.planned(
+                q.shape[0], q.shape[1], layer.tp_k_head_num, layer.head_dim, self.max_blocks,
+                q.device, out_dtype=q.dtype, workspace=self._workspace,
+            )  # fmt: skip
+        return step.plan
+
+    def _decode_kernel(self, q, layer, forward_batch, step: _Batch) -> torch.Tensor:
+        """Wave kernel over SGLang's pool in place: slots are pages, the head an offset."""
+        lid = layer.layer_id
+        kbuf = self.token_to_kv_pool.get_key_buffer(lid)
+        vbuf = self.token_to_kv_pool.get_value_buffer(lid)
+        lid -= self.first_layer  # index into this rank's layers (pipeline parallel)
+        self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc)
+        plan = self._plan(step, q, layer)
+        B, NB = step.pages.shape
+        Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
+        strides = (bs * Hkv * d, Hkv * d, d)
+        if self.cache is None:  # slots are the pool's pages, for every head
+            loc = step.loc
+            slots_k, slots_v, host_k, host_v = kbuf, vbuf, None, None
+        else:  # cached pages from HBM slots, the rest from the host pages through UVA
+            full = torch.arange(NB, device=q.device)[None, :] < (step.lengths // bs)[:, None]
+            page_loc = self.cache.locate(lid, step.pages.long(), full)
+            loc = page_loc[:, None, :].expand(B, Hkv, NB)
+            slots_k, slots_v, host_k, host_v = self.cache.k, self.cache.v, kbuf, vbuf
+        mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via the table
+        res = plan.run(
+            q,
+            slots_k,
+            slots_v,
+            loc,
+            step.lengths,
+            mean,
+            kmin,
+            kmax,
+            scale=layer.scaling,
+            max_read_blocks=self._max_read,
+            slot_strides=strides,
+            meta_pages=step.pages,
+            k_host=host_k,
+            v_host=host_v,
+            host_strides=strides,
+            stamps=self.ws.layer_stamps(lid),
+            step=self.ws.step,
+            stats=self.stats[lid],
+        )
+        if self.cache is not None:
+            read = res.read_mask()
+            self.cache.admit(lid, step.pages.long(), read.any(1), full, page_loc, kbuf, vbuf)
+        return res.out
+
+    def _decode_reference(self, q, layer, forward_batch):
+        """`sglang_psa.algo` on the gathered keys: exact semantics, dense cost (eager)."""
+        pool, bs = self.token_to_kv_pool, self.cfg.block_size
+        lengths = forward_batch.seq_lens.long()
+        T = int(lengths.max())
+        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices.long(), :T]
+        valid = torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+        slots = torch.where(valid, rows.long(), 0)  # slot 0: SGLang's padding sink
+        kc = pool.get_key_buffer(layer.layer_id)[slots].permute(0, 2, 1, 3)  # [B, Hkv, T, d]
+        vc = pool.get_value_buffer(layer.layer_id)[slots].permute(0, 2, 1, 3)
+        if self.cfg.sparse_mode == "topk":
+            res = topk_attention(q, kc, vc, lengths, self.cfg, scale=layer.scaling)
+        else:
+            res = progressive_attention(q, kc, vc, lengths, self.cfg, scale=layer.scaling)
+        lid = layer.layer_id - self.first_layer
+        nb = -(-T // bs)
+        pages = torch.where(
+            torch.arange(nb, device=lengths.device)[None, :] < (lengths[:, None] + bs - 1) // bs,
+            rows[:, ::bs].long() // bs,
+            0,
+        )
+        read = res.read[..., :nb]
+        self.ws.mark(lid, pages, read)
+        own = ((lengths + bs - 1) // bs).sum() * read.shape[1]
+        self.stats[lid] += torch.stack([read.sum(), own]).to(self.stats.device)
+        return res.out
+
+    @property
+    def blocks_read(self) -> dict[int, int]:
+        return {self.first_layer + i: int(n) for i, n in enumerate(self.stats[:, 0].tolist())}
+
+    def read_fraction(self) -> float:
+        """Fraction of KV blocks the decode steps read so far, over all layers (syncs)."""
+        read, total = (int(x) for x in self.stats.sum(0).tolist())
+        return read / total if total else 0.0

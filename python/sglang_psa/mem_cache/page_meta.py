@@ -1,0 +1,82 @@
+"""Block metadata of SGLang's KV pages: the criticality inputs of the wave kernel.
+
+One SGLang page is one PSA block, so metadata is kept per (layer, page) and is
+shared by every request whose table holds the page (prefix sharing for free).
+It is produced where keys are written, never scanned for (`sgl_kernel_ext.metadata`):
+after each prefill extend for every page the extend wrote, and in each decode
+step for the page of every new token (so a partial tail page is current and a
+page that fills is final). A page SGLang hands out again is rewritten by the
+same path before it is read. Per layer `[pages, Hkv, d]` vectors in the KV
+dtype (bf16 min/max of bf16 keys are exact; the scoring kernel reads them in
+float32): the mean key when the score is the mean, per-channel min and max when
+the score or the stop rule needs key bounds, nothing it would not read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
+
+
+class PageMeta:
+    def __init__(
+        self,
+        layers: int,
+        num_pages: int,
+        kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        mean: bool,
+        bounds: bool,
+        key_dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if not (mean or bounds):
+            raise ValueError("PageMeta keeps the mean key, the key bounds, or both")
+        shape = (layers, num_pages, kv_heads, head_dim)
+        kw = dict(dtype=key_dtype, device=device)
+        self.page_size, self.num_pages = page_size, num_pages
+        self.mean = torch.zeros(shape, **kw) if mean else None
+        self.kmin = torch.zeros(shape, **kw) if bounds else None
+        self.kmax = torch.zeros(shape, **kw) if bounds else None
+
+    @property
+    def bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (self.mean, self.kmin, self.kmax) if t is not None
+        )
+
+    def _kept(self, layer: int):
+        return tuple(None if t is None else t[layer] for t in (self.mean, self.kmin, self.kmax))
+
+    def on_decode(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> None:
+        """A decode step wrote one key per request at token slots `locs [B]`."""
+        page_meta_from_locs(k_buffer, locs, self.page_size, *self._kept(layer))
+
+    def on_extend(
+        self,
+        layer: int,
+        k_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+        max_pages: int,
+    ) -> None:
+        """An extend wrote tokens `[starts, ends)` of the requests in `req_to_token` rows
+        `rows`; `max_pages` bounds the pages one request's extend touched."""
+        page_meta_from_table(
+            k_buffer, req_to_token, rows, starts, ends, max_pages, self.page_size,
+            *self._kept(layer),
+        )  # fmt: skip
+
+    def layer(self, layer: int):
+        """`[pages, Hkv, d]` mean, min, max of `layer`. What is not kept is replaced by a
+        kept tensor, which the scoring kernel then does not read."""
+        kept = self.mean if self.mean is not None else self.kmin
+        mean = kept[layer]
+        if self.kmin is None:
+            return mean, mean, mean
+        return mean, self.kmin[layer], self.kmax[layer]

@@ -1,0 +1,94 @@
+"""Working sets counted on the GPU and read by the scheduler a step later, without a sync.
+
+Every (layer, KV head, page) keeps the decode step that last read it (the wave
+kernel writes these stamps as it reads). A request's working set is the number
+of its own blocks stamped within the last `window` steps. At the start of each
+decode step, inside the step's CUDA graph, one kernel counts it for the batch
+(`sgl_kernel_ext.working_set`), the sizes and the lengths they were measured at
+are stored by request-table row, and one copy moves them to pinned host memory.
+The scheduler reads that memory whenever it likes: a value is at most a step or
+two old, never waited for, and a row whose length does not match its request's
+(a new request in a reused row) is ignored. Pages shared through prefix caching
+carry one stamp, so a shared page read by one request counts for all holders:
+conservative for admission.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kernel_ext.working_set import working_set_parts
+
+
+class WorkingSets:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        num_pages: int,
+        window: int,
+        rows: int,
+        block_size: int,
+        device: torch.device | str,
+    ):
+        dev = torch.device(device)
+        self.layers, self.kv_heads, self.num_pages = layers, kv_heads, num_pages
+        self.window, self.block_size = window, block_size
+        self.stamps = torch.zeros(layers * kv_heads, num_pages, dtype=torch.int32, device=dev)
+        # The decode step counter, on the device (the graph advances it).
+        self.step = torch.zeros(1, dtype=torch.int32, device=dev)
+        # By request-table row: working-set size, and the length it was measured at.
+        self._dev = torch.zeros(2, rows, dtype=torch.int32, device=dev)
+        self._host = torch.zeros(2, rows, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer_stamps(self, layer: int) -> torch.Tensor:
+        """`[Hkv, pages]` stamps of one layer (what the wave kernel writes)."""
+        H = self.kv_heads
+        return self.stamps[layer * H : (layer + 1) * H]
+
+    def _buffers(self, batch: int):
+        got = self._bufs.get(batch)
+        if got is None:
+            LH = self.layers * self.kv_heads
+            dev = self.stamps.device
+            got = (
+                torch.zeros(batch, LH, dtype=torch.int32, device=dev),
+                torch.zeros(batch, dtype=torch.int32, device=dev),
+            )
+            self._bufs[batch] = got
+        return got
+
+    def begin_step(self, rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Measure the batch's working sets as of the last step, publish them to the host
+        copy, then advance the step counter. Fixed shapes, no sync: graph-recordable."""
+        parts, sizes = self._buffers(pages.shape[0])
+        working_set_parts(
+            self.stamps, pages, lengths, self.step, self.window, self.block_size, parts
+        )
+        torch.sum(parts, 1, dtype=torch.int32, out=sizes)
+        rows = rows.long()
+        self._dev[0].index_copy_(0, rows, sizes)
+        self._dev[1].index_copy_(0, rows, lengths.to(torch.int32))
+        self._host.copy_(self._dev, non_blocking=True)
+        self.step.add_(1)
+
+    def mark(self, layer: int, pages: torch.Tensor, read: torch.Tensor) -> None:
+        """Reference path (the kernel stamps as it reads): `read [B, Hkv, NB]` blocks of
+        `pages [B, NB]` were read by `layer` in this step."""
+        stamps = self.layer_stamps(layer)
+        heads = torch.arange(self.kv_heads, device=pages.device)[None, :, None]
+        idx = heads * self.num_pages + pages.long()[:, None, :]
+        flat = stamps.view(-1)
+        flat.index_put_((idx[read],), self.step.expand(int(read.sum())))
+
+    def reset(self) -> None:
+        """Forget every stamp and measurement (after CUDA-graph warmup on dummy batches)."""
+        self.stamps.zero_()
+        self._dev.zero_()
+        self._host.zero_()
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(sizes, lengths)` by request-table row, as last published (host memory; no
+        sync, possibly a step old; length 0: never measured)."""
+        return self._host[0], self._host[1]

@@ -1,0 +1,88 @@
+"""Working-set sizes of a decode batch from per-block last-use stamps, on the GPU.
+
+`stamps [LH, P]` holds, per (layer x KV head, page), the decode step that last
+read the block (0: never); the wave kernel writes them. A request's working set
+is the number of its own blocks (`pages [B, NB]`, the first `ceil(len / bs)`)
+stamped after `step - window`. One program per (request, layer x KV head)
+counts its row into `parts [B, LH]`; the caller sums (spec: `working_set_ref`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _working_set_kernel(
+    stamps_ptr,
+    pages_ptr,
+    lengths_ptr,
+    step_ptr,
+    parts_ptr,
+    window,
+    P,
+    NB,
+    BS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    lh = tl.program_id(1)
+    LH = tl.num_programs(1)
+    nb = (tl.load(lengths_ptr + b) + BS - 1) // BS
+    since = tl.load(step_ptr) - window
+    n = tl.zeros([CHUNK], tl.int32)
+    for j0 in range(0, nb, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        m = j < nb
+        page = tl.load(pages_ptr + b * NB + j, mask=m, other=0).to(tl.int64)
+        st = tl.load(stamps_ptr + lh * P + page, mask=m, other=0)
+        n += (m & (st > since) & (st > 0)).to(tl.int32)
+    tl.store(parts_ptr + b * LH + lh, tl.sum(n, axis=0))
+
+
+def _recent(stamps, pages, lengths, since, block_size):
+    """`[LH, B, NB]`: the request's own blocks stamped after `since`."""
+    NB = pages.shape[1]
+    own = torch.arange(NB, device=pages.device)[None, :] < (
+        (lengths.long() + block_size - 1) // block_size
+    )[:, None]
+    table = stamps[:, pages.long()]
+    return (table > since) & (table > 0) & own[None]
+
+
+def working_set_ref(stamps, pages, lengths, step, window, block_size):
+    """`[B]` working-set sizes in torch: the spec of `working_set_parts(...).sum(1)`."""
+    return _recent(stamps, pages, lengths, int(step) - window, block_size).sum((0, 2))
+
+
+def working_set_parts(
+    stamps: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    step: torch.Tensor,
+    window: int,
+    block_size: int,
+    parts: torch.Tensor,
+) -> torch.Tensor:
+    """Fill `parts [B, LH]` (int32) with each request's recently stamped blocks per
+    (layer x KV head); one launch, no host sync. `stamps [LH, P]` int32, `pages [B, NB]`
+    int32, `lengths [B]` int32, `step [1]` int32 (the current step)."""
+    LH, P = stamps.shape
+    B, NB = pages.shape
+    if parts.shape != (B, LH) or parts.dtype != torch.int32:
+        raise ValueError(f"parts must be int32 [{B}, {LH}]")
+    if B == 0:
+        return parts
+    if stamps.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        _working_set_kernel[(B, LH)](
+            stamps, pages, lengths, step, parts, window, P, NB,
+            BS=block_size, CHUNK=256, num_warps=2,
+        )  # fmt: skip
+        return parts
+    recent = _recent(stamps, pages, lengths, step.long() - window, block_size)
+    parts.copy_(recent.sum(2).T)
+    return parts
