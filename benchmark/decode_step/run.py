@@ -1,0 +1,260 @@
+"""Where a sparse decode step's launches and syncs go, and its time against plain SGLang.
+
+    python benchmark/decode_step/run.py profile --out $OUT/decode_step_profile.json   # GPU
+    python benchmark/decode_step/run.py summarize --profile FILE                       # here
+
+`profile` builds the `psa` backend over a real SGLang KV pool at workload a's
+shape (Qwen2.5-0.5B attention: 24 layers, 14 query heads, 2 KV heads of 64;
+32 requests of 28K tokens, bf16) and runs decode steps eagerly: it counts the
+GPU launches per layer (kernels, copies and fills, from the CUDA profiler, the
+per-step preparation counted apart) and the host syncs per step
+(`torch.cuda.set_sync_debug_mode("warn")`), for `--sparse-mode psa`, `topk` and
+`psa` at threshold 1. It also times the attention part of a step replayed as a
+CUDA graph (every layer's attention, nothing else of the model).
+
+`summarize` joins that with the serving benchmark's steady decode steps of
+workload a (`benchmark/results/serving_h100.json`: plain SGLang and each mode
+as real servers, each ratio within one stage run) into
+`benchmark/results/decode_step_h100.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmark" / "results"
+LAYERS, HQ, HKV, D, BS = 24, 14, 2, 64, 32
+BATCH, PROMPT = 32, 28_000
+
+
+def _git_commit() -> str:
+    env = os.environ.get("GIT_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _rig(mode: str, threshold: float, device: str):
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    from sglang_psa.attention.psa_backend import PSAAttnBackend
+    from sglang_psa.config import PSAConfig
+
+    cfg = PSAConfig(sparse_mode=mode, threshold=threshold)
+    lengths = [PROMPT + 37 * i for i in range(BATCH)]
+    pages_per = [-(-n // BS) + 1 for n in lengths]
+    n_pages = sum(pages_per) + 8
+    kv = MHATokenToKVPool(
+        n_pages * BS, BS, torch.bfloat16, HKV, D, LAYERS, device, False, enable_alt_stream=False
+    )
+    req = ReqToTokenPool(BATCH + 1, 32_768 + 8, device, False)
+    g = torch.Generator(device=device).manual_seed(0)
+    for i in range(LAYERS):
+        kv.k_buffer[i].normal_(generator=g).mul_(3)
+        kv.v_buffer[i].normal_(generator=g)
+    perm = torch.randperm(n_pages - 4, device=device) + 1
+    used = 0
+    for r, (n, npg) in enumerate(zip(lengths, pages_per), start=1):
+        pages = perm[used : used + npg]
+        used += npg
+        slots = (pages[:, None] * BS + torch.arange(BS, device=device)).flatten()[: n + 1]
+        req.req_to_token[r, : n + 1] = slots.to(torch.int32)
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(_psa_config=cfg),
+        req_to_token_pool=req,
+        token_to_kv_pool=kv,
+        page_size=BS,
+        use_mla_backend=False,
+        sliding_window_size=None,
+    )
+    backend = PSAAttnBackend(runner)
+    rows = torch.arange(1, BATCH + 1, device=device)
+    seq = torch.tensor([n + 1 for n in lengths], device=device)
+    mode_ns = SimpleNamespace(is_decode_or_idle=lambda: True, is_extend=lambda: True)
+    fb = SimpleNamespace(
+        forward_mode=mode_ns,
+        batch_size=BATCH,
+        seq_lens=seq,
+        req_pool_indices=rows,
+        out_cache_loc=req.req_to_token[rows, seq - 1].long(),
+        extend_prefix_lens=torch.zeros(BATCH, dtype=torch.int64, device=device),
+        extend_num_tokens=sum(lengths),
+    )
+    layers = [
+        SimpleNamespace(
+            layer_id=i, tp_q_head_num=HQ, tp_k_head_num=HKV, head_dim=D, v_head_dim=D,
+            scaling=D**-0.5, logit_cap=0.0, k_scale=None, v_scale=None,
+        )
+        for i in range(LAYERS)
+    ]  # fmt: skip
+    ext = SimpleNamespace(**{**vars(fb), "seq_lens": seq - 1})
+    for ly in layers:  # the prompt's pages get their metadata, as after SGLang's prefill
+        backend.on_extend(ly, ext)
+    q = torch.randn(BATCH, HQ * D, generator=g, device=device, dtype=torch.bfloat16)
+    k = torch.randn(BATCH, HKV, D, generator=g, device=device, dtype=torch.bfloat16)
+    return backend, fb, layers, q, k
+
+
+def _profile_mode(mode: str, threshold: float) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    backend, fb, layers, q, k = _rig(mode, threshold, "cuda")
+
+    def prep():
+        backend.init_forward_metadata(fb)
+
+    def attend():
+        for ly in layers:
+            backend.forward_decode(q, k, k, ly, fb, save_kv_cache=True)
+
+    for _ in range(3):  # plans, compilation
+        prep()
+        attend()
+    torch.cuda.synchronize()
+
+    def launches(fn) -> int:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        n = 0
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                n += 1
+        return n
+
+    per_step = launches(prep)
+    per_layer = launches(attend) / len(layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            prep()
+            attend()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message).lower()]
+    # The attention of a whole step as one CUDA graph (the decode graph holds it so).
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prep()
+        attend()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return {
+        "mode": mode,
+        "threshold": threshold,
+        "launches_per_layer": per_layer,
+        "launches_per_step_prep": per_step,
+        "syncs_per_step": len(syncs),
+        "sync_messages": syncs[:5],
+        "attention_graph_ms_per_step": start.elapsed_time(end) / reps,
+        "blocks_read_fraction": backend.read_fraction(),
+    }
+
+
+def profile_cmd(args) -> None:
+    import torch
+
+    out = {
+        "machine": torch.cuda.get_device_name(),
+        "command": "python benchmark/decode_step/run.py profile",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "shape": {"layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D,
+                  "block_size": BS, "batch": BATCH, "prompt_tokens": PROMPT},  # fmt: skip
+        "modes": [_profile_mode(m, t) for m, t in (("psa", 0.98), ("topk", 0.98), ("psa", 1.0))],
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+
+
+def summarize_cmd(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmark.serving.analysis import _pair, latest_runs
+
+    serving = json.loads(Path(args.serving).read_text())
+    prof = json.loads(Path(args.profile).read_text())
+    best = latest_runs(serving["data"]["parts"])
+
+    def ms(system):
+        run, plain = _pair(best, "a", system)
+        get = lambda r: None if r is None else r["metrics"]["steady_decode"]["step_ms"]  # noqa: E731
+        return get(run), get(plain), (run or {}).get("run_id")
+
+    psa, plain_psa, _ = ms("psa")
+    topk, plain_topk, _ = ms("topk")
+    eps1, plain_eps1, _ = ms("psa_eps1")
+    by = {(m["mode"], m["threshold"]): m for m in prof["modes"]}
+    main = by[("psa", 0.98)]
+    summary = {
+        "launches_per_layer": main["launches_per_layer"],
+        "syncs_per_step": max(m["syncs_per_step"] for m in prof["modes"]),
+        "step_ms_plain": plain_psa,
+        "step_ms_psa": psa,
+        "step_ms_topk": topk,
+        "step_ms_psa_eps1": eps1,
+    }
+    out = {
+        "machine": prof["machine"],
+        "command": f"python benchmark/decode_step/run.py summarize --profile {args.profile}",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "summary": summary,
+        "ratios_vs_plain_same_stage": {
+            "psa": psa / plain_psa if psa and plain_psa else None,
+            "topk": topk / plain_topk if topk and plain_topk else None,
+            "psa_eps1": eps1 / plain_eps1 if eps1 and plain_eps1 else None,
+        },
+        "plain_step_ms_per_stage": {"psa": plain_psa, "topk": plain_topk, "psa_eps1": plain_eps1},
+        "profile": prof,
+        "serving_source": str(Path(args.serving).relative_to(ROOT))
+        if Path(args.serving).resolve().is_relative_to(ROOT)
+        else args.serving,
+        "note": "step_ms_* are the steady decode steps of workload a (32 x 28K prompts, "
+        "batch 32) parsed from each server's own log; launches and syncs come from the "
+        "backend run eagerly over SGLang's KV pool at the same shape.",
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("profile", help="launches, syncs and graph time of the step (GPU)")
+    p.add_argument("--out", default="decode_step_profile.json")
+    p.set_defaults(fn=profile_cmd)
+    s = sub.add_parser("summarize", help="join the profile with the serving benchmark")
+    s.add_argument("--profile", required=True)
+    s.add_argument("--serving", default=str(RESULTS / "serving_h100.json"))
+    s.add_argument("--out", default=str(RESULTS / "decode_step_h100.json"))
+    s.set_defaults(fn=summarize_cmd)
+    args = ap.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
