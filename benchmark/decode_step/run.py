@@ -183,8 +183,15 @@ def profile_cmd(args) -> None:
         "command": "python benchmark/decode_step/run.py profile",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
-        "shape": {"layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D,
-                  "block_size": BS, "batch": BATCH, "prompt_tokens": PROMPT},  # fmt: skip
+        "shape": {
+            "layers": LAYERS,
+            "q_heads": HQ,
+            "kv_heads": HKV,
+            "head_dim": D,
+            "block_size": BS,
+            "batch": BATCH,
+            "prompt_tokens": PROMPT,
+        },  # fmt: skip
         "modes": [_profile_mode(m, t) for m, t in (("psa", 0.98), ("topk", 0.98), ("psa", 1.0))],
     }
     Path(args.out).write_text(json.dumps(out, indent=1))

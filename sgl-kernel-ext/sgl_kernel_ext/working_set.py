@@ -47,9 +47,10 @@ def _working_set_kernel(
 def _recent(stamps, pages, lengths, since, block_size):
     """`[LH, B, NB]`: the request's own blocks stamped after `since`."""
     NB = pages.shape[1]
-    own = torch.arange(NB, device=pages.device)[None, :] < (
-        (lengths.long() + block_size - 1) // block_size
-    )[:, None]
+    own = (
+        torch.arange(NB, device=pages.device)[None, :]
+        < ((lengths.long() + block_size - 1) // block_size)[:, None]
+    )
     table = stamps[:, pages.long()]
     return (table > since) & (table > 0) & own[None]
 

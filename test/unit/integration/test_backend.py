@@ -19,9 +19,9 @@ pytest.importorskip(
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
+from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.integration import flags, kv_pool, scheduling  # noqa: E402
-from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -338,7 +338,9 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(hq, hkv, 
     kv = runner.token_to_kv_pool
 
     def step(batch, q):
-        return torch.stack([backend.forward_decode(q, None, None, ly, batch, False) for ly in layers])
+        return torch.stack(
+            [backend.forward_decode(q, None, None, ly, batch, False) for ly in layers]
+        )
 
     # Capture with SGLang's static buffers: batch size 4.
     backend.init_cuda_graph_state(4, 4)
