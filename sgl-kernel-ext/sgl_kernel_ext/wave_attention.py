@@ -336,8 +336,8 @@ def _wave_attention_kernel(
         out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
         lse = m_top + tl.log(lsum)
     if sid == 0:
-        out = out.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], out, mask=gmask[:, None])
+        res = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], res, mask=gmask[:, None])
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)

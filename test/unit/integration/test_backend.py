@@ -339,7 +339,7 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(hq, hkv, 
 
     def step(batch, q):
         return torch.stack(
-            [backend.forward_decode(q, None, None, ly, batch, False) for ly in layers]
+            [backend.forward_decode(q, None, None, ly, batch, False).clone() for ly in layers]
         )
 
     # Capture with SGLang's static buffers: batch size 4.
@@ -389,8 +389,8 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(hq, hkv, 
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(replayed[:, :3], eager)
     for i, ly in enumerate(layers):
-        kc, vc = _dense_kv(runner, eager_fb, i)
-        qb = q[:3].view(3, hq, d)
+        kc, vc = (t.float() for t in _dense_kv(runner, eager_fb, i))
+        qb = q[:3].view(3, hq, d).float()
         if mode == "topk":
             want = topk_attention(qb, kc, vc, eager_fb.seq_lens, cfg, scale=ly.scaling).out
         elif threshold == 1.0:
