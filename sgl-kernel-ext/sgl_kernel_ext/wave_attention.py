@@ -189,6 +189,7 @@ def _wave_attention_kernel(
     STAGES: tl.constexpr,
     STAMP: tl.constexpr,
     STATS: tl.constexpr,
+    ONE_WAVE: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -196,6 +197,11 @@ def _wave_attention_kernel(
     gets `*step_ptr` in `stamp_ptr[h * stamp_stride + page]` (its page from the page
     table `pages_ptr [B, NB]`: last-use stamps for working sets and residency), and
     with STATS the blocks read and the blocks available are added to `stats_ptr[0:2]`.
+
+    ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
+    the S programs never wait for each other, the last to finish merges their states
+    (a ticket counter), so the launch needs no co-residency (not cooperative) and S can
+    fill the GPU.
 
     With S > 1 the programs of a (request, KV head) exchange their (max, sum,
     smallest) after every wave through `part_ptr` (double-buffered by wave
@@ -264,7 +270,7 @@ def _wave_attention_kernel(
                 page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
                 tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
         wstart = end
-        if S == 1:
+        if S == 1 or ONE_WAVE:  # nothing to agree on: one wave reads every block
             covered = m_i + tl.log(l_i)
             low = smallest
         else:
@@ -297,9 +303,40 @@ def _wave_attention_kernel(
             covered, low, ub_suffix_ptr, b * Hkv * G + hq, wstart, nb, max_read, limit, gmask,
             NB, RULE,
         )  # fmt: skip
+    writer = sid == 0
     if S == 1:
         out = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
+    elif ONE_WAVE:
+        # Publish this program's state; the last of the S to arrive merges them all.
+        me = bh * S + sid
+        tl.store(part_ptr + me * 3 * GP + g, m_i)
+        tl.store(part_ptr + me * 3 * GP + GP + g, l_i)
+        tl.store(acc_part_ptr + me * GP * D + g[:, None] * D + dd[None, :], acc)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
+        writer = ticket == S - 1
+        ss = tl.arange(0, S)
+        wm = (ss * 0 + ticket) == S - 1  # [S]: the writer's mask, as a tensor
+        base = (bh * S + ss)[:, None] * 3 * GP + g[None, :]
+        m_all = tl.load(part_ptr + base, mask=wm[:, None], other=float("-inf"), volatile=True)
+        l_all = tl.load(part_ptr + base + GP, mask=wm[:, None], other=0.0, volatile=True)
+        m_top = tl.max(m_all, axis=0)
+        wgt = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_top[None, :]))
+        accs = tl.load(
+            acc_part_ptr
+            + (bh * S + ss)[:, None, None] * GP * D
+            + g[None, :, None] * D
+            + dd[None, None, :],
+            mask=wm[:, None, None],
+            other=0.0,
+            volatile=True,
+        )
+        lsum = tl.sum(wgt * l_all, axis=0)
+        out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
+        lse = m_top + tl.log(lsum)
+        if writer:  # every program has arrived: reset the ticket for the next launch
+            tl.atomic_xchg(counter_ptr + bh, 0)
     else:
         # Every program holds the merged scalars and took the same stop decision; each
         # publishes its accumulator and program 0 merges them.
@@ -335,7 +372,7 @@ def _wave_attention_kernel(
         lsum = tl.sum(wgt * l_all, axis=0)
         out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
         lse = m_top + tl.log(lsum)
-    if sid == 0:
+    if writer:
         res = out.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], res, mask=gmask[:, None])
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
@@ -450,14 +487,25 @@ class WaveAttention:
         splits: int | None = None,
         out_dtype: torch.dtype = torch.float32,
         workspace: Workspace | None = None,
+        read_blocks: int | None = None,
     ) -> WaveAttention:
         """Fix shapes, the wave schedule and buffers, on this object (plan a copy, see
         `planned`, to keep several). `splits` programs share each (request, KV head); by
         default as many as keep two programs per SM resident (always 1 in Triton's
         interpreter, which runs programs one after another). The output is written in
-        `out_dtype` (the model's, so no conversion follows)."""
+        `out_dtype` (the model's, so no conversion follows). `read_blocks` is the most a
+        run reads per (request, KV head) (a top-k budget), for choosing the split."""
         dev = torch.device(device)
         self._ws = workspace if workspace is not None else Workspace(dev)
+        # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
+        self.one_wave = self.limit == -math.inf
+        read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
+        if splits is None and self.one_wave:
+            splits = 1
+            if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                # Programs never wait for each other: ~8 per SM, at least 8 blocks each.
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                splits = max(1, min(32, -(-8 * sms // (batch * n_kv_heads)), read // 8))
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -481,6 +529,8 @@ class WaveAttention:
         )
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
         first, growth, cap = self.wave
+        if self.one_wave:
+            first = cap = max_blocks
         sizes, size, left = [], float(first), max_blocks
         while left > 0:
             sizes.append(min(int(size), left))
@@ -502,6 +552,10 @@ class WaveAttention:
         self.partials = take("partials", (B, Hq, partial_chunks(NB, self.score_blocks), 2), f32)
         n = rank_scratch_numel(B, Hkv, NB, self.rank_chunk_blocks)
         self.rank_scratch = take("rank_scratch", (n,), torch.int64) if n else None
+        if self.one_wave:  # a dense run reads every block in block order: no ranking
+            self.identity = take("identity", (B, Hkv, NB), i32)
+            self.identity.copy_(torch.arange(NB, dtype=i32, device=dev).expand(B, Hkv, NB))
+            self.no_forced = take("no_forced", (B,), i32)  # zeroed once, never written
         return self
 
     def planned(self, *args, **kwargs) -> WaveAttention:
@@ -633,9 +687,13 @@ class WaveAttention:
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
-        order, n_forced, ub_suffix = self.rank(
-            q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc
-        )
+        if self.one_wave and max_read_blocks is None:  # dense: every block, block order
+            order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
+        else:
+            order, n_forced, ub_suffix = self.rank(
+                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc
+            )
+            rloc = self.ranked_loc
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
@@ -650,7 +708,7 @@ class WaveAttention:
                     v_slots,
                     k_host,
                     v_host,
-                    self.ranked_loc,
+                    rloc,
                     order,
                     lengths,
                     n_forced,
@@ -688,7 +746,8 @@ class WaveAttention:
                     STAGES=self.num_stages,
                     STAMP=stamps is not None,
                     STATS=stats is not None,
-                    launch_cooperative_grid=self.splits > 1,
+                    ONE_WAVE=self.one_wave,
+                    launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break
             except RuntimeError as e:

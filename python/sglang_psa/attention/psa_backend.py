@@ -315,7 +315,7 @@ class PSAAttnBackend(AttentionBackend):
         if step.plan is None:  # first use of this batch size (eager: before any capture)
             step.plan = self._wave.planned(
                 q.shape[0], q.shape[1], layer.tp_k_head_num, layer.head_dim, self.max_blocks,
-                q.device, out_dtype=q.dtype, workspace=self._workspace,
+                q.device, out_dtype=q.dtype, workspace=self._workspace, read_blocks=self._max_read,
             )  # fmt: skip
         return step.plan
 
