@@ -40,6 +40,10 @@ def model_dir():
 def _engine(model_dir, **kw):
     import sglang as sgl
 
+    if kw.get("cuda_graph_backend_decode") != "disabled":
+        # sglang-psa decodes inside SGLang's CUDA graphs: capture up to the largest batch
+        # these tests run (64), which keeps start-up short.
+        kw.setdefault("cuda_graph_max_bs_decode", 64)
     return sgl.Engine(
         model_path=model_dir,
         attention_backend="triton",
