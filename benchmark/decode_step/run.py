@@ -212,14 +212,18 @@ def summarize_cmd(args) -> None:
     prof = json.loads(Path(args.profile).read_text())
     best = latest_runs(serving["data"]["parts"])
 
+    commits = {}
+
     def ms(system):
         run, plain = _pair(best, "a", system)
+        part = best.get(("a", system, "inf"))
+        commits[system] = None if part is None else part["git_commit"]
         get = lambda r: None if r is None else r["metrics"]["steady_decode"]["step_ms"]  # noqa: E731
-        return get(run), get(plain), (run or {}).get("run_id")
+        return get(run), get(plain)
 
-    psa, plain_psa, _ = ms("psa")
-    topk, plain_topk, _ = ms("topk")
-    eps1, plain_eps1, _ = ms("psa_eps1")
+    psa, plain_psa = ms("psa")
+    topk, plain_topk = ms("topk")
+    eps1, plain_eps1 = ms("psa_eps1")
     by = {(m["mode"], m["threshold"]): m for m in prof["modes"]}
     main = by[("psa", 0.98)]
     summary = {
@@ -242,6 +246,8 @@ def summarize_cmd(args) -> None:
             "psa_eps1": eps1 / plain_eps1 if eps1 and plain_eps1 else None,
         },
         "plain_step_ms_per_stage": {"psa": plain_psa, "topk": plain_topk, "psa_eps1": plain_eps1},
+        "serving_git_commit_per_system": commits,
+        "profile_git_commit": prof["git_commit"],
         "profile": prof,
         "serving_source": str(Path(args.serving).relative_to(ROOT))
         if Path(args.serving).resolve().is_relative_to(ROOT)
