@@ -203,12 +203,11 @@ class PSAAttnBackend(AttentionBackend):
 
     # -- graph state and per-step metadata ------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static page table and lengths for every batch SGLang captures."""
-        if self.cache is not None:
-            raise RuntimeError(
-                f"{flag_name('kv_home')} host runs decode eagerly; the plugin disables "
-                "decode CUDA graphs for it"
-            )
+        """Static page table and lengths for every batch SGLang captures (decode graphs;
+        `--psa-kv-home host` has none). Called again for no larger a batch, it keeps the
+        buffers the captured graphs read."""
+        if self._graph_pages is not None and max_bs <= self._graph_bs:
+            return
         self._graph_bs = max_bs
         self._graph_pages = torch.zeros(
             max_bs, self.max_blocks, dtype=torch.int32, device=self._device

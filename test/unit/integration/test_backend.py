@@ -403,3 +403,24 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(hq, hkv, 
     frac = backend.read_fraction()
     assert (frac == 1.0) if threshold == 1.0 else (0 < frac < 1.0), frac
     assert kv.k_buffer[0].dtype == torch.bfloat16
+
+
+def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
+    """Batches up to the largest captured one use views of one static page table (what
+    the captured graphs read); asking again for no larger a batch keeps it."""
+    cfg = PSAConfig()
+    runner, fb, _ = _rig(cfg, [300, 77, 545])
+    backend = PSAAttnBackend(runner)
+    backend.init_cuda_graph_state(4, 4)
+    table = backend._graph_pages
+    backend.init_cuda_graph_state(2, 2)
+    assert backend._graph_pages is table
+    backend.init_forward_metadata_out_graph(fb)  # batch 3
+    assert backend._step.pages.data_ptr() == table.data_ptr()
+    assert backend._step.pages.shape == (3, backend.max_blocks)
+    backend.init_forward_metadata_in_graph(fb)
+    req = runner.req_to_token_pool.req_to_token
+    for b, (r, n) in enumerate(zip(fb.req_pool_indices.tolist(), fb.seq_lens.tolist())):
+        nb = -(-n // BS)
+        want = (req[r, : nb * BS : BS] // BS).to(torch.int32)
+        assert torch.equal(backend._step.pages[b, :nb], want)
