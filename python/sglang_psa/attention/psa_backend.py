@@ -62,6 +62,16 @@ def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
     return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
 
 
+def _logit_cap(model_runner) -> float:
+    """The largest attention logit cap of the loaded model's layers (0: none). SGLang
+    loads the model before it builds attention backends, so this refuses at startup."""
+    model = getattr(model_runner, "model", None)
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return 0.0
+    return max((float(getattr(m, "logit_cap", 0) or 0) for m in modules()), default=0.0)
+
+
 @dataclass
 class _Batch:
     """Per batch size: the step's page table and lengths (views of the graph-static
@@ -92,6 +102,13 @@ class PSAAttnBackend(AttentionBackend):
                 "sparse_mode",
                 f"this model has sliding-window attention ({window} tokens), "
                 "which PSA does not support yet",
+            )
+        cap = _logit_cap(model_runner)
+        if cap:
+            raise PSAConfigError(
+                "sparse_mode",
+                f"this model caps its attention logits (logit_cap {cap:g}), which PSA "
+                "does not support yet",
             )
         self.cfg = cfg
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -290,10 +307,6 @@ class PSAAttnBackend(AttentionBackend):
         raise RuntimeError("the psa backend serves decode only; prefill is dense")
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
-            raise PSAConfigError(
-                "sparse_mode", "models with attention logit capping are not supported"
-            )
         pool = self.token_to_kv_pool
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(

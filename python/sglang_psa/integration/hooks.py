@@ -75,6 +75,13 @@ HOOKS: tuple[Hook, ...] = (
         "forget finished requests, pause retracted ones",
     ),
     Hook(
+        "sglang.srt.managers.scheduler.Scheduler.abort_request",
+        "after",
+        "scheduling:after_abort_request",
+        ("self", "recv_req"),
+        "a retracted request aborted while it waits leaves the admission controller",
+    ),
+    Hook(
         "sglang.srt.managers.utils.validate_input_length",
         "after",
         "scheduling:after_validate_input_length",

@@ -237,6 +237,27 @@ def after_get_internal_state(result, scheduler, recv_req):
     return result
 
 
+def after_abort_request(result, scheduler, recv_req):
+    """SGLang pops an aborted request from its waiting queue without releasing anything
+    (it holds no KV); a retracted one is still paused here: forget every paused request
+    the abort matched that SGLang no longer holds."""
+    serving = current()
+    if serving is None or not serving.controller.paused:
+        return result
+    live = {r.rid for r in scheduler.waiting_queue}
+    live.update(r.rid for r in (getattr(scheduler.running_batch, "reqs", None) or []))
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        live.add(chunked.rid)
+    abort_all = getattr(recv_req, "abort_all", False)
+    for rid in list(serving.controller.paused):
+        if rid in live:
+            continue
+        if abort_all or str(rid).startswith(recv_req.rid):
+            serving.release(rid, retracted=False)
+    return result
+
+
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):
     serving = current()
     if serving is None:

@@ -181,6 +181,14 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use
     assert [int(lens[r]) for r in rows] == lengths
 
 
+class _Capped(torch.nn.Module):
+    """An attention layer with logit capping, as SGLang's RadixAttention marks it."""
+
+    def __init__(self, cap):
+        super().__init__()
+        self.logit_cap = cap
+
+
 def test_unsupported_models_and_settings_are_refused_naming_the_flag():
     cfg = PSAConfig()
     runner, fb, _ = _rig(cfg, [40])
@@ -189,6 +197,7 @@ def test_unsupported_models_and_settings_are_refused_naming_the_flag():
         ({"sliding_window_size": 4096}, "sliding-window"),
         ({"page_size": 16}, "--psa-block-size"),
         ({"server_args": SimpleNamespace()}, "--sparse-mode"),
+        ({"model": torch.nn.Sequential(_Capped(30.0))}, "caps its attention logits"),
     ):
         bad = SimpleNamespace(**{**vars(runner), **change})
         with pytest.raises(PSAConfigError, match=match):

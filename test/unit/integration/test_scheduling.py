@@ -212,3 +212,25 @@ def test_server_info_reports_counters_and_held_kv(serving):
     psa = out.internal_state["psa"]
     assert psa["running"] == 1 and psa["admitted"] == 1 and psa["used_units"] == 20
     assert psa["kv_held_tokens"] == 1000 - 600 - 364
+
+
+def test_a_retracted_request_aborted_while_waiting_is_forgotten(serving):
+    """SGLang pops an aborted request from its waiting queue without release_kv_cache: the
+    paused entry of a retracted one must go too (else it stays paused forever)."""
+    adder = _adder()
+    reqs = [_req("a", 640, pool_idx=1), _req("b", 640, pool_idx=2), _req("c", 64, pool_idx=3)]
+    for r in reqs:
+        scheduling.around_add_one_req(_orig_admits, adder, r, False, None)
+    for r in reqs[1:]:  # both retracted: back in SGLang's waiting queue, paused here
+        scheduling.after_release_kv_cache(None, r, None, is_insert=False)
+    assert serving.controller.paused == {"b", "c"}
+    sched = SimpleNamespace(
+        waiting_queue=[reqs[2]], running_batch=SimpleNamespace(reqs=[reqs[0]]), chunked_req=None
+    )
+    # Abort "b" (SGLang already popped it) and, by prefix, nothing else that still waits.
+    scheduling.after_abort_request(None, sched, SimpleNamespace(rid="b", abort_all=False))
+    assert serving.controller.paused == {"c"} and "a" in serving.controller.running
+    sched.waiting_queue = []
+    scheduling.after_abort_request(None, sched, SimpleNamespace(rid="", abort_all=True))
+    assert not serving.controller.paused and "a" in serving.controller.running
+    serving.controller.check_integrity()
