@@ -185,6 +185,10 @@ def after_check_decode_mem(result, batch, selected_indices=None):
         return result
     serving.flush_step(batch.reqs)
     reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
+    if len(reqs) <= 1:
+        # Nothing left to retract: SGLang would abort a lone request as out of memory
+        # (HTTP 500). Its KV is in HBM, so it is served, as a lone request is admitted.
+        return True
     return serving.fits(r.rid for r in reqs)
 
 

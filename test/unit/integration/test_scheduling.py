@@ -234,3 +234,16 @@ def test_a_retracted_request_aborted_while_waiting_is_forgotten(serving):
     scheduling.after_abort_request(None, sched, SimpleNamespace(rid="", abort_all=True))
     assert not serving.controller.paused and "a" in serving.controller.running
     serving.controller.check_integrity()
+
+
+def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(serving):
+    """With nothing else to retract SGLang would abort it as out of memory (HTTP 500)."""
+    big = _req("big", 4000, pool_idx=1)  # est 250 units > 100: admitted alone
+    scheduling.around_add_one_req(_orig_admits, _adder(), big, False, None)
+    serving.measure = lambda: ([0, 300, 0], [0, 4000, 0])
+    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[big])) is True
+    assert serving.controller.tracker.size("big") == 300
+    # With a second request, outgrowing the cache still asks SGLang to retract.
+    other = _req("b", 64, pool_idx=2)
+    scheduling.around_add_one_req(_orig_admits, _adder(), other, False, None)
+    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[big, other])) is False
