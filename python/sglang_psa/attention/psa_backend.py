@@ -186,7 +186,7 @@ class PSAAttnBackend(AttentionBackend):
         self._workspace = Workspace(device)
         self._device = device
         self._graph_bs = 0
-        self._graph_pages = self._graph_lengths = None
+        self._graph_pages = self._graph_lengths = self._graph_loc = None
         self._batches: dict[int, _Batch] = {}
         self._step: _Batch | None = None
 
@@ -230,6 +230,12 @@ class PSAAttnBackend(AttentionBackend):
             max_bs, self.max_blocks, dtype=torch.int32, device=self._device
         )
         self._graph_lengths = torch.ones(max_bs, dtype=torch.int32, device=self._device)
+        self._graph_loc = None
+        if self.cache is None:
+            Hkv = self.token_to_kv_pool.head_num
+            self._graph_loc = torch.zeros(
+                max_bs, Hkv, self.max_blocks, dtype=torch.int32, device=self._device
+            )
         self._batches.clear()
 
     def _batch(self, B: int) -> _Batch:
@@ -237,13 +243,16 @@ class PSAAttnBackend(AttentionBackend):
         if got is None:
             if B <= self._graph_bs:
                 pages, lengths = self._graph_pages[:B], self._graph_lengths[:B]
+                loc = None if self._graph_loc is None else self._graph_loc[:B]
             else:  # eager only (larger than any captured batch, or graphs off)
                 pages = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=self._device)
                 lengths = torch.ones(B, dtype=torch.int32, device=self._device)
-            loc = None
-            if self.cache is None:
-                Hkv = self.token_to_kv_pool.head_num
-                loc = torch.zeros(B, Hkv, self.max_blocks, dtype=torch.int32, device=self._device)
+                loc = None
+                if self.cache is None:
+                    Hkv = self.token_to_kv_pool.head_num
+                    loc = torch.zeros(
+                        B, Hkv, self.max_blocks, dtype=torch.int32, device=self._device
+                    )
             got = self._batches[B] = _Batch(pages, lengths, loc)
         return got
 

@@ -426,6 +426,7 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
     assert backend._graph_pages is table
     backend.init_forward_metadata_out_graph(fb)  # batch 3
     assert backend._step.pages.data_ptr() == table.data_ptr()
+    assert backend._step.loc.data_ptr() == backend._graph_loc.data_ptr()  # one static table
     assert backend._step.pages.shape == (3, backend.max_blocks)
     backend.init_forward_metadata_in_graph(fb)
     req = runner.req_to_token_pool.req_to_token
