@@ -14,7 +14,9 @@ depends on are set *before* SGLang resolves its defaults:
 - prompts are prefilled in chunks of `--psa-max-inject-tokens` unless
   `--chunked-prefill-size` says otherwise.
 
-Flags PSA cannot serve fail here, naming both flags. The resolved `PSAConfig`
+Flags PSA cannot serve fail here, naming both flags: on the command line as
+argparse fails (one error line, exit status 2, nothing started), in
+`sgl.Engine(...)` as a `PSAConfigError`. The resolved `PSAConfig`
 rides on the `ServerArgs` object as `_psa_config` (pickled into every
 scheduler process) and in the environment for processes that do not get it.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from sglang_psa.config import PSAConfig, PSAConfigError
@@ -141,13 +144,24 @@ def after_add_cli_args(result, parser: argparse.ArgumentParser):
     return result
 
 
+def _cli_error(err: PSAConfigError):
+    """On the command line a bad flag ends the process as argparse does: one line naming
+    the flag on stderr, exit status 2, nothing started (no traceback)."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "sglang"
+    sys.stderr.write(f"{prog}: error: {err}\n")
+    raise SystemExit(2)
+
+
 def around_from_cli_args(original, cls, args: argparse.Namespace):
-    cfg = flags.config_from_namespace(args)
+    try:
+        cfg = flags.config_from_namespace(args)
+        if cfg is not None:
+            apply(cfg, vars(args))
+    except PSAConfigError as err:
+        _cli_error(err)
     if cfg is None:
         flags.export(None)
         return original(cls, args)
-    fields = vars(args)
-    apply(cfg, fields)
     server_args = original(cls, args)
     object.__setattr__(server_args, "_psa_config", cfg)
     flags.export(cfg)
