@@ -101,18 +101,16 @@ def _use_kernel(t: torch.Tensor) -> bool:
 
 def _launch(k_buffer, block_size, grid, mean, kmin, kmax, *, locs=None, table=None, rows=None,
             starts=None, ends=None):  # fmt: skip
+    """Decode passes `locs`, prefill the request table and its rows; the kernel never
+    reads what its mode does not use, so those slots get a placeholder tensor."""
     _, H, d = k_buffer.shape
     dummy = mean if mean is not None else kmin
-    from_locs = locs is not None
+    args = (locs, table, rows, starts, ends, mean, kmin, kmax)
     _page_meta_kernel[grid](
-        k_buffer, locs if from_locs else dummy,
-        dummy if from_locs else table, dummy if from_locs else rows,
-        dummy if from_locs else starts, dummy if from_locs else ends,
-        dummy if mean is None else mean, dummy if kmin is None else kmin,
-        dummy if kmax is None else kmax,
-        0 if from_locs else table.stride(0), H,
+        k_buffer, *(dummy if t is None else t for t in args),
+        0 if table is None else table.stride(0), H,
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
-        D_P=triton.next_power_of_2(d), FROM_LOCS=from_locs,
+        D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
         MEAN=mean is not None, BOUNDS=kmin is not None,
     )  # fmt: skip
 

@@ -171,8 +171,7 @@ def rank_blocks(
         partials = logit_partials(logits)
     if chunk_blocks < 2 or chunk_blocks & (chunk_blocks - 1):
         raise ValueError(f"chunk_blocks must be a power of two >= 2, got {chunk_blocks}")
-    C = min(chunk_blocks, triton.next_power_of_2(max(NB, 2)))
-    nch = triton.cdiv(NB, C)
+    C, nch = _chunks(NB, chunk_blocks)
     direct = nch == 1
     if direct:
         scratch = order
@@ -202,8 +201,13 @@ def rank_blocks(
     return order, n_forced
 
 
+def _chunks(n_blocks: int, chunk_blocks: int) -> tuple[int, int]:
+    """Blocks per sorted chunk and chunks per row."""
+    C = min(chunk_blocks, triton.next_power_of_2(max(n_blocks, 2)))
+    return C, triton.cdiv(n_blocks, C)
+
+
 def rank_scratch_numel(batch: int, n_kv_heads: int, n_blocks: int, chunk_blocks: int = 512) -> int:
     """Elements of the int64 scratch `rank_blocks` needs for this shape (0: none)."""
-    C = min(chunk_blocks, triton.next_power_of_2(max(n_blocks, 2)))
-    nch = triton.cdiv(n_blocks, C)
+    C, nch = _chunks(n_blocks, chunk_blocks)
     return 0 if nch == 1 else batch * n_kv_heads * nch * C

@@ -51,8 +51,8 @@ def _tile_index(
     RANKED: tl.constexpr,
 ):
     """One row per token of a tile of NBLK ranked blocks starting at rank `first`: its
-    location (slot >= 0, host unit < 0), its token within the block and whether it
-    holds a token. `loc_ptr` is the block table in read order (RANKED) or by block.
+    location (slot >= 0, host unit < 0), its token within the block, whether it
+    holds a token, and its block index. `loc_ptr` is the block table in read order (RANKED) or by block.
     The rows of a block load the same ids (one L1 line), so the K/V tile is a plain 2-D
     gather that Triton pipelines straight into shared memory."""
     r = tl.arange(0, NBLK * BS)
@@ -64,7 +64,7 @@ def _tile_index(
     else:
         where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
     tok = r % BS
-    return where, tok, pm & (blk * BS + tok < length)
+    return where, tok, pm & (blk * BS + tok < length), blk
 
 
 @triton.jit
@@ -239,7 +239,7 @@ def _wave_attention_kernel(
         n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
         for i in tl.range(0, n_tiles, num_stages=STAGES):
             first = wstart + (sid + i * S) * NBLK
-            where, tok, valid = _tile_index(
+            where, tok, valid, blk = _tile_index(
                 order_ptr, rloc_ptr, row, first, end, length, BS, NBLK, True
             )
             # Each block is read from its HBM slot or, through UVA, from the host pool: one
@@ -265,8 +265,6 @@ def _wave_attention_kernel(
             )  # fmt: skip
             if STAMP:  # one store per block: its first token's row
                 lead = valid & (tok == 0)
-                pos = first + tl.arange(0, NBLK * BS) // BS
-                blk = tl.load(order_ptr + row + pos, mask=lead, other=0)
                 page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
                 tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
         wstart = end
@@ -499,25 +497,24 @@ class WaveAttention:
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
-        read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
-        if splits is None and self.one_wave:
-            splits = 1
-            if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                # Programs never wait for each other: ~8 per SM, at least 8 blocks each.
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                splits = max(1, min(32, -(-8 * sms // (batch * n_kv_heads)), read // 8))
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                # As many programs as the register file holds per SM, at ~160 registers a
-                # thread (H100; capping them with maxnreg spilled and ran slower); run()
-                # halves this if a launch does not fit. Short contexts get fewer: every
-                # wave ends in a barrier of all the splits (and a split launch is
-                # cooperative), which costs more than it saves below ~64 blocks per
-                # split (bench_wave: overhead_by_splits_us).
-                per_sm = max(1, 65536 // (160 * 32 * self.num_warps))
-                splits = max(1, min(16, per_sm * sms // (batch * n_kv_heads), max_blocks // 64))
+                programs = batch * n_kv_heads
+                if self.one_wave:
+                    # Programs never wait for each other: ~8 per SM, at least 8 blocks each.
+                    read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
+                    splits = max(1, min(32, -(-8 * sms // programs), read // 8))
+                else:
+                    # As many programs as the register file holds per SM, at ~160 registers
+                    # a thread (H100; capping them with maxnreg spilled and ran slower);
+                    # run() halves this if a launch does not fit. Short contexts get fewer:
+                    # every wave ends in a barrier of all the splits (and a split launch is
+                    # cooperative), which costs more than it saves below ~64 blocks per
+                    # split (bench_wave: overhead_by_splits_us).
+                    per_sm = max(1, 65536 // (160 * 32 * self.num_warps))
+                    splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
         self.B, self.Hq, self.Hkv, self.D, self.NB = (

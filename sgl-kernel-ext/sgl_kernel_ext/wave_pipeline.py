@@ -88,7 +88,7 @@ def _wave_step_kernel(
         pos = tl.load(pos_ptr + bh)
         end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
         while pos < end:
-            where, tok, valid = _tile_index(
+            where, tok, valid, _ = _tile_index(
                 order_ptr, loc_ptr, row, pos, end, length, BS, NBLK, False
             )
             offs = (where * (BS * D) + tok * D)[:, None] + dd[None, :]

@@ -121,7 +121,6 @@ class PSAAttnBackend(AttentionBackend):
             )
         pool = self.token_to_kv_pool
         bs = cfg.block_size
-        self.layers = pool.layer_num
         # SGLang's pool rows are its tokens plus one padding page.
         num_pages = (pool.size + bs) // bs
         self.cache = self._page_cache(cfg, pool, num_pages)
@@ -226,34 +225,26 @@ class PSAAttnBackend(AttentionBackend):
         if self._graph_pages is not None and max_bs <= self._graph_bs:
             return
         self._graph_bs = max_bs
-        self._graph_pages = torch.zeros(
-            max_bs, self.max_blocks, dtype=torch.int32, device=self._device
-        )
-        self._graph_lengths = torch.ones(max_bs, dtype=torch.int32, device=self._device)
-        self._graph_loc = None
-        if self.cache is None:
-            Hkv = self.token_to_kv_pool.head_num
-            self._graph_loc = torch.zeros(
-                max_bs, Hkv, self.max_blocks, dtype=torch.int32, device=self._device
-            )
+        self._graph_pages, self._graph_lengths, self._graph_loc = self._tables(max_bs)
         self._batches.clear()
+
+    def _tables(self, n: int):
+        """A step's tables for `n` requests: page table, lengths (1: SGLang's padding
+        value) and, at HBM home, every head's block table."""
+        kw = dict(dtype=torch.int32, device=self._device)
+        Hkv = self.token_to_kv_pool.head_num
+        loc = None if self.cache is not None else torch.zeros(n, Hkv, self.max_blocks, **kw)
+        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
         if got is None:
-            if B <= self._graph_bs:
-                pages, lengths = self._graph_pages[:B], self._graph_lengths[:B]
+            if B <= self._graph_bs:  # views of the tables the captured graphs read
                 loc = None if self._graph_loc is None else self._graph_loc[:B]
+                got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc)
             else:  # eager only (larger than any captured batch, or graphs off)
-                pages = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=self._device)
-                lengths = torch.ones(B, dtype=torch.int32, device=self._device)
-                loc = None
-                if self.cache is None:
-                    Hkv = self.token_to_kv_pool.head_num
-                    loc = torch.zeros(
-                        B, Hkv, self.max_blocks, dtype=torch.int32, device=self._device
-                    )
-            got = self._batches[B] = _Batch(pages, lengths, loc)
+                got = _Batch(*self._tables(B))
+            self._batches[B] = got
         return got
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
