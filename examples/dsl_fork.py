@@ -34,8 +34,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--filler-sentences", type=int, default=400)
+    ap.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     args = ap.parse_args()
-    sgl.set_default_backend(sgl.RuntimeEndpoint(f"http://127.0.0.1:{args.port}"))
+    sgl.set_default_backend(
+        sgl.RuntimeEndpoint(f"http://127.0.0.1:{args.port}", api_key=args.api_key)
+    )
     filler = " ".join(
         f"Line {i} of the report notes nothing unusual." for i in range(args.filler_sentences)
     )

@@ -179,6 +179,12 @@ class PSAAttnBackend(AttentionBackend):
         serving.page_cache = self.cache
         serving.measure = self.ws.read
         serving.read_fraction = self.read_fraction
+        serving.read_counts = self.read_counts
+        self._stats_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        if getattr(model_runner.server_args, "enable_metrics", False):
+            from sglang_psa.integration.metrics import PSAMetrics
+
+            serving.metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
         topk = cfg.sparse_mode == "topk"
         self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // bs if topk else None
@@ -406,6 +412,13 @@ class PSAAttnBackend(AttentionBackend):
     @property
     def blocks_read(self) -> dict[int, int]:
         return {self.first_layer + i: int(n) for i, n in enumerate(self.stats[:, 0].tolist())}
+
+    def read_counts(self) -> tuple[int, int]:
+        """(blocks read, blocks readable) over all layers as of an earlier call, without a
+        sync: returns the last copy and starts the next one (the metrics' refresh)."""
+        read, total = (int(x) for x in self._stats_host.tolist())
+        self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
+        return read, total
 
     def read_fraction(self) -> float:
         """Fraction of KV blocks the decode steps read so far, over all layers (syncs)."""

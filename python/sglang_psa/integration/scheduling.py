@@ -47,6 +47,10 @@ class PSAServing:
         # (host memory, read without a sync): (sizes, lengths measured at).
         self.measure: Callable[[], tuple[Any, Any]] | None = None
         self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
+        # The backend's (blocks read, blocks readable) as last copied to the host, no sync.
+        self.read_counts: Callable[[], tuple[int, int]] | None = None
+        self.metrics = None  # PSAMetrics with --enable-metrics
+        self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
 
     @property
     def gates_by_working_set(self) -> bool:
@@ -99,6 +103,7 @@ class PSAServing:
         if alone:  # nothing else runs: admit anyway rather than stall the server
             self.controller.admit_alone(cand)
             return True
+        self.deferrals += 1
         return False
 
     def undo_admit(self, rid: Hashable, was_paused: bool) -> None:
@@ -131,6 +136,28 @@ class PSAServing:
             n = int(lengths[row])
             if n > 0 and 0 <= req.seqlen - n <= window:
                 self.controller.on_step_size(req.rid, int(sizes[row]), self.total_units(n))
+        if self.metrics is not None and self.metrics.due():
+            self.metrics.set(self.metric_values())
+
+    def metric_values(self) -> dict[str, float | None]:
+        """The Prometheus gauges' values (`integration.metrics`), from host state only."""
+        ctl, st = self.controller, self.controller.stats
+        fraction = None
+        if self.read_counts is not None:
+            read, total = self.read_counts()
+            fraction = read / total if total else None
+        return {
+            "blocks_read_fraction": fraction,
+            "running_requests": len(ctl.running),
+            "paused_requests": len(ctl.paused),
+            "working_set_units": ctl.used_units,
+            "capacity_units": ctl.capacity_units,
+            "admitted_total": st.admitted,
+            "retracted_total": st.retracted,
+            "finished_total": st.finished,
+            "rejected_total": st.rejected,
+            "admission_deferrals_total": self.deferrals,
+        }
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
         if not self.gates_by_working_set:
@@ -229,16 +256,33 @@ def after_get_internal_state(result, scheduler, recv_req):
         "retracted": ctl.stats.retracted,
         "finished": ctl.stats.finished,
         "rejected": ctl.stats.rejected,
+        "admission_deferrals": serving.deferrals,
         "kv_total_tokens": total,
         "kv_available_tokens": available,
         "kv_cached_tokens": cached,
         "kv_held_tokens": total - available - cached,
+        "req_slots_free": int(scheduler.req_to_token_pool.available_size()),
+        **_memory_bytes(),
         "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
         "kv_home": serving.cfg.kv_home,
         # Hits, host reads, admissions of the HBM page cache (pool on the host), else None.
         "page_cache": serving.page_cache.stats() if serving.page_cache is not None else None,
     }
     return result
+
+
+def _memory_bytes() -> dict[str, int | None]:
+    """This process's GPU memory held by torch's allocator and its pinned host memory
+    (the soak test watches both for growth)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"gpu_reserved_bytes": None, "pinned_bytes": None}
+    pinned = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+    return {
+        "gpu_reserved_bytes": int(torch.cuda.memory_reserved()),
+        "pinned_bytes": pinned.get("allocated_bytes.current"),
+    }
 
 
 def after_abort_request(result, scheduler, recv_req):

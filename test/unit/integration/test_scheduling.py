@@ -207,11 +207,12 @@ def test_server_info_reports_counters_and_held_kv(serving):
         max_total_num_tokens=1000,
         token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 600),
         tree_cache=SimpleNamespace(evictable_size=lambda: 300, protected_size=lambda: 64),
+        req_to_token_pool=SimpleNamespace(available_size=lambda: 7),
     )
     out = scheduling.after_get_internal_state(SimpleNamespace(internal_state={}), sched, None)
     psa = out.internal_state["psa"]
     assert psa["running"] == 1 and psa["admitted"] == 1 and psa["used_units"] == 20
-    assert psa["kv_held_tokens"] == 1000 - 600 - 364
+    assert psa["kv_held_tokens"] == 1000 - 600 - 364 and psa["req_slots_free"] == 7
 
 
 def test_a_retracted_request_aborted_while_waiting_is_forgotten(serving):

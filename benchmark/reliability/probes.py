@@ -1,0 +1,447 @@
+"""Bad inputs and faults thrown at a live `--sparse-mode psa` server, each with its outcome.
+
+A probe sends something hostile (a malformed body, an impossible request, an abort at an
+awkward moment, a flood) and returns an `Outcome`: what was expected, what came back, and
+whether that is acceptable. Acceptable means the correct answer or a clear HTTP 4xx with a
+message, the server still healthy afterwards, and (after the fault probes) every request
+slot, KV page and admission entry free again, read from `/get_server_info`.
+
+Used by `test/reliability/test_server_gpu.py` (asserts every outcome) and
+`benchmark/reliability/run.py` (records them, plus the soak, in `reliability.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "psa-reliability-key"
+MAX_RUNNING = 8
+# The server both the test and the benchmark probe: KV capped at 40K tokens and 8 running
+# requests, so queueing, working-set admission and retraction all happen.
+SERVER_ARGS = [
+    "--api-key", API_KEY, "--enable-metrics", "--context-length", "32768",
+    "--max-total-tokens", "40000", "--max-running-requests", str(MAX_RUNNING),
+    "--cuda-graph-max-bs", str(MAX_RUNNING), "--mem-fraction-static", "0.3",
+]  # fmt: skip
+TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exact
+
+
+@dataclass
+class Outcome:
+    name: str
+    kind: str  # "bad_input" | "fault"
+    expected: str
+    got: str
+    ok: bool
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Server:
+    """A client for one server: its URL, API key and limits (read once from server info)."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        info = self.info()
+        self.context_length = int(info.get("context_length") or info["max_req_input_len"])
+        self.max_total_tokens = int(info["internal_states"][0]["psa"]["kv_total_tokens"])
+        self.idle = self.psa_state()
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def post(self, path: str, body=None, *, data=None, headers=None, **kw):
+        h = self.headers if headers is None else headers
+        return requests.post(self.url + path, json=body, data=data, headers=h, **kw)
+
+    def info(self) -> dict:
+        r = requests.get(self.url + "/server_info", headers=self.headers, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def psa_state(self) -> dict:
+        return self.info()["internal_states"][0]["psa"]
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=60).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def generate(self, ids: list[int], max_new: int, rid: str | None = None, timeout=900):
+        sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": ids, "sampling_params": sp}
+        if rid is not None:
+            body["rid"] = rid
+        return self.post("/generate", body, timeout=timeout)
+
+    def abort(self, rid: str | None = None) -> int:
+        body = {"abort_all": True} if rid is None else {"rid": rid}
+        return self.post("/abort_request", body, timeout=60).status_code
+
+    def leaks(self, timeout: float = 120) -> dict:
+        """Wait until nothing runs; what is still held then compared with the idle server
+        (all zero when nothing leaked)."""
+        deadline = time.time() + timeout
+        while True:
+            st = self.psa_state()
+            held = {
+                "running": st["running"],
+                "paused": st["paused"],
+                "kv_held_tokens": st["kv_held_tokens"],
+                "req_slots_held": self.idle["req_slots_free"] - st["req_slots_free"],
+            }
+            if not any(held.values()) or time.time() > deadline:
+                return held
+            time.sleep(1)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [TOKEN + rng.randrange(20000) for _ in range(n)]
+
+
+def _clear_4xx(r: requests.Response) -> bool:
+    return 400 <= r.status_code < 500 and len(r.text.strip()) > 0
+
+
+def _answer_or_4xx(r: requests.Response, answer_ok: Callable[[dict], bool]) -> bool:
+    if r.status_code == 200:
+        try:
+            return answer_ok(r.json())
+        except ValueError:
+            return False
+    return _clear_4xx(r)
+
+
+# --- bad inputs --------------------------------------------------------------------
+
+
+def bad_inputs(s: Server) -> list[Outcome]:
+    out: list[Outcome] = []
+
+    def probe(name, expected, send, ok):
+        try:
+            r = send()
+            good = ok(r) and s.healthy()
+            out.append(Outcome(name, "bad_input", expected, f"HTTP {r.status_code}: "
+                               f"{r.text.strip()[:200]}", good))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - every failure is an outcome
+            out.append(Outcome(name, "bad_input", expected, f"{type(e).__name__}: {e}", False))
+
+    gen = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    comp = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8}
+    probe("empty prompt", "an answer or 4xx",
+          lambda: s.post("/generate", {"text": "", **gen}, timeout=300),
+          lambda r: _answer_or_4xx(r, lambda j: "text" in j))  # fmt: skip
+    probe("prompt longer than --context-length", "4xx",
+          lambda: s.generate(prompt(s.context_length + 256), 8), _clear_4xx)  # fmt: skip
+    store = s.max_total_tokens + 1024
+    if store < s.context_length:
+        probe("prompt larger than the KV store holds", "4xx",
+              lambda: s.generate(prompt(store), 8), _clear_4xx)  # fmt: skip
+    probe("malformed JSON", "4xx",
+          lambda: s.post("/v1/completions", data=b'{"prompt": "x", ', timeout=60,
+                         headers={**s.headers, "Content-Type": "application/json"}),
+          _clear_4xx)  # fmt: skip
+    for name, params in (
+        ("negative temperature", {"temperature": -1.0}),
+        ("top_p above 1", {"top_p": 1.5}),
+        ("negative max_tokens", {"max_tokens": -5}),
+        ("unknown stop type", {"stop": 17}),
+    ):
+        probe(name, "4xx", lambda p=params: s.post("/v1/completions", {**comp, **p}, timeout=300),
+              _clear_4xx)  # fmt: skip
+    probe("n = 2", "two completions",
+          lambda: s.post("/v1/completions", {**comp, "n": 2, "temperature": 0.8}, timeout=300),
+          lambda r: r.status_code == 200 and len(r.json()["choices"]) == 2)  # fmt: skip
+    probe("logprobs", "completion with logprobs",
+          lambda: s.post("/v1/completions", {**comp, "logprobs": 2}, timeout=300),
+          lambda r: r.status_code == 200
+          and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) > 0)  # fmt: skip
+    probe("stop string", "text cut before the stop string",
+          lambda: s.post("/generate", {"text": "Count: 1, 2, 3, 4,", "sampling_params": {
+              "max_new_tokens": 32, "temperature": 0, "stop": [","]}}, timeout=300),
+          lambda r: r.status_code == 200 and "," not in r.json()["text"])  # fmt: skip
+
+    def streamed(r):
+        if r.status_code != 200:
+            return False
+        lines = [ln for ln in r.iter_lines() if ln.startswith(b"data: ")]
+        plain = s.post("/v1/completions", {**comp, "temperature": 0}, timeout=300).json()
+        text = "".join(
+            json.loads(ln[6:])["choices"][0]["text"] for ln in lines if b"[DONE]" not in ln
+        )
+        return lines[-1] == b"data: [DONE]" and text == plain["choices"][0]["text"]
+
+    probe("streaming", "the same text as unstreamed, then [DONE]",
+          lambda: s.post("/v1/completions", {**comp, "temperature": 0, "stream": True},
+                         stream=True, timeout=300), streamed)  # fmt: skip
+    if s.api_key:
+        probe("no API key", "401",
+              lambda: s.post("/v1/completions", comp, headers={}, timeout=60),
+              lambda r: r.status_code == 401)  # fmt: skip
+        probe("wrong API key", "401",
+              lambda: s.post("/v1/completions", comp, timeout=60,
+                             headers={"Authorization": "Bearer wrong"}),
+              lambda r: r.status_code == 401)  # fmt: skip
+
+    class _Run:  # the frontend program as a response-like result
+        def __init__(self, p):
+            self.status_code = 200 if p.returncode == 0 else 500
+            self.text = p.stdout[-200:] if p.returncode == 0 else p.stderr[-400:]
+            self.ok = p.returncode == 0 and "summary of both branches:" in p.stdout
+
+    port = s.url.rsplit(":", 1)[1]
+    cmd = [sys.executable, str(ROOT / "examples" / "dsl_fork.py"), "--port", port,
+           "--filler-sentences", "50"] + (["--api-key", s.api_key] if s.api_key else [])  # fmt: skip
+    probe("frontend program with fork", "both branches answered",
+          lambda: _Run(subprocess.run(cmd, capture_output=True, text=True, timeout=600)),
+          lambda r: r.ok)  # fmt: skip
+    return out
+
+
+# --- faults ------------------------------------------------------------------------
+
+
+def _fault(s: Server, name: str, expected: str, run: Callable[[], tuple[bool, str, dict]]):
+    try:
+        ok, got, detail = run()
+    except Exception as e:  # noqa: BLE001
+        ok, got, detail = False, f"{type(e).__name__}: {e}", {}
+    held = s.leaks()
+    detail["held_after"] = held
+    good = ok and not any(held.values()) and s.healthy()
+    return Outcome(name, "fault", expected + "; nothing held afterwards", got, good, detail)
+
+
+def _finish(r: requests.Response) -> str:
+    return (
+        r.json()["meta_info"]["finish_reason"]["type"]
+        if r.status_code == 200
+        else str(r.status_code)
+    )
+
+
+def _in_background(fn, *args) -> dict:
+    box: dict = {}
+
+    def run():
+        try:
+            box["r"] = fn(*args)
+        except Exception as e:  # noqa: BLE001
+            box["e"] = e
+
+    box["t"] = threading.Thread(target=run, daemon=True)
+    box["t"].start()
+    return box
+
+
+def abort_queued(s: Server, running: int) -> Outcome:
+    """Fill every running slot with long decodes, queue more, abort the queued ones."""
+
+    def run():
+        fill = [_in_background(s.generate, prompt(512, i), 4000) for i in range(running)]
+        rids = [f"queued-{uuid.uuid4().hex}" for _ in range(4)]
+        queued = [_in_background(s.generate, prompt(512, 100 + i), 64, r)
+                  for i, r in enumerate(rids)]  # fmt: skip
+        time.sleep(3)
+        for r in rids:
+            s.abort(r)
+        for b in queued:
+            b["t"].join(120)
+        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in queued]
+        s.abort()  # then the fill
+        for b in fill:
+            b["t"].join(120)
+        return all(e == "abort" for e in ends), f"queued requests ended {ends}", {}
+
+    return _fault(s, "abort while queued", "finish_reason abort", run)
+
+
+def abort_mid_prefill(s: Server) -> Outcome:
+    def run():
+        rid = f"prefill-{uuid.uuid4().hex}"
+        b = _in_background(s.generate, prompt(min(16000, s.max_total_tokens // 2), 7), 64, rid)
+        time.sleep(0.05)
+        s.abort(rid)
+        b["t"].join(300)
+        end = _finish(b["r"]) if "r" in b else repr(b.get("e"))
+        return end in ("abort", "length"), f"ended {end}", {}
+
+    return _fault(s, "abort mid-prefill", "abort (or done first)", run)
+
+
+def abort_mid_decode(s: Server) -> Outcome:
+    def run():
+        rid = f"decode-{uuid.uuid4().hex}"
+        body = {"input_ids": prompt(2000, 3), "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        with s.post("/generate", body, stream=True, timeout=300) as r:
+            chunks = 0
+            last = None
+            for ln in r.iter_lines():
+                if not ln.startswith(b"data: ") or b"[DONE]" in ln:
+                    continue
+                chunks += 1
+                last = json.loads(ln[6:])
+                if chunks == 3:
+                    s.abort(rid)
+        end = last["meta_info"]["finish_reason"] if last else None
+        ok = end is not None and end["type"] == "abort"
+        return ok, f"stream ended after {chunks} chunks, finish {end}", {}
+
+    return _fault(s, "abort mid-decode", "the stream ends with finish_reason abort", run)
+
+
+def client_disconnect(s: Server) -> Outcome:
+    def run():
+        body = {"input_ids": prompt(2000, 4), "stream": True,
+                "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        r = s.post("/generate", body, stream=True, timeout=300)
+        got = 0
+        for ln in r.iter_lines():
+            got += ln.startswith(b"data: ")
+            if got == 2:
+                break
+        r.close()  # the client goes away mid-stream
+        return True, f"closed after {got} chunks", {}
+
+    return _fault(s, "client closes a stream", "the server aborts the request", run)
+
+
+def abort_retracted(s: Server, concurrent: int = 24) -> Outcome:
+    """Long decodes that outgrow the KV force retractions; abort everything then."""
+
+    def run():
+        before = s.psa_state()["retracted"]
+        n_prompt = max(256, s.max_total_tokens // (2 * concurrent))
+        bg = [_in_background(s.generate, prompt(n_prompt, 50 + i), 8 * n_prompt)
+              for i in range(concurrent)]  # fmt: skip
+        deadline = time.time() + 240
+        while time.time() < deadline and s.psa_state()["retracted"] == before:
+            time.sleep(0.5)
+        retracted = s.psa_state()["retracted"] - before
+        s.abort()
+        for b in bg:
+            b["t"].join(300)
+        ends = sorted({_finish(b["r"]) if "r" in b else "error" for b in bg})
+        return (
+            retracted > 0 and "error" not in ends,
+            f"{retracted} retractions, ends {ends}",
+            {"retractions": retracted},
+        )
+
+    return _fault(s, "abort while retracted", "retractions happen, then all abort", run)
+
+
+def abort_storm(s: Server, n: int = 200) -> Outcome:
+    """n requests at once, each abandoned by its client (timeout) or aborted by rid."""
+
+    def one(i: int):
+        rid = f"storm-{i}-{uuid.uuid4().hex}"
+        if i % 2:
+            threading.Timer(random.uniform(0.1, 2.0), s.abort, (rid,)).start()
+            try:
+                return _finish(s.generate(prompt(256 + 37 * i, i), 2000, rid, timeout=300))
+            except requests.RequestException as e:
+                return type(e).__name__
+        try:
+            s.generate(prompt(256 + 37 * i, i), 2000, rid, timeout=random.uniform(0.2, 2.0))
+            return "done"
+        except requests.Timeout:
+            return "client left"
+
+    def run():
+        with ThreadPoolExecutor(n) as ex:
+            ends = list(ex.map(one, range(n)))
+        counts = {e: ends.count(e) for e in set(ends)}
+        ok = set(counts) <= {"abort", "length", "client left", "done"}
+        return ok, f"ends {counts}", {"ends": counts}
+
+    return _fault(s, f"storm of {n} aborts", "every request aborted or done", run)
+
+
+def overload(s: Server, n: int = 500, rate: float = 50.0, seed: int = 0) -> Outcome:
+    """n requests of mixed lengths arriving at `rate`/s, far above what the server serves:
+    each ends with a completion or a clear error; nothing is lost."""
+    rng = random.Random(seed)
+    longest = min(8192, s.max_total_tokens // 4)
+    jobs = [(rng.randint(128, longest), rng.choice((16, 64, 256))) for _ in range(n)]
+
+    def one(i: int):
+        time.sleep(i / rate)
+        try:
+            r = s.generate(prompt(jobs[i][0], 1000 + i), jobs[i][1], timeout=1800)
+        except requests.RequestException as e:
+            return "lost: " + type(e).__name__
+        if r.status_code == 200:
+            return "done" if r.json()["meta_info"]["completion_tokens"] == jobs[i][1] else "short"
+        return "4xx" if _clear_4xx(r) else f"lost: HTTP {r.status_code}"
+
+    def run():
+        t0 = time.time()
+        peak = {"queued": 0, "deferrals": s.psa_state()["admission_deferrals"]}
+        stop = threading.Event()
+
+        def watch():
+            while not stop.wait(1.0):
+                load = requests.get(s.url + "/get_load", headers=s.headers, timeout=30)
+                if load.ok:
+                    q = sum(int(x.get("num_waiting_reqs", 0)) for x in _as_list(load.json()))
+                    peak["queued"] = max(peak["queued"], q)
+
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        with ThreadPoolExecutor(n) as ex:
+            ends = list(ex.map(one, range(n)))
+        stop.set()
+        counts = {e: ends.count(e) for e in set(ends)}
+        lost = sum(v for k, v in counts.items() if k.startswith("lost") or k == "short")
+        detail = {
+            "ends": counts,
+            "lost": lost,
+            "seconds": round(time.time() - t0, 1),
+            "peak_waiting": peak["queued"],
+            "admission_deferrals": s.psa_state()["admission_deferrals"] - peak["deferrals"],
+        }
+        return lost == 0, f"ends {counts}, peak waiting {peak['queued']}", detail
+
+    return _fault(s, f"overload: {n} requests at {rate:g}/s", "every request answered", run)
+
+
+def _as_list(x):
+    return x if isinstance(x, list) else [x]
+
+
+def metrics_endpoint(s: Server) -> Outcome:
+    names = ("blocks_read_fraction", "running_requests", "admission_deferrals_total")
+    text = requests.get(s.url + "/metrics", timeout=60).text
+    missing = [n for n in names if f"sglang_psa:{n}{{" not in text]
+    return Outcome("metrics", "fault", "PSA gauges in /metrics", f"missing {missing}",
+                   not missing)  # fmt: skip
+
+
+def faults(s: Server):
+    """Every fault probe in turn, each outcome as it comes."""
+    yield abort_queued(s, MAX_RUNNING)
+    for probe in (abort_mid_prefill, abort_mid_decode, client_disconnect, abort_retracted,
+                  abort_storm, overload, metrics_endpoint):  # fmt: skip
+        yield probe(s)

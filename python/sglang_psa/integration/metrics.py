@@ -1,0 +1,69 @@
+"""PSA's counters in SGLang's Prometheus endpoint (`--enable-metrics`).
+
+SGLang runs prometheus_client in multiprocess mode: each process writes its
+metrics to files under `PROMETHEUS_MULTIPROC_DIR`, and the HTTP server's
+`/metrics` collects them all. The scheduler process creates `PSAMetrics` (one
+label, `tp_rank`: with tensor parallelism each rank reports its own series; sum
+them over `tp_rank` for the server) and refreshes it between decode steps at
+most every `interval_s`, from host-side state only: the admission controller's
+counts and device counters copied into pinned memory without a sync (so the
+blocks-read fraction is one refresh late). SGLang's own metrics already
+cover KV token usage, queue lengths and latencies.
+
+| metric (prefix `sglang_psa:`) | meaning |
+|---|---|
+| `blocks_read_fraction` | KV blocks decode attention read / blocks it could read, since start |
+| `running_requests`, `paused_requests` | requests admitted by working set; retracted ones |
+| `working_set_units`, `capacity_units` | their working sets; the HBM budget (layer x KV head x block) |
+| `admitted_total`, `retracted_total`, `finished_total`, `rejected_total` | admission events |
+| `admission_deferrals_total` | scheduling rounds a queued request waited for working-set room |
+"""
+
+from __future__ import annotations
+
+import time
+
+GAUGES = {
+    "blocks_read_fraction": "KV blocks decode attention read over blocks it could read",
+    "running_requests": "requests running under working-set admission",
+    "paused_requests": "retracted requests waiting to resume",
+    "working_set_units": "working sets of the running requests (layer x KV head x block)",
+    "capacity_units": "HBM budget for working sets (layer x KV head x block)",
+    "admitted_total": "admissions (resumptions included)",
+    "retracted_total": "retractions",
+    "finished_total": "requests that left admission control",
+    "rejected_total": "requests refused because they can never fit",
+    "admission_deferrals_total": "scheduling rounds a queued request waited for room",
+}
+PREFIX = "sglang_psa:"
+
+
+class PSAMetrics:
+    """Gauges of one scheduler process. Create only after SGLang has set
+    `PROMETHEUS_MULTIPROC_DIR` (it has, in any scheduler process with metrics on)."""
+
+    def __init__(self, tp_rank: int, interval_s: float = 1.0):
+        from prometheus_client import Gauge
+
+        self.labels = {"tp_rank": str(tp_rank)}
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self._gauges = {
+            name: Gauge(
+                PREFIX + name, doc, labelnames=list(self.labels), multiprocess_mode="mostrecent"
+            ).labels(**self.labels)
+            for name, doc in GAUGES.items()
+        }
+
+    def due(self) -> bool:
+        """True at most once per `interval_s` (and the first time)."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        return True
+
+    def set(self, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            if value is not None:
+                self._gauges[name].set(value)

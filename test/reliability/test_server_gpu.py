@@ -1,0 +1,70 @@
+"""A live `--sparse-mode psa` server under hostile input, aborts and overload (GPU machine).
+
+One server (Qwen2.5-Coder-0.5B with `probes.SERVER_ARGS`: `--api-key`, `--enable-metrics`,
+KV capped so that queueing and retraction happen) takes the probe catalogue of
+`benchmark/reliability/probes.py`: every bad input gets its answer or a clear 4xx, every
+fault leaves no request slot, KV page or admission entry held. The soak is the
+benchmark's (`benchmark/reliability/run.py`), not a test.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
+    import probes
+
+    from sglang_psa import serve_demo
+    from sglang_psa.models import ensure_model
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    port = 30127
+    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, probes.SERVER_ARGS, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve_demo.wait_healthy(proc, url, log, timeout=900)
+        yield probes.Server(url, probes.API_KEY)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        if proc.returncode not in (0, -15):
+            print(log.read_text()[-5000:])
+
+
+def test_bad_inputs_get_an_answer_or_a_clear_4xx(server):
+    import probes
+
+    outcomes = probes.bad_inputs(server)
+    failed = [o for o in outcomes if not o.ok]
+    assert len(outcomes) >= 14 and not failed, "\n".join(map(str, failed))
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["abort_queued", "abort_mid_prefill", "abort_mid_decode", "client_disconnect",
+     "abort_retracted", "abort_storm", "overload"],
+)  # fmt: skip
+def test_faults_leave_nothing_held(server, fault):
+    import probes
+
+    fn = getattr(probes, fault)
+    o = fn(server, probes.MAX_RUNNING) if fault == "abort_queued" else fn(server)
+    assert o.ok, o
+
+
+def test_metrics_endpoint_shows_psa_gauges(server):
+    import probes
+
+    o = probes.metrics_endpoint(server)
+    assert o.ok, o
