@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -114,6 +116,34 @@ def _copy_blocks(task) -> None:
             start = k
 
 
+def check_message(msg, layers: int, blocks: int, staging_rows: int) -> None:
+    """Validate a control message before the engine touches memory for it: its fields,
+    types and every index (layer, staging rows, pool blocks) in range. Raises SaveFailed."""
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(msg, dict) or msg.get("op") not in ("save", "stop"):
+        raise SaveFailed("message is not a save or stop command")
+    if msg["op"] == "stop":
+        return
+    job, layer, row0, segs = (msg.get(k) for k in ("job", "layer", "row0", "segments"))
+    if not (is_int(job) and job >= 0 and isinstance(msg.get("gpu_flag"), bool)):
+        raise SaveFailed("job id or gpu_flag missing or malformed")
+    if not (is_int(layer) and 0 <= layer < layers):
+        raise SaveFailed(f"layer {layer!r} outside 0..{layers - 1}")
+    if not (isinstance(segs, list) and segs):
+        raise SaveFailed("segments missing")
+    for seg in segs:
+        if not (isinstance(seg, list) and len(seg) == 3 and all(map(is_int, seg))):
+            raise SaveFailed(f"segment {seg!r} is not [block, offset, count]")
+        if not 0 <= seg[0] < blocks:
+            raise SaveFailed(f"block {seg[0]} outside the pool's {blocks}")
+    n = sum(seg[2] for seg in segs)
+    if not (is_int(row0) and row0 >= 0 and row0 + n <= staging_rows):
+        raise SaveFailed(f"rows {row0!r}+{n} outside the staging ring's {staging_rows}")
+
+
 def _engine_main(
     endpoint: str,
     pool_k: torch.Tensor,
@@ -138,8 +168,16 @@ def _engine_main(
     threading.Thread(target=beat, daemon=True).start()
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.connect(endpoint)
+    staging_rows = stage_k.numel() // (heads * d)
     while True:
-        msg = orjson.loads(sock.recv())
+        msg = None
+        try:
+            msg = orjson.loads(sock.recv())
+            check_message(msg, pool_k.shape[0], pool_k.shape[2], staging_rows)
+        except (orjson.JSONDecodeError, SaveFailed) as e:  # answered, never executed
+            job = msg.get("job") if isinstance(msg, dict) else None
+            sock.send(orjson.dumps({"job": job, "ok": False, "error": f"rejected: {e}"}))
+            continue
         if msg["op"] == "stop":
             break
         job = msg["job"]
@@ -201,11 +239,15 @@ class CopyEngine:
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
         self._zmq = zmq.Context.instance()
+        self._ipc_dir = ""
         self._start()
 
     def _start(self) -> None:
         self.sock = self._zmq.socket(zmq.PAIR)
-        self._ipc_path = f"/tmp/sglang-psa-engine-{os.getpid()}-{id(self)}-{self.restarts}"
+        # The socket lives in a directory only this user can enter (mkdtemp: mode 0700).
+        if not os.path.isdir(self._ipc_dir):
+            self._ipc_dir = tempfile.mkdtemp(prefix="sglang-psa-engine-")
+        self._ipc_path = os.path.join(self._ipc_dir, f"engine-{self.restarts}")
         endpoint = f"ipc://{self._ipc_path}"
         self.sock.bind(endpoint)
         self.heartbeat = self._ctx.Value("d", time.monotonic())
@@ -325,6 +367,7 @@ class CopyEngine:
     def close(self) -> None:
         """Stop the engine and release the staging ring's page-locking."""
         self._stop()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
         while self._registered:
             unregister_host(self._registered.pop())
 

@@ -47,6 +47,71 @@ def test_save_scatters_rows_into_blocks(pool):
         eng.close()
 
 
+def test_engine_listens_privately_and_rejects_malformed_commands(pool):
+    """The socket sits in a directory only its user can enter; a command with a bad field
+    or an index outside the pool is answered with a rejection, never executed."""
+    import orjson
+
+    eng = CopyEngine(pool, staging_rows=16)
+    try:
+        ipc_dir = os.path.dirname(eng._ipc_path)
+        assert os.stat(ipc_dir).st_mode & 0o777 == 0o700
+        bad = [
+            b"not json",
+            orjson.dumps({"op": "exec", "job": 1}),
+            orjson.dumps(
+                {
+                    "op": "save",
+                    "job": 2,
+                    "layer": 9,
+                    "row0": 0,
+                    "segments": [[0, 0, 4]],
+                    "gpu_flag": False,
+                }
+            ),  # fmt: skip
+            orjson.dumps(
+                {
+                    "op": "save",
+                    "job": 3,
+                    "layer": 0,
+                    "row0": 0,
+                    "segments": [[8, 0, 4]],
+                    "gpu_flag": False,
+                }
+            ),  # fmt: skip
+            orjson.dumps(
+                {
+                    "op": "save",
+                    "job": 4,
+                    "layer": 0,
+                    "row0": 14,
+                    "segments": [[0, 0, 4]],
+                    "gpu_flag": False,
+                }
+            ),  # fmt: skip
+            orjson.dumps(
+                {
+                    "op": "save",
+                    "job": 5,
+                    "layer": 0,
+                    "row0": 0,
+                    "segments": [[0, 0, "4"]],
+                    "gpu_flag": False,
+                }
+            ),  # fmt: skip
+        ]
+        for msg in bad:
+            eng.sock.send(msg)
+            assert eng.sock.poll(30_000), "the engine did not answer"
+            ack = orjson.loads(eng.sock.recv())
+            assert ack["ok"] is False and ack["error"].startswith("rejected"), ack
+        assert not pool.k.any() and eng.proc.is_alive()
+        eng.wait(eng.submit(SaveJob(layer=0, row0=0, segments=[(2, 0, 4)])))  # still serves
+    finally:
+        eng.close()
+    assert not os.path.exists(ipc_dir)
+
+
 def test_killed_engine_is_detected_jobs_fail_and_restart_works(pool):
     eng = CopyEngine(pool, staging_rows=64, slow_ms=200)
     try:
