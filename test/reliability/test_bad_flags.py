@@ -1,0 +1,96 @@
+"""Bad-flag catalogue: every `--sparse-mode`/`--psa-*` flag with an invalid value, through
+SGLang 0.5.17's own argument parsing (`prepare_server_args`, as `launch_server` runs it),
+fails as argparse does: exit status 2 and one error line naming the flag, nothing started.
+The catalogue must cover every `PSAConfig` field, so a new knob cannot skip it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang_psa.config import PSAConfig, flag_name
+
+pytest.importorskip(
+    "sglang.srt.server_args",
+    reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
+)
+
+# field -> invalid CLI values (type errors argparse catches, and values PSAConfig refuses)
+INVALID = {
+    "sparse_mode": ["dense", ""],
+    "threshold": ["0", "1.5", "nan", "x"],
+    "stop_rule": ["exact"],
+    "score": ["random"],
+    "block_size": ["24", "0", "-32"],
+    "sink_blocks": ["-1"],
+    "recent_blocks": ["0"],
+    "wave_blocks": ["0", "1.5"],
+    "wave_growth": ["0.5"],
+    "max_wave_blocks": ["8"],  # below the first wave (16)
+    "microbatch_size": ["0"],
+    "topk_tokens": ["16", "0"],
+    "gpu_cache_gb": ["-1"],
+    "gpu_cache_free_fraction": ["0", "1.5"],
+    "host_pool_gb": ["0", "-4"],
+    "kv_home": ["disk"],
+    "ws_window": ["0", "x"],
+    "max_inject_tokens": ["0", "2.5"],
+}
+
+SCRIPT = """
+import contextlib, io, json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+out = []
+for argv in json.loads(sys.argv[1]):
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            prepare_server_args(["--model-path", "dummy", *argv])
+        out.append("accepted")
+    except SystemExit as e:
+        out.append(f"exit {e.code}: {buf.getvalue()}")
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+print(json.dumps(out))
+"""
+
+
+def _cases():
+    for name, values in INVALID.items():
+        for v in values:
+            argv = ["--sparse-mode", "psa", flag_name(name), v]
+            if name == "sparse_mode":
+                argv = ["--sparse-mode", v]
+            yield name, argv
+
+
+def test_the_catalogue_covers_every_knob():
+    knobs = {f.name for f in dataclasses.fields(PSAConfig)} - {"extra"}
+    assert set(INVALID) == knobs
+
+
+def test_every_invalid_flag_value_fails_at_startup_naming_the_flag():
+    cases = list(_cases())
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), json.dumps([a for _, a in cases])],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    bad = []
+    for (name, argv), got in zip(cases, results):
+        ok = got.startswith("exit 2: ") and "Traceback" not in got
+        lines = got.split(": ", 1)[-1].strip().splitlines()
+        ok = ok and ": error: " in lines[-1] and flag_name(name) in lines[-1]
+        if not ok:
+            bad.append((argv, got[-300:]))
+    assert not bad, "\n".join(map(str, bad))
+    assert len(cases) >= 30
