@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's share of the work, after the offline bundle is staged and installed
-# (README, "Air-gapped GPU host"). One step per device call, so each fits the 10-minute
+# (docs/offline-gpu.md). One step per device call, so each fits the 10-minute
 # call limit; results go to $OUT (the device tool brings that folder back).
 #
 #   source /tmp/psa-site/psa-env.sh && bash scripts/gpu_validate.sh STEP

@@ -2,7 +2,7 @@
 prompts (Qwen2.5-Coder-0.5B, the model MODELS.md names for GPU e2e; `PSA_E2E_MODEL=smollm2-135m`
 runs them on the smaller model, whose frequent near-ties make the 90% identical-completion
 criterion fail there although every split is at a near-tie). Needs a GPU and SGLang's CUDA stack; run on the
-GPU machine (see README, "Air-gapped GPU host")."""
+GPU machine (see docs/offline-gpu.md)."""
 
 from __future__ import annotations
 
