@@ -73,6 +73,14 @@ def headline() -> str:
     return "\n".join(rows) + "\n"
 
 
+def serving_table(doc: dict) -> str:
+    """The serving benchmark's own table (benchmark/serving/analysis.py)."""
+    sys.path.insert(0, str(ROOT / "benchmark" / "serving"))
+    import analysis
+
+    return analysis.markdown_table(doc["data"])
+
+
 def results_md() -> str:
     out = [
         "# Results",
@@ -94,6 +102,9 @@ def results_md() -> str:
             out += [f"| `{k}` | {fmt(v)} |" for k, v in summary.items()]
         else:
             out += ["", "(no summary: raw data only)"]
+        if path.stem.startswith("serving_"):
+            out += ["", "Per workload and system (each stage's plain SGLang listed with it):", ""]
+            out.append(serving_table(doc).rstrip())
         out.append("")
     return "\n".join(out)
 
