@@ -104,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     doc_ids, _ = chat_parts(tok, doc, "")
     print(f"[2/3] prefill of a {len(doc_ids)}-token document (dense) ...", flush=True)
     session = Session(model, tok)
-    session.extend(doc_ids)
+    session.extend(
+        doc_ids,
+        chunk=1024,
+        progress=lambda done, total: print(
+            f"      {done}/{total} tokens, {time.time() - t0:.0f}s", flush=True
+        ),
+    )
     doc_len = session.length
     print(f"      done in {time.time() - t0:.0f}s", flush=True)
     stop = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}

@@ -52,8 +52,9 @@ class Session:
         self.next_logits: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def extend(self, ids: list[int], chunk: int = 4096) -> None:
-        """Append tokens with dense (prefill) attention, in chunks to bound memory."""
+    def extend(self, ids: list[int], chunk: int = 4096, progress=None) -> None:
+        """Append tokens with dense (prefill) attention, in chunks to bound memory;
+        `progress(done, total)` is called after each chunk."""
         from transformers import DynamicCache
 
         if self.cache is None:
@@ -65,6 +66,8 @@ class Session:
                 input_ids=part, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
             self.length += part.shape[1]
+            if progress is not None:
+                progress(s + part.shape[1], len(ids))
         self.next_logits = out.logits[0, -1].float()
 
     def rewind(self, length: int) -> None:
