@@ -57,11 +57,10 @@ class PSAConfig:
     wave_blocks: int = 16
     wave_growth: float = 1.25
     max_wave_blocks: int = 128
-    microbatch_size: int = 32
     topk_tokens: int = 2048
     # Tiered store.
-    gpu_cache_gb: float | None = None  # None: size from free GPU memory at startup
-    gpu_cache_free_fraction: float = 0.5
+    # HBM for working sets: the page cache at host home, an admission cap at hbm home.
+    gpu_cache_gb: float | None = None
     host_pool_gb: float = 32.0
     kv_home: str = "hbm"  # where SGLang's KV pool lives: hbm, or host (pinned, read via UVA)
     # Scheduler.
@@ -92,7 +91,6 @@ class PSAConfig:
             "block_size",
             "wave_blocks",
             "max_wave_blocks",
-            "microbatch_size",
             "topk_tokens",
             "ws_window",
             "max_inject_tokens",
@@ -129,11 +127,6 @@ class PSAConfig:
             or (isinstance(self.gpu_cache_gb, (int, float)) and self.gpu_cache_gb > 0),
             "gpu_cache_gb",
             "must be positive (or unset to size from free memory)",
-        )
-        need(
-            0.0 < self.gpu_cache_free_fraction <= 1.0,
-            "gpu_cache_free_fraction",
-            "must be in (0, 1]",
         )
         need(
             isinstance(self.host_pool_gb, (int, float)) and self.host_pool_gb > 0,

@@ -39,11 +39,10 @@ _HELP = {
     "wave_blocks": "blocks attended by the first wave",
     "wave_growth": "growth factor of successive waves",
     "max_wave_blocks": "largest wave",
-    "microbatch_size": "requests per wave-attention launch",
     "topk_tokens": "topk mode: tokens attended per step",
-    "gpu_cache_gb": "HBM slot cache size in GiB (default: a fraction of free GPU memory)",
-    "gpu_cache_free_fraction": "fraction of free GPU memory for the slot cache when "
-    "--psa-gpu-cache-gb is unset",
+    "gpu_cache_gb": "GiB of HBM for working sets: with --psa-kv-home host the page cache "
+    "over the host pool (default: the KV budget left after block metadata); with hbm a cap "
+    "on the working sets admitted together (default: SGLang's whole KV pool)",
     "host_pool_gb": "pinned host KV pool size in GiB (holds every KV block)",
     "kv_home": "where SGLang's KV pool lives: hbm (GPU memory) or host (pinned host memory "
     "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
