@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import random
 import sys
 import time
 
@@ -24,42 +23,10 @@ import torch
 
 from sglang_psa.config import STOP_RULES, PSAConfig
 from sglang_psa.eval.runner import chat_parts, layer_summary
-from sglang_psa.eval.tasks import CITIES, JOBS, NAMES, Builder, Task
+from sglang_psa.eval.tasks import demo_document
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import Session, load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
-
-
-def build_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Task]]:
-    """A document with two magic numbers and two person facts hidden in it, and 4 questions."""
-    rng = random.Random(seed)
-    b = Builder(count_tokens, rng)
-    cities = rng.sample(CITIES, 2)
-    numbers = [str(rng.randint(1_000_000, 9_999_999)) for _ in cities]
-    people = rng.sample(NAMES, 2)
-    homes = rng.sample([c for c in CITIES if c not in cities], 2)
-    needles = [f"The special magic number for {c} is {n}." for c, n in zip(cities, numbers)]
-    needles += [f"{p} is a {rng.choice(JOBS)} who lives in {h}." for p, h in zip(people, homes)]
-    doc = "A long text is given below. Some facts are hidden in it. Memorize them.\n" + b.document(
-        n_tokens, needles
-    )
-    questions = [
-        Task(
-            "magic_number",
-            doc,
-            f"What is the special magic number for {c}? Answer with the number only.",
-            (n,),
-            12,
-        )
-        for c, n in zip(cities, numbers)
-    ]
-    questions += [
-        Task(
-            "person_city", doc, f"In which city does {p} live? Answer with the city only.", (h,), 12
-        )
-        for p, h in zip(people, homes)
-    ]
-    return doc, questions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/3] model {spec.name}", flush=True)
     model, tok = load_model(ensure_model(args.model), device=args.device)
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
-    doc, questions = build_document(count, args.context_tokens, args.seed)
+    doc, questions = demo_document(count, args.context_tokens, args.seed)
     doc_ids, _ = chat_parts(tok, doc, "")
     print(f"[2/3] prefill of a {len(doc_ids)}-token document (dense) ...", flush=True)
     session = Session(model, tok)

@@ -74,7 +74,7 @@ def ask(url: str, tok, doc: str, questions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sglang_psa.demo import build_document
+    from sglang_psa.eval.tasks import demo_document
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_model(args.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    doc, questions = build_document(count, args.context_tokens, args.seed)
+    doc, questions = demo_document(count, args.context_tokens, args.seed)
     url = f"http://127.0.0.1:{args.port}"
     proc = launch(model_dir, args.port, args.server_args, args.log)
     try:

@@ -339,3 +339,36 @@ def make_tasks(
             rng = random.Random(f"{seed}/{kind}/{i}/{n_tokens}")
             tasks.append(GENERATORS[kind](Builder(count_tokens, rng), n_tokens))
     return tasks
+
+
+def demo_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Task]]:
+    """The demos' document (CPU demo and server demo): two magic numbers and two person
+    facts hidden in `n_tokens` of filler, and the 4 questions about them."""
+    rng = random.Random(seed)
+    b = Builder(count_tokens, rng)
+    cities = rng.sample(CITIES, 2)
+    numbers = [str(rng.randint(1_000_000, 9_999_999)) for _ in cities]
+    people = rng.sample(NAMES, 2)
+    homes = rng.sample([c for c in CITIES if c not in cities], 2)
+    needles = [f"The special magic number for {c} is {n}." for c, n in zip(cities, numbers)]
+    needles += [f"{p} is a {rng.choice(JOBS)} who lives in {h}." for p, h in zip(people, homes)]
+    doc = "A long text is given below. Some facts are hidden in it. Memorize them.\n" + b.document(
+        n_tokens, needles
+    )
+    questions = [
+        Task(
+            "magic_number",
+            doc,
+            f"What is the special magic number for {c}? Answer with the number only.",
+            (n,),
+            12,
+        )
+        for c, n in zip(cities, numbers)
+    ]
+    questions += [
+        Task(
+            "person_city", doc, f"In which city does {p} live? Answer with the city only.", (h,), 12
+        )
+        for p, h in zip(people, homes)
+    ]
+    return doc, questions
