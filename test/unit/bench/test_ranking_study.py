@@ -12,7 +12,7 @@ import torch
 
 from sglang_psa.config import PSAConfig
 
-PATH = Path(__file__).resolve().parents[3] / "benchmark" / "accuracy" / "ranking_study.py"
+PATH = Path(__file__).resolve().parents[3] / "benchmark" / "studies" / "ranking_study.py"
 spec = importlib.util.spec_from_file_location("ranking_study", PATH)
 study = importlib.util.module_from_spec(spec)
 sys.modules["ranking_study"] = study

@@ -1,6 +1,6 @@
 """Where PSA's KV fraction goes: PSA variants against the true-mass oracle on the real model.
 
-    python benchmark/accuracy/sparsity_study.py --context-tokens 8192
+    python benchmark/studies/sparsity_study.py --context-tokens 8192
 
 For a few generated tasks, decode greedily with dense attention, PSA at the
 default settings, PSA with one-block waves (no wave rounding), PSA ranked by

@@ -1,6 +1,6 @@
 """Why PSA's heuristic stop rule loses long-context tasks, and which simple variant fixes it.
 
-    python benchmark/accuracy/stop_rule_study.py --context-tokens 16384 \
+    python benchmark/studies/stop_rule_study.py --context-tokens 16384 \
         --tasks doc_qa:0,niah_1key:0,doc_qa:1,niah_1key:1
 
 One dense prefill per task; then greedy decodes under every candidate policy

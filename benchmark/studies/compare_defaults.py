@@ -1,9 +1,9 @@
 """Dense vs PSA's default vs a candidate default, on the same generated tasks.
 
-    python benchmark/accuracy/compare_defaults.py --context-tokens 8192 --per-kind 1
-    python benchmark/accuracy/compare_defaults.py --context-tokens 16384 --kinds doc_qa \
+    python benchmark/studies/compare_defaults.py --context-tokens 8192 --per-kind 1
+    python benchmark/studies/compare_defaults.py --context-tokens 16384 --kinds doc_qa \
         --name defaults_cpu_16k
-    python benchmark/accuracy/compare_defaults.py --model smollm2-135m --context-tokens 4096 \
+    python benchmark/studies/compare_defaults.py --model smollm2-135m --context-tokens 4096 \
         --per-kind 3 --kinds niah_1key,niah_4key,variable_tracking,doc_qa --seed 1 \
         --extra "wave 32:wave_blocks=32" --name defaults_cpu_smollm_4k
 

@@ -1,7 +1,7 @@
 """How good is each block-criticality estimate at ordering blocks by their true mass?
 
-    python benchmark/accuracy/ranking_study.py --model smollm2-135m --context-tokens 4096
-    python benchmark/accuracy/ranking_study.py --model qwen2.5-0.5b --context-tokens 8192
+    python benchmark/studies/ranking_study.py --model smollm2-135m --context-tokens 4096
+    python benchmark/studies/ranking_study.py --model qwen2.5-0.5b --context-tokens 8192
 
 PSA reads blocks in estimated-criticality order and stops once the mass it
 believes covered passes ε; when the estimate misorders blocks, the stop rule
