@@ -29,6 +29,7 @@ pages; that home runs eagerly (no decode graphs) until the tiered store replaces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -60,6 +61,19 @@ def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
     if cfg.gpu_cache_gb is not None:
         return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
     return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
+
+
+@contextlib.contextmanager
+def _startup_memory():
+    """An out-of-memory error in the backend's startup allocations names the flag to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise PSAConfigError(
+            "sparse_mode",
+            "not enough GPU memory for the block metadata and working-set buffers: lower "
+            f"--mem-fraction-static or --max-total-tokens ({e})",
+        ) from e
 
 
 def _logit_cap(model_runner) -> float:
@@ -153,6 +167,31 @@ class PSAAttnBackend(AttentionBackend):
         # Every `block_size`-th token slot of each request row: its pages, times bs.
         self._page_cols = req_to_token[:, ::bs]
         self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
+        with _startup_memory():
+            self._allocate(cfg, pool, num_pages, bs, req_to_token, device)
+        serving = current()
+        serving.page_cache = self.cache
+        serving.measure = self.ws.read
+        serving.read_fraction = self.read_fraction
+        serving.read_counts = self.read_counts
+        serving.hbm_bytes = self.hbm_bytes
+        if getattr(model_runner.server_args, "enable_metrics", False):
+            from sglang_psa.integration.metrics import PSAMetrics
+
+            serving.metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
+        topk = cfg.sparse_mode == "topk"
+        self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
+        self._max_read = cfg.topk_tokens // bs if topk else None
+        self._workspace = Workspace(device)
+        self._device = device
+        self._graph_bs = 0
+        self._graph_pages = self._graph_lengths = self._graph_loc = None
+        self._batches: dict[int, _Batch] = {}
+        self._step: _Batch | None = None
+
+    def _allocate(self, cfg: PSAConfig, pool, num_pages: int, bs: int, req_to_token, device):
+        """The backend's startup buffers: block metadata (counted in SGLang's KV budget by
+        `kv_pool`), working-set stamps and read counters."""
         self.meta = PageMeta(
             pool.layer_num,
             num_pages,
@@ -175,25 +214,20 @@ class PSAAttnBackend(AttentionBackend):
         )
         # Per layer: KV blocks read and available (device counters the kernel adds to).
         self.stats = torch.zeros(pool.layer_num, 2, dtype=torch.int64, device=device)
-        serving = current()
-        serving.page_cache = self.cache
-        serving.measure = self.ws.read
-        serving.read_fraction = self.read_fraction
-        serving.read_counts = self.read_counts
         self._stats_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
-        if getattr(model_runner.server_args, "enable_metrics", False):
-            from sglang_psa.integration.metrics import PSAMetrics
 
-            serving.metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
-        topk = cfg.sparse_mode == "topk"
-        self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
-        self._max_read = cfg.topk_tokens // bs if topk else None
-        self._workspace = Workspace(device)
-        self._device = device
-        self._graph_bs = 0
-        self._graph_pages = self._graph_lengths = self._graph_loc = None
-        self._batches: dict[int, _Batch] = {}
-        self._step: _Batch | None = None
+    def hbm_bytes(self) -> dict[str, int]:
+        """GPU bytes this backend holds, by purpose (server info reports them): block
+        metadata (inside SGLang's KV budget), working-set stamps and counters, the
+        graph-static step tables and the wave kernels' shared workspace (both allocated
+        while SGLang captures its graphs, in the memory `--mem-fraction-static` leaves)."""
+        size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return {
+            "block_metadata": self.meta.bytes,
+            "working_sets": self.ws.bytes + size(self.stats),
+            "step_tables": size(self._graph_pages, self._graph_lengths, self._graph_loc),
+            "workspace": self._workspace.nbytes,
+        }
 
     @staticmethod
     def _page_cache(cfg: PSAConfig, pool, num_pages: int) -> PageCache | None:

@@ -50,6 +50,7 @@ class PSAServing:
         # The backend's (blocks read, blocks readable) as last copied to the host, no sync.
         self.read_counts: Callable[[], tuple[int, int]] | None = None
         self.metrics = None  # PSAMetrics with --enable-metrics
+        self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
         self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
 
     @property
@@ -262,6 +263,7 @@ def after_get_internal_state(result, scheduler, recv_req):
         "kv_cached_tokens": cached,
         "kv_held_tokens": total - available - cached,
         "req_slots_free": int(scheduler.req_to_token_pool.available_size()),
+        "plugin_hbm_bytes": serving.hbm_bytes() if serving.hbm_bytes else None,
         **_memory_bytes(),
         "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
         "kv_home": serving.cfg.kv_home,

@@ -42,6 +42,12 @@ class WorkingSets:
         self._host = torch.zeros(2, rows, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def bytes(self) -> int:
+        """GPU bytes held: stamps, step counter, sizes by row, per-batch-size scratch."""
+        ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
     def layer_stamps(self, layer: int) -> torch.Tensor:
         """`[Hkv, pages]` stamps of one layer (what the wave kernel writes)."""
         H = self.kv_heads

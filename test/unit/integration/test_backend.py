@@ -19,6 +19,7 @@ pytest.importorskip(
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
+from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.integration import flags, kv_pool, scheduling  # noqa: E402
@@ -202,6 +203,25 @@ def test_unsupported_models_and_settings_are_refused_naming_the_flag():
         bad = SimpleNamespace(**{**vars(runner), **change})
         with pytest.raises(PSAConfigError, match=match):
             PSAAttnBackend(bad)
+
+
+def test_backend_reports_its_gpu_bytes_and_names_the_flag_when_they_do_not_fit(monkeypatch):
+    cfg = PSAConfig()
+    runner, fb, _ = _rig(cfg, [40, 100])
+    backend = PSAAttnBackend(runner)
+    got = backend.hbm_bytes()
+    pool = runner.token_to_kv_pool
+    pages = (pool.size + BS) // BS
+    assert got["block_metadata"] == backend.meta.bytes > 0
+    assert got["working_sets"] >= pool.layer_num * pool.head_num * pages * 4  # the stamps
+    assert scheduling.current().hbm_bytes() == got  # what server info reports
+
+    def no_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(psa_backend, "PageMeta", no_memory)
+    with pytest.raises(PSAConfigError, match="--mem-fraction-static"):
+        PSAAttnBackend(runner)
 
 
 def _assert_page_meta(meta, layer, page, keys):
