@@ -36,7 +36,7 @@ HEADLINE = [
     ("reliability", "faults_survived", "faults survived (of `faults_tried`)", ""),
     ("reliability", "requests_lost", "requests lost under 500-request overload", ""),
     ("reliability", "leaked_pages_after_load", "KV pages held after aborts and load", ""),
-    ("reliability", "bad_inputs_clean_error", "bad inputs answered or refused with a 4xx (of 14)", ""),
+    ("reliability", "bad_inputs_clean_error", "bad inputs answered or refused with a 4xx (of `bad_inputs_tried`)", ""),
     ("reliability", "soak_rss_growth_mb", "host RSS growth over the soak, MB", ""),
 ]  # fmt: skip
 
