@@ -257,7 +257,7 @@ def _in_background(fn, *args) -> dict:
     return box
 
 
-def abort_queued(s: Server, running: int) -> Outcome:
+def abort_queued(s: Server, running: int = MAX_RUNNING) -> Outcome:
     """Fill every running slot with long decodes, queue more, abort the queued ones."""
 
     def run():
@@ -442,9 +442,12 @@ def metrics_endpoint(s: Server) -> Outcome:
                    not missing)  # fmt: skip
 
 
+# Every fault probe, in the order they run (the benchmark and the GPU test both use this).
+FAULTS = (abort_queued, abort_mid_prefill, abort_mid_decode, client_disconnect,
+          abort_retracted, abort_storm, overload, metrics_endpoint)  # fmt: skip
+
+
 def faults(s: Server):
     """Every fault probe in turn, each outcome as it comes."""
-    yield abort_queued(s, MAX_RUNNING)
-    for probe in (abort_mid_prefill, abort_mid_decode, client_disconnect, abort_retracted,
-                  abort_storm, overload, metrics_endpoint):  # fmt: skip
+    for probe in FAULTS:
         yield probe(s)

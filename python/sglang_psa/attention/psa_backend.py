@@ -29,7 +29,6 @@ pages; that home runs eagerly (no decode graphs) until the tiered store replaces
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -61,19 +60,6 @@ def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
     if cfg.gpu_cache_gb is not None:
         return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
     return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
-
-
-@contextlib.contextmanager
-def _startup_memory():
-    """An out-of-memory error in the backend's startup allocations names the flag to change."""
-    try:
-        yield
-    except torch.OutOfMemoryError as e:
-        raise PSAConfigError(
-            "sparse_mode",
-            "not enough GPU memory for the block metadata and working-set buffers: lower "
-            f"--mem-fraction-static or --max-total-tokens ({e})",
-        ) from e
 
 
 def _logit_cap(model_runner) -> float:
@@ -167,8 +153,14 @@ class PSAAttnBackend(AttentionBackend):
         # Every `block_size`-th token slot of each request row: its pages, times bs.
         self._page_cols = req_to_token[:, ::bs]
         self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
-        with _startup_memory():
+        try:
             self._allocate(cfg, pool, num_pages, bs, req_to_token, device)
+        except torch.OutOfMemoryError as e:
+            raise PSAConfigError(
+                "sparse_mode",
+                "not enough GPU memory for the block metadata and working-set buffers: lower "
+                f"--mem-fraction-static or --max-total-tokens ({e})",
+            ) from e
         serving = current()
         serving.page_cache = self.cache
         serving.measure = self.ws.read
