@@ -15,7 +15,7 @@ from typing import Any
 SPARSE_MODES = ("none", "psa", "topk")
 STOP_RULES = ("heuristic", "certified")
 SCORE_METHODS = ("mean", "bound")
-KV_HOMES = ("hbm", "host")
+KV_HOMES = ("hbm", "host", "tiered")
 
 # Fields whose CLI flag is not simply `--psa-<field>`.
 _FLAG_OVERRIDES = {"sparse_mode": "--sparse-mode"}
@@ -62,7 +62,9 @@ class PSAConfig:
     # HBM for working sets: the page cache at host home, an admission cap at hbm home.
     gpu_cache_gb: float | None = None
     host_pool_gb: float = 32.0
-    kv_home: str = "hbm"  # where SGLang's KV pool lives: hbm, or host (pinned, read via UVA)
+    # Where SGLang's KV pool lives: hbm; host (pinned, read via UVA); tiered (HBM, every
+    # full block written back to a host tier of host_pool_gb by the copy engine).
+    kv_home: str = "hbm"
     # Scheduler.
     ws_window: int = 12
     max_inject_tokens: int = 8192

@@ -161,7 +161,11 @@ class PSAAttnBackend(AttentionBackend):
                 "not enough GPU memory for the block metadata and working-set buffers: lower "
                 f"--mem-fraction-static or --max-total-tokens ({e})",
             ) from e
+        self.writeback = None
+        if cfg.kv_home == "tiered":
+            self.writeback = self._writeback(cfg, pool, model_runner, device)
         serving = current()
+        serving.writeback = self.writeback
         serving.page_cache = self.cache
         serving.measure = self.ws.read
         serving.read_fraction = self.read_fraction
@@ -208,6 +212,35 @@ class PSAAttnBackend(AttentionBackend):
         self.stats = torch.zeros(pool.layer_num, 2, dtype=torch.int64, device=device)
         self._stats_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
 
+    @staticmethod
+    def _writeback(cfg: PSAConfig, pool, model_runner, device):
+        """The host tier and its copy engine (`--psa-kv-home tiered`). The device staging
+        holds one job (a prefill's blocks of one layer, up to the context); the pinned
+        ring four such jobs, so prefill runs ahead of the engine by a few layers."""
+        from sglang_psa.mem_cache.writeback import WriteBack
+
+        host_blocks = blocks_for_budget(
+            cfg.host_pool_gb, pool.layer_num, pool.head_num, cfg.block_size, pool.head_dim,
+            pool.store_dtype,
+        )  # fmt: skip
+        if host_blocks < 1:
+            raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
+        context = int(getattr(getattr(model_runner, "model_config", None), "context_len", 0) or 0)
+        chunk = int(getattr(model_runner.server_args, "chunked_prefill_size", 0) or 0)
+        job_rows = -(-max(context, chunk, cfg.block_size) // cfg.block_size) * cfg.block_size
+        try:
+            return WriteBack(
+                pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
+                host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
+                threads=max(2, min(8, (os.cpu_count() or 4) // 2)),
+            )  # fmt: skip
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            raise PSAConfigError(
+                "host_pool_gb",
+                f"the host tier of {cfg.host_pool_gb:g} GiB or its copy engine could not be "
+                f"set up ({e}); lower it or free host memory",
+            ) from e
+
     def hbm_bytes(self) -> dict[str, int]:
         """GPU bytes this backend holds, by purpose (server info reports them): block
         metadata (inside SGLang's KV budget), working-set stamps and counters, the
@@ -219,6 +252,7 @@ class PSAAttnBackend(AttentionBackend):
             "working_sets": self.ws.bytes + size(self.stats),
             "step_tables": size(self._graph_pages, self._graph_lengths, self._graph_loc),
             "workspace": self._workspace.nbytes,
+            "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
         }
 
     @staticmethod
@@ -288,6 +322,12 @@ class PSAAttnBackend(AttentionBackend):
             )
         B = forward_batch.batch_size
         self._step = self._batch(B) if B > 0 else None  # B = 0: an idle batch (DP attention)
+        if self.writeback is not None and not in_capture:  # host side, before the replay
+            pool = self.token_to_kv_pool
+            self.writeback.before_forward()
+            self.writeback.issue_decode(
+                pool.k_buffer, pool.v_buffer, self.req_to_token_pool.req_to_token
+            )
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Recorded into the decode graph: the step's page table, lengths, working sets."""
@@ -324,15 +364,22 @@ class PSAAttnBackend(AttentionBackend):
             n_tokens = forward_batch.input_ids.shape[0]
         max_pages = -(-int(n_tokens) // self.cfg.block_size) + 1
         lid = layer.layer_id
+        kbuf = self.token_to_kv_pool.get_key_buffer(lid)
+        req_to_token = self.req_to_token_pool.req_to_token
         self.meta.on_extend(
             lid - self.first_layer,
-            self.token_to_kv_pool.get_key_buffer(lid),
-            self.req_to_token_pool.req_to_token,
+            kbuf,
+            req_to_token,
             forward_batch.req_pool_indices[:B],
             forward_batch.extend_prefix_lens[:B],
             forward_batch.seq_lens[:B],
             max_pages,
         )
+        if self.writeback is not None:  # this layer's completed blocks to the host tier
+            if lid == self.first_layer:
+                self.writeback.before_forward()
+            vbuf = self.token_to_kv_pool.get_value_buffer(lid)
+            self.writeback.issue_extend_layer(lid - self.first_layer, kbuf, vbuf, req_to_token)
 
     # -- decode -----------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

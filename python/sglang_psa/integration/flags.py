@@ -43,10 +43,12 @@ _HELP = {
     "gpu_cache_gb": "GiB of HBM for working sets: with --psa-kv-home host the page cache "
     "over the host pool (default: the KV budget left after block metadata); with hbm a cap "
     "on the working sets admitted together (default: SGLang's whole KV pool)",
-    "host_pool_gb": "pinned host KV pool size in GiB (holds every KV block)",
-    "kv_home": "where SGLang's KV pool lives: hbm (GPU memory) or host (pinned host memory "
+    "host_pool_gb": "pinned host memory in GiB for KV: the whole pool with --psa-kv-home "
+    "host, the host tier with tiered (a request needing more is refused)",
+    "kv_home": "where SGLang's KV pool lives: hbm (GPU memory); host (pinned host memory "
     "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
-    "the block metadata)",
+    "the block metadata); tiered (GPU memory, and every full block is also written back "
+    "to a host tier of --psa-host-pool-gb by the copy-engine process)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
     "max_inject_tokens": "prefill tokens per batch: long prompts are chunked at this size "
     "(sets --chunked-prefill-size unless given; layer-segmented prefill is not implemented)",

@@ -68,6 +68,20 @@ HOOKS: tuple[Hook, ...] = (
         "record working sets; retract when they outgrow the slot cache",
     ),
     Hook(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+        "after",
+        "scheduling:after_prepare_for_extend",
+        ("self",),
+        "--psa-kv-home tiered: plan the write-back of the blocks an extend completes",
+    ),
+    Hook(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
+        "after",
+        "scheduling:after_prepare_for_decode",
+        ("self",),
+        "--psa-kv-home tiered: plan the write-back of blocks decode steps completed",
+    ),
+    Hook(
         "sglang.srt.mem_cache.common.release_kv_cache",
         "after",
         "scheduling:after_release_kv_cache",

@@ -16,7 +16,10 @@ cover KV token usage, queue lengths and latencies.
 | `running_requests`, `paused_requests` | requests admitted by working set; retracted ones |
 | `working_set_units`, `capacity_units` | their working sets; the HBM budget (layer x KV head x block) |
 | `admitted_total`, `retracted_total`, `finished_total`, `rejected_total` | admission events |
-| `admission_deferrals_total` | scheduling rounds a queued request waited for working-set room |
+| `admission_deferrals_total` | scheduling rounds a queued request waited for working-set or host-tier room |
+| `blocks_saved_total`, `save_bytes_total` | blocks written back to the host tier and acknowledged (`--psa-kv-home tiered`) |
+| `save_jobs_in_flight`, `host_blocks_used` | write-back jobs not yet acknowledged; host-tier blocks held |
+| `copy_engine_restarts_total` | times a dead copy engine was restarted (its saves redone) |
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ GAUGES = {
     "finished_total": "requests that left admission control",
     "rejected_total": "requests refused because they can never fit",
     "admission_deferrals_total": "scheduling rounds a queued request waited for room",
+    "blocks_saved_total": "KV blocks written back to the host tier and acknowledged",
+    "save_bytes_total": "bytes written back to the host tier and acknowledged",
+    "save_jobs_in_flight": "write-back jobs not yet acknowledged by the copy engine",
+    "host_blocks_used": "host-tier blocks held by requests",
+    "copy_engine_restarts_total": "times a dead copy engine was restarted",
 }
 PREFIX = "sglang_psa:"
 

@@ -51,6 +51,7 @@ class PSAServing:
         self.read_counts: Callable[[], tuple[int, int]] | None = None
         self.metrics = None  # PSAMetrics with --enable-metrics
         self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
+        self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
         self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
 
     @property
@@ -91,10 +92,17 @@ class PSAServing:
         return None
 
     # -- admission ----------------------------------------------------------------
-    def try_admit(self, rid: Hashable, prompt_tokens: int, alone: bool) -> bool:
-        """Admit `rid` if its working set fits beside the running ones (or if `alone`)."""
+    def try_admit(
+        self, rid: Hashable, prompt_tokens: int, alone: bool, max_new_tokens: int | None = None
+    ) -> bool:
+        """Admit `rid` if its working set fits beside the running ones (or if `alone`) and,
+        with a host tier, the host blocks its whole length can fill are free."""
         if rid in self.controller.running:
             return True
+        wb = self.writeback
+        if wb is not None and not wb.reserve(rid, prompt_tokens + (max_new_tokens or 0)):
+            self.deferrals += 1  # blocks of running requests come back as they end
+            return False
         cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
         if not self.gates_by_working_set:  # tracked for server info, never held back
             self.controller.admit_alone(cand)
@@ -104,6 +112,8 @@ class PSAServing:
         if alone:  # nothing else runs: admit anyway rather than stall the server
             self.controller.admit_alone(cand)
             return True
+        if wb is not None:
+            wb.release(rid)
         self.deferrals += 1
         return False
 
@@ -111,6 +121,8 @@ class PSAServing:
         """SGLang's own checks refused a request this controller had admitted."""
         if rid not in self.controller.running:
             return
+        if self.writeback is not None:
+            self.writeback.release(rid)
         stats = self.controller.stats
         if was_paused:
             self.controller.pause(rid)
@@ -158,6 +170,7 @@ class PSAServing:
             "finished_total": st.finished,
             "rejected_total": st.rejected,
             "admission_deferrals_total": self.deferrals,
+            **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
         }
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
@@ -168,11 +181,23 @@ class PSAServing:
         return load <= ctl.capacity_units
 
     def release(self, rid: Hashable, retracted: bool) -> None:
+        if self.writeback is not None:  # a retracted request is prefilled and saved again
+            self.writeback.release(rid)
         ctl = self.controller
         if retracted and rid in ctl.running:
             ctl.pause(rid)
         elif rid in ctl.running or rid in ctl.paused:
             ctl.finish(rid)
+
+
+def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:
+    return {
+        "blocks_saved_total": rep["blocks_saved"],
+        "save_bytes_total": rep["bytes_saved"],
+        "save_jobs_in_flight": rep["save_jobs_in_flight"],
+        "host_blocks_used": rep["host_blocks_used"],
+        "copy_engine_restarts_total": rep["engine_restarts"],
+    }
 
 
 _current: PSAServing | None = None
@@ -199,7 +224,8 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
     was_paused = req.rid in serving.controller.paused
-    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone):
+    max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
@@ -218,6 +244,24 @@ def after_check_decode_mem(result, batch, selected_indices=None):
         # (HTTP 500). Its KV is in HBM, so it is served, as a lone request is admitted.
         return True
     return serving.fits(r.rid for r in reqs)
+
+
+def after_prepare_for_extend(result, batch):
+    """An extend batch is set up (its requests' lengths after it are known on the host):
+    the write-back plans the blocks it completes."""
+    serving = current()
+    if serving is not None and serving.writeback is not None and batch.reqs:
+        serving.writeback.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist())
+    return result
+
+
+def after_prepare_for_decode(result, batch):
+    """A decode batch is set up: the write-back plans the blocks earlier steps completed
+    (and takes the copy engine's acknowledgements)."""
+    serving = current()
+    if serving is not None and serving.writeback is not None and batch.reqs:
+        serving.writeback.plan_decode(batch.reqs, batch.seq_lens_cpu.tolist())
+    return result
 
 
 def after_release_kv_cache(result, req, tree_cache, is_insert=True):
@@ -269,6 +313,8 @@ def after_get_internal_state(result, scheduler, recv_req):
         "kv_home": serving.cfg.kv_home,
         # Hits, host reads, admissions of the HBM page cache (pool on the host), else None.
         "page_cache": serving.page_cache.stats() if serving.page_cache is not None else None,
+        # Write-back to the host tier (--psa-kv-home tiered), else None.
+        "writeback": serving.writeback.report() if serving.writeback is not None else None,
     }
     return result
 

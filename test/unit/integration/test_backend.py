@@ -454,3 +454,76 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
         nb = -(-n // BS)
         want = (req[r, : nb * BS : BS] // BS).to(torch.int32)
         assert torch.equal(backend._step.pages[b, :nb], want)
+
+
+@pytest.mark.slow
+def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks():
+    """`--psa-kv-home tiered`: the pool stays in HBM and decode reads it as at hbm home;
+    through the same calls SGLang makes (admission, prepare_for_extend, each extend layer,
+    prepare_for_decode, the step's metadata, release), every block prefill and decode
+    complete reaches its host block, byte for byte, and an ended request's host blocks
+    return."""
+    pytest.importorskip("zmq", reason="pyzmq is not installed here")
+    from sglang_psa.mem_cache.writeback import wait_saved
+
+    cfg = PSAConfig(threshold=0.9, kv_home="tiered", host_pool_gb=0.01)
+    lengths = [95, 64]
+    runner, fb, g = _rig(cfg, lengths)
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    serving, wb = scheduling.current(), backend.writeback
+    assert serving.writeback is wb and wb is not None and backend.cache is None
+    req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    reqs = [SimpleNamespace(rid=f"r{r}", req_pool_idx=r) for r in (1, 2)]
+    try:
+        for r, n in zip(reqs, lengths):
+            assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=64)
+        prompt = [n - 1 for n in lengths]  # prefill writes all but the newest token
+        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt))
+        scheduling.after_prepare_for_extend(None, batch)
+        _prefill(backend, fb)
+        wait_saved(wb)
+        assert wb.report()["blocks_saved"] == sum(n // BS for n in prompt)
+        used = set(req.req_to_token[1:3, :128].flatten().div(BS, rounding_mode="floor").tolist())
+        free_pages = [p for p in range(1, 64) if p not in used]
+        lens = list(lengths)
+        for _ in range(70):
+            slots = []
+            for r, n in zip((1, 2), lens):
+                slot = (
+                    free_pages.pop(0) * BS if n % BS == 0 else int(req.req_to_token[r, n - 1]) + 1
+                )
+                req.req_to_token[r, n] = slot
+                slots.append(slot)
+            lens = [n + 1 for n in lens]
+            fb.seq_lens = torch.tensor(lens, device=DEV)
+            fb.out_cache_loc = torch.tensor(slots, device=DEV)
+            scheduling.after_prepare_for_decode(
+                None, SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(lens))
+            )
+            backend.init_forward_metadata(fb)
+            q = torch.randn(2, HQ * D, generator=g).to(DEV)
+            for layer_id in range(LAYERS):
+                k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
+                v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
+                backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+        wb.issue_decode(kv.k_buffer, kv.v_buffer, req.req_to_token, force=True)
+        wait_saved(wb)
+        for r, n in zip(reqs, lens):
+            host = wb.saved_blocks(r.rid)
+            assert len(host) == (n - 1) // BS
+            for b, hb in enumerate(host):
+                page = int(req.req_to_token[r.req_pool_idx, b * BS]) // BS
+                for layer_id in range(LAYERS):
+                    want = kv.k_buffer[layer_id][page * BS : (page + 1) * BS].transpose(0, 1)
+                    assert torch.equal(wb.host.k[layer_id, :, hb], want.cpu()), (r.rid, b)
+                    want = kv.v_buffer[layer_id][page * BS : (page + 1) * BS].transpose(0, 1)
+                    assert torch.equal(wb.host.v[layer_id, :, hb], want.cpu()), (r.rid, b)
+        info = serving.metric_values()
+        assert info["blocks_saved_total"] == sum((n - 1) // BS for n in lens)
+        assert info["save_jobs_in_flight"] == 0 and info["copy_engine_restarts_total"] == 0
+        for r in reqs:
+            scheduling.after_release_kv_cache(None, SimpleNamespace(rid=r.rid), None)
+        assert wb.blocks.used == 0
+        wb.blocks.check_integrity()
+    finally:
+        wb.close()

@@ -1,0 +1,448 @@
+"""Write-back of every full KV block to the host tier, through the copy engine.
+
+`--psa-kv-home tiered`: SGLang's KV pool stays in HBM (the hot tier) and every
+block that fills (in prefill or in decode) gets a copy in the host tier, laid
+out per (layer, KV head, block) (`HostKVPool`), so a later step can read or
+promote it instead of keeping it in HBM.
+
+Who calls what (one scheduler process, one thread; SGLang's overlap loop
+prepares batch t+1 after launching forward t, then launches forward t+1):
+- the scheduler hooks *plan*, on the host, from request lengths only (no GPU
+  reads): `plan_extend` names the blocks an extend batch completes,
+  `plan_decode` the blocks earlier decode steps completed; each planned block
+  gets a host block id from the request's reservation (`HostBlocks`);
+- the attention backend *issues*: after each prefill layer wrote its KV
+  (`issue_extend_layer`), and, for decode, before a step's graph replay once
+  enough blocks are pending (`issue_decode`). On the copy stream, behind an
+  event on the compute stream: one gather kernel puts the layer's planned pages
+  head-major into a device staging buffer (`sgl_kernel_ext.writeback`), one
+  D2H copy each for K and V moves it into the engine's pinned staging ring,
+  the GPU writes the job's completion flag, and the job (layer, ring rows,
+  host blocks) goes to the copy-engine process over ZMQ, whose threads scatter
+  the rows into host blocks and acknowledge;
+- `poll()` (every scheduling round) takes acknowledgements: a block counts as
+  saved, and may be read from the host, only after its job is acknowledged. It
+  also checks the engine's heartbeat: a dead engine is restarted and every
+  unacknowledged job resubmitted from its staging rows, which the ring never
+  reuses before the acknowledgement.
+
+The compute stream waits for the copy stream's last gather (microseconds)
+before the next forward, so a page SGLang frees and hands out again is never
+overwritten while a gather still reads it. Nothing here synchronises the host
+with the GPU on the serving path except back pressure when the staging ring is
+full of unacknowledged rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_kernel_ext.writeback import gather_pages_head_major
+from sglang_psa.engine.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
+from sglang_psa.store.host_pool import HostKVPool
+
+logger = logging.getLogger(__name__)
+
+
+class HostTierFull(RuntimeError):
+    """A request needs more host blocks than it reserved and none are free."""
+
+
+class HostBlocks:
+    """Host-tier block ids: a free list with per-request reservations (CPU only).
+
+    A request reserves the blocks its whole length can fill when admitted, so a
+    running request never finds the host tier full; it takes ids as its blocks
+    fill and returns all of them when it ends. Ids come out ascending from a fresh
+    list, so a prefill's blocks are runs the engine copies with one memcpy.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, 2, ...
+        self._reserved: dict[object, int] = {}  # rid -> ids reserved, not yet taken
+        self._owned: dict[object, list[int]] = {}
+
+    @property
+    def available(self) -> int:
+        """Free ids not promised to a reservation."""
+        return len(self._free) - sum(self._reserved.values())
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def reserve(self, rid, n: int) -> bool:
+        """Promise `n` more ids to `rid` if they are free."""
+        if n > self.available:
+            return False
+        self._reserved[rid] = self._reserved.get(rid, 0) + n
+        return True
+
+    def take(self, rid, n: int) -> list[int]:
+        """`n` ids for `rid`, from its reservation first."""
+        if n == 0:
+            return []
+        from_res = min(n, self._reserved.get(rid, 0))
+        if n - from_res > self.available:
+            raise HostTierFull(
+                f"request {rid} needs {n} host blocks beyond its reservation; {self.available} free"
+            )
+        if from_res:
+            self._reserved[rid] -= from_res
+        ids = [self._free.pop() for _ in range(n)]
+        self._owned.setdefault(rid, []).extend(ids)
+        return ids
+
+    def release(self, rid) -> int:
+        """Return every id and reservation of `rid`; the number of ids returned."""
+        self._reserved.pop(rid, None)
+        ids = self._owned.pop(rid, [])
+        self._free.extend(reversed(ids))
+        return len(ids)
+
+    def check_integrity(self) -> None:
+        owned = [i for ids in self._owned.values() for i in ids]
+        every = sorted(owned + self._free)
+        assert every == list(range(self.num_blocks)), "a host block is lost or owned twice"
+        assert all(v >= 0 for v in self._reserved.values())
+
+
+@dataclass
+class _Req:
+    row: int  # SGLang's request-table row
+    planned: int = 0  # blocks planned for a save, in order
+    saved: int = 0  # blocks acknowledged
+    host: list[int] = field(default_factory=list)  # host block of each planned block
+
+
+@dataclass
+class _Entry:
+    rid: object
+    row: int
+    block: int  # block index within the request
+    host: int  # host block id
+
+
+@dataclass
+class WriteBackStats:
+    blocks_planned: int = 0
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    jobs: int = 0
+    engine_restarts: int = 0
+    resubmitted_jobs: int = 0
+    dropped_blocks: int = 0  # planned for requests that ended before the save ran
+
+
+class WriteBack:
+    """The write-back pipeline of one scheduler process (one GPU's layers and heads)."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int,
+        host_blocks: int,
+        staging_rows: int,
+        device: torch.device | str,
+        *,
+        max_job_rows: int | None = None,
+        decode_flush_blocks: int = 16,
+        threads: int = 4,
+        heartbeat_timeout: float = 1.0,
+        engine_slow_ms: int = 0,
+    ):
+        self.layers, self.heads, self.head_dim = layers, kv_heads, head_dim
+        self.block_size, self.dtype = block_size, dtype
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if staging_rows < block_size:
+            raise ValueError(f"the staging ring needs at least one block ({block_size} rows)")
+        self.host = HostKVPool(layers, kv_heads, host_blocks, block_size, head_dim, dtype)
+        self.engine = CopyEngine(
+            self.host,
+            staging_rows,
+            heartbeat_timeout=heartbeat_timeout,
+            slow_ms=engine_slow_ms,
+            threads=threads,
+        )
+        self.blocks = HostBlocks(host_blocks)
+        self.decode_flush_blocks = decode_flush_blocks
+        self.stats = WriteBackStats()
+        self._reqs: dict[object, _Req] = {}
+        self._decode: list[_Entry] = []  # planned by decode, not issued yet
+        self._extend: list[_Entry] = []  # planned for the next extend forward
+        self._extend_tables: tuple[torch.Tensor, list[_Entry]] | None = None
+        self._jobs: dict[int, tuple[SaveJob, list[_Entry]]] = {}  # unacknowledged
+        self._ring: deque[tuple[int, int, int]] = deque()  # (job, row0, rows) in ring order
+        self._head = 0
+        rows = self.max_job_rows = min(max_job_rows or staging_rows, staging_rows)
+        self._stage_k = torch.empty(kv_heads * rows * head_dim, dtype=dtype, device=self.device)
+        self._stage_v = torch.empty_like(self._stage_k)
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self._gathered = torch.cuda.Event()
+            self._seq = torch.zeros(FLAG_SLOTS, dtype=torch.int64, device=self.device)
+        else:
+            self.stream = None
+        self._block_bytes = 2 * kv_heads * block_size * head_dim * self.host.k.element_size()
+
+    # -- reservations (admission) ---------------------------------------------------
+    def reserve(self, rid, tokens: int) -> bool:
+        """Reserve the host blocks a request of `tokens` tokens can fill."""
+        return self.blocks.reserve(rid, tokens // self.block_size)
+
+    def release(self, rid) -> None:
+        """`rid` ended (finished, aborted or retracted): its planned, unissued saves are
+        dropped and its host blocks return to the free list. Saves already issued
+        complete in order before any later save to the same blocks (the engine is FIFO)."""
+        self._reqs.pop(rid, None)
+        for plan in (self._decode, self._extend):
+            keep = [e for e in plan if e.rid != rid]
+            self.stats.dropped_blocks += len(plan) - len(keep)
+            plan[:] = keep
+        self.blocks.release(rid)
+
+    # -- planning (scheduler, host only) ---------------------------------------------
+    def _plan(self, rid, row: int, full_blocks: int, out: list[_Entry]) -> None:
+        r = self._reqs.get(rid)
+        if r is None or r.row != row:
+            if r is not None:  # the request moved rows (resumed): its blocks start over
+                self.release(rid)
+            r = self._reqs[rid] = _Req(row)
+        n = full_blocks - r.planned
+        if n <= 0:
+            return
+        ids = self.blocks.take(rid, n)
+        for i, h in enumerate(ids):
+            out.append(_Entry(rid, row, r.planned + i, h))
+        r.host.extend(ids)
+        r.planned = full_blocks
+        self.stats.blocks_planned += n
+
+    def plan_extend(self, reqs, seq_lens) -> None:
+        """An extend batch is about to run: every block it completes (its requests'
+        lengths after it are `seq_lens`) is saved after each layer wrote it."""
+        self.poll()
+        bs = self.block_size
+        self._extend = []
+        for req, n in zip(reqs, seq_lens):
+            self._plan(req.rid, int(req.req_pool_idx), int(n) // bs, self._extend)
+
+    def plan_decode(self, reqs, seq_lens) -> None:
+        """A decode batch is about to run with lengths `seq_lens` (its new tokens
+        included): blocks below the newest token's block are written (their last
+        token's KV was written by an earlier forward, already launched)."""
+        self.poll()
+        bs = self.block_size
+        for req, n in zip(reqs, seq_lens):
+            self._plan(req.rid, int(req.req_pool_idx), (int(n) - 1) // bs, self._decode)
+
+    # -- issuing (attention backend, on the forward's stream) -------------------------
+    def _tables(self, entries: list[_Entry], req_to_token: torch.Tensor) -> torch.Tensor:
+        """Pages of `entries` on the GPU: SGLang's request table at each block's first
+        token, divided by the page size (a small H2D copy, no sync)."""
+        rows_blocks = torch.tensor(
+            [(e.row, e.block * self.block_size) for e in entries], dtype=torch.int64
+        )
+        if self.cuda:
+            rows_blocks = rows_blocks.pin_memory().to(self.device, non_blocking=True)
+        return req_to_token[rows_blocks[:, 0], rows_blocks[:, 1]] // self.block_size
+
+    def before_forward(self) -> None:
+        """The forward about to run may overwrite pages an issued gather still reads."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._gathered)
+
+    def issue_extend_layer(
+        self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor
+    ) -> None:
+        """After extend layer `layer` (0-based) stored its KV: save its planned blocks."""
+        if layer == 0:
+            self._extend_tables = (
+                (self._tables(self._extend, req_to_token), self._extend) if self._extend else None
+            )
+            self._extend = []
+        if self._extend_tables is None:
+            return
+        pages, entries = self._extend_tables
+        self._issue(layer, k_buf, v_buf, pages, entries)
+        if layer == self.layers - 1:
+            self._extend_tables = None
+
+    def issue_decode(self, k_bufs, v_bufs, req_to_token: torch.Tensor, force: bool = False) -> None:
+        """Before a decode step's replay: save the pending decode blocks of every layer,
+        once at least `decode_flush_blocks` are pending (or `force`)."""
+        if not self._decode or (len(self._decode) < self.decode_flush_blocks and not force):
+            return
+        entries, self._decode = self._decode, []
+        pages = self._tables(entries, req_to_token)
+        for layer in range(self.layers):
+            self._issue(layer, k_bufs[layer], v_bufs[layer], pages, entries)
+
+    @property
+    def device_bytes(self) -> int:
+        return 2 * self._stage_k.numel() * self._stage_k.element_size()
+
+    def _reserve_rows(self, n: int) -> int:
+        """Ring rows for a job of `n` rows, waiting for the engine if they are in use."""
+        rows = self.engine.staging_rows
+        r0 = 0 if self._head + n > rows else self._head
+        while self._ring and self._overlaps(self._ring[0], r0, n):
+            self._wait(self._ring[0][0])
+        self._head = r0 + n
+        return r0
+
+    @staticmethod
+    def _overlaps(entry, r0: int, n: int) -> bool:
+        _, a, m = entry
+        return a < r0 + n and r0 < a + m
+
+    def _issue(self, layer: int, k_buf, v_buf, pages: torch.Tensor, entries: list[_Entry]):
+        """One job: `entries` (at most a job's rows) of one layer."""
+        step = self.max_job_rows // self.block_size
+        if len(entries) > step:
+            for i in range(0, len(entries), step):
+                self._issue(layer, k_buf, v_buf, pages[i : i + step], entries[i : i + step])
+            return
+        n_rows = len(entries) * self.block_size
+        r0 = self._reserve_rows(n_rows)
+        H, d = self.heads, self.head_dim
+        dk = self._stage_k[: H * n_rows * d].view(H, n_rows, d)
+        dv = self._stage_v[: H * n_rows * d].view(H, n_rows, d)
+        sk, sv = self.engine.staged(r0, n_rows)
+        job = SaveJob(layer, r0, [(e.host, 0, self.block_size) for e in entries])
+        if self.cuda:
+            job.gpu_flag = True
+            job_id = self.engine.peek_next_id()
+            slot = job_id % FLAG_SLOTS
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size)
+                self._gathered.record(self.stream)
+                sk.copy_(dk, non_blocking=True)
+                sv.copy_(dv, non_blocking=True)
+                self._seq[slot].fill_(job_id + 1)
+                flags = self.engine.flags
+                flags[slot : slot + 1].copy_(self._seq[slot : slot + 1], non_blocking=True)
+            pages.record_stream(self.stream)
+            if self.engine.submit(job) != job_id:
+                raise RuntimeError("copy engine job ids went out of step with the flags")
+        else:
+            gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size)
+            sk.copy_(dk)
+            sv.copy_(dv)
+            job_id = self.engine.submit(job)
+        self._jobs[job_id] = (job, entries)
+        self._ring.append((job_id, r0, n_rows))
+        self.stats.jobs += 1
+
+    # -- acknowledgements and health (scheduler) ---------------------------------------
+    def _retire(self, job_id: int) -> None:
+        job, entries = self._jobs.pop(job_id)
+        if job.layer == self.layers - 1:  # a block is saved once its last layer is
+            for e in entries:
+                r = self._reqs.get(e.rid)
+                if r is not None and r.row == e.row:
+                    r.saved = max(r.saved, e.block + 1)
+            self.stats.blocks_saved += len(entries)
+            self.stats.bytes_saved += len(entries) * self._block_bytes * self.layers
+        while self._ring and self._ring[0][0] not in self._jobs:
+            self._ring.popleft()
+
+    def poll(self) -> None:
+        """Take the engine's acknowledgements; restart a dead engine and redo its jobs."""
+        try:
+            self.engine.check_health()
+            self.engine.poll()
+        except EngineDied as e:
+            self._recover(e)
+            return
+        for job_id in sorted(self.engine.done):
+            self.engine.done.discard(job_id)
+            if job_id in self._jobs:
+                self._retire(job_id)
+        if self.engine.failed:
+            job_id, why = next(iter(self.engine.failed.items()))
+            raise RuntimeError(f"the copy engine refused save job {job_id}: {why}")
+
+    def _wait(self, job_id: int) -> None:
+        try:
+            self.engine.wait(job_id)
+        except EngineDied as e:
+            self._recover(e)
+            self.drain()
+            return
+        self._retire(job_id)
+
+    def drain(self) -> None:
+        """Issue every pending decode save and wait until all are acknowledged (tests,
+        shutdown). Blocks the host; never called on the serving path."""
+        while self._jobs:
+            self._wait(min(self._jobs))
+
+    def _recover(self, err: EngineDied) -> None:
+        """Restart the engine and resubmit every unacknowledged job, in order, from its
+        staging rows (complete: the copy stream is synchronised first)."""
+        logger.error("sglang-psa: %s; restarting the copy engine and redoing its saves", err)
+        if self.cuda:
+            self.stream.synchronize()
+        old = sorted(self._jobs.items())
+        self.engine.restart()
+        self.engine.done.clear()
+        self.engine.failed.clear()
+        self._jobs.clear()
+        self._ring.clear()
+        for _, (job, entries) in old:
+            job.gpu_flag = False
+            jid = self.engine.submit(job)
+            self._jobs[jid] = (job, entries)
+            self._ring.append((jid, job.row0, len(entries) * self.block_size))
+        self.stats.engine_restarts += 1
+        self.stats.resubmitted_jobs += len(old)
+
+    # -- reads and reports -------------------------------------------------------------
+    def saved_blocks(self, rid) -> list[int]:
+        """Host block ids of `rid`'s acknowledged blocks, in block order."""
+        r = self._reqs.get(rid)
+        return [] if r is None else r.host[: r.saved]
+
+    def report(self) -> dict[str, int]:
+        s = self.stats
+        return {
+            "blocks_planned": s.blocks_planned,
+            "blocks_saved": s.blocks_saved,
+            "bytes_saved": s.bytes_saved,
+            "save_jobs": s.jobs,
+            "save_jobs_in_flight": len(self._jobs),
+            "blocks_pending": len(self._decode),
+            "engine_restarts": s.engine_restarts,
+            "resubmitted_jobs": s.resubmitted_jobs,
+            "dropped_blocks": s.dropped_blocks,
+            "host_blocks_total": self.blocks.num_blocks,
+            "host_blocks_used": self.blocks.used,
+            "host_tier_bytes": self.host.nbytes,
+            "staging_bytes": 2 * self.engine.stage_k.numel() * self.engine.stage_k.element_size(),
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+        self.host.close()
+
+
+def wait_saved(wb: WriteBack, timeout: float = 30.0) -> None:
+    """Poll until every issued job is acknowledged (tests)."""
+    deadline = time.monotonic() + timeout
+    while wb._jobs:
+        wb.poll()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(wb._jobs)} save jobs unacknowledged after {timeout} s")
+        time.sleep(0.01)

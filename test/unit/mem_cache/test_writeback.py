@@ -1,0 +1,170 @@
+"""Write-back to the host tier (`--psa-kv-home tiered`): every block a prefill chunk or
+decode steps complete lands, per (layer, KV head, block), in its host block; nothing is
+counted saved before the engine acknowledged it; a killed engine is restarted and its
+saves redone; ended requests return their host blocks."""
+
+import pytest
+import torch
+
+pytest.importorskip("zmq", reason="pyzmq is not installed here (pip install sglang-psa)")
+pytest.importorskip("orjson", reason="orjson is not installed here (pip install sglang-psa)")
+
+from sglang_psa.mem_cache.writeback import HostBlocks, HostTierFull, WriteBack, wait_saved  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+L, H, D, BS = 3, 2, 64, 32
+PAGES, ROWS, CTX = 64, 4, 16 * BS
+
+
+class FakeReq:
+    def __init__(self, rid, row):
+        self.rid, self.req_pool_idx = rid, row
+
+
+class FakePool:
+    """SGLang's side: per-layer token-major K/V buffers and the request table, pages
+    handed out in a shuffled order."""
+
+    def __init__(self, device):
+        g = torch.Generator().manual_seed(0)
+        self.k = [torch.zeros(PAGES * BS, H, D, device=device) for _ in range(L)]
+        self.v = [torch.zeros(PAGES * BS, H, D, device=device) for _ in range(L)]
+        self.req_to_token = torch.zeros(ROWS, CTX, dtype=torch.int64, device=device)
+        self.free = (torch.randperm(PAGES - 1, generator=g) + 1).tolist()
+        self.lens = [0] * ROWS
+        self.g = g
+
+    def write(self, row, n):
+        """Append `n` tokens of fresh KV to request-table row `row` (all layers)."""
+        for t in range(self.lens[row], self.lens[row] + n):
+            if t % BS == 0:
+                page = self.free.pop()
+                self.req_to_token[row, t : t + BS] = page * BS + torch.arange(BS)
+            slot = int(self.req_to_token[row, t])
+            for layer in range(L):
+                self.k[layer][slot] = torch.randn(H, D, generator=self.g).to(self.k[layer])
+                self.v[layer][slot] = torch.randn(H, D, generator=self.g).to(self.v[layer])
+        self.lens[row] += n
+
+    def block(self, layer, row, b):
+        page = int(self.req_to_token[row, b * BS]) // BS
+        sl = slice(page * BS, (page + 1) * BS)
+        return self.k[layer][sl].transpose(0, 1).cpu(), self.v[layer][sl].transpose(0, 1).cpu()
+
+
+def check_saved(wb, pool, rid, row, n_blocks):
+    host = wb.saved_blocks(rid)
+    assert len(host) == n_blocks
+    for b, hb in enumerate(host):
+        for layer in range(L):
+            k, v = pool.block(layer, row, b)
+            assert torch.equal(wb.host.k[layer, :, hb], k), (layer, b)
+            assert torch.equal(wb.host.v[layer, :, hb], v), (layer, b)
+
+
+def extend(wb, pool, reqs_and_tokens):
+    """One extend batch: plan, then each layer's forward writes and the backend issues."""
+    reqs = [r for r, _ in reqs_and_tokens]
+    for r, n in reqs_and_tokens:
+        pool.write(r.req_pool_idx, n)
+    wb.plan_extend(reqs, [pool.lens[r.req_pool_idx] for r in reqs])
+    wb.before_forward()
+    for layer in range(L):
+        wb.issue_extend_layer(layer, pool.k[layer], pool.v[layer], pool.req_to_token)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return request.param
+
+
+def make(device, **kw):
+    return WriteBack(L, H, D, torch.float32, BS, 40, 12 * BS, device, **kw)
+
+
+def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device):
+    wb = make(device, decode_flush_blocks=2)
+    pool = FakePool(device)
+    a, b = FakeReq("a", 0), FakeReq("b", 2)
+    try:
+        assert wb.reserve("a", CTX) and wb.reserve("b", CTX)
+        extend(wb, pool, [(a, 3 * BS + 5), (b, 2 * BS)])  # a: 3 full blocks + 5 tokens
+        extend(wb, pool, [(a, 2 * BS + 1)])  # a's chunk 2 completes blocks 3 and 4
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, 5)
+        check_saved(wb, pool, "b", 2, 2)
+        # Decode: one token per step; a block counts once the step after it is planned.
+        for _ in range(2 * BS):
+            for r in (a, b):
+                pool.write(r.req_pool_idx, 1)
+            wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+            wb.before_forward()
+            wb.issue_decode(pool.k, pool.v, pool.req_to_token)
+        wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, (pool.lens[0] - 1) // BS)
+        check_saved(wb, pool, "b", 2, (pool.lens[2] - 1) // BS)
+        rep = wb.report()
+        full = (pool.lens[0] - 1) // BS + (pool.lens[2] - 1) // BS
+        assert rep["blocks_saved"] == rep["blocks_planned"] == full == 7 + 3
+        assert rep["save_jobs_in_flight"] == 0 and rep["engine_restarts"] == 0
+        wb.release("a")
+        wb.release("b")
+        assert wb.blocks.used == 0 and wb.blocks.available == 40
+        wb.blocks.check_integrity()
+    finally:
+        wb.close()
+
+
+def test_a_killed_engine_is_restarted_and_its_saves_redone(device):
+    """The engine dies in the middle of a slow save: the next poll notices it, restarts
+    it and resubmits every unacknowledged job; the host blocks end up right."""
+    wb = make(device, engine_slow_ms=30, heartbeat_timeout=0.5)
+    pool = FakePool(device)
+    a = FakeReq("a", 1)
+    try:
+        assert wb.reserve("a", CTX)
+        extend(wb, pool, [(a, 6 * BS)])
+        wb.engine.proc.kill()
+        wb.engine.proc.join(5)
+        wb.engine.slow_ms = 0  # the restarted engine works at full speed
+        wb.poll()
+        assert wb.stats.engine_restarts == 1 and wb.stats.resubmitted_jobs >= 1
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 1, 6)
+    finally:
+        wb.close()
+
+
+def test_blocks_of_ended_requests_return_and_unissued_saves_are_dropped(device):
+    wb = make(device, decode_flush_blocks=100)
+    pool = FakePool(device)
+    a = FakeReq("a", 0)
+    try:
+        assert wb.reserve("a", 8 * BS)
+        extend(wb, pool, [(a, 2 * BS)])
+        for _ in range(BS + 1):
+            pool.write(0, 1)
+            wb.plan_decode([a], [pool.lens[0]])
+        assert wb.report()["blocks_pending"] == 1  # below the flush size: not issued
+        wb.release("a")
+        assert wb.stats.dropped_blocks == 1
+        wait_saved(wb)
+        assert wb.blocks.used == 0
+        wb.blocks.check_integrity()
+    finally:
+        wb.close()
+
+
+def test_host_blocks_reserve_take_release():
+    hb = HostBlocks(10)
+    assert hb.reserve("a", 6) and not hb.reserve("b", 5) and hb.reserve("b", 4)
+    assert hb.take("a", 3) == [0, 1, 2]  # ascending runs from a fresh list
+    assert hb.available == 0
+    with pytest.raises(HostTierFull):
+        hb.take("c", 1)
+    assert hb.take("b", 4) == [3, 4, 5, 6]
+    assert hb.release("a") == 3 and hb.available == 6  # its ids and its reservation
+    hb.check_integrity()
+    assert hb.take("c", 3) == [0, 1, 2]
