@@ -189,8 +189,10 @@ def psa_counters(info: dict | None) -> dict | None:
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict:
-    """KV fraction read (cumulative over the server's life, warm-up included) and the HBM
-    page cache's hit rate over the timed window (hits / (hits + host reads))."""
+    """KV fraction read (cumulative over the server's life, warm-up included), the HBM
+    page cache's hit rate over the timed window (hits / (hits + host reads)) and, with a
+    host tier, what the write-back saved in the window (blocks, bytes, engine restarts,
+    jobs still unacknowledged at the end)."""
     a, b = psa_counters(after), psa_counters(before)
     if a is None:
         return {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
@@ -199,7 +201,13 @@ def counter_delta(before: dict | None, after: dict | None) -> dict:
         hits = a["page_cache"]["hits"] - b["page_cache"]["hits"]
         host = a["page_cache"]["host_reads"] - b["page_cache"]["host_reads"]
         hit = hits / (hits + host) if hits + host else None
-    return {"kv_fraction_read": a.get("blocks_read_fraction"), "hbm_hit_rate": hit}
+    out = {"kv_fraction_read": a.get("blocks_read_fraction"), "hbm_hit_rate": hit}
+    wa, wb = a.get("writeback"), (b or {}).get("writeback")
+    if wa and wb:
+        out["writeback"] = {
+            k: wa[k] - wb[k] for k in ("blocks_saved", "bytes_saved", "engine_restarts")
+        } | {"save_jobs_in_flight": wa["save_jobs_in_flight"]}
+    return out
 
 
 def server_info_digest(info: dict | None) -> dict | None:

@@ -71,6 +71,14 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered",
+            "sglang-psa --sparse-mode psa --psa-kv-home tiered (KV in HBM, every full block "
+            "written back to a 16 GiB host tier by the copy engine), decode CUDA graphs",
+            ("--sparse-mode", "psa", "--psa-kv-home", "tiered", "--psa-host-pool-gb", "16"),
+            False,
+            True,
+        ),
+        System(
             "psa_host",
             "sglang-psa --sparse-mode psa --psa-kv-home host (KV in pinned host memory, "
             "HBM page cache)",

@@ -287,6 +287,8 @@ def after_get_internal_state(result, scheduler, recv_req):
     if serving is None:
         return result
     ctl = serving.controller
+    if serving.writeback is not None:  # an idle server still takes acknowledgements here
+        serving.writeback.poll()
     total = int(scheduler.max_total_num_tokens)
     available = int(scheduler.token_to_kv_pool_allocator.available_size())
     cached = int(scheduler.tree_cache.evictable_size()) + int(

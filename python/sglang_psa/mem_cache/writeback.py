@@ -425,6 +425,7 @@ class WriteBack:
             "save_jobs_in_flight": len(self._jobs),
             "blocks_pending": len(self._decode),
             "engine_restarts": s.engine_restarts,
+            "engine_pid": self.engine.proc.pid,
             "resubmitted_jobs": s.resubmitted_jobs,
             "dropped_blocks": s.dropped_blocks,
             "host_blocks_total": self.blocks.num_blocks,

@@ -1,0 +1,93 @@
+"""`--psa-kv-home tiered` on a live server (GPU machine): the copy engine killed in the
+middle of the write-back under load is noticed and restarted, its saves are redone, the
+completions equal those of an unkilled run, and every host block returns afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
+
+import probes  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
+
+ARGS = ["--psa-kv-home", "tiered", "--psa-host-pool-gb", "4", "--max-running-requests", "8"]
+PROMPTS = [probes.prompt(6000 + 512 * i, seed=i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
+    from sglang_psa import serve_demo
+    from sglang_psa.models import ensure_model
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    port = 30131
+    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, ARGS, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve_demo.wait_healthy(proc, url, log, timeout=900)
+        yield probes.Server(url)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        if proc.returncode not in (0, -15):
+            print(log.read_text()[-5000:])
+
+
+def _run_all(s: probes.Server, during=None) -> list[list[int]]:
+    """All prompts at once (greedy), `during()` called while they run; the output ids."""
+    out: list = [None] * len(PROMPTS)
+
+    def one(i):
+        r = s.generate(PROMPTS[i], 96)
+        out[i] = r.json()["output_ids"] if r.status_code == 200 else r.text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    if during is not None:
+        during()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+def _writeback(s: probes.Server) -> dict:
+    return s.psa_state()["writeback"]
+
+
+def test_engine_killed_mid_save_is_restarted_and_completions_are_unchanged(server):
+    assert server.post("/flush_cache", timeout=60).status_code == 200
+    want = _run_all(server)
+    assert all(isinstance(o, list) and len(o) == 96 for o in want), want
+    before = _writeback(server)
+    assert before["blocks_saved"] > 0 and before["engine_restarts"] == 0
+
+    def kill_during_prefill():
+        time.sleep(0.5)  # the first chunks' saves are under way
+        os.kill(_writeback(server)["engine_pid"], signal.SIGKILL)
+
+    assert server.post("/flush_cache", timeout=60).status_code == 200
+    got = _run_all(server, during=kill_during_prefill)
+    after = _writeback(server)
+    assert after["engine_restarts"] == 1, after
+    assert after["engine_pid"] != before["engine_pid"]
+    same = sum(a == b for a, b in zip(got, want))
+    assert same == len(want), f"{same}/{len(want)} completions equal the unkilled run's"
+    deadline = time.time() + 60
+    while _writeback(server)["save_jobs_in_flight"] and time.time() < deadline:
+        time.sleep(0.5)
+    rep = _writeback(server)
+    assert rep["save_jobs_in_flight"] == 0
+    assert rep["blocks_saved"] + rep["dropped_blocks"] == rep["blocks_planned"], rep
+    assert rep["host_blocks_used"] == 0, rep  # every request ended: every host block back
