@@ -6,11 +6,10 @@ Llama-3.1-8B KV layout (8 KV heads, d=128, bf16, 32-token blocks). Baselines in
 the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
 
 - save: a prefill chunk of `--chunk-tokens` new tokens per layer, all layers
-  back to back, through `KVSaver` until every job is acknowledged: GB/s of KV
-  saved vs the D2H peak. Twice: as the product runs it (whole-block runs copied
-  straight into the pool, one D2H copy per head) and forced through the
-  staging ring (one D2H copy per layer, copy-engine CPU scatter into blocks),
-  the path decode tokens and partial blocks take.
+  back to back, through the serving path's `WriteBack` (`--psa-kv-home tiered`:
+  GPU gather of the chunk's pages, one D2H copy per layer into the staging ring,
+  copy-engine CPU scatter into host blocks) until every job is acknowledged: GB/s
+  of KV saved vs the D2H peak.
 - overlap: the same saves issued between per-layer matmuls standing in for the
   layer's compute; fraction of the save's GPU copy time hidden under compute,
   `(T_compute + T_save - T_both) / T_save`, timed on the GPU.
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from timing import cuda_time  # noqa: E402
 
-from sglang_psa.engine import CopyEngine, KVSaver, Loader  # noqa: E402
+from sglang_psa.engine import Loader  # noqa: E402
 from sglang_psa.eval.results import write_result  # noqa: E402
 from sglang_psa.store.host_pool import HostKVPool  # noqa: E402
 from sglang_psa.store.slot_store import SlotStore  # noqa: E402
@@ -54,18 +53,29 @@ def memcpy_peaks(mib: int = 256) -> dict[str, float]:
     return {"h2d_memcpy_peak_gbps": n / h2d / 1e9, "d2h_memcpy_peak_gbps": n / d2h / 1e9}
 
 
-def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, min_run: int) -> dict:
+def bench_save(layers: int, chunk: int, engine_threads: int, reps: int) -> dict:
+    """The serving path's write-back (`mem_cache.writeback.WriteBack`, as `--psa-kv-home
+    tiered` runs it): a prefill chunk of `chunk` tokens in SGLang's token-major pool
+    (pages in a shuffled order, as its allocator hands them out), saved layer by layer."""
+    from types import SimpleNamespace
+
+    from sglang_psa.mem_cache.writeback import WriteBack
+
     blocks = chunk // BS
-    pool = HostKVPool(layers, H, blocks, BS, D, DT)  # one chunk per layer, page-locked
-    eng = CopyEngine(pool, staging_rows=4 * chunk, threads=engine_threads)
-    saver = KVSaver(eng, "cuda", min_run=min_run)
+    pages = blocks + 8
     g = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(layers, chunk, H, D, device="cuda", generator=g).to(DT)
-    v = torch.randn(layers, chunk, H, D, device="cuda", generator=g).to(DT)
-    segs = [(b, 0, BS) for b in range(blocks)]
-    nbytes = 2 * k.numel() * k.element_size()
+    k = [torch.randn(pages * BS, H, D, device="cuda", generator=g).to(DT) for _ in range(layers)]
+    v = [torch.randn(pages * BS, H, D, device="cuda", generator=g).to(DT) for _ in range(layers)]
+    order = torch.randperm(pages - 1, device="cuda", generator=g)[:blocks] + 1
+    req_to_token = (order[:, None] * BS + torch.arange(BS, device="cuda")).reshape(1, -1)
+    wb = WriteBack(
+        layers, H, D, DT, BS, blocks * (reps + 4), 4 * chunk, "cuda",
+        max_job_rows=chunk, threads=engine_threads,
+    )  # fmt: skip
+    nbytes = 2 * layers * chunk * H * D * torch.empty((), dtype=DT).element_size()
     w = torch.randn(4096, 4096, device="cuda", dtype=DT)
     x = torch.randn(chunk, 4096, device="cuda", dtype=DT)
+    n_req = [0]
 
     def compute(layer_reps: int = 13):
         """Stand-in for one layer's prefill of the chunk, FLOP-matched to Llama-3.1-8B:
@@ -76,36 +86,53 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, min_run:
         return y
 
     def saves(with_compute: bool):
+        n_req[0] += 1
+        req = SimpleNamespace(rid=n_req[0], req_pool_idx=0)
+        assert wb.reserve(req.rid, chunk)
+        wb.plan_extend([req], [chunk])
+        wb.before_forward()
         for layer in range(layers):
             if with_compute:
                 compute()
-            saver.save(layer, k[layer], v[layer], segs)
+            wb.issue_extend_layer(layer, k[layer], v[layer], req_to_token)
+        return req.rid
+
+    def drain(rid) -> None:
+        while wb.report()["save_jobs_in_flight"]:
+            wb.poll()
+            time.sleep(1e-4)
+        wb.release(rid)
 
     def end_to_end() -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        saves(False)
-        saver.drain()
+        drain(saves(False))
         return time.perf_counter() - t0
 
-    end_to_end()  # warm: engine threads, page faults in the pool
+    end_to_end()  # warm: engine threads, page faults in the host tier
     e2e = sorted(end_to_end() for _ in range(reps))[reps // 2]
-    ok = torch.equal(pool.k[layers - 1, 3, 5], k[layers - 1, 5 * BS : 6 * BS, 3].cpu())
+    rid = saves(False)  # check one block's bytes in the host tier
+    while wb.report()["save_jobs_in_flight"]:
+        wb.poll()
+    hb, page = wb.saved_blocks(rid)[5], int(order[5])
+    want = k[layers - 1][page * BS : (page + 1) * BS, 3].cpu()
+    ok = torch.equal(wb.host.k[layers - 1, 3, hb], want)
+    wb.release(rid)
 
     def gpu_time(fn) -> float:
         """GPU time of `fn`'s work on both streams: from an event before to one after both."""
         times = []
         for _ in range(reps):
-            saver.drain()
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
-            torch.cuda.current_stream().wait_stream(saver.stream)
+            rid = fn()
+            torch.cuda.current_stream().wait_stream(wb.stream)
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
-        saver.drain()
+            if rid is not None:
+                drain(rid)
         return sorted(times)[len(times) // 2]
 
     # The engine's CPU scatter alone, in this process (the same code and thread count).
@@ -113,21 +140,21 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, min_run:
 
     from sglang_psa.engine.copy_engine import scatter_rows
 
-    sk, sv = eng.staged(0, chunk)
+    segs = [(b, 0, BS) for b in range(blocks)]
+    sk, sv = wb.engine.staged(0, chunk)
     workers = ThreadPoolExecutor(engine_threads)
     t0 = time.perf_counter()
     for layer in range(layers):
-        scatter_rows(pool.k, pool.v, sk, sv, layer, segs, workers)
+        scatter_rows(wb.host.k, wb.host.v, sk, sv, layer, segs, workers)
     cpu_scatter_s = time.perf_counter() - t0
     workers.shutdown()
 
-    t_compute = gpu_time(lambda: [compute() for _ in range(layers)])
+    t_compute = gpu_time(lambda: [compute() for _ in range(layers)] and None)
     t_save = gpu_time(lambda: saves(False))
     t_both = gpu_time(lambda: saves(True))
-    eng.close()
-    pool.close()
+    wb.close()
     return {
-        "path": "direct block runs" if min_run <= blocks else "staging ring + engine scatter",
+        "path": "WriteBack: GPU gather, one D2H per layer into the staging ring, engine scatter",
         "layers": layers,
         "chunk_tokens": chunk,
         "bytes": nbytes,
@@ -290,10 +317,8 @@ def main() -> None:
         sys.exit("bench_store needs a CUDA GPU")
     peaks = memcpy_peaks()
     print("peaks", peaks, flush=True)
-    save = bench_save(args.layers, args.chunk_tokens, args.engine_threads, reps=5, min_run=8)
+    save = bench_save(args.layers, args.chunk_tokens, args.engine_threads, reps=5)
     print("save", save, flush=True)
-    staged = bench_save(args.layers, args.chunk_tokens, args.engine_threads, 5, min_run=1 << 30)
-    print("save via staging ring", staged, flush=True)
     load = bench_load(args.ctx, args.batch, args.read_fraction, args.reuse, args.steps)
     print("load", load, flush=True)
     out = Path(args.out)
@@ -306,14 +331,11 @@ def main() -> None:
         "slot_hit_rate_at_10pct_cache": hit.get("slot_hit_rate_at_10pct_cache"),
         **peaks,
         "save_gbps": save["save_gbps"],
-        "save_staged_ratio_to_d2h_peak": staged["save_gbps"] / peaks["d2h_memcpy_peak_gbps"],
-        "save_staged_overlap_fraction": staged["save_overlap_fraction"],
         "load_cold_ratio_to_h2d_peak": load["cold_gbps"] / peaks["h2d_memcpy_peak_gbps"],
     }
     data = {
         "peaks": peaks,
         "save": save,
-        "save_staged": staged,
         "load": load,
         "hit_rate_source": str(hit_file.name),
     }

@@ -3,6 +3,5 @@ off the compute stream."""
 
 from sglang_psa.engine.copy_engine import CopyEngine, EngineDied, SaveFailed, SaveJob
 from sglang_psa.engine.loader import Loader, Ticket
-from sglang_psa.engine.saver import KVSaver
 
-__all__ = ["CopyEngine", "EngineDied", "KVSaver", "Loader", "SaveFailed", "SaveJob", "Ticket"]
+__all__ = ["CopyEngine", "EngineDied", "Loader", "SaveFailed", "SaveJob", "Ticket"]
