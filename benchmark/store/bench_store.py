@@ -6,10 +6,12 @@ Llama-3.1-8B KV layout (8 KV heads, d=128, bf16, 32-token blocks). Baselines in
 the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
 
 - save: a prefill chunk of `--chunk-tokens` new tokens per layer, all layers
-  back to back, through the serving path's `WriteBack` (`--psa-kv-home tiered`:
-  GPU gather of the chunk's pages, one D2H copy per layer into the staging ring,
-  copy-engine CPU scatter into host blocks) until every job is acknowledged: GB/s
-  of KV saved vs the D2H peak.
+  back to back, through the serving path's `WriteBack` (`--psa-kv-home tiered`)
+  until every job is acknowledged: GB/s of KV saved vs the D2H peak. Both paths:
+  `engine` (GPU gather of the chunk's pages, one D2H copy per layer into the
+  staging ring, copy-engine CPU scatter into host blocks; what the server runs)
+  and `uva` (one kernel per layer writes the blocks into the host tier through
+  unified addressing).
 - overlap: the same saves issued between per-layer matmuls standing in for the
   layer's compute; fraction of the save's GPU copy time hidden under compute,
   `(T_compute + T_save - T_both) / T_save`, timed on the GPU.
@@ -53,7 +55,7 @@ def memcpy_peaks(mib: int = 256) -> dict[str, float]:
     return {"h2d_memcpy_peak_gbps": n / h2d / 1e9, "d2h_memcpy_peak_gbps": n / d2h / 1e9}
 
 
-def bench_save(layers: int, chunk: int, engine_threads: int, reps: int) -> dict:
+def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: str) -> dict:
     """The serving path's write-back (`mem_cache.writeback.WriteBack`, as `--psa-kv-home
     tiered` runs it): a prefill chunk of `chunk` tokens in SGLang's token-major pool
     (pages in a shuffled order, as its allocator hands them out), saved layer by layer."""
@@ -69,8 +71,8 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int) -> dict:
     order = torch.randperm(pages - 1, device="cuda", generator=g)[:blocks] + 1
     req_to_token = (order[:, None] * BS + torch.arange(BS, device="cuda")).reshape(1, -1)
     wb = WriteBack(
-        layers, H, D, DT, BS, blocks * (reps + 4), 4 * chunk, "cuda",
-        max_job_rows=chunk, threads=engine_threads,
+        layers, H, D, DT, BS, 2 * blocks, 4 * chunk, "cuda",
+        max_job_rows=chunk, threads=engine_threads, path=path,
     )  # fmt: skip
     nbytes = 2 * layers * chunk * H * D * torch.empty((), dtype=DT).element_size()
     w = torch.randn(4096, 4096, device="cuda", dtype=DT)
@@ -135,33 +137,34 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int) -> dict:
                 drain(rid)
         return sorted(times)[len(times) // 2]
 
-    # The engine's CPU scatter alone, in this process (the same code and thread count).
-    from concurrent.futures import ThreadPoolExecutor
+    cpu_scatter_s = None
+    if path == "engine":  # the engine's CPU scatter alone, here (same code and threads)
+        from concurrent.futures import ThreadPoolExecutor
 
-    from sglang_psa.engine.copy_engine import scatter_rows
+        from sglang_psa.engine.copy_engine import scatter_rows
 
-    segs = [(b, 0, BS) for b in range(blocks)]
-    sk, sv = wb.engine.staged(0, chunk)
-    workers = ThreadPoolExecutor(engine_threads)
-    t0 = time.perf_counter()
-    for layer in range(layers):
-        scatter_rows(wb.host.k, wb.host.v, sk, sv, layer, segs, workers)
-    cpu_scatter_s = time.perf_counter() - t0
-    workers.shutdown()
+        segs = [(b, 0, BS) for b in range(blocks)]
+        sk, sv = wb.engine.staged(0, chunk)
+        workers = ThreadPoolExecutor(engine_threads)
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            scatter_rows(wb.host.k, wb.host.v, sk, sv, layer, segs, workers)
+        cpu_scatter_s = time.perf_counter() - t0
+        workers.shutdown()
 
     t_compute = gpu_time(lambda: [compute() for _ in range(layers)] and None)
     t_save = gpu_time(lambda: saves(False))
     t_both = gpu_time(lambda: saves(True))
     wb.close()
     return {
-        "path": "WriteBack: GPU gather, one D2H per layer into the staging ring, engine scatter",
+        "path": path,
         "layers": layers,
         "chunk_tokens": chunk,
         "bytes": nbytes,
         "engine_threads": engine_threads,
         "save_end_to_end_s": e2e,
         "save_gbps": nbytes / e2e / 1e9,
-        "engine_scatter_gbps": nbytes / cpu_scatter_s / 1e9,
+        "engine_scatter_gbps": nbytes / cpu_scatter_s / 1e9 if cpu_scatter_s else None,
         "save_gpu_copy_s": t_save,
         "save_gpu_copy_gbps": nbytes / t_save / 1e9,
         "compute_s": t_compute,
@@ -317,8 +320,10 @@ def main() -> None:
         sys.exit("bench_store needs a CUDA GPU")
     peaks = memcpy_peaks()
     print("peaks", peaks, flush=True)
-    save = bench_save(args.layers, args.chunk_tokens, args.engine_threads, reps=5)
-    print("save", save, flush=True)
+    save = bench_save(args.layers, args.chunk_tokens, args.engine_threads, 5, "engine")
+    print("save (engine)", save, flush=True)
+    save_uva = bench_save(args.layers, args.chunk_tokens, args.engine_threads, 5, "uva")
+    print("save (uva)", save_uva, flush=True)
     load = bench_load(args.ctx, args.batch, args.read_fraction, args.reuse, args.steps)
     print("load", load, flush=True)
     out = Path(args.out)
@@ -332,10 +337,13 @@ def main() -> None:
         **peaks,
         "save_gbps": save["save_gbps"],
         "load_cold_ratio_to_h2d_peak": load["cold_gbps"] / peaks["h2d_memcpy_peak_gbps"],
+        "save_uva_ratio_to_d2h_peak": save_uva["save_gbps"] / peaks["d2h_memcpy_peak_gbps"],
+        "save_uva_overlap_fraction": save_uva["save_overlap_fraction"],
     }
     data = {
         "peaks": peaks,
         "save": save,
+        "save_uva": save_uva,
         "load": load,
         "hit_rate_source": str(hit_file.name),
     }

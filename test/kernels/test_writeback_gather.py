@@ -1,10 +1,11 @@
-"""The write-back's page gather (token-major pool -> head-major staging) against its
-reference, at real shapes: head_dim 64 and 128, 2-8 KV heads, pools of > 512 pages."""
+"""The write-back's page copies (token-major pool -> head-major staging, or straight into
+host-tier units through UVA) against the reference, at real shapes: head_dim 64 and 128,
+2-8 KV heads, pools of > 512 pages."""
 
 import pytest
 import torch
 
-from sgl_kernel_ext.writeback import gather_pages_head_major
+from sgl_kernel_ext.writeback import copy_pages_to_units, gather_pages_head_major
 from sglang_psa.algo.blockcopy import gather_pages_head_major_ref
 
 
@@ -33,3 +34,28 @@ def test_rejects_a_mismatched_destination(kernel_device):
     bad = torch.zeros(2, 63, 64, device=kernel_device)
     with pytest.raises(ValueError, match="must be a contiguous"):
         gather_pages_head_major(k, k, pages, bad, bad, 32)
+
+
+@pytest.mark.parametrize("heads,d", [(2, 64), (8, 128)])
+def test_pages_land_in_their_host_units(kernel_device, heads, d):
+    """Into the host tier's `[heads, blocks, bs, d]` (pinned, written through UVA on the GPU)
+    at scattered host blocks; units not named stay untouched."""
+    g = torch.Generator().manual_seed(d)
+    bs, num_pages, host_blocks, n = 32, 520, 700, 29
+    k = torch.randn(num_pages * bs, heads, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    v = torch.randn(num_pages * bs, heads, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    pages = torch.randperm(num_pages, generator=g)[:n].to(kernel_device)
+    blocks = torch.randperm(host_blocks, generator=g)[:n].to(torch.int32).to(kernel_device)
+    hk = torch.zeros(heads, host_blocks, bs, d, dtype=torch.bfloat16)
+    hk = hk.pin_memory() if kernel_device == "cuda" else hk
+    hv = torch.zeros_like(hk)
+    copy_pages_to_units(k, v, pages, hk, hv, blocks)
+    if kernel_device == "cuda":
+        torch.cuda.synchronize()
+    want_k, want_v = gather_pages_head_major_ref(k.cpu(), v.cpu(), pages.cpu(), bs)
+    b = blocks.cpu().long()
+    assert torch.equal(hk[:, b], want_k.view(heads, n, bs, d))
+    assert torch.equal(hv[:, b], want_v.view(heads, n, bs, d))
+    untouched = torch.ones(host_blocks, dtype=torch.bool)
+    untouched[b] = False
+    assert not hk[:, untouched].any() and not hv[:, untouched].any()

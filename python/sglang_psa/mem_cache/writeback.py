@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kernel_ext.writeback import gather_pages_head_major
+from sgl_kernel_ext.writeback import copy_pages_to_units, gather_pages_head_major
 from sglang_psa.engine.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
 from sglang_psa.store.host_pool import HostKVPool
 
@@ -159,7 +159,16 @@ class WriteBack:
         threads: int = 4,
         heartbeat_timeout: float = 1.0,
         engine_slow_ms: int = 0,
+        path: str = "engine",
     ):
+        """`path`: `engine` (GPU gather, one D2H copy per layer into the pinned staging
+        ring, copy-engine process scatter, ZMQ acknowledgement) or `uva` (one kernel per
+        layer writes the blocks straight into the host tier through unified addressing;
+        a CUDA event is the acknowledgement; no engine process). The store benchmark
+        measures both."""
+        if path not in ("engine", "uva"):
+            raise ValueError(f"write-back path must be engine or uva, got {path!r}")
+        self.path = path
         self.layers, self.heads, self.head_dim = layers, kv_heads, head_dim
         self.block_size, self.dtype = block_size, dtype
         self.device = torch.device(device)
@@ -167,13 +176,17 @@ class WriteBack:
         if staging_rows < block_size:
             raise ValueError(f"the staging ring needs at least one block ({block_size} rows)")
         self.host = HostKVPool(layers, kv_heads, host_blocks, block_size, head_dim, dtype)
-        self.engine = CopyEngine(
-            self.host,
-            staging_rows,
-            heartbeat_timeout=heartbeat_timeout,
-            slow_ms=engine_slow_ms,
-            threads=threads,
-        )
+        self.engine = None
+        if path == "engine":
+            self.engine = CopyEngine(
+                self.host,
+                staging_rows,
+                heartbeat_timeout=heartbeat_timeout,
+                slow_ms=engine_slow_ms,
+                threads=threads,
+            )
+        self._uva: deque[tuple[object, int]] = deque()  # (event or None, job id), in order
+        self._next_uva = 0
         self.blocks = HostBlocks(host_blocks)
         self.decode_flush_blocks = decode_flush_blocks
         self.stats = WriteBackStats()
@@ -185,6 +198,8 @@ class WriteBack:
         self._ring: deque[tuple[int, int, int]] = deque()  # (job, row0, rows) in ring order
         self._head = 0
         rows = self.max_job_rows = min(max_job_rows or staging_rows, staging_rows)
+        if path == "uva":
+            rows = 0  # no staging
         self._stage_k = torch.empty(kv_heads * rows * head_dim, dtype=dtype, device=self.device)
         self._stage_v = torch.empty_like(self._stage_k)
         if self.cuda:
@@ -248,14 +263,16 @@ class WriteBack:
 
     # -- issuing (attention backend, on the forward's stream) -------------------------
     def _tables(self, entries: list[_Entry], req_to_token: torch.Tensor) -> torch.Tensor:
-        """Pages of `entries` on the GPU: SGLang's request table at each block's first
-        token, divided by the page size (a small H2D copy, no sync)."""
-        rows_blocks = torch.tensor(
-            [(e.row, e.block * self.block_size) for e in entries], dtype=torch.int64
+        """`[2, n]` on the GPU: the pages of `entries` (SGLang's request table at each
+        block's first token, divided by the page size) and their host blocks. One small
+        H2D copy, no sync."""
+        t = torch.tensor(
+            [(e.row, e.block * self.block_size, e.host) for e in entries], dtype=torch.int64
         )
         if self.cuda:
-            rows_blocks = rows_blocks.pin_memory().to(self.device, non_blocking=True)
-        return req_to_token[rows_blocks[:, 0], rows_blocks[:, 1]] // self.block_size
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        pages = req_to_token[t[:, 0], t[:, 1]].long() // self.block_size
+        return torch.stack([pages, t[:, 2]])
 
     def before_forward(self) -> None:
         """The forward about to run may overwrite pages an issued gather still reads."""
@@ -273,8 +290,8 @@ class WriteBack:
             self._extend = []
         if self._extend_tables is None:
             return
-        pages, entries = self._extend_tables
-        self._issue(layer, k_buf, v_buf, pages, entries)
+        tables, entries = self._extend_tables
+        self._issue(layer, k_buf, v_buf, tables, entries)
         if layer == self.layers - 1:
             self._extend_tables = None
 
@@ -284,13 +301,33 @@ class WriteBack:
         if not self._decode or (len(self._decode) < self.decode_flush_blocks and not force):
             return
         entries, self._decode = self._decode, []
-        pages = self._tables(entries, req_to_token)
+        tables = self._tables(entries, req_to_token)
         for layer in range(self.layers):
-            self._issue(layer, k_bufs[layer], v_bufs[layer], pages, entries)
+            self._issue(layer, k_bufs[layer], v_bufs[layer], tables, entries)
 
     @property
     def device_bytes(self) -> int:
         return 2 * self._stage_k.numel() * self._stage_k.element_size()
+
+    def _issue_uva(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
+        """`uva` path: one kernel writes the blocks into the host tier; an event marks
+        the save complete."""
+        job_id, self._next_uva = self._next_uva, self._next_uva + 1
+        hk, hv = self.host.k[layer], self.host.v[layer]
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                copy_pages_to_units(k_buf, v_buf, tables[0], hk, hv, tables[1])
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._gathered.record(self.stream)
+            tables.record_stream(self.stream)
+        else:
+            copy_pages_to_units(k_buf, v_buf, tables[0], hk, hv, tables[1])
+            done = None
+        self._jobs[job_id] = (SaveJob(layer, 0, []), entries)
+        self._uva.append((done, job_id))
+        self.stats.jobs += 1
 
     def _reserve_rows(self, n: int) -> int:
         """Ring rows for a job of `n` rows, waiting for the engine if they are in use."""
@@ -306,12 +343,15 @@ class WriteBack:
         _, a, m = entry
         return a < r0 + n and r0 < a + m
 
-    def _issue(self, layer: int, k_buf, v_buf, pages: torch.Tensor, entries: list[_Entry]):
+    def _issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries: list[_Entry]):
         """One job: `entries` (at most a job's rows) of one layer."""
+        if self.path == "uva":
+            return self._issue_uva(layer, k_buf, v_buf, tables, entries)
+        pages = tables[0]
         step = self.max_job_rows // self.block_size
         if len(entries) > step:
             for i in range(0, len(entries), step):
-                self._issue(layer, k_buf, v_buf, pages[i : i + step], entries[i : i + step])
+                self._issue(layer, k_buf, v_buf, tables[:, i : i + step], entries[i : i + step])
             return
         n_rows = len(entries) * self.block_size
         r0 = self._reserve_rows(n_rows)
@@ -333,7 +373,7 @@ class WriteBack:
                 self._seq[slot].fill_(job_id + 1)
                 flags = self.engine.flags
                 flags[slot : slot + 1].copy_(self._seq[slot : slot + 1], non_blocking=True)
-            pages.record_stream(self.stream)
+            tables.record_stream(self.stream)
             if self.engine.submit(job) != job_id:
                 raise RuntimeError("copy engine job ids went out of step with the flags")
         else:
@@ -360,6 +400,10 @@ class WriteBack:
 
     def poll(self) -> None:
         """Take the engine's acknowledgements; restart a dead engine and redo its jobs."""
+        if self.engine is None:  # uva: a job is saved once its event has completed
+            while self._uva and (self._uva[0][0] is None or self._uva[0][0].query()):
+                self._retire(self._uva.popleft()[1])
+            return
         try:
             self.engine.check_health()
             self.engine.poll()
@@ -375,6 +419,13 @@ class WriteBack:
             raise RuntimeError(f"the copy engine refused save job {job_id}: {why}")
 
     def _wait(self, job_id: int) -> None:
+        if self.engine is None:
+            while job_id in self._jobs:
+                event = self._uva[0][0]
+                if event is not None:
+                    event.synchronize()
+                self._retire(self._uva.popleft()[1])
+            return
         try:
             self.engine.wait(job_id)
         except EngineDied as e:
@@ -425,17 +476,23 @@ class WriteBack:
             "save_jobs_in_flight": len(self._jobs),
             "blocks_pending": len(self._decode),
             "engine_restarts": s.engine_restarts,
-            "engine_pid": self.engine.proc.pid,
+            "engine_pid": self.engine.proc.pid if self.engine else None,
             "resubmitted_jobs": s.resubmitted_jobs,
             "dropped_blocks": s.dropped_blocks,
             "host_blocks_total": self.blocks.num_blocks,
             "host_blocks_used": self.blocks.used,
             "host_tier_bytes": self.host.nbytes,
-            "staging_bytes": 2 * self.engine.stage_k.numel() * self.engine.stage_k.element_size(),
+            "staging_bytes": self._staging_bytes(),
         }
 
+    def _staging_bytes(self) -> int:
+        if self.engine is None:
+            return 0
+        return 2 * self.engine.stage_k.numel() * self.engine.stage_k.element_size()
+
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         self.host.close()
 
 

@@ -83,8 +83,9 @@ def make(device, **kw):
     return WriteBack(L, H, D, torch.float32, BS, 40, 12 * BS, device, **kw)
 
 
-def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device):
-    wb = make(device, decode_flush_blocks=2)
+@pytest.mark.parametrize("path", ["engine", "uva"])
+def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
+    wb = make(device, decode_flush_blocks=2, path=path)
     pool = FakePool(device)
     a, b = FakeReq("a", 0), FakeReq("b", 2)
     try:
@@ -109,6 +110,7 @@ def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device):
         full = (pool.lens[0] - 1) // BS + (pool.lens[2] - 1) // BS
         assert rep["blocks_saved"] == rep["blocks_planned"] == full == 7 + 3
         assert rep["save_jobs_in_flight"] == 0 and rep["engine_restarts"] == 0
+        assert (rep["engine_pid"] is None) == (path == "uva")
         wb.release("a")
         wb.release("b")
         assert wb.blocks.used == 0 and wb.blocks.available == 40
