@@ -14,6 +14,7 @@ quarter of the soak) to the end. Writes `reliability.json` (benchmark/results/ u
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import subprocess
 import sys
@@ -108,6 +109,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--soak-s", type=float, default=420, help="soak duration (default 420)")
     ap.add_argument("--skip-probes", action="store_true", help="soak only")
+    ap.add_argument(
+        "--probes-from",
+        type=Path,
+        help="with --skip-probes: keep the probe outcomes of this earlier result (an 8-minute "
+        "soak and the probes do not fit one 10-minute GPU call together)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmark" / "results")
     ap.add_argument("--port", type=int, default=30131)
     args = ap.parse_args()
@@ -132,6 +139,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
 
+    earlier = None
+    if args.skip_probes and args.probes_from:
+        earlier = json.loads(args.probes_from.read_text())
+        outcomes = [probes.Outcome(**o) for o in earlier["data"]["outcomes"]]
     bad = [o for o in outcomes if o.kind == "bad_input"]
     faults = [o for o in outcomes if o.kind == "fault"]
     over = next((o for o in faults if o.name.startswith("overload")), None)
@@ -151,7 +162,11 @@ def main() -> None:
     path = write_result(
         args.out / "reliability.json",
         summary,
-        {"outcomes": [o.as_dict() for o in outcomes], "soak": soaked},
+        {
+            "outcomes": [o.as_dict() for o in outcomes],
+            "soak": soaked,
+            "probes_from": earlier and {k: earlier[k] for k in ("git_commit", "date", "command")},
+        },
         server_args=probes.SERVER_ARGS,
     )
     print(f"wrote {path}: {summary}")
