@@ -54,6 +54,8 @@ import systems as systems_mod  # noqa: E402
 import workloads as workloads_mod  # noqa: E402
 from driver import Server, ServerFailed, log  # noqa: E402
 
+from sglang_psa.eval.results import dump_result  # noqa: E402
+
 RESULTS = REPO / "benchmark" / "results"
 DEFAULT_WORK = Path(os.environ.get("PSA_SERVING_WORK", "/tmp/psa-serving"))
 WARMUP_SHORT = 4  # concurrent short requests in the warm-up (decode at several batch sizes)
@@ -420,7 +422,7 @@ def stage(args) -> int:
 
 def save_part(part: dict, path: Path, args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(part, indent=1) + "\n")
+    path.write_text(dump_result(part))
     if args.export:
         dst = Path(args.export) / "parts"
         dst.mkdir(parents=True, exist_ok=True)
@@ -460,7 +462,7 @@ def write_result(path: Path, merged: dict) -> None:
     if len(merged["mixed"]["git_commits"]) > 1 or len(merged["mixed"]["machines"]) > 1:
         doc["warning"] = "parts come from different commits or devices; see provenance"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path.write_text(dump_result(doc))
     log(f"wrote {path}")
 
 

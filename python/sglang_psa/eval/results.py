@@ -68,5 +68,18 @@ def write_result(path: Path, summary: dict[str, Any], data: Any, **extra: Any) -
         "data": data,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    path.write_text(dump_result(doc))
     return path
+
+
+def dump_result(doc: dict[str, Any], pretty_chars: int = 4000) -> str:
+    """A result file's text: one line per top-level key, small values indented for
+    reading (the summary), large ones (per-request data, logs) compact, so the results
+    stay small enough to travel with the working tree."""
+    items = []
+    for key, value in doc.items():
+        text = json.dumps(value, indent=1, default=float)
+        if len(text) > pretty_chars:
+            text = json.dumps(value, separators=(",", ":"), default=float)
+        items.append(f" {json.dumps(key)}: " + text.replace("\n", "\n "))
+    return "{\n" + ",\n".join(items) + "\n}\n"
