@@ -49,6 +49,7 @@ def test_pages_land_in_their_host_units(kernel_device, heads, d):
     hk = torch.zeros(heads, host_blocks, bs, d, dtype=torch.bfloat16)
     hk = hk.pin_memory() if kernel_device == "cuda" else hk
     hv = torch.zeros_like(hk)
+    hv = hv.pin_memory() if kernel_device == "cuda" else hv
     copy_pages_to_units(k, v, pages, hk, hv, blocks)
     if kernel_device == "cuda":
         torch.cuda.synchronize()
