@@ -80,6 +80,7 @@ class _Batch:
     pages: torch.Tensor  # [B, NB] int32
     lengths: torch.Tensor  # [B] int32
     loc: torch.Tensor | None = None  # [B, Hkv, NB] int32: a block's slot is its page
+    host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
     plan: WaveAttention | None = None
 
 
@@ -181,7 +182,7 @@ class PSAAttnBackend(AttentionBackend):
         self._workspace = Workspace(device)
         self._device = device
         self._graph_bs = 0
-        self._graph_pages = self._graph_lengths = self._graph_loc = None
+        self._graph_pages = self._graph_lengths = self._graph_loc = self._graph_host = None
         self._batches: dict[int, _Batch] = {}
         self._step: _Batch | None = None
 
@@ -232,6 +233,7 @@ class PSAAttnBackend(AttentionBackend):
             return WriteBack(
                 pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
                 host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
+                table_shape=tuple(model_runner.req_to_token_pool.req_to_token[:, ::cfg.block_size].shape),
                 threads=max(2, min(8, (os.cpu_count() or 4) // 2)),
             )  # fmt: skip
         except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -250,7 +252,9 @@ class PSAAttnBackend(AttentionBackend):
         return {
             "block_metadata": self.meta.bytes,
             "working_sets": self.ws.bytes + size(self.stats),
-            "step_tables": size(self._graph_pages, self._graph_lengths, self._graph_loc),
+            "step_tables": size(
+                self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host
+            ),
             "workspace": self._workspace.nbytes,
             "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
         }
@@ -291,7 +295,8 @@ class PSAAttnBackend(AttentionBackend):
         if self._graph_pages is not None and max_bs <= self._graph_bs:
             return
         self._graph_bs = max_bs
-        self._graph_pages, self._graph_lengths, self._graph_loc = self._tables(max_bs)
+        tables = self._tables(max_bs)
+        self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host = tables
         self._batches.clear()
 
     def _tables(self, n: int):
@@ -300,14 +305,16 @@ class PSAAttnBackend(AttentionBackend):
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
         loc = None if self.cache is not None else torch.zeros(n, Hkv, self.max_blocks, **kw)
-        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc
+        host = None if self.writeback is None else torch.zeros(n, self.max_blocks, **kw)
+        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
         if got is None:
             if B <= self._graph_bs:  # views of the tables the captured graphs read
                 loc = None if self._graph_loc is None else self._graph_loc[:B]
-                got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc)
+                host = None if self._graph_host is None else self._graph_host[:B]
+                got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc, host)
             else:  # eager only (larger than any captured batch, or graphs off)
                 got = _Batch(*self._tables(B))
             self._batches[B] = got
@@ -338,7 +345,11 @@ class PSAAttnBackend(AttentionBackend):
         torch.index_select(self._page_cols, 0, rows, out=st.pages)
         st.pages.floor_divide_(self.cfg.block_size)
         st.lengths.copy_(forward_batch.seq_lens)
-        if self.cache is None:  # the block table of every head, once per step
+        if self.writeback is not None:  # tiered: some blocks are read from the host tier
+            torch.index_select(self.writeback.host_loc, 0, rows, out=st.host)
+            where = torch.where(st.host < 0, st.host, st.pages)
+            st.loc.copy_(where[:, None, :].expand_as(st.loc))
+        elif self.cache is None:  # the block table of every head, once per step
             st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
         else:
             self.cache.next_step()
@@ -421,7 +432,13 @@ class PSAAttnBackend(AttentionBackend):
         B, NB = step.pages.shape
         Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
         strides = (bs * Hkv * d, Hkv * d, d)
-        if self.cache is None:  # slots are the pool's pages, for every head
+        host_strides = strides
+        if self.writeback is not None:  # pages, or host-tier blocks through UVA
+            loc = step.loc
+            slots_k, slots_v = kbuf, vbuf
+            host_k, host_v = self.writeback.host.k[lid], self.writeback.host.v[lid]
+            host_strides = self.writeback.host_strides()
+        elif self.cache is None:  # slots are the pool's pages, for every head
             loc = step.loc
             slots_k, slots_v, host_k, host_v = kbuf, vbuf, None, None
         else:  # cached pages from HBM slots, the rest from the host pages through UVA
@@ -445,7 +462,7 @@ class PSAAttnBackend(AttentionBackend):
             meta_pages=step.pages,
             k_host=host_k,
             v_host=host_v,
-            host_strides=strides,
+            host_strides=host_strides,
             stamps=self.ws.layer_stamps(lid),
             step=self.ws.step,
             stats=self.stats[lid],

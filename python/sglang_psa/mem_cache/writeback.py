@@ -155,6 +155,7 @@ class WriteBack:
         device: torch.device | str,
         *,
         max_job_rows: int | None = None,
+        table_shape: tuple[int, int] | None = None,
         decode_flush_blocks: int = 16,
         threads: int = 4,
         heartbeat_timeout: float = 1.0,
@@ -209,6 +210,11 @@ class WriteBack:
         else:
             self.stream = None
         self._block_bytes = 2 * kv_heads * block_size * head_dim * self.host.k.element_size()
+        # Where decode reads a block, by (request-table row, block): 0 from its HBM page,
+        # -(host block) - 1 from the host tier (a saved block whose HBM copy is not to be
+        # read). The backend gathers it into the step's block table inside the graph.
+        rows, blocks = table_shape or (1, 1)
+        self.host_loc = torch.zeros(rows, blocks, dtype=torch.int32, device=self.device)
 
     # -- reservations (admission) ---------------------------------------------------
     def reserve(self, rid, tokens: int) -> bool:
@@ -217,9 +223,12 @@ class WriteBack:
 
     def release(self, rid) -> None:
         """`rid` ended (finished, aborted or retracted): its planned, unissued saves are
-        dropped and its host blocks return to the free list. Saves already issued
-        complete in order before any later save to the same blocks (the engine is FIFO)."""
-        self._reqs.pop(rid, None)
+        dropped, its row reads HBM again and its host blocks return to the free list.
+        Saves already issued complete in order before any later save to the same blocks
+        (the engine is FIFO)."""
+        r = self._reqs.pop(rid, None)
+        if r is not None and r.host:
+            self.host_loc[r.row, : len(r.host)] = 0
         for plan in (self._decode, self._extend):
             keep = [e for e in plan if e.rid != rid]
             self.stats.dropped_blocks += len(plan) - len(keep)
@@ -307,7 +316,9 @@ class WriteBack:
 
     @property
     def device_bytes(self) -> int:
-        return 2 * self._stage_k.numel() * self._stage_k.element_size()
+        """GPU bytes: the staging buffer and the location table."""
+        staging = 2 * self._stage_k.numel() * self._stage_k.element_size()
+        return staging + self.host_loc.numel() * self.host_loc.element_size()
 
     def _issue_uva(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
         """`uva` path: one kernel writes the blocks into the host tier; an event marks
@@ -461,6 +472,28 @@ class WriteBack:
         self.stats.resubmitted_jobs += len(old)
 
     # -- reads and reports -------------------------------------------------------------
+    def read_from_host(self, rid, blocks: list[int]) -> int:
+        """Decode reads `rid`'s `blocks` (indices within the request) from the host tier
+        from the next step on; only acknowledged blocks qualify. Returns how many were
+        switched. (The residency policy that gives their HBM pages back builds on this.)"""
+        r = self._reqs.get(rid)
+        if r is None:
+            return 0
+        ok = [b for b in blocks if b < r.saved]
+        if ok:
+            idx = torch.tensor(ok, dtype=torch.int64)
+            val = torch.tensor([-r.host[b] - 1 for b in ok], dtype=torch.int32)
+            if self.cuda:
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+                val = val.pin_memory().to(self.device, non_blocking=True)
+            self.host_loc[r.row].index_copy_(0, idx, val)
+        return len(ok)
+
+    def host_strides(self) -> tuple[int, int, int]:
+        """The host tier's (block, token, head) strides within one layer, for the kernel."""
+        bs, d = self.block_size, self.head_dim
+        return bs * d, d, self.blocks.num_blocks * bs * d
+
     def saved_blocks(self, rid) -> list[int]:
         """Host block ids of `rid`'s acknowledged blocks, in block order."""
         r = self._reqs.get(rid)

@@ -527,3 +527,53 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks():
         wb.blocks.check_integrity()
     finally:
         wb.close()
+
+
+@pytest.mark.slow
+def test_tiered_decode_reads_blocks_switched_to_the_host_tier_from_there():
+    """Saved blocks switched to host reads are read from the host tier (through UVA on
+    the GPU): with their HBM pages overwritten by garbage, decode still equals the
+    reference on the true keys; switching them back (the request's release) reads HBM."""
+    pytest.importorskip("zmq", reason="pyzmq is not installed here")
+    from sglang_psa.mem_cache.writeback import wait_saved
+
+    cfg = PSAConfig(threshold=1.0, kv_home="tiered", host_pool_gb=0.01)
+    lengths = [95, 70]
+    runner, fb, g = _rig(cfg, lengths)
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    serving, wb = scheduling.current(), backend.writeback
+    req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    reqs = [SimpleNamespace(rid=f"r{r}", req_pool_idx=r) for r in (1, 2)]
+    try:
+        for r, n in zip(reqs, lengths):
+            assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
+        prompt = [n - 1 for n in lengths]
+        scheduling.after_prepare_for_extend(
+            None, SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt))
+        )
+        _prefill(backend, fb)
+        wait_saved(wb)
+        q = torch.randn(2, HQ * D, generator=g).to(DEV)
+        kc, vc = {}, {}
+        for layer_id in range(LAYERS):
+            kc[layer_id], vc[layer_id] = _dense_kv(runner, fb, layer_id)
+        # r1's two full blocks now come from the host tier; their HBM pages are garbage.
+        assert wb.read_from_host("r1", [0, 1]) == 2
+        for b in (0, 1):
+            page = int(req.req_to_token[1, b * BS]) // BS
+            for layer_id in range(LAYERS):
+                kv.k_buffer[layer_id][page * BS : (page + 1) * BS] = 1e4
+                kv.v_buffer[layer_id][page * BS : (page + 1) * BS] = -1e4
+        backend.init_forward_metadata(fb)
+        for layer_id in range(LAYERS):
+            idx = torch.arange(2, device=DEV)  # the newest token's K/V, as they are
+            k_new = kc[layer_id][idx, :, fb.seq_lens - 1]
+            v_new = vc[layer_id][idx, :, fb.seq_lens - 1]
+            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+            want = dense_attention(q.view(2, HQ, D), kc[layer_id], vc[layer_id], fb.seq_lens)
+            torch.testing.assert_close(out.view(2, HQ, D), want.float(), atol=2e-4, rtol=2e-4)
+        # Released: the row reads HBM again (and HBM now holds garbage for those blocks).
+        scheduling.after_release_kv_cache(None, SimpleNamespace(rid="r1"), None)
+        assert not wb.host_loc[1].any()
+    finally:
+        wb.close()
