@@ -79,6 +79,23 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_uva",
+            "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback uva (the "
+            "write-back through unified addressing, no copy engine), decode CUDA graphs",
+            (
+                "--sparse-mode",
+                "psa",
+                "--psa-kv-home",
+                "tiered",
+                "--psa-host-pool-gb",
+                "16",
+                "--psa-writeback",
+                "uva",
+            ),
+            False,
+            True,
+        ),
+        System(
             "psa_host",
             "sglang-psa --sparse-mode psa --psa-kv-home host (KV in pinned host memory, "
             "HBM page cache)",

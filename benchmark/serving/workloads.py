@@ -84,7 +84,16 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (28_000,),
             (1024,),
-            ("plain", "psa", "topk", "psa_eps1", "psa_tiered", "psa_host", "plain_eager"),
+            (
+                "plain",
+                "psa",
+                "topk",
+                "psa_eps1",
+                "psa_tiered",
+                "psa_tiered_uva",
+                "psa_host",
+                "plain_eager",
+            ),
         ),
         Workload(
             "a16",

@@ -16,6 +16,7 @@ SPARSE_MODES = ("none", "psa", "topk")
 STOP_RULES = ("heuristic", "certified")
 SCORE_METHODS = ("mean", "bound")
 KV_HOMES = ("hbm", "host", "tiered")
+WRITEBACKS = ("engine", "uva")
 
 # Fields whose CLI flag is not simply `--psa-<field>`.
 _FLAG_OVERRIDES = {"sparse_mode": "--sparse-mode"}
@@ -65,6 +66,9 @@ class PSAConfig:
     # Where SGLang's KV pool lives: hbm; host (pinned, read via UVA); tiered (HBM, every
     # full block written back to a host tier of host_pool_gb by the copy engine).
     kv_home: str = "hbm"
+    # Tiered home: how blocks reach the host tier (engine: D2H copy + copy-engine scatter;
+    # uva: a kernel writes them through unified addressing).
+    writeback: str = "engine"
     # Scheduler.
     ws_window: int = 12
     max_inject_tokens: int = 8192
@@ -82,6 +86,7 @@ class PSAConfig:
         need(self.stop_rule in STOP_RULES, "stop_rule", f"must be one of {STOP_RULES}")
         need(self.score in SCORE_METHODS, "score", f"must be one of {SCORE_METHODS}")
         need(self.kv_home in KV_HOMES, "kv_home", f"must be one of {KV_HOMES}")
+        need(self.writeback in WRITEBACKS, "writeback", f"must be one of {WRITEBACKS}")
         need(
             isinstance(self.threshold, (int, float))
             and math.isfinite(self.threshold)

@@ -32,19 +32,24 @@ def _copy_pages_kernel(
     src_tok_stride,
     src_head_stride,
     dst_head_stride,
+    units,
+    H: tl.constexpr,
     BS: tl.constexpr,
     D: tl.constexpr,
 ):
-    i = tl.program_id(0)  # block of the plan
-    h = tl.program_id(1)  # KV head
-    page = tl.load(pages + i).to(tl.int64)
-    blk = tl.load(dst_blocks + i).to(tl.int64)
+    # Units (plan entry, KV head) u = pid, pid + P, ...: one program per unit, or a few
+    # persistent programs (a save through UVA then leaves most SMs to the compute).
     tok = tl.arange(0, BS)
     dim = tl.arange(0, D)
-    src = (page * BS + tok)[:, None] * src_tok_stride + h * src_head_stride + dim[None, :]
-    dst = h.to(tl.int64) * dst_head_stride + (blk * BS + tok)[:, None] * D + dim[None, :]
-    tl.store(k_dst + dst, tl.load(k_src + src))
-    tl.store(v_dst + dst, tl.load(v_src + src))
+    for u in range(tl.program_id(0), units, tl.num_programs(0)):
+        i = u // H
+        h = u % H
+        page = tl.load(pages + i).to(tl.int64)
+        blk = tl.load(dst_blocks + i).to(tl.int64)
+        src = (page * BS + tok)[:, None] * src_tok_stride + h * src_head_stride + dim[None, :]
+        dst = h.to(tl.int64) * dst_head_stride + (blk * BS + tok)[:, None] * D + dim[None, :]
+        tl.store(k_dst + dst, tl.load(k_src + src))
+        tl.store(v_dst + dst, tl.load(v_src + src))
 
 
 def _triton_enabled(device: torch.device) -> bool:
@@ -58,9 +63,11 @@ def copy_pages_to_units(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     dst_blocks: torch.Tensor,
+    programs: int | None = None,
 ) -> None:
     """`k_dst[h, dst_blocks[i], t] = k_src[pages[i]*bs + t, h]` (and V) for every plan
-    entry `i`, head `h` and token `t < bs`, in one launch.
+    entry `i`, head `h` and token `t < bs`, in one launch of one program per (entry,
+    head), or of `programs` persistent programs that loop over them.
 
     `k_src, v_src [tokens, heads, head_dim]`: one layer of SGLang's pool (token rows may
     be strided, dims contiguous). `pages`, `dst_blocks [n]` int32/int64 on the pool's
@@ -94,7 +101,8 @@ def copy_pages_to_units(
         for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
             if not t.is_cuda and not t.is_pinned():
                 raise ValueError(f"{name} is pageable host memory, which the GPU cannot write")
-    _copy_pages_kernel[(n, H)](
+    units = n * H
+    _copy_pages_kernel[(min(units, programs or units),)](
         k_src,
         v_src,
         pages,
@@ -104,6 +112,8 @@ def copy_pages_to_units(
         k_src.stride(0),
         k_src.stride(1),
         k_dst.shape[1] * bs * d,
+        units,
+        H=H,
         BS=bs,
         D=d,
         num_warps=4,

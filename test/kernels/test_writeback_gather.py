@@ -36,8 +36,9 @@ def test_rejects_a_mismatched_destination(kernel_device):
         gather_pages_head_major(k, k, pages, bad, bad, 32)
 
 
+@pytest.mark.parametrize("programs", [None, 7])  # one per unit; a few persistent ones
 @pytest.mark.parametrize("heads,d", [(2, 64), (8, 128)])
-def test_pages_land_in_their_host_units(kernel_device, heads, d):
+def test_pages_land_in_their_host_units(kernel_device, heads, d, programs):
     """Into the host tier's `[heads, blocks, bs, d]` (pinned, written through UVA on the GPU)
     at scattered host blocks; units not named stay untouched."""
     g = torch.Generator().manual_seed(d)
@@ -50,7 +51,7 @@ def test_pages_land_in_their_host_units(kernel_device, heads, d):
     hk = hk.pin_memory() if kernel_device == "cuda" else hk
     hv = torch.zeros_like(hk)
     hv = hv.pin_memory() if kernel_device == "cuda" else hv
-    copy_pages_to_units(k, v, pages, hk, hv, blocks)
+    copy_pages_to_units(k, v, pages, hk, hv, blocks, programs=programs)
     if kernel_device == "cuda":
         torch.cuda.synchronize()
     want_k, want_v = gather_pages_head_major_ref(k.cpu(), v.cpu(), pages.cpu(), bs)

@@ -37,6 +37,7 @@ INVALID = {
     "gpu_cache_gb": ["-1"],
     "host_pool_gb": ["0", "-4"],
     "kv_home": ["disk", "HBM"],
+    "writeback": ["dma", "UVA"],
     "ws_window": ["0", "x"],
     "max_inject_tokens": ["0", "2.5"],
 }

@@ -234,7 +234,7 @@ class PSAAttnBackend(AttentionBackend):
                 pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
                 host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
                 table_shape=tuple(model_runner.req_to_token_pool.req_to_token[:, ::cfg.block_size].shape),
-                threads=max(2, min(8, (os.cpu_count() or 4) // 2)),
+                threads=max(2, min(8, (os.cpu_count() or 4) // 2)), path=cfg.writeback,
             )  # fmt: skip
         except (RuntimeError, torch.OutOfMemoryError) as e:
             raise PSAConfigError(

@@ -49,6 +49,11 @@ from sglang_psa.store.host_pool import HostKVPool
 logger = logging.getLogger(__name__)
 
 
+# Persistent programs of the uva path's save kernel: enough to keep PCIe busy, few enough
+# to leave the other SMs to the forward it overlaps.
+UVA_PROGRAMS = 16
+
+
 class HostTierFull(RuntimeError):
     """A request needs more host blocks than it reserved and none are free."""
 
@@ -119,6 +124,7 @@ class _Req:
     planned: int = 0  # blocks planned for a save, in order
     saved: int = 0  # blocks acknowledged
     host: list[int] = field(default_factory=list)  # host block of each planned block
+    on_host: bool = False  # some blocks are read from the host tier (`read_from_host`)
 
 
 @dataclass
@@ -227,7 +233,7 @@ class WriteBack:
         Saves already issued complete in order before any later save to the same blocks
         (the engine is FIFO)."""
         r = self._reqs.pop(rid, None)
-        if r is not None and r.host:
+        if r is not None and r.on_host:
             self.host_loc[r.row, : len(r.host)] = 0
         for plan in (self._decode, self._extend):
             keep = [e for e in plan if e.rid != rid]
@@ -328,7 +334,9 @@ class WriteBack:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                copy_pages_to_units(k_buf, v_buf, tables[0], hk, hv, tables[1])
+                copy_pages_to_units(
+                    k_buf, v_buf, tables[0], hk, hv, tables[1], programs=UVA_PROGRAMS
+                )
                 done = torch.cuda.Event()
                 done.record(self.stream)
                 self._gathered.record(self.stream)
@@ -487,6 +495,7 @@ class WriteBack:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)
                 val = val.pin_memory().to(self.device, non_blocking=True)
             self.host_loc[r.row].index_copy_(0, idx, val)
+            r.on_host = True
         return len(ok)
 
     def host_strides(self) -> tuple[int, int, int]:

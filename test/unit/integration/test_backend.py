@@ -457,7 +457,8 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
 
 
 @pytest.mark.slow
-def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks():
+@pytest.mark.parametrize("writeback", ["engine", "uva"])
+def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(writeback):
     """`--psa-kv-home tiered`: the pool stays in HBM and decode reads it as at hbm home;
     through the same calls SGLang makes (admission, prepare_for_extend, each extend layer,
     prepare_for_decode, the step's metadata, release), every block prefill and decode
@@ -466,7 +467,7 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks():
     pytest.importorskip("zmq", reason="pyzmq is not installed here")
     from sglang_psa.mem_cache.writeback import wait_saved
 
-    cfg = PSAConfig(threshold=0.9, kv_home="tiered", host_pool_gb=0.01)
+    cfg = PSAConfig(threshold=0.9, kv_home="tiered", host_pool_gb=0.01, writeback=writeback)
     lengths = [95, 64]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
