@@ -39,6 +39,7 @@ class SaveFailed(RuntimeError):
 # Completion flags the GPU writes after a job's D2H copy (see `mem_cache.writeback`): job j waits
 # for flags[j % FLAG_SLOTS] == j + 1. At most FLAG_SLOTS jobs are in flight.
 FLAG_SLOTS = 1024
+START_TIMEOUT_S = 60.0  # a spawned engine imports torch before its first heartbeat
 
 
 @dataclass
@@ -242,7 +243,7 @@ class CopyEngine:
         self._ipc_dir = ""
         self._start()
 
-    def _start(self) -> None:
+    def _start(self, wait: bool = True) -> None:
         self.sock = self._zmq.socket(zmq.PAIR)
         # The socket lives in a directory only this user can enter (mkdtemp: mode 0700).
         if not os.path.isdir(self._ipc_dir):
@@ -268,16 +269,34 @@ class CopyEngine:
             ),
         )
         self.proc.start()
-        self._wait_first_beat()
+        self._first_beat = self.heartbeat.value
+        self._started_at = time.monotonic()
+        self._outbox: list[bytes] = []  # commands sent before the engine is up
+        if wait:
+            self._wait_first_beat()
+            self._first_beat = None
+
+    def _starting(self) -> bool:
+        """The engine (started without waiting) has not beaten yet. Once it has, the
+        commands held back meanwhile go out, in order."""
+        if self._first_beat is None:
+            return False
+        if self.heartbeat.value == self._first_beat:
+            return True
+        self._first_beat = None
+        for msg in self._outbox:
+            self.sock.send(msg)
+        self._outbox.clear()
+        return False
 
     def _wait_first_beat(self) -> None:
         start = self.heartbeat.value
-        deadline = time.monotonic() + 60.0  # a spawned process imports torch first
+        deadline = time.monotonic() + START_TIMEOUT_S  # a spawned process imports torch
         while self.heartbeat.value == start:
             if not self.proc.is_alive():
                 raise EngineDied(f"copy engine exited at startup (code {self.proc.exitcode})")
             if time.monotonic() > deadline:
-                raise EngineDied("copy engine did not start within 60 s")
+                raise EngineDied(f"copy engine did not start within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
 
     def submit(self, job: SaveJob) -> int:
@@ -290,18 +309,20 @@ class CopyEngine:
         job.job_id = self._next_id
         self._next_id += 1
         self.pending[job.job_id] = job
-        self.sock.send(
-            orjson.dumps(
-                {
-                    "op": "save",
-                    "job": job.job_id,
-                    "layer": job.layer,
-                    "row0": job.row0,
-                    "segments": job.segments,
-                    "gpu_flag": job.gpu_flag,
-                }
-            )
+        msg = orjson.dumps(
+            {
+                "op": "save",
+                "job": job.job_id,
+                "layer": job.layer,
+                "row0": job.row0,
+                "segments": job.segments,
+                "gpu_flag": job.gpu_flag,
+            }
         )
+        if self._starting():  # a PAIR socket with no peer yet would block the sender
+            self._outbox.append(msg)
+        else:
+            self.sock.send(msg)
         return job.job_id
 
     def staged(self, row0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +335,11 @@ class CopyEngine:
         return self._next_id
 
     def check_health(self) -> None:
-        """Raise `EngineDied` (naming the lost jobs) if the engine is dead or silent."""
+        """Raise `EngineDied` (naming the lost jobs) if the engine is dead or silent (a
+        starting engine has `START_TIMEOUT_S` for its first beat: it imports torch)."""
+        if self.proc.is_alive() and self._starting():
+            if time.monotonic() - self._started_at <= START_TIMEOUT_S:
+                return
         age = time.monotonic() - self.heartbeat.value
         if self.proc.is_alive() and age <= self.timeout:
             return
@@ -359,10 +384,12 @@ class CopyEngine:
                         raise EngineDied(f"job {job_id} was lost")
         self.done.discard(job_id)
 
-    def restart(self) -> None:
+    def restart(self, wait: bool = True) -> None:
+        """A new engine process. `wait=False` returns at once (the serving path must not
+        stall while it imports torch); commands sent meanwhile go out on its first beat."""
         self._stop()
         self.restarts += 1
-        self._start()
+        self._start(wait)
 
     def close(self) -> None:
         """Stop the engine and release the staging ring's page-locking."""

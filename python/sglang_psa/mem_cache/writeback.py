@@ -460,13 +460,14 @@ class WriteBack:
             self._wait(min(self._jobs))
 
     def _recover(self, err: EngineDied) -> None:
-        """Restart the engine and resubmit every unacknowledged job, in order, from its
-        staging rows (complete: the copy stream is synchronised first)."""
+        """Restart the engine without waiting for it and resubmit every unacknowledged
+        job, in order, from its staging rows (complete: the copy stream is synchronised
+        first, the one host sync of this failure path)."""
         logger.error("sglang-psa: %s; restarting the copy engine and redoing its saves", err)
         if self.cuda:
             self.stream.synchronize()
         old = sorted(self._jobs.items())
-        self.engine.restart()
+        self.engine.restart(wait=False)  # the jobs go out on the new engine's first beat
         self.engine.done.clear()
         self.engine.failed.clear()
         self._jobs.clear()
