@@ -137,20 +137,24 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
                 drain(rid)
         return sorted(times)[len(times) // 2]
 
-    cpu_scatter_s = None
-    if path == "engine":  # the engine's CPU scatter alone, here (same code and threads)
+    cpu_scatter_s, scatter_by_threads = None, {}
+    if path == "engine":  # the engine's CPU scatter alone, here, by thread count
         from concurrent.futures import ThreadPoolExecutor
 
         from sglang_psa.engine.copy_engine import scatter_rows
 
         segs = [(b, 0, BS) for b in range(blocks)]
         sk, sv = wb.engine.staged(0, chunk)
-        workers = ThreadPoolExecutor(engine_threads)
-        t0 = time.perf_counter()
-        for layer in range(layers):
-            scatter_rows(wb.host.k, wb.host.v, sk, sv, layer, segs, workers)
-        cpu_scatter_s = time.perf_counter() - t0
-        workers.shutdown()
+        for n_threads in sorted({1, 2, 4, 8, 16, engine_threads}):
+            workers = ThreadPoolExecutor(n_threads)
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                scatter_rows(wb.host.k, wb.host.v, sk, sv, layer, segs, workers)
+            dt = time.perf_counter() - t0
+            workers.shutdown()
+            scatter_by_threads[n_threads] = nbytes / dt / 1e9
+            if n_threads == engine_threads:
+                cpu_scatter_s = dt
 
     t_compute = gpu_time(lambda: [compute() for _ in range(layers)] and None)
     t_save = gpu_time(lambda: saves(False))
@@ -165,6 +169,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
         "save_end_to_end_s": e2e,
         "save_gbps": nbytes / e2e / 1e9,
         "engine_scatter_gbps": nbytes / cpu_scatter_s / 1e9 if cpu_scatter_s else None,
+        "engine_scatter_gbps_by_threads": scatter_by_threads,
         "save_gpu_copy_s": t_save,
         "save_gpu_copy_gbps": nbytes / t_save / 1e9,
         "compute_s": t_compute,
