@@ -174,3 +174,35 @@ def test_host_blocks_reserve_take_release():
     assert hb.release("a") == 3 and hb.available == 6  # its ids and its reservation
     hb.check_integrity()
     assert hb.take("c", 3) == [0, 1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["engine", "uva"])
+def test_decode_planning_issuing_and_polling_never_sync_the_host(path):
+    """What the tiered home adds around each decode step (plan, the wait for the last
+    gather, the flush of pending blocks, taking acknowledgements) runs with CUDA's sync
+    debug mode set to error."""
+    wb = make("cuda", decode_flush_blocks=2, path=path)
+    pool = FakePool("cuda")
+    a = FakeReq("a", 0)
+    try:
+        assert wb.reserve("a", CTX)
+        extend(wb, pool, [(a, 2 * BS)])
+        pool.write(0, 4 * BS)  # the KV the steps below "decode" (written beforehand)
+        wait_saved(wb)
+        start = 2 * BS
+        wb.plan_decode([a], [start + 1])  # compile and warm outside the check
+        wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for n in range(start + 2, start + 4 * BS):
+                wb.plan_decode([a], [n])
+                wb.before_forward()
+                wb.issue_decode(pool.k, pool.v, pool.req_to_token)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, (start + 4 * BS - 2) // BS)
+    finally:
+        wb.close()
