@@ -45,6 +45,7 @@ class PageCache:
         self.score = torch.zeros(layers * num_pages + 1, dtype=torch.float32, device=dev)
         # hits, host reads, admissions, invalidations (device counters: read on demand)
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._counters_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.copier = BlockCopier(page_elems, dtype, dev)
 
     @property
@@ -120,6 +121,18 @@ class PageCache:
 
     def next_step(self) -> None:
         self.score.mul_(self.decay)
+
+    def read_counters(self) -> dict[str, int]:
+        """Hits, host reads and the bytes those moved across PCIe, as of an earlier call,
+        without a sync: returns the last copy and starts the next (the metrics' refresh)."""
+        hits, host, admitted, _ = (int(x) for x in self._counters_host.tolist())
+        self._counters_host.copy_(self.counters, non_blocking=True)
+        page_bytes = 2 * self.page_elems * self.k.element_size()  # K and V of one page
+        return {
+            "hbm_hits": hits,
+            "host_reads": host,
+            "pcie_read_bytes": (host + admitted) * page_bytes,
+        }
 
     def stats(self) -> dict[str, int]:
         hits, host, admitted, dropped = (int(x) for x in self.counters.tolist())

@@ -171,6 +171,7 @@ class PSAServing:
             "rejected_total": st.rejected,
             "admission_deferrals_total": self.deferrals,
             **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
+            **(_page_cache_metrics(self.page_cache) if self.page_cache is not None else {}),
         }
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
@@ -188,6 +189,15 @@ class PSAServing:
             ctl.pause(rid)
         elif rid in ctl.running or rid in ctl.paused:
             ctl.finish(rid)
+
+
+def _page_cache_metrics(cache) -> dict[str, int]:
+    c = cache.read_counters()
+    return {
+        "page_cache_hits_total": c["hbm_hits"],
+        "host_reads_total": c["host_reads"],
+        "pcie_read_bytes_total": c["pcie_read_bytes"],
+    }
 
 
 def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:

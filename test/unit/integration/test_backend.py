@@ -329,6 +329,13 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated(home):
         stats = cache.stats()
         assert stats["slots"] == 6 and stats["admitted"] > 0 and stats["hits"] > 0, stats
         cache.check_integrity()
+        scheduling.current().metric_values()  # the gauges read a copy one refresh old
+        got = scheduling.current().metric_values()
+        assert got["page_cache_hits_total"] == stats["hits"]
+        assert got["host_reads_total"] == stats["host_reads"]
+        page_bytes = 2 * cache.page_elems * cache.k.element_size()
+        want_bytes = (stats["host_reads"] + stats["admitted"]) * page_bytes
+        assert got["pcie_read_bytes_total"] == want_bytes
         P = cache.P
         for slot in torch.nonzero(cache.tag[:6] >= 0).flatten().tolist():
             layer_id, page = divmod(int(cache.tag[slot]), P)
