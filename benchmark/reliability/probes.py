@@ -12,6 +12,7 @@ Used by `test/reliability/test_server_gpu.py` (asserts every outcome) and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -37,6 +38,27 @@ SERVER_ARGS = [
     "--cuda-graph-max-bs", str(MAX_RUNNING), "--mem-fraction-static", "0.3",
 ]  # fmt: skip
 TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exact
+
+
+@contextlib.contextmanager
+def live_server(args: list[str], port: int, log: Path, api_key: str | None = None):
+    """A `--sparse-mode psa` server on the GPU test model with `args`, healthy: yields
+    (`Server`, its process) and stops it afterwards (its log tail printed if it did not
+    stop cleanly). A server that exits before it is healthy raises `SystemExit`."""
+    from sglang_psa import serve_demo
+    from sglang_psa.models import ensure_model
+
+    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, args, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve_demo.wait_healthy(proc, url, log, timeout=900)
+        yield Server(url, api_key), proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(60)
+        if proc.returncode not in (0, -15):
+            print(log.read_text()[-5000:])
 
 
 @dataclass

@@ -27,9 +27,7 @@ import probes
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 
-from sglang_psa import serve_demo  # noqa: E402
 from sglang_psa.eval.results import write_result  # noqa: E402
-from sglang_psa.models import ensure_model  # noqa: E402
 
 MB = 2**20
 
@@ -121,11 +119,7 @@ def main() -> None:
 
     log = args.out / "reliability_server.log"
     args.out.mkdir(parents=True, exist_ok=True)
-    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), args.port, probes.SERVER_ARGS, log)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        serve_demo.wait_healthy(proc, url, log)
-        s = probes.Server(url, probes.API_KEY)
+    with probes.live_server(probes.SERVER_ARGS, args.port, log, probes.API_KEY) as (s, proc):
         outcomes = []
         if not args.skip_probes:
             for o in probes.bad_inputs(s):
@@ -135,9 +129,6 @@ def main() -> None:
                 outcomes.append(o)
                 print(f"[fault] {'ok  ' if o.ok else 'FAIL'} {o.name}: {o.got}", flush=True)
         soaked = soak(s, proc.pid, args.soak_s) if args.soak_s > 0 else None
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
     earlier = None
     if args.skip_probes and args.probes_from:

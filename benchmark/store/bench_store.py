@@ -61,7 +61,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
     (pages in a shuffled order, as its allocator hands them out), saved layer by layer."""
     from types import SimpleNamespace
 
-    from sglang_psa.mem_cache.writeback import WriteBack
+    from sglang_psa.mem_cache.writeback import WriteBack, wait_saved
 
     blocks = chunk // BS
     pages = blocks + 8
@@ -100,9 +100,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
         return req.rid
 
     def drain(rid) -> None:
-        while wb.report()["save_jobs_in_flight"]:
-            wb.poll()
-            time.sleep(1e-4)
+        wait_saved(wb, poll_s=1e-4)  # finely: the end-to-end time includes this wait
         wb.release(rid)
 
     def end_to_end() -> float:
@@ -114,8 +112,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
     end_to_end()  # warm: engine threads, page faults in the host tier
     e2e = sorted(end_to_end() for _ in range(reps))[reps // 2]
     rid = saves(False)  # check one block's bytes in the host tier
-    while wb.report()["save_jobs_in_flight"]:
-        wb.poll()
+    wait_saved(wb)
     hb, page = wb.saved_blocks(rid)[5], int(order[5])
     want = k[layers - 1][page * BS : (page + 1) * BS, 3].cpu()
     ok = torch.equal(wb.host.k[layers - 1, 3, hb], want)

@@ -30,37 +30,30 @@ OOM = ("out of memory", "OutOfMemoryError", "CUDA error")
 def _serve_or_refuse(tmp_path, extra: list[str], port: int) -> tuple[str, str]:
     """('refused', log) if the server exits at startup, else ('served', log) after a
     load of 16 concurrent 20K-token requests that must all finish."""
-    from sglang_psa import serve_demo
-    from sglang_psa.models import ensure_model
-
     log = tmp_path / "server.log"
-    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, extra, log)
-    url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            serve_demo.wait_healthy(proc, url, log, timeout=900)
-        except SystemExit:
-            proc.wait(60)
-            return "refused", log.read_text()
-        s = probes.Server(url)
-        codes: list[int] = []
+        with probes.live_server(extra, port, log) as (s, proc):
+            _load(s, proc)
+    except SystemExit:
+        return "refused", log.read_text()
+    return "served", log.read_text()
 
-        def one(i: int) -> None:
-            codes.append(s.generate(probes.prompt(20_000, seed=i), 64).status_code)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(900)
-        time.sleep(1)
-        assert proc.poll() is None, "the server died under load"
-        assert codes == [200] * 16, codes
-        return "served", log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(60)
+def _load(s: probes.Server, proc) -> None:
+    """16 concurrent 20K-token requests: every one answered, the server still up."""
+    codes: list[int] = []
+
+    def one(i: int) -> None:
+        codes.append(s.generate(probes.prompt(20_000, seed=i), 64).status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    time.sleep(1)
+    assert proc.poll() is None, "the server died under load"
+    assert codes == [200] * 16, codes
 
 
 @pytest.mark.parametrize(

@@ -25,21 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
-    from sglang_psa import serve_demo
-    from sglang_psa.models import ensure_model
-
     log = tmp_path_factory.mktemp("server") / "server.log"
-    port = 30127
-    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, probes.SERVER_ARGS, log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        serve_demo.wait_healthy(proc, url, log, timeout=900)
-        yield probes.Server(url, probes.API_KEY)
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        if proc.returncode not in (0, -15):
-            print(log.read_text()[-5000:])
+    with probes.live_server(probes.SERVER_ARGS, 30127, log, probes.API_KEY) as (s, _):
+        yield s
 
 
 def test_bad_inputs_get_an_answer_or_a_clear_4xx(server):

@@ -28,21 +28,9 @@ PROMPTS = [probes.prompt(6000 + 512 * i, seed=i) for i in range(8)]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
-    from sglang_psa import serve_demo
-    from sglang_psa.models import ensure_model
-
     log = tmp_path_factory.mktemp("server") / "server.log"
-    port = 30131
-    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, ARGS, log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        serve_demo.wait_healthy(proc, url, log, timeout=900)
-        yield probes.Server(url)
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        if proc.returncode not in (0, -15):
-            print(log.read_text()[-5000:])
+    with probes.live_server(ARGS, 30131, log) as (s, _):
+        yield s
 
 
 def _run_all(s: probes.Server, during=None) -> list[list[int]]:

@@ -164,7 +164,7 @@ class PSAAttnBackend(AttentionBackend):
             ) from e
         self.writeback = None
         if cfg.kv_home == "tiered":
-            self.writeback = self._writeback(cfg, pool, model_runner, device)
+            self.writeback = self._writeback(cfg, pool, model_runner, device, self._page_cols.shape)
         serving = current()
         serving.writeback = self.writeback
         serving.page_cache = self.cache
@@ -214,10 +214,11 @@ class PSAAttnBackend(AttentionBackend):
         self._stats_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
 
     @staticmethod
-    def _writeback(cfg: PSAConfig, pool, model_runner, device):
+    def _writeback(cfg: PSAConfig, pool, model_runner, device, table_shape):
         """The host tier and its copy engine (`--psa-kv-home tiered`). The device staging
         holds one job (a prefill's blocks of one layer, up to the context); the pinned
-        ring four such jobs, so prefill runs ahead of the engine by a few layers."""
+        ring four such jobs, so prefill runs ahead of the engine by a few layers. Its
+        location table has the shape of the request table's page columns."""
         from sglang_psa.mem_cache.writeback import WriteBack
 
         host_blocks = blocks_for_budget(
@@ -233,7 +234,7 @@ class PSAAttnBackend(AttentionBackend):
             return WriteBack(
                 pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
                 host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
-                table_shape=tuple(model_runner.req_to_token_pool.req_to_token[:, ::cfg.block_size].shape),
+                table_shape=tuple(table_shape),
                 threads=max(2, min(8, (os.cpu_count() or 4) // 2)), path=cfg.writeback,
             )  # fmt: skip
         except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -301,7 +302,8 @@ class PSAAttnBackend(AttentionBackend):
 
     def _tables(self, n: int):
         """A step's tables for `n` requests: page table, lengths (1: SGLang's padding
-        value) and, at HBM home, every head's block table."""
+        value), every head's block table (unless the host home's page cache locates
+        blocks) and, at the tiered home, the rows' host locations."""
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
         loc = None if self.cache is not None else torch.zeros(n, Hkv, self.max_blocks, **kw)

@@ -337,9 +337,8 @@ class WriteBack:
                 copy_pages_to_units(
                     k_buf, v_buf, tables[0], hk, hv, tables[1], programs=UVA_PROGRAMS
                 )
-                done = torch.cuda.Event()
+                done = self._gathered = torch.cuda.Event()  # the save's end is the gather's
                 done.record(self.stream)
-                self._gathered.record(self.stream)
             tables.record_stream(self.stream)
         else:
             copy_pages_to_units(k_buf, v_buf, tables[0], hk, hv, tables[1])
@@ -539,11 +538,11 @@ class WriteBack:
         self.host.close()
 
 
-def wait_saved(wb: WriteBack, timeout: float = 30.0) -> None:
-    """Poll until every issued job is acknowledged (tests)."""
+def wait_saved(wb: WriteBack, timeout: float = 30.0, poll_s: float = 0.01) -> None:
+    """Poll every `poll_s` until every issued job is acknowledged (tests, benchmarks)."""
     deadline = time.monotonic() + timeout
     while wb._jobs:
         wb.poll()
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(wb._jobs)} save jobs unacknowledged after {timeout} s")
-        time.sleep(0.01)
+        time.sleep(poll_s)
