@@ -128,19 +128,24 @@ def host_pool_gb(tokens: int, bytes_per_token: int) -> float:
 
 def cap_flags(system: System, cap: KVCap) -> list[str]:
     """Flags that give `system` the same HBM for KV as plain SGLang at `--max-total-tokens
-    cap.tokens`. sglang-psa at host home gets that HBM as page cache less the block
-    metadata it keeps in HBM for every host-tier token."""
-    if system.plain or "host" not in system.flags:
+    cap.tokens`. sglang-psa with a host tier keeps block metadata in HBM for every
+    host-tier token: at host home the rest of that HBM is the page cache, at the tiered
+    home the KV pool (whose tokens carry metadata too)."""
+    home = next((h for h in ("host", "tiered") if h in system.flags), None)
+    if system.plain or home is None:
         return ["--max-total-tokens", str(cap.tokens)]
     pool_gb = host_pool_gb(cap.host_tokens, cap.bytes_per_token)
     pool_tokens = int(pool_gb * 2**30) // cap.bytes_per_token
-    cache = cap.hbm_bytes - pool_tokens * cap.metadata_bytes_per_token
-    if cache <= 0:
+    left = cap.hbm_bytes - pool_tokens * cap.metadata_bytes_per_token
+    if left <= 0:
         raise ValueError(
             f"capped HBM ({cap.hbm_bytes / 2**30:.2f} GiB) does not cover the block metadata "
             f"of {pool_tokens} host-tier tokens"
         )
-    return ["--psa-gpu-cache-gb", f"{cache / 2**30:.4f}", "--psa-host-pool-gb", f"{pool_gb:g}"]
+    if home == "tiered":
+        tokens = left // (cap.bytes_per_token + cap.metadata_bytes_per_token)
+        return ["--max-total-tokens", str(tokens), "--psa-host-pool-gb", f"{pool_gb:g}"]
+    return ["--psa-gpu-cache-gb", f"{left / 2**30:.4f}", "--psa-host-pool-gb", f"{pool_gb:g}"]
 
 
 def launch_command(

@@ -44,6 +44,7 @@ from sglang_psa.integration.page_cache import PageCache
 from sglang_psa.integration.scheduling import PSAServing, current, install
 from sglang_psa.integration.server_args import config_of
 from sglang_psa.mem_cache.page_meta import PageMeta
+from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.mem_cache.working_sets import WorkingSets
 from sglang_psa.store.host_pool import blocks_for_budget
 
@@ -154,19 +155,31 @@ class PSAAttnBackend(AttentionBackend):
         # Every `block_size`-th token slot of each request row: its pages, times bs.
         self._page_cols = req_to_token[:, ::bs]
         self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
+        host_blocks = 0
+        if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
+            host_blocks = blocks_for_budget(
+                cfg.host_pool_gb, pool.layer_num, pool.head_num, bs, pool.head_dim,
+                pool.store_dtype,
+            )  # fmt: skip
+            if host_blocks < 1:
+                raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         try:
-            self._allocate(cfg, pool, num_pages, bs, req_to_token, device)
+            self._allocate(cfg, pool, num_pages, bs, req_to_token, device, host_blocks)
         except torch.OutOfMemoryError as e:
             raise PSAConfigError(
                 "sparse_mode",
                 "not enough GPU memory for the block metadata and working-set buffers: lower "
                 f"--mem-fraction-static or --max-total-tokens ({e})",
             ) from e
-        self.writeback = None
+        self.writeback = self.residency = None
         if cfg.kv_home == "tiered":
-            self.writeback = self._writeback(cfg, pool, model_runner, device, self._page_cols.shape)
+            self.writeback = self._writeback(
+                cfg, pool, model_runner, device, self._page_cols.shape, host_blocks
+            )
+            self.residency = Residency(self.writeback, self.meta, self.ws, req_to_token, cfg)
         serving = current()
         serving.writeback = self.writeback
+        serving.residency = self.residency
         serving.page_cache = self.cache
         serving.measure = self.ws.read
         serving.read_fraction = self.read_fraction
@@ -186,9 +199,12 @@ class PSAAttnBackend(AttentionBackend):
         self._batches: dict[int, _Batch] = {}
         self._step: _Batch | None = None
 
-    def _allocate(self, cfg: PSAConfig, pool, num_pages: int, bs: int, req_to_token, device):
+    def _allocate(
+        self, cfg: PSAConfig, pool, num_pages: int, bs: int, req_to_token, device, host_rows: int
+    ):
         """The backend's startup buffers: block metadata (counted in SGLang's KV budget by
-        `kv_pool`), working-set stamps and read counters."""
+        `kv_pool`), working-set stamps and read counters; metadata and stamps with a row
+        per page and per host block (`host_rows`, tiered home)."""
         self.meta = PageMeta(
             pool.layer_num,
             num_pages,
@@ -199,11 +215,12 @@ class PSAAttnBackend(AttentionBackend):
             bounds=cfg.needs_key_bounds,
             key_dtype=kv_pool.metadata_dtype(pool.dtype),
             device=device,
+            host_rows=host_rows,
         )
         self.ws = WorkingSets(
             pool.layer_num,
             pool.head_num,
-            num_pages,
+            num_pages + host_rows,
             cfg.ws_window,
             req_to_token.shape[0],
             bs,
@@ -214,19 +231,13 @@ class PSAAttnBackend(AttentionBackend):
         self._stats_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
 
     @staticmethod
-    def _writeback(cfg: PSAConfig, pool, model_runner, device, table_shape):
+    def _writeback(cfg: PSAConfig, pool, model_runner, device, table_shape, host_blocks: int):
         """The host tier and its copy engine (`--psa-kv-home tiered`). The device staging
         holds one job (a prefill's blocks of one layer, up to the context); the pinned
         ring four such jobs, so prefill runs ahead of the engine by a few layers. Its
         location table has the shape of the request table's page columns."""
         from sglang_psa.mem_cache.writeback import WriteBack
 
-        host_blocks = blocks_for_budget(
-            cfg.host_pool_gb, pool.layer_num, pool.head_num, cfg.block_size, pool.head_dim,
-            pool.store_dtype,
-        )  # fmt: skip
-        if host_blocks < 1:
-            raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         context = int(getattr(getattr(model_runner, "model_config", None), "context_len", 0) or 0)
         chunk = int(getattr(model_runner.server_args, "chunked_prefill_size", 0) or 0)
         job_rows = -(-max(context, chunk, cfg.block_size) // cfg.block_size) * cfg.block_size
@@ -347,10 +358,13 @@ class PSAAttnBackend(AttentionBackend):
         torch.index_select(self._page_cols, 0, rows, out=st.pages)
         st.pages.floor_divide_(self.cfg.block_size)
         st.lengths.copy_(forward_batch.seq_lens)
-        if self.writeback is not None:  # tiered: some blocks are read from the host tier
+        if self.writeback is not None:  # tiered: evicted blocks are read from the host tier
             torch.index_select(self.writeback.host_loc, 0, rows, out=st.host)
-            where = torch.where(st.host < 0, st.host, st.pages)
+            on_host = st.host < 0
+            where = torch.where(on_host, st.host, st.pages)
             st.loc.copy_(where[:, None, :].expand_as(st.loc))
+            # Metadata and stamps of an evicted block: the row of its host block.
+            st.pages.copy_(torch.where(on_host, self.meta.page_rows - 1 - st.host, st.pages))
         elif self.cache is None:  # the block table of every head, once per step
             st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
         else:

@@ -62,10 +62,18 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
-        "after",
-        "scheduling:after_check_decode_mem",
+        "around",
+        "scheduling:around_check_decode_mem",
         ("self", "selected_indices"),
-        "record working sets; retract when they outgrow the slot cache",
+        "record working sets; retract when they outgrow the slot cache; tiered: give "
+        "pages of saved blocks back before the step finds the allocator short",
+    ),
+    Hook(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+        "around",
+        "scheduling:around_release_page_ids",
+        ("self", "page_ids"),
+        "tiered: entries of given-back blocks point at page 0, which no free may return",
     ),
     Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
@@ -157,6 +165,10 @@ HOOKS: tuple[Hook, ...] = (
 CALLS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sglang.srt.server_args.add_attention_backend_choices", ("choices",)),
     ("sglang.srt.layers.attention.attention_registry.register_attention_backend", ("name",)),
+    (
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_segment",
+        ("self", "free_index", "start_pos"),
+    ),
 )
 
 

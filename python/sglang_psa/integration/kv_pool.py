@@ -2,6 +2,10 @@
 
 - `--psa-kv-home hbm`: the pool stays in GPU memory; its byte budget per token
   grows by the per-page block metadata (mean keys, plus min/max for key bounds).
+- `--psa-kv-home tiered`: the pool stays in GPU memory as for `hbm`; the block
+  metadata and last-read stamps of every host-tier block (a block whose page was
+  given back is still scored) come out of the same HBM budget, so the pool has
+  fewer tokens (`host_row_bytes`).
 - `--psa-kv-home host`: the pool's K/V buffers are page-locked host memory of
   `--psa-host-pool-gb`, seen by the GPU through unified addressing
   (`store/uva.py`). SGLang's kernels write new KV there and its prefill reads
@@ -59,6 +63,22 @@ def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg
     return math.ceil(per_vector_token * n_meta * meta_elem / cfg.block_size)
 
 
+def host_blocks(cfg, kv_bytes_per_token: int) -> int:
+    """Blocks (all layers and heads) the tiered home's host tier of `--psa-host-pool-gb`
+    holds."""
+    return int(cfg.host_pool_gb * 2**30) // (kv_bytes_per_token * cfg.block_size)
+
+
+def host_row_bytes(cfg, kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+    """HBM bytes of the tiered home's rows for host blocks: the block metadata and one
+    int32 last-read stamp per (layer, KV head) of each (heads bounded from above by
+    taking head_dim >= 32)."""
+    meta = metadata_bytes_per_token(kv_bytes_per_token, kv_dtype, cfg) * cfg.block_size
+    heads_d = kv_bytes_per_token // (2 * torch.empty((), dtype=kv_dtype).element_size() * layers)
+    stamps = 4 * layers * max(1, heads_d // 32)
+    return host_blocks(cfg, kv_bytes_per_token) * (meta + stamps)
+
+
 def after_compute_cell_size(result, configurator, kvc, num_layers):
     """SGLang sizes its KV pool by HBM bytes per token: with the pool in HBM that is the KV
     plus the block metadata; with the pool on the host only the metadata."""
@@ -66,8 +86,10 @@ def after_compute_cell_size(result, configurator, kvc, num_layers):
     if cfg is None or getattr(kvc, "use_mla_backend", False):
         return result
     meta = metadata_bytes_per_token(result, kvc.kv_cache_dtype, cfg)
+    configurator._psa_kv_bytes_per_token = result
+    configurator._psa_kv_dtype = kvc.kv_cache_dtype
+    configurator._psa_layers = num_layers
     if _host_home(cfg):
-        configurator._psa_kv_bytes_per_token = result
         return meta
     return result + meta
 
@@ -79,6 +101,8 @@ def after_calculate_pool_sizes(result, configurator, available_bytes, page_size)
     global _slot_cache_bytes
     cfg = _config()
     per_token = getattr(configurator, "_psa_kv_bytes_per_token", None)
+    if cfg is not None and cfg.kv_home == "tiered" and per_token:
+        return _tiered_pool_size(cfg, configurator, result, per_token, page_size)
     if not _host_home(cfg) or not per_token:
         return result
     host_tokens = int(cfg.host_pool_gb * 2**30) // per_token // page_size * page_size
@@ -109,6 +133,26 @@ def after_calculate_pool_sizes(result, configurator, available_bytes, page_size)
         left / 2**30,
         "" if tokens == host_tokens else "; capped by the HBM left for block metadata",
     )
+    return dataclasses.replace(result, max_total_num_tokens=tokens)
+
+
+def _tiered_pool_size(cfg, configurator, result, per_token: int, page_size: int):
+    """The tiered home's token budget: SGLang's, less the HBM of the host blocks' rows."""
+    rows = host_row_bytes(cfg, per_token, configurator._psa_kv_dtype, configurator._psa_layers)
+    cut = -(-rows // configurator._cell_size)
+    tokens = (result.max_total_num_tokens - cut) // page_size * page_size
+    if tokens < 4 * page_size:
+        raise ValueError(
+            f"{flag_name('host_pool_gb')} {cfg.host_pool_gb:g}: the block metadata of that "
+            f"many host blocks ({rows / 2**30:.2f} GiB of HBM) leaves no room for the KV "
+            "pool; lower it or raise --mem-fraction-static"
+        )
+    logger.info(
+        "sglang-psa: tiered KV: %d tokens in HBM; %.2f GiB of HBM hold the metadata of "
+        "%d host blocks (%s %g)",
+        tokens, rows / 2**30, host_blocks(cfg, per_token), flag_name("host_pool_gb"),
+        cfg.host_pool_gb,
+    )  # fmt: skip
     return dataclasses.replace(result, max_total_num_tokens=tokens)
 
 

@@ -20,6 +20,7 @@ cover KV token usage, queue lengths and latencies.
 | `blocks_saved_total`, `save_bytes_total` | blocks written back to the host tier and acknowledged (`--psa-kv-home tiered`) |
 | `save_jobs_in_flight`, `host_blocks_used` | write-back jobs not yet acknowledged; host-tier blocks held |
 | `copy_engine_restarts_total` | times a dead copy engine was restarted (its saves redone) |
+| `blocks_evicted`, `evictions_total` | tiered home: saved blocks whose HBM page was given back (read from the host tier), now and ever |
 | `page_cache_hits_total`, `host_reads_total`, `pcie_read_bytes_total` | `--psa-kv-home host`: block reads served by the HBM page cache, reads across PCIe, and the bytes those and the cache's admissions moved (at most: a read counts its whole page) |
 """
 
@@ -43,6 +44,9 @@ GAUGES = {
     "save_jobs_in_flight": "write-back jobs not yet acknowledged by the copy engine",
     "host_blocks_used": "host-tier blocks held by requests",
     "copy_engine_restarts_total": "times a dead copy engine was restarted",
+    "blocks_evicted": "tiered home: blocks of running requests read from the host tier, "
+    "their HBM pages given back",
+    "evictions_total": "tiered home: blocks whose HBM page was given back, ever",
     "page_cache_hits_total": "host home: decode block reads served by the HBM page cache",
     "host_reads_total": "host home: decode block reads across PCIe (UVA)",
     "pcie_read_bytes_total": "host home: bytes read across PCIe by decode and cache admissions "

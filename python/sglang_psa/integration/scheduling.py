@@ -9,10 +9,13 @@ there is none and every hook passes straight through.
   working sets of the running ones plus its estimate fit; otherwise it waits in
   SGLang's queue (the adder stops for this round), never dropped. With nothing
   running it is admitted anyway, so the server cannot stall.
-- `ScheduleBatch.check_decode_mem` (after): before each decode step, the blocks
+- `ScheduleBatch.check_decode_mem` (around): before each decode step, the blocks
   the backend read in the last step are recorded as each request's working set;
   if the selected requests' working sets outgrow the cache, SGLang retracts
-  (with its own victim policy; the check honours `selected_indices`).
+  (with its own victim policy; the check honours `selected_indices`). At the
+  tiered home, pages of saved blocks are given back first when the step would
+  find the allocator short (`mem_cache.residency`), as they are before a queued
+  prompt is refused for want of pages.
 - `release_kv_cache` (after): a finished request is forgotten, a retracted one
   keeps its history for when it resumes.
 - `validate_input_length` (after): a request whose KV cannot fit the host pool,
@@ -52,16 +55,17 @@ class PSAServing:
         self.metrics = None  # PSAMetrics with --enable-metrics
         self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
         self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
+        self.residency = None  # mem_cache.residency.Residency, the same home
         self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
 
     @property
     def gates_by_working_set(self) -> bool:
-        """With the KV pool in HBM, blocks outside the slot cache cannot be read, so working
-        sets bound admission and force retraction. With it on the host (`--psa-kv-home
-        host`) the page cache only speeds reads up: a working set beyond it is read across
-        PCIe, so nothing waits or is retracted for it (SGLang's own token budget still
+        """With the KV pool in HBM only, blocks outside the slot cache cannot be read, so
+        working sets bound admission and force retraction. With a host copy of the KV
+        (`--psa-kv-home host` or `tiered`) a working set beyond HBM is read across PCIe,
+        so nothing waits or is retracted for it (SGLang's own token budget still
         applies)."""
-        return self.cfg.kv_home != "host"
+        return self.cfg.kv_home == "hbm"
 
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
@@ -171,6 +175,7 @@ class PSAServing:
             "rejected_total": st.rejected,
             "admission_deferrals_total": self.deferrals,
             **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
+            **(_residency_metrics(self.residency.report()) if self.residency else {}),
             **(_page_cache_metrics(self.page_cache) if self.page_cache is not None else {}),
         }
 
@@ -181,7 +186,16 @@ class PSAServing:
         load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
         return load <= ctl.capacity_units
 
+    def make_room(self, reqs, tokens: int, allocator) -> int:
+        """Tiered home: give back HBM pages of `reqs`' saved blocks until `tokens` more
+        tokens fit in SGLang's allocator; returns the tokens freed (0 elsewhere)."""
+        if self.residency is None or tokens <= 0:
+            return 0
+        return self.residency.make_room(reqs, tokens, allocator)
+
     def release(self, rid: Hashable, retracted: bool) -> None:
+        if self.residency is not None:
+            self.residency.release(rid)
         if self.writeback is not None:  # a retracted request is prefilled and saved again
             self.writeback.release(rid)
         ctl = self.controller
@@ -198,6 +212,10 @@ def _page_cache_metrics(cache) -> dict[str, int]:
         "host_reads_total": c["host_reads"],
         "pcie_read_bytes_total": c["pcie_read_bytes"],
     }
+
+
+def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
+    return {"blocks_evicted": rep["blocks_evicted"], "evictions_total": rep["evictions"]}
 
 
 def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:
@@ -233,6 +251,11 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
 
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
+    if serving.residency is not None and running:  # tiered: pages of saved blocks make room
+        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
+        need = len(req.origin_input_ids) + min(max_new, 4096) + 2 * serving.cfg.block_size
+        alloc = adder.token_to_kv_pool_allocator
+        serving.make_room(running, need - int(adder.rem_total_tokens), alloc)
     was_paused = req.rid in serving.controller.paused
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
@@ -243,9 +266,16 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     return result
 
 
-def after_check_decode_mem(result, batch, selected_indices=None):
+def around_check_decode_mem(original, batch, selected_indices=None):
     serving = current()
-    if serving is None or not result:
+    if serving is None:
+        return original(batch, selected_indices)
+    if serving.residency is not None and batch.reqs:  # a page per request, twice over
+        alloc = batch.token_to_kv_pool_allocator
+        need = 2 * len(batch.reqs) * serving.cfg.block_size
+        serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
+    result = original(batch, selected_indices)
+    if not result:
         return result
     serving.flush_step(batch.reqs)
     reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
@@ -272,6 +302,18 @@ def after_prepare_for_decode(result, batch):
     if serving is not None and serving.writeback is not None and batch.reqs:
         serving.writeback.plan_decode(batch.reqs, batch.seq_lens_cpu.tolist())
     return result
+
+
+def around_release_page_ids(original, allocator, *page_ids):
+    """Tiered home: a request's table entries of blocks whose pages were given back point
+    at page 0 (SGLang's padding page, never allocated); it is dropped from every free
+    while any block is evicted. (A boolean mask syncs, as SGLang's own free already
+    does with `unique`; frees are not on the decode step.)"""
+    serving = current()
+    res = None if serving is None else serving.residency
+    if res is not None and res.evicted and not res.freeing:
+        page_ids = tuple(p[p != 0] for p in page_ids)
+    return original(allocator, *page_ids)
 
 
 def after_release_kv_cache(result, req, tree_cache, is_insert=True):
@@ -327,6 +369,8 @@ def after_get_internal_state(result, scheduler, recv_req):
         "page_cache": serving.page_cache.stats() if serving.page_cache is not None else None,
         # Write-back to the host tier (--psa-kv-home tiered), else None.
         "writeback": serving.writeback.report() if serving.writeback is not None else None,
+        # Blocks whose HBM pages were given back (tiered home), else None.
+        "residency": serving.residency.report() if serving.residency is not None else None,
     }
     return result
 

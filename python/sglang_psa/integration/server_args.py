@@ -24,12 +24,15 @@ scheduler process) and in the environment for processes that do not get it.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
 
 from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.integration import flags
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "psa"
 DEFAULT_PREFILL_BACKEND = "triton"
@@ -98,6 +101,11 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         )
     if cfg.kv_home == "host":
         _check_host_home(fields)
+    if cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
+        # A request's blocks give their HBM pages back when HBM runs short; a page the
+        # prefix tree shares is not one request's to give. Prefix caching is off here.
+        logger.info("sglang-psa: --psa-kv-home tiered turns prefix caching off")
+        fields["disable_radix_cache"] = True
     if fields.get("chunked_prefill_size") is None:
         # Bound each prefill batch by chunking long prompts at --psa-max-inject-tokens
         # (sched.prefill_plan's layer segmentation is not wired into SGLang yet).

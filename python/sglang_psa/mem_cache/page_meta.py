@@ -6,7 +6,9 @@ It is produced where keys are written, never scanned for (`sgl_kernel_ext.metada
 after each prefill extend for every page the extend wrote, and in each decode
 step for the page of every new token (so a partial tail page is current and a
 page that fills is final). A page SGLang hands out again is rewritten by the
-same path before it is read. Per layer `[pages, Hkv, d]` vectors in the KV
+same path before it is read. At the tiered home the table has a row per host
+block beside the page rows (`host_rows`): a block whose page was given back is
+scored from there (`residency`). Per layer `[rows, Hkv, d]` vectors in the KV
 dtype (bf16 min/max of bf16 keys are exact; the scoring kernel reads them in
 float32): the mean key when the score is the mean, per-channel min and max when
 the score or the stop rule needs key bounds, nothing it would not read.
@@ -32,12 +34,14 @@ class PageMeta:
         bounds: bool,
         key_dtype: torch.dtype,
         device: torch.device | str,
+        host_rows: int = 0,
     ):
         if not (mean or bounds):
             raise ValueError("PageMeta keeps the mean key, the key bounds, or both")
-        shape = (layers, num_pages, kv_heads, head_dim)
+        shape = (layers, num_pages + host_rows, kv_heads, head_dim)
         kw = dict(dtype=key_dtype, device=device)
         self.page_size, self.num_pages = page_size, num_pages
+        self.page_rows = num_pages  # rows from here on belong to host blocks
         self.mean = torch.zeros(shape, **kw) if mean else None
         self.kmin = torch.zeros(shape, **kw) if bounds else None
         self.kmax = torch.zeros(shape, **kw) if bounds else None
@@ -72,8 +76,14 @@ class PageMeta:
             *self._kept(layer),
         )  # fmt: skip
 
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's metadata of rows `src` into rows `dst` (int64 device tensors)."""
+        for t in (self.mean, self.kmin, self.kmax):
+            if t is not None:
+                t.index_copy_(1, dst, t.index_select(1, src))
+
     def layer(self, layer: int):
-        """`[pages, Hkv, d]` mean, min, max of `layer`. What is not kept is replaced by a
+        """`[rows, Hkv, d]` mean, min, max of `layer`. What is not kept is replaced by a
         kept tensor, which the scoring kernel then does not read."""
         kept = self.mean if self.mean is not None else self.kmin
         mean = kept[layer]

@@ -10,7 +10,8 @@ The scheduler reads that memory whenever it likes: a value is at most a step or
 two old, never waited for, and a row whose length does not match its request's
 (a new request in a reused row) is ignored. Pages shared through prefix caching
 carry one stamp, so a shared page read by one request counts for all holders:
-conservative for admission.
+conservative for admission. At the tiered home a host block has a stamp row of
+its own beside the pages' (`num_pages` counts both), as it has block metadata.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class WorkingSets:
         """GPU bytes held: stamps, step counter, sizes by row, per-batch-size scratch."""
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b)]
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The stamps of rows `src` (pages) to rows `dst` (int64 device tensors)."""
+        self.stamps.index_copy_(1, dst, self.stamps.index_select(1, src))
 
     def layer_stamps(self, layer: int) -> torch.Tensor:
         """`[Hkv, pages]` stamps of one layer (what the wave kernel writes)."""

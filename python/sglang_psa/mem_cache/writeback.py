@@ -480,23 +480,28 @@ class WriteBack:
         self.stats.resubmitted_jobs += len(old)
 
     # -- reads and reports -------------------------------------------------------------
-    def read_from_host(self, rid, blocks: list[int]) -> int:
+    def read_from_host(self, rid, blocks: list[int]) -> list[int]:
         """Decode reads `rid`'s `blocks` (indices within the request) from the host tier
-        from the next step on; only acknowledged blocks qualify. Returns how many were
-        switched. (The residency policy that gives their HBM pages back builds on this.)"""
+        from the next step on; only acknowledged blocks qualify. Returns those switched.
+        (`residency.Residency` builds eviction on this: it also moves the blocks'
+        metadata rows and gives their pages back.)"""
         r = self._reqs.get(rid)
         if r is None:
-            return 0
+            return []
         ok = [b for b in blocks if b < r.saved]
         if ok:
-            idx = torch.tensor(ok, dtype=torch.int64)
-            val = torch.tensor([-r.host[b] - 1 for b in ok], dtype=torch.int32)
-            if self.cuda:
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
-                val = val.pin_memory().to(self.device, non_blocking=True)
-            self.host_loc[r.row].index_copy_(0, idx, val)
+            pin = self.cuda
+            idx = torch.tensor(ok, dtype=torch.int64, pin_memory=pin)
+            val = torch.tensor([-r.host[b] - 1 for b in ok], dtype=torch.int32, pin_memory=pin)
+            self.host_loc[r.row].index_copy_(
+                0, idx.to(self.device, non_blocking=True), val.to(self.device, non_blocking=True)
+            )
             r.on_host = True
-        return len(ok)
+        return ok
+
+    def request(self, rid) -> _Req | None:
+        """`rid`'s row, saved-block count and host block ids (None: not planned yet)."""
+        return self._reqs.get(rid)
 
     def host_strides(self) -> tuple[int, int, int]:
         """The host tier's (block, token, head) strides within one layer, for the kernel."""

@@ -402,6 +402,13 @@ def test_cap_flags():
     tight = systems.KVCap(1000, 12_288, 96, 10**6)  # 11.7 MiB of HBM, ~94 MiB of metadata
     with pytest.raises(ValueError, match="block metadata"):
         systems.cap_flags(S["psa_host"], tight)
+    # The tiered home: a KV pool of the same HBM less the host tier's metadata.
+    flags = systems.cap_flags(S["psa_tiered"], CAP)
+    assert flags[0::2] == ["--max-total-tokens", "--psa-host-pool-gb"] and flags[3] == str(pool_gb)
+    per = CAP.bytes_per_token + CAP.metadata_bytes_per_token
+    assert int(flags[1]) == cache // per and int(flags[1]) < CAP.tokens
+    with pytest.raises(ValueError, match="block metadata"):
+        systems.cap_flags(S["psa_tiered_uva"], tight)
 
 
 def test_launch_command():

@@ -102,19 +102,19 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     sizes, lengths = [0, 60, 60, 5], [0, 639, 640, 900]
     serving.measure = lambda: (sizes, lengths)
     # Windows are not full yet (ws_window=2): load = max(estimate 40, measured 60) = 60 each.
-    assert scheduling.after_check_decode_mem(True, batch) is False  # 120 > 100: retract
-    assert scheduling.after_check_decode_mem(True, batch, selected_indices=[0]) is True
+    assert scheduling.around_check_decode_mem(lambda *a: True, batch) is False  # 120 > 100: retract
+    assert scheduling.around_check_decode_mem(lambda *a: True, batch, selected_indices=[0]) is True
     assert serving.controller.tracker.size("a") == 60
     # A row measured at another length (a new request in a reused row, or a value older
     # than the window) is not taken.
     sizes[1], lengths[1] = 7, 600
-    scheduling.after_check_decode_mem(True, batch)
+    scheduling.around_check_decode_mem(lambda *a: True, batch)
     assert serving.controller.tracker.size("a") == 60
     sizes[1], lengths[1] = 60, 639
     # SGLang retracts "b" (release without insert, not finished): paused, history kept.
     scheduling.after_release_kv_cache(None, reqs[1], None, is_insert=False)
     assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60
-    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=reqs[:1])) is True
+    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs[:1])) is True
     # "a" finishes: everything is returned.
     done = _req("a", 640, pool_idx=1, finished=True)
     scheduling.after_release_kv_cache(None, done, None, is_insert=True)
@@ -126,7 +126,7 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert serving.controller.used_units == 60
     serving.controller.check_integrity()
     # SGLang's own verdict (not enough KV pages) is never overruled.
-    assert scheduling.after_check_decode_mem(False, batch) is False
+    assert scheduling.around_check_decode_mem(lambda *a: False, batch) is False
 
 
 def test_host_home_neither_holds_back_nor_retracts_for_working_sets(serving):
@@ -149,9 +149,9 @@ def test_host_home_neither_holds_back_nor_retracts_for_working_sets(serving):
         )
     assert set(host.controller.running) == {"a", "b", "c"}
     host.measure = lambda: ([80, 80, 80], [640, 640, 640])
-    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=reqs)) is True
+    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs)) is True
     assert host.controller.tracker.size("a") == 80  # still measured, for server info
-    assert scheduling.after_check_decode_mem(False, SimpleNamespace(reqs=reqs)) is False
+    assert scheduling.around_check_decode_mem(lambda *a: False, SimpleNamespace(reqs=reqs)) is False
     for r in reqs:
         scheduling.after_release_kv_cache(None, _req(r.rid, 640, finished=True), None)
     assert not host.controller.running and host.controller.used_units == 0
@@ -196,7 +196,7 @@ def test_without_sparse_mode_every_hook_passes_through():
 
     assert scheduling.around_add_one_req(orig, _adder(), _req("a", 10), True, 64) == "whatever"
     assert calls == [("a", True, 64)]
-    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[])) is True
+    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[])) is True
     assert scheduling.after_validate_input_length(None, _req("a", 10**7), 1, False) is None
     assert scheduling.after_release_kv_cache("r", _req("a", 1), None) == "r"
 
@@ -242,9 +242,9 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
     big = _req("big", 4000, pool_idx=1)  # est 250 units > 100: admitted alone
     scheduling.around_add_one_req(_orig_admits, _adder(), big, False, None)
     serving.measure = lambda: ([0, 300, 0], [0, 4000, 0])
-    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[big])) is True
+    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[big])) is True
     assert serving.controller.tracker.size("big") == 300
     # With a second request, outgrowing the cache still asks SGLang to retract.
     other = _req("b", 64, pool_idx=2)
     scheduling.around_add_one_req(_orig_admits, _adder(), other, False, None)
-    assert scheduling.after_check_decode_mem(True, SimpleNamespace(reqs=[big, other])) is False
+    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[big, other])) is False
