@@ -85,3 +85,22 @@ def test_a_host_pool_too_small_for_one_page_names_the_flag():
     conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
     with pytest.raises(ValueError, match="--psa-host-pool-gb"):
         kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 0, 32)
+
+
+def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_flag():
+    conf = SimpleNamespace()
+    flags.export(PSAConfig(kv_home="tiered", host_pool_gb=1.0))
+    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
+    assert conf._cell_size == PER_TOKEN + 2 * 192  # the pool's own tokens carry metadata
+    blocks = 2**30 // (PER_TOKEN * 32)  # 2730 host blocks of 32 tokens
+    got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**6), conf, 0, 32)
+    cut = 10**6 - got.max_total_num_tokens
+    # At least each host block's metadata (2 x 192 B per token) and one int32 stamp per
+    # (layer, KV head); at most a page and the heads' upper bound (d >= 32) more.
+    least = blocks * (32 * 2 * 192 + 4 * 24 * 2)
+    most = blocks * (32 * 2 * 192 + 4 * 24 * 4) + 32 * conf._cell_size
+    assert least <= cut * conf._cell_size <= most + conf._cell_size
+    assert got.max_total_num_tokens % 32 == 0
+    flags.export(PSAConfig(kv_home="tiered", host_pool_gb=64.0))
+    with pytest.raises(ValueError, match="--psa-host-pool-gb"):
+        kv_pool.after_calculate_pool_sizes(PoolConfig(10**5), conf, 0, 32)
