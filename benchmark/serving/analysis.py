@@ -296,7 +296,7 @@ def summarize(parts: list[dict]) -> dict:
     run, plain = _pair(best, "a", "psa")
     s["throughput_ratio_psa_vs_plain"] = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
     # The host tier under capped HBM: the tiered store where it ran, else the host home.
-    for home in ("psa_tiered", "psa_host"):
+    for home in ("psa_tiered_uva", "psa_tiered", "psa_host"):
         run, plain = _pair(best, "b", home)
         ratio = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
         if ratio is not None:

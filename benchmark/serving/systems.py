@@ -72,16 +72,21 @@ SYSTEMS: dict[str, System] = {
         ),
         System(
             "psa_tiered",
-            "sglang-psa --sparse-mode psa --psa-kv-home tiered (KV in HBM, every full block "
-            "written back to a 16 GiB host tier by the copy engine), decode CUDA graphs",
-            ("--sparse-mode", "psa", "--psa-kv-home", "tiered", "--psa-host-pool-gb", "16"),
+            "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback engine (KV in "
+            "HBM, every full block written back to a 16 GiB host tier by the copy engine), "
+            "decode CUDA graphs",
+            (
+                "--sparse-mode", "psa", "--psa-kv-home", "tiered", "--psa-host-pool-gb", "16",
+                "--psa-writeback", "engine",
+            ),  # fmt: skip
             False,
             True,
         ),
         System(
             "psa_tiered_uva",
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback uva (the "
-            "write-back through unified addressing, no copy engine), decode CUDA graphs",
+            "default: the write-back through unified addressing, no copy engine), decode "
+            "CUDA graphs",
             (
                 "--sparse-mode",
                 "psa",

@@ -113,7 +113,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (28_000,),
             (1024,),
-            ("plain", "psa_tiered", "psa_host", "plain_hicache"),
+            ("plain", "psa_tiered_uva", "psa_host", "plain_hicache"),
             kv_cap_requests=4,
         ),
         Workload(

@@ -68,7 +68,7 @@ class PSAConfig:
     kv_home: str = "hbm"
     # Tiered home: how blocks reach the host tier (engine: D2H copy + copy-engine scatter;
     # uva: a kernel writes them through unified addressing).
-    writeback: str = "engine"
+    writeback: str = "uva"
     # Scheduler.
     ws_window: int = 12
     max_inject_tokens: int = 8192

@@ -21,7 +21,10 @@ import probes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 
-ARGS = ["--psa-kv-home", "tiered", "--psa-host-pool-gb", "4", "--max-running-requests", "8"]
+ARGS = [
+    "--psa-kv-home", "tiered", "--psa-writeback", "engine", "--psa-host-pool-gb", "4",
+    "--max-running-requests", "8",
+]  # fmt: skip
 PROMPTS = [probes.prompt(6000 + 512 * i, seed=i) for i in range(8)]
 
 

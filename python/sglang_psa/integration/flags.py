@@ -50,10 +50,10 @@ _HELP = {
     "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
     "the block metadata); tiered (GPU memory, and every full block is also written back "
     "to a host tier of --psa-host-pool-gb by the copy-engine process)",
-    "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: engine "
+    "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: uva "
+    "(default: one kernel on a few SMs writes them through unified addressing) or engine "
     "(a GPU gather and one D2H copy per layer into a pinned ring, scattered by the "
-    "copy-engine process) or uva (one kernel on a few SMs writes them through unified "
-    "addressing; no engine process)",
+    "copy-engine process; measured slower on the H100)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
     "max_inject_tokens": "prefill tokens per batch: long prompts are chunked at this size "
     "(sets --chunked-prefill-size unless given; layer-segmented prefill is not implemented)",
