@@ -76,8 +76,14 @@ SYSTEMS: dict[str, System] = {
             "HBM, every full block written back to a 16 GiB host tier by the copy engine), "
             "decode CUDA graphs",
             (
-                "--sparse-mode", "psa", "--psa-kv-home", "tiered", "--psa-host-pool-gb", "16",
-                "--psa-writeback", "engine",
+                "--sparse-mode",
+                "psa",
+                "--psa-kv-home",
+                "tiered",
+                "--psa-host-pool-gb",
+                "16",
+                "--psa-writeback",
+                "engine",
             ),  # fmt: skip
             False,
             True,

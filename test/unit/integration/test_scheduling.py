@@ -114,7 +114,9 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     # SGLang retracts "b" (release without insert, not finished): paused, history kept.
     scheduling.after_release_kv_cache(None, reqs[1], None, is_insert=False)
     assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60
-    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs[:1])) is True
+    assert (
+        scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs[:1])) is True
+    )
     # "a" finishes: everything is returned.
     done = _req("a", 640, pool_idx=1, finished=True)
     scheduling.after_release_kv_cache(None, done, None, is_insert=True)
@@ -247,4 +249,7 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
     # With a second request, outgrowing the cache still asks SGLang to retract.
     other = _req("b", 64, pool_idx=2)
     scheduling.around_add_one_req(_orig_admits, _adder(), other, False, None)
-    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[big, other])) is False
+    assert (
+        scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[big, other]))
+        is False
+    )
