@@ -28,6 +28,9 @@ class System:
     graphs: bool  # decode runs in CUDA graphs (captured up to the workload's batch)
 
 
+# The tiered home with a 16 GiB host tier (workload b sets its own size).
+_TIERED = ("--sparse-mode", "psa", "--psa-kv-home", "tiered", "--psa-host-pool-gb", "16")
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
@@ -75,16 +78,7 @@ SYSTEMS: dict[str, System] = {
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback engine (KV in "
             "HBM, every full block written back to a 16 GiB host tier by the copy engine), "
             "decode CUDA graphs",
-            (
-                "--sparse-mode",
-                "psa",
-                "--psa-kv-home",
-                "tiered",
-                "--psa-host-pool-gb",
-                "16",
-                "--psa-writeback",
-                "engine",
-            ),  # fmt: skip
+            (*_TIERED, "--psa-writeback", "engine"),
             False,
             True,
         ),
@@ -93,16 +87,7 @@ SYSTEMS: dict[str, System] = {
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback uva (the "
             "default: the write-back through unified addressing, no copy engine), decode "
             "CUDA graphs",
-            (
-                "--sparse-mode",
-                "psa",
-                "--psa-kv-home",
-                "tiered",
-                "--psa-host-pool-gb",
-                "16",
-                "--psa-writeback",
-                "uva",
-            ),
+            (*_TIERED, "--psa-writeback", "uva"),
             False,
             True,
         ),
