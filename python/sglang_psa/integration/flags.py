@@ -49,7 +49,8 @@ _HELP = {
     "kv_home": "where SGLang's KV pool lives: hbm (GPU memory); host (pinned host memory "
     "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
     "the block metadata); tiered (GPU memory, and every full block is also written back "
-    "to a host tier of --psa-host-pool-gb by the copy-engine process)",
+    "to a host tier of --psa-host-pool-gb (see --psa-writeback); saved blocks leave HBM "
+    "when it runs short; prefix caching is off)",
     "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: uva "
     "(default: one kernel on a few SMs writes them through unified addressing) or engine "
     "(a GPU gather and one D2H copy per layer into a pinned ring, scattered by the "
