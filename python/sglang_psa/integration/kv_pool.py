@@ -105,7 +105,7 @@ def after_calculate_pool_sizes(result, configurator, available_bytes, page_size)
         return _tiered_pool_size(cfg, configurator, result, per_token, page_size)
     if not _host_home(cfg) or not per_token:
         return result
-    host_tokens = int(cfg.host_pool_gb * 2**30) // per_token // page_size * page_size
+    host_tokens = host_blocks(cfg, per_token) * page_size  # one SGLang page = one block
     if host_tokens < page_size:
         raise ValueError(
             f"{flag_name('host_pool_gb')} {cfg.host_pool_gb:g} holds {host_tokens} tokens "

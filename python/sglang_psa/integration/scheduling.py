@@ -247,17 +247,18 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     serving = current()
     if serving is None:
         return original(adder, req, has_chunked_req, truncation_align_size)
-    from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
 
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
+    max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
-        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
-        need = len(req.origin_input_ids) + min(max_new, 4096) + 2 * serving.cfg.block_size
+        # what the adder will ask of its budget: the prompt, the clipped output, slack
+        need = len(req.origin_input_ids) + min(max_new or 0, CLIP_MAX_NEW_TOKENS)
+        need += 2 * serving.cfg.block_size
         alloc = adder.token_to_kv_pool_allocator
         serving.make_room(running, need - int(adder.rem_total_tokens), alloc)
     was_paused = req.rid in serving.controller.paused
-    max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     result = original(adder, req, has_chunked_req, truncation_align_size)
