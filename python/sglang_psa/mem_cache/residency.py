@@ -22,17 +22,25 @@ forward, which waits for that stream), with no host sync:
 A forward already launched reads either copy: both hold the same KV until a
 later forward, ordered after these writes, writes the page again.
 
-Victims: among running requests, the oldest saved blocks past the sink blocks,
-never the last `recent_blocks + 2` full blocks (decode's `last_loc` and the
-blocks every step reads), taken round-robin from the requests with the most
-blocks still in HBM. Prefix sharing is off at this home (a tree-shared page is
-not one request's to give back). Limits: no promotion back to HBM yet, and the
-choice ignores how often a block is read.
+Victims: the coldest saved blocks of the running requests, by the heat the
+step publishes (`WorkingSets.heat`: steps since any layer and head last read the
+block, a step or two old, never waited for); among equally cold blocks the
+oldest first. Never the sink blocks or the last `recent_blocks + 2` full blocks
+(decode's `last_loc` and the blocks every step reads). A request not yet
+measured in its row (a new request, a reused row) counts as just read: its
+blocks go after the cold ones. Prefix sharing is off at this home (a
+tree-shared page is not one request's to give back). Limit: no promotion back
+to HBM yet; an evicted block is read across PCIe for the rest of its request.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+# A row's published heat belongs to its request while the length it was measured at
+# trails the request's by at most this many tokens (the overlap scheduler runs ahead).
+_STALE_TOKENS = 8
 
 
 class Residency:
@@ -43,30 +51,48 @@ class Residency:
         self.sink = cfg.sink_blocks
         self.keep_recent = cfg.recent_blocks + 2
         self.page_rows = meta.page_rows
-        self.evicted: dict[object, set[int]] = {}  # rid -> evicted block indices
+        self.max_blocks = working_sets.heat_blocks  # blocks of the longest request
+        if not self.max_blocks:
+            raise ValueError("residency needs the working sets to publish block heat")
+        self.evicted: dict[object, np.ndarray] = {}  # rid -> bool by block: left HBM
+        self.evicted_blocks = 0  # blocks out of HBM now
         self.evictions = 0  # blocks given back to the allocator, ever
         self.freeing = False  # inside our own free (no page 0 to drop)
         dev = req_to_token.device
         self._offsets = torch.arange(self.block_size, device=dev)
 
-    @property
-    def evicted_blocks(self) -> int:
-        return sum(len(s) for s in self.evicted.values())
-
     def release(self, rid) -> None:
         """`rid` ended: its evicted set goes (its entries point at page 0, which the
         allocator hook keeps out of the free)."""
-        self.evicted.pop(rid, None)
+        gone = self.evicted.pop(rid, None)
+        if gone is not None:
+            self.evicted_blocks -= int(gone.sum())
 
-    def candidates(self, rid, seq_len: int) -> list[int]:
-        """Blocks of `rid` that may leave HBM now, oldest first."""
+    def _ages(self, row: int, seq_len: int, upto: int) -> np.ndarray:
+        """Published ages of blocks `[0, upto)` of the request in `row` (0 where the row
+        was not measured for this request: a request counts as just read until it is)."""
+        _, lengths = self.ws.read()
+        measured = int(lengths[row])
+        if measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
+            return np.zeros(upto, dtype=np.int64)
+        return self.ws.heat()[row, :upto].numpy().astype(np.int64)
+
+    def scores(self, rid, seq_len: int) -> np.ndarray | None:
+        """Eviction order of `rid`'s blocks: higher goes first (colder, then older);
+        -1 for blocks that may not leave HBM now (not saved, sink, recent, gone)."""
         r = self.wb.request(rid)
         if r is None:
-            return []
-        full = seq_len // self.block_size
-        upto = min(r.saved, full - self.keep_recent)
-        gone = self.evicted.get(rid, ())
-        return [b for b in range(self.sink, upto) if b not in gone]
+            return None
+        upto = min(r.saved, seq_len // self.block_size - self.keep_recent)
+        if upto <= self.sink:
+            return None
+        b = np.arange(upto)
+        s = self._ages(r.row, seq_len, upto) * self.max_blocks + (self.max_blocks - 1 - b)
+        s[: self.sink] = -1
+        gone = self.evicted.get(rid)
+        if gone is not None:
+            s[gone[:upto]] = -1
+        return s
 
     def make_room(self, reqs, tokens: int, allocator) -> int:
         """Give back pages of `reqs` (SGLang requests, running) until `tokens` more tokens
@@ -74,25 +100,28 @@ class Residency:
         want = -(-tokens // self.block_size)
         if want <= 0:
             return 0
-        pools = []
+        rids, parts = [], []
         for req in reqs:
             if getattr(req, "req_pool_idx", None) is None or req.finished():
                 continue
-            c = self.candidates(req.rid, int(req.seqlen))
-            if c:
-                pools.append((req.rid, c))
-        picked: dict[object, list[int]] = {}
-        pools.sort(key=lambda p: -len(p[1]))
-        i = 0
-        while want > 0 and pools:
-            rid, c = pools[i % len(pools)]
-            picked.setdefault(rid, []).append(c.pop(0))
-            want -= 1
-            if not c:
-                pools.pop(i % len(pools))
-            else:
-                i += 1
-        return sum(self.evict(rid, blocks, allocator) for rid, blocks in picked.items())
+            s = self.scores(req.rid, int(req.seqlen))
+            if s is not None:
+                rids.append(req.rid)
+                parts.append(s)
+        if not parts:
+            return 0
+        flat = np.concatenate(parts)
+        k = min(want, int((flat >= 0).sum()))
+        if k == 0:
+            return 0
+        top = np.argpartition(-flat, k - 1)[:k]
+        starts = np.cumsum([0] + [len(p) for p in parts])
+        owner = np.searchsorted(starts, top, side="right") - 1
+        freed = 0
+        for i in np.unique(owner):
+            blocks = sorted(int(t - starts[i]) for t in top[owner == i])
+            freed += self.evict(rids[i], blocks, allocator)
+        return freed
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed."""
@@ -118,7 +147,9 @@ class Residency:
             allocator.free_segment(freed, start_pos=0)
         finally:
             self.freeing = False
-        self.evicted.setdefault(rid, set()).update(blocks)
+        gone = self.evicted.setdefault(rid, np.zeros(self.max_blocks, dtype=bool))
+        gone[blocks] = True
+        self.evicted_blocks += len(blocks)
         self.evictions += len(blocks)
         return len(blocks) * bs
 

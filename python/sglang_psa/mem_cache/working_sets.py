@@ -11,7 +11,10 @@ two old, never waited for, and a row whose length does not match its request's
 (a new request in a reused row) is ignored. Pages shared through prefix caching
 carry one stamp, so a shared page read by one request counts for all holders:
 conservative for admission. At the tiered home a host block has a stamp row of
-its own beside the pages' (`num_pages` counts both), as it has block metadata.
+its own beside the pages' (`num_pages` counts both), as it has block metadata,
+and each step also publishes the heat of every block of the batch: the steps
+since any (layer, KV head) last read it, by request-table row and block, as one
+byte (255: 255 or more). Residency evicts the coldest blocks by it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class WorkingSets:
         rows: int,
         block_size: int,
         device: torch.device | str,
+        heat_blocks: int = 0,
     ):
         dev = torch.device(device)
         self.layers, self.kv_heads, self.num_pages = layers, kv_heads, num_pages
@@ -41,12 +45,21 @@ class WorkingSets:
         # By request-table row: working-set size, and the length it was measured at.
         self._dev = torch.zeros(2, rows, dtype=torch.int32, device=dev)
         self._host = torch.zeros(2, rows, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        self._bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Heat (tiered home): block ages by row and block, and each row's last read step.
+        self.heat_blocks = heat_blocks
+        if heat_blocks:
+            pin = dev.type == "cuda"
+            self._heat = torch.zeros(rows, heat_blocks, dtype=torch.uint8, device=dev)
+            self._heat_host = torch.zeros(rows, heat_blocks, dtype=torch.uint8, pin_memory=pin)
+            self._last = torch.zeros(num_pages, dtype=torch.int32, device=dev)
 
     @property
     def bytes(self) -> int:
         """GPU bytes held: stamps, step counter, sizes by row, per-batch-size scratch."""
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b)]
+        if self.heat_blocks:
+            ts += [self._heat, self._last]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -66,6 +79,8 @@ class WorkingSets:
             got = (
                 torch.zeros(batch, LH, dtype=torch.int32, device=dev),
                 torch.zeros(batch, dtype=torch.int32, device=dev),
+                torch.zeros(batch * self.heat_blocks, dtype=torch.int32, device=dev),
+                torch.zeros(batch * self.heat_blocks, dtype=torch.uint8, device=dev),
             )
             self._bufs[batch] = got
         return got
@@ -73,7 +88,7 @@ class WorkingSets:
     def begin_step(self, rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor) -> None:
         """Measure the batch's working sets as of the last step, publish them to the host
         copy, then advance the step counter. Fixed shapes, no sync: graph-recordable."""
-        parts, sizes = self._buffers(pages.shape[0])
+        parts, sizes, ages, ages8 = self._buffers(pages.shape[0])
         working_set_parts(
             self.stamps, pages, lengths, self.step, self.window, self.block_size, parts
         )
@@ -82,7 +97,21 @@ class WorkingSets:
         self._dev[0].index_copy_(0, rows, sizes)
         self._dev[1].index_copy_(0, rows, lengths.to(torch.int32))
         self._host.copy_(self._dev, non_blocking=True)
+        if self.heat_blocks:
+            self._publish_heat(rows, pages, ages, ages8)
         self.step.add_(1)
+
+    def _publish_heat(self, rows, pages: torch.Tensor, ages: torch.Tensor, ages8) -> None:
+        """Ages of the batch's blocks `pages [B, NB]` (steps since the last read by any
+        layer and head; the stamps of the last step give 0) into their rows, then to
+        the host. Preallocated buffers, no sync."""
+        torch.amax(self.stamps, 0, out=self._last)
+        torch.index_select(self._last, 0, pages.reshape(-1), out=ages)
+        torch.sub(self.step, ages, out=ages)
+        ages.clamp_(0, 255)
+        ages8.copy_(ages)
+        self._heat.index_copy_(0, rows, ages8.view(pages.shape))
+        self._heat_host.copy_(self._heat, non_blocking=True)
 
     def mark(self, layer: int, pages: torch.Tensor, read: torch.Tensor) -> None:
         """Reference path (the kernel stamps as it reads): `read [B, Hkv, NB]` blocks of
@@ -98,8 +127,16 @@ class WorkingSets:
         self.stamps.zero_()
         self._dev.zero_()
         self._host.zero_()
+        if self.heat_blocks:
+            self._heat.zero_()
+            self._heat_host.zero_()
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(sizes, lengths)` by request-table row, as last published (host memory; no
         sync, possibly a step old; length 0: never measured)."""
         return self._host[0], self._host[1]
+
+    def heat(self) -> torch.Tensor:
+        """`[rows, blocks]` uint8 block ages by request-table row, as last published (host
+        memory; no sync; rows are trusted only where `read()`'s length matches)."""
+        return self._heat_host

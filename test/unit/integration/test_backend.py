@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -598,6 +599,22 @@ def test_tiered_eviction_gives_pages_back_and_decode_reads_the_host_copies(monke
             return outs
 
         before = step()
+        # A history of reads: the candidates' pages last read 0-7 steps before step 2.
+        age = {
+            (1, 1): 3,
+            (1, 2): 0,
+            (1, 3): 7,
+            (1, 4): 3,
+            (1, 5): 1,
+            (2, 1): 2,
+            (2, 2): 0,
+            (2, 3): 7,
+        }
+        step1 = int(backend.ws.step)
+        for (r, b), a in age.items():
+            backend.ws.stamps[:, int(req.req_to_token[r, b * BS]) // BS] = step1 - a
+        for a, b in zip(step(), before):  # step 2 publishes that history as heat
+            torch.testing.assert_close(a, b)
         free0 = alloc.available_size()
         will_go = {
             int(req.req_to_token[r, b * BS]) // BS
@@ -605,16 +622,23 @@ def test_tiered_eviction_gives_pages_back_and_decode_reads_the_host_copies(monke
             for b in blocks
         }
         # 12 blocks wanted; r1 (9 full blocks) has blocks 1-5 evictable, r2 (7) 1-3: the
-        # sink and the last three full blocks stay. All 8 go.
+        # sink and the last three full blocks stay. The three coldest go first (of the
+        # equally cold, the oldest), then the rest.
+        coldest = {(1, 3), (2, 3), (1, 1)}
         if DEV == "cuda":  # giving pages back never waits for the GPU
             torch.cuda.set_sync_debug_mode("error")
         try:
-            freed = serving.make_room(reqs, 12 * BS, alloc)
+            first = serving.make_room(reqs, 3 * BS, alloc)
+            first_gone = {(int(r[1:]), int(b)) for r, g in backend.residency.evicted.items()
+                          for b in np.flatnonzero(g)}  # fmt: skip
+            freed = first + serving.make_room(reqs, 9 * BS, alloc)
         finally:
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
+        # the three coldest go first (the oldest of equally cold ones)
+        assert first == 3 * BS and first_gone == set(coldest), (age, first_gone)
         assert freed == 8 * BS and alloc.available_size() == free0 + 8 * BS
-        gone = backend.residency.evicted
+        gone = {r: set(np.flatnonzero(g).tolist()) for r, g in backend.residency.evicted.items()}
         assert gone == {"r1": {1, 2, 3, 4, 5}, "r2": {1, 2, 3}}
         for r, blocks in ((1, gone["r1"]), (2, gone["r2"])):
             for b in blocks:
