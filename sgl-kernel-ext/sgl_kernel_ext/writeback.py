@@ -1,4 +1,4 @@
-"""Copy full KV pages of one layer into (KV head, block) units, one launch.
+"""Copy full KV pages of one layer into (KV head, block) units and back, one launch.
 
 SGLang stores a layer's KV token-major (`[tokens, heads, head_dim]`, a page =
 `block_size` consecutive tokens); the host tier stores it per (KV head, block).
@@ -9,6 +9,7 @@ The kernel reorders on the GPU: page `pages[i]`, head `h` lands in unit
   with plain memcpy (`gather_pages_head_major`);
 - straight into the pinned host tier through UVA (`dst_blocks` = host blocks):
   GPU-initiated writes of 4-8 KB runs across PCIe.
+The inverse (`copy_units_to_pages`) promotes host blocks back into pool pages.
 Reference: `sglang_psa.algo.blockcopy.gather_pages_head_major_ref`.
 """
 
@@ -23,33 +24,41 @@ import triton.language as tl
 
 @triton.jit
 def _copy_pages_kernel(
-    k_src,
-    v_src,
+    pool_k,
+    pool_v,
     pages,
-    k_dst,
-    v_dst,
-    dst_blocks,
-    src_tok_stride,
-    src_head_stride,
-    dst_head_stride,
+    unit_k,
+    unit_v,
+    blocks,
+    pool_tok_stride,
+    pool_head_stride,
+    unit_head_stride,
     units,
     H: tl.constexpr,
     BS: tl.constexpr,
     D: tl.constexpr,
+    TO_PAGES: tl.constexpr,
 ):
     # Units (plan entry, KV head) u = pid, pid + P, ...: one program per unit, or a few
-    # persistent programs (a save through UVA then leaves most SMs to the compute).
+    # persistent programs (a copy through UVA then leaves most SMs to the compute).
+    # Pool pages -> units (write-back), or units -> pool pages (promotion, TO_PAGES).
     tok = tl.arange(0, BS)
     dim = tl.arange(0, D)
     for u in range(tl.program_id(0), units, tl.num_programs(0)):
         i = u // H
         h = u % H
         page = tl.load(pages + i).to(tl.int64)
-        blk = tl.load(dst_blocks + i).to(tl.int64)
-        src = (page * BS + tok)[:, None] * src_tok_stride + h * src_head_stride + dim[None, :]
-        dst = h.to(tl.int64) * dst_head_stride + (blk * BS + tok)[:, None] * D + dim[None, :]
-        tl.store(k_dst + dst, tl.load(k_src + src))
-        tl.store(v_dst + dst, tl.load(v_src + src))
+        blk = tl.load(blocks + i).to(tl.int64)
+        at_pool = (page * BS + tok)[:, None] * pool_tok_stride + h * pool_head_stride
+        at_pool += dim[None, :]
+        at_unit = h.to(tl.int64) * unit_head_stride + (blk * BS + tok)[:, None] * D
+        at_unit += dim[None, :]
+        if TO_PAGES:
+            tl.store(pool_k + at_pool, tl.load(unit_k + at_unit))
+            tl.store(pool_v + at_pool, tl.load(unit_v + at_unit))
+        else:
+            tl.store(unit_k + at_unit, tl.load(pool_k + at_pool))
+            tl.store(unit_v + at_unit, tl.load(pool_v + at_pool))
 
 
 def _triton_enabled(device: torch.device) -> bool:
@@ -75,47 +84,71 @@ def copy_pages_to_units(
     device or (CUDA) pinned host memory written through UVA. Without CUDA and outside the
     Triton interpreter this is torch indexing, which gives the identical result.
     """
+    _copy(k_src, v_src, pages, k_dst, v_dst, dst_blocks, programs, to_pages=False)
+
+
+def copy_units_to_pages(
+    k_src: torch.Tensor,
+    v_src: torch.Tensor,
+    src_blocks: torch.Tensor,
+    k_dst: torch.Tensor,
+    v_dst: torch.Tensor,
+    pages: torch.Tensor,
+    programs: int | None = None,
+) -> None:
+    """The inverse (promotion): `k_dst[pages[i]*bs + t, h] = k_src[h, src_blocks[i], t]`
+    (and V). `k_src, v_src`: contiguous `[heads, blocks, bs, head_dim]` units, on the
+    pool's device or (CUDA) pinned host memory read through UVA; `k_dst, v_dst`: one
+    layer of SGLang's pool. Same launch shape and fallback as `copy_pages_to_units`."""
+    _copy(k_dst, v_dst, pages, k_src, v_src, src_blocks, programs, to_pages=True)
+
+
+def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs, to_pages: bool) -> None:
     n = pages.numel()
-    H, d = k_src.shape[1], k_src.shape[2]
-    bs = k_dst.shape[2] if k_dst.dim() == 4 else 0
-    for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
+    H, d = pool_k.shape[1], pool_k.shape[2]
+    bs = unit_k.shape[2] if unit_k.dim() == 4 else 0
+    for name, t in (("units K", unit_k), ("units V", unit_v)):
         if t.dim() != 4 or (t.shape[0], t.shape[3]) != (H, d) or not t.is_contiguous():
             raise ValueError(f"{name} {tuple(t.shape)} must be a contiguous [{H}, blocks, bs, {d}]")
-        if t.dtype != k_src.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} differs from the pool's {k_src.dtype}")
-    if k_src.stride() != v_src.stride() or k_src.stride(2) != 1:
+        if t.dtype != pool_k.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from the pool's {pool_k.dtype}")
+    if pool_k.stride() != pool_v.stride() or pool_k.stride(2) != 1:
         raise ValueError("K and V pool buffers must share strides with contiguous head dims")
-    if dst_blocks.numel() != n:
-        raise ValueError(f"{n} pages but {dst_blocks.numel()} destination blocks")
+    if blocks.numel() != n:
+        raise ValueError(f"{n} pages but {blocks.numel()} unit blocks")
     if n == 0:
         return
-    if not _triton_enabled(k_src.device):
+    if not _triton_enabled(pool_k.device):
         rows = (pages.long()[:, None] * bs + torch.arange(bs)).reshape(-1)
-        blocks = dst_blocks.long()
-        for src, dst in ((k_src, k_dst), (v_src, v_dst)):
-            dst[:, blocks] = src[rows].view(n, bs, H, d).permute(2, 0, 1, 3).to(dst.device)
+        b = blocks.long()
+        for pool, unit in ((pool_k, unit_k), (pool_v, unit_v)):
+            if to_pages:
+                pool[rows] = unit[:, b].permute(1, 2, 0, 3).reshape(n * bs, H, d).to(pool.device)
+            else:
+                unit[:, b] = pool[rows].view(n, bs, H, d).permute(2, 0, 1, 3).to(unit.device)
         return
     if bs & (bs - 1) or d & (d - 1):
         raise ValueError(f"block size {bs} and head dim {d} must be powers of two")
-    if k_src.is_cuda:
-        for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
+    if pool_k.is_cuda:
+        for name, t in (("units K", unit_k), ("units V", unit_v)):
             if not t.is_cuda and not t.is_pinned():
-                raise ValueError(f"{name} is pageable host memory, which the GPU cannot write")
+                raise ValueError(f"{name} are pageable host memory, which the GPU cannot reach")
     units = n * H
     _copy_pages_kernel[(min(units, programs or units),)](
-        k_src,
-        v_src,
+        pool_k,
+        pool_v,
         pages,
-        k_dst,
-        v_dst,
-        dst_blocks,
-        k_src.stride(0),
-        k_src.stride(1),
-        k_dst.shape[1] * bs * d,
+        unit_k,
+        unit_v,
+        blocks,
+        pool_k.stride(0),
+        pool_k.stride(1),
+        unit_k.shape[1] * bs * d,
         units,
         H=H,
         BS=bs,
         D=d,
+        TO_PAGES=to_pages,
         num_warps=4,
     )
 
