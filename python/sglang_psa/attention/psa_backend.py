@@ -176,7 +176,7 @@ class PSAAttnBackend(AttentionBackend):
             self.writeback = self._writeback(
                 cfg, pool, model_runner, device, self._page_cols.shape, host_blocks
             )
-            self.residency = Residency(self.writeback, self.meta, self.ws, req_to_token, cfg)
+            self.residency = Residency(self.writeback, self.meta, self.ws, req_to_token, cfg, pool)
         serving = current()
         serving.writeback = self.writeback
         serving.residency = self.residency

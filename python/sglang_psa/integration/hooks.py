@@ -76,6 +76,13 @@ HOOKS: tuple[Hook, ...] = (
         "tiered: entries of given-back blocks point at page 0, which no free may return",
     ),
     Hook(
+        "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier",
+        "around",
+        "scheduling:around_apply_war_barrier",
+        ("self",),
+        "tiered: table rewrites wait for the whole forward (the graph reads them in replay)",
+    ),
+    Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
         "after",
         "scheduling:after_prepare_for_extend",

@@ -21,6 +21,7 @@ cover KV token usage, queue lengths and latencies.
 | `save_jobs_in_flight`, `host_blocks_used` | write-back jobs not yet acknowledged; host-tier blocks held |
 | `copy_engine_restarts_total` | times a dead copy engine was restarted (its saves redone) |
 | `blocks_evicted`, `evictions_total` | tiered home: saved blocks whose HBM page was given back (read from the host tier), now and ever |
+| `promotions_total` | tiered home: evicted blocks brought back into HBM because decode read them |
 | `page_cache_hits_total`, `host_reads_total`, `pcie_read_bytes_total` | `--psa-kv-home host`: block reads served by the HBM page cache, reads across PCIe, and the bytes those and the cache's admissions moved (at most: a read counts its whole page) |
 """
 
@@ -47,6 +48,7 @@ GAUGES = {
     "blocks_evicted": "tiered home: blocks of running requests read from the host tier, "
     "their HBM pages given back",
     "evictions_total": "tiered home: blocks whose HBM page was given back, ever",
+    "promotions_total": "tiered home: evicted blocks brought back into HBM, ever",
     "page_cache_hits_total": "host home: decode block reads served by the HBM page cache",
     "host_reads_total": "host home: decode block reads across PCIe (UVA)",
     "pcie_read_bytes_total": "host home: bytes read across PCIe by decode and cache admissions "

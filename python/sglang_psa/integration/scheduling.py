@@ -193,6 +193,10 @@ class PSAServing:
             return 0
         return self.residency.make_room(reqs, tokens, allocator)
 
+    def promote(self, reqs, allocator) -> int:
+        """Tiered home: bring evicted blocks the last step read back into HBM."""
+        return 0 if self.residency is None else self.residency.promote(reqs, allocator)
+
     def release(self, rid: Hashable, retracted: bool) -> None:
         if self.residency is not None:
             self.residency.release(rid)
@@ -215,7 +219,11 @@ def _page_cache_metrics(cache) -> dict[str, int]:
 
 
 def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
-    return {"blocks_evicted": rep["blocks_evicted"], "evictions_total": rep["evictions"]}
+    return {
+        "blocks_evicted": rep["blocks_evicted"],
+        "evictions_total": rep["evictions"],
+        "promotions_total": rep["promotions"],
+    }
 
 
 def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:
@@ -275,6 +283,7 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         alloc = batch.token_to_kv_pool_allocator
         need = 2 * len(batch.reqs) * serving.cfg.block_size
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
+        serving.promote(batch.reqs, alloc)
     result = original(batch, selected_indices)
     if not result:
         return result
@@ -285,6 +294,17 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         # (HTTP 500). Its KV is in HBM, so it is served, as a lone request is admitted.
         return True
     return serving.fits(r.rid for r in reqs)
+
+
+def around_apply_war_barrier(original, scheduler):
+    """Tiered home: the scheduler's stream waits for the whole last forward, not only for
+    its pre-replay snapshot: the decode graph reads the request and location tables
+    during its replay, and eviction and promotion rewrite them on that stream."""
+    serving = current()
+    if serving is not None and serving.residency is not None:
+        runner = scheduler.model_worker.war_fastpath_runner
+        runner.war_fastpath_read_done_event = None  # SGLang's whole-forward wait instead
+    return original(scheduler)
 
 
 def after_prepare_for_extend(result, batch):

@@ -29,8 +29,25 @@ oldest first. Never the sink blocks or the last `recent_blocks + 2` full blocks
 (decode's `last_loc` and the blocks every step reads). A request not yet
 measured in its row (a new request, a reused row) counts as just read: its
 blocks go after the cold ones. Prefix sharing is off at this home (a
-tree-shared page is not one request's to give back). Limit: no promotion back
-to HBM yet; an evicted block is read across PCIe for the rest of its request.
+tree-shared page is not one request's to give back).
+
+Promotion (`promote`, every decode round after `make_room`): evicted blocks the
+last published step read (heat <= `PROMOTE_AGE`) come back into HBM, up to
+`PROMOTE_BYTES` of KV per round, hottest first. Their pages come from SGLang's
+allocator: spare pages beyond two per running request, else pages of HBM blocks
+not read for `SWAP_AGE` steps, evicted for them (a swap: a block that went cold
+makes room for one read now). One launch per layer copies the host units into
+the pages (`sgl_kernel_ext.writeback.copy_units_to_pages`, UVA reads), then the
+metadata and stamps rows move back, the request table takes the new pages and
+the location table sends decode to them. The host copy stays: the block is
+still saved, and a later eviction writes nothing.
+
+Ordering: all of this runs on the scheduler's stream, which SGLang orders
+before the next forward. The decode graph reads the request table and the
+location table during its replay, so the hook on SGLang's write-after-read
+barrier (`integration.scheduling.around_apply_war_barrier`) makes the scheduler's
+stream wait for the whole forward at this home, not only for its pre-replay
+snapshot: no table changes under a running step.
 """
 
 from __future__ import annotations
@@ -38,14 +55,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sgl_kernel_ext.writeback import copy_units_to_pages
+
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
 _STALE_TOKENS = 8
+PROMOTE_AGE = 1  # an evicted block read within this many published steps comes back
+SWAP_AGE = 16  # an HBM block not read for this many steps may make room for it
+PROMOTE_BYTES = 32 << 20  # KV promoted per scheduling round (about 1 ms of PCIe)
 
 
 class Residency:
-    def __init__(self, writeback, meta, working_sets, req_to_token: torch.Tensor, cfg):
+    def __init__(self, writeback, meta, working_sets, req_to_token: torch.Tensor, cfg, pool):
+        """`pool`: SGLang's KV pool (`k_buffer`/`v_buffer` by layer), where promotion
+        writes."""
         self.wb, self.meta, self.ws = writeback, meta, working_sets
+        self.pool = pool
         self.req_to_token = req_to_token
         self.block_size = cfg.block_size
         self.sink = cfg.sink_blocks
@@ -57,6 +82,8 @@ class Residency:
         self.evicted: dict[object, np.ndarray] = {}  # rid -> bool by block: left HBM
         self.evicted_blocks = 0  # blocks out of HBM now
         self.evictions = 0  # blocks given back to the allocator, ever
+        self.promotions = 0  # blocks brought back into HBM, ever
+        self.promote_blocks = max(1, PROMOTE_BYTES // writeback.block_bytes)
         self.freeing = False  # inside our own free (no page 0 to drop)
         dev = req_to_token.device
         self._offsets = torch.arange(self.block_size, device=dev)
@@ -68,18 +95,20 @@ class Residency:
         if gone is not None:
             self.evicted_blocks -= int(gone.sum())
 
-    def _ages(self, row: int, seq_len: int, upto: int) -> np.ndarray:
-        """Published ages of blocks `[0, upto)` of the request in `row` (0 where the row
-        was not measured for this request: a request counts as just read until it is)."""
+    def _ages(self, row: int, seq_len: int, upto: int, unknown: int = 0) -> np.ndarray:
+        """Published ages of blocks `[0, upto)` of the request in `row`; `unknown` where
+        the row was not measured for this request (eviction: 0, a request counts as just
+        read until it is; promotion: 255, nothing comes back on no evidence)."""
         _, lengths = self.ws.read()
         measured = int(lengths[row])
         if measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
-            return np.zeros(upto, dtype=np.int64)
+            return np.full(upto, unknown, dtype=np.int64)
         return self.ws.heat()[row, :upto].numpy().astype(np.int64)
 
-    def scores(self, rid, seq_len: int) -> np.ndarray | None:
+    def scores(self, rid, seq_len: int, min_age: int = 0) -> np.ndarray | None:
         """Eviction order of `rid`'s blocks: higher goes first (colder, then older);
-        -1 for blocks that may not leave HBM now (not saved, sink, recent, gone)."""
+        -1 for blocks that may not leave HBM now (not saved, sink, recent, gone, read
+        within `min_age` steps)."""
         r = self.wb.request(rid)
         if r is None:
             return None
@@ -87,24 +116,25 @@ class Residency:
         if upto <= self.sink:
             return None
         b = np.arange(upto)
-        s = self._ages(r.row, seq_len, upto) * self.max_blocks + (self.max_blocks - 1 - b)
+        age = self._ages(r.row, seq_len, upto)
+        s = age * self.max_blocks + (self.max_blocks - 1 - b)
+        s[age < min_age] = -1
         s[: self.sink] = -1
         gone = self.evicted.get(rid)
         if gone is not None:
             s[gone[:upto]] = -1
         return s
 
-    def make_room(self, reqs, tokens: int, allocator) -> int:
+    def make_room(self, reqs, tokens: int, allocator, min_age: int = 0) -> int:
         """Give back pages of `reqs` (SGLang requests, running) until `tokens` more tokens
-        fit; returns the tokens freed (less when too few blocks are saved yet)."""
+        fit; returns the tokens freed (less when too few blocks are saved yet, or not
+        read for `min_age` steps)."""
         want = -(-tokens // self.block_size)
         if want <= 0:
             return 0
         rids, parts = [], []
-        for req in reqs:
-            if getattr(req, "req_pool_idx", None) is None or req.finished():
-                continue
-            s = self.scores(req.rid, int(req.seqlen))
+        for req in _live(reqs):
+            s = self.scores(req.rid, int(req.seqlen), min_age)
             if s is not None:
                 rids.append(req.rid)
                 parts.append(s)
@@ -124,21 +154,21 @@ class Residency:
         return freed
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
-        """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed."""
-        blocks = self.wb.read_from_host(rid, blocks)
+        """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
+        Metadata first, then the location table, then the request table: a step that
+        reads the tables at any point between scores and reads a complete copy."""
+        r = self.wb.request(rid)
+        blocks = [] if r is None else [b for b in blocks if b < r.saved]
         if not blocks:
             return 0
-        r = self.wb.request(rid)
         bs, dev = self.block_size, self.req_to_token.device
-        pin = dev.type == "cuda"
-        idx = torch.tensor([b * bs for b in blocks], dtype=torch.int64, pin_memory=pin)
-        hosts = torch.tensor([r.host[b] for b in blocks], dtype=torch.int64, pin_memory=pin)
-        idx = idx.to(dev, non_blocking=True)
-        rows = hosts.to(dev, non_blocking=True) + self.page_rows
+        idx = _to_dev([b * bs for b in blocks], dev)
+        rows = _to_dev([r.host[b] for b in blocks], dev) + self.page_rows
         table = self.req_to_token[r.row]
         pages = table[idx].long() // bs
         self.meta.copy_rows(pages, rows)
         self.ws.copy_rows(pages, rows)
+        self.wb.read_from_host(rid, blocks)
         tokens = (idx[:, None] + self._offsets).flatten()
         freed = table[tokens].clone()
         table.index_put_((tokens,), (tokens % bs).to(table.dtype))  # page 0's slots
@@ -153,5 +183,75 @@ class Residency:
         self.evictions += len(blocks)
         return len(blocks) * bs
 
+    def promote(self, reqs, allocator) -> int:
+        """Bring evicted blocks of `reqs` that the last published step read back into HBM
+        (see the module docstring); returns the blocks promoted."""
+        if not self.evicted_blocks:
+            return 0
+        hot = []  # (age, rid, block)
+        live = list(_live(reqs))
+        for req in live:
+            gone = self.evicted.get(req.rid)
+            r = self.wb.request(req.rid)
+            if gone is None or r is None:
+                continue
+            upto = min(int(req.seqlen) // self.block_size, self.max_blocks)
+            age = self._ages(r.row, int(req.seqlen), upto, unknown=255)
+            for b in np.flatnonzero(gone[:upto] & (age <= PROMOTE_AGE)):
+                hot.append((int(age[b]), req.rid, int(b)))
+        if not hot:
+            return 0
+        hot.sort(key=lambda h: h[0])
+        hot = hot[: self.promote_blocks]
+        bs = self.block_size
+        spare = allocator.available_size() // bs - 2 * len(live)
+        if spare < len(hot):  # swap: blocks gone cold make room
+            self.make_room(live, (len(hot) - max(spare, 0)) * bs, allocator, SWAP_AGE)
+            spare = allocator.available_size() // bs - 2 * len(live)
+        hot = hot[: max(spare, 0)]
+        if not hot:
+            return 0
+        slots = allocator.alloc(len(hot) * bs)
+        if slots is None:
+            return 0
+        self._bring_back([(rid, b) for _, rid, b in hot], slots)
+        return len(hot)
+
+    def _bring_back(self, blocks: list[tuple[object, int]], slots: torch.Tensor) -> None:
+        """Evicted `(rid, block)`s into the pages of the allocated token `slots`."""
+        bs, dev = self.block_size, self.req_to_token.device
+        reqs = [self.wb.request(rid) for rid, _ in blocks]
+        hosts = _to_dev([r.host[b] for r, (_, b) in zip(reqs, blocks)], dev)
+        pages = slots[::bs] // bs
+        for layer, (kb, vb) in enumerate(zip(self.pool.k_buffer, self.pool.v_buffer)):
+            copy_units_to_pages(self.wb.host.k[layer], self.wb.host.v[layer], hosts, kb, vb, pages)
+        self.meta.copy_rows(hosts + self.page_rows, pages.long())
+        self.ws.copy_rows(hosts + self.page_rows, pages.long())
+        rows = _to_dev([r.row for r in reqs], dev)
+        cols = _to_dev([b for _, b in blocks], dev)
+        tok_rows = rows.repeat_interleave(bs)
+        tok_cols = (cols[:, None] * bs + self._offsets).flatten()
+        self.req_to_token.index_put_((tok_rows, tok_cols), slots.to(self.req_to_token.dtype))
+        self.wb.host_loc.index_put_((rows, cols), torch.zeros_like(cols, dtype=torch.int32))
+        for rid, b in blocks:
+            self.evicted[rid][b] = False
+        self.evicted_blocks -= len(blocks)
+        self.promotions += len(blocks)
+
     def report(self) -> dict[str, int]:
-        return {"blocks_evicted": self.evicted_blocks, "evictions": self.evictions}
+        return {
+            "blocks_evicted": self.evicted_blocks,
+            "evictions": self.evictions,
+            "promotions": self.promotions,
+        }
+
+
+def _live(reqs):
+    """Requests holding a request-table row and not finished."""
+    return (r for r in reqs if getattr(r, "req_pool_idx", None) is not None and not r.finished())
+
+
+def _to_dev(values: list[int], dev: torch.device) -> torch.Tensor:
+    """A host list as an int64 device tensor, through pinned memory, without a sync."""
+    t = torch.tensor(values, dtype=torch.int64, pin_memory=dev.type == "cuda")
+    return t.to(dev, non_blocking=True)

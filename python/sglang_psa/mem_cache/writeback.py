@@ -499,6 +499,11 @@ class WriteBack:
             r.on_host = True
         return ok
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's KV over all layers and heads (a save's or a promotion's)."""
+        return self._block_bytes * self.layers
+
     def request(self, rid) -> _Req | None:
         """`rid`'s row, saved-block count and host block ids (None: not planned yet)."""
         return self._reqs.get(rid)

@@ -24,6 +24,7 @@ from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.integration import flags, kv_pool, scheduling  # noqa: E402
+from sglang_psa.mem_cache import residency  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -539,13 +540,15 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
 
 
 @pytest.mark.slow
-def test_tiered_eviction_gives_pages_back_and_decode_reads_the_host_copies(monkeypatch):
+def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
     """When HBM runs short, saved blocks of running requests give their pages back to
-    SGLang's allocator: with those pages handed out again (their KV, metadata rows and
-    stamps overwritten), sparse decode still equals the step before the eviction, as it
-    reads the host copies and scores the moved metadata rows; the sink and the last
-    blocks stay; the request's free never returns the padding page its evicted entries
-    point at, and every page comes back exactly once."""
+    SGLang's allocator, the coldest first: with those pages handed out again (their KV,
+    metadata rows and stamps overwritten), sparse decode still equals the step before the
+    eviction, as it reads the host copies and scores the moved metadata rows; the sink
+    and the last blocks stay. Evicted blocks decode then read are promoted into fresh
+    pages: with their host copies overwritten, decode still equals that step. The
+    request's free never returns the padding page its evicted entries point at, and
+    every page comes back exactly once."""
     pytest.importorskip("zmq", reason="pyzmq is not installed here")
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
@@ -664,6 +667,41 @@ def test_tiered_eviction_gives_pages_back_and_decode_reads_the_host_copies(monke
         assert (backend.ws.stamps[:, rows] == backend.ws.step).any()
         info = serving.metric_values()
         assert info["blocks_evicted"] == 8 and info["evictions_total"] == 8
+        # Promotion: the evicted blocks that step read come back into HBM.
+        page_rows, now = backend.meta.page_rows, int(backend.ws.step)
+        hosts = {(r, b): wb.request(f"r{r}").host[b] for r in (1, 2) for b in gone[f"r{r}"]}
+        # That step read every evicted block (some layer or head); make three of them the
+        # only ones read lately, the others read too long ago to come back.
+        read = {(1, 2), (2, 1), (1, 5)}
+        assert all(int(backend.ws.stamps[:, page_rows + hosts[c]].max()) == now for c in read)
+        for c, h in hosts.items():
+            if c not in read:
+                backend.ws.stamps[:, page_rows + h] = now - residency.PROMOTE_AGE - 4
+        for a, b in zip(step(), before):  # publishes those reads as heat
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            promoted = serving.promote(reqs, alloc)
+        finally:
+            if DEV == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        assert promoted == len(read)
+        back = {(int(r[1:]), b) for r, g in backend.residency.evicted.items() for b in range(len(g))
+                if not g[b] and b in gone[r]}  # fmt: skip
+        assert back == read
+        for r, b in read:  # a fresh page in the request table, HBM in the location table
+            page = req.req_to_token[r, b * BS : (b + 1) * BS].cpu()
+            assert int(page[0]) // BS not in (0, *pages) and int(wb.host_loc[r, b]) == 0
+            assert torch.equal(page, page[0] + torch.arange(BS, dtype=page.dtype))
+            for layer_id in range(LAYERS):  # decode must now read the page, not the host copy
+                wb.host.k[layer_id][:, hosts[(r, b)]] = 1e4
+                wb.host.v[layer_id][:, hosts[(r, b)]] = -1e4
+        for a, b in zip(step(), before):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        info = serving.metric_values()
+        assert info["promotions_total"] == len(read)
+        assert info["blocks_evicted"] == 8 - len(read)
         # The requests end: SGLang frees each row (its evicted entries at page 0) and the
         # pages handed out again come back too; page 0 never enters the free list.
         alloc.free(new)

@@ -253,3 +253,23 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
         scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[big, other]))
         is False
     )
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_tiered_table_rewrites_wait_for_the_whole_forward(serving, tiered):
+    """SGLang's write-after-read barrier waits only for a decode graph's pre-replay snapshot
+    when the runner left a read-done event; at the tiered home the graph reads the tables
+    eviction and promotion rewrite during its replay, so the event is dropped and SGLang
+    takes its whole-forward wait. Elsewhere the fast path stays."""
+    serving.residency = object() if tiered else None
+    event = object()
+    runner = SimpleNamespace(war_fastpath_read_done_event=event)
+    sched = SimpleNamespace(model_worker=SimpleNamespace(war_fastpath_runner=runner))
+    seen = []
+
+    def orig(s):  # SGLang's barrier: the event it finds decides the wait
+        seen.append(s.model_worker.war_fastpath_runner.war_fastpath_read_done_event)
+        return "waited"
+
+    assert scheduling.around_apply_war_barrier(orig, sched) == "waited"
+    assert seen == [None if tiered else event]
