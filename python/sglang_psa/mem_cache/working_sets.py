@@ -46,6 +46,7 @@ class WorkingSets:
         self._dev = torch.zeros(2, rows, dtype=torch.int32, device=dev)
         self._host = torch.zeros(2, rows, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Heat (tiered home): block ages by row and block, and each row's last read step.
         self.heat_blocks = heat_blocks
         if heat_blocks:
@@ -57,7 +58,8 @@ class WorkingSets:
     @property
     def bytes(self) -> int:
         """GPU bytes held: stamps, step counter, sizes by row, per-batch-size scratch."""
-        ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b)]
+        ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b[:2])]
+        ts += [t for pair in self._scratch for t in pair]
         if self.heat_blocks:
             ts += [self._heat, self._last]
         return sum(t.numel() * t.element_size() for t in ts)
@@ -79,11 +81,25 @@ class WorkingSets:
             got = (
                 torch.zeros(batch, LH, dtype=torch.int32, device=dev),
                 torch.zeros(batch, dtype=torch.int32, device=dev),
-                torch.zeros(batch * self.heat_blocks, dtype=torch.int32, device=dev),
-                torch.zeros(batch * self.heat_blocks, dtype=torch.uint8, device=dev),
+                *self._heat_scratch(batch * self.heat_blocks),
             )
             self._bufs[batch] = got
         return got
+
+    def _heat_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one scratch pair shared by every batch size (int32 ages, their uint8
+        copy). A larger batch allocates a larger pair; the old stays alive, since graphs
+        captured with it hold its address (SGLang captures the largest batch first)."""
+        if not self._scratch or self._scratch[-1][0].numel() < n:
+            dev = self.stamps.device
+            self._scratch.append(
+                (
+                    torch.zeros(n, dtype=torch.int32, device=dev),
+                    torch.zeros(n, dtype=torch.uint8, device=dev),
+                )
+            )
+        a, b = self._scratch[-1]
+        return a[:n], b[:n]
 
     def begin_step(self, rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor) -> None:
         """Measure the batch's working sets as of the last step, publish them to the host
