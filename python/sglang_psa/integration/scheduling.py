@@ -284,6 +284,10 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         need = 2 * len(batch.reqs) * serving.cfg.block_size
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
         serving.promote(batch.reqs, alloc)
+        if batch.batch_is_full and serving.residency.evictable(batch.reqs):
+            # SGLang stops trying queued prompts once one did not fit, until a request
+            # leaves; here saved blocks can still make room, so it tries again.
+            batch.batch_is_full = False
     result = original(batch, selected_indices)
     if not result:
         return result
@@ -327,13 +331,16 @@ def after_prepare_for_decode(result, batch):
 
 def around_release_page_ids(original, allocator, *page_ids):
     """Tiered home: a request's table entries of blocks whose pages were given back point
-    at page 0 (SGLang's padding page, never allocated); it is dropped from every free
-    while any block is evicted. (A boolean mask syncs, as SGLang's own free already
-    does with `unique`; frees are not on the decode step.)"""
+    at page 0 (SGLang's padding page, never allocated); it is dropped from every release
+    while any block is evicted, and from the first release after a request with evicted
+    blocks ended (SGLang may defer its free to the end of a free group). (A boolean mask
+    syncs, as SGLang's own free already does with `unique`; releases are not on the
+    decode step.)"""
     serving = current()
     res = None if serving is None else serving.residency
-    if res is not None and res.evicted and not res.freeing:
+    if res is not None and res.drops_page_zero:
         page_ids = tuple(p[p != 0] for p in page_ids)
+        res.zero_pending = False
     return original(allocator, *page_ids)
 
 

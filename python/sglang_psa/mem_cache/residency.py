@@ -85,6 +85,9 @@ class Residency:
         self.promotions = 0  # blocks brought back into HBM, ever
         self.promote_blocks = max(1, PROMOTE_BYTES // writeback.block_bytes)
         self.freeing = False  # inside our own free (no page 0 to drop)
+        # A request with evicted blocks ended: its free, which SGLang may defer to the end
+        # of a free group, still holds page-0 entries for the allocator hook to drop.
+        self.zero_pending = False
         dev = req_to_token.device
         self._offsets = torch.arange(self.block_size, device=dev)
 
@@ -94,6 +97,25 @@ class Residency:
         gone = self.evicted.pop(rid, None)
         if gone is not None:
             self.evicted_blocks -= int(gone.sum())
+            self.zero_pending = True
+
+    @property
+    def drops_page_zero(self) -> bool:
+        """Whether a page release now may carry page-0 entries of evicted blocks."""
+        return bool(self.evicted or self.zero_pending) and not self.freeing
+
+    def evictable(self, reqs) -> int:
+        """Blocks of `reqs` that may leave HBM now (saved, past the sink, not recent, not
+        gone), counted from lengths only."""
+        n = 0
+        for req in _live(reqs):
+            r = self.wb.request(req.rid)
+            if r is None:
+                continue
+            upto = min(r.saved, int(req.seqlen) // self.block_size - self.keep_recent)
+            gone = self.evicted.get(req.rid)
+            n += max(0, upto - self.sink) - (0 if gone is None else int(gone[:upto].sum()))
+        return n
 
     def _ages(self, row: int, seq_len: int, upto: int, unknown: int = 0) -> np.ndarray:
         """Published ages of blocks `[0, upto)` of the request in `row`; `unknown` where
@@ -235,6 +257,9 @@ class Residency:
         self.wb.host_loc.index_put_((rows, cols), torch.zeros_like(cols, dtype=torch.int32))
         for rid, b in blocks:
             self.evicted[rid][b] = False
+        for rid in {rid for rid, _ in blocks}:
+            if not self.evicted[rid].any():  # no page-0 entry left in its row
+                del self.evicted[rid]
         self.evicted_blocks -= len(blocks)
         self.promotions += len(blocks)
 

@@ -704,10 +704,15 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
         assert info["blocks_evicted"] == 8 - len(read)
         # The requests end: SGLang frees each row (its evicted entries at page 0) and the
         # pages handed out again come back too; page 0 never enters the free list.
+        # The first request's free is direct, the second's deferred to the end of a free
+        # group, as SGLang batches frees: both still hold page-0 entries.
         alloc.free(new)
-        for r, n in zip(reqs, lengths):
-            alloc.free(req.req_to_token[r.req_pool_idx, :n])
-            scheduling.after_release_kv_cache(None, SimpleNamespace(rid=r.rid), None)
+        alloc.free(req.req_to_token[1, : lengths[0]])
+        scheduling.after_release_kv_cache(None, SimpleNamespace(rid="r1"), None)
+        alloc.free_group_begin()
+        alloc.free(req.req_to_token[2, : lengths[1]])
+        scheduling.after_release_kv_cache(None, SimpleNamespace(rid="r2"), None)
+        alloc.free_group_end()
         free = sorted(int(p) for p in alloc.free_pages)
         assert free == list(range(1, n_pages))
         assert not wb.host_loc.any() and backend.residency.evicted == {}

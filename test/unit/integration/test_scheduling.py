@@ -273,3 +273,22 @@ def test_tiered_table_rewrites_wait_for_the_whole_forward(serving, tiered):
 
     assert scheduling.around_apply_war_barrier(orig, sched) == "waited"
     assert seen == [None if tiered else event]
+
+
+@pytest.mark.parametrize("evictable", [0, 5])
+def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(serving, evictable):
+    """SGLang stops offering queued prompts to the adder once one did not fit, until a
+    request leaves. At the tiered home, each decode round lifts that stop while running
+    requests still have blocks that could leave HBM, so admission by eviction goes on."""
+    calls = []
+    serving.residency = SimpleNamespace(
+        make_room=lambda reqs, tokens, alloc, *a: calls.append(("room", tokens)) or 0,
+        promote=lambda reqs, alloc: calls.append(("promote",)) or 0,
+        evictable=lambda reqs: evictable,
+    )
+    alloc = SimpleNamespace(available_size=lambda: 10 * BS)
+    reqs = [_req("a", 100, pool_idx=1), _req("b", 100, pool_idx=2)]
+    batch = SimpleNamespace(reqs=reqs, token_to_kv_pool_allocator=alloc, batch_is_full=True)
+    assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
+    assert batch.batch_is_full is (evictable == 0)
+    assert ("promote",) in calls
