@@ -46,7 +46,6 @@ from sglang_psa.integration.server_args import config_of
 from sglang_psa.mem_cache.page_meta import PageMeta
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.mem_cache.working_sets import WorkingSets
-from sglang_psa.store.host_pool import blocks_for_budget
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,11 @@ def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
     if cfg.gpu_cache_gb is not None:
         return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
     return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
+
+
+def _kv_bytes_per_token(pool) -> int:
+    """K and V bytes of one token over all layers and heads (what SGLang's cell holds)."""
+    return 2 * pool.layer_num * pool.head_num * pool.head_dim * pool.store_dtype.itemsize
 
 
 def _logit_cap(model_runner) -> float:
@@ -132,15 +136,7 @@ class PSAAttnBackend(AttentionBackend):
                 layers=pool.layer_num,
                 kv_heads=pool.head_num,
                 hbm_units=hbm_units(cfg, pool, self.cache),
-                host_tokens=blocks_for_budget(
-                    cfg.host_pool_gb,
-                    pool.layer_num,
-                    pool.head_num,
-                    cfg.block_size,
-                    pool.head_dim,
-                    pool.dtype,
-                )
-                * cfg.block_size,
+                host_tokens=kv_pool.host_blocks(cfg, _kv_bytes_per_token(pool)) * bs,
             )
         )
         device = pool.k_buffer[0].device
@@ -157,10 +153,7 @@ class PSAAttnBackend(AttentionBackend):
         self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
         host_blocks = 0
         if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
-            host_blocks = blocks_for_budget(
-                cfg.host_pool_gb, pool.layer_num, pool.head_num, bs, pool.head_dim,
-                pool.store_dtype,
-            )  # fmt: skip
+            host_blocks = kv_pool.host_blocks(cfg, _kv_bytes_per_token(pool))
             if host_blocks < 1:
                 raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         try:

@@ -29,16 +29,6 @@ def unregister_host(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
-def blocks_for_budget(
-    gb: float, layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """How many blocks (K and V, all layers and heads) fit in `gb` GiB."""
-    per_block = (
-        2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
-    )
-    return int(gb * (1 << 30) // per_block)
-
-
 class HostKVPool:
     def __init__(
         self,

@@ -7,15 +7,11 @@ import torch
 from sglang_psa.algo import block_metadata, progressive_attention
 from sglang_psa.config import PSAConfig
 from sglang_psa.store import BlockPool
-from sglang_psa.store.host_pool import HostKVPool, blocks_for_budget
+from sglang_psa.store.host_pool import HostKVPool
 from sglang_psa.store.slot_store import SlotStore, slots_for_budget
 
 
-def test_budget_sizing():
-    n = blocks_for_budget(
-        1.0, layers=2, kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16
-    )
-    assert n == (1 << 30) // (2 * 2 * 2 * 16 * 64 * 2)
+def test_an_empty_host_pool_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="host-pool-gb"):
         HostKVPool(2, 2, 0, 16, 64, pin=False)
 
