@@ -27,6 +27,9 @@ HEADLINE = [
      "decode step, `--sparse-mode topk` / plain (32 x 28K)", "lower is better"),
     ("serving_h100", "throughput_ratio_psa_vs_plain",
      "output throughput, psa / plain (32 x 28K, 1024 outputs)", "higher is better"),
+    ("serving_h100", "throughput_ratio_host_vs_plain_capped",
+     "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
+     "requests", "higher is better"),
     ("serving_h100", "accuracy_delta_vs_plain",
      "answers correct, psa minus plain (same prompts)", "0 = same"),
     ("serving_h100", "decode_step_ratio_topk_vs_plain_8b",
