@@ -5,6 +5,8 @@ read the block (0: never); the wave kernel writes them. A request's working set
 is the number of its own blocks (`pages [B, NB]`, the first `ceil(len / bs)`)
 stamped after `step - window`. One program per (request, layer x KV head)
 counts its row into `parts [B, LH]`; the caller sums (spec: `working_set_ref`).
+`block_readers` counts the other way: per block of the batch, the units that
+read it lately (spec: `block_readers_ref`); residency ranks pages by it.
 """
 
 from __future__ import annotations
@@ -87,3 +89,49 @@ def working_set_parts(
     recent = _recent(stamps, pages, lengths, step.long() - window, block_size)
     parts.copy_(recent.sum(2).T)
     return parts
+
+
+@triton.jit
+def _block_readers_kernel(
+    stamps_ptr, pages_ptr, step_ptr, out_ptr, window, P, NB, LH, CHUNK: tl.constexpr
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    m = j < NB
+    page = tl.load(pages_ptr + b * NB + j, mask=m, other=0).to(tl.int64)
+    since = tl.load(step_ptr) - window
+    n = tl.zeros([CHUNK], tl.int32)
+    for lh in range(0, LH):
+        st = tl.load(stamps_ptr + lh * P + page, mask=m, other=0)
+        n += ((st > since) & (st > 0)).to(tl.int32)
+    tl.store(out_ptr + b * NB + j, n, mask=m)
+
+
+def block_readers_ref(stamps, pages, step, window):
+    """`[B, NB]` in torch: the spec of `block_readers`."""
+    table = stamps[:, pages.long()]
+    since = int(step) - window
+    return ((table > since) & (table > 0)).sum(0).to(torch.int32)
+
+
+def block_readers(
+    stamps: torch.Tensor, pages: torch.Tensor, step: torch.Tensor, window: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Fill `out [B, NB]` (int32) with how many (layer x KV head) units read each block of
+    `pages [B, NB]` within the last `window` steps (stamped after `step - window`); one
+    launch of `B x ceil(NB / 256)` programs that each loop over the units, no host sync.
+    Blocks past a request's length get a count too, which the caller ignores."""
+    LH, P = stamps.shape
+    B, NB = pages.shape
+    if out.shape != (B, NB) or out.dtype != torch.int32:
+        raise ValueError(f"out must be int32 [{B}, {NB}]")
+    if B == 0:
+        return out
+    if stamps.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        chunk = 256
+        _block_readers_kernel[(B, triton.cdiv(NB, chunk))](
+            stamps, pages, step, out, window, P, NB, LH, CHUNK=chunk, num_warps=4
+        )
+        return out
+    out.copy_(block_readers_ref(stamps, pages, step.long(), window))
+    return out

@@ -22,22 +22,24 @@ forward, which waits for that stream), with no host sync:
 A forward already launched reads either copy: both hold the same KV until a
 later forward, ordered after these writes, writes the page again.
 
-Victims: the coldest saved blocks of the running requests, by the heat the
-step publishes (`WorkingSets.heat`: steps since any layer and head last read the
-block, a step or two old, never waited for); among equally cold blocks the
-oldest first. Never the sink blocks or the last `recent_blocks + 2` full blocks
-(decode's `last_loc` and the blocks every step reads). A request not yet
-measured in its row (a new request, a reused row) counts as just read: its
-blocks go after the cold ones. Prefix sharing is off at this home (a
-tree-shared page is not one request's to give back).
+Victims: the saved blocks of the running requests that the fewest (layer, KV
+head) units read lately, by the heat the step publishes (`WorkingSets.heat`:
+units that read the block within the last few steps, a step or two old, never
+waited for): a page's cost on the host is the units decode reads there. Among
+equally read blocks the oldest first. Never the sink blocks or the last
+`recent_blocks + 2` full blocks (decode's `last_loc` and the blocks every step
+reads). A request not yet measured in its row (a new request, a reused row)
+counts as read by every unit: its blocks go last. Prefix sharing is off at this
+home (a tree-shared page is not one request's to give back).
 
-Promotion (`promote`, every decode round after `make_room`): evicted blocks the
-last published step read (heat <= `PROMOTE_AGE`) come back into HBM, up to
-`PROMOTE_BYTES` of KV per round, hottest first. Their pages come from SGLang's
-allocator: spare pages beyond two per running request, else pages of HBM blocks
-not read for `SWAP_AGE` steps, evicted for them (a swap: a block that went cold
-makes room for one read now). One launch per layer copies the host units into
-the pages (`sgl_kernel_ext.writeback.copy_units_to_pages`, UVA reads), then the
+Promotion (`promote`, every decode round after `make_room`): evicted blocks that
+at least `1 / PROMOTE_SHARE` of the units read lately come back into HBM, up to
+`PROMOTE_BYTES` of KV per round, most read first. Their pages come from SGLang's
+allocator: spare pages beyond two per running request first, then pages of the
+least read HBM blocks, each evicted for a block read by more than twice as many
+units (a swap pays only where it cuts reads across PCIe). One launch per layer
+copies the host units into the pages
+(`sgl_kernel_ext.writeback.copy_units_to_pages`, UVA reads), then the
 metadata and stamps rows move back, the request table takes the new pages and
 the location table sends decode to them. The host copy stays: the block is
 still saved, and a later eviction writes nothing.
@@ -60,8 +62,7 @@ from sgl_kernel_ext.writeback import copy_units_to_pages
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
 _STALE_TOKENS = 8
-PROMOTE_AGE = 1  # an evicted block read within this many published steps comes back
-SWAP_AGE = 16  # an HBM block not read for this many steps may make room for it
+PROMOTE_SHARE = 8  # an evicted block read by 1/8 of the units lately comes back
 PROMOTE_BYTES = 32 << 20  # KV promoted per scheduling round (about 1 ms of PCIe)
 
 
@@ -84,6 +85,7 @@ class Residency:
         self.evictions = 0  # blocks given back to the allocator, ever
         self.promotions = 0  # blocks brought back into HBM, ever
         self.promote_blocks = max(1, PROMOTE_BYTES // writeback.block_bytes)
+        self.promote_min = max(1, working_sets.layers * working_sets.kv_heads // PROMOTE_SHARE)
         self.freeing = False  # inside our own free (no page 0 to drop)
         # A request with evicted blocks ended: its free, which SGLang may defer to the end
         # of a free group, still holds page-0 entries for the allocator hook to drop.
@@ -117,63 +119,62 @@ class Residency:
             n += max(0, upto - self.sink) - (0 if gone is None else int(gone[:upto].sum()))
         return n
 
-    def _ages(self, row: int, seq_len: int, upto: int, unknown: int = 0) -> np.ndarray:
-        """Published ages of blocks `[0, upto)` of the request in `row`; `unknown` where
-        the row was not measured for this request (eviction: 0, a request counts as just
-        read until it is; promotion: 255, nothing comes back on no evidence)."""
+    def _readers(self, row: int, seq_len: int, upto: int, unknown: int) -> np.ndarray:
+        """Published readers of blocks `[0, upto)` of the request in `row`; `unknown` where
+        the row was not measured for this request (eviction: 255, a request counts as read
+        by every unit until it is; promotion: 0, nothing comes back on no evidence)."""
         _, lengths = self.ws.read()
         measured = int(lengths[row])
         if measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
             return np.full(upto, unknown, dtype=np.int64)
         return self.ws.heat()[row, :upto].numpy().astype(np.int64)
 
-    def scores(self, rid, seq_len: int, min_age: int = 0) -> np.ndarray | None:
-        """Eviction order of `rid`'s blocks: higher goes first (colder, then older);
-        -1 for blocks that may not leave HBM now (not saved, sink, recent, gone, read
-        within `min_age` steps)."""
-        r = self.wb.request(rid)
+    def _candidates(self, req) -> tuple[np.ndarray, np.ndarray] | None:
+        """`(blocks, readers)` of `req`'s blocks that may leave HBM now (saved, past the
+        sink, not recent, not gone), least read first, then oldest."""
+        r = self.wb.request(req.rid)
         if r is None:
             return None
+        seq_len = int(req.seqlen)
         upto = min(r.saved, seq_len // self.block_size - self.keep_recent)
         if upto <= self.sink:
             return None
-        b = np.arange(upto)
-        age = self._ages(r.row, seq_len, upto)
-        s = age * self.max_blocks + (self.max_blocks - 1 - b)
-        s[age < min_age] = -1
-        s[: self.sink] = -1
-        gone = self.evicted.get(rid)
+        readers = self._readers(r.row, seq_len, upto, unknown=255)
+        ok = np.ones(upto, dtype=bool)
+        ok[: self.sink] = False
+        gone = self.evicted.get(req.rid)
         if gone is not None:
-            s[gone[:upto]] = -1
-        return s
+            ok &= ~gone[:upto]
+        blocks = np.flatnonzero(ok)
+        order = np.lexsort((blocks, readers[blocks]))
+        return blocks[order], readers[blocks][order]
 
-    def make_room(self, reqs, tokens: int, allocator, min_age: int = 0) -> int:
+    def _coldest(self, reqs, n: int, below: int | None = None) -> list[tuple[int, object, int]]:
+        """Up to `n` `(readers, rid, block)` of `reqs` that may leave HBM, least read first
+        (then oldest); only blocks read by fewer than `below` units when given."""
+        found = []
+        for req in _live(reqs):
+            got = self._candidates(req)
+            if got is not None:
+                blocks, readers = got
+                keep = slice(None) if below is None else readers < below
+                found += zip(readers[keep][:n].tolist(), [req.rid] * n, blocks[keep][:n].tolist())
+        found.sort(key=lambda c: (c[0], c[2]))
+        return found[:n]
+
+    def make_room(self, reqs, tokens: int, allocator) -> int:
         """Give back pages of `reqs` (SGLang requests, running) until `tokens` more tokens
-        fit; returns the tokens freed (less when too few blocks are saved yet, or not
-        read for `min_age` steps)."""
+        fit; returns the tokens freed (less when too few blocks are saved yet)."""
         want = -(-tokens // self.block_size)
         if want <= 0:
             return 0
-        rids, parts = [], []
-        for req in _live(reqs):
-            s = self.scores(req.rid, int(req.seqlen), min_age)
-            if s is not None:
-                rids.append(req.rid)
-                parts.append(s)
-        if not parts:
-            return 0
-        flat = np.concatenate(parts)
-        k = min(want, int((flat >= 0).sum()))
-        if k == 0:
-            return 0
-        top = np.argpartition(-flat, k - 1)[:k]
-        starts = np.cumsum([0] + [len(p) for p in parts])
-        owner = np.searchsorted(starts, top, side="right") - 1
-        freed = 0
-        for i in np.unique(owner):
-            blocks = sorted(int(t - starts[i]) for t in top[owner == i])
-            freed += self.evict(rids[i], blocks, allocator)
-        return freed
+        return self._evict_all(self._coldest(reqs, want), allocator)
+
+    def _evict_all(self, victims: list[tuple[int, object, int]], allocator) -> int:
+        by_rid: dict[object, list[int]] = {}
+        for _, rid, b in victims:
+            by_rid.setdefault(rid, []).append(b)
+        return sum(self.evict(rid, sorted(bl), allocator) for rid, bl in by_rid.items())
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
@@ -206,11 +207,11 @@ class Residency:
         return len(blocks) * bs
 
     def promote(self, reqs, allocator) -> int:
-        """Bring evicted blocks of `reqs` that the last published step read back into HBM
-        (see the module docstring); returns the blocks promoted."""
+        """Bring evicted blocks of `reqs` that many units read lately back into HBM (see
+        the module docstring); returns the blocks promoted."""
         if not self.evicted_blocks:
             return 0
-        hot = []  # (age, rid, block)
+        hot = []  # (readers, rid, block)
         live = list(_live(reqs))
         for req in live:
             gone = self.evicted.get(req.rid)
@@ -218,19 +219,25 @@ class Residency:
             if gone is None or r is None:
                 continue
             upto = min(int(req.seqlen) // self.block_size, self.max_blocks)
-            age = self._ages(r.row, int(req.seqlen), upto, unknown=255)
-            for b in np.flatnonzero(gone[:upto] & (age <= PROMOTE_AGE)):
-                hot.append((int(age[b]), req.rid, int(b)))
+            readers = self._readers(r.row, int(req.seqlen), upto, unknown=0)
+            for b in np.flatnonzero(gone[:upto] & (readers >= self.promote_min)):
+                hot.append((int(readers[b]), req.rid, int(b)))
         if not hot:
             return 0
-        hot.sort(key=lambda h: h[0])
+        hot.sort(key=lambda h: -h[0])
         hot = hot[: self.promote_blocks]
         bs = self.block_size
-        spare = allocator.available_size() // bs - 2 * len(live)
-        if spare < len(hot):  # swap: blocks gone cold make room
-            self.make_room(live, (len(hot) - max(spare, 0)) * bs, allocator, SWAP_AGE)
-            spare = allocator.available_size() // bs - 2 * len(live)
-        hot = hot[: max(spare, 0)]
+        free = min(len(hot), max(0, allocator.available_size() // bs - 2 * len(live)))
+        rest = hot[free:]
+        if rest:  # swap: each block read by more than twice the units of its victim
+            victims = self._coldest(live, len(rest), below=(rest[0][0] + 1) // 2)
+            k = 0
+            while k < len(victims) and rest[k][0] > 2 * victims[k][0]:
+                k += 1
+            if k:
+                self._evict_all(victims[:k], allocator)
+            hot = hot[: free + k]
+        hot = hot[: max(0, allocator.available_size() // bs - 2 * len(live))]
         if not hot:
             return 0
         slots = allocator.alloc(len(hot) * bs)

@@ -12,16 +12,19 @@ two old, never waited for, and a row whose length does not match its request's
 carry one stamp, so a shared page read by one request counts for all holders:
 conservative for admission. At the tiered home a host block has a stamp row of
 its own beside the pages' (`num_pages` counts both), as it has block metadata,
-and each step also publishes the heat of every block of the batch: the steps
-since any (layer, KV head) last read it, by request-table row and block, as one
-byte (255: 255 or more). Residency evicts the coldest blocks by it.
+and each step also publishes the heat of every block of the batch: how many
+(layer, KV head) units read it within the last `HEAT_WINDOW` steps
+(`sgl_kernel_ext.working_set.block_readers`), by request-table row and block,
+as one byte. Residency keeps the pages most units read in HBM by it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sgl_kernel_ext.working_set import working_set_parts
+from sgl_kernel_ext.working_set import block_readers, working_set_parts
+
+HEAT_WINDOW = 4  # steps over which a block's readers are counted
 
 
 class WorkingSets:
@@ -47,13 +50,12 @@ class WorkingSets:
         self._host = torch.zeros(2, rows, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Heat (tiered home): block ages by row and block, and each row's last read step.
+        # Heat (tiered home): block readers by request-table row and block.
         self.heat_blocks = heat_blocks
         if heat_blocks:
             pin = dev.type == "cuda"
             self._heat = torch.zeros(rows, heat_blocks, dtype=torch.uint8, device=dev)
             self._heat_host = torch.zeros(rows, heat_blocks, dtype=torch.uint8, pin_memory=pin)
-            self._last = torch.zeros(num_pages, dtype=torch.int32, device=dev)
 
     @property
     def bytes(self) -> int:
@@ -61,7 +63,7 @@ class WorkingSets:
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b[:2])]
         ts += [t for pair in self._scratch for t in pair]
         if self.heat_blocks:
-            ts += [self._heat, self._last]
+            ts += [self._heat]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -87,8 +89,8 @@ class WorkingSets:
         return got
 
     def _heat_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of one scratch pair shared by every batch size (int32 ages, their uint8
-        copy). A larger batch allocates a larger pair; the old stays alive, since graphs
+        """Views of one scratch pair shared by every batch size (int32 readers, their
+        uint8 copy). A larger batch allocates a larger pair; the old stays alive, since graphs
         captured with it hold its address (SGLang captures the largest batch first)."""
         if not self._scratch or self._scratch[-1][0].numel() < n:
             dev = self.stamps.device
@@ -104,7 +106,7 @@ class WorkingSets:
     def begin_step(self, rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor) -> None:
         """Measure the batch's working sets as of the last step, publish them to the host
         copy, then advance the step counter. Fixed shapes, no sync: graph-recordable."""
-        parts, sizes, ages, ages8 = self._buffers(pages.shape[0])
+        parts, sizes, readers, heat8 = self._buffers(pages.shape[0])
         working_set_parts(
             self.stamps, pages, lengths, self.step, self.window, self.block_size, parts
         )
@@ -114,19 +116,17 @@ class WorkingSets:
         self._dev[1].index_copy_(0, rows, lengths.to(torch.int32))
         self._host.copy_(self._dev, non_blocking=True)
         if self.heat_blocks:
-            self._publish_heat(rows, pages, ages, ages8)
+            self._publish_heat(rows, pages, readers, heat8)
         self.step.add_(1)
 
-    def _publish_heat(self, rows, pages: torch.Tensor, ages: torch.Tensor, ages8) -> None:
-        """Ages of the batch's blocks `pages [B, NB]` (steps since the last read by any
-        layer and head; the stamps of the last step give 0) into their rows, then to
-        the host. Preallocated buffers, no sync."""
-        torch.amax(self.stamps, 0, out=self._last)
-        torch.index_select(self._last, 0, pages.reshape(-1), out=ages)
-        torch.sub(self.step, ages, out=ages)
-        ages.clamp_(0, 255)
-        ages8.copy_(ages)
-        self._heat.index_copy_(0, rows, ages8.view(pages.shape))
+    def _publish_heat(self, rows, pages: torch.Tensor, readers: torch.Tensor, heat8) -> None:
+        """Readers of the batch's blocks `pages [B, NB]` (units that read each within the
+        last `HEAT_WINDOW` steps, up to 255) into their rows, then to the host.
+        Preallocated buffers, no sync."""
+        block_readers(self.stamps, pages, self.step, HEAT_WINDOW, readers.view(pages.shape))
+        readers.clamp_(max=255)
+        heat8.copy_(readers)
+        self._heat.index_copy_(0, rows, heat8.view(pages.shape))
         self._heat_host.copy_(self._heat, non_blocking=True)
 
     def mark(self, layer: int, pages: torch.Tensor, read: torch.Tensor) -> None:
@@ -153,6 +153,6 @@ class WorkingSets:
         return self._host[0], self._host[1]
 
     def heat(self) -> torch.Tensor:
-        """`[rows, blocks]` uint8 block ages by request-table row, as last published (host
+        """`[rows, blocks]` uint8 block readers by request-table row, as last published (host
         memory; no sync; rows are trusted only where `read()`'s length matches)."""
         return self._heat_host

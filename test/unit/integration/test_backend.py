@@ -24,7 +24,7 @@ from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.integration import flags, kv_pool, scheduling  # noqa: E402
-from sglang_psa.mem_cache import residency  # noqa: E402
+from sglang_psa.mem_cache import working_sets  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -602,20 +602,15 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
             return outs
 
         before = step()
-        # A history of reads: the candidates' pages last read 0-7 steps before step 2.
-        age = {
-            (1, 1): 3,
-            (1, 2): 0,
-            (1, 3): 7,
-            (1, 4): 3,
-            (1, 5): 1,
-            (2, 1): 2,
-            (2, 2): 0,
-            (2, 3): 7,
-        }
+        # A history of reads: how many of the 4 (layer, KV head) units read each candidate
+        # lately (the others never did).
+        readers = {(1, 1): 3, (1, 2): 1, (1, 3): 2, (1, 4): 3, (1, 5): 0, (2, 1): 2, (2, 2): 4}
+        readers[(2, 3)] = 0
         step1 = int(backend.ws.step)
-        for (r, b), a in age.items():
-            backend.ws.stamps[:, int(req.req_to_token[r, b * BS]) // BS] = step1 - a
+        for (r, b), k in readers.items():
+            page = int(req.req_to_token[r, b * BS]) // BS
+            backend.ws.stamps[:, page] = 0
+            backend.ws.stamps[:k, page] = step1
         for a, b in zip(step(), before):  # step 2 publishes that history as heat
             torch.testing.assert_close(a, b)
         free0 = alloc.available_size()
@@ -625,9 +620,9 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
             for b in blocks
         }
         # 12 blocks wanted; r1 (9 full blocks) has blocks 1-5 evictable, r2 (7) 1-3: the
-        # sink and the last three full blocks stay. The three coldest go first (of the
-        # equally cold, the oldest), then the rest.
-        coldest = {(1, 3), (2, 3), (1, 1)}
+        # sink and the last three full blocks stay. The three least read go first (of
+        # equally read ones, the oldest), then the rest.
+        coldest = {(1, 5), (2, 3), (1, 2)}
         if DEV == "cuda":  # giving pages back never waits for the GPU
             torch.cuda.set_sync_debug_mode("error")
         try:
@@ -639,7 +634,7 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         # the three coldest go first (the oldest of equally cold ones)
-        assert first == 3 * BS and first_gone == set(coldest), (age, first_gone)
+        assert first == 3 * BS and first_gone == set(coldest), (readers, first_gone)
         assert freed == 8 * BS and alloc.available_size() == free0 + 8 * BS
         gone = {r: set(np.flatnonzero(g).tolist()) for r, g in backend.residency.evicted.items()}
         assert gone == {"r1": {1, 2, 3, 4, 5}, "r2": {1, 2, 3}}
@@ -676,7 +671,7 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
         assert all(int(backend.ws.stamps[:, page_rows + hosts[c]].max()) == now for c in read)
         for c, h in hosts.items():
             if c not in read:
-                backend.ws.stamps[:, page_rows + h] = now - residency.PROMOTE_AGE - 4
+                backend.ws.stamps[:, page_rows + h] = now - working_sets.HEAT_WINDOW - 1
         for a, b in zip(step(), before):  # publishes those reads as heat
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         if DEV == "cuda":

@@ -4,7 +4,12 @@
 import pytest
 import torch
 
-from sgl_kernel_ext.working_set import working_set_parts, working_set_ref
+from sgl_kernel_ext.working_set import (
+    block_readers,
+    block_readers_ref,
+    working_set_parts,
+    working_set_ref,
+)
 from sglang_psa.mem_cache.working_sets import WorkingSets
 from sglang_psa.sched import WorkingSetTracker
 
@@ -59,3 +64,20 @@ def test_working_set_kernel_matches_reference_at_real_shapes(kernel_device, LH, 
     want = working_set_ref(stamps, pages, lengths, step, window, BS)
     assert parts.sum(1).cpu().tolist() == want.tolist()
     assert want[0] > 0 and want[1] <= LH
+
+
+@pytest.mark.parametrize("LH,NB,window", [(48, 1100, 4), (256, 600, 1)])
+def test_block_readers_kernel_matches_reference_at_real_shapes(kernel_device, LH, NB, window):
+    """Per block of the batch, the (layer x KV head) units that read it within the window:
+    Qwen 0.5B shapes at 35K tokens, Llama 8B's at 19K; never-read stamps (0) count not."""
+    g = torch.Generator().manual_seed(LH + window)
+    P, B, step = 3000, 3, 40
+    stamps = torch.randint(0, step + 1, (LH, P), generator=g, dtype=torch.int32)
+    stamps[:, :50] = 0  # never read
+    pages = torch.randint(0, P, (B, NB), generator=g, dtype=torch.int32)
+    dev = kernel_device
+    out = torch.full((B, NB), -1, dtype=torch.int32, device=dev)
+    block_readers(stamps.to(dev), pages.to(dev), torch.tensor([step], device=dev), window, out)
+    want = block_readers_ref(stamps, pages, step, window)
+    assert torch.equal(out.cpu(), want)
+    assert 0 < int(want.max()) <= LH and int(want.min()) == 0
