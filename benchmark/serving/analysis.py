@@ -190,17 +190,23 @@ def psa_counters(info: dict | None) -> dict | None:
 
 def counter_delta(before: dict | None, after: dict | None) -> dict:
     """KV fraction read (cumulative over the server's life, warm-up included), the HBM
-    page cache's hit rate over the timed window (hits / (hits + host reads)) and, with a
-    host tier, what the write-back saved in the window (blocks, bytes, engine restarts,
-    jobs still unacknowledged at the end)."""
+    hit rate over the timed window (the page cache's hits / (hits + host reads) at the
+    host home; at the tiered home the (layer, KV head, block) units decode read from HBM
+    over all units it read) and, with a host tier, what the write-back saved in the
+    window (blocks, bytes, engine restarts, jobs still unacknowledged at the end)."""
     a, b = psa_counters(after), psa_counters(before)
     if a is None:
         return {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
     hit = None
-    if a.get("page_cache") and b and b.get("page_cache"):
-        hits = a["page_cache"]["hits"] - b["page_cache"]["hits"]
-        host = a["page_cache"]["host_reads"] - b["page_cache"]["host_reads"]
-        hit = hits / (hits + host) if hits + host else None
+    for key, hits_key, host_key in (
+        ("page_cache", "hits", "host_reads"),
+        ("residency", "units_read_hbm", "units_read_host"),
+    ):
+        ca, cb = a.get(key), (b or {}).get(key)
+        if ca and cb and hits_key in ca and hits_key in cb:
+            hits = ca[hits_key] - cb[hits_key]
+            host = ca[host_key] - cb[host_key]
+            hit = hits / (hits + host) if hits + host else None
     out = {"kv_fraction_read": a.get("blocks_read_fraction"), "hbm_hit_rate": hit}
     wa, wb = a.get("writeback"), (b or {}).get("writeback")
     if wa and wb:

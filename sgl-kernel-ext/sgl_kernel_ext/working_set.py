@@ -135,3 +135,47 @@ def block_readers(
         return out
     out.copy_(block_readers_ref(stamps, pages, step.long(), window))
     return out
+
+
+@triton.jit
+def _unit_reads_kernel(stamps_ptr, step_ptr, parts_ptr, P, page_rows, LH, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    m = p < P
+    step = tl.load(step_ptr)
+    n = tl.zeros([CHUNK], tl.int32)
+    for lh in range(0, LH):
+        st = tl.load(stamps_ptr + lh * P + p, mask=m, other=0)
+        n += (m & (st == step) & (st > 0)).to(tl.int32)
+    tl.store(parts_ptr + c * 2, tl.sum(tl.where(p < page_rows, n, 0), axis=0))
+    tl.store(parts_ptr + c * 2 + 1, tl.sum(tl.where(p >= page_rows, n, 0), axis=0))
+
+
+UNIT_READS_CHUNK = 1024
+
+
+def unit_reads_ref(stamps, step, page_rows):
+    """`[2]` in torch: the spec of `unit_reads` summed over its programs."""
+    hit = (stamps == int(step)) & (stamps > 0)
+    return torch.stack([hit[:, :page_rows].sum(), hit[:, page_rows:].sum()])
+
+
+def unit_reads(
+    stamps: torch.Tensor, step: torch.Tensor, page_rows: int, parts: torch.Tensor
+) -> torch.Tensor:
+    """Fill `parts [ceil(P / UNIT_READS_CHUNK), 2]` (int32) with the (layer x KV head, row)
+    units stamped at `step` (read by that decode step), per chunk of rows: those in rows
+    below `page_rows` (HBM pages) and those at or above (host blocks, tiered home). The
+    caller sums the chunks. One launch, no host sync."""
+    LH, P = stamps.shape
+    chunks = triton.cdiv(P, UNIT_READS_CHUNK)
+    if parts.shape != (chunks, 2) or parts.dtype != torch.int32:
+        raise ValueError(f"parts must be int32 [{chunks}, 2]")
+    if stamps.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        _unit_reads_kernel[(chunks,)](
+            stamps, step, parts, P, page_rows, LH, CHUNK=UNIT_READS_CHUNK, num_warps=4
+        )
+        return parts
+    parts.zero_()
+    parts[0].copy_(unit_reads_ref(stamps, step.long(), page_rows))
+    return parts

@@ -219,6 +219,7 @@ class PSAAttnBackend(AttentionBackend):
             bs,
             device,
             heat_blocks=self.max_blocks if host_rows else 0,  # tiered: residency's heat
+            page_rows=num_pages,
         )
         # Per layer: KV blocks read and available (device counters the kernel adds to).
         self.stats = torch.zeros(pool.layer_num, 2, dtype=torch.int64, device=device)

@@ -223,6 +223,8 @@ def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
         "blocks_evicted": rep["blocks_evicted"],
         "evictions_total": rep["evictions"],
         "promotions_total": rep["promotions"],
+        "units_read_hbm_total": rep["units_read_hbm"],
+        "units_read_host_total": rep["units_read_host"],
     }
 
 

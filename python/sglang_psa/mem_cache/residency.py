@@ -271,10 +271,13 @@ class Residency:
         self.promotions += len(blocks)
 
     def report(self) -> dict[str, int]:
+        hbm, host = self.ws.unit_reads()
         return {
             "blocks_evicted": self.evicted_blocks,
             "evictions": self.evictions,
             "promotions": self.promotions,
+            "units_read_hbm": hbm,  # (layer, KV head, block) reads decode served from HBM
+            "units_read_host": host,  # ... and from the host tier, across PCIe
         }
 
 

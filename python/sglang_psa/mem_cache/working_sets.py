@@ -15,14 +15,21 @@ its own beside the pages' (`num_pages` counts both), as it has block metadata,
 and each step also publishes the heat of every block of the batch: how many
 (layer, KV head) units read it within the last `HEAT_WINDOW` steps
 (`sgl_kernel_ext.working_set.block_readers`), by request-table row and block,
-as one byte. Residency keeps the pages most units read in HBM by it.
+as one byte. Residency keeps the pages most units read in HBM by it. It also
+counts the units each step read from HBM pages and from host blocks (rows from
+`page_rows` on), the tiered home's HBM hit rate, published like the sizes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sgl_kernel_ext.working_set import block_readers, working_set_parts
+from sgl_kernel_ext.working_set import (
+    UNIT_READS_CHUNK,
+    block_readers,
+    unit_reads,
+    working_set_parts,
+)
 
 HEAT_WINDOW = 4  # steps over which a block's readers are counted
 
@@ -38,6 +45,7 @@ class WorkingSets:
         block_size: int,
         device: torch.device | str,
         heat_blocks: int = 0,
+        page_rows: int | None = None,
     ):
         dev = torch.device(device)
         self.layers, self.kv_heads, self.num_pages = layers, kv_heads, num_pages
@@ -56,6 +64,13 @@ class WorkingSets:
             pin = dev.type == "cuda"
             self._heat = torch.zeros(rows, heat_blocks, dtype=torch.uint8, device=dev)
             self._heat_host = torch.zeros(rows, heat_blocks, dtype=torch.uint8, pin_memory=pin)
+            # Units read from (HBM pages, host blocks), ever; per-chunk partial counts.
+            self.page_rows = num_pages if page_rows is None else page_rows
+            self._reads = torch.zeros(2, dtype=torch.int64, device=dev)
+            self._reads_step = torch.zeros(2, dtype=torch.int64, device=dev)
+            self._reads_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+            chunks = -(-num_pages // UNIT_READS_CHUNK)
+            self._read_parts = torch.zeros(chunks, 2, dtype=torch.int32, device=dev)
 
     @property
     def bytes(self) -> int:
@@ -63,7 +78,7 @@ class WorkingSets:
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b[:2])]
         ts += [t for pair in self._scratch for t in pair]
         if self.heat_blocks:
-            ts += [self._heat]
+            ts += [self._heat, self._reads, self._reads_step, self._read_parts]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -123,6 +138,10 @@ class WorkingSets:
         """Readers of the batch's blocks `pages [B, NB]` (units that read each within the
         last `HEAT_WINDOW` steps, up to 255) into their rows, then to the host.
         Preallocated buffers, no sync."""
+        unit_reads(self.stamps, self.step, self.page_rows, self._read_parts)
+        torch.sum(self._read_parts, 0, dtype=torch.int64, out=self._reads_step)
+        self._reads.add_(self._reads_step)
+        self._reads_host.copy_(self._reads, non_blocking=True)
         block_readers(self.stamps, pages, self.step, HEAT_WINDOW, readers.view(pages.shape))
         readers.clamp_(max=255)
         heat8.copy_(readers)
@@ -146,11 +165,19 @@ class WorkingSets:
         if self.heat_blocks:
             self._heat.zero_()
             self._heat_host.zero_()
+            self._reads.zero_()
+            self._reads_host.zero_()
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(sizes, lengths)` by request-table row, as last published (host memory; no
         sync, possibly a step old; length 0: never measured)."""
         return self._host[0], self._host[1]
+
+    def unit_reads(self) -> tuple[int, int]:
+        """Units decode read from (HBM pages, host blocks) so far, as last published (no
+        sync; a step or two old). Tiered home only."""
+        hbm, host = self._reads_host.tolist()
+        return hbm, host
 
     def heat(self) -> torch.Tensor:
         """`[rows, blocks]` uint8 block readers by request-table row, as last published (host

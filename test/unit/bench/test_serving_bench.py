@@ -142,6 +142,12 @@ def test_counter_delta():
     assert d == {"kv_fraction_read": 0.3, "hbm_hit_rate": pytest.approx(0.75)}
     assert analysis.counter_delta(info(5, 5), info(5, 5))["hbm_hit_rate"] is None
     assert analysis.counter_delta(None, info(5, 5))["hbm_hit_rate"] is None
+
+    def tiered(hbm, host):
+        res = {"evictions": 0, "units_read_hbm": hbm, "units_read_host": host}
+        return {"internal_states": [{"psa": {"blocks_read_fraction": 0.1, "residency": res}}]}
+
+    assert analysis.counter_delta(tiered(10, 0), tiered(70, 20))["hbm_hit_rate"] == 0.75
     plain = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
     assert analysis.counter_delta(plain, plain) == {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
 

@@ -672,8 +672,17 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
         for c, h in hosts.items():
             if c not in read:
                 backend.ws.stamps[:, page_rows + h] = now - working_sets.HEAT_WINDOW - 1
+        # The next step also counts the units that step read, by tier.
+        hit = backend.ws.stamps == now
+        want = (int(hit[:, :page_rows].sum()), int(hit[:, page_rows:].sum()))
+        seen0 = backend.residency.report()
         for a, b in zip(step(), before):  # publishes those reads as heat
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        seen = backend.residency.report()
+        got = tuple(seen[k] - seen0[k] for k in ("units_read_hbm", "units_read_host"))
+        assert got == want and min(want) > 0, (got, want)
         if DEV == "cuda":
             torch.cuda.set_sync_debug_mode("error")
         try:
