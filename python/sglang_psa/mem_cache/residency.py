@@ -125,9 +125,10 @@ class Residency:
         by every unit until it is; promotion: 0, nothing comes back on no evidence)."""
         _, lengths = self.ws.read()
         measured = int(lengths[row])
-        if measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
+        heat = self.ws.heat_of(row)
+        if heat is None or measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
             return np.full(upto, unknown, dtype=np.int64)
-        return self.ws.heat()[row, :upto].numpy().astype(np.int64)
+        return heat[:upto].astype(np.int64)
 
     def _candidates(self, req) -> tuple[np.ndarray, np.ndarray] | None:
         """`(blocks, readers)` of `req`'s blocks that may leave HBM now (saved, past the

@@ -22,6 +22,7 @@ counts the units each step read from HBM pages and from host blocks (rows from
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sgl_kernel_ext.working_set import (
@@ -62,8 +63,11 @@ class WorkingSets:
         self.heat_blocks = heat_blocks
         if heat_blocks:
             pin = dev.type == "cuda"
-            self._heat = torch.zeros(rows, heat_blocks, dtype=torch.uint8, device=dev)
+            # The last batch's heat by batch position, its rows and its size (host memory).
             self._heat_host = torch.zeros(rows, heat_blocks, dtype=torch.uint8, pin_memory=pin)
+            self._heat_rows = torch.full((rows,), -1, dtype=torch.int64, pin_memory=pin)
+            self._heat_count = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+            self._counts: dict[int, torch.Tensor] = {}  # batch size -> that size, on device
             # Units read from (HBM pages, host blocks), ever; per-chunk partial counts.
             self.page_rows = num_pages if page_rows is None else page_rows
             self._reads = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -78,7 +82,7 @@ class WorkingSets:
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b[:2])]
         ts += [t for pair in self._scratch for t in pair]
         if self.heat_blocks:
-            ts += [self._heat, self._reads, self._reads_step, self._read_parts]
+            ts += [self._reads, self._reads_step, self._read_parts, *self._counts.values()]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -131,22 +135,33 @@ class WorkingSets:
         self._dev[1].index_copy_(0, rows, lengths.to(torch.int32))
         self._host.copy_(self._dev, non_blocking=True)
         if self.heat_blocks:
+            self._count_reads()
             self._publish_heat(rows, pages, readers, heat8)
         self.step.add_(1)
 
-    def _publish_heat(self, rows, pages: torch.Tensor, readers: torch.Tensor, heat8) -> None:
-        """Readers of the batch's blocks `pages [B, NB]` (units that read each within the
-        last `HEAT_WINDOW` steps, up to 255) into their rows, then to the host.
-        Preallocated buffers, no sync."""
+    def _count_reads(self) -> None:
+        """Add the units the last step read from HBM pages and from host blocks to the
+        totals, and publish them. Preallocated buffers, no sync."""
         unit_reads(self.stamps, self.step, self.page_rows, self._read_parts)
         torch.sum(self._read_parts, 0, dtype=torch.int64, out=self._reads_step)
         self._reads.add_(self._reads_step)
         self._reads_host.copy_(self._reads, non_blocking=True)
+
+    def _publish_heat(self, rows, pages: torch.Tensor, readers: torch.Tensor, heat8) -> None:
+        """Readers of the batch's blocks `pages [B, NB]` (units that read each within the
+        last `HEAT_WINDOW` steps, up to 255) to the host by batch position, then the
+        batch's rows, then its size: `B x NB` bytes a step. Preallocated buffers, no
+        sync."""
+        B = pages.shape[0]
+        count = self._counts.get(B)
+        if count is None:
+            count = self._counts[B] = torch.full((1,), B, dtype=torch.int64, device=rows.device)
         block_readers(self.stamps, pages, self.step, HEAT_WINDOW, readers.view(pages.shape))
         readers.clamp_(max=255)
         heat8.copy_(readers)
-        self._heat.index_copy_(0, rows, heat8.view(pages.shape))
-        self._heat_host.copy_(self._heat, non_blocking=True)
+        self._heat_host[:B].copy_(heat8.view(pages.shape), non_blocking=True)
+        self._heat_rows[:B].copy_(rows, non_blocking=True)
+        self._heat_count.copy_(count, non_blocking=True)
 
     def mark(self, layer: int, pages: torch.Tensor, read: torch.Tensor) -> None:
         """Reference path (the kernel stamps as it reads): `read [B, Hkv, NB]` blocks of
@@ -163,8 +178,9 @@ class WorkingSets:
         self._dev.zero_()
         self._host.zero_()
         if self.heat_blocks:
-            self._heat.zero_()
             self._heat_host.zero_()
+            self._heat_rows.fill_(-1)
+            self._heat_count.zero_()
             self._reads.zero_()
             self._reads_host.zero_()
 
@@ -179,7 +195,10 @@ class WorkingSets:
         hbm, host = self._reads_host.tolist()
         return hbm, host
 
-    def heat(self) -> torch.Tensor:
-        """`[rows, blocks]` uint8 block readers by request-table row, as last published (host
-        memory; no sync; rows are trusted only where `read()`'s length matches)."""
-        return self._heat_host
+    def heat_of(self, row: int) -> np.ndarray | None:
+        """`[blocks]` uint8 readers of the blocks of the request in request-table `row`, as
+        the last batch published them (host memory, no sync); None if that batch did not
+        hold the row. Trust it only where `read()`'s length matches the request."""
+        n = int(self._heat_count[0])
+        pos = np.flatnonzero(self._heat_rows[:n].numpy() == row)
+        return self._heat_host[pos[-1]].numpy() if len(pos) else None

@@ -30,12 +30,16 @@ def test_promotion_swaps_only_for_blocks_read_by_more_than_twice_the_units():
     # One request of 12 full blocks, all saved; blocks 2 and 3 are on the host. Readers
     # (of 8 units) by block: the sink 0 and the last three are never candidates.
     readers = [7, 0, 8, 2, 1, 4, 5, 3, 5, 6, 6, 6]
-    heat = torch.zeros(4, 16, dtype=torch.uint8)
-    heat[ROW, :12] = torch.tensor(readers, dtype=torch.uint8)
+    heat = np.zeros(16, dtype=np.uint8)
+    heat[:12] = readers
     lengths = torch.zeros(4, dtype=torch.int32)
     lengths[ROW] = 12 * BS
     ws = SimpleNamespace(
-        read=lambda: (None, lengths), heat=lambda: heat, layers=2, kv_heads=4, heat_blocks=16
+        read=lambda: (None, lengths),
+        heat_of=lambda row: heat if row == ROW else None,
+        layers=2,
+        kv_heads=4,
+        heat_blocks=16,
     )
     wb = SimpleNamespace(
         request=lambda rid: SimpleNamespace(row=ROW, saved=12, host=list(range(12))),
