@@ -19,11 +19,11 @@ such address, so unpinned CPU tensors are refused up front with a clear error.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from sgl_kernel_ext.runtime import triton_enabled
 
 
 @triton.jit
@@ -68,10 +68,6 @@ def _word_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def _words(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dt else t.view(torch.uint8).view(dt)
-
-
-def _triton_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class BlockCopier:
@@ -140,7 +136,7 @@ class BlockCopier:
         if n == 0:
             return
         device = self.device or (src.device if src.is_cuda else dst.device)
-        if not _triton_enabled(device):
+        if not triton_enabled(device):
             m = n if count is None else int(count.reshape(-1)[0])
             dst[dst_idx[:m].long()] = src[src_idx[:m].long()]
             return

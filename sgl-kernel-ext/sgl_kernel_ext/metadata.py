@@ -19,11 +19,11 @@ shape, so the decode launch is captured in CUDA graphs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from sgl_kernel_ext.runtime import triton_enabled
 
 
 @triton.jit
@@ -95,10 +95,6 @@ def _check(k_buffer, block_size, mean, kmin, kmax):
             raise ValueError(f"metadata must be contiguous [pages, {H}, {d}] tensors")
 
 
-def _use_kernel(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _launch(k_buffer, block_size, grid, mean, kmin, kmax, *, locs=None, table=None, rows=None,
             starts=None, ends=None):  # fmt: skip
     """Decode passes `locs`, prefill the request table and its rows; the kernel never
@@ -145,7 +141,7 @@ def page_meta_from_locs(
     B = locs.numel()
     if B == 0:
         return
-    if _use_kernel(k_buffer):
+    if triton_enabled(k_buffer.device):
         _launch(k_buffer, block_size, (B, 1, k_buffer.shape[1]), mean, kmin, kmax, locs=locs)
         return
     locs = locs.long()
@@ -171,7 +167,7 @@ def page_meta_from_table(
     B = rows.numel()
     if B == 0 or max_pages <= 0:
         return
-    if _use_kernel(k_buffer):
+    if triton_enabled(k_buffer.device):
         grid = (B, max_pages, k_buffer.shape[1])
         _launch(k_buffer, block_size, grid, mean, kmin, kmax, table=req_to_token, rows=rows,
                 starts=starts, ends=ends)  # fmt: skip

@@ -11,11 +11,11 @@ read it lately (spec: `block_readers_ref`); residency ranks pages by it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from sgl_kernel_ext.runtime import triton_enabled
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def working_set_parts(
         raise ValueError(f"parts must be int32 [{B}, {LH}]")
     if B == 0:
         return parts
-    if stamps.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_enabled(stamps.device):
         _working_set_kernel[(B, LH)](
             stamps, pages, lengths, step, parts, window, P, NB,
             BS=block_size, CHUNK=256, num_warps=2,
@@ -127,7 +127,7 @@ def block_readers(
         raise ValueError(f"out must be int32 [{B}, {NB}]")
     if B == 0:
         return out
-    if stamps.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_enabled(stamps.device):
         chunk = 256
         _block_readers_kernel[(B, triton.cdiv(NB, chunk))](
             stamps, pages, step, out, window, P, NB, LH, CHUNK=chunk, num_warps=4
@@ -171,7 +171,7 @@ def unit_reads(
     chunks = triton.cdiv(P, UNIT_READS_CHUNK)
     if parts.shape != (chunks, 2) or parts.dtype != torch.int32:
         raise ValueError(f"parts must be int32 [{chunks}, 2]")
-    if stamps.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_enabled(stamps.device):
         _unit_reads_kernel[(chunks,)](
             stamps, step, parts, P, page_rows, LH, CHUNK=UNIT_READS_CHUNK, num_warps=4
         )

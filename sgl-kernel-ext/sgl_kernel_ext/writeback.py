@@ -15,11 +15,11 @@ Reference: `sglang_psa.algo.blockcopy.gather_pages_head_major_ref`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from sgl_kernel_ext.runtime import triton_enabled
 
 
 @triton.jit
@@ -59,10 +59,6 @@ def _copy_pages_kernel(
         else:
             tl.store(unit_k + at_unit, tl.load(pool_k + at_pool))
             tl.store(unit_v + at_unit, tl.load(pool_v + at_pool))
-
-
-def _triton_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def copy_pages_to_units(
@@ -118,7 +114,7 @@ def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs, to_pages: boo
         raise ValueError(f"{n} pages but {blocks.numel()} unit blocks")
     if n == 0:
         return
-    if not _triton_enabled(pool_k.device):
+    if not triton_enabled(pool_k.device):
         rows = (pages.long()[:, None] * bs + torch.arange(bs)).reshape(-1)
         b = blocks.long()
         for pool, unit in ((pool_k, unit_k), (pool_v, unit_v)):
