@@ -81,7 +81,6 @@ class Residency:
         if not self.max_blocks:
             raise ValueError("residency needs the working sets to publish block heat")
         self.evicted: dict[object, np.ndarray] = {}  # rid -> bool by block: left HBM
-        self.evicted_blocks = 0  # blocks out of HBM now
         self.evictions = 0  # blocks given back to the allocator, ever
         self.promotions = 0  # blocks brought back into HBM, ever
         self.promote_blocks = max(1, PROMOTE_BYTES // writeback.block_bytes)
@@ -96,10 +95,13 @@ class Residency:
     def release(self, rid) -> None:
         """`rid` ended: its evicted set goes (its entries point at page 0, which the
         allocator hook keeps out of the free)."""
-        gone = self.evicted.pop(rid, None)
-        if gone is not None:
-            self.evicted_blocks -= int(gone.sum())
+        if self.evicted.pop(rid, None) is not None:
             self.zero_pending = True
+
+    @property
+    def evicted_blocks(self) -> int:
+        """Blocks of running requests out of HBM now."""
+        return sum(int(gone.sum()) for gone in self.evicted.values())
 
     @property
     def drops_page_zero(self) -> bool:
@@ -108,16 +110,8 @@ class Residency:
 
     def evictable(self, reqs) -> int:
         """Blocks of `reqs` that may leave HBM now (saved, past the sink, not recent, not
-        gone), counted from lengths only."""
-        n = 0
-        for req in _live(reqs):
-            r = self.wb.request(req.rid)
-            if r is None:
-                continue
-            upto = min(r.saved, int(req.seqlen) // self.block_size - self.keep_recent)
-            gone = self.evicted.get(req.rid)
-            n += max(0, upto - self.sink) - (0 if gone is None else int(gone[:upto].sum()))
-        return n
+        gone)."""
+        return sum(len(got[0]) for got in map(self._candidates, _live(reqs)) if got is not None)
 
     def _readers(self, row: int, seq_len: int, upto: int, unknown: int) -> np.ndarray:
         """Published readers of blocks `[0, upto)` of the request in `row`; `unknown` where
@@ -203,14 +197,13 @@ class Residency:
             self.freeing = False
         gone = self.evicted.setdefault(rid, np.zeros(self.max_blocks, dtype=bool))
         gone[blocks] = True
-        self.evicted_blocks += len(blocks)
         self.evictions += len(blocks)
         return len(blocks) * bs
 
     def promote(self, reqs, allocator) -> int:
         """Bring evicted blocks of `reqs` that many units read lately back into HBM (see
         the module docstring); returns the blocks promoted."""
-        if not self.evicted_blocks:
+        if not self.evicted:  # (a request's entry goes with its last evicted block)
             return 0
         hot = []  # (readers, rid, block)
         live = list(_live(reqs))
@@ -268,7 +261,6 @@ class Residency:
         for rid in {rid for rid, _ in blocks}:
             if not self.evicted[rid].any():  # no page-0 entry left in its row
                 del self.evicted[rid]
-        self.evicted_blocks -= len(blocks)
         self.promotions += len(blocks)
 
     def report(self) -> dict[str, int]:

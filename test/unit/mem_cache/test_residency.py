@@ -49,7 +49,7 @@ def test_promotion_swaps_only_for_blocks_read_by_more_than_twice_the_units():
     res = Residency(wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg, None)
     gone = np.zeros(16, dtype=bool)
     gone[[2, 3]] = True
-    res.evicted, res.evicted_blocks = {"a": gone}, 2
+    res.evicted = {"a": gone}
     alloc = _Alloc(free_pages=2)  # exactly the two pages a running request keeps spare
     evicted, back = [], []
 
