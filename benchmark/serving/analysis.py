@@ -245,6 +245,8 @@ SUMMARY_KEYS = (
     "ttft_p99_ratio_host_vs_hbm",
     "accuracy_delta_vs_plain",
     "decode_step_ratio_topk_vs_plain_8b",
+    "throughput_ratio_tiered_vs_plain_8b",
+    "max_concurrent_ratio_tiered_vs_plain_8b",
 )
 
 
@@ -318,6 +320,12 @@ def summarize(parts: list[dict]) -> dict:
     s["accuracy_delta_vs_plain"] = accuracy_delta(best, "psa")
     run, plain = _pair(best, "d", "topk")
     s["decode_step_ratio_topk_vs_plain_8b"] = _ratio(_metric(run, *step), _metric(plain, *step))
+    run, plain = _pair(best, "e", "topk_tiered")
+    s["throughput_ratio_tiered_vs_plain_8b"] = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
+    peak = ("metrics", "peak_running")
+    s["max_concurrent_ratio_tiered_vs_plain_8b"] = _ratio(
+        _metric(run, *peak), _metric(plain, *peak)
+    )
     return s
 
 
@@ -337,10 +345,11 @@ def sweep_ratio(best, system: str, key: str) -> float | None:
 
 def accuracy_delta(best, system: str) -> float | None:
     """`system`'s accuracy minus plain's over every scored prompt both answered in the same
-    runs (workloads with real-model tasks; d has random weights and is left out)."""
+    runs (workloads with real-model tasks; those with random weights are left out)."""
     ours = theirs = n = 0
-    for workload, name, rate in best:
-        if name != system or workload == "d":
+    for (workload, name, rate), part in best.items():
+        model = part.get("config", {}).get("workload", {}).get("model", "")
+        if name != system or model.endswith("-dummy"):  # workloads.LLAMA_8B_DUMMY
             continue
         run, plain = _pair(best, workload, system, rate)
         if plain is None:

@@ -92,6 +92,15 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "topk_tiered",
+            "sglang-psa --sparse-mode topk --psa-kv-home tiered (fixed 2048-token budget; "
+            "every full block written back to the host tier, cold blocks leave HBM), decode "
+            "CUDA graphs",
+            ("--sparse-mode", "topk", *_TIERED[2:]),
+            False,
+            True,
+        ),
+        System(
             "psa_host",
             "sglang-psa --sparse-mode psa --psa-kv-home host (KV in pinned host memory, "
             "HBM page cache)",

@@ -141,6 +141,19 @@ WORKLOADS: dict[str, Workload] = {
             ("plain", "topk"),
             batch_from_capacity=True,
         ),
+        Workload(
+            "e",
+            "capacity at an 8B shape: Llama-3.1-8B layer shapes with dummy weights, 20 x "
+            "32K-token prompts, 1024 output tokens, all at once, the HBM for KV capped so "
+            "that plain SGLang holds 10; the tiered home holds every request in its host "
+            "tier; topk reads a fixed budget whatever the weights",
+            LLAMA_8B_DUMMY,
+            20,
+            (32_000,),
+            (1024,),
+            ("plain", "topk_tiered"),
+            kv_cap_requests=10,
+        ),
     )
 }
 

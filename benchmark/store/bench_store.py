@@ -8,20 +8,21 @@ the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
 - save: a prefill chunk of `--chunk-tokens` new tokens per layer, all layers
   back to back, through the serving path's `WriteBack` (`--psa-kv-home tiered`)
   until every job is acknowledged: GB/s of KV saved vs the D2H peak. Both paths:
-  `engine` (GPU gather of the chunk's pages, one D2H copy per layer into the
-  staging ring, copy-engine CPU scatter into host blocks; what the server runs)
-  and `uva` (one kernel per layer writes the blocks into the host tier through
-  unified addressing).
+  `uva` (the default: one kernel per layer writes the blocks into the host tier
+  through unified addressing; the summary's `save_*` keys) and `engine` (GPU
+  gather of the chunk's pages, one D2H copy per layer into the staging ring,
+  copy-engine CPU scatter into host blocks; `save_engine_*`).
 - overlap: the same saves issued between per-layer matmuls standing in for the
-  layer's compute; fraction of the save's GPU copy time hidden under compute,
-  `(T_compute + T_save - T_both) / T_save`, timed on the GPU.
-- load: `Loader` bringing units into slots under a decode-like miss pattern
-  (each step reads `--read-fraction` of a 128K context's blocks per request and
-  KV head; `--reuse` of them were read the step before): GB/s of missed bytes
-  vs the H2D peak, including the slot-table work; and a cold load (all misses).
-- hit rate: `slot_hit_rate_at_10pct_cache` is taken from
-  `slot_hit_rate_cpu.json` (real-model block-selection traces replayed through
-  the slot cache on the CPU; see benchmark/store/README.md) when present.
+  layer's prefill compute; fraction of the save's GPU time hidden under compute,
+  `(T_compute + T_save - T_both) / T_save`, and `prefill_slowdown_with_save`,
+  `T_both / T_compute`, both timed on the GPU.
+- promote: what `Residency` runs to bring evicted blocks back into HBM, one
+  `copy_units_to_pages` launch per layer from the pinned host tier into
+  scattered pages of SGLang's pool: GB/s vs the H2D peak at the server's
+  per-round size (`PROMOTE_BYTES`) and larger.
+- from real servers (`--serving`, default `serving_h100.json`; refresh alone with
+  `--merge-serving-into`): `hbm_hit_rate` (workload b) and
+  `max_concurrent_ratio_vs_plain_8b` (workload e).
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from timing import cuda_time  # noqa: E402
 
-from sglang_psa.engine import Loader  # noqa: E402
 from sglang_psa.eval.results import write_result  # noqa: E402
-from sglang_psa.store.host_pool import HostKVPool  # noqa: E402
-from sglang_psa.store.slot_store import SlotStore  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 H, D, BS, DT = 8, 128, 32, torch.bfloat16
@@ -138,7 +136,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
     if path == "engine":  # the engine's CPU scatter alone, here, by thread count
         from concurrent.futures import ThreadPoolExecutor
 
-        from sglang_psa.engine.copy_engine import scatter_rows
+        from sglang_psa.mem_cache.copy_engine import scatter_rows
 
         segs = [(b, 0, BS) for b in range(blocks)]
         sk, sv = wb.engine.staged(0, chunk)
@@ -176,84 +174,56 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
     }
 
 
-def bench_load(ctx: int, batch: int, read_fraction: float, reuse: float, steps: int) -> dict:
-    nb = ctx // BS
-    layers = 1  # one layer's units per step; the table spans this pool
-    pool = HostKVPool(layers, H, nb * batch, BS, D, DT)
-    per_head = max(1, int(nb * read_fraction))
-    units_per_step = batch * H * per_head
-    store = SlotStore(pool, num_slots=4 * units_per_step, device="cuda")
-    loader = Loader(store)
+def bench_promote(layers: int, host_blocks: int, sizes: list[int], reps: int) -> dict:
+    """The serving path's promotion (`mem_cache.residency.Residency._bring_back`): blocks
+    of the host tier (`HostKVPool`, pinned, read through UVA) copied into free pages of
+    SGLang's token-major pool by one `copy_units_to_pages` launch per layer, the blocks
+    and pages scattered at random. GB/s of KV promoted for each number of blocks per
+    round; the round the server runs is `PROMOTE_BYTES` of KV."""
+    from sgl_kernel_ext.writeback import copy_units_to_pages
+    from sglang_psa.mem_cache.host_pool import HostKVPool
+    from sglang_psa.mem_cache.residency import PROMOTE_BYTES
+
+    host = HostKVPool(layers, H, host_blocks, BS, D, DT)
     g = torch.Generator().manual_seed(0)
-    unit_bytes = 2 * BS * D * 2  # K and V
+    host.k[:, :, :64].copy_(torch.randn(host.k[:, :, :64].shape, generator=g).to(DT))
+    block_bytes = 2 * layers * H * BS * D * torch.empty((), dtype=DT).element_size()
+    round_blocks = max(1, PROMOTE_BYTES // block_bytes)
+    sizes = sorted({round_blocks, *sizes})
+    pages = max(sizes) + 8
+    k = [torch.zeros(pages * BS, H, D, device="cuda", dtype=DT) for _ in range(layers)]
+    v = [torch.zeros(pages * BS, H, D, device="cuda", dtype=DT) for _ in range(layers)]
+    by_size = {}
+    for n in sizes:
+        src = torch.randperm(host_blocks, generator=g)[:n].cuda()
+        dst = torch.randperm(pages - 1, generator=g)[:n].cuda() + 1
 
-    def step_units(prev: torch.Tensor | None) -> torch.Tensor:
-        """Per (request, head): `reuse` of last step's blocks, the rest new at random."""
-        rows = []
-        for r in range(batch):
-            for h in range(H):
-                base = (h * pool.num_blocks) + r * nb
-                keep = []
-                if prev is not None:
-                    old = prev[(r * H + h) * per_head : (r * H + h + 1) * per_head]
-                    keep = old[torch.randperm(per_head, generator=g)[: int(per_head * reuse)]]
-                    keep = keep.tolist()
-                fresh = (torch.randperm(nb, generator=g) + base).tolist()
-                have = set(keep)
-                for u in fresh:
-                    if len(keep) == per_head:
-                        break
-                    if u not in have:
-                        keep.append(u)
-                        have.add(u)
-                rows.append(torch.tensor(keep, dtype=torch.int64))
-        return torch.cat(rows)
+        def promote(src=src, dst=dst):
+            for layer in range(layers):
+                copy_units_to_pages(host.k[layer], host.v[layer], src, k[layer], v[layer], dst)
 
-    seq, prev = [], None
-    for _ in range(steps):
-        prev = step_units(prev)
-        seq.append(prev.cuda())
-
-    def run(units_seq):
-        for u in units_seq:
-            t = loader.load(u)
-            t.wait()
-            loader.release(t)
-
-    torch.cuda.synchronize()
-    run(seq[:2])  # warm
-    before = dict(store.table.stats)
-    t_steps = cuda_time(lambda: run(seq[2:]), reps=3, warmup=0)
-    after = store.table.stats
-    # cuda_time ran the sequence 3 times; misses per run:
-    misses = (after["misses"] - before["misses"]) / 3
-    n_steps = len(seq) - 2
-    cold_units = torch.arange(units_per_step, device="cuda")
-
-    def cold():
-        store.table.drop_units(torch.arange(store.table.num_units, device="cuda"))
-        t = loader.load(cold_units)
-        t.wait()
-        loader.release(t)
-
-    t_cold = cuda_time(cold, reps=5)
-    loader.synchronize()
-    store.table.check_integrity()
-    pool.close()
-    miss_bytes = misses * unit_bytes
+        t = cuda_time(promote, reps=reps)
+        by_size[n] = {
+            "blocks": n,
+            "bytes": n * block_bytes,
+            "s": t,
+            "gbps": n * block_bytes / t / 1e9,
+        }
+    # one promoted block's bytes, checked against the host tier (a block with data)
+    src = torch.tensor([5], device="cuda")
+    dst = torch.tensor([pages - 1], device="cuda")
+    for layer in range(layers):
+        copy_units_to_pages(host.k[layer], host.v[layer], src, k[layer], v[layer], dst)
+    got = k[layers - 1][(pages - 1) * BS : pages * BS, 3].cpu()
+    ok = torch.equal(got, host.k[layers - 1, 3, 5])
+    host.close()
     return {
-        "ctx": ctx,
-        "batch": batch,
-        "read_fraction": read_fraction,
-        "reuse": reuse,
-        "units_per_step": units_per_step,
-        "steps": n_steps,
-        "misses_per_step": misses / n_steps,
-        "step_time_us": t_steps / n_steps * 1e6,
-        "miss_gbps": miss_bytes / t_steps / 1e9,
-        "cold_units": units_per_step,
-        "cold_time_us": t_cold * 1e6,
-        "cold_gbps": units_per_step * unit_bytes / t_cold / 1e9,
+        "layers": layers,
+        "block_bytes": block_bytes,
+        "round_blocks": round_blocks,
+        "by_blocks": by_size,
+        "round_gbps": by_size[round_blocks]["gbps"],
+        "promoted_bytes_verified": ok,
     }
 
 
@@ -263,18 +233,17 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = data["save"]
-    labels = ["H2D peak", "load (miss)", "load (cold)", "D2H peak", "save copy", "save e2e"]
+    s, u, pr = data["save"], data["save_uva"], data["promote"]
+    labels = ["D2H peak", "save uva", "save engine", "H2D peak", "promote round"]
     vals = [
-        data["peaks"]["h2d_memcpy_peak_gbps"],
-        data["load"]["miss_gbps"],
-        data["load"]["cold_gbps"],
         data["peaks"]["d2h_memcpy_peak_gbps"],
-        s["save_gpu_copy_gbps"],
+        u["save_gbps"],
         s["save_gbps"],
+        data["peaks"]["h2d_memcpy_peak_gbps"],
+        pr["round_gbps"],
     ]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.bar(labels, vals, color=["#888", "#38c", "#69d", "#888", "#c63", "#e96"])
+    ax.bar(labels, vals, color=["#888", "#c63", "#e96", "#888", "#38c"])
     ax.set_ylabel("GB/s")
     ax.set_title("tiered store on the H100 (Llama-8B KV layout)", fontsize=9)
     for i, val in enumerate(vals):
@@ -285,39 +254,57 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def merge_hit_rate(path: Path) -> None:
-    """Fill `slot_hit_rate_at_10pct_cache` of an existing result from the CPU trace replay
-    (no GPU needed: the replay is a CPU simulation of the slot cache)."""
-    hit_file = RESULTS / "slot_hit_rate_cpu.json"
-    hit = json.loads(hit_file.read_text())
-    doc = json.loads(path.read_text())
-    doc["summary"]["slot_hit_rate_at_10pct_cache"] = hit["summary"]["slot_hit_rate_at_10pct_cache"]
-    doc["data"]["hit_rate_source"] = {
-        "file": hit_file.name,
-        "git_commit": hit["git_commit"],
-        "machine": hit["machine"],
-        "summary": hit["summary"],
-    }
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps(doc["summary"], indent=1))
+def serving_figures(serving: Path) -> tuple[dict, dict]:
+    """The store's figures that only a real server measures, from the serving benchmark's
+    result: `hbm_hit_rate` (workload b, the tiered home's units read from HBM over all
+    units decode read, in the timed window) and `max_concurrent_ratio_vs_plain_8b`
+    (workload e: peak running requests of the tiered home over plain SGLang's in the same
+    stage run). A figure not measured yet is None. Returns (summary part, provenance)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+    from analysis import _pair, latest_runs
+
+    if not serving.exists():
+        return {"hbm_hit_rate": None, "max_concurrent_ratio_vs_plain_8b": None}, {}
+    doc = json.loads(serving.read_text())
+    best = latest_runs(doc["data"]["parts"])
+    out, prov = {}, {"file": serving.name}
+    run, _ = _pair(best, "b", "psa_tiered_uva")
+    out["hbm_hit_rate"] = (run or {}).get("counters", {}).get("hbm_hit_rate")
+    run, plain = _pair(best, "e", "topk_tiered")
+    peak = [(r or {}).get("metrics", {}).get("peak_running") for r in (run, plain)]
+    out["max_concurrent_ratio_vs_plain_8b"] = peak[0] / peak[1] if all(peak) else None
+    for key, (w, name) in (("hbm_hit_rate", ("b", "psa_tiered_uva")),
+                           ("max_concurrent_ratio_vs_plain_8b", ("e", "topk_tiered"))):  # fmt: skip
+        part = best.get((w, name, "inf"))
+        if part is not None:
+            prov[key] = {k: part[k] for k in ("workload", "run_id", "date", "git_commit", "device")}
+    return out, prov
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--merge-hit-rate-into", type=Path, help="only merge the CPU hit rate")
+    ap.add_argument(
+        "--merge-serving-into",
+        type=Path,
+        help="only refresh an existing result's serving figures from --serving (no GPU)",
+    )
+    ap.add_argument("--serving", type=Path, default=RESULTS / "serving_h100.json")
     ap.add_argument("--name", default="store_h100")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=4096)
     ap.add_argument("--engine-threads", type=int, default=8)
-    ap.add_argument("--ctx", type=int, default=131072)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--read-fraction", type=float, default=0.05)
-    ap.add_argument("--reuse", type=float, default=0.9)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--host-blocks", type=int, default=1024, help="host tier of the promotion")
+    ap.add_argument("--promote-blocks", default="64,256", help="promotion sizes besides a round")
     args = ap.parse_args()
-    if args.merge_hit_rate_into:
-        return merge_hit_rate(args.merge_hit_rate_into)
+    if args.merge_serving_into:
+        doc = json.loads(args.merge_serving_into.read_text())
+        figures, prov = serving_figures(args.serving)
+        doc["summary"].update(figures)
+        doc["data"]["serving_source"] = prov
+        args.merge_serving_into.write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc["summary"], indent=1))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_store needs a CUDA GPU")
     peaks = memcpy_peaks()
@@ -326,35 +313,32 @@ def main() -> None:
     print("save (engine)", save, flush=True)
     save_uva = bench_save(args.layers, args.chunk_tokens, args.engine_threads, 5, "uva")
     print("save (uva)", save_uva, flush=True)
-    load = bench_load(args.ctx, args.batch, args.read_fraction, args.reuse, args.steps)
-    print("load", load, flush=True)
-    out = Path(args.out)
-    hit_file = RESULTS / "slot_hit_rate_cpu.json"
-    hit = json.loads(hit_file.read_text())["summary"] if hit_file.exists() else {}
+    sizes = [int(n) for n in args.promote_blocks.split(",") if n]
+    promote = bench_promote(args.layers, args.host_blocks, sizes, reps=10)
+    print("promote", promote, flush=True)
+    figures, prov = serving_figures(args.serving)
+    d2h, h2d = peaks["d2h_memcpy_peak_gbps"], peaks["h2d_memcpy_peak_gbps"]
     summary = {
-        "save_ratio_to_d2h_peak": save["save_gbps"] / peaks["d2h_memcpy_peak_gbps"],
-        "save_overlap_fraction": save["save_overlap_fraction"],
-        "load_ratio_to_h2d_peak": load["miss_gbps"] / peaks["h2d_memcpy_peak_gbps"],
-        "slot_hit_rate_at_10pct_cache": hit.get("slot_hit_rate_at_10pct_cache"),
+        # the default write-back (--psa-writeback uva); the copy engine's below
+        "save_ratio_to_d2h_peak": save_uva["save_gbps"] / d2h,
+        "save_overlap_fraction": save_uva["save_overlap_fraction"],
+        "prefill_slowdown_with_save": save_uva["compute_plus_save_s"] / save_uva["compute_s"],
+        "promote_ratio_to_h2d_peak": promote["round_gbps"] / h2d,
+        **figures,
         **peaks,
-        "save_gbps": save["save_gbps"],
-        "load_cold_ratio_to_h2d_peak": load["cold_gbps"] / peaks["h2d_memcpy_peak_gbps"],
-        "save_uva_ratio_to_d2h_peak": save_uva["save_gbps"] / peaks["d2h_memcpy_peak_gbps"],
-        "save_uva_overlap_fraction": save_uva["save_overlap_fraction"],
+        "save_engine_ratio_to_d2h_peak": save["save_gbps"] / d2h,
+        "save_engine_overlap_fraction": save["save_overlap_fraction"],
+        "prefill_slowdown_with_engine_save": save["compute_plus_save_s"] / save["compute_s"],
     }
-    data = {
-        "peaks": peaks,
-        "save": save,
-        "save_uva": save_uva,
-        "load": load,
-        "hit_rate_source": str(hit_file.name),
-    }
+    data = {"peaks": peaks, "save": save, "save_uva": save_uva, "promote": promote}
+    data["serving_source"] = prov
+    out = Path(args.out)
     write_result(
         out / f"{args.name}.json",
         summary,
         data,
-        note="random bf16 KV in the Llama-3.1-8B layout; the hit rate comes from real-model "
-        "traces replayed on the CPU (slot_hit_rate_cpu.json)",
+        note="random bf16 KV in the Llama-3.1-8B layout; hbm_hit_rate and "
+        "max_concurrent_ratio_vs_plain_8b come from real servers (serving_h100.json)",
     )
     plot(data, out / f"{args.name}.png")
     print(json.dumps(summary, indent=1))

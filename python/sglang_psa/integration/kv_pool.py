@@ -162,7 +162,7 @@ def around_create_buffers_normal(original, pool):
     layout = getattr(pool, "kv_cache_layout", None)
     if not _host_home(cfg) or getattr(pool, "use_hnd", False) or layout == "vectorized_5d":
         return original(pool)
-    from sglang_psa.store.uva import HostResident
+    from sglang_psa.mem_cache.uva import HostResident
 
     k_shape, v_shape = pool._kv_buffer_shapes()
     dtype, n = pool.store_dtype, pool.layer_num

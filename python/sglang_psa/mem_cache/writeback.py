@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_kernel_ext.writeback import copy_pages_to_units, gather_pages_head_major
-from sglang_psa.engine.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
-from sglang_psa.store.host_pool import HostKVPool
+from sglang_psa.mem_cache.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
+from sglang_psa.mem_cache.host_pool import HostKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,9 @@ class WriteBack:
         self.cuda = self.device.type == "cuda"
         if staging_rows < block_size:
             raise ValueError(f"the staging ring needs at least one block ({block_size} rows)")
-        self.host = HostKVPool(layers, kv_heads, host_blocks, block_size, head_dim, dtype)
+        self.host = HostKVPool(
+            layers, kv_heads, host_blocks, block_size, head_dim, dtype, shared=path == "engine"
+        )
         self.engine = None
         if path == "engine":
             self.engine = CopyEngine(

@@ -187,7 +187,7 @@ def test_per_request_matches_tasks_by_prompt_length():
 # --- 4. merging and provenance --------------------------------------------------------
 
 
-def _rec(step=None, tok_s=None, p99=None, correct=(), rates=None, error=None):
+def _rec(step=None, tok_s=None, p99=None, correct=(), rates=None, error=None, peak=None):
     if error:
         return {"error": error}
     rows = [  # correct None: an errored request
@@ -199,6 +199,7 @@ def _rec(step=None, tok_s=None, p99=None, correct=(), rates=None, error=None):
         "steady_decode": {"step_ms": step},
         "output_tok_s": tok_s,
         "ttft_s": {"p99": p99},
+        "peak_running": peak,
     }
     if rates:
         rec["rates"] = {
@@ -208,9 +209,10 @@ def _rec(step=None, tok_s=None, p99=None, correct=(), rates=None, error=None):
     return rec
 
 
-def _part(workload, date, commit, **systems_):
+def _part(workload, date, commit, model="qwen2.5-0.5b", **systems_):
     return {
         "workload": workload,
+        "config": {"workload": {"model": model}},
         "run_id": f"{workload}-{date}",
         "machine": "host1",
         "device": "NVIDIA H100 80GB HBM3",
@@ -232,6 +234,16 @@ def _parts():
             psa=_rec(5, 150, p99=2.0, correct=(True, False, False, None)),
         ),
         _part("a", "03-01", "c2", plain=_rec(20, 1), topk=_rec(4, 1), psa_host=_rec(p99=3.0)),
+        # random weights: speed and capacity only, its answers are never scored
+        _part(
+            "e",
+            "03-15",
+            "c2",
+            model="llama3.1-8b-dummy",
+            plain=_rec(tok_s=100, peak=10, correct=(True,)),
+            topk_tiered=_rec(tok_s=160, peak=20),
+            psa=_rec(correct=(False,)),
+        ),
         _part("a", "04-01", "c3", plain=_rec(30, 1), psa=_rec(error="ServerFailed: boom")),
         _part(
             "c",
@@ -272,12 +284,15 @@ def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     assert s["accuracy_delta_vs_plain"] == pytest.approx(((1 + 4 + 1) - (2 + 2 + 1)) / (3 + 4 + 1))
     assert s["throughput_ratio_host_vs_plain_capped"] is None
     assert s["decode_step_ratio_topk_vs_plain_8b"] is None
-    assert [p["git_commit"] for p in merged["parts"]] == ["c1", "c1", "c2", "c3", "c4"]
+    assert s["throughput_ratio_tiered_vs_plain_8b"] == 1.6
+    assert s["max_concurrent_ratio_tiered_vs_plain_8b"] == 2.0
+    assert [p["git_commit"] for p in merged["parts"]] == ["c1", "c1", "c2", "c2", "c3", "c4"]
     assert merged["mixed"]["git_commits"] == ["c1", "c2", "c3", "c4"]
     assert [p["run_id"] for p in merged["provenance"]] == [
         "a-02-01",
         "c-02-15",
         "a-03-01",
+        "e-03-15",
         "a-04-01",
         "c-05-01",
     ]
@@ -303,7 +318,7 @@ def test_result_file_round_trip(tmp_path):
     newer = dict(merged["parts"][-1], git_commit="c5")
     args = SimpleNamespace(fresh=False, export=None)
     again = run.merge_into(out, [newer], args)
-    assert [p["git_commit"] for p in again["parts"]] == ["c1", "c1", "c2", "c3", "c5"]
+    assert [p["git_commit"] for p in again["parts"]] == ["c1", "c1", "c2", "c2", "c3", "c5"]
 
 
 # --- 5. datasets ----------------------------------------------------------------------

@@ -111,6 +111,8 @@ def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
         assert rep["blocks_saved"] == rep["blocks_planned"] == full == 7 + 3
         assert rep["save_jobs_in_flight"] == 0 and rep["engine_restarts"] == 0
         assert (rep["engine_pid"] is None) == (path == "uva")
+        # Only the engine maps the host tier from its process: the uva tier is private.
+        assert wb.host.k.is_shared() == wb.host.v.is_shared() == (path == "engine")
         wb.release("a")
         wb.release("b")
         assert wb.blocks.used == 0 and wb.blocks.available == 40

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_psa.store.host_pool import register_host, unregister_host
+from sglang_psa.mem_cache.host_pool import register_host, unregister_host
 
 # __cuda_array_interface__ has no bfloat16: alias by an integer of the same width.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

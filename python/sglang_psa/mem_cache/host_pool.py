@@ -4,7 +4,7 @@
 block of one head is one contiguous run (8 KB for 32 x 128 bf16): the unit the
 gather kernel moves and the wave kernel reads through UVA. The memory is
 shared (a copy-engine process can map it) and, where CUDA exists, page-locked
-and registered so the GPU reads it at PCIe speed. A block id from `BlockPool`
+and registered so the GPU reads it at PCIe speed. A host block id (`writeback.HostBlocks`)
 names the same block in every layer and head.
 """
 
@@ -39,17 +39,26 @@ class HostKVPool:
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         pin: bool | None = None,
+        shared: bool = True,
     ):
+        """`shared`: in shared memory another process (the copy engine) maps, page-locked
+        in place; else private page-locked memory from CUDA's host allocator, allocated
+        once and not zeroed (no block is read before its save completes): no second
+        copy while it is made, and no `/dev/shm` limit on its size."""
         if num_blocks < 1:
             raise ValueError("the host pool needs at least one block (raise --psa-host-pool-gb)")
         self.layers, self.kv_heads, self.num_blocks = layers, kv_heads, num_blocks
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
         shape = (layers, kv_heads, num_blocks, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype).share_memory_()
-        self.v = torch.zeros(shape, dtype=dtype).share_memory_()
-        self.pinned = False
         if pin is None:
             pin = torch.cuda.is_available()
+        self.pinned = False
+        if not shared:
+            self.k = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            self.v = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            return
+        self.k = torch.zeros(shape, dtype=dtype).share_memory_()
+        self.v = torch.zeros(shape, dtype=dtype).share_memory_()
         if pin:
             self._register()
 

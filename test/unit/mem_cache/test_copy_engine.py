@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("zmq", reason="pyzmq is not installed here (pip install sglang-psa)")
 pytest.importorskip("orjson", reason="orjson is not installed here (pip install sglang-psa)")
 
-from sglang_psa.engine import CopyEngine, EngineDied, SaveJob  # noqa: E402
-from sglang_psa.store.host_pool import HostKVPool
+from sglang_psa.mem_cache.copy_engine import CopyEngine, EngineDied, SaveJob  # noqa: E402
+from sglang_psa.mem_cache.host_pool import HostKVPool
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +140,7 @@ def test_scatter_rows_runs_and_scattered_blocks_match_per_token_reference(thread
     where a per-token copy puts them."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from sglang_psa.engine.copy_engine import scatter_rows
+    from sglang_psa.mem_cache.copy_engine import scatter_rows
 
     g = torch.Generator().manual_seed(threads)
     L, H, N, bs, d = 2, 3, 40, 4, 5

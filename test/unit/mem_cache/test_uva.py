@@ -4,7 +4,7 @@ memory, and writes from either side are seen by the other."""
 import pytest
 import torch
 
-from sglang_psa.store.uva import HostResident, device_view
+from sglang_psa.mem_cache.uva import HostResident, device_view
 
 
 def test_on_a_cpu_device_the_view_is_the_host_tensor():

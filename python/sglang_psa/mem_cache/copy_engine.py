@@ -25,7 +25,7 @@ import orjson
 import torch
 import zmq
 
-from sglang_psa.store.host_pool import HostKVPool, register_host, unregister_host
+from sglang_psa.mem_cache.host_pool import HostKVPool, register_host, unregister_host
 
 
 class EngineDied(RuntimeError):
