@@ -190,23 +190,19 @@ def psa_counters(info: dict | None) -> dict | None:
 
 def counter_delta(before: dict | None, after: dict | None) -> dict:
     """KV fraction read (cumulative over the server's life, warm-up included), the HBM
-    hit rate over the timed window (the page cache's hits / (hits + host reads) at the
-    host home; at the tiered home the (layer, KV head, block) units decode read from HBM
-    over all units it read) and, with a host tier, what the write-back saved in the
-    window (blocks, bytes, engine restarts, jobs still unacknowledged at the end)."""
+    hit rate over the timed window (at the tiered home the (layer, KV head, block) units
+    decode read from HBM over all units it read) and, with a host tier, what the
+    write-back saved in the window (blocks, bytes, engine restarts, jobs still
+    unacknowledged at the end)."""
     a, b = psa_counters(after), psa_counters(before)
     if a is None:
         return {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
     hit = None
-    for key, hits_key, host_key in (
-        ("page_cache", "hits", "host_reads"),
-        ("residency", "units_read_hbm", "units_read_host"),
-    ):
-        ca, cb = a.get(key), (b or {}).get(key)
-        if ca and cb and hits_key in ca and hits_key in cb:
-            hits = ca[hits_key] - cb[hits_key]
-            host = ca[host_key] - cb[host_key]
-            hit = hits / (hits + host) if hits + host else None
+    ca, cb = a.get("residency"), (b or {}).get("residency")
+    if ca and cb:
+        hits = ca["units_read_hbm"] - cb["units_read_hbm"]
+        host = ca["units_read_host"] - cb["units_read_host"]
+        hit = hits / (hits + host) if hits + host else None
     out = {"kv_fraction_read": a.get("blocks_read_fraction"), "hbm_hit_rate": hit}
     wa, wb = a.get("writeback"), (b or {}).get("writeback")
     if wa and wb:
@@ -289,11 +285,14 @@ def _metric(run, *path):
     return run
 
 
+TIERED = ("psa_tiered_uva", "psa_tiered")  # sglang-psa with a host tier, default first
+
+
 def summarize(parts: list[dict]) -> dict:
     """The issue's summary keys; each ratio compares a system with plain SGLang measured in
     the same part (stage run), except `ttft_p99_ratio_host_vs_hbm`, which compares the two
-    sglang-psa homes (from one part when a stage ran both). A key whose systems were not
-    measured is None."""
+    sglang-psa homes, the tiered one and HBM only (from one part when a stage ran both). A
+    key whose systems were not measured is None."""
     best = latest_runs(parts)
     step = ("metrics", "steady_decode", "step_ms")
     tok_s = ("metrics", "output_tok_s")
@@ -303,8 +302,8 @@ def summarize(parts: list[dict]) -> dict:
         s[f"decode_step_ratio_{mode}_vs_plain"] = _ratio(_metric(run, *step), _metric(plain, *step))
     run, plain = _pair(best, "a", "psa")
     s["throughput_ratio_psa_vs_plain"] = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
-    # The host tier under capped HBM: the tiered store where it ran, else the host home.
-    for home in ("psa_tiered_uva", "psa_tiered", "psa_host"):
+    # The host tier under capped HBM: the tiered home, by its default write-back first.
+    for home in TIERED:
         run, plain = _pair(best, "b", home)
         ratio = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
         if ratio is not None:
@@ -313,7 +312,7 @@ def summarize(parts: list[dict]) -> dict:
     s["throughput_ratio_host_vs_plain_capped_system"] = home if ratio is not None else None
     for which in ("strict", "relaxed"):
         s[f"goodput_ratio_vs_plain_{which}"] = sweep_ratio(best, "psa", f"goodput_{which}")
-    host, _ = _pair(best, "a", "psa_host")
+    host = next((r for r in (_pair(best, "a", h)[0] for h in TIERED) if r), None)
     hbm, _ = _pair(best, "a", "psa")
     p99 = ("metrics", "ttft_s", "p99")
     s["ttft_p99_ratio_host_vs_hbm"] = _ratio(_metric(host, *p99), _metric(hbm, *p99))

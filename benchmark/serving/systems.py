@@ -100,14 +100,6 @@ SYSTEMS: dict[str, System] = {
             False,
             True,
         ),
-        System(
-            "psa_host",
-            "sglang-psa --sparse-mode psa --psa-kv-home host (KV in pinned host memory, "
-            "HBM page cache)",
-            ("--sparse-mode", "psa", "--psa-kv-home", "host"),
-            False,
-            False,
-        ),
     )
 }
 
@@ -133,11 +125,9 @@ def host_pool_gb(tokens: int, bytes_per_token: int) -> float:
 
 def cap_flags(system: System, cap: KVCap) -> list[str]:
     """Flags that give `system` the same HBM for KV as plain SGLang at `--max-total-tokens
-    cap.tokens`. sglang-psa with a host tier keeps block metadata in HBM for every
-    host-tier token: at host home the rest of that HBM is the page cache, at the tiered
-    home the KV pool (whose tokens carry metadata too)."""
-    home = next((h for h in ("host", "tiered") if h in system.flags), None)
-    if system.plain or home is None:
+    cap.tokens`. The tiered home keeps block metadata in HBM for every host-tier token;
+    the rest of that HBM is its KV pool (whose tokens carry metadata too)."""
+    if system.plain or "tiered" not in system.flags:
         return ["--max-total-tokens", str(cap.tokens)]
     pool_gb = host_pool_gb(cap.host_tokens, cap.bytes_per_token)
     pool_tokens = int(pool_gb * 2**30) // cap.bytes_per_token
@@ -147,10 +137,8 @@ def cap_flags(system: System, cap: KVCap) -> list[str]:
             f"capped HBM ({cap.hbm_bytes / 2**30:.2f} GiB) does not cover the block metadata "
             f"of {pool_tokens} host-tier tokens"
         )
-    if home == "tiered":
-        tokens = left // (cap.bytes_per_token + cap.metadata_bytes_per_token)
-        return ["--max-total-tokens", str(tokens), "--psa-host-pool-gb", f"{pool_gb:g}"]
-    return ["--psa-gpu-cache-gb", f"{left / 2**30:.4f}", "--psa-host-pool-gb", f"{pool_gb:g}"]
+    tokens = left // (cap.bytes_per_token + cap.metadata_bytes_per_token)
+    return ["--max-total-tokens", str(tokens), "--psa-host-pool-gb", f"{pool_gb:g}"]
 
 
 def launch_command(

@@ -91,7 +91,6 @@ WORKLOADS: dict[str, Workload] = {
                 "psa_eps1",
                 "psa_tiered",
                 "psa_tiered_uva",
-                "psa_host",
                 "plain_eager",
             ),
         ),
@@ -113,7 +112,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (28_000,),
             (1024,),
-            ("plain", "psa_tiered_uva", "psa_host", "plain_hicache"),
+            ("plain", "psa_tiered_uva", "plain_hicache"),
             kv_cap_requests=4,
         ),
         Workload(

@@ -15,7 +15,7 @@ from typing import Any
 SPARSE_MODES = ("none", "psa", "topk")
 STOP_RULES = ("heuristic", "certified")
 SCORE_METHODS = ("mean", "bound")
-KV_HOMES = ("hbm", "host", "tiered")
+KV_HOMES = ("hbm", "tiered")
 WRITEBACKS = ("engine", "uva")
 
 # Fields whose CLI flag is not simply `--psa-<field>`.
@@ -60,11 +60,11 @@ class PSAConfig:
     max_wave_blocks: int = 128
     topk_tokens: int = 2048
     # Tiered store.
-    # HBM for working sets: the page cache at host home, an admission cap at hbm home.
+    # HBM for working sets: an admission cap at hbm home.
     gpu_cache_gb: float | None = None
-    host_pool_gb: float = 32.0
-    # Where SGLang's KV pool lives: hbm; host (pinned, read via UVA); tiered (HBM, every
-    # full block written back to a host tier of host_pool_gb by the copy engine).
+    host_pool_gb: float = 32.0  # the tiered home's host tier
+    # Where the KV lives: hbm (SGLang's pool); tiered (that pool, and every full block
+    # written back to a pinned host tier of host_pool_gb; cold blocks leave HBM).
     kv_home: str = "hbm"
     # Tiered home: how blocks reach the host tier (engine: D2H copy + copy-engine scatter;
     # uva: a kernel writes them through unified addressing).

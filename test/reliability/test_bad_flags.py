@@ -36,7 +36,7 @@ INVALID = {
     "topk_tokens": ["16", "0"],
     "gpu_cache_gb": ["-1"],
     "host_pool_gb": ["0", "-4"],
-    "kv_home": ["disk", "HBM"],
+    "kv_home": ["disk", "HBM", "host"],  # host: the removed home
     "writeback": ["dma", "UVA"],
     "ws_window": ["0", "x"],
     "max_inject_tokens": ["0", "2.5"],

@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 CASES = [
     (["--mem-fraction-static", "0.97"], "--mem-fraction-static"),
     (["--psa-kv-home", "tiered", "--psa-host-pool-gb", "100000"], "--psa-host-pool-gb"),
-    (["--psa-kv-home", "host", "--psa-host-pool-gb", "100000"], "--psa-host-pool-gb"),
 ]
 OOM = ("out of memory", "OutOfMemoryError", "CUDA error")
 

@@ -22,9 +22,9 @@ called by the hook on SGLang's hybrid backend).
 
 The reference path (CPU without the interpreter) gathers each request's keys
 and runs `sglang_psa.algo`, the spec the kernels are tested against, eagerly.
-With `--psa-kv-home host` SGLang's pool lives in pinned host memory (seen
-through UVA, `integration/kv_pool.py`) and a `PageCache` in HBM holds hot full
-pages; that home runs eagerly (no decode graphs) until the tiered store replaces it.
+With `--psa-kv-home tiered` every full block is also written back to a host tier
+(`mem_cache.writeback`) and blocks whose HBM page was given back
+(`mem_cache.residency`) are read from there through UVA, in the same graphs.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
-from sglang_psa.config import PSAConfig, PSAConfigError, flag_name
+from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.integration import kv_pool
-from sglang_psa.integration.page_cache import PageCache
 from sglang_psa.integration.scheduling import PSAServing, current, install
 from sglang_psa.integration.server_args import config_of
 from sglang_psa.mem_cache.page_meta import PageMeta
@@ -50,12 +49,9 @@ from sglang_psa.mem_cache.working_sets import WorkingSets
 logger = logging.getLogger(__name__)
 
 
-def hbm_units(cfg: PSAConfig, pool, cache: PageCache | None = None) -> int:
-    """Slot-cache capacity in (layer, KV head, block) units: the page cache's when the
-    pool is on the host, else `--psa-gpu-cache-gb` when given, else SGLang's whole KV
-    pool (everything resident: no extra constraint)."""
-    if cache is not None:
-        return cache.S * pool.head_num
+def hbm_units(cfg: PSAConfig, pool) -> int:
+    """HBM capacity for working sets in (layer, KV head, block) units: `--psa-gpu-cache-gb`
+    when given, else SGLang's whole KV pool (everything resident: no extra constraint)."""
     unit_bytes = 2 * cfg.block_size * pool.head_dim * pool.dtype.itemsize
     if cfg.gpu_cache_gb is not None:
         return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
@@ -84,7 +80,7 @@ class _Batch:
 
     pages: torch.Tensor  # [B, NB] int32
     lengths: torch.Tensor  # [B] int32
-    loc: torch.Tensor | None = None  # [B, Hkv, NB] int32: a block's slot is its page
+    loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
     host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
     plan: WaveAttention | None = None
 
@@ -129,14 +125,18 @@ class PSAAttnBackend(AttentionBackend):
         bs = cfg.block_size
         # SGLang's pool rows are its tokens plus one padding page.
         num_pages = (pool.size + bs) // bs
-        self.cache = self._page_cache(cfg, pool, num_pages)
+        host_blocks = 0
+        if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
+            host_blocks = kv_pool.host_blocks(cfg, _kv_bytes_per_token(pool))
+            if host_blocks < 1:
+                raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         install(
             PSAServing(
                 cfg,
                 layers=pool.layer_num,
                 kv_heads=pool.head_num,
-                hbm_units=hbm_units(cfg, pool, self.cache),
-                host_tokens=kv_pool.host_blocks(cfg, _kv_bytes_per_token(pool)) * bs,
+                hbm_units=hbm_units(cfg, pool),
+                host_tokens=host_blocks * bs if cfg.kv_home == "tiered" else None,
             )
         )
         device = pool.k_buffer[0].device
@@ -151,11 +151,6 @@ class PSAAttnBackend(AttentionBackend):
         # Every `block_size`-th token slot of each request row: its pages, times bs.
         self._page_cols = req_to_token[:, ::bs]
         self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
-        host_blocks = 0
-        if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
-            host_blocks = kv_pool.host_blocks(cfg, _kv_bytes_per_token(pool))
-            if host_blocks < 1:
-                raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         try:
             self._allocate(cfg, pool, num_pages, bs, req_to_token, device, host_blocks)
         except torch.OutOfMemoryError as e:
@@ -173,7 +168,6 @@ class PSAAttnBackend(AttentionBackend):
         serving = current()
         serving.writeback = self.writeback
         serving.residency = self.residency
-        serving.page_cache = self.cache
         serving.measure = self.ws.read
         serving.read_fraction = self.read_fraction
         serving.read_counts = self.read_counts
@@ -266,39 +260,11 @@ class PSAAttnBackend(AttentionBackend):
             "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
         }
 
-    @staticmethod
-    def _page_cache(cfg: PSAConfig, pool, num_pages: int) -> PageCache | None:
-        """The HBM page cache over a host-resident pool, sized while SGLang sized its pool."""
-        if getattr(pool, "_psa_host", None) is None:
-            return None
-        page_elems = cfg.block_size * pool.head_num * pool.head_dim
-        slot_bytes = 2 * page_elems * pool.store_dtype.itemsize
-        if cfg.gpu_cache_gb is not None:
-            budget = int(cfg.gpu_cache_gb * 2**30)
-        else:  # what SGLang's KV budget left after the block metadata
-            budget = kv_pool.slot_cache_bytes()
-        slots = (budget or 0) // slot_bytes
-        if slots < 1:
-            logger.warning(
-                "sglang-psa: no HBM left for a page cache; every block is read from the "
-                "host through UVA (raise --mem-fraction-static or %s)",
-                flag_name("gpu_cache_gb"),
-            )
-            return None
-        return PageCache(
-            pool.layer_num,
-            num_pages,
-            page_elems,
-            pool.store_dtype,
-            slots,
-            pool.k_buffer[0].device,
-        )
-
     # -- graph state and per-step metadata ------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static page table and lengths for every batch SGLang captures (decode graphs;
-        `--psa-kv-home host` has none). Called again for no larger a batch, it keeps the
-        buffers the captured graphs read."""
+        """Static page table and lengths for every batch SGLang captures (decode graphs).
+        Called again for no larger a batch, it keeps the buffers the captured graphs
+        read."""
         if self._graph_pages is not None and max_bs <= self._graph_bs:
             return
         self._graph_bs = max_bs
@@ -308,11 +274,11 @@ class PSAAttnBackend(AttentionBackend):
 
     def _tables(self, n: int):
         """A step's tables for `n` requests: page table, lengths (1: SGLang's padding
-        value), every head's block table (unless the host home's page cache locates
-        blocks) and, at the tiered home, the rows' host locations."""
+        value), every head's block table and, at the tiered home, the rows' host
+        locations."""
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
-        loc = None if self.cache is not None else torch.zeros(n, Hkv, self.max_blocks, **kw)
+        loc = torch.zeros(n, Hkv, self.max_blocks, **kw)
         host = None if self.writeback is None else torch.zeros(n, self.max_blocks, **kw)
         return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host
 
@@ -320,7 +286,7 @@ class PSAAttnBackend(AttentionBackend):
         got = self._batches.get(B)
         if got is None:
             if B <= self._graph_bs:  # views of the tables the captured graphs read
-                loc = None if self._graph_loc is None else self._graph_loc[:B]
+                loc = self._graph_loc[:B]
                 host = None if self._graph_host is None else self._graph_host[:B]
                 got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc, host)
             else:  # eager only (larger than any captured batch, or graphs off)
@@ -360,10 +326,8 @@ class PSAAttnBackend(AttentionBackend):
             st.loc.copy_(where[:, None, :].expand_as(st.loc))
             # Metadata and stamps of an evicted block: the row of its host block.
             st.pages.copy_(torch.where(on_host, self.meta.page_rows - 1 - st.host, st.pages))
-        elif self.cache is None:  # the block table of every head, once per step
+        else:  # the block table of every head, once per step
             st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
-        else:
-            self.cache.next_step()
         self.ws.begin_step(rows, st.pages, st.lengths)
 
     def on_after_cuda_graph_warmup(self) -> None:
@@ -440,29 +404,19 @@ class PSAAttnBackend(AttentionBackend):
         lid -= self.first_layer  # index into this rank's layers (pipeline parallel)
         self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc)
         plan = self._plan(step, q, layer)
-        B, NB = step.pages.shape
         Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
         strides = (bs * Hkv * d, Hkv * d, d)
+        host_k = host_v = None  # slots are the pool's pages, for every head
         host_strides = strides
-        if self.writeback is not None:  # pages, or host-tier blocks through UVA
-            loc = step.loc
-            slots_k, slots_v = kbuf, vbuf
+        if self.writeback is not None:  # ... or host-tier blocks through UVA
             host_k, host_v = self.writeback.host.k[lid], self.writeback.host.v[lid]
             host_strides = self.writeback.host_strides()
-        elif self.cache is None:  # slots are the pool's pages, for every head
-            loc = step.loc
-            slots_k, slots_v, host_k, host_v = kbuf, vbuf, None, None
-        else:  # cached pages from HBM slots, the rest from the host pages through UVA
-            full = torch.arange(NB, device=q.device)[None, :] < (step.lengths // bs)[:, None]
-            page_loc = self.cache.locate(lid, step.pages.long(), full)
-            loc = page_loc[:, None, :].expand(B, Hkv, NB)
-            slots_k, slots_v, host_k, host_v = self.cache.k, self.cache.v, kbuf, vbuf
         mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via the table
         res = plan.run(
             q,
-            slots_k,
-            slots_v,
-            loc,
+            kbuf,
+            vbuf,
+            step.loc,
             step.lengths,
             mean,
             kmin,
@@ -478,9 +432,6 @@ class PSAAttnBackend(AttentionBackend):
             step=self.ws.step,
             stats=self.stats[lid],
         )
-        if self.cache is not None:
-            read = res.read_mask()
-            self.cache.admit(lid, step.pages.long(), read.any(1), full, page_loc, kbuf, vbuf)
         return res.out
 
     def _decode_reference(self, q, layer, forward_batch):

@@ -41,14 +41,12 @@ _HELP = {
     "wave_growth": "growth factor of successive waves",
     "max_wave_blocks": "largest wave",
     "topk_tokens": "topk mode: tokens attended per step",
-    "gpu_cache_gb": "GiB of HBM for working sets: with --psa-kv-home host the page cache "
-    "over the host pool (default: the KV budget left after block metadata); with hbm a cap "
-    "on the working sets admitted together (default: SGLang's whole KV pool)",
-    "host_pool_gb": "pinned host memory in GiB for KV: the whole pool with --psa-kv-home "
-    "host, the host tier with tiered (a request needing more is refused)",
-    "kv_home": "where SGLang's KV pool lives: hbm (GPU memory); host (pinned host memory "
-    "of --psa-host-pool-gb that the GPU reads through unified addressing; HBM keeps only "
-    "the block metadata); tiered (GPU memory, and every full block is also written back "
+    "gpu_cache_gb": "GiB of HBM for working sets with --psa-kv-home hbm: a cap on the "
+    "working sets admitted together (default: SGLang's whole KV pool)",
+    "host_pool_gb": "pinned host memory in GiB for the host tier of --psa-kv-home tiered "
+    "(a request needing more is refused)",
+    "kv_home": "where the KV lives: hbm (SGLang's pool in GPU memory); tiered (GPU "
+    "memory, and every full block is also written back "
     "to a host tier of --psa-host-pool-gb (see --psa-writeback); saved blocks leave HBM "
     "when it runs short; prefix caching is off)",
     "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: uva "

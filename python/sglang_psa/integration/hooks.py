@@ -122,21 +122,14 @@ HOOKS: tuple[Hook, ...] = (
         "after",
         "kv_pool:after_compute_cell_size",
         ("self", "kvc", "num_layers"),
-        "count the per-page block metadata in SGLang's HBM budget (only it, KV on the host)",
+        "count the per-page block metadata in SGLang's HBM budget",
     ),
     Hook(
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
         "after",
         "kv_pool:after_calculate_pool_sizes",
         ("self", "available_bytes", "page_size"),
-        "--psa-kv-home host: the token budget is the host pool's",
-    ),
-    Hook(
-        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
-        "around",
-        "kv_pool:around_create_buffers_normal",
-        ("self",),
-        "--psa-kv-home host: K/V buffers in pinned host memory, seen through UVA",
+        "--psa-kv-home tiered: the token budget leaves HBM for the host blocks' metadata",
     ),
     Hook(
         "sglang.srt.layers.attention.hybrid_attn_backend.HybridAttnBackend.forward",
@@ -151,20 +144,6 @@ HOOKS: tuple[Hook, ...] = (
         "scheduling:after_get_internal_state",
         ("self", "recv_req"),
         "server info reports PSA's admission counters and KV pages held",
-    ),
-    *(
-        Hook(
-            f"sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.{name}",
-            "after",
-            "scheduling:after_alloc",
-            params,
-            "pages handed out again get new keys: the HBM page cache drops its copies",
-        )
-        for name, params in (
-            ("alloc", ("self", "need_size")),
-            ("alloc_extend", ("self", "prefix_lens", "prefix_lens_cpu", "seq_lens")),
-            ("alloc_decode", ("self", "seq_lens", "seq_lens_cpu", "last_loc")),
-        )
     ),
 )
 

@@ -23,7 +23,6 @@ cover KV token usage, queue lengths and latencies.
 | `blocks_evicted`, `evictions_total` | tiered home: saved blocks whose HBM page was given back (read from the host tier), now and ever |
 | `promotions_total` | tiered home: evicted blocks brought back into HBM because decode read them |
 | `units_read_hbm_total`, `units_read_host_total` | tiered home: (layer, KV head, block) units decode read from HBM and from the host tier (the HBM hit rate) |
-| `page_cache_hits_total`, `host_reads_total`, `pcie_read_bytes_total` | `--psa-kv-home host`: block reads served by the HBM page cache, reads across PCIe, and the bytes those and the cache's admissions moved (at most: a read counts its whole page) |
 """
 
 from __future__ import annotations
@@ -52,10 +51,6 @@ GAUGES = {
     "promotions_total": "tiered home: evicted blocks brought back into HBM, ever",
     "units_read_hbm_total": "tiered home: (layer, KV head, block) units decode read from HBM",
     "units_read_host_total": "tiered home: units decode read from the host tier",
-    "page_cache_hits_total": "host home: decode block reads served by the HBM page cache",
-    "host_reads_total": "host home: decode block reads across PCIe (UVA)",
-    "pcie_read_bytes_total": "host home: bytes read across PCIe by decode and cache admissions "
-    "(at most: a read counts its whole page)",
 }
 PREFIX = "sglang_psa:"
 

@@ -38,14 +38,18 @@ from sglang_psa.sched.working_set import always_attended_units
 
 class PSAServing:
     def __init__(
-        self, cfg: PSAConfig, layers: int, kv_heads: int, hbm_units: int, host_tokens: int
+        self,
+        cfg: PSAConfig,
+        layers: int,
+        kv_heads: int,
+        hbm_units: int,
+        host_tokens: int | None = None,
     ):
+        """`host_tokens`: what the tiered home's host tier holds (None: no host tier)."""
         self.cfg = cfg
         self.layer_heads = layers * kv_heads
         self.host_tokens = host_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
-        self.page_cache = None  # the backend's PageCache (pool on the host), invalidated
-        # by the allocator hook
         # The backend's working sets by request-table row, as the GPU last published them
         # (host memory, read without a sync): (sizes, lengths measured at).
         self.measure: Callable[[], tuple[Any, Any]] | None = None
@@ -60,10 +64,9 @@ class PSAServing:
 
     @property
     def gates_by_working_set(self) -> bool:
-        """With the KV pool in HBM only, blocks outside the slot cache cannot be read, so
-        working sets bound admission and force retraction. With a host copy of the KV
-        (`--psa-kv-home host` or `tiered`) a working set beyond HBM is read across PCIe,
-        so nothing waits or is retracted for it (SGLang's own token budget still
+        """With the KV in HBM only, working sets bound admission and force retraction.
+        At the tiered home a working set beyond HBM is read from the host tier across
+        PCIe, so nothing waits or is retracted for it (SGLang's own token budget still
         applies)."""
         return self.cfg.kv_home == "hbm"
 
@@ -78,9 +81,9 @@ class PSAServing:
 
     def reject_reason(self, prompt_tokens: int, max_new_tokens: int | None) -> str | None:
         need = prompt_tokens + (max_new_tokens or 0)
-        if need > self.host_tokens:
+        if self.host_tokens is not None and need > self.host_tokens:
             return (
-                f"the request needs KV for {need} tokens but the host KV pool holds "
+                f"the request needs KV for {need} tokens but the host tier holds "
                 f"{self.host_tokens} ({flag_name('host_pool_gb')} {self.cfg.host_pool_gb:g}); "
                 "send a shorter request or raise the flag"
             )
@@ -176,7 +179,6 @@ class PSAServing:
             "admission_deferrals_total": self.deferrals,
             **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
             **(_residency_metrics(self.residency.report()) if self.residency else {}),
-            **(_page_cache_metrics(self.page_cache) if self.page_cache is not None else {}),
         }
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
@@ -207,15 +209,6 @@ class PSAServing:
             ctl.pause(rid)
         elif rid in ctl.running or rid in ctl.paused:
             ctl.finish(rid)
-
-
-def _page_cache_metrics(cache) -> dict[str, int]:
-    c = cache.read_counters()
-    return {
-        "page_cache_hits_total": c["hbm_hits"],
-        "host_reads_total": c["host_reads"],
-        "pcie_read_bytes_total": c["pcie_read_bytes"],
-    }
 
 
 def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
@@ -353,15 +346,6 @@ def after_release_kv_cache(result, req, tree_cache, is_insert=True):
     return result
 
 
-def after_alloc(result, allocator, *args, **kwargs):
-    """Pages handed out again get new keys: the HBM page cache (pool on the host) drops
-    its copies. (Block metadata needs nothing: it is rewritten where keys are written.)"""
-    serving = current()
-    if serving is not None and serving.page_cache is not None and result is not None:
-        serving.page_cache.invalidate(result.long() // serving.cfg.block_size)
-    return result
-
-
 def after_get_internal_state(result, scheduler, recv_req):
     """`/get_server_info` (and `Engine.get_server_info()`) report PSA's counters, and the KV
     pages neither free nor held by the prefix cache: what the leak tests read."""
@@ -395,8 +379,6 @@ def after_get_internal_state(result, scheduler, recv_req):
         **_memory_bytes(),
         "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
         "kv_home": serving.cfg.kv_home,
-        # Hits, host reads, admissions of the HBM page cache (pool on the host), else None.
-        "page_cache": serving.page_cache.stats() if serving.page_cache is not None else None,
         # Write-back to the host tier (--psa-kv-home tiered), else None.
         "writeback": serving.writeback.report() if serving.writeback is not None else None,
         # Blocks whose HBM pages were given back (tiered home), else None.
@@ -445,15 +427,6 @@ def after_validate_input_length(result, req, max_req_input_len, allow_auto_trunc
     if serving is None:
         return result
     if result is not None:
-        # At host home SGLang's token budget is the host pool; when that (not the model's
-        # context) set SGLang's limit, say which flag raises it.
-        pool_binds = serving.host_tokens <= max_req_input_len + serving.cfg.block_size
-        if serving.cfg.kv_home != "host" or not pool_binds:
-            return result
-        return (
-            f"{result} (with {flag_name('kv_home')} host the KV pool is "
-            f"{flag_name('host_pool_gb')} {serving.cfg.host_pool_gb:g}, "
-            f"{serving.host_tokens} tokens: raise it for longer requests)"
-        )
+        return result
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
     return serving.reject_reason(len(req.origin_input_ids), max_new)

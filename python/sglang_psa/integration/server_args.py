@@ -81,15 +81,6 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
             f"sets the decode attention backend to {BACKEND!r}; "
             f"--decode-attention-backend {decode} conflicts",
         )
-    if cfg.kv_home == "host":  # the page cache's admission runs eagerly per layer
-        name = "cuda_graph_backend_decode"
-        if fields.get(name) not in (None, "disabled"):
-            raise PSAConfigError(
-                "kv_home",
-                f"host decodes without CUDA graphs; --cuda-graph-backend-decode {fields[name]} "
-                "conflicts",
-            )
-        fields[name] = "disabled"
     prefill = (
         fields.get("prefill_attention_backend")
         or fields.get("attention_backend")
@@ -99,8 +90,14 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError(
             "sparse_mode", "prefill is dense: choose a dense --prefill-attention-backend"
         )
-    if cfg.kv_home == "host":
-        _check_host_home(fields)
+    if cfg.kv_home == "tiered" and os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in (
+        "1",
+        "true",
+        "yes",
+    ):
+        raise PSAConfigError(
+            "kv_home", "tiered copies SGLang's token-major KV pages; unset SGLANG_USE_HND_KVCACHE"
+        )
     if cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
         # A request's blocks give their HBM pages back when HBM runs short; a page the
         # prefix tree shares is not one request's to give. Prefix caching is off here.
@@ -116,25 +113,6 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         prefill_attention_backend=prefill,
         attention_backend=prefill,
     )
-
-
-def _check_host_home(fields: dict[str, Any]) -> None:
-    """The host-resident pool replaces SGLang's plain (unquantized, token-major) K/V buffers;
-    other layouts would silently stay in HBM, so they are refused."""
-    dtype = fields.get("kv_cache_dtype")
-    if dtype not in (None, "auto", "bfloat16", "bf16", "float16", "fp16"):
-        raise PSAConfigError(
-            "kv_home",
-            f"host keeps SGLang's unquantized KV layout; --kv-cache-dtype {dtype} conflicts",
-        )
-    if fields.get("enable_memory_saver"):
-        raise PSAConfigError(
-            "kv_home", "host: the KV pool is not GPU memory; --enable-memory-saver conflicts"
-        )
-    if os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in ("1", "true", "yes"):
-        raise PSAConfigError(
-            "kv_home", "host keeps SGLang's token-major KV layout; unset SGLANG_USE_HND_KVCACHE"
-        )
 
 
 def _pop_psa_kwargs(kwargs: dict[str, Any]) -> PSAConfig | None:

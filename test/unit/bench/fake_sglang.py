@@ -132,7 +132,10 @@ def main() -> None:
         if args.sparse_mode:
             internal["psa"] = {
                 "blocks_read_fraction": 0.25,
-                "page_cache": {"hits": 3 * state["reads"], "host_reads": state["reads"]},
+                "residency": {
+                    "units_read_hbm": 3 * state["reads"],
+                    "units_read_host": state["reads"],
+                },
             }
         return web.json_response(
             {

@@ -134,20 +134,14 @@ def test_identical_fraction_matches_by_prompt_length():
 
 
 def test_counter_delta():
-    def info(hits, host, frac=0.3):
-        pc = {"hits": hits, "host_reads": host}
-        return {"internal_states": [{"psa": {"blocks_read_fraction": frac, "page_cache": pc}}]}
-
-    d = analysis.counter_delta(info(100, 50, 0.2), info(400, 150, 0.3))
-    assert d == {"kv_fraction_read": 0.3, "hbm_hit_rate": pytest.approx(0.75)}
-    assert analysis.counter_delta(info(5, 5), info(5, 5))["hbm_hit_rate"] is None
-    assert analysis.counter_delta(None, info(5, 5))["hbm_hit_rate"] is None
-
-    def tiered(hbm, host):
+    def tiered(hbm, host, frac=0.1):
         res = {"evictions": 0, "units_read_hbm": hbm, "units_read_host": host}
-        return {"internal_states": [{"psa": {"blocks_read_fraction": 0.1, "residency": res}}]}
+        return {"internal_states": [{"psa": {"blocks_read_fraction": frac, "residency": res}}]}
 
-    assert analysis.counter_delta(tiered(10, 0), tiered(70, 20))["hbm_hit_rate"] == 0.75
+    d = analysis.counter_delta(tiered(10, 0, 0.2), tiered(70, 20, 0.3))
+    assert d == {"kv_fraction_read": 0.3, "hbm_hit_rate": 0.75}  # (70-10) / (60 + 20)
+    assert analysis.counter_delta(tiered(5, 5), tiered(5, 5))["hbm_hit_rate"] is None
+    assert analysis.counter_delta(None, tiered(5, 5))["hbm_hit_rate"] is None
     plain = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
     assert analysis.counter_delta(plain, plain) == {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
 
@@ -233,7 +227,7 @@ def _parts():
             plain=_rec(10, 100, correct=(True, True, False, True)),
             psa=_rec(5, 150, p99=2.0, correct=(True, False, False, None)),
         ),
-        _part("a", "03-01", "c2", plain=_rec(20, 1), topk=_rec(4, 1), psa_host=_rec(p99=3.0)),
+        _part("a", "03-01", "c2", plain=_rec(20, 1), topk=_rec(4, 1), psa_tiered_uva=_rec(p99=3.0)),
         # random weights: speed and capacity only, its answers are never scored
         _part(
             "e",
@@ -411,25 +405,18 @@ def test_cap_flags():
     S = systems.SYSTEMS
     for name in ("plain", "plain_hicache", "psa"):
         assert systems.cap_flags(S[name], CAP) == ["--max-total-tokens", str(CAP.tokens)]
-    flags = systems.cap_flags(S["psa_host"], CAP)
-    assert flags[0::2] == ["--psa-gpu-cache-gb", "--psa-host-pool-gb"]
+    # The tiered home: a KV pool of the same HBM less the host tier's metadata.
+    flags = systems.cap_flags(S["psa_tiered"], CAP)
+    assert flags[0::2] == ["--max-total-tokens", "--psa-host-pool-gb"]
     pool_gb = float(flags[3])
-    assert CAP.host_tokens * CAP.bytes_per_token <= pool_gb * 2**30  # the host pool holds all
+    assert CAP.host_tokens * CAP.bytes_per_token <= pool_gb * 2**30  # the host tier holds all
     assert pool_gb * 2**30 <= CAP.host_tokens * CAP.bytes_per_token + 1.25 * 2**30
     pool_tokens = int(pool_gb * 2**30) // CAP.bytes_per_token
     cache = CAP.tokens * CAP.bytes_per_token - pool_tokens * CAP.metadata_bytes_per_token
-    assert float(flags[1]) == pytest.approx(cache / 2**30, abs=1e-4)
-    assert 0 < float(flags[1]) < CAP.hbm_bytes / 2**30
-    tight = systems.KVCap(1000, 12_288, 96, 10**6)  # 11.7 MiB of HBM, ~94 MiB of metadata
-    with pytest.raises(ValueError, match="block metadata"):
-        systems.cap_flags(S["psa_host"], tight)
-    # The tiered home: a KV pool of the same HBM less the host tier's metadata.
-    flags = systems.cap_flags(S["psa_tiered"], CAP)
-    assert flags[0::2] == ["--max-total-tokens", "--psa-host-pool-gb"] and flags[3] == str(pool_gb)
     per = CAP.bytes_per_token + CAP.metadata_bytes_per_token
     assert int(flags[1]) == cache // per and int(flags[1]) < CAP.tokens
     with pytest.raises(ValueError, match="block metadata"):
-        systems.cap_flags(S["psa_tiered_uva"], tight)
+        systems.cap_flags(S["psa_tiered_uva"], systems.KVCap(1000, 12_288, 96, 10**6))
 
 
 def test_launch_command():
@@ -449,10 +436,10 @@ def test_launch_command():
         "--cuda-graph-backend-decode",
         "disabled",
     ]
-    for name in ("psa", "topk", "psa_eps1", "psa_host"):
+    for name in ("psa", "topk", "psa_eps1", "psa_tiered_uva", "topk_tiered"):
         c = cmd(name, load_format="dummy")
-        # sglang-psa decodes in graphs captured up to the same batch (not at host home)
-        assert ("--cuda-graph-max-bs-decode" in c) == (name != "psa_host")
+        # sglang-psa decodes in graphs captured up to the same batch, at every KV home
+        assert "--cuda-graph-max-bs-decode" in c
         assert "--sparse-mode" in c and c[c.index("--load-format") + 1] == "dummy"
     assert cmd("psa_eps1")[-2:] == ["--psa-threshold", "1.0"]
     fake = cmd("psa", launcher=["/py", "fake.py"])

@@ -1,6 +1,5 @@
 """Sizing SGLang's KV pool under --sparse-mode: block metadata is counted in the HBM
-budget; with --psa-kv-home host only the metadata is, and the token budget is what
---psa-host-pool-gb holds."""
+budget; at the tiered home the host blocks' metadata rows come out of it too."""
 
 from __future__ import annotations
 
@@ -50,41 +49,6 @@ def test_hbm_budget_counts_block_metadata():
     )
     mla = SimpleNamespace(kv_cache_dtype=torch.bfloat16, use_mla_backend=True)
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, mla, 24) == PER_TOKEN
-
-
-def test_host_home_budgets_hbm_for_metadata_and_tokens_for_the_host_pool():
-    conf = SimpleNamespace()
-    flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5, score="mean"))
-    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
-    assert conf._cell_size == 192
-    host_tokens = (2**29 // PER_TOKEN) // 32 * 32  # 43680
-    # HBM for metadata of far more tokens than the host pool holds: the host pool decides,
-    # and the HBM the metadata leaves over is the page cache.
-    avail = 10**7 * 192
-    got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, avail, 32)
-    assert got.max_total_num_tokens == host_tokens
-    assert kv_pool.slot_cache_bytes() == avail - host_tokens * 192
-    # Metadata HBM for fewer tokens than the host pool: HBM decides, no page cache left.
-    got = kv_pool.after_calculate_pool_sizes(PoolConfig(4096), conf, 4096 * 192, 32)
-    assert got.max_total_num_tokens == 4096 and kv_pool.slot_cache_bytes() == 0
-
-
-def test_gpu_cache_gb_takes_its_share_and_too_much_names_the_flag():
-    conf = SimpleNamespace()
-    flags.export(PSAConfig(kv_home="host", host_pool_gb=0.5, gpu_cache_gb=0.25))
-    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
-    kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 2**31, 32)
-    assert kv_pool.slot_cache_bytes() == 2**28
-    with pytest.raises(ValueError, match="--psa-gpu-cache-gb"):
-        kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 2**27, 32)
-
-
-def test_a_host_pool_too_small_for_one_page_names_the_flag():
-    conf = SimpleNamespace()
-    flags.export(PSAConfig(kv_home="host", host_pool_gb=1e-6))
-    conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
-    with pytest.raises(ValueError, match="--psa-host-pool-gb"):
-        kv_pool.after_calculate_pool_sizes(PoolConfig(10**7), conf, 0, 32)
 
 
 def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_flag():

@@ -25,9 +25,9 @@ def serving(monkeypatch):
     if AddReqResult is None:
         fake = SimpleNamespace(AddReqResult=Enum("AddReqResult", "CONTINUE NO_TOKEN OTHER"))
         monkeypatch.setitem(__import__("sys").modules, "sglang.srt.managers.schedule_policy", fake)
-    cfg = PSAConfig(ws_window=2, host_pool_gb=1.0)
-    # 2 layers x 2 KV heads = 4 units per block; capacity 100 units; host pool 4096 tokens.
-    s = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100, host_tokens=4096)
+    cfg = PSAConfig(ws_window=2)
+    # 2 layers x 2 KV heads = 4 units per block; capacity 100 units; KV in HBM only.
+    s = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100)
     scheduling.install(s)
     yield s
     scheduling.install(None)
@@ -131,12 +131,12 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert scheduling.around_check_decode_mem(lambda *a: False, batch) is False
 
 
-def test_host_home_neither_holds_back_nor_retracts_for_working_sets(serving):
-    """With the KV pool on the host, working sets beyond the page cache are read across
-    PCIe: requests are tracked but none waits or is retracted for them (on the H100 the
-    gate retracted a lone request and SGLang aborted it as out of memory)."""
+def test_tiered_home_neither_holds_back_nor_retracts_for_working_sets(serving):
+    """With a host tier, working sets beyond HBM are read across PCIe: requests are
+    tracked but none waits or is retracted for them (on the H100 the gate retracted a
+    lone request and SGLang aborted it as out of memory)."""
     host = PSAServing(
-        PSAConfig(ws_window=2, kv_home="host"),
+        PSAConfig(ws_window=2, kv_home="tiered"),
         layers=2,
         kv_heads=2,
         hbm_units=100,
@@ -161,30 +161,21 @@ def test_host_home_neither_holds_back_nor_retracts_for_working_sets(serving):
 
 
 def test_requests_too_large_are_refused_naming_the_flag(serving):
-    too_long = _req("x", 4090)  # + 16 new tokens > 4096 host-pool tokens
-    msg = scheduling.after_validate_input_length(None, too_long, 10**6, False)
-    assert "--psa-host-pool-gb" in msg and "4106" in msg
     ok = _req("y", 1000)
     assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
-    small_cache = PSAServing(PSAConfig(), layers=2, kv_heads=2, hbm_units=10, host_tokens=1 << 20)
+    small_cache = PSAServing(PSAConfig(), layers=2, kv_heads=2, hbm_units=10)
     scheduling.install(small_cache)
     msg = scheduling.after_validate_input_length(None, ok, 10**6, False)
     assert "--psa-gpu-cache-gb" in msg
-    # KV on the host: blocks beyond the page cache are read across PCIe, so it is served.
-    host = PSAConfig(kv_home="host")
-    scheduling.install(PSAServing(host, layers=2, kv_heads=2, hbm_units=10, host_tokens=1 << 20))
+    # Tiered home: blocks beyond HBM are read from the host tier, so it is served; a
+    # request longer than the host tier holds is refused naming its flag.
+    tiered = PSAConfig(kv_home="tiered", host_pool_gb=1.0)
+    scheduling.install(PSAServing(tiered, layers=2, kv_heads=2, hbm_units=10, host_tokens=4096))
     assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
-    assert "--psa-host-pool-gb" in scheduling.after_validate_input_length(
-        None, _req("z", 1 << 20), 10**6, False
-    )
-    # With the pool on the host, SGLang's own length limit can be the host pool: its message
-    # then gains the flag that sets it (SGLang allowed 5242 of a 5248-token pool on the H100).
-    msg = scheduling.after_validate_input_length("too long", ok, (1 << 20) - 6, False)
-    assert msg.startswith("too long") and "--psa-host-pool-gb" in msg, msg
-    # ... but not when the model's context length set the limit.
-    assert scheduling.after_validate_input_length("too long", ok, 8192, False) == "too long"
-    # At HBM home SGLang's own error message stands as it is.
-    scheduling.install(small_cache)
+    too_long = _req("x", 4090)  # + 16 new tokens > 4096 host-tier tokens
+    msg = scheduling.after_validate_input_length(None, too_long, 10**6, False)
+    assert "--psa-host-pool-gb" in msg and "4106" in msg
+    # SGLang's own error message stands as it is.
     assert scheduling.after_validate_input_length("too long", ok, 10, False) == "too long"
 
 

@@ -79,13 +79,14 @@ sa = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
 eng = ServerArgs(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
                  attention_backend="torch_native")
 plain = prepare_server_args(["--model-path", "dummy"])
-host = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
-                            "--psa-kv-home", "host"])
+tiered = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
+                              "--psa-kv-home", "tiered"])
 graphs = lambda a: [a.cuda_graph_backend_decode, a.cuda_graph_backend_prefill]
 print(json.dumps({
     "cli": [sa.page_size, sa.decode_attention_backend, sa.prefill_attention_backend,
             sa._psa_config.threshold, sa._psa_config.ws_window, sa.chunked_prefill_size],
-    "graphs": {"psa": graphs(sa), "plain": graphs(plain), "host": graphs(host)},
+    "graphs": {"psa": graphs(sa), "plain": graphs(plain), "tiered": graphs(tiered)},
+    "radix_off": [bool(sa.disable_radix_cache), bool(tiered.disable_radix_cache)],
     "engine": [eng.page_size, eng.decode_attention_backend, eng.prefill_attention_backend,
                eng._psa_config.sparse_mode, eng._psa_config.topk_tokens],
     "plain": fields(plain), "plain_has_cfg": hasattr(plain, "_psa_config"),
@@ -93,15 +94,9 @@ print(json.dumps({
         "spec": err(["--sparse-mode", "psa", "--speculative-algorithm", "EAGLE"]),
         "mixed": err(["--sparse-mode", "psa", "--enable-mixed-chunk"]),
         "page": err(["--sparse-mode", "psa", "--page-size", "16"]),
-        "graph": err(["--sparse-mode", "psa", "--psa-kv-home", "host",
-                      "--cuda-graph-backend-decode", "full"]),
         "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
         "knob_alone": err(["--psa-threshold", "0.9"]),
-        "host_fp8": err(["--sparse-mode", "psa", "--psa-kv-home", "host",
-                         "--kv-cache-dtype", "fp8_e4m3"]),
-        "host_saver": err(["--sparse-mode", "psa", "--psa-kv-home", "host",
-                           "--enable-memory-saver"]),
     },
 }))
 """
@@ -117,12 +112,13 @@ def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
     assert scenarios["engine"] == [32, "psa", "torch_native", "topk", 1024]
 
 
-def test_cuda_graphs_stay_sglangs_except_decode_at_host_home(scenarios):
-    """The plugin leaves SGLang's per-phase graph choices alone (SGLang resolves its
-    defaults later: decode graphs on a GPU), except decode at host home."""
+def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(scenarios):
+    """The plugin leaves SGLang's per-phase graph choices alone at every KV home (SGLang
+    resolves its defaults later: decode graphs on a GPU). The tiered home gives pages
+    back one request at a time, so prefix caching (shared pages) is off there only."""
     graphs = scenarios["graphs"]
-    assert graphs["psa"] == graphs["plain"] == [None, None]
-    assert graphs["host"] == ["disabled", None]
+    assert graphs["psa"] == graphs["plain"] == graphs["tiered"] == [None, None]
+    assert scenarios["radix_off"] == [False, True]
 
 
 @pytest.mark.parametrize(
@@ -131,12 +127,9 @@ def test_cuda_graphs_stay_sglangs_except_decode_at_host_home(scenarios):
         ("spec", ["--sparse-mode", "--speculative-algorithm"]),
         ("mixed", ["--sparse-mode", "--enable-mixed-chunk"]),
         ("page", ["--psa-block-size", "--page-size 16"]),
-        ("graph", ["--psa-kv-home", "--cuda-graph-backend-decode full"]),
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),
         ("knob_alone", ["--sparse-mode", "--psa-threshold"]),
-        ("host_fp8", ["--psa-kv-home", "--kv-cache-dtype fp8_e4m3"]),
-        ("host_saver", ["--psa-kv-home", "--enable-memory-saver"]),
     ],
 )
 def test_incompatible_or_invalid_flags_fail_naming_them(scenarios, case, flags):
@@ -185,56 +178,6 @@ def test_launch_server_help_lists_the_flags():
     ):
         assert flag in out.stdout, flag
     assert "psa" in out.stdout.split("--attention-backend")[1][:2000]  # a backend choice
-
-
-POOL = """
-import json, torch
-from sglang.srt.plugins import load_plugins
-load_plugins()
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang_psa.config import PSAConfig
-from sglang_psa.integration import flags
-
-def pool():
-    return MHATokenToKVPool(256, 32, torch.bfloat16, 2, 16, 3, DEVICE, False,
-                            enable_alt_stream=False)
-
-flags.export(PSAConfig(kv_home="hbm"))
-hbm = pool()
-flags.export(PSAConfig(kv_home="host"))
-before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-host = pool()
-grew = (torch.cuda.memory_allocated() - before) if DEVICE == "cuda" else 0
-loc = torch.tensor([5, 40, 100], device=DEVICE)
-k = torch.randn(3, 2, 16, device=DEVICE).bfloat16()
-host.set_kv_buffer(None, loc, k, 2 * k, layer_id_override=1)
-h = host._psa_host[0].host  # the host memory behind layer 1's K
-print(json.dumps({
-    "hbm_has_host": hasattr(hbm, "_psa_host"),
-    "shapes": [list(t.shape) for t in hbm.k_buffer] == [list(t.shape) for t in host.k_buffer],
-    "devices": sorted({str(t.device.type) for t in host.k_buffer + host.v_buffer}),
-    "host_sees_write": bool(torch.equal(h[1][loc.cpu()], k.cpu())),
-    "v_ok": bool(torch.equal(host.get_value_buffer(1)[loc].cpu(), (2 * k).cpu())),
-    "hbm_grew": grew,
-    "hbm_kv_bytes": sum(t.numel() * t.element_size() for t in hbm.k_buffer + hbm.v_buffer),
-}))
-"""
-
-
-def test_host_home_puts_sglangs_pool_in_host_memory():
-    """With --psa-kv-home host, SGLang's own pool (built after load_plugins) gets its K/V
-    buffers from host memory; SGLang's store path writes into it. On a GPU the buffers
-    are CUDA tensors through UVA and take no GPU memory."""
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    got = _run(POOL.replace("DEVICE", repr(device)))
-    assert not got["hbm_has_host"] and got["shapes"]
-    assert got["devices"] == [device]
-    assert got["host_sees_write"] and got["v_ok"]
-    # SGLang's pool keeps a few small bookkeeping tensors in HBM (2 KiB on the H100); the
-    # K/V buffers themselves must take none of it.
-    assert got["hbm_grew"] < got["hbm_kv_bytes"] / 16, got
 
 
 def test_launch_server_with_a_bad_flag_prints_one_error_line_and_starts_nothing():
