@@ -348,7 +348,7 @@ def kv_bytes(model_dir: Path) -> tuple[int, int]:
     import torch
 
     from sglang_psa.config import PSAConfig
-    from sglang_psa.integration.kv_pool import metadata_bytes_per_token
+    from sglang_psa.mem_cache.kv_budget import metadata_bytes_per_token
     from sglang_psa.models import kv_bytes_per_token
 
     kv = kv_bytes_per_token(model_dir)

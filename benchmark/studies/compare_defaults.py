@@ -26,8 +26,8 @@ from sglang_psa.eval.runner import evaluate, policy_summary
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
-from sglang_psa.integration.flags import add_psa_args, config_from_namespace
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
+from sglang_psa.plugin.flags import add_psa_args, config_from_namespace
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 POLICIES = {

@@ -39,12 +39,11 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.config import PSAConfig, PSAConfigError
-from sglang_psa.integration import kv_pool
-from sglang_psa.integration.scheduling import PSAServing, current, install
-from sglang_psa.integration.server_args import config_of
+from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.page_meta import PageMeta
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.mem_cache.working_sets import WorkingSets
+from sglang_psa.sched.serving import PSAServing, current, install
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class _Batch:
 class PSAAttnBackend(AttentionBackend):
     def __init__(self, model_runner, cfg: PSAConfig | None = None, use_kernel: bool | None = None):
         super().__init__()
-        cfg = cfg or config_of(model_runner.server_args)
+        cfg = cfg or getattr(model_runner.server_args, "_psa_config", None)
         if cfg is None:
             raise PSAConfigError(
                 "sparse_mode",
@@ -127,7 +126,7 @@ class PSAAttnBackend(AttentionBackend):
         num_pages = (pool.size + bs) // bs
         host_blocks = 0
         if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
-            host_blocks = kv_pool.host_blocks(cfg, _kv_bytes_per_token(pool))
+            host_blocks = kv_budget.host_blocks(cfg, _kv_bytes_per_token(pool))
             if host_blocks < 1:
                 raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         install(
@@ -173,7 +172,7 @@ class PSAAttnBackend(AttentionBackend):
         serving.read_counts = self.read_counts
         serving.hbm_bytes = self.hbm_bytes
         if getattr(model_runner.server_args, "enable_metrics", False):
-            from sglang_psa.integration.metrics import PSAMetrics
+            from sglang_psa.sched.metrics import PSAMetrics
 
             serving.metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
         topk = cfg.sparse_mode == "topk"
@@ -200,7 +199,7 @@ class PSAAttnBackend(AttentionBackend):
             bs,
             mean=cfg.needs_key_mean,
             bounds=cfg.needs_key_bounds,
-            key_dtype=kv_pool.metadata_dtype(pool.dtype),
+            key_dtype=kv_budget.metadata_dtype(pool.dtype),
             device=device,
             host_rows=host_rows,
         )

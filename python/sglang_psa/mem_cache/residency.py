@@ -16,7 +16,7 @@ forward, which waits for that stream), with no host sync:
    a block is scored and stamped wherever its KV lives);
 3. its request-table entries point at page 0 (SGLang's padding page, never
    allocated): nothing reads them, and the allocator hook
-   (`integration.scheduling.around_release_page_ids`) drops page 0 from the
+   (`plugin.scheduling.around_release_page_ids`) drops page 0 from the
    request's eventual free;
 4. the page goes back to SGLang's allocator (`free_segment`: fixed shape, no sync).
 A forward already launched reads either copy: both hold the same KV until a
@@ -47,7 +47,7 @@ still saved, and a later eviction writes nothing.
 Ordering: all of this runs on the scheduler's stream, which SGLang orders
 before the next forward. The decode graph reads the request table and the
 location table during its replay, so the hook on SGLang's write-after-read
-barrier (`integration.scheduling.around_apply_war_barrier`) makes the scheduler's
+barrier (`plugin.scheduling.around_apply_war_barrier`) makes the scheduler's
 stream wait for the whole forward at this home, not only for its pre-replay
 snapshot: no table changes under a running step.
 """

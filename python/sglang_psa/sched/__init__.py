@@ -1,6 +1,6 @@
 """Scheduler logic, pure Python: working sets, HBM admission, layer-segmented prefill plans.
 
-integration/ calls these from SGLang's scheduler; nothing here touches SGLang or a GPU.
+plugin/ calls these from SGLang's scheduler; nothing here touches SGLang or a GPU.
 """
 
 from sglang_psa.sched.admission import (

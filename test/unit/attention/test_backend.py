@@ -23,8 +23,8 @@ from sglang_psa.algo import dense_attention, progressive_attention, topk_attenti
 from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
-from sglang_psa.integration import scheduling  # noqa: E402
 from sglang_psa.mem_cache import working_sets  # noqa: E402
+from sglang_psa.plugin import scheduling  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

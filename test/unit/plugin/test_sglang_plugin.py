@@ -21,7 +21,7 @@ pytest.importorskip(
     reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
 )
 
-from sglang_psa.integration import hooks  # noqa: E402
+from sglang_psa.plugin import hooks  # noqa: E402
 
 
 def _run(code: str, env: dict | None = None, timeout: int = 240) -> dict:

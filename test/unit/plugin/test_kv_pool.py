@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.integration import flags, kv_pool
+from sglang_psa.plugin import flags, kv_pool
 
 PER_TOKEN = 2 * 24 * 2 * 64 * 2  # K+V x layers x kv heads x d x bf16 = 12288 bytes
 KVC = SimpleNamespace(kv_cache_dtype=torch.bfloat16, use_mla_backend=False)

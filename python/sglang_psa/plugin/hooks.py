@@ -3,7 +3,7 @@
 Each entry names the SGLang target, the hook type and the parameters the
 target must still have. `check_targets()` resolves every target and compares
 its signature, so a SGLang upgrade that moves or changes one fails loudly
-(at plugin load and in `test/unit/integration/test_sglang_hooks.py`) instead
+(at plugin load and in `test/unit/plugin/test_sglang_plugin.py`) instead
 of SGLang's hook registry logging the error and serving without PSA.
 """
 
@@ -26,7 +26,7 @@ class SGLangChanged(RuntimeError):
 class Hook:
     target: str
     kind: str  # "before" | "after" | "around" | "replace"
-    fn: str  # "module:function" in sglang_psa.integration
+    fn: str  # "module:function" in sglang_psa.plugin
     params: tuple[str, ...]  # parameters the target must have, in order
     why: str
 
@@ -198,7 +198,7 @@ def check_targets() -> None:
 
 def hook_function(hook: Hook) -> Callable:
     module, name = hook.fn.split(":")
-    return getattr(importlib.import_module(f"sglang_psa.integration.{module}"), name)
+    return getattr(importlib.import_module(f"sglang_psa.plugin.{module}"), name)
 
 
 def register_all() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from sglang_psa.config import PSAConfig, PSAConfigError, flag_name
-from sglang_psa.integration import flags
+from sglang_psa.plugin import flags
 
 
 def _parser() -> argparse.ArgumentParser:

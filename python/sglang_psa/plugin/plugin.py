@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_psa.integration import hooks
+from sglang_psa.plugin import hooks
 
 logger = logging.getLogger("sglang_psa")
 _registered = False
@@ -25,7 +25,7 @@ def register() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-    from sglang_psa.integration.server_args import BACKEND
+    from sglang_psa.plugin.server_args import BACKEND
 
     if BACKEND not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND])
@@ -37,5 +37,6 @@ def register() -> None:
 
 def _create_backend(model_runner):
     from sglang_psa.attention.psa_backend import PSAAttnBackend
+    from sglang_psa.plugin.server_args import config_of
 
-    return PSAAttnBackend(model_runner)
+    return PSAAttnBackend(model_runner, cfg=config_of(model_runner.server_args))

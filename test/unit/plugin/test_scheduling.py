@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.integration import scheduling
-from sglang_psa.integration.scheduling import PSAServing
+from sglang_psa.plugin import scheduling
+from sglang_psa.plugin.scheduling import PSAServing
 
 try:  # the real enum when SGLang is installed; the hook imports it lazily
     from sglang.srt.managers.schedule_policy import AddReqResult

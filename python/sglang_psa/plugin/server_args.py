@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from sglang_psa.config import PSAConfig, PSAConfigError
-from sglang_psa.integration import flags
+from sglang_psa.plugin import flags
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _pop_psa_kwargs(kwargs: dict[str, Any]) -> PSAConfig | None:
     return flags.config_from_namespace(ns)
 
 
-# --- the hooks (registered in `integration.hooks`) ---------------------------------
+# --- the hooks (registered in `plugin.hooks`) ---------------------------------
 
 
 def after_add_cli_args(result, parser: argparse.ArgumentParser):

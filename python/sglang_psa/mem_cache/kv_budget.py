@@ -1,0 +1,43 @@
+"""HBM and host bytes of the KV under `--sparse-mode`: the per-page block metadata, and
+the tiered home's host blocks with their HBM rows (what `plugin.kv_pool` subtracts from
+SGLang's pool budget and the backend allocates)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def metadata_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """Block metadata is kept in the KV dtype (a min or max of bf16 keys is exact in bf16);
+    8-bit caches get bf16, which holds every fp8 value exactly."""
+    return kv_dtype if torch.empty((), dtype=kv_dtype).element_size() >= 2 else torch.bfloat16
+
+
+def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg) -> int:
+    """HBM bytes of block metadata per token: per (layer, KV head) per block of
+    `block_size` tokens, the key vectors the ranking and the stop rule read (the mean
+    for the mean score, min and max for key bounds), in `metadata_dtype`."""
+    n_meta = (2 if cfg.needs_key_bounds else 0) + (1 if cfg.needs_key_mean else 0)
+    kv_elem = torch.empty((), dtype=kv_dtype).element_size()
+    meta_elem = torch.empty((), dtype=metadata_dtype(kv_dtype)).element_size()
+    # kv_bytes_per_token = 2 (K, V) x layers x heads x d x kv_elem
+    per_vector_token = kv_bytes_per_token // (2 * kv_elem)  # layers x heads x d
+    return math.ceil(per_vector_token * n_meta * meta_elem / cfg.block_size)
+
+
+def host_blocks(cfg, kv_bytes_per_token: int) -> int:
+    """Blocks (all layers and heads) the tiered home's host tier of `--psa-host-pool-gb`
+    holds."""
+    return int(cfg.host_pool_gb * 2**30) // (kv_bytes_per_token * cfg.block_size)
+
+
+def host_row_bytes(cfg, kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+    """HBM bytes of the tiered home's rows for host blocks: the block metadata and one
+    int32 last-read stamp per (layer, KV head) of each (heads bounded from above by
+    taking head_dim >= 32)."""
+    meta = metadata_bytes_per_token(kv_bytes_per_token, kv_dtype, cfg) * cfg.block_size
+    heads_d = kv_bytes_per_token // (2 * torch.empty((), dtype=kv_dtype).element_size() * layers)
+    stamps = 4 * layers * max(1, heads_d // 32)
+    return host_blocks(cfg, kv_bytes_per_token) * (meta + stamps)

@@ -1,0 +1,226 @@
+"""The admission state of one scheduler process under `--sparse-mode`.
+
+One `PSAServing` per scheduler process (created with the `psa` backend, found
+by the scheduler hooks of `plugin.scheduling` through `current()`) owns an
+`AdmissionController` whose capacity is HBM for working sets in units of one
+(layer, KV head, block), and holds the backend's tiered-home parts (write-back,
+residency) and read-outs (working sets, read fractions, buffer sizes) that the
+hooks, server info and metrics read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+from sglang_psa.config import PSAConfig, flag_name
+from sglang_psa.sched.admission import AdmissionController, Candidate
+from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
+
+
+class PSAServing:
+    def __init__(
+        self,
+        cfg: PSAConfig,
+        layers: int,
+        kv_heads: int,
+        hbm_units: int,
+        host_tokens: int | None = None,
+    ):
+        """`host_tokens`: what the tiered home's host tier holds (None: no host tier)."""
+        self.cfg = cfg
+        self.layer_heads = layers * kv_heads
+        self.host_tokens = host_tokens
+        self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
+        # The backend's working sets by request-table row, as the GPU last published them
+        # (host memory, read without a sync): (sizes, lengths measured at).
+        self.measure: Callable[[], tuple[Any, Any]] | None = None
+        self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
+        # The backend's (blocks read, blocks readable) as last copied to the host, no sync.
+        self.read_counts: Callable[[], tuple[int, int]] | None = None
+        self.metrics = None  # PSAMetrics with --enable-metrics
+        self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
+        self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
+        self.residency = None  # mem_cache.residency.Residency, the same home
+        self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
+
+    @property
+    def gates_by_working_set(self) -> bool:
+        """With the KV in HBM only, working sets bound admission and force retraction.
+        At the tiered home a working set beyond HBM is read from the host tier across
+        PCIe, so nothing waits or is retracted for it (SGLang's own token budget still
+        applies)."""
+        return self.cfg.kv_home == "hbm"
+
+    # -- sizes --------------------------------------------------------------------
+    def total_units(self, tokens: int) -> int:
+        return math.ceil(tokens / self.cfg.block_size) * self.layer_heads
+
+    def estimate(self, tokens: int) -> int:
+        blocks = math.ceil(tokens / self.cfg.block_size)
+        floor = always_attended_units(self.cfg, blocks, self.layer_heads)
+        return self.controller.tracker.estimate_new(self.total_units(tokens), floor)
+
+    def reject_reason(self, prompt_tokens: int, max_new_tokens: int | None) -> str | None:
+        need = prompt_tokens + (max_new_tokens or 0)
+        if self.host_tokens is not None and need > self.host_tokens:
+            return (
+                f"the request needs KV for {need} tokens but the host tier holds "
+                f"{self.host_tokens} ({flag_name('host_pool_gb')} {self.cfg.host_pool_gb:g}); "
+                "send a shorter request or raise the flag"
+            )
+        if not self.gates_by_working_set:
+            return None
+        est = self.estimate(prompt_tokens)
+        if est > self.controller.capacity_units:
+            return (
+                f"the request's estimated working set ({est} block units) exceeds the HBM "
+                f"slot cache ({self.controller.capacity_units}); raise "
+                f"{flag_name('gpu_cache_gb')}"
+            )
+        return None
+
+    # -- admission ----------------------------------------------------------------
+    def try_admit(
+        self, rid: Hashable, prompt_tokens: int, alone: bool, max_new_tokens: int | None = None
+    ) -> bool:
+        """Admit `rid` if its working set fits beside the running ones (or if `alone`) and,
+        with a host tier, the host blocks its whole length can fill are free."""
+        if rid in self.controller.running:
+            return True
+        wb = self.writeback
+        if wb is not None and not wb.reserve(rid, prompt_tokens + (max_new_tokens or 0)):
+            self.deferrals += 1  # blocks of running requests come back as they end
+            return False
+        cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
+        if not self.gates_by_working_set:  # tracked for server info, never held back
+            self.controller.admit_alone(cand)
+            return True
+        if self.controller.try_admit([cand]).admitted:
+            return True
+        if alone:  # nothing else runs: admit anyway rather than stall the server
+            self.controller.admit_alone(cand)
+            return True
+        if wb is not None:
+            wb.release(rid)
+        self.deferrals += 1
+        return False
+
+    def undo_admit(self, rid: Hashable, was_paused: bool) -> None:
+        """SGLang's own checks refused a request this controller had admitted."""
+        if rid not in self.controller.running:
+            return
+        if self.writeback is not None:
+            self.writeback.release(rid)
+        stats = self.controller.stats
+        if was_paused:
+            self.controller.pause(rid)
+            stats.retracted -= 1
+        else:
+            self.controller.finish(rid)
+            stats.finished -= 1
+        stats.admitted -= 1  # counters read as if the attempt never happened
+
+    # -- decode steps -------------------------------------------------------------
+    def flush_step(self, reqs: Sequence) -> None:
+        """Record the working-set sizes the GPU last published (before the next step). A
+        row's value counts only if it was measured at most a window of steps ago for this
+        request (its length then is close to the request's now); otherwise the row is
+        stale or belongs to the row's previous request."""
+        if self.measure is None:
+            return
+        sizes, lengths = self.measure()
+        window = self.cfg.ws_window
+        for req in reqs:
+            row = getattr(req, "req_pool_idx", None)
+            if row is None or req.rid not in self.controller.running:
+                continue
+            n = int(lengths[row])
+            if n > 0 and 0 <= req.seqlen - n <= window:
+                self.controller.on_step_size(req.rid, int(sizes[row]), self.total_units(n))
+        if self.metrics is not None and self.metrics.due():
+            self.metrics.set(self.metric_values())
+
+    def metric_values(self) -> dict[str, float | None]:
+        """The Prometheus gauges' values (`sched.metrics`), from host state only."""
+        ctl, st = self.controller, self.controller.stats
+        fraction = None
+        if self.read_counts is not None:
+            read, total = self.read_counts()
+            fraction = read / total if total else None
+        return {
+            "blocks_read_fraction": fraction,
+            "running_requests": len(ctl.running),
+            "paused_requests": len(ctl.paused),
+            "working_set_units": ctl.used_units,
+            "capacity_units": ctl.capacity_units,
+            "admitted_total": st.admitted,
+            "retracted_total": st.retracted,
+            "finished_total": st.finished,
+            "rejected_total": st.rejected,
+            "admission_deferrals_total": self.deferrals,
+            **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
+            **(_residency_metrics(self.residency.report()) if self.residency else {}),
+        }
+
+    def fits(self, rids: Iterable[Hashable]) -> bool:
+        if not self.gates_by_working_set:
+            return True
+        ctl = self.controller
+        load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
+        return load <= ctl.capacity_units
+
+    def make_room(self, reqs, tokens: int, allocator) -> int:
+        """Tiered home: give back HBM pages of `reqs`' saved blocks until `tokens` more
+        tokens fit in SGLang's allocator; returns the tokens freed (0 elsewhere)."""
+        if self.residency is None or tokens <= 0:
+            return 0
+        return self.residency.make_room(reqs, tokens, allocator)
+
+    def promote(self, reqs, allocator) -> int:
+        """Tiered home: bring evicted blocks the last step read back into HBM."""
+        return 0 if self.residency is None else self.residency.promote(reqs, allocator)
+
+    def release(self, rid: Hashable, retracted: bool) -> None:
+        if self.residency is not None:
+            self.residency.release(rid)
+        if self.writeback is not None:  # a retracted request is prefilled and saved again
+            self.writeback.release(rid)
+        ctl = self.controller
+        if retracted and rid in ctl.running:
+            ctl.pause(rid)
+        elif rid in ctl.running or rid in ctl.paused:
+            ctl.finish(rid)
+
+
+def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
+    return {
+        "blocks_evicted": rep["blocks_evicted"],
+        "evictions_total": rep["evictions"],
+        "promotions_total": rep["promotions"],
+        "units_read_hbm_total": rep["units_read_hbm"],
+        "units_read_host_total": rep["units_read_host"],
+    }
+
+
+def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:
+    return {
+        "blocks_saved_total": rep["blocks_saved"],
+        "save_bytes_total": rep["bytes_saved"],
+        "save_jobs_in_flight": rep["save_jobs_in_flight"],
+        "host_blocks_used": rep["host_blocks_used"],
+        "copy_engine_restarts_total": rep["engine_restarts"],
+    }
+
+
+_current: PSAServing | None = None
+
+
+def current() -> PSAServing | None:
+    return _current
+
+
+def install(serving: PSAServing | None) -> None:
+    global _current
+    _current = serving
