@@ -259,7 +259,8 @@ def serving_figures(serving: Path) -> tuple[dict, dict]:
     result: `hbm_hit_rate` (workload b, the tiered home's units read from HBM over all
     units decode read, in the timed window) and `max_concurrent_ratio_vs_plain_8b`
     (workload e: peak running requests of the tiered home over plain SGLang's in the same
-    stage run). A figure not measured yet is None. Returns (summary part, provenance)."""
+    stage run, the serving summary's `max_concurrent_ratio_tiered_vs_plain_8b`). A figure
+    not measured yet is None. Returns (summary part, provenance)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
     from analysis import _pair, latest_runs
 
@@ -270,9 +271,8 @@ def serving_figures(serving: Path) -> tuple[dict, dict]:
     out, prov = {}, {"file": serving.name}
     run, _ = _pair(best, "b", "psa_tiered_uva")
     out["hbm_hit_rate"] = (run or {}).get("counters", {}).get("hbm_hit_rate")
-    run, plain = _pair(best, "e", "topk_tiered")
-    peak = [(r or {}).get("metrics", {}).get("peak_running") for r in (run, plain)]
-    out["max_concurrent_ratio_vs_plain_8b"] = peak[0] / peak[1] if all(peak) else None
+    key = "max_concurrent_ratio_tiered_vs_plain_8b"
+    out["max_concurrent_ratio_vs_plain_8b"] = doc["summary"].get(key)
     for key, (w, name) in (("hbm_hit_rate", ("b", "psa_tiered_uva")),
                            ("max_concurrent_ratio_vs_plain_8b", ("e", "topk_tiered"))):  # fmt: skip
         part = best.get((w, name, "inf"))

@@ -2,15 +2,14 @@
 
 `k` and `v` are `[layers, kv_heads, num_blocks, block_size, head_dim]`, so one
 block of one head is one contiguous run (8 KB for 32 x 128 bf16): the unit the
-gather kernel moves and the wave kernel reads through UVA. The memory is
-shared (a copy-engine process can map it) and, where CUDA exists, page-locked
-and registered so the GPU reads it at PCIe speed. A host block id (`writeback.HostBlocks`)
-names the same block in every layer and head.
+write-back and promotion kernels move and the wave kernel reads through UVA.
+Where CUDA exists the memory is page-locked so the GPU reads it at PCIe speed:
+shared memory registered in place when the copy-engine process maps it, else
+CUDA's own pinned allocation. A host block id (`writeback.HostBlocks`) names
+the same block in every layer and head.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -76,28 +75,3 @@ class HostKVPool:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
-
-    def layer_units(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer` as `[kv_heads * num_blocks, block_size, head_dim]` unit arrays."""
-        n = self.kv_heads * self.num_blocks
-        return (
-            self.k[layer].view(n, self.block_size, self.head_dim),
-            self.v[layer].view(n, self.block_size, self.head_dim),
-        )
-
-    def unit(self, head: int | torch.Tensor, block: int | torch.Tensor):
-        """Index of (head, block) in a layer's unit array."""
-        return head * self.num_blocks + block
-
-    def write_tokens(
-        self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor, start: int = 0
-    ) -> None:
-        """Store `k, v [kv_heads, n, head_dim]` at token positions `start..start+n` of a
-        request whose blocks are `blocks` (the CPU path; the GPU path is the scatter kernel)."""
-        n = k.shape[1]
-        bs = self.block_size
-        for i in range(math.ceil((start + n) / bs) - start // bs):
-            b = start // bs + i
-            lo, hi = max(start, b * bs), min(start + n, (b + 1) * bs)
-            self.k[layer, :, blocks[b], lo - b * bs : hi - b * bs] = k[:, lo - start : hi - start]
-            self.v[layer, :, blocks[b], lo - b * bs : hi - b * bs] = v[:, lo - start : hi - start]

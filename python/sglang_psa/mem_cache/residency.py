@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from sgl_kernel_ext.writeback import copy_units_to_pages
+from sglang_psa.mem_cache.writeback import to_device
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -180,8 +181,8 @@ class Residency:
         if not blocks:
             return 0
         bs, dev = self.block_size, self.req_to_token.device
-        idx = _to_dev([b * bs for b in blocks], dev)
-        rows = _to_dev([r.host[b] for b in blocks], dev) + self.page_rows
+        idx = to_device([b * bs for b in blocks], dev)
+        rows = to_device([r.host[b] for b in blocks], dev) + self.page_rows
         table = self.req_to_token[r.row]
         pages = table[idx].long() // bs
         self.meta.copy_rows(pages, rows)
@@ -244,14 +245,14 @@ class Residency:
         """Evicted `(rid, block)`s into the pages of the allocated token `slots`."""
         bs, dev = self.block_size, self.req_to_token.device
         reqs = [self.wb.request(rid) for rid, _ in blocks]
-        hosts = _to_dev([r.host[b] for r, (_, b) in zip(reqs, blocks)], dev)
+        hosts = to_device([r.host[b] for r, (_, b) in zip(reqs, blocks)], dev)
         pages = slots[::bs] // bs
         for layer, (kb, vb) in enumerate(zip(self.pool.k_buffer, self.pool.v_buffer)):
             copy_units_to_pages(self.wb.host.k[layer], self.wb.host.v[layer], hosts, kb, vb, pages)
         self.meta.copy_rows(hosts + self.page_rows, pages.long())
         self.ws.copy_rows(hosts + self.page_rows, pages.long())
-        rows = _to_dev([r.row for r in reqs], dev)
-        cols = _to_dev([b for _, b in blocks], dev)
+        rows = to_device([r.row for r in reqs], dev)
+        cols = to_device([b for _, b in blocks], dev)
         tok_rows = rows.repeat_interleave(bs)
         tok_cols = (cols[:, None] * bs + self._offsets).flatten()
         self.req_to_token.index_put_((tok_rows, tok_cols), slots.to(self.req_to_token.dtype))
@@ -277,9 +278,3 @@ class Residency:
 def _live(reqs):
     """Requests holding a request-table row and not finished."""
     return (r for r in reqs if getattr(r, "req_pool_idx", None) is not None and not r.finished())
-
-
-def _to_dev(values: list[int], dev: torch.device) -> torch.Tensor:
-    """A host list as an int64 device tensor, through pinned memory, without a sync."""
-    t = torch.tensor(values, dtype=torch.int64, pin_memory=dev.type == "cuda")
-    return t.to(dev, non_blocking=True)

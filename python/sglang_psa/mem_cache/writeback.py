@@ -49,6 +49,13 @@ from sglang_psa.mem_cache.host_pool import HostKVPool
 logger = logging.getLogger(__name__)
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list (nested lists too) as a `dtype` tensor on `device`, through pinned
+    memory on CUDA: one small H2D copy, no sync."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
 # Persistent programs of the uva path's save kernel: enough to keep PCIe busy, few enough
 # to leave the other SMs to the forward it overlaps.
 UVA_PROGRAMS = 16
@@ -283,11 +290,7 @@ class WriteBack:
         """`[2, n]` on the GPU: the pages of `entries` (SGLang's request table at each
         block's first token, divided by the page size) and their host blocks. One small
         H2D copy, no sync."""
-        t = torch.tensor(
-            [(e.row, e.block * self.block_size, e.host) for e in entries], dtype=torch.int64
-        )
-        if self.cuda:
-            t = t.pin_memory().to(self.device, non_blocking=True)
+        t = to_device([(e.row, e.block * self.block_size, e.host) for e in entries], self.device)
         pages = req_to_token[t[:, 0], t[:, 1]].long() // self.block_size
         return torch.stack([pages, t[:, 2]])
 
@@ -492,12 +495,8 @@ class WriteBack:
             return []
         ok = [b for b in blocks if b < r.saved]
         if ok:
-            pin = self.cuda
-            idx = torch.tensor(ok, dtype=torch.int64, pin_memory=pin)
-            val = torch.tensor([-r.host[b] - 1 for b in ok], dtype=torch.int32, pin_memory=pin)
-            self.host_loc[r.row].index_copy_(
-                0, idx.to(self.device, non_blocking=True), val.to(self.device, non_blocking=True)
-            )
+            val = to_device([-r.host[b] - 1 for b in ok], self.device, torch.int32)
+            self.host_loc[r.row].index_copy_(0, to_device(ok, self.device), val)
             r.on_host = True
         return ok
 

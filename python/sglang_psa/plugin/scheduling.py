@@ -1,9 +1,9 @@
 """Working-set admission, retraction and capacity checks inside SGLang's scheduler.
 
-One `PSAServing` per scheduler process (created with the `psa` backend) owns
-an `AdmissionController` whose capacity is the HBM slot cache in units of one
-(layer, KV head, block). The hooks below consult it; with no `--sparse-mode`
-there is none and every hook passes straight through.
+One `PSAServing` per scheduler process (`sched.serving`, created with the `psa`
+backend) owns an `AdmissionController` whose capacity is HBM for working sets in
+units of one (layer, KV head, block). The hooks below consult it; with no
+`--sparse-mode` there is none and every hook passes straight through.
 
 - `PrefillAdder.add_one_req` (around): a new request is admitted only while the
   working sets of the running ones plus its estimate fit; otherwise it waits in
@@ -18,18 +18,16 @@ there is none and every hook passes straight through.
   prompt is refused for want of pages.
 - `release_kv_cache` (after): a finished request is forgotten, a retracted one
   keeps its history for when it resumes.
-- `validate_input_length` (after): a request whose KV cannot fit the host pool,
-  or (KV in HBM) whose working-set estimate alone exceeds the slot cache, is
-  refused with a message naming the flag to raise; SGLang turns it into HTTP
-  400. With the KV on the host a working set beyond the page cache is served,
-  its extra blocks read across PCIe.
+- `validate_input_length` (after): a request whose KV cannot fit the tiered
+  home's host tier, or (KV in HBM only) whose working-set estimate alone exceeds
+  the HBM for working sets, is refused with a message naming the flag to raise;
+  SGLang turns it into HTTP 400. At the tiered home a working set beyond HBM is
+  served, its extra blocks read across PCIe.
 """
 
 from __future__ import annotations
 
-from sglang_psa.sched.serving import PSAServing, current, install
-
-__all__ = ["PSAServing", "current", "install"]  # with the hooks below
+from sglang_psa.sched.serving import current
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):

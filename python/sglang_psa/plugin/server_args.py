@@ -9,8 +9,9 @@ depends on are set *before* SGLang resolves its defaults:
   (or `--attention-backend`, default `triton`);
 - `--page-size` equals `--psa-block-size` (one SGLang page = one PSA block);
 - CUDA graphs stay SGLang's: the sparse decode step has fixed shapes and no host
-  sync, so it runs inside SGLang's decode graphs; prefill is dense. Only
-  `--psa-kv-home host` (its page cache admits eagerly) turns decode graphs off;
+  sync, so it runs inside SGLang's decode graphs at every KV home; prefill is dense;
+- `--psa-kv-home tiered` turns prefix caching off (a shared page is not one
+  request's to give back);
 - prompts are prefilled in chunks of `--psa-max-inject-tokens` unless
   `--chunked-prefill-size` says otherwise.
 

@@ -25,6 +25,7 @@ from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.mem_cache import working_sets  # noqa: E402
 from sglang_psa.plugin import scheduling  # noqa: E402
+from sglang_psa.sched.serving import current, install  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +34,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def _no_leftover_serving():
     yield
-    scheduling.install(None)  # the backend installs the process's PSAServing
+    install(None)  # the backend installs the process's PSAServing
 
 
 class _Mode:
@@ -171,7 +172,7 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use
     # The blocks read are each request's working set (the requests share no page here),
     # measured at the start of the next step and published by request-table row.
     backend.init_forward_metadata(fb)
-    sizes, lens = scheduling.current().measure()
+    sizes, lens = current().measure()
     rows = fb.req_pool_indices.tolist()
     assert sum(int(sizes[r]) for r in rows) == backend.blocks_read[1] > 0
     assert [int(lens[r]) for r in rows] == lengths
@@ -209,7 +210,7 @@ def test_backend_reports_its_gpu_bytes_and_names_the_flag_when_they_do_not_fit(m
     pages = (pool.size + BS) // BS
     assert got["block_metadata"] == backend.meta.bytes > 0
     assert got["working_sets"] >= pool.layer_num * pool.head_num * pages * 4  # the stamps
-    assert scheduling.current().hbm_bytes() == got  # what server info reports
+    assert current().hbm_bytes() == got  # what server info reports
 
     def no_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -443,7 +444,7 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
     lengths = [95, 64]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
-    serving, wb = scheduling.current(), backend.writeback
+    serving, wb = current(), backend.writeback
     assert serving.writeback is wb and wb is not None
     req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
     reqs = [SimpleNamespace(rid=f"r{r}", req_pool_idx=r) for r in (1, 2)]
@@ -522,7 +523,7 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
     lengths = [300, 250]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
-    serving, wb = scheduling.current(), backend.writeback
+    serving, wb = current(), backend.writeback
     req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
     n_pages = kv.size // BS
     held = {int(p) // BS for r, n in zip((1, 2), lengths) for p in req.req_to_token[r, :n]}

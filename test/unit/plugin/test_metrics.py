@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     from prometheus_client import CollectorRegistry, generate_latest, multiprocess
     from sglang_psa.config import PSAConfig
     from sglang_psa.sched.metrics import GAUGES, PSAMetrics
-    from sglang_psa.plugin.scheduling import PSAServing
+    from sglang_psa.sched.serving import PSAServing
 
     s = PSAServing(PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100, host_tokens=4096)
     s.metrics = PSAMetrics(tp_rank=1, interval_s=3600)

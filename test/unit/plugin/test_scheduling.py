@@ -10,7 +10,7 @@ import pytest
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.plugin import scheduling
-from sglang_psa.plugin.scheduling import PSAServing
+from sglang_psa.sched.serving import PSAServing, install
 
 try:  # the real enum when SGLang is installed; the hook imports it lazily
     from sglang.srt.managers.schedule_policy import AddReqResult
@@ -28,9 +28,9 @@ def serving(monkeypatch):
     cfg = PSAConfig(ws_window=2)
     # 2 layers x 2 KV heads = 4 units per block; capacity 100 units; KV in HBM only.
     s = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100)
-    scheduling.install(s)
+    install(s)
     yield s
-    scheduling.install(None)
+    install(None)
 
 
 def _req(rid, tokens, pool_idx=None, finished=False):
@@ -142,7 +142,7 @@ def test_tiered_home_neither_holds_back_nor_retracts_for_working_sets(serving):
         hbm_units=100,
         host_tokens=1 << 20,
     )
-    scheduling.install(host)
+    install(host)
     adder = _adder()
     reqs = [_req(r, 640, pool_idx=i) for i, r in enumerate("abc")]  # est 40 units each
     for r in reqs:  # 120 > 100 units: at HBM home the third would wait
@@ -164,13 +164,13 @@ def test_requests_too_large_are_refused_naming_the_flag(serving):
     ok = _req("y", 1000)
     assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
     small_cache = PSAServing(PSAConfig(), layers=2, kv_heads=2, hbm_units=10)
-    scheduling.install(small_cache)
+    install(small_cache)
     msg = scheduling.after_validate_input_length(None, ok, 10**6, False)
     assert "--psa-gpu-cache-gb" in msg
     # Tiered home: blocks beyond HBM are read from the host tier, so it is served; a
     # request longer than the host tier holds is refused naming its flag.
     tiered = PSAConfig(kv_home="tiered", host_pool_gb=1.0)
-    scheduling.install(PSAServing(tiered, layers=2, kv_heads=2, hbm_units=10, host_tokens=4096))
+    install(PSAServing(tiered, layers=2, kv_heads=2, hbm_units=10, host_tokens=4096))
     assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
     too_long = _req("x", 4090)  # + 16 new tokens > 4096 host-tier tokens
     msg = scheduling.after_validate_input_length(None, too_long, 10**6, False)
@@ -180,7 +180,7 @@ def test_requests_too_large_are_refused_naming_the_flag(serving):
 
 
 def test_without_sparse_mode_every_hook_passes_through():
-    scheduling.install(None)
+    install(None)
     calls = []
 
     def orig(adder, req, has_chunked_req, truncation_align_size):
