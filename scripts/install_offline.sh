@@ -44,8 +44,25 @@ if [ -d "$REPO/python/sglang_psa" ] && [ -d "$REPO/sgl-kernel-ext/sgl_kernel_ext
 fi
 env_line="export PYTHONPATH=$pypath\${PYTHONPATH:+:\$PYTHONPATH}"
 
+# The checkout's entry points win too: SGLang finds the plugin through the installed
+# sglang_psa dist-info, whose entry point names a module of the bundled snapshot (a
+# module the checkout may have moved since: the plugin would then fail to load and
+# every --psa flag be "unrecognized").
+sync_entry_points() {
+  [ -f "$REPO/pyproject.toml" ] || return 0
+  "$PY" - "$REPO/pyproject.toml" "$SITE" <<'PYEOF' || die "could not sync the plugin's entry points"
+import glob, sys, tomllib
+eps = tomllib.load(open(sys.argv[1], "rb"))["project"].get("entry-points", {})
+text = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in e.items()) + "\n" for g, e in eps.items())
+for d in glob.glob(f"{sys.argv[2]}/sglang_psa-*.dist-info"):
+    open(f"{d}/entry_points.txt", "w").write(text)
+    print(f"install_offline: entry points of {d} follow the checkout", file=sys.stderr)
+PYEOF
+}
+
 if [ -z "${PSA_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$total_sha" ]; then
   echo "install_offline: bundle ${total_sha:0:16} already installed in $SITE" >&2
+  sync_entry_points
   echo "$env_line"
   exit 0
 fi
@@ -90,6 +107,8 @@ if [ -n "$(ls "$B"/models/*.whl 2>/dev/null)" ]; then
   done <<< "$ggufs"
   echo "install_offline: convert with: python3 -m sglang_psa.models <key>" >&2
 fi
+
+sync_entry_points
 
 cat > "$SITE/psa-env.sh" <<EOF
 # written by scripts/install_offline.sh for bundle $total_sha
