@@ -13,9 +13,10 @@ units of one (layer, KV head, block). The hooks below consult it; with no
   the backend read in the last step are recorded as each request's working set;
   if the selected requests' working sets outgrow the cache, SGLang retracts
   (with its own victim policy; the check honours `selected_indices`). At the
-  tiered home, pages of saved blocks are given back first when the step would
-  find the allocator short (`mem_cache.residency`), as they are before a queued
-  prompt is refused for want of pages.
+  tiered home, pages of saved blocks (then of the unit cache) are given back
+  first when the step would find the allocator short (`mem_cache.residency`), as
+  they are before a queued prompt is refused for want of pages, and the unit
+  cache is refreshed.
 - `release_kv_cache` (after): a finished request is forgotten, a retracted one
   keeps its history for when it resumes.
 - `validate_input_length` (after): a request whose KV cannot fit the tiered
@@ -62,7 +63,7 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         alloc = batch.token_to_kv_pool_allocator
         need = 2 * len(batch.reqs) * serving.cfg.block_size
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
-        serving.promote(batch.reqs, alloc)
+        serving.refresh(batch.reqs, alloc)
         if batch.batch_is_full and serving.residency.evictable(batch.reqs):
             # SGLang stops trying queued prompts once one did not fit, until a request
             # leaves; here saved blocks can still make room, so it tries again.

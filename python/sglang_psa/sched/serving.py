@@ -178,9 +178,10 @@ class PSAServing:
             return 0
         return self.residency.make_room(reqs, tokens, allocator)
 
-    def promote(self, reqs, allocator) -> int:
-        """Tiered home: bring evicted blocks the last step read back into HBM."""
-        return 0 if self.residency is None else self.residency.promote(reqs, allocator)
+    def refresh(self, reqs, allocator) -> int:
+        """Tiered home: the unit cache takes spare pages and brings in the host units the
+        last step read; returns the pages it took."""
+        return 0 if self.residency is None else self.residency.refresh(reqs, allocator)
 
     def release(self, rid: Hashable, retracted: bool) -> None:
         if self.residency is not None:
@@ -198,7 +199,8 @@ def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
     return {
         "blocks_evicted": rep["blocks_evicted"],
         "evictions_total": rep["evictions"],
-        "promotions_total": rep["promotions"],
+        "unit_cache_pages": rep["cache_pages"],
+        "units_cached_total": rep["units_cached"],
         "units_read_hbm_total": rep["units_read_hbm"],
         "units_read_host_total": rep["units_read_host"],
     }
