@@ -83,7 +83,7 @@ def around_check_decode_mem(original, batch, selected_indices=None):
 def around_apply_war_barrier(original, scheduler):
     """Tiered home: the scheduler's stream waits for the whole last forward, not only for
     its pre-replay snapshot: the decode graph reads the request and location tables
-    during its replay, and eviction and promotion rewrite them on that stream."""
+    during its replay, and eviction and the unit cache rewrite them on that stream."""
     serving = current()
     if serving is not None and serving.residency is not None:
         runner = scheduler.model_worker.war_fastpath_runner

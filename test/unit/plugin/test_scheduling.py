@@ -250,7 +250,7 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
 def test_tiered_table_rewrites_wait_for_the_whole_forward(serving, tiered):
     """SGLang's write-after-read barrier waits only for a decode graph's pre-replay snapshot
     when the runner left a read-done event; at the tiered home the graph reads the tables
-    eviction and promotion rewrite during its replay, so the event is dropped and SGLang
+    eviction and the unit cache rewrite during its replay, so the event is dropped and SGLang
     takes its whole-forward wait. Elsewhere the fast path stays."""
     serving.residency = object() if tiered else None
     event = object()
@@ -274,7 +274,7 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     calls = []
     serving.residency = SimpleNamespace(
         make_room=lambda reqs, tokens, alloc, *a: calls.append(("room", tokens)) or 0,
-        promote=lambda reqs, alloc: calls.append(("promote",)) or 0,
+        refresh=lambda reqs, alloc: calls.append(("refresh",)) or 0,
         evictable=lambda reqs: evictable,
     )
     alloc = SimpleNamespace(available_size=lambda: 10 * BS)
@@ -282,4 +282,4 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     batch = SimpleNamespace(reqs=reqs, token_to_kv_pool_allocator=alloc, batch_is_full=True)
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
     assert batch.batch_is_full is (evictable == 0)
-    assert ("promote",) in calls
+    assert ("refresh",) in calls
