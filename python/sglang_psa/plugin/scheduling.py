@@ -8,7 +8,9 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 - `PrefillAdder.add_one_req` (around): a new request is admitted only while the
   working sets of the running ones plus its estimate fit; otherwise it waits in
   SGLang's queue (the adder stops for this round), never dropped. With nothing
-  running it is admitted anyway, so the server cannot stall.
+  running it is admitted anyway, so the server cannot stall. At the tiered home
+  an admitted request then makes room: saved blocks of running requests leave HBM
+  until SGLang's budget holds it.
 - `ScheduleBatch.check_decode_mem` (around): before each decode step, the blocks
   the backend read in the last step are recorded as each request's working set;
   if the selected requests' working sets outgrow the cache, SGLang retracts
@@ -40,15 +42,15 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+    was_paused = req.rid in serving.controller.paused
+    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
+        return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
         # what the adder will ask of its budget: the prompt, the clipped output, slack
         need = len(req.origin_input_ids) + min(max_new or 0, CLIP_MAX_NEW_TOKENS)
         need += 2 * serving.cfg.block_size
         alloc = adder.token_to_kv_pool_allocator
         serving.make_room(running, need - int(adder.rem_total_tokens), alloc)
-    was_paused = req.rid in serving.controller.paused
-    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
-        return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
