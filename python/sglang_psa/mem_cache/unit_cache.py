@@ -156,4 +156,3 @@ class UnitCache:
                 self.copied,
             )
         self.copied_host.copy_(self.copied, non_blocking=True)
-

@@ -23,7 +23,6 @@ from sglang_psa.algo import dense_attention, progressive_attention, topk_attenti
 from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
-from sglang_psa.mem_cache import working_sets  # noqa: E402
 from sglang_psa.plugin import scheduling  # noqa: E402
 from sglang_psa.sched.serving import current, install  # noqa: E402
 
