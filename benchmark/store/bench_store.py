@@ -16,10 +16,10 @@ the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
   layer's prefill compute; fraction of the save's GPU time hidden under compute,
   `(T_compute + T_save - T_both) / T_save`, and `prefill_slowdown_with_save`,
   `T_both / T_compute`, both timed on the GPU.
-- promote: what `Residency` runs to bring evicted blocks back into HBM, one
-  `copy_units_to_pages` launch per layer from the pinned host tier into
-  scattered pages of SGLang's pool: GB/s vs the H2D peak at the server's
-  per-round size (`PROMOTE_BYTES`) and larger.
+- promote: what the tiered home runs to bring host units back into HBM, the
+  unit cache's refresh (one launch per layer, UVA reads of the pinned host tier
+  into scattered pages of SGLang's pool): GB/s vs the H2D peak for 64 to 512
+  blocks' units per refresh (the summary: the largest).
 - from real servers (`--serving`, default `serving_h100.json`; refresh alone with
   `--merge-serving-into`): `hbm_hit_rate` (workload b) and
   `max_concurrent_ratio_vs_plain_8b` (workload e).
@@ -32,6 +32,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -175,54 +176,62 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
 
 
 def bench_promote(layers: int, host_blocks: int, sizes: list[int], reps: int) -> dict:
-    """The serving path's promotion (`mem_cache.residency.Residency._bring_back`): blocks
-    of the host tier (`HostKVPool`, pinned, read through UVA) copied into free pages of
-    SGLang's token-major pool by one `copy_units_to_pages` launch per layer, the blocks
-    and pages scattered at random. GB/s of KV promoted for each number of blocks per
-    round; the round the server runs is `PROMOTE_BYTES` of KV."""
-    from sgl_kernel_ext.writeback import copy_units_to_pages
+    """The serving path's promotion: the unit cache's refresh (`UnitCache.refresh`, one
+    launch per layer) bringing host units (`HostKVPool`, pinned, read through UVA) into
+    empty slots, i.e. pages of SGLang's token-major pool. For `n` slots per (layer, KV
+    head), `n` host blocks are hot (read by the last step) and evicted, spread so that
+    every set gets as many as it has ways: one refresh copies `n` blocks' KV over all
+    layers and heads. GB/s for each `n` (the tables are reset between timed runs)."""
     from sglang_psa.mem_cache.host_pool import HostKVPool
-    from sglang_psa.mem_cache.residency import PROMOTE_BYTES
+    from sglang_psa.mem_cache.unit_cache import WAYS, UnitCache
 
     host = HostKVPool(layers, H, host_blocks, BS, D, DT)
     g = torch.Generator().manual_seed(0)
     host.k[:, :, :64].copy_(torch.randn(host.k[:, :, :64].shape, generator=g).to(DT))
     block_bytes = 2 * layers * H * BS * D * torch.empty((), dtype=DT).element_size()
-    round_blocks = max(1, PROMOTE_BYTES // block_bytes)
-    sizes = sorted({round_blocks, *sizes})
+    sizes = sorted({-(-n // WAYS) * WAYS for n in sizes})
     pages = max(sizes) + 8
-    k = [torch.zeros(pages * BS, H, D, device="cuda", dtype=DT) for _ in range(layers)]
-    v = [torch.zeros(pages * BS, H, D, device="cuda", dtype=DT) for _ in range(layers)]
-    by_size = {}
+    pool = SimpleNamespace(
+        k_buffer=[torch.zeros(pages * BS, H, D, device="cuda", dtype=DT) for _ in range(layers)],
+        v_buffer=[torch.zeros(pages * BS, H, D, device="cuda", dtype=DT) for _ in range(layers)],
+    )
+    step = torch.tensor([7], dtype=torch.int32, device="cuda")
+    by_size, ok = {}, True
     for n in sizes:
-        src = torch.randperm(host_blocks, generator=g)[:n].cuda()
-        dst = torch.randperm(pages - 1, generator=g)[:n].cuda() + 1
-
-        def promote(src=src, dst=dst):
-            for layer in range(layers):
-                copy_units_to_pages(host.k[layer], host.v[layer], src, k[layer], v[layer], dst)
-
-        t = cuda_time(promote, reps=reps)
+        cache = UnitCache(layers, H, host_blocks, n, BS, "cuda")
+        stamps = torch.zeros(layers * H, host_blocks, dtype=torch.int32, device="cuda")
+        stamps[:, :n] = 7  # host blocks 0..n-1: WAYS of them in each of the n / WAYS sets
+        cache.live[:n] = 1
+        cache.grow(torch.randperm(pages - 1, generator=g)[:n].cuda() + 1)
+        times = []
+        for _ in range(reps + 1):
+            cache.unit_slot.fill_(-1)
+            cache.slot_unit.fill_(-1)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            cache.refresh(stamps, 0, step, host, pool)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        t = sorted(times[1:])[len(times[1:]) // 2]  # the median, after a warm-up run
+        slot = int(cache.unit_slot[(layers - 1) * H + 3, 5])
+        page = int(cache.cache_pages[slot])
+        got = pool.k_buffer[layers - 1][page * BS : (page + 1) * BS, 3].cpu()
+        ok = ok and slot >= 0 and torch.equal(got, host.k[layers - 1, 3, 5])
         by_size[n] = {
             "blocks": n,
             "bytes": n * block_bytes,
             "s": t,
             "gbps": n * block_bytes / t / 1e9,
         }
-    # one promoted block's bytes, checked against the host tier (a block with data)
-    src = torch.tensor([5], device="cuda")
-    dst = torch.tensor([pages - 1], device="cuda")
-    for layer in range(layers):
-        copy_units_to_pages(host.k[layer], host.v[layer], src, k[layer], v[layer], dst)
-    got = k[layers - 1][(pages - 1) * BS : pages * BS, 3].cpu()
-    ok = torch.equal(got, host.k[layers - 1, 3, 5])
     host.close()
+    top = max(sizes)
     return {
         "layers": layers,
         "block_bytes": block_bytes,
-        "round_blocks": round_blocks,
+        "round_blocks": top,
         "by_blocks": by_size,
-        "round_gbps": by_size[round_blocks]["gbps"],
+        "round_gbps": by_size[top]["gbps"],
         "promoted_bytes_verified": ok,
     }
 
@@ -295,7 +304,7 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=4096)
     ap.add_argument("--engine-threads", type=int, default=8)
     ap.add_argument("--host-blocks", type=int, default=1024, help="host tier of the promotion")
-    ap.add_argument("--promote-blocks", default="64,256", help="promotion sizes besides a round")
+    ap.add_argument("--promote-blocks", default="64,256,512", help="units per refresh")
     args = ap.parse_args()
     if args.merge_serving_into:
         doc = json.loads(args.merge_serving_into.read_text())

@@ -165,7 +165,10 @@ def _wave_attention_kernel(
     stamp_ptr,
     step_ptr,
     stats_ptr,
+    uslot_ptr,
+    cpages_ptr,
     stamp_stride,
+    uslot_stride,
     scale,
     limit,
     max_read,
@@ -185,6 +188,7 @@ def _wave_attention_kernel(
     RULE: tl.constexpr,
     PREC: tl.constexpr,
     HAS_HOST: tl.constexpr,
+    CACHED: tl.constexpr,
     S: tl.constexpr,
     STAGES: tl.constexpr,
     STAMP: tl.constexpr,
@@ -196,7 +200,12 @@ def _wave_attention_kernel(
     Bookkeeping is written here, not by later launches: with STAMP every block read
     gets `*step_ptr` in `stamp_ptr[h * stamp_stride + page]` (its page from the page
     table `pages_ptr [B, NB]`: last-use stamps for working sets and residency), and
-    with STATS the blocks read and the blocks available are added to `stats_ptr[0:2]`.
+    with STATS the blocks read, the blocks available and the blocks read from the host
+    tier are added to `stats_ptr[0:3]`.
+
+    CACHED (tiered home): a host unit that the unit cache holds is read from HBM instead,
+    from page `cpages_ptr[s]` where `s = uslot_ptr[h * uslot_stride + host block]` >= 0
+    (`sglang_psa.mem_cache.unit_cache`).
 
     ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
     the S programs never wait for each other, the last to finish merges their states
@@ -230,6 +239,7 @@ def _wave_attention_kernel(
         step = tl.load(step_ptr)
     wstart = 0
     w = 0
+    n_host = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
@@ -246,7 +256,14 @@ def _wave_attention_kernel(
             # load through a pointer chosen per row. HBM slots may be strided (SGLang's
             # token-major pages: a slot is a page, the head an offset within each token);
             # host units are [bs, d] runs unless `host_*_stride` say otherwise.
+            if CACHED:  # a cached host unit: its slot's page (0 while the slot is torn down)
+                on_host = valid & (where < 0)
+                slot = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
+                cpage = tl.load(cpages_ptr + slot, mask=slot >= 0, other=0).to(tl.int64)
+                where = tl.where(cpage > 0, cpage, where)
             in_hbm = where >= 0
+            if STATS:
+                n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
             unit = tl.where(in_hbm, where, -where - 1)
             offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[None, :]
             if HAS_HOST:
@@ -379,6 +396,8 @@ def _wave_attention_kernel(
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
+    if STATS & HAS_HOST:  # every program: the host units its tiles read
+        tl.atomic_add(stats_ptr + 2, n_host.to(tl.int64))
 
 
 @dataclass
@@ -660,6 +679,8 @@ class WaveAttention:
         stamps: torch.Tensor | None = None,
         step: torch.Tensor | None = None,
         stats: torch.Tensor | None = None,
+        unit_slot: torch.Tensor | None = None,
+        cache_pages: torch.Tensor | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -673,8 +694,10 @@ class WaveAttention:
         `[units, bs, d]`, a unit per (head, block)); a host-resident SGLang pool is
         token-major like its pages.
         Bookkeeping, written by the kernel: with `stamps [Hkv, P]` (int32, needs
-        `meta_pages`) every block read stamps its page with `step [1]` (int32); `stats [2]`
-        (int64) gains the blocks read and the blocks available.
+        `meta_pages`) every block read stamps its page with `step [1]` (int32); `stats [3]`
+        (int64) gains the blocks read, the blocks available and those read from the host.
+        With `unit_slot [Hkv, host blocks + 1]` and `cache_pages [C]` (int32, the unit
+        cache of this layer) a cached host unit is read from its slot's page instead.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -694,6 +717,9 @@ class WaveAttention:
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
+        cached = unit_slot is not None
+        if cached and (not has_host or cache_pages is None):
+            raise ValueError("the unit cache needs the host tier and its cache pages")
         if stamps is not None and (meta_pages is None or step is None):
             raise ValueError("stamps need the page table (meta_pages) and the step counter")
         G = Hq // Hkv
@@ -722,7 +748,10 @@ class WaveAttention:
                     stamps if stamps is not None else self.n_read,
                     step if stamps is not None else self.n_read,
                     stats if stats is not None else self.n_read,
+                    unit_slot if cached else self.n_read,
+                    cache_pages if cached else self.n_read,
                     stamps.stride(0) if stamps is not None else 0,
+                    unit_slot.stride(0) if cached else 0,
                     scale,
                     self.limit,
                     NB if max_read_blocks is None else max_read_blocks,
@@ -736,6 +765,7 @@ class WaveAttention:
                     BS=bs,
                     NBLK=max(1, self.tile_tokens // bs),
                     HAS_HOST=has_host,
+                    CACHED=cached,
                     num_warps=self.num_warps,
                     RULE=0 if self.rule == "heuristic" else 1,
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",

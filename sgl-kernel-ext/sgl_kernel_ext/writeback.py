@@ -9,7 +9,6 @@ The kernel reorders on the GPU: page `pages[i]`, head `h` lands in unit
   with plain memcpy (`gather_pages_head_major`);
 - straight into the pinned host tier through UVA (`dst_blocks` = host blocks):
   GPU-initiated writes of 4-8 KB runs across PCIe.
-The inverse (`copy_units_to_pages`) promotes host blocks back into pool pages.
 Reference: `sglang_psa.algo.blockcopy.gather_pages_head_major_ref`.
 """
 
@@ -37,11 +36,9 @@ def _copy_pages_kernel(
     H: tl.constexpr,
     BS: tl.constexpr,
     D: tl.constexpr,
-    TO_PAGES: tl.constexpr,
 ):
     # Units (plan entry, KV head) u = pid, pid + P, ...: one program per unit, or a few
     # persistent programs (a copy through UVA then leaves most SMs to the compute).
-    # Pool pages -> units (write-back), or units -> pool pages (promotion, TO_PAGES).
     tok = tl.arange(0, BS)
     dim = tl.arange(0, D)
     for u in range(tl.program_id(0), units, tl.num_programs(0)):
@@ -53,12 +50,8 @@ def _copy_pages_kernel(
         at_pool += dim[None, :]
         at_unit = h.to(tl.int64) * unit_head_stride + (blk * BS + tok)[:, None] * D
         at_unit += dim[None, :]
-        if TO_PAGES:
-            tl.store(pool_k + at_pool, tl.load(unit_k + at_unit))
-            tl.store(pool_v + at_pool, tl.load(unit_v + at_unit))
-        else:
-            tl.store(unit_k + at_unit, tl.load(pool_k + at_pool))
-            tl.store(unit_v + at_unit, tl.load(pool_v + at_pool))
+        tl.store(unit_k + at_unit, tl.load(pool_k + at_pool))
+        tl.store(unit_v + at_unit, tl.load(pool_v + at_pool))
 
 
 def copy_pages_to_units(
@@ -80,26 +73,10 @@ def copy_pages_to_units(
     device or (CUDA) pinned host memory written through UVA. Without CUDA and outside the
     Triton interpreter this is torch indexing, which gives the identical result.
     """
-    _copy(k_src, v_src, pages, k_dst, v_dst, dst_blocks, programs, to_pages=False)
+    _copy(k_src, v_src, pages, k_dst, v_dst, dst_blocks, programs)
 
 
-def copy_units_to_pages(
-    k_src: torch.Tensor,
-    v_src: torch.Tensor,
-    src_blocks: torch.Tensor,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    pages: torch.Tensor,
-    programs: int | None = None,
-) -> None:
-    """The inverse (promotion): `k_dst[pages[i]*bs + t, h] = k_src[h, src_blocks[i], t]`
-    (and V). `k_src, v_src`: contiguous `[heads, blocks, bs, head_dim]` units, on the
-    pool's device or (CUDA) pinned host memory read through UVA; `k_dst, v_dst`: one
-    layer of SGLang's pool. Same launch shape and fallback as `copy_pages_to_units`."""
-    _copy(k_dst, v_dst, pages, k_src, v_src, src_blocks, programs, to_pages=True)
-
-
-def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs, to_pages: bool) -> None:
+def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs) -> None:
     n = pages.numel()
     H, d = pool_k.shape[1], pool_k.shape[2]
     bs = unit_k.shape[2] if unit_k.dim() == 4 else 0
@@ -118,10 +95,7 @@ def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs, to_pages: boo
         rows = (pages.long()[:, None] * bs + torch.arange(bs)).reshape(-1)
         b = blocks.long()
         for pool, unit in ((pool_k, unit_k), (pool_v, unit_v)):
-            if to_pages:
-                pool[rows] = unit[:, b].permute(1, 2, 0, 3).reshape(n * bs, H, d).to(pool.device)
-            else:
-                unit[:, b] = pool[rows].view(n, bs, H, d).permute(2, 0, 1, 3).to(unit.device)
+            unit[:, b] = pool[rows].view(n, bs, H, d).permute(2, 0, 1, 3).to(unit.device)
         return
     if bs & (bs - 1) or d & (d - 1):
         raise ValueError(f"block size {bs} and head dim {d} must be powers of two")
@@ -144,7 +118,6 @@ def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs, to_pages: boo
         H=H,
         BS=bs,
         D=d,
-        TO_PAGES=to_pages,
         num_warps=4,
     )
 

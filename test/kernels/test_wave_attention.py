@@ -327,10 +327,12 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
-def test_wave_attention_reads_cached_pages_and_token_major_host_pages(device):
-    """SGLang's pool on the host (token-major pages, `host_strides`) with some pages copied
-    into HBM cache slots of the same page layout: each block comes from its slot or its
-    host page, and the result equals the reference."""
+def test_wave_attention_reads_cached_units_from_their_slot_pages(device):
+    """The tiered home's layout: SGLang's token-major pool, a head-major host tier holding
+    the evicted blocks, and the unit cache: some host units also in slot pages of the pool
+    (`unit_slot`, `cache_pages`). The host copies of cached units are garbage, so the
+    result equals the reference only if every cached unit is read from its slot page;
+    `stats[2]` counts the units read from the host."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
     cfg = PSAConfig(threshold=0.9, **SMALL_WAVES)
@@ -339,46 +341,71 @@ def test_wave_attention_reads_cached_pages_and_token_major_host_pages(device):
     bs = cfg.block_size
     nb = -(-T // bs)
     g = torch.Generator().manual_seed(5)
-    pages, k_pool, v_pool = _paged_pool(k, v, bs, g, "cpu")  # the host-resident pool
-    cached = torch.rand(B, nb, generator=g) < 0.5
-    n_slots = int(cached.sum())
-    page_elems = bs * Hkv * d
-    k_cache = torch.zeros(n_slots + 1, page_elems, device=device)
-    v_cache = torch.zeros_like(k_cache)
-    loc = torch.empty(B, nb, dtype=torch.int32)
-    slot = 0
+    pages, kbuf, vbuf = _paged_pool(k, v, bs, g, device)
+    extra = 40  # pages past the requests' for the cache slots
+    first_free = kbuf.shape[0] // bs
+    kbuf = torch.cat([kbuf, torch.zeros(extra * bs, Hkv, d, device=device)])
+    vbuf = torch.cat([vbuf, torch.zeros(extra * bs, Hkv, d, device=device)])
+    evicted = torch.rand(B, nb, generator=g) < 0.6
+    HB, C = B * nb, extra
+    k_host = torch.full((Hkv, HB, bs, d), float("nan"))
+    v_host = torch.full_like(k_host, float("nan"))
+    unit_slot = torch.full((Hkv, HB + 1), -1, dtype=torch.int32)
+    cache_pages = torch.arange(first_free, first_free + C, dtype=torch.int32)
+    loc = torch.empty(B, Hkv, nb, dtype=torch.int32)
+    on_host = torch.zeros(B, Hkv, nb, dtype=torch.bool)  # read from the host tier
+    free = [0] * Hkv
     for b in range(B):
         for j in range(nb):
-            p = int(pages[b, j])
-            if cached[b, j]:
-                k_cache[slot] = k_pool[p * bs : (p + 1) * bs].reshape(-1).to(device)
-                v_cache[slot] = v_pool[p * bs : (p + 1) * bs].reshape(-1).to(device)
-                loc[b, j] = slot
-                slot += 1
-            else:
-                loc[b, j] = -p - 1
+            t0, t1 = j * bs, min((j + 1) * bs, T)
+            hb = b * nb + j
+            if not evicted[b, j]:
+                loc[b, :, j] = int(pages[b, j])
+                continue
+            loc[b, :, j] = -hb - 1
+            for h in range(Hkv):
+                kk, vv = k[b, h, t0:t1].cpu(), v[b, h, t0:t1].cpu()
+                if free[h] < C and torch.rand(1, generator=g) < 0.5:  # cached
+                    slot = free[h]
+                    free[h] += 1
+                    unit_slot[h, hb] = slot
+                    row = int(cache_pages[slot]) * bs
+                    kbuf[row : row + t1 - t0, h] = kk.to(device)
+                    vbuf[row : row + t1 - t0, h] = vv.to(device)
+                else:
+                    k_host[h, hb].zero_()
+                    v_host[h, hb].zero_()
+                    k_host[h, hb, : t1 - t0], v_host[h, hb, : t1 - t0] = kk, vv
+                    on_host[b, h, j] = True
+    assert on_host.any() and (unit_slot >= 0).any()
     if device == "cuda":
-        k_pool, v_pool = k_pool.pin_memory(), v_pool.pin_memory()
+        k_host, v_host = k_host.pin_memory(), v_host.pin_memory()
     meta = block_metadata(k, lengths, bs)
     ref = progressive_attention(q, k, v, lengths, cfg)
     wa = WaveAttention.from_config(cfg).plan(B, q.shape[1], Hkv, d, nb, device)
-    strides = (page_elems, Hkv * d, d)
+    stats = torch.zeros(3, dtype=torch.int64, device=device)
     res = wa.run(
         q,
-        k_cache,
-        v_cache,
-        loc[:, None, :].expand(B, Hkv, nb).to(device),
+        kbuf,
+        vbuf,
+        loc.to(device),
         lengths,
         meta.mean,
         meta.kmin,
         meta.kmax,
-        k_host=k_pool,
-        v_host=v_pool,
-        slot_strides=strides,
-        host_strides=strides,
+        k_host=k_host,
+        v_host=v_host,
+        slot_strides=(bs * Hkv * d, Hkv * d, d),
+        host_strides=(bs * d, d, HB * bs * d),
+        stats=stats,
+        unit_slot=unit_slot.to(device),
+        cache_pages=cache_pages.to(device),
     )
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+    read = ref.read[..., :nb].cpu()
+    assert int(stats[0]) == int(read.sum())
+    assert int(stats[2]) == int((read & on_host).sum()) > 0
 
 
 @pytest.mark.parametrize(

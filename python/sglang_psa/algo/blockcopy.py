@@ -30,24 +30,3 @@ def gather_pages_head_major_ref(
         rows = torch.cat(blocks) if blocks else src[:0]
         out.append(rows.permute(1, 0, 2).contiguous())
     return out[0], out[1]
-
-
-def units_to_pages_ref(
-    k_units: torch.Tensor,
-    v_units: torch.Tensor,
-    blocks: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    pages: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Promotion: copies of one layer's pool `[tokens, heads, d]` where page `pages[i]`
-    holds unit `[:, blocks[i]]` of `[heads, host blocks, bs, d]` (token `t` of the unit
-    at row `pages[i]*bs + t`); every other row as it was."""
-    bs = k_units.shape[2]
-    out = []
-    for units, pool in ((k_units, k_pool), (v_units, v_pool)):
-        got = pool.clone()
-        for p, b in zip(pages.tolist(), blocks.tolist()):
-            got[p * bs : (p + 1) * bs] = units[:, b].permute(1, 0, 2).to(got.device)
-        out.append(got)
-    return out[0], out[1]

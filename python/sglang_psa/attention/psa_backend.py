@@ -163,7 +163,11 @@ class PSAAttnBackend(AttentionBackend):
             self.writeback = self._writeback(
                 cfg, pool, model_runner, device, self._page_cols.shape, host_blocks
             )
-            self.residency = Residency(self.writeback, self.meta, self.ws, req_to_token, cfg, pool)
+            allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
+            self.residency = Residency(
+                self.writeback, self.meta, self.ws, req_to_token, cfg, pool, allocator
+            )
+            self.residency.unit_reads = self.unit_reads
         serving = current()
         serving.writeback = self.writeback
         serving.residency = self.residency
@@ -212,11 +216,11 @@ class PSAAttnBackend(AttentionBackend):
             bs,
             device,
             heat_blocks=self.max_blocks if host_rows else 0,  # tiered: residency's heat
-            page_rows=num_pages,
         )
-        # Per layer: KV blocks read and available (device counters the kernel adds to).
-        self.stats = torch.zeros(pool.layer_num, 2, dtype=torch.int64, device=device)
-        self._stats_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # Per layer: KV blocks read, available and read from the host tier (device counters
+        # the kernel adds to; a block of one KV head is one unit).
+        self.stats = torch.zeros(pool.layer_num, 3, dtype=torch.int64, device=device)
+        self._stats_host = torch.zeros(3, dtype=torch.int64, pin_memory=device.type == "cuda")
 
     @staticmethod
     def _writeback(cfg: PSAConfig, pool, model_runner, device, table_shape, host_blocks: int):
@@ -252,6 +256,7 @@ class PSAAttnBackend(AttentionBackend):
         return {
             "block_metadata": self.meta.bytes,
             "working_sets": self.ws.bytes + size(self.stats),
+            "unit_cache_tables": self.residency.cache.bytes if self.residency else 0,
             "step_tables": size(
                 self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host
             ),
@@ -405,11 +410,12 @@ class PSAAttnBackend(AttentionBackend):
         plan = self._plan(step, q, layer)
         Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
         strides = (bs * Hkv * d, Hkv * d, d)
-        host_k = host_v = None  # slots are the pool's pages, for every head
+        host_k = host_v = unit_slot = cache_pages = None  # slots: the pool's pages
         host_strides = strides
-        if self.writeback is not None:  # ... or host-tier blocks through UVA
+        if self.writeback is not None:  # ... or host-tier blocks through UVA, or the unit
             host_k, host_v = self.writeback.host.k[lid], self.writeback.host.v[lid]
             host_strides = self.writeback.host_strides()
+            unit_slot, cache_pages = self.residency.cache.layer(lid)  # cache's copies
         mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via the table
         res = plan.run(
             q,
@@ -430,6 +436,8 @@ class PSAAttnBackend(AttentionBackend):
             stamps=self.ws.layer_stamps(lid),
             step=self.ws.step,
             stats=self.stats[lid],
+            unit_slot=unit_slot,
+            cache_pages=cache_pages,
         )
         return res.out
 
@@ -457,7 +465,7 @@ class PSAAttnBackend(AttentionBackend):
         read = res.read[..., :nb]
         self.ws.mark(lid, pages, read)
         own = ((lengths + bs - 1) // bs).sum() * read.shape[1]
-        self.stats[lid] += torch.stack([read.sum(), own]).to(self.stats.device)
+        self.stats[lid, :2] += torch.stack([read.sum(), own]).to(self.stats.device)
         return res.out
 
     @property
@@ -467,11 +475,18 @@ class PSAAttnBackend(AttentionBackend):
     def read_counts(self) -> tuple[int, int]:
         """(blocks read, blocks readable) over all layers as of an earlier call, without a
         sync: returns the last copy and starts the next one (the metrics' refresh)."""
-        read, total = (int(x) for x in self._stats_host.tolist())
+        read, total, _ = (int(x) for x in self._stats_host.tolist())
         self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
         return read, total
 
+    def unit_reads(self) -> tuple[int, int]:
+        """(units read from HBM, units read from the host tier) over all layers, like
+        `read_counts`: the last copy, and the next one started."""
+        read, _, host = (int(x) for x in self._stats_host.tolist())
+        self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
+        return read - host, host
+
     def read_fraction(self) -> float:
         """Fraction of KV blocks the decode steps read so far, over all layers (syncs)."""
-        read, total = (int(x) for x in self.stats.sum(0).tolist())
+        read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
         return read / total if total else 0.0

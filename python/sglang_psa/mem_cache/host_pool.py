@@ -2,7 +2,7 @@
 
 `k` and `v` are `[layers, kv_heads, num_blocks, block_size, head_dim]`, so one
 block of one head is one contiguous run (8 KB for 32 x 128 bf16): the unit the
-write-back and promotion kernels move and the wave kernel reads through UVA.
+write-back and the unit cache's refresh move and the wave kernel reads through UVA.
 Where CUDA exists the memory is page-locked so the GPU reads it at PCIe speed:
 shared memory registered in place when the copy-engine process maps it, else
 CUDA's own pinned allocation. A host block id (`writeback.HostBlocks`) names

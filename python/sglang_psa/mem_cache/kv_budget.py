@@ -33,11 +33,22 @@ def host_blocks(cfg, kv_bytes_per_token: int) -> int:
     return int(cfg.host_pool_gb * 2**30) // (kv_bytes_per_token * cfg.block_size)
 
 
-def host_row_bytes(cfg, kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
-    """HBM bytes of the tiered home's rows for host blocks: the block metadata and one
-    int32 last-read stamp per (layer, KV head) of each (heads bounded from above by
-    taking head_dim >= 32)."""
-    meta = metadata_bytes_per_token(kv_bytes_per_token, kv_dtype, cfg) * cfg.block_size
+def _layer_heads(kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+    """(layer, KV head) pairs, bounded from above by taking head_dim >= 32."""
     heads_d = kv_bytes_per_token // (2 * torch.empty((), dtype=kv_dtype).element_size() * layers)
-    stamps = 4 * layers * max(1, heads_d // 32)
-    return host_blocks(cfg, kv_bytes_per_token) * (meta + stamps)
+    return layers * max(1, heads_d // 32)
+
+
+def host_row_bytes(cfg, kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+    """HBM bytes of the tiered home's rows for host blocks: the block metadata, one int32
+    last-read stamp and one int32 unit-cache slot per (layer, KV head) of each, and its
+    evicted flag (`mem_cache.unit_cache`)."""
+    meta = metadata_bytes_per_token(kv_bytes_per_token, kv_dtype, cfg) * cfg.block_size
+    stamps_and_slots = 8 * _layer_heads(kv_bytes_per_token, kv_dtype, layers)
+    return host_blocks(cfg, kv_bytes_per_token) * (meta + stamps_and_slots + 1)
+
+
+def unit_cache_bytes_per_page(kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+    """HBM bytes of the unit cache's tables per page of SGLang's pool (the most pages it
+    can take): the host block in each (layer, KV head)'s slot, and the slot's page."""
+    return 4 * _layer_heads(kv_bytes_per_token, kv_dtype, layers) + 4

@@ -32,17 +32,13 @@ reads). A request not yet measured in its row (a new request, a reused row)
 counts as read by every unit: its blocks go last. Prefix sharing is off at this
 home (a tree-shared page is not one request's to give back).
 
-Promotion (`promote`, every decode round after `make_room`): evicted blocks that
-at least `1 / PROMOTE_SHARE` of the units read lately come back into HBM, up to
-`PROMOTE_BYTES` of KV per round, most read first. Their pages come from SGLang's
-allocator: spare pages beyond two per running request first, then pages of the
-least read HBM blocks, each evicted for a block read by more than twice as many
-units (a swap pays only where it cuts reads across PCIe). One launch per layer
-copies the host units into the pages
-(`sgl_kernel_ext.writeback.copy_units_to_pages`, UVA reads), then the
-metadata and stamps rows move back, the request table takes the new pages and
-the location table sends decode to them. The host copy stays: the block is
-still saved, and a later eviction writes nothing.
+The unit cache (`mem_cache.unit_cache`): an evicted block does not come back
+whole. HBM pages the allocator can spare (beyond two per running request) become
+slots of the unit cache, which holds the single (layer, KV head) units of evicted
+blocks that decode reads; `refresh`, every decode round, grows it and brings in
+the units the last step read from the host. When SGLang needs pages, cold blocks
+leave first (their hot units come back as units), then cache pages; when the last
+evicted block is gone the cache gives every page back.
 
 Ordering: all of this runs on the scheduler's stream, which SGLang orders
 before the next forward. The decode graph reads the request table and the
@@ -57,20 +53,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sgl_kernel_ext.writeback import copy_units_to_pages
+from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
 _STALE_TOKENS = 8
-PROMOTE_SHARE = 8  # an evicted block read by 1/8 of the units lately comes back
-PROMOTE_BYTES = 32 << 20  # KV promoted per scheduling round (about 1 ms of PCIe)
 
 
 class Residency:
-    def __init__(self, writeback, meta, working_sets, req_to_token: torch.Tensor, cfg, pool):
-        """`pool`: SGLang's KV pool (`k_buffer`/`v_buffer` by layer), where promotion
-        writes."""
+    def __init__(
+        self, writeback, meta, working_sets, req_to_token: torch.Tensor, cfg, pool, allocator
+    ):
+        """`pool`: SGLang's KV pool (`k_buffer`/`v_buffer` by layer), where the unit cache
+        lives; `allocator`: SGLang's page allocator, which the cache takes pages from and
+        gives them back to (the one the scheduler hooks pass in, once they have)."""
         self.wb, self.meta, self.ws = writeback, meta, working_sets
         self.pool = pool
         self.req_to_token = req_to_token
@@ -83,9 +80,18 @@ class Residency:
             raise ValueError("residency needs the working sets to publish block heat")
         self.evicted: dict[object, np.ndarray] = {}  # rid -> bool by block: left HBM
         self.evictions = 0  # blocks given back to the allocator, ever
-        self.promotions = 0  # blocks brought back into HBM, ever
-        self.promote_blocks = max(1, PROMOTE_BYTES // writeback.block_bytes)
-        self.promote_min = max(1, working_sets.layers * working_sets.kv_heads // PROMOTE_SHARE)
+        self.allocator = allocator
+        # (units decode read from HBM, from the host tier) as last published without a
+        # sync: the backend's counters (the wave kernel counts them)
+        self.unit_reads = lambda: (0, 0)
+        self.cache = UnitCache(
+            working_sets.layers,
+            working_sets.kv_heads,
+            writeback.blocks.num_blocks,
+            (pool.size + self.block_size) // self.block_size,
+            self.block_size,
+            req_to_token.device,
+        )
         self.freeing = False  # inside our own free (no page 0 to drop)
         # A request with evicted blocks ended: its free, which SGLang may defer to the end
         # of a free group, still holds page-0 entries for the allocator hook to drop.
@@ -95,9 +101,18 @@ class Residency:
 
     def release(self, rid) -> None:
         """`rid` ended: its evicted set goes (its entries point at page 0, which the
-        allocator hook keeps out of the free)."""
-        if self.evicted.pop(rid, None) is not None:
-            self.zero_pending = True
+        allocator hook keeps out of the free), its units leave the unit cache, and with
+        the last evicted block gone the cache gives its pages back."""
+        gone = self.evicted.pop(rid, None)
+        if gone is None:
+            return
+        self.zero_pending = True
+        r = self.wb.request(rid)
+        if r is not None:
+            hbs = [r.host[b] for b in np.flatnonzero(gone).tolist() if b < len(r.host)]
+            self.cache.forget(to_device(hbs, self.req_to_token.device))
+        if not self.evicted:
+            self._free(self.cache.shrink(self.cache.pages))
 
     @property
     def evicted_blocks(self) -> int:
@@ -114,15 +129,14 @@ class Residency:
         gone)."""
         return sum(len(got[0]) for got in map(self._candidates, _live(reqs)) if got is not None)
 
-    def _readers(self, row: int, seq_len: int, upto: int, unknown: int) -> np.ndarray:
-        """Published readers of blocks `[0, upto)` of the request in `row`; `unknown` where
-        the row was not measured for this request (eviction: 255, a request counts as read
-        by every unit until it is; promotion: 0, nothing comes back on no evidence)."""
+    def _readers(self, row: int, seq_len: int, upto: int) -> np.ndarray:
+        """Published readers of blocks `[0, upto)` of the request in `row`; 255 where the
+        row was not measured for this request (read by every unit until it is)."""
         _, lengths = self.ws.read()
         measured = int(lengths[row])
         heat = self.ws.heat_of(row)
         if heat is None or measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
-            return np.full(upto, unknown, dtype=np.int64)
+            return np.full(upto, 255, dtype=np.int64)
         return heat[:upto].astype(np.int64)
 
     def _candidates(self, req) -> tuple[np.ndarray, np.ndarray] | None:
@@ -135,7 +149,7 @@ class Residency:
         upto = min(r.saved, seq_len // self.block_size - self.keep_recent)
         if upto <= self.sink:
             return None
-        readers = self._readers(r.row, seq_len, upto, unknown=255)
+        readers = self._readers(r.row, seq_len, upto)
         ok = np.ones(upto, dtype=bool)
         ok[: self.sink] = False
         gone = self.evicted.get(req.rid)
@@ -145,26 +159,43 @@ class Residency:
         order = np.lexsort((blocks, readers[blocks]))
         return blocks[order], readers[blocks][order]
 
-    def _coldest(self, reqs, n: int, below: int | None = None) -> list[tuple[int, object, int]]:
+    def _coldest(self, reqs, n: int) -> list[tuple[int, object, int]]:
         """Up to `n` `(readers, rid, block)` of `reqs` that may leave HBM, least read first
-        (then oldest); only blocks read by fewer than `below` units when given."""
+        (then oldest)."""
         found = []
         for req in _live(reqs):
             got = self._candidates(req)
             if got is not None:
                 blocks, readers = got
-                keep = slice(None) if below is None else readers < below
-                found += zip(readers[keep][:n].tolist(), [req.rid] * n, blocks[keep][:n].tolist())
+                found += zip(readers[:n].tolist(), [req.rid] * n, blocks[:n].tolist())
         found.sort(key=lambda c: (c[0], c[2]))
         return found[:n]
 
     def make_room(self, reqs, tokens: int, allocator) -> int:
         """Give back pages of `reqs` (SGLang requests, running) until `tokens` more tokens
-        fit; returns the tokens freed (less when too few blocks are saved yet)."""
+        fit: cold blocks first, then unit-cache pages; returns the tokens freed (less
+        when too few blocks are saved yet and the cache is empty)."""
+        self.allocator = allocator
         want = -(-tokens // self.block_size)
         if want <= 0:
             return 0
-        return self._evict_all(self._coldest(reqs, want), allocator)
+        freed = self._evict_all(self._coldest(reqs, want), allocator)
+        short = want - freed // self.block_size
+        if short > 0 and self.cache.pages:
+            n = min(short, self.cache.pages)
+            self._free(self.cache.shrink(n), allocator)
+            freed += n * self.block_size
+        return freed
+
+    def _free(self, tokens: torch.Tensor, allocator=None) -> None:
+        """Give the pages of `tokens` (device, whole pages) back to SGLang's allocator."""
+        if tokens.numel() == 0:
+            return
+        self.freeing = True  # our pages are never page 0: the allocator hook lets them by
+        try:
+            (allocator or self.allocator).free_segment(tokens, start_pos=0)
+        finally:
+            self.freeing = False
 
     def _evict_all(self, victims: list[tuple[int, object, int]], allocator) -> int:
         by_rid: dict[object, list[int]] = {}
@@ -191,85 +222,42 @@ class Residency:
         tokens = (idx[:, None] + self._offsets).flatten()
         freed = table[tokens].clone()
         table.index_put_((tokens,), (tokens % bs).to(table.dtype))  # page 0's slots
-        self.freeing = True  # our pages are never page 0: the allocator hook lets them by
-        try:
-            allocator.free_segment(freed, start_pos=0)
-        finally:
-            self.freeing = False
+        self._free(freed, allocator)
+        self.cache.mark_evicted(rows - self.page_rows)
         gone = self.evicted.setdefault(rid, np.zeros(self.max_blocks, dtype=bool))
         gone[blocks] = True
         self.evictions += len(blocks)
         return len(blocks) * bs
 
-    def promote(self, reqs, allocator) -> int:
-        """Bring evicted blocks of `reqs` that many units read lately back into HBM (see
-        the module docstring); returns the blocks promoted."""
-        if not self.evicted:  # (a request's entry goes with its last evicted block)
+    def refresh(self, reqs, allocator) -> int:
+        """Every decode round, while blocks are evicted: the unit cache takes the pages
+        the allocator can spare beyond two per running request, then brings in the host
+        units the last step read (`UnitCache.refresh`, no sync). Returns the pages
+        taken."""
+        self.allocator = allocator
+        if not self.evicted:
             return 0
-        hot = []  # (readers, rid, block)
-        live = list(_live(reqs))
-        for req in live:
-            gone = self.evicted.get(req.rid)
-            r = self.wb.request(req.rid)
-            if gone is None or r is None:
-                continue
-            upto = min(int(req.seqlen) // self.block_size, self.max_blocks)
-            readers = self._readers(r.row, int(req.seqlen), upto, unknown=0)
-            for b in np.flatnonzero(gone[:upto] & (readers >= self.promote_min)):
-                hot.append((int(readers[b]), req.rid, int(b)))
-        if not hot:
-            return 0
-        hot.sort(key=lambda h: -h[0])
-        hot = hot[: self.promote_blocks]
         bs = self.block_size
-        free = min(len(hot), max(0, allocator.available_size() // bs - 2 * len(live)))
-        rest = hot[free:]
-        if rest:  # swap: each block read by more than twice the units of its victim
-            victims = self._coldest(live, len(rest), below=(rest[0][0] + 1) // 2)
-            k = 0
-            while k < len(victims) and rest[k][0] > 2 * victims[k][0]:
-                k += 1
-            if k:
-                self._evict_all(victims[:k], allocator)
-            hot = hot[: free + k]
-        hot = hot[: max(0, allocator.available_size() // bs - 2 * len(live))]
-        if not hot:
-            return 0
-        slots = allocator.alloc(len(hot) * bs)
-        if slots is None:
-            return 0
-        self._bring_back([(rid, b) for _, rid, b in hot], slots)
-        return len(hot)
-
-    def _bring_back(self, blocks: list[tuple[object, int]], slots: torch.Tensor) -> None:
-        """Evicted `(rid, block)`s into the pages of the allocated token `slots`."""
-        bs, dev = self.block_size, self.req_to_token.device
-        reqs = [self.wb.request(rid) for rid, _ in blocks]
-        hosts = to_device([r.host[b] for r, (_, b) in zip(reqs, blocks)], dev)
-        pages = slots[::bs] // bs
-        for layer, (kb, vb) in enumerate(zip(self.pool.k_buffer, self.pool.v_buffer)):
-            copy_units_to_pages(self.wb.host.k[layer], self.wb.host.v[layer], hosts, kb, vb, pages)
-        self.meta.copy_rows(hosts + self.page_rows, pages.long())
-        self.ws.copy_rows(hosts + self.page_rows, pages.long())
-        rows = to_device([r.row for r in reqs], dev)
-        cols = to_device([b for _, b in blocks], dev)
-        tok_rows = rows.repeat_interleave(bs)
-        tok_cols = (cols[:, None] * bs + self._offsets).flatten()
-        self.req_to_token.index_put_((tok_rows, tok_cols), slots.to(self.req_to_token.dtype))
-        self.wb.host_loc.index_put_((rows, cols), torch.zeros_like(cols, dtype=torch.int32))
-        for rid, b in blocks:
-            self.evicted[rid][b] = False
-        for rid in {rid for rid, _ in blocks}:
-            if not self.evicted[rid].any():  # no page-0 entry left in its row
-                del self.evicted[rid]
-        self.promotions += len(blocks)
+        spare = allocator.available_size() // bs - 2 * sum(1 for _ in _live(reqs))
+        n = min(spare, self.cache.capacity - self.cache.pages)
+        if n > 0:
+            slots = allocator.alloc(n * bs)
+            if slots is None:
+                n = 0
+            else:
+                self.cache.grow(slots[::bs] // bs)
+        self.cache.refresh(self.ws.stamps, self.page_rows, self.ws.step, self.wb.host, self.pool)
+        return n
 
     def report(self) -> dict[str, int]:
-        hbm, host = self.ws.unit_reads()
+        """Counters for server info and metrics, from host memory (no sync; the device
+        counters as last copied, a step or two old)."""
+        hbm, host = self.unit_reads()
         return {
             "blocks_evicted": self.evicted_blocks,
             "evictions": self.evictions,
-            "promotions": self.promotions,
+            "cache_pages": self.cache.pages,
+            "units_cached": int(self.cache.copied_host[0]),  # host units brought in
             "units_read_hbm": hbm,  # (layer, KV head, block) reads decode served from HBM
             "units_read_host": host,  # ... and from the host tier, across PCIe
         }

@@ -15,9 +15,7 @@ its own beside the pages' (`num_pages` counts both), as it has block metadata,
 and each step also publishes the heat of every block of the batch: how many
 (layer, KV head) units read it within the last `HEAT_WINDOW` steps
 (`sgl_kernel_ext.working_set.block_readers`), by request-table row and block,
-as one byte. Residency keeps the pages most units read in HBM by it. It also
-counts the units each step read from HBM pages and from host blocks (rows from
-`page_rows` on), the tiered home's HBM hit rate, published like the sizes.
+as one byte. Residency keeps the pages most units read in HBM by it.
 """
 
 from __future__ import annotations
@@ -25,12 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sgl_kernel_ext.working_set import (
-    UNIT_READS_CHUNK,
-    block_readers,
-    unit_reads,
-    working_set_parts,
-)
+from sgl_kernel_ext.working_set import block_readers, working_set_parts
 
 HEAT_WINDOW = 4  # steps over which a block's readers are counted
 
@@ -46,7 +39,6 @@ class WorkingSets:
         block_size: int,
         device: torch.device | str,
         heat_blocks: int = 0,
-        page_rows: int | None = None,
     ):
         dev = torch.device(device)
         self.layers, self.kv_heads, self.num_pages = layers, kv_heads, num_pages
@@ -68,13 +60,6 @@ class WorkingSets:
             self._heat_rows = torch.full((rows,), -1, dtype=torch.int64, pin_memory=pin)
             self._heat_count = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
             self._counts: dict[int, torch.Tensor] = {}  # batch size -> that size, on device
-            # Units read from (HBM pages, host blocks), ever; per-chunk partial counts.
-            self.page_rows = num_pages if page_rows is None else page_rows
-            self._reads = torch.zeros(2, dtype=torch.int64, device=dev)
-            self._reads_step = torch.zeros(2, dtype=torch.int64, device=dev)
-            self._reads_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
-            chunks = -(-num_pages // UNIT_READS_CHUNK)
-            self._read_parts = torch.zeros(chunks, 2, dtype=torch.int32, device=dev)
 
     @property
     def bytes(self) -> int:
@@ -82,7 +67,7 @@ class WorkingSets:
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b[:2])]
         ts += [t for pair in self._scratch for t in pair]
         if self.heat_blocks:
-            ts += [self._reads, self._reads_step, self._read_parts, *self._counts.values()]
+            ts += list(self._counts.values())
         return sum(t.numel() * t.element_size() for t in ts)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -135,17 +120,8 @@ class WorkingSets:
         self._dev[1].index_copy_(0, rows, lengths.to(torch.int32))
         self._host.copy_(self._dev, non_blocking=True)
         if self.heat_blocks:
-            self._count_reads()
             self._publish_heat(rows, pages, readers, heat8)
         self.step.add_(1)
-
-    def _count_reads(self) -> None:
-        """Add the units the last step read from HBM pages and from host blocks to the
-        totals, and publish them. Preallocated buffers, no sync."""
-        unit_reads(self.stamps, self.step, self.page_rows, self._read_parts)
-        torch.sum(self._read_parts, 0, dtype=torch.int64, out=self._reads_step)
-        self._reads.add_(self._reads_step)
-        self._reads_host.copy_(self._reads, non_blocking=True)
 
     def _publish_heat(self, rows, pages: torch.Tensor, readers: torch.Tensor, heat8) -> None:
         """Readers of the batch's blocks `pages [B, NB]` (units that read each within the
@@ -181,19 +157,11 @@ class WorkingSets:
             self._heat_host.zero_()
             self._heat_rows.fill_(-1)
             self._heat_count.zero_()
-            self._reads.zero_()
-            self._reads_host.zero_()
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(sizes, lengths)` by request-table row, as last published (host memory; no
         sync, possibly a step old; length 0: never measured)."""
         return self._host[0], self._host[1]
-
-    def unit_reads(self) -> tuple[int, int]:
-        """Units decode read from (HBM pages, host blocks) so far, as last published (no
-        sync; a step or two old). Tiered home only."""
-        hbm, host = self._reads_host.tolist()
-        return hbm, host
 
     def heat_of(self, row: int) -> np.ndarray | None:
         """`[blocks]` uint8 readers of the blocks of the request in request-table `row`, as

@@ -2,8 +2,8 @@
 
 `--psa-kv-home tiered`: SGLang's KV pool stays in HBM (the hot tier) and every
 block that fills (in prefill or in decode) gets a copy in the host tier, laid
-out per (layer, KV head, block) (`HostKVPool`), so a later step can read or
-promote it instead of keeping it in HBM.
+out per (layer, KV head, block) (`HostKVPool`), so a later step can read it
+there, or cache single units of it (`unit_cache`), instead of keeping it in HBM.
 
 Who calls what (one scheduler process, one thread; SGLang's overlap loop
 prepares batch t+1 after launching forward t, then launches forward t+1):
@@ -502,7 +502,7 @@ class WriteBack:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block's KV over all layers and heads (a save's or a promotion's)."""
+        """Bytes of one block's KV over all layers and heads (what a save moves)."""
         return self._block_bytes * self.layers
 
     def request(self, rid) -> _Req | None:

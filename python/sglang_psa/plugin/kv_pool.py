@@ -2,9 +2,10 @@
 
 - `--psa-kv-home hbm`: the pool's byte budget per token grows by the per-page
   block metadata (mean keys, plus min/max for key bounds).
-- `--psa-kv-home tiered`: as for `hbm`; the block metadata and last-read stamps of
-  every host-tier block (a block whose page was given back is still scored) come
-  out of the same HBM budget, so the pool has fewer tokens (`host_row_bytes`).
+- `--psa-kv-home tiered`: as for `hbm`; the block metadata, last-read stamps and
+  unit-cache slots of every host-tier block (a block whose page was given back is
+  still scored) and the unit cache's per-page table come out of the same HBM
+  budget, so the pool has fewer tokens (`host_row_bytes`, `unit_cache_bytes_per_page`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import dataclasses
 import logging
 
 from sglang_psa.config import flag_name
-from sglang_psa.mem_cache.kv_budget import host_blocks, host_row_bytes, metadata_bytes_per_token
+from sglang_psa.mem_cache.kv_budget import (
+    host_blocks,
+    host_row_bytes,
+    metadata_bytes_per_token,
+    unit_cache_bytes_per_page,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,10 @@ def after_calculate_pool_sizes(result, configurator, available_bytes, page_size)
 
 def _tiered_pool_size(cfg, configurator, result, per_token: int, page_size: int):
     """The tiered home's token budget: SGLang's, less the HBM of the host blocks' rows."""
-    rows = host_row_bytes(cfg, per_token, configurator._psa_kv_dtype, configurator._psa_layers)
+    dtype, layers = configurator._psa_kv_dtype, configurator._psa_layers
+    rows = host_row_bytes(cfg, per_token, dtype, layers)
+    pages = result.max_total_num_tokens // page_size + 1
+    rows += pages * unit_cache_bytes_per_page(per_token, dtype, layers)
     cut = -(-rows // configurator._cell_size)
     tokens = (result.max_total_num_tokens - cut) // page_size * page_size
     if tokens < 4 * page_size:

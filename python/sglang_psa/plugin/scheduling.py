@@ -8,14 +8,17 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 - `PrefillAdder.add_one_req` (around): a new request is admitted only while the
   working sets of the running ones plus its estimate fit; otherwise it waits in
   SGLang's queue (the adder stops for this round), never dropped. With nothing
-  running it is admitted anyway, so the server cannot stall.
+  running it is admitted anyway, so the server cannot stall. At the tiered home
+  an admitted request then makes room: saved blocks of running requests leave HBM
+  until SGLang's budget holds it.
 - `ScheduleBatch.check_decode_mem` (around): before each decode step, the blocks
   the backend read in the last step are recorded as each request's working set;
   if the selected requests' working sets outgrow the cache, SGLang retracts
   (with its own victim policy; the check honours `selected_indices`). At the
-  tiered home, pages of saved blocks are given back first when the step would
-  find the allocator short (`mem_cache.residency`), as they are before a queued
-  prompt is refused for want of pages.
+  tiered home, pages of saved blocks (then of the unit cache) are given back
+  first when the step would find the allocator short (`mem_cache.residency`), as
+  they are before a queued prompt is refused for want of pages, and the unit
+  cache is refreshed.
 - `release_kv_cache` (after): a finished request is forgotten, a retracted one
   keeps its history for when it resumes.
 - `validate_input_length` (after): a request whose KV cannot fit the tiered
@@ -39,15 +42,15 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+    was_paused = req.rid in serving.controller.paused
+    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
+        return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
         # what the adder will ask of its budget: the prompt, the clipped output, slack
         need = len(req.origin_input_ids) + min(max_new or 0, CLIP_MAX_NEW_TOKENS)
         need += 2 * serving.cfg.block_size
         alloc = adder.token_to_kv_pool_allocator
         serving.make_room(running, need - int(adder.rem_total_tokens), alloc)
-    was_paused = req.rid in serving.controller.paused
-    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
-        return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
@@ -62,7 +65,7 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         alloc = batch.token_to_kv_pool_allocator
         need = 2 * len(batch.reqs) * serving.cfg.block_size
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
-        serving.promote(batch.reqs, alloc)
+        serving.refresh(batch.reqs, alloc)
         if batch.batch_is_full and serving.residency.evictable(batch.reqs):
             # SGLang stops trying queued prompts once one did not fit, until a request
             # leaves; here saved blocks can still make room, so it tries again.
@@ -82,7 +85,7 @@ def around_check_decode_mem(original, batch, selected_indices=None):
 def around_apply_war_barrier(original, scheduler):
     """Tiered home: the scheduler's stream waits for the whole last forward, not only for
     its pre-replay snapshot: the decode graph reads the request and location tables
-    during its replay, and eviction and promotion rewrite them on that stream."""
+    during its replay, and eviction and the unit cache rewrite them on that stream."""
     serving = current()
     if serving is not None and serving.residency is not None:
         runner = scheduler.model_worker.war_fastpath_runner

@@ -105,8 +105,7 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         logger.info("sglang-psa: --psa-kv-home tiered turns prefix caching off")
         fields["disable_radix_cache"] = True
     if fields.get("chunked_prefill_size") is None:
-        # Bound each prefill batch by chunking long prompts at --psa-max-inject-tokens
-        # (sched.prefill_plan's layer segmentation is not wired into SGLang yet).
+        # Bound each prefill batch by chunking long prompts at --psa-max-inject-tokens.
         fields["chunked_prefill_size"] = cfg.max_inject_tokens
     fields.update(
         page_size=cfg.block_size,

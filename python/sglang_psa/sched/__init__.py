@@ -1,4 +1,4 @@
-"""Scheduler logic, pure Python: working sets, HBM admission, layer-segmented prefill plans.
+"""Scheduler logic, pure Python: working sets and HBM admission.
 
 plugin/ calls these from SGLang's scheduler; nothing here touches SGLang or a GPU.
 """
@@ -10,7 +10,6 @@ from sglang_psa.sched.admission import (
     Candidate,
     CannotFit,
 )
-from sglang_psa.sched.prefill_plan import PrefillItem, PrefillPlan, PrefillPlanner, PromptProgress
 from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
 
 __all__ = [
@@ -19,10 +18,6 @@ __all__ = [
     "AdmitResult",
     "Candidate",
     "CannotFit",
-    "PrefillItem",
-    "PrefillPlan",
-    "PrefillPlanner",
-    "PromptProgress",
     "WorkingSetTracker",
     "always_attended_units",
 ]

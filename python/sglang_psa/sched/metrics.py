@@ -21,7 +21,8 @@ cover KV token usage, queue lengths and latencies.
 | `save_jobs_in_flight`, `host_blocks_used` | write-back jobs not yet acknowledged; host-tier blocks held |
 | `copy_engine_restarts_total` | times a dead copy engine was restarted (its saves redone) |
 | `blocks_evicted`, `evictions_total` | tiered home: saved blocks whose HBM page was given back (read from the host tier), now and ever |
-| `promotions_total` | tiered home: evicted blocks brought back into HBM because decode read them |
+| `unit_cache_pages` | tiered home: HBM pages the unit cache holds (one slot per (layer, KV head) each) |
+| `units_cached_total` | tiered home: host units the unit cache brought into HBM because decode read them |
 | `units_read_hbm_total`, `units_read_host_total` | tiered home: (layer, KV head, block) units decode read from HBM and from the host tier (the HBM hit rate) |
 """
 
@@ -48,7 +49,8 @@ GAUGES = {
     "blocks_evicted": "tiered home: blocks of running requests read from the host tier, "
     "their HBM pages given back",
     "evictions_total": "tiered home: blocks whose HBM page was given back, ever",
-    "promotions_total": "tiered home: evicted blocks brought back into HBM, ever",
+    "unit_cache_pages": "tiered home: HBM pages the unit cache holds",
+    "units_cached_total": "tiered home: host units brought into the unit cache, ever",
     "units_read_hbm_total": "tiered home: (layer, KV head, block) units decode read from HBM",
     "units_read_host_total": "tiered home: units decode read from the host tier",
 }

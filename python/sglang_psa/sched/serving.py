@@ -46,11 +46,13 @@ class PSAServing:
         self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
 
     @property
-    def gates_by_working_set(self) -> bool:
-        """With the KV in HBM only, working sets bound admission and force retraction.
-        At the tiered home a working set beyond HBM is read from the host tier across
-        PCIe, so nothing waits or is retracted for it (SGLang's own token budget still
-        applies)."""
+    def retracts_by_working_set(self) -> bool:
+        """Working sets bound admission at every home (a new request waits while the
+        running ones' fill HBM); with the KV in HBM only they also force retraction. At
+        the tiered home a working set that outgrows HBM is read from the host tier across
+        PCIe instead: nothing is retracted for it (SGLang's retraction would free the KV
+        and prefill it again), and a request whose working set alone exceeds HBM is
+        served, not refused."""
         return self.cfg.kv_home == "hbm"
 
     # -- sizes --------------------------------------------------------------------
@@ -70,7 +72,7 @@ class PSAServing:
                 f"{self.host_tokens} ({flag_name('host_pool_gb')} {self.cfg.host_pool_gb:g}); "
                 "send a shorter request or raise the flag"
             )
-        if not self.gates_by_working_set:
+        if not self.retracts_by_working_set:
             return None
         est = self.estimate(prompt_tokens)
         if est > self.controller.capacity_units:
@@ -94,9 +96,6 @@ class PSAServing:
             self.deferrals += 1  # blocks of running requests come back as they end
             return False
         cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
-        if not self.gates_by_working_set:  # tracked for server info, never held back
-            self.controller.admit_alone(cand)
-            return True
         if self.controller.try_admit([cand]).admitted:
             return True
         if alone:  # nothing else runs: admit anyway rather than stall the server
@@ -165,7 +164,7 @@ class PSAServing:
         }
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
-        if not self.gates_by_working_set:
+        if not self.retracts_by_working_set:
             return True
         ctl = self.controller
         load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
@@ -178,9 +177,10 @@ class PSAServing:
             return 0
         return self.residency.make_room(reqs, tokens, allocator)
 
-    def promote(self, reqs, allocator) -> int:
-        """Tiered home: bring evicted blocks the last step read back into HBM."""
-        return 0 if self.residency is None else self.residency.promote(reqs, allocator)
+    def refresh(self, reqs, allocator) -> int:
+        """Tiered home: the unit cache takes spare pages and brings in the host units the
+        last step read; returns the pages it took."""
+        return 0 if self.residency is None else self.residency.refresh(reqs, allocator)
 
     def release(self, rid: Hashable, retracted: bool) -> None:
         if self.residency is not None:
@@ -198,7 +198,8 @@ def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
     return {
         "blocks_evicted": rep["blocks_evicted"],
         "evictions_total": rep["evictions"],
-        "promotions_total": rep["promotions"],
+        "unit_cache_pages": rep["cache_pages"],
+        "units_cached_total": rep["units_cached"],
         "units_read_hbm_total": rep["units_read_hbm"],
         "units_read_host_total": rep["units_read_host"],
     }

@@ -23,7 +23,6 @@ from sglang_psa.algo import dense_attention, progressive_attention, topk_attenti
 from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
-from sglang_psa.mem_cache import working_sets  # noqa: E402
 from sglang_psa.plugin import scheduling  # noqa: E402
 from sglang_psa.sched.serving import current, install  # noqa: E402
 
@@ -504,15 +503,16 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
 
 
 @pytest.mark.slow
-def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
+def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
     """When HBM runs short, saved blocks of running requests give their pages back to
     SGLang's allocator, the coldest first: with those pages handed out again (their KV,
     metadata rows and stamps overwritten), sparse decode still equals the step before the
     eviction, as it reads the host copies and scores the moved metadata rows; the sink
-    and the last blocks stay. Evicted blocks decode then read are promoted into fresh
-    pages: with their host copies overwritten, decode still equals that step. The
-    request's free never returns the padding page its evicted entries point at, and
-    every page comes back exactly once."""
+    and the last blocks stay. The unit cache then takes the spare pages and brings in the
+    host units that step read: with their host copies overwritten, decode still equals
+    that step, and every unit it brought in is read from HBM. The request's free never
+    returns the padding page its evicted entries point at, the cache gives its pages
+    back with the last evicted block, and every page comes back exactly once."""
     pytest.importorskip("zmq", reason="pyzmq is not installed here")
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
@@ -626,50 +626,46 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
         assert (backend.ws.stamps[:, rows] == backend.ws.step).any()
         info = serving.metric_values()
         assert info["blocks_evicted"] == 8 and info["evictions_total"] == 8
-        # Promotion: the evicted blocks that step read come back into HBM.
+        # The unit cache: the host units that step read come into spare pages.
         page_rows, now = backend.meta.page_rows, int(backend.ws.step)
-        hosts = {(r, b): wb.request(f"r{r}").host[b] for r in (1, 2) for b in gone[f"r{r}"]}
-        # That step read every evicted block (some layer or head); make three of them the
-        # only ones read lately, the others read too long ago to come back.
-        read = {(1, 2), (2, 1), (1, 5)}
-        assert all(int(backend.ws.stamps[:, page_rows + hosts[c]].max()) == now for c in read)
-        for c, h in hosts.items():
-            if c not in read:
-                backend.ws.stamps[:, page_rows + h] = now - working_sets.HEAT_WINDOW - 1
-        # The next step also counts the units that step read, by tier.
-        hit = backend.ws.stamps == now
+        hit = backend.ws.stamps == now  # the units that step read, by tier
         want = (int(hit[:, :page_rows].sum()), int(hit[:, page_rows:].sum()))
-        seen0 = backend.residency.report()
-        for a, b in zip(step(), before):  # publishes those reads as heat
+        stats0 = backend.stats.sum(0).clone()
+        for a, b in zip(step(), before):  # the same reads again (same query, same KV)
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-        seen = backend.residency.report()
-        got = tuple(seen[k] - seen0[k] for k in ("units_read_hbm", "units_read_host"))
-        assert got == want and min(want) > 0, (got, want)
+        d = (backend.stats.sum(0) - stats0).tolist()
+        assert (d[0] - d[2], d[2]) == want and min(want) > 0, (d, want)
+        free0 = alloc.available_size()
         if DEV == "cuda":
             torch.cuda.set_sync_debug_mode("error")
         try:
-            promoted = serving.promote(reqs, alloc)
+            took = serving.refresh(reqs, alloc)
         finally:
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
-        assert promoted == len(read)
-        back = {(int(r[1:]), b) for r, g in backend.residency.evicted.items() for b in range(len(g))
-                if not g[b] and b in gone[r]}  # fmt: skip
-        assert back == read
-        for r, b in read:  # a fresh page in the request table, HBM in the location table
-            page = req.req_to_token[r, b * BS : (b + 1) * BS].cpu()
-            assert int(page[0]) // BS not in (0, *pages) and int(wb.host_loc[r, b]) == 0
-            assert torch.equal(page, page[0] + torch.arange(BS, dtype=page.dtype))
-            for layer_id in range(LAYERS):  # decode must now read the page, not the host copy
-                wb.host.k[layer_id][:, hosts[(r, b)]] = 1e4
-                wb.host.v[layer_id][:, hosts[(r, b)]] = -1e4
+        cache = backend.residency.cache
+        assert took == free0 // BS - 2 * len(reqs) > 0 and cache.pages == took
+        copied = int(cache.copied)
+        assert 0 < copied <= want[1]
+        cached = (cache.unit_slot[:, :-1] >= 0).nonzero().tolist()  # (layer x head, host block)
+        assert len(cached) == copied
+        for lh, hb in cached:  # decode must now read the slot, not the host copy
+            layer_id, h = divmod(lh, HKV)
+            wb.host.k[layer_id][h, hb] = 1e4
+            wb.host.v[layer_id][h, hb] = -1e4
+        stats0 = backend.stats.sum(0).clone()
         for a, b in zip(step(), before):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        d = (backend.stats.sum(0) - stats0).tolist()
+        assert d[2] == want[1] - copied, (d, want, copied)  # cached units came from HBM
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        backend.unit_reads()  # (the counters' host copy trails by a call)
         info = serving.metric_values()
-        assert info["promotions_total"] == len(read)
-        assert info["blocks_evicted"] == 8 - len(read)
+        assert info["units_cached_total"] == copied and info["unit_cache_pages"] == took
+        read, _, host = backend.stats.sum(0).tolist()
+        assert (info["units_read_hbm_total"], info["units_read_host_total"]) == (read - host, host)
+        assert info["blocks_evicted"] == 8
         # The requests end: SGLang frees each row (its evicted entries at page 0) and the
         # pages handed out again come back too; page 0 never enters the free list.
         # The first request's free is direct, the second's deferred to the end of a free
@@ -684,5 +680,6 @@ def test_tiered_eviction_and_promotion_keep_decode_exact(monkeypatch):
         free = sorted(int(p) for p in alloc.free_pages)
         assert free == list(range(1, n_pages))
         assert not wb.host_loc.any() and backend.residency.evicted == {}
+        assert cache.pages == 0 and not (cache.unit_slot >= 0).any() and not cache.live.any()
     finally:
         wb.close()

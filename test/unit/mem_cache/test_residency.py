@@ -1,5 +1,6 @@
-"""Residency's swap rule with a fake host tier: when no page is spare, an evicted block comes
-back only in place of an HBM block read by fewer than half as many units, least read first."""
+"""Residency with a fake host tier and allocator, and a real unit cache: when SGLang needs
+pages, cold blocks leave HBM first and unit-cache pages only after; when the last evicted
+block is gone, the cache gives every page back; the cache's tables stay inverse maps."""
 
 from __future__ import annotations
 
@@ -9,59 +10,114 @@ import numpy as np
 import torch
 
 from sglang_psa.mem_cache.residency import Residency
+from sglang_psa.mem_cache.unit_cache import WAYS, UnitCache
 
-BS, ROW = 4, 2
+BS, ROW, LAYERS, HKV, HB = 4, 2, 2, 2, 64
 
 
 class _Alloc:
-    def __init__(self, free_pages: int):
-        self.free = free_pages
+    def __init__(self, free_pages: list[int]):
+        self.free = list(free_pages)
 
     def available_size(self) -> int:
-        return self.free * BS
+        return len(self.free) * BS
 
     def alloc(self, n: int) -> torch.Tensor:
-        assert n <= self.available_size()
-        self.free -= n // BS
-        return torch.arange(n)
+        pages, self.free = self.free[: n // BS], self.free[n // BS :]
+        return (torch.tensor(pages)[:, None] * BS + torch.arange(BS)).flatten()
+
+    def free_segment(self, tokens: torch.Tensor, start_pos: int) -> None:
+        assert start_pos == 0 and tokens.numel() % BS == 0
+        self.free += (tokens[::BS] // BS).tolist()
 
 
-def test_promotion_swaps_only_for_blocks_read_by_more_than_twice_the_units():
-    # One request of 12 full blocks, all saved; blocks 2 and 3 are on the host. Readers
-    # (of 8 units) by block: the sink 0 and the last three are never candidates.
-    readers = [7, 0, 8, 2, 1, 4, 5, 3, 5, 6, 6, 6]
+def _residency(readers: list[int]):
     heat = np.zeros(16, dtype=np.uint8)
-    heat[:12] = readers
+    heat[: len(readers)] = readers
     lengths = torch.zeros(4, dtype=torch.int32)
-    lengths[ROW] = 12 * BS
+    lengths[ROW] = len(readers) * BS
     ws = SimpleNamespace(
         read=lambda: (None, lengths),
         heat_of=lambda row: heat if row == ROW else None,
-        layers=2,
-        kv_heads=4,
+        layers=LAYERS,
+        kv_heads=HKV,
         heat_blocks=16,
+        stamps=None,
+        step=None,
     )
-    wb = SimpleNamespace(
-        request=lambda rid: SimpleNamespace(row=ROW, saved=12, host=list(range(12))),
-        block_bytes=1 << 20,
-    )
+    r = SimpleNamespace(row=ROW, saved=len(readers), host=list(range(10, 10 + len(readers))))
+    wb = SimpleNamespace(request=lambda rid: r, blocks=SimpleNamespace(num_blocks=HB), host=None)
     cfg = SimpleNamespace(block_size=BS, sink_blocks=1, recent_blocks=1)
-    res = Residency(wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg, None)
-    gone = np.zeros(16, dtype=bool)
-    gone[[2, 3]] = True
-    res.evicted = {"a": gone}
-    alloc = _Alloc(free_pages=2)  # exactly the two pages a running request keeps spare
-    evicted, back = [], []
+    pool = SimpleNamespace(size=63 * BS)
+    res = Residency(wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg, pool, None)
+    return res, r
+
+
+def test_make_room_takes_cold_blocks_first_then_cache_pages():
+    # 10 full blocks; candidates are blocks 1-6 (the sink and the last three stay).
+    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+    gone_order = []
 
     def evict(rid, blocks, allocator):
-        evicted.extend(blocks)
-        allocator.free += len(blocks)
+        gone_order.extend(blocks)
+        for b in blocks:
+            res.evicted.setdefault(rid, np.zeros(16, dtype=bool))[b] = True
+        allocator.free += [40 + b for b in blocks]
         return len(blocks) * BS
 
     res.evict = evict
-    res._bring_back = lambda blocks, slots: back.extend(blocks)
-    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=12 * BS, finished=lambda: False)
-    # Block 2 (8 readers) takes the place of block 1 (0); block 3 (2 readers) would need
-    # a block read by fewer than one unit, and the next least read, block 4, has one.
-    assert res.promote([req], alloc) == 1
-    assert evicted == [1] and back == [("a", 2)]
+    alloc = _Alloc([])
+    res.cache.grow(torch.tensor([20, 21, 22]))
+    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
+    # 3 pages: the three least read candidates (readers 0, 1, 2), the cache untouched
+    assert res.make_room([req], 3 * BS, alloc) == 3 * BS
+    assert sorted(gone_order) == [1, 3, 4] and res.cache.pages == 3
+    # 5 more: the other three candidates, then the two most recently taken cache pages
+    assert res.make_room([req], 5 * BS, alloc) == 5 * BS
+    assert sorted(gone_order) == [1, 2, 3, 4, 5, 6] and res.cache.pages == 1
+    assert sorted(alloc.free) == [21, 22, 41, 42, 43, 44, 45, 46]
+    assert int(res.cache.cache_pages[res.cache._slots(0, 1)[0]]) == 20
+
+
+def test_the_last_release_drains_the_cache_and_forgets_its_units():
+    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+    alloc = _Alloc([30, 31, 32, 33, 34, 35, 36, 37, 38, 39])
+    res.allocator = alloc
+    gone = np.zeros(16, dtype=bool)
+    gone[[1, 2]] = True
+    res.evicted = {"a": gone}
+    res.cache.mark_evicted(torch.tensor([11, 12]))
+    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
+    res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
+    assert res.refresh([req], alloc) == 10 - 2  # all spare pages beyond two per request
+    assert res.cache.pages == 8 and len(alloc.free) == 2
+    # Units of host blocks 11 and 12 sit in slots of layer-head 0 and 3.
+    cache = res.cache
+    for lh, hb, slot in ((0, 11, 3 * WAYS), (3, 12, 0)):
+        cache.unit_slot[lh, hb], cache.slot_unit[lh, slot] = slot, hb
+    res.release("a")
+    assert not (cache.unit_slot >= 0).any() and not (cache.slot_unit >= 0).any()
+    assert not cache.live.any() and cache.pages == 0 and not cache.cache_pages.any()
+    assert sorted(alloc.free) == list(range(30, 40))
+    assert res.zero_pending
+
+
+def test_shrink_uncaches_the_units_of_the_slots_it_drops():
+    c = UnitCache(LAYERS, HKV, 128, 4 * WAYS, BS, "cpu")
+    c.grow(torch.arange(1, 1 + 3 * WAYS))
+    slots = c._slots(0, c.pages).tolist()
+    last_pages = sorted(int(c.cache_pages[s]) for s in slots[-5:])
+    for i, slot in enumerate(slots):  # every slot of every (layer, head) holds a unit
+        for lh in range(LAYERS * HKV):
+            hb = i * LAYERS * HKV + lh
+            c.unit_slot[lh, hb], c.slot_unit[lh, slot] = slot, hb
+    dropped = c.shrink(5)
+    assert dropped.numel() == 5 * BS and c.pages == 3 * WAYS - 5
+    kept = set(c._slots(0, c.pages).tolist())
+    for lh in range(LAYERS * HKV):
+        live = {int(s) for s in c.unit_slot[lh, :-1] if s >= 0}
+        assert live == kept
+        for s in kept:
+            assert int(c.unit_slot[lh, c.slot_unit[lh, s]]) == s
+    assert sorted((dropped[::BS] // BS).tolist()) == last_pages
+    assert not c.cache_pages[slots[-5:]].any()

@@ -5,11 +5,8 @@ import pytest
 import torch
 
 from sgl_kernel_ext.working_set import (
-    UNIT_READS_CHUNK,
     block_readers,
     block_readers_ref,
-    unit_reads,
-    unit_reads_ref,
     working_set_parts,
     working_set_ref,
 )
@@ -84,19 +81,3 @@ def test_block_readers_kernel_matches_reference_at_real_shapes(kernel_device, LH
     want = block_readers_ref(stamps, pages, step, window)
     assert torch.equal(out.cpu(), want)
     assert 0 < int(want.max()) <= LH and int(want.min()) == 0
-
-
-@pytest.mark.parametrize("LH,P,page_rows", [(48, 3000, 1900), (256, 2100, 2048)])
-def test_unit_reads_kernel_splits_the_last_steps_reads_by_tier(kernel_device, LH, P, page_rows):
-    """Units stamped by the last step, in page rows (HBM) and host-block rows, at Qwen 0.5B
-    and Llama 8B shapes; older and never-read stamps count not."""
-    g = torch.Generator().manual_seed(P)
-    step = 9
-    stamps = torch.randint(0, step + 1, (LH, P), generator=g, dtype=torch.int32)
-    dev = kernel_device
-    chunks = -(-P // UNIT_READS_CHUNK)
-    parts = torch.full((chunks, 2), -1, dtype=torch.int32, device=dev)
-    unit_reads(stamps.to(dev), torch.tensor([step], device=dev), page_rows, parts)
-    want = unit_reads_ref(stamps, step, page_rows)
-    assert parts.sum(0).cpu().tolist() == want.tolist()
-    assert want.min() > 0

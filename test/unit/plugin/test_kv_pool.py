@@ -59,10 +59,14 @@ def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_
     blocks = 2**30 // (PER_TOKEN * 32)  # 2730 host blocks of 32 tokens
     got = kv_pool.after_calculate_pool_sizes(PoolConfig(10**6), conf, 0, 32)
     cut = 10**6 - got.max_total_num_tokens
-    # At least each host block's metadata (2 x 192 B per token) and one int32 stamp per
-    # (layer, KV head); at most a page and the heads' upper bound (d >= 32) more.
-    least = blocks * (32 * 2 * 192 + 4 * 24 * 2)
-    most = blocks * (32 * 2 * 192 + 4 * 24 * 4) + 32 * conf._cell_size
+    # At least each host block's metadata (2 x 192 B per token), one int32 stamp and one
+    # int32 unit-cache slot per (layer, KV head) and its evicted flag, and per page of the
+    # pool the unit cache's slot table (an int32 per (layer, KV head) and its page); at
+    # most a page and the heads' upper bound (d >= 32) more.
+    pages = 10**6 // 32 + 1
+    least = blocks * (32 * 2 * 192 + 8 * 24 * 2 + 1) + pages * (4 * 24 * 2 + 4)
+    most = blocks * (32 * 2 * 192 + 8 * 24 * 4 + 1) + pages * (4 * 24 * 4 + 4)
+    most += 32 * conf._cell_size
     assert least <= cut * conf._cell_size <= most + conf._cell_size
     assert got.max_total_num_tokens % 32 == 0
     flags.export(PSAConfig(kv_home="tiered", host_pool_gb=64.0))

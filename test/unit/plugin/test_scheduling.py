@@ -131,10 +131,11 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert scheduling.around_check_decode_mem(lambda *a: False, batch) is False
 
 
-def test_tiered_home_neither_holds_back_nor_retracts_for_working_sets(serving):
-    """With a host tier, working sets beyond HBM are read across PCIe: requests are
-    tracked but none waits or is retracted for them (on the H100 the gate retracted a
-    lone request and SGLang aborted it as out of memory)."""
+def test_tiered_home_holds_back_by_working_set_but_never_retracts(serving):
+    """At the tiered home a new request waits while the running working sets fill HBM, as
+    at the HBM home; but working sets that outgrow HBM later are read across PCIe: no
+    request is retracted for them (SGLang's retraction would free the KV and prefill it
+    again; on the H100 a lone request retracted so was aborted as out of memory)."""
     host = PSAServing(
         PSAConfig(ws_window=2, kv_home="tiered"),
         layers=2,
@@ -145,16 +146,17 @@ def test_tiered_home_neither_holds_back_nor_retracts_for_working_sets(serving):
     install(host)
     adder = _adder()
     reqs = [_req(r, 640, pool_idx=i) for i, r in enumerate("abc")]  # est 40 units each
-    for r in reqs:  # 120 > 100 units: at HBM home the third would wait
-        assert scheduling.around_add_one_req(_orig_admits, adder, r, False, None) == (
-            _result().CONTINUE
-        )
-    assert set(host.controller.running) == {"a", "b", "c"}
+    add = scheduling.around_add_one_req
+    assert add(_orig_admits, adder, reqs[0], False, None) == _result().CONTINUE
+    assert add(_orig_admits, adder, reqs[1], False, None) == _result().CONTINUE
+    assert add(_orig_admits, adder, reqs[2], False, None) == _result().OTHER  # 120 > 100
+    assert set(host.controller.running) == {"a", "b"} and host.deferrals == 1
     host.measure = lambda: ([80, 80, 80], [640, 640, 640])
-    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs)) is True
-    assert host.controller.tracker.size("a") == 80  # still measured, for server info
-    assert scheduling.around_check_decode_mem(lambda *a: False, SimpleNamespace(reqs=reqs)) is False
-    for r in reqs:
+    two = reqs[:2]
+    assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=two)) is True
+    assert host.controller.tracker.size("a") == 80  # measured: 160 > 100, none retracted
+    assert scheduling.around_check_decode_mem(lambda *a: False, SimpleNamespace(reqs=two)) is False
+    for r in two:
         scheduling.after_release_kv_cache(None, _req(r.rid, 640, finished=True), None)
     assert not host.controller.running and host.controller.used_units == 0
     host.controller.check_integrity()
@@ -250,7 +252,7 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
 def test_tiered_table_rewrites_wait_for_the_whole_forward(serving, tiered):
     """SGLang's write-after-read barrier waits only for a decode graph's pre-replay snapshot
     when the runner left a read-done event; at the tiered home the graph reads the tables
-    eviction and promotion rewrite during its replay, so the event is dropped and SGLang
+    eviction and the unit cache rewrite during its replay, so the event is dropped and SGLang
     takes its whole-forward wait. Elsewhere the fast path stays."""
     serving.residency = object() if tiered else None
     event = object()
@@ -274,7 +276,7 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     calls = []
     serving.residency = SimpleNamespace(
         make_room=lambda reqs, tokens, alloc, *a: calls.append(("room", tokens)) or 0,
-        promote=lambda reqs, alloc: calls.append(("promote",)) or 0,
+        refresh=lambda reqs, alloc: calls.append(("refresh",)) or 0,
         evictable=lambda reqs: evictable,
     )
     alloc = SimpleNamespace(available_size=lambda: 10 * BS)
@@ -282,4 +284,4 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     batch = SimpleNamespace(reqs=reqs, token_to_kv_pool_allocator=alloc, batch_is_full=True)
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
     assert batch.batch_is_full is (evictable == 0)
-    assert ("promote",) in calls
+    assert ("refresh",) in calls

@@ -1,0 +1,91 @@
+"""The unit cache's refresh kernel against its reference (`algo.unit_cache.refresh_ref`):
+the same slots taken, the same units uncached, the same K/V copied into the pool pages,
+at real shapes (head_dim 64 and 128, 2-8 KV heads, > 512 host blocks)."""
+
+import pytest
+import torch
+
+from sgl_kernel_ext.unit_cache import refresh_unit_cache
+from sglang_psa.algo.unit_cache import refresh_ref
+
+
+def _state(heads, d, host_blocks, slots, ways, dev, seed):
+    g = torch.Generator().manual_seed(seed)
+    bs, step, pages = 32, 50, slots + 40
+    P = pages + host_blocks  # the layer's stamp rows: pages, then host blocks
+    stamps = torch.randint(0, step + 1, (heads, P), generator=g, dtype=torch.int32)
+    # a third of the host units read by the last step, some never read
+    hot = torch.rand(heads, host_blocks, generator=g) < 0.3
+    stamps[:, pages:][hot] = step
+    live = (torch.rand(host_blocks, generator=g) < 0.8).to(torch.uint8)
+    cache_pages = torch.randperm(pages - 1, generator=g)[:slots].add(1).to(torch.int32)
+    cache_pages[torch.rand(slots, generator=g) < 0.1] = 0  # positions without a page
+    unit_slot = torch.full((heads, host_blocks + 1), -1, dtype=torch.int32)
+    slot_unit = torch.full((heads, slots + 1), -1, dtype=torch.int32)
+    sets = slots // ways
+    for h in range(heads):  # a valid occupancy: live units in their own set
+        for slot in range(slots):
+            if cache_pages[slot] > 0 and torch.rand(1, generator=g) < 0.5:
+                s = slot // ways
+                options = [
+                    b for b in range(s, host_blocks, sets) if live[b] and unit_slot[h, b] < 0
+                ]
+                if options:
+                    b = options[int(torch.randint(len(options), (1,), generator=g))]
+                    unit_slot[h, b], slot_unit[h, slot] = slot, b
+    host_k = torch.randn(heads, host_blocks, bs, d, generator=g).to(torch.bfloat16)
+    host_v = torch.randn(heads, host_blocks, bs, d, generator=g).to(torch.bfloat16)
+    pool_k = torch.randn(pages * bs, heads, d, generator=g).to(torch.bfloat16)
+    pool_v = torch.randn(pages * bs, heads, d, generator=g).to(torch.bfloat16)
+    t = dict(
+        stamps=stamps, live=live, unit_slot=unit_slot, slot_unit=slot_unit,
+        cache_pages=cache_pages, host_k=host_k, host_v=host_v, pool_k=pool_k, pool_v=pool_v,
+    )  # fmt: skip
+    return {k: v.to(dev) for k, v in t.items()}, step, pages
+
+
+@pytest.mark.parametrize("heads,d,ways", [(2, 64, 8), (8, 128, 4), (4, 64, 8)])
+def test_refresh_matches_reference(kernel_device, heads, d, ways):
+    host_blocks, slots = 700, 96
+    got, step, pages = _state(heads, d, host_blocks, slots, ways, kernel_device, heads * d)
+    want = {k: v.cpu().clone() for k, v in got.items()}
+    copied = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    stamps = got.pop("stamps")
+    refresh_unit_cache(
+        stamps[:, pages:], **got,
+        step=torch.tensor([step], dtype=torch.int32, device=kernel_device),
+        ways=ways, keep=4, copied=copied,
+    )  # fmt: skip
+    n = refresh_ref(want.pop("stamps")[:, pages:], **want, step=step, ways=ways, keep=4)
+    assert n > 0 and int(copied) == n
+    for name in ("unit_slot", "slot_unit", "pool_k", "pool_v"):
+        assert torch.equal(got[name].cpu(), want[name]), name
+
+
+def test_a_cached_unit_is_a_copy_of_its_host_unit(kernel_device):
+    """After a refresh every unit it brought in sits in its slot's page exactly as on the
+    host, and unit_slot and slot_unit are inverse maps."""
+    got, step, pages = _state(2, 64, 600, 64, 8, kernel_device, 7)
+    before = got["slot_unit"].cpu().clone()
+    copied = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+    stamps = got.pop("stamps")
+    refresh_unit_cache(
+        stamps[:, pages:], **got,
+        step=torch.tensor([step], dtype=torch.int32, device=kernel_device),
+        ways=8, keep=4, copied=copied,
+    )  # fmt: skip
+    t = {k: v.cpu() for k, v in got.items()}
+    bs, new = 32, 0
+    for h in range(2):
+        for slot in range(64):
+            hb = int(t["slot_unit"][h, slot])
+            if hb < 0:
+                continue
+            assert int(t["unit_slot"][h, hb]) == slot
+            page = int(t["cache_pages"][slot])
+            if hb != before[h, slot]:  # brought in by this refresh
+                rows = slice(page * bs, (page + 1) * bs)
+                assert torch.equal(t["pool_k"][rows, h], t["host_k"][h, hb])
+                assert torch.equal(t["pool_v"][rows, h], t["host_v"][h, hb])
+                new += 1
+    assert new == int(copied) > 0
