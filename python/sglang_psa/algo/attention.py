@@ -96,7 +96,7 @@ def forced_blocks(lengths: torch.Tensor, nb: int, cfg: PSAConfig) -> torch.Tenso
     return valid & ((idx < cfg.sink_blocks) | (idx >= nblk - cfg.recent_blocks))
 
 
-def rank_blocks(
+def read_order(
     q: torch.Tensor, meta: BlockMeta, lengths: torch.Tensor, cfg: PSAConfig, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read order per (request, KV head): forced blocks first, then by criticality.
@@ -165,7 +165,7 @@ def progressive_attention(
     nb = meta.count.shape[1]
     nblk = num_blocks(lengths, bs)
     scores = token_scores(q, k, lengths, scale)
-    order, n_forced = rank_blocks(q, meta, lengths, cfg, scale)
+    order, n_forced = read_order(q, meta, lengths, cfg, scale)
     order_q = order.repeat_interleave(G, dim=1)  # [B, Hq, NB]
 
     lse_o = block_lse(scores, bs).gather(-1, order_q)  # block masses in read order
@@ -222,7 +222,7 @@ def topk_attention(
     budget = cfg.topk_tokens if budget_tokens is None else budget_tokens
     meta = block_metadata(k, lengths, bs) if meta is None else meta
     nb = meta.count.shape[1]
-    order, n_forced = rank_blocks(q, meta, lengths, cfg, scale)
+    order, n_forced = read_order(q, meta, lengths, cfg, scale)
     k_blocks = torch.maximum(torch.full_like(n_forced, max(budget // bs, 1)), n_forced)
     pos = torch.arange(nb, device=q.device)
     read_sorted = (pos[None, :] < k_blocks[:, None])[:, None, :].expand_as(order)

@@ -41,8 +41,8 @@ _HELP = {
     "wave_growth": "growth factor of successive waves",
     "max_wave_blocks": "largest wave",
     "topk_tokens": "topk mode: tokens attended per step",
-    "gpu_cache_gb": "GiB of HBM for working sets with --psa-kv-home hbm: a cap on the "
-    "working sets admitted together (default: SGLang's whole KV pool)",
+    "gpu_cache_gb": "GiB of HBM for working sets: a cap on the working sets admitted "
+    "together, at either --psa-kv-home (default: SGLang's whole KV pool)",
     "host_pool_gb": "pinned host memory in GiB for the host tier of --psa-kv-home tiered "
     "(a request needing more is refused)",
     "kv_home": "where the KV lives: hbm (SGLang's pool in GPU memory); tiered (GPU "
