@@ -26,7 +26,9 @@ keeps what finished; `--export DIR` mirrors parts and the merged result there
 part that measured it, and takes plain SGLang from that same part: re-running
 one stage re-measures only what it names. A 10-minute device call holds plain
 SGLang and one or two other systems of a workload (`--systems`, `--rates` split
-the rest); benchmark/serving/README.md lists what each call takes on the H100.
+the rest); where even one does not fit beside plain (the 8B workload), the next
+call adds it to the same run (`--continue-run last`: same machine since boot,
+same commit). benchmark/serving/README.md lists what each call takes on the H100.
 """
 
 from __future__ import annotations
@@ -371,6 +373,7 @@ def stage(args) -> int:
     part = {
         "workload": w.name,
         "run_id": run_id,
+        "boot_id": boot_id(),
         **provenance(),
         "config": {
             "workload": w.to_json(),
@@ -396,6 +399,16 @@ def stage(args) -> int:
         "launcher": shlex.split(args.launcher) if args.launcher else None,
     }
     part_path = work / "parts" / f"{w.name}.{run_id}.json"
+    if args.continue_run:
+        part, part_path = continued_part(args, w, work, part)
+        names = [n for n in names if n != "plain"]
+        if not names:
+            raise SystemExit("--continue-run: name the systems to add with --systems")
+        ctx["run_id"] = part["run_id"]
+        ctx["probe"] = part.get("slo", {}).get("probe")
+        if w.batch_from_capacity:
+            ctx["batch"] = part["systems"]["plain"]["num_prompts"]
+        log(f"continuing run {part['run_id']} (plain measured there) with {', '.join(names)}")
     for i, name in enumerate(names):
         left = deadline - time.time()
         if left < MIN_SYSTEM_BUDGET_S:
@@ -418,6 +431,49 @@ def stage(args) -> int:
     print(json.dumps(merged["summary"], indent=1))
     log(f"stage {w.name} done in {time.time() - t0:.0f} s")
     return 0 if all(not r.get("error") for r in part["systems"].values()) else 1
+
+
+def boot_id() -> str | None:
+    """This boot of this machine (Linux), or None: what `--continue-run` checks."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> tuple[dict, Path]:
+    """The part `--continue-run` adds systems to (a run id, or `last`: the newest part of
+    this workload in WORK). The same run means the same machine since its last boot, the
+    same commit and the same workload, with plain SGLang measured in it: a stage whose
+    servers do not fit one device call is run as back-to-back calls, each ratio still
+    between two servers of one machine and one dataset."""
+    parts = sorted((work / "parts").glob(f"{w.name}.*.json"))
+    if args.continue_run != "last":
+        parts = [p for p in parts if p.name == f"{w.name}.{args.continue_run}.json"]
+    if not parts:
+        raise SystemExit(f"--continue-run {args.continue_run}: no {w.name} part in {work}/parts")
+    path = parts[-1]
+    part = json.loads(path.read_text())
+    same = {
+        "boot_id": (part.get("boot_id"), fresh["boot_id"]),
+        "git_commit": (part.get("git_commit"), fresh["git_commit"]),
+        "workload": (
+            part["config"]["workload"],
+            json.loads(json.dumps(fresh["config"]["workload"])),
+        ),
+        "smoke": (part["config"].get("smoke"), fresh["config"]["smoke"]),
+    }
+    differ = [k for k, (a, b) in same.items() if a != b or (k == "boot_id" and a is None)]
+    if differ:
+        raise SystemExit(
+            f"--continue-run: {path.name} is not this run ({', '.join(differ)} differ): "
+            "run the stage again with plain SGLang"
+        )
+    plain = part["systems"].get("plain")
+    if not plain or plain.get("error"):
+        raise SystemExit(f"--continue-run: plain SGLang did not complete in {path.name}")
+    part["continued"] = part.get("continued", []) + [fresh["command"]]
+    return part, path
 
 
 def save_part(part: dict, path: Path, args) -> None:
@@ -611,6 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument(
         "--rates",
         help="a rate sweep's subset to run, e.g. 1,2 (a long sweep split over several calls)",
+    )
+    st.add_argument(
+        "--continue-run",
+        metavar="RUN_ID",
+        help="add --systems to an earlier run of this stage on this machine (same boot, "
+        "commit and workload; `last`: the newest): a stage that does not fit one call",
     )
     st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
     st.add_argument(

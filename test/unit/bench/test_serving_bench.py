@@ -517,3 +517,44 @@ def test_missing_lists_the_default_plan_minus_what_was_measured():
     # c was measured at rates 8, 16 and 32: of the default rates, 8 is there
     assert todo["c"]["psa"] == ["1", "2", "4"]
     assert run.missing(None).keys() == workloads.WORKLOADS.keys()
+
+
+@pytest.mark.slow
+def test_a_stage_continued_in_a_second_call_adds_to_the_same_run(tmp_path):
+    """`--continue-run last` adds systems to the newest part of the workload: the same run
+    id and part file, plain SGLang measured once, comparisons against that plain; a part
+    from another boot of the machine is refused, naming what differs."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
+    if importlib.util.find_spec("aiohttp") is None:
+        pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
+    smoke_a = workloads.smoke(workloads.WORKLOADS["a"])
+    rows = workloads.build_rows(smoke_a, fake_sglang.WordCounter())
+    tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
+    launcher = f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
+    )
+    base = [sys.executable, "benchmark/serving/run.py", "stage", "a", "--smoke"]
+    base += ["--model-dir", str(tok), "--launcher", launcher, "--work", str(tmp_path / "work")]
+
+    def stage(*extra):
+        cmd = base + ["--port", str(_free_port_pair()), *extra]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    first = stage("--systems", "plain")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    (part_file,) = (tmp_path / "work" / "parts").glob("a.*.json")
+    run_id = json.loads(part_file.read_text())["run_id"]
+    second = stage("--systems", "psa", "--continue-run", "last")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert list((tmp_path / "work" / "parts").glob("a.*.json")) == [part_file]
+    part = json.loads(part_file.read_text())
+    assert part["run_id"] == run_id and set(part["systems"]) == {"plain", "psa"}
+    assert part["systems"]["psa"]["identical_to_plain"]["compared"] == smoke_a.prompts
+    assert len(part["continued"]) == 1 and "--continue-run" in part["continued"][0]
+    part["boot_id"] = "another-boot"
+    part_file.write_text(json.dumps(part))
+    third = stage("--systems", "topk", "--continue-run", run_id)
+    assert third.returncode != 0 and "boot_id" in third.stderr
