@@ -92,6 +92,15 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_ws4",
+            "psa_tiered_uva with --psa-ws-window 4: admission counts the units read in the "
+            "last 4 steps, what the unit cache keeps (12 by default admitted 9 of workload "
+            "b's 32 at once)",
+            (*_TIERED, "--psa-writeback", "uva", "--psa-ws-window", "4"),
+            False,
+            True,
+        ),
+        System(
             "topk_tiered",
             "sglang-psa --sparse-mode topk --psa-kv-home tiered (fixed 2048-token budget; "
             "every full block written back to the host tier, cold blocks leave HBM), decode "
