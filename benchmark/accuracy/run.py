@@ -18,7 +18,7 @@ import torch
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import evaluate
+from sglang_psa.eval.runner import evaluate, policy_summary
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
@@ -56,9 +56,7 @@ def aggregate(outcomes, pols) -> dict[str, dict]:
             "stop_rule": p.cfg.stop_rule if p.kind == "psa" else None,
             "score": p.cfg.score,
             "budget_tokens": p.budget_tokens,
-            "accuracy": sum(o.correct for o in rows) / len(rows),
-            "agreement_with_dense": sum(o.agrees_with_dense for o in rows) / len(rows),
-            "kv_fraction": sum(o.kv_fraction for o in rows) / len(rows),
+            **policy_summary(rows),
             "accuracy_per_task": {k: sum(v) / len(v) for k, v in per_kind.items()},
         }
     return table
@@ -119,13 +117,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--name", default=None, help="result name (default accuracy_<device>)")
+    ap.add_argument(
+        "--kl",
+        action="store_true",
+        help="also the mean next-token KL from dense along dense's tokens (teacher forced; "
+        "one more decode pass per policy)",
+    )
     args = ap.parse_args()
 
     model, tok = load_model(ensure_model(args.model), device=args.device)
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
     tasks = make_tasks(args.kinds.split(","), args.context_tokens, args.per_kind, args.seed, count)
     pols = policies(args.context_tokens, [float(x) for x in args.topk_fracs.split(",")])
-    outcomes = evaluate(model, tok, tasks, pols)
+    outcomes = evaluate(model, tok, tasks, pols, kl=args.kl)
     table = aggregate(outcomes, pols)
     ctx = round(sum(o.context_tokens for o in outcomes) / len(outcomes))
     psa98 = table["psa-heuristic-0.98"]["accuracy"]

@@ -75,3 +75,23 @@ def test_padded_batch_is_rejected_with_a_clear_error(smollm2):
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
+
+
+def test_teacher_forced_kl_is_zero_for_dense_and_grows_as_the_budget_shrinks(session):
+    """The KL measure of the adaptive-budget work: along dense's greedy tokens, dense's own
+    forced distributions give those tokens as their argmax and a KL of exactly 0; reading
+    every block (threshold 1) stays near 0; a 64-token top-k budget departs further."""
+    from sglang_psa.hf.decode import mean_kl
+
+    length = session.length
+    dense = session.decode(DecodePolicy("dense"), 12)
+    ref = session.forced_logprobs(DecodePolicy("dense"), dense.tokens)
+    assert session.length == length
+    assert ref.shape == (len(dense.tokens) - 1, session.next_logits.shape[-1])
+    assert [int(r.argmax()) for r in ref] == dense.tokens[1:]
+    assert mean_kl(ref, session.forced_logprobs(DecodePolicy("dense"), dense.tokens)) == 0.0
+    every = DecodePolicy("psa", PSAConfig(threshold=1.0))
+    tiny = DecodePolicy("topk", PSAConfig(topk_tokens=64))
+    kl_every = mean_kl(ref, session.forced_logprobs(every, dense.tokens))
+    kl_tiny = mean_kl(ref, session.forced_logprobs(tiny, dense.tokens))
+    assert kl_every < 0.01 and kl_tiny > kl_every, (kl_every, kl_tiny)

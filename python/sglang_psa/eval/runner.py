@@ -13,7 +13,7 @@ import torch
 
 from sglang_psa.eval.tasks import Task, chat_text
 from sglang_psa.hf.attention import DecodePolicy
-from sglang_psa.hf.decode import Session
+from sglang_psa.hf.decode import Session, mean_kl
 
 QUESTION_MARK = "\x00QUESTION\x00"
 
@@ -36,6 +36,9 @@ class Outcome:
     correct: bool
     agrees_with_dense: bool
     kv_fraction: float  # mean over layers, steps and KV heads
+    # mean next-token KL divergence from dense along dense's greedy tokens (teacher forced;
+    # `evaluate(kl=True)` only, else None)
+    kl_from_dense: float | None
     layer_mean: list[float]
     layer_p99: list[float]
     output: str
@@ -53,19 +56,29 @@ def layer_summary(fractions: dict[int, torch.Tensor]) -> tuple[list[float], list
 
 
 def policy_summary(rows: list[Outcome]) -> dict[str, float]:
-    """Accuracy, agreement with dense and KV fraction read, averaged over one policy's runs."""
+    """Accuracy, agreement with dense, KV fraction read and (when measured) the KL from
+    dense, averaged over one policy's runs."""
     n = len(rows)
+    kls = [o.kl_from_dense for o in rows if o.kl_from_dense is not None]
     return {
         "accuracy": sum(o.correct for o in rows) / n,
         "agreement_with_dense": sum(o.agrees_with_dense for o in rows) / n,
         "kv_fraction": sum(o.kv_fraction for o in rows) / n,
+        "mean_kl": sum(kls) / len(kls) if kls else None,
     }
 
 
 def evaluate(
-    model, tok, tasks: list[Task], policies: list[DecodePolicy], progress: bool = True
+    model,
+    tok,
+    tasks: list[Task],
+    policies: list[DecodePolicy],
+    progress: bool = True,
+    kl: bool = False,
 ) -> list[Outcome]:
-    """Run every task under every policy; returns one `Outcome` per (task, policy)."""
+    """Run every task under every policy; returns one `Outcome` per (task, policy). With
+    `kl`, each policy is also run teacher forced along dense's greedy tokens and scored by
+    its mean next-token KL divergence from dense (one more decode pass per policy)."""
     from tqdm.auto import tqdm
 
     if not policies or policies[0].kind != "dense":
@@ -84,11 +97,16 @@ def evaluate(
         session = Session(model, tok)
         bar.set_postfix_str(f"prefill {task.kind} ({len(doc_ids) + len(q_ids)} tok)")
         session.extend(doc_ids + q_ids)
-        dense_tokens = None
+        dense_tokens = dense_lp = None
         for policy in policies:
             bar.set_postfix_str(f"{task.kind} {policy.label}")
             dec = session.decode(policy, task.max_new_tokens, stop)
             dense_tokens = dec.tokens if dense_tokens is None else dense_tokens
+            divergence = None
+            if kl:
+                lp = session.forced_logprobs(policy, dense_tokens)
+                dense_lp = lp if dense_lp is None else dense_lp
+                divergence = mean_kl(dense_lp, lp)
             means, p99s = layer_summary(dec.layer_fractions)
             outcomes.append(
                 Outcome(
@@ -98,6 +116,7 @@ def evaluate(
                     correct=task.score(dec.text),
                     agrees_with_dense=dec.tokens == dense_tokens,
                     kv_fraction=dec.kv_fraction(),
+                    kl_from_dense=divergence,
                     layer_mean=means,
                     layer_p99=p99s,
                     output=dec.text,

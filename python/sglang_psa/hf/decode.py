@@ -113,6 +113,40 @@ class Session:
         text = self.tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
         return Decoded(tokens, text, fractions)
 
+    @torch.inference_mode()
+    def forced_logprobs(self, policy: DecodePolicy, tokens: list[int]) -> torch.Tensor:
+        """Teacher forcing: feed `tokens[:-1]` after the context under `policy`, one decode
+        step each; returns `[len(tokens) - 1, vocab]` float32 log-probabilities, row `i` the
+        distribution `tokens[i + 1]` follows. (The first token follows the prefill, dense
+        under every policy.) The context is unchanged afterwards."""
+        rt = runtime()
+        rt.reset()
+        start = self.length
+        dev = self.model.device
+        rows = []
+        with rt.use(policy):
+            for t in tokens[:-1]:
+                out = self.model(
+                    input_ids=torch.tensor([[t]], device=dev),
+                    past_key_values=self.cache,
+                    use_cache=True,
+                )
+                self.length += 1
+                rows.append(torch.log_softmax(out.logits[0, -1].float(), -1))
+        self.rewind(start)
+        rt.reset()
+        vocab = self.next_logits.shape[-1]
+        return torch.stack(rows) if rows else torch.zeros(0, vocab)
+
+
+def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over steps of KL(reference || other), both `[steps, vocab]` log-probabilities
+    (NaN without steps)."""
+    if reference.shape[0] == 0:
+        return float("nan")
+    kl = (reference.exp() * (reference - other)).sum(-1)
+    return float(kl.clamp_min(0).mean())
+
 
 def greedy_decode(
     model, tokenizer, prompt: str, policy: DecodePolicy, max_new_tokens: int = 32
