@@ -1,0 +1,230 @@
+"""Adaptive budget suite: quality against KV read, per decode policy, at mixed lengths.
+
+    python benchmark/adaptive/run.py                                   # the suite (GPU host)
+    python benchmark/adaptive/run.py --model smollm2-135m --lengths 1024,2048 \\
+        --per-kind 1 --name adaptive_smoke                            # a CPU check of the path
+
+Per task (`sglang_psa.eval.tasks`, every kind, each length): one dense prefill through
+the transformers hook, then per policy a 64-token greedy completion (the task's answer
+scored, the tokens compared with dense's) and the same policy teacher forced along
+dense's tokens (the mean next-token KL from dense). A policy's KV fraction counts what
+it reads: the blocks, plus the block metadata its ranking reads for every block (key
+min and max, or the mean: 2 or 1 vectors per `block_size` keys and values).
+
+The baseline is the best single top-k budget, as an operator would set it: the smallest
+budget whose accuracy over the suite is within `--accuracy-slack` of dense's and whose
+completions equal dense's for at least `--identical-min` of the tasks. Writes
+`benchmark/results/NAME.json` (default `adaptive_budget`) with the summary keys
+`kv_fraction_psa`, `kv_fraction_best_topk`, `kv_ratio_psa_vs_best_topk`,
+`accuracy_delta_psa_vs_dense`, `identical_fraction_psa`, `mean_kl_psa`,
+`kv_fraction_certified_16k`, and a plot of KL against KV fraction per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from sglang_psa.config import PSAConfig
+from sglang_psa.eval.results import write_result
+from sglang_psa.eval.runner import chat_parts
+from sglang_psa.eval.tasks import GENERATORS, make_tasks
+from sglang_psa.hf.attention import DecodePolicy
+from sglang_psa.hf.decode import Session, load_model, mean_kl
+from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+COMPLETION = 64  # tokens compared with dense's
+
+
+def policies(budgets: list[int]) -> list[DecodePolicy]:
+    """Dense first (the reference), the default psa policy second, then the others."""
+    base = PSAConfig()
+    out = [DecodePolicy("dense", base), DecodePolicy("psa", base)]
+    for eps in (0.9, 0.95):
+        out.append(DecodePolicy("psa", base.replace(threshold=eps)))
+    out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
+    out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
+    return out
+
+
+def metadata_fraction(policy: DecodePolicy) -> float:
+    """KV-equivalent bytes of the block metadata a sparse policy reads for every block."""
+    if policy.kind == "dense":
+        return 0.0
+    cfg = policy.cfg
+    vectors = (2 if cfg.needs_key_bounds else 0) + (1 if cfg.needs_key_mean else 0)
+    return vectors / (2 * cfg.block_size)
+
+
+def run_task(session: Session, task, pols: list[DecodePolicy], stop: set[int]) -> list[dict]:
+    """Every policy on one prefilled task: a row per policy."""
+    rows, dense_tokens, dense_lp = [], None, None
+    for p in pols:
+        dec = session.decode(p, COMPLETION)  # no early stop: 64 tokens to compare
+        dense_tokens = dec.tokens if dense_tokens is None else dense_tokens
+        lp = session.forced_logprobs(p, dense_tokens)
+        dense_lp = lp if dense_lp is None else dense_lp
+        answer = []
+        for t in dec.tokens:
+            if t in stop:
+                break
+            answer.append(t)
+        rows.append(
+            {
+                "task": task.kind,
+                "length": session.length,
+                "policy": p.label,
+                "correct": task.score(session.tok.decode(answer, skip_special_tokens=True)),
+                "identical": dec.tokens == dense_tokens,
+                "kl": mean_kl(dense_lp, lp),
+                "kv_fraction": min(1.0, dec.kv_fraction() + metadata_fraction(p)),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> dict[str, dict]:
+    """Per policy: accuracy, identical fraction, mean KL, KV fraction; also by length."""
+    by = defaultdict(list)
+    for r in rows:
+        by[r["policy"]].append(r)
+
+    def stats(rs):
+        n = len(rs)
+        return {
+            "accuracy": sum(r["correct"] for r in rs) / n,
+            "identical": sum(r["identical"] for r in rs) / n,
+            "mean_kl": sum(r["kl"] for r in rs) / n,
+            "kv_fraction": sum(r["kv_fraction"] for r in rs) / n,
+            "n": n,
+        }
+
+    out = {}
+    for name, rs in by.items():
+        lengths = defaultdict(list)
+        for r in rs:
+            lengths[r["length_bucket"]].append(r)
+        out[name] = stats(rs) | {"by_length": {k: stats(v) for k, v in sorted(lengths.items())}}
+    return out
+
+
+def best_topk(tab: dict, budgets: list[int], slack: float, identical_min: float, key=None):
+    """The smallest top-k budget meeting dense's accuracy within `slack` and the identical
+    fraction: `(label, stats)`, or None. `key` picks one length bucket's stats."""
+    pick = (lambda s: s) if key is None else (lambda s: s.get("by_length", {}).get(key))
+    dense = pick(tab["dense"])
+    for b in sorted(budgets):
+        label = DecodePolicy("topk", PSAConfig(topk_tokens=b), b).label
+        s = pick(tab.get(label, {}))
+        if s and s["accuracy"] >= dense["accuracy"] - slack and s["identical"] >= identical_min:
+            return label, s
+    return None
+
+
+def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float) -> dict:
+    psa, dense = tab[DecodePolicy("psa", PSAConfig()).label], tab["dense"]
+    best = best_topk(tab, budgets, slack, identical_min)
+    certified = DecodePolicy("psa", PSAConfig(threshold=0.95, stop_rule="certified")).label
+    cert = tab.get(certified, {}).get("by_length", {})
+    long = [s for k, s in cert.items() if k >= 16384]
+    return {
+        "kv_fraction_psa": psa["kv_fraction"],
+        "kv_fraction_best_topk": best[1]["kv_fraction"] if best else None,
+        "best_topk_policy": best[0] if best else None,
+        "kv_ratio_psa_vs_best_topk": psa["kv_fraction"] / best[1]["kv_fraction"] if best else None,
+        "accuracy_delta_psa_vs_dense": psa["accuracy"] - dense["accuracy"],
+        "identical_fraction_psa": psa["identical"],
+        "mean_kl_psa": psa["mean_kl"],
+        "kv_fraction_certified_16k": (
+            sum(s["kv_fraction"] * s["n"] for s in long) / sum(s["n"] for s in long)
+            if long
+            else None
+        ),
+    }
+
+
+def plot(tab: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in tab.items():
+        if name == "dense":
+            continue
+        marker = "o" if name.startswith("topk") else "s"
+        ax.plot(s["kv_fraction"], max(s["mean_kl"], 1e-6), marker)
+        ax.annotate(name, (s["kv_fraction"], max(s["mean_kl"], 1e-6)), fontsize=6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("fraction of KV read (blocks + metadata)")
+    ax.set_ylabel("mean next-token KL from dense")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
+    ap.add_argument("--lengths", default="4096,8192,16384,32000")
+    ap.add_argument("--per-kind", type=int, default=2, help="tasks per kind and length")
+    ap.add_argument("--kinds", default=",".join(GENERATORS))
+    ap.add_argument("--budgets", default="256,512,1024,2048,4096", help="top-k tokens")
+    ap.add_argument("--accuracy-slack", type=float, default=0.01)
+    ap.add_argument("--identical-min", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--name", default="adaptive_budget")
+    args = ap.parse_args()
+
+    model, tok = load_model(ensure_model(args.model), device=args.device)
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
+    budgets = [int(b) for b in args.budgets.split(",")]
+    pols = policies(budgets)
+    stop = {tok.eos_token_id} | {
+        t for t in (tok.convert_tokens_to_ids(n) for n in ("<|im_end|>", "<|endoftext|>"))
+        if isinstance(t, int) and t != tok.unk_token_id
+    }  # fmt: skip
+    rows = []
+    lengths = [int(n) for n in args.lengths.split(",")]
+    for n in lengths:
+        tasks = make_tasks(args.kinds.split(","), n, args.per_kind, args.seed, count)
+        for i, task in enumerate(tasks):
+            doc, q = chat_parts(tok, task.prompt, task.question)
+            session = Session(model, tok)
+            session.extend(doc + q)
+            got = run_task(session, task, pols, stop)
+            for r in got:
+                r["length_bucket"] = n
+            rows += got
+            print(f"{n} tokens, task {i + 1}/{len(tasks)} ({task.kind}) done", flush=True)
+    tab = table(rows)
+    summary = summarize(tab, budgets, args.accuracy_slack, args.identical_min)
+    write_result(
+        RESULTS / f"{args.name}.json",
+        summary,
+        {"policies": tab, "rows": rows},
+        model=MODELS[args.model].name,
+        lengths=lengths,
+        per_kind=args.per_kind,
+        budgets=budgets,
+    )
+    plot(tab, RESULTS / f"{args.name}.png", f"{args.model}, {len(rows) // len(pols)} tasks")
+    for name, s in tab.items():
+        print(
+            f"{name:24s} acc {s['accuracy']:.3f} identical {s['identical']:.3f} "
+            f"KL {s['mean_kl']:.4f} KV {s['kv_fraction']:.4f}"
+        )
+    print("summary:", summary)
+
+
+if __name__ == "__main__":
+    main()

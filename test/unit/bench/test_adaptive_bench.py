@@ -1,0 +1,77 @@
+"""The adaptive-budget suite's bookkeeping on synthetic rows: per-policy tables, the best
+single top-k budget as an operator would pick it, and the summary keys of its result."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_psa.config import PSAConfig
+from sglang_psa.hf.attention import DecodePolicy
+
+PATH = Path(__file__).resolve().parents[3] / "benchmark" / "adaptive" / "run.py"
+spec = importlib.util.spec_from_file_location("adaptive_run", PATH)
+adaptive = importlib.util.module_from_spec(spec)
+sys.modules["adaptive_run"] = adaptive
+spec.loader.exec_module(adaptive)
+
+
+def _rows(policy, length, correct, identical, kl, kv, n=10):
+    return [
+        {
+            "task": "niah", "length": length, "length_bucket": length, "policy": policy,
+            "correct": i < correct, "identical": i < identical, "kl": kl, "kv_fraction": kv,
+        }
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _suite():
+    psa = DecodePolicy("psa", PSAConfig()).label
+    cert = DecodePolicy("psa", PSAConfig(threshold=0.95, stop_rule="certified")).label
+    topk = {b: DecodePolicy("topk", PSAConfig(topk_tokens=b), b).label for b in (256, 512, 1024)}
+    rows = []
+    for n in (8192, 16384):
+        rows += _rows("dense", n, 8, 10, 0.0, 1.0)
+        rows += _rows(psa, n, 8, 9, 0.01, 0.10)
+        rows += _rows(cert, n, 8, 10, 0.001, 0.40 if n == 16384 else 0.6)
+        rows += _rows(topk[256], n, 6, 5, 0.5, 0.05)  # too few correct
+        rows += _rows(topk[512], n, 8, 8, 0.1, 0.10)  # accurate, too few identical
+        rows += _rows(topk[1024], n, 8, 9, 0.05, 0.20)  # the best single budget
+    return rows, psa, topk
+
+
+def test_the_best_single_topk_budget_is_the_smallest_that_meets_both_bars():
+    rows, psa, topk = _suite()
+    tab = adaptive.table(rows)
+    assert tab["dense"]["n"] == 20 and set(tab["dense"]["by_length"]) == {8192, 16384}
+    assert tab[topk[512]]["identical"] == pytest.approx(0.8)
+    label, stats = adaptive.best_topk(tab, [256, 512, 1024], 0.01, 0.9)
+    assert label == topk[1024] and stats["kv_fraction"] == pytest.approx(0.2)
+    # with a looser identical bar the 512-token budget wins; per length the same
+    assert adaptive.best_topk(tab, [256, 512, 1024], 0.01, 0.8)[0] == topk[512]
+    assert adaptive.best_topk(tab, [256, 512, 1024], 0.01, 0.9, key=16384)[0] == topk[1024]
+    assert adaptive.best_topk(tab, [256], 0.01, 0.9) is None
+
+
+def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
+    rows, psa, topk = _suite()
+    s = adaptive.summarize(adaptive.table(rows), [256, 512, 1024], 0.01, 0.9)
+    assert s["kv_fraction_psa"] == pytest.approx(0.1)
+    assert s["kv_fraction_best_topk"] == pytest.approx(0.2)
+    assert s["kv_ratio_psa_vs_best_topk"] == pytest.approx(0.5)
+    assert s["accuracy_delta_psa_vs_dense"] == pytest.approx(0.0)
+    assert s["identical_fraction_psa"] == pytest.approx(0.9)
+    assert s["mean_kl_psa"] == pytest.approx(0.01)
+    assert s["kv_fraction_certified_16k"] == pytest.approx(0.4)  # the 16K rows only
+
+
+def test_metadata_counts_in_a_sparse_policys_kv_fraction():
+    bound = DecodePolicy("psa", PSAConfig(score="bound"))
+    mean = DecodePolicy("topk", PSAConfig(score="mean", topk_tokens=256), 256)
+    assert adaptive.metadata_fraction(DecodePolicy("dense", PSAConfig())) == 0.0
+    assert adaptive.metadata_fraction(bound) == pytest.approx(2 / 64)  # min and max per 32
+    assert adaptive.metadata_fraction(mean) == pytest.approx(1 / 64)
