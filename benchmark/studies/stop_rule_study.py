@@ -190,29 +190,12 @@ def greedy(session: Session, policy: DecodePolicy, n: int, stop: set[int]):
     return session.decode(policy, n, stop)
 
 
-@torch.inference_mode()
 def forced_logits(session: Session, policy: DecodePolicy, tokens: list[int]) -> list[torch.Tensor]:
-    """Logits after the prefill and after feeding each of `tokens[:-1]`; context unchanged.
-
-    Entry i predicts tokens[i]; entry 0 is the (dense) prefill's.
-    """
-    rt = runtime()
-    rt.reset()
-    start = session.length
-    logits = [session.next_logits]
-    dev = session.model.device
-    with rt.use(policy):
-        for t in tokens[:-1]:
-            out = session.model(
-                input_ids=torch.tensor([[t]], device=dev),
-                past_key_values=session.cache,
-                use_cache=True,
-            )
-            session.length += 1
-            logits.append(out.logits[0, -1].float())
-    session.rewind(start)
-    rt.reset()
-    return logits
+    """Log-probabilities after the prefill and after feeding each of `tokens[:-1]` (teacher
+    forced, `Session.forced_logprobs`); context unchanged. Entry i predicts tokens[i];
+    entry 0 is the (dense) prefill's."""
+    first = torch.log_softmax(session.next_logits.float(), -1)
+    return [first, *session.forced_logprobs(policy, tokens)]
 
 
 def margins(logits: list[torch.Tensor], tokens: list[int]) -> list[float]:
