@@ -62,7 +62,9 @@ def _refresh_kernel(
         cur_st = tl.load(stamps_ptr + h * stamp_stride + tl.maximum(cur, 0))
         free = (cur < 0) | (cur_st <= step - keep)
         if (page > 0) & (best > 0) & free:
-            bi = tl.argmax(score, axis=0)
+            # The first candidate at the best stamp, as a min-reduction: defined for ties
+            # (every unit the last step read has the same stamp) and the same in every thread.
+            bi = tl.min(tl.where(score == best, k, CAND), axis=0)
             new = s + bi * sets
             score = tl.where(k == bi, -1, score)
             if cur >= 0:
