@@ -30,7 +30,7 @@ import torch
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import chat_parts
+from sglang_psa.eval.runner import chat_parts, stop_ids
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import Session, load_model, mean_kl
@@ -189,10 +189,7 @@ def main() -> None:
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
     budgets = [int(b) for b in args.budgets.split(",")]
     pols = policies(budgets)
-    stop = {tok.eos_token_id} | {
-        t for t in (tok.convert_tokens_to_ids(n) for n in ("<|im_end|>", "<|endoftext|>"))
-        if isinstance(t, int) and t != tok.unk_token_id
-    }  # fmt: skip
+    stop = stop_ids(tok)
     rows = []
     lengths = [int(n) for n in args.lengths.split(",")]
     for n in lengths:

@@ -42,7 +42,7 @@ from sglang_psa.algo.attention import (
 from sglang_psa.algo.criticality import bound_logits, criticality
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import _extra_stops, chat_parts
+from sglang_psa.eval.runner import chat_parts, stop_ids
 from sglang_psa.eval.tasks import make_tasks
 from sglang_psa.hf.attention import DecodePolicy, PSARuntime, runtime
 from sglang_psa.hf.decode import Session, load_model
@@ -483,7 +483,7 @@ def main() -> None:
         if model is None:
             model, tok = load_model(ensure_model(args.model), device="cpu")
             count = token_counter(tok)
-            stop = {tok.eos_token_id} | set(_extra_stops(tok))
+            stop = stop_ids(tok)
         task = make_tasks([kind], args.context_tokens, idx + 1, args.seed, count)[idx]
         print(f"task {kind}#{idx}: answers {task.answers}", flush=True)
         out = run_task(model, tok, task, pols, stop, args)

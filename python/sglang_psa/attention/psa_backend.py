@@ -475,16 +475,21 @@ class PSAAttnBackend(AttentionBackend):
     def read_counts(self) -> tuple[int, int]:
         """(blocks read, blocks readable) over all layers as of an earlier call, without a
         sync: returns the last copy and starts the next one (the metrics' refresh)."""
-        read, total, _ = (int(x) for x in self._stats_host.tolist())
-        self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
+        read, total, _ = self._published_stats()
         return read, total
 
     def unit_reads(self) -> tuple[int, int]:
         """(units read from HBM, units read from the host tier) over all layers, like
         `read_counts`: the last copy, and the next one started."""
-        read, _, host = (int(x) for x in self._stats_host.tolist())
-        self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
+        read, _, host = self._published_stats()
         return read - host, host
+
+    def _published_stats(self) -> tuple[int, int, int]:
+        """The per-layer counters summed as last copied to pinned memory (no sync), and
+        the next copy started."""
+        got = tuple(int(x) for x in self._stats_host.tolist())
+        self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
+        return got
 
     def read_fraction(self) -> float:
         """Fraction of KV blocks the decode steps read so far, over all layers (syncs)."""

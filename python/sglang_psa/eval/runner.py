@@ -83,7 +83,7 @@ def evaluate(
 
     if not policies or policies[0].kind != "dense":
         raise ValueError("the first policy must be dense (the reference for agreement)")
-    stop = {tok.eos_token_id} | set(_extra_stops(tok))
+    stop = stop_ids(tok)
     outcomes: list[Outcome] = []
     bar = tqdm(
         total=len(tasks) * len(policies),
@@ -127,10 +127,12 @@ def evaluate(
     return outcomes
 
 
-def _extra_stops(tok) -> list[int]:
-    ids = []
+def stop_ids(tok) -> set[int]:
+    """Token ids that end a completion: EOS and the chat templates' end-of-turn tokens
+    this tokenizer has."""
+    ids = {tok.eos_token_id}
     for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
         tid = tok.convert_tokens_to_ids(name)
         if isinstance(tid, int) and tid != tok.unk_token_id:
-            ids.append(tid)
+            ids.add(tid)
     return ids

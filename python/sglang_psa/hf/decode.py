@@ -94,24 +94,27 @@ class Session:
         stop_ids = stop_ids or set()
         tokens: list[int] = []
         nxt = int(self.next_logits.argmax())
-        dev = self.model.device
         with rt.use(policy):
             for _ in range(max_new_tokens):
                 tokens.append(nxt)
                 if nxt in stop_ids or len(tokens) == max_new_tokens:
                     break
-                out = self.model(
-                    input_ids=torch.tensor([[nxt]], device=dev),
-                    past_key_values=self.cache,
-                    use_cache=True,
-                )
-                self.length += 1
-                nxt = int(out.logits[0, -1].argmax())
+                nxt = int(self._feed(nxt).argmax())
         fractions = rt.layer_fractions()
         self.rewind(start)
         rt.reset()
         text = self.tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
         return Decoded(tokens, text, fractions)
+
+    def _feed(self, token: int) -> torch.Tensor:
+        """One decode step on `token` under the policy in use: the next-token logits."""
+        out = self.model(
+            input_ids=torch.tensor([[token]], device=self.model.device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.length += 1
+        return out.logits[0, -1]
 
     @torch.inference_mode()
     def forced_logprobs(self, policy: DecodePolicy, tokens: list[int]) -> torch.Tensor:
@@ -122,17 +125,10 @@ class Session:
         rt = runtime()
         rt.reset()
         start = self.length
-        dev = self.model.device
         rows = []
         with rt.use(policy):
             for t in tokens[:-1]:
-                out = self.model(
-                    input_ids=torch.tensor([[t]], device=dev),
-                    past_key_values=self.cache,
-                    use_cache=True,
-                )
-                self.length += 1
-                rows.append(torch.log_softmax(out.logits[0, -1].float(), -1))
+                rows.append(torch.log_softmax(self._feed(t).float(), -1))
         self.rewind(start)
         rt.reset()
         vocab = self.next_logits.shape[-1]
