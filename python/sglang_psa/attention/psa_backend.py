@@ -43,6 +43,7 @@ from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.page_meta import PageMeta
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.mem_cache.working_sets import WorkingSets
+from sglang_psa.sched.agreement import RankAgreement, kv_ranks
 from sglang_psa.sched.serving import PSAServing, current, install
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class PSAAttnBackend(AttentionBackend):
         num_pages = (pool.size + bs) // bs
         host_blocks = 0
         if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
-            host_blocks = kv_budget.host_blocks(cfg, _kv_bytes_per_token(pool))
+            ranks = kv_ranks()  # each rank holds its share of the host tier
+            host_blocks = kv_budget.host_blocks(cfg, _kv_bytes_per_token(pool), ranks)
             if host_blocks < 1:
                 raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         install(
@@ -169,6 +171,10 @@ class PSAAttnBackend(AttentionBackend):
             )
             self.residency.unit_reads = self.unit_reads
         serving = current()
+        # Ranks of a TP group decide from agreed values (sched.agreement).
+        serving.agreement = RankAgreement.from_sglang()
+        if self.residency is not None:
+            self.residency.agreement = serving.agreement
         serving.writeback = self.writeback
         serving.residency = self.residency
         serving.measure = self.ws.read
@@ -238,7 +244,8 @@ class PSAAttnBackend(AttentionBackend):
                 pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
                 host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
                 table_shape=tuple(table_shape),
-                threads=max(2, min(8, (os.cpu_count() or 4) // 2)), path=cfg.writeback,
+                threads=max(2, min(8, (os.cpu_count() or 4) // (2 * kv_ranks()))),
+                path=cfg.writeback,
             )  # fmt: skip
         except (RuntimeError, torch.OutOfMemoryError) as e:
             raise PSAConfigError(

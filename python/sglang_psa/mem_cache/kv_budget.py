@@ -27,10 +27,11 @@ def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg
     return math.ceil(per_vector_token * n_meta * meta_elem / cfg.block_size)
 
 
-def host_blocks(cfg, kv_bytes_per_token: int) -> int:
-    """Blocks (all layers and heads) the tiered home's host tier of `--psa-host-pool-gb`
-    holds."""
-    return int(cfg.host_pool_gb * 2**30) // (kv_bytes_per_token * cfg.block_size)
+def host_blocks(cfg, kv_bytes_per_token: int, ranks: int) -> int:
+    """Blocks (all layers, this rank's KV heads: `kv_bytes_per_token` is the rank's) that
+    one rank's share of the tiered home's host tier holds: `--psa-host-pool-gb` is the
+    server's, split evenly over the `ranks` that shard the KV heads."""
+    return int(cfg.host_pool_gb * 2**30 / ranks) // (kv_bytes_per_token * cfg.block_size)
 
 
 def _layer_heads(kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
@@ -39,13 +40,15 @@ def _layer_heads(kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) ->
     return layers * max(1, heads_d // 32)
 
 
-def host_row_bytes(cfg, kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+def host_row_bytes(
+    cfg, kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int, ranks: int
+) -> int:
     """HBM bytes of the tiered home's rows for host blocks: the block metadata, one int32
     last-read stamp and one int32 unit-cache slot per (layer, KV head) of each, and its
     evicted flag (`mem_cache.unit_cache`)."""
     meta = metadata_bytes_per_token(kv_bytes_per_token, kv_dtype, cfg) * cfg.block_size
     stamps_and_slots = 8 * _layer_heads(kv_bytes_per_token, kv_dtype, layers)
-    return host_blocks(cfg, kv_bytes_per_token) * (meta + stamps_and_slots + 1)
+    return host_blocks(cfg, kv_bytes_per_token, ranks) * (meta + stamps_and_slots + 1)
 
 
 def unit_cache_bytes_per_page(kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:

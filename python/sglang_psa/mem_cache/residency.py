@@ -55,6 +55,7 @@ import torch
 
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
+from sglang_psa.sched.agreement import RankAgreement
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -84,6 +85,7 @@ class Residency:
         # (units decode read from HBM, from the host tier) as last published without a
         # sync: the backend's counters (the wave kernel counts them)
         self.unit_reads = lambda: (0, 0)
+        self.agreement = RankAgreement()  # the TP ranks' (the backend sets SGLang's)
         self.cache = UnitCache(
             working_sets.layers,
             working_sets.kv_heads,
@@ -127,7 +129,7 @@ class Residency:
     def evictable(self, reqs) -> int:
         """Blocks of `reqs` that may leave HBM now (saved, past the sink, not recent, not
         gone)."""
-        return sum(len(got[0]) for got in map(self._candidates, _live(reqs)) if got is not None)
+        return sum(len(blocks) for _, blocks, _ in self._candidates(reqs))
 
     def _readers(self, row: int, seq_len: int, upto: int) -> np.ndarray:
         """Published readers of blocks `[0, upto)` of the request in `row`; 255 where the
@@ -139,35 +141,40 @@ class Residency:
             return np.full(upto, 255, dtype=np.int64)
         return heat[:upto].astype(np.int64)
 
-    def _candidates(self, req) -> tuple[np.ndarray, np.ndarray] | None:
-        """`(blocks, readers)` of `req`'s blocks that may leave HBM now (saved, past the
-        sink, not recent, not gone), least read first, then oldest."""
-        r = self.wb.request(req.rid)
-        if r is None:
-            return None
-        seq_len = int(req.seqlen)
-        upto = min(r.saved, seq_len // self.block_size - self.keep_recent)
-        if upto <= self.sink:
-            return None
-        readers = self._readers(r.row, seq_len, upto)
-        ok = np.ones(upto, dtype=bool)
-        ok[: self.sink] = False
-        gone = self.evicted.get(req.rid)
-        if gone is not None:
-            ok &= ~gone[:upto]
-        blocks = np.flatnonzero(ok)
-        order = np.lexsort((blocks, readers[blocks]))
-        return blocks[order], readers[blocks][order]
+    def _candidates(self, reqs) -> list[tuple[object, np.ndarray, np.ndarray]]:
+        """`(rid, blocks, readers)` per request of `reqs` with blocks that may leave HBM
+        now (saved, past the sink, not recent, not gone), least read first, then oldest.
+        Readers and saved counts are agreed over the TP ranks (`sched.agreement`): the
+        most readers and the fewest acknowledged saves of any rank, so that every rank
+        evicts the same blocks and its allocator stays in step."""
+        reqs = [(q, r) for q in _live(reqs) if (r := self.wb.request(q.rid)) is not None]
+        spans = [int(q.seqlen) // self.block_size - self.keep_recent for q, _ in reqs]
+        heat = [self._readers(r.row, int(q.seqlen), max(n, 0)) for (q, r), n in zip(reqs, spans)]
+        (heat,), (saved,) = self.agreement.max_min(
+            [np.concatenate(heat) if heat else np.zeros(0)], [[r.saved for _, r in reqs]]
+        )
+        out, at = [], 0
+        for (q, _), span, done in zip(reqs, spans, saved.tolist()):
+            readers, at = heat[at : at + max(span, 0)], at + max(span, 0)
+            upto = min(done, span)
+            if upto <= self.sink:
+                continue
+            ok = np.ones(upto, dtype=bool)
+            ok[: self.sink] = False
+            gone = self.evicted.get(q.rid)
+            if gone is not None:
+                ok &= ~gone[:upto]
+            blocks = np.flatnonzero(ok)
+            order = np.lexsort((blocks, readers[blocks]))
+            out.append((q.rid, blocks[order], readers[blocks][order]))
+        return out
 
     def _coldest(self, reqs, n: int) -> list[tuple[int, object, int]]:
         """Up to `n` `(readers, rid, block)` of `reqs` that may leave HBM, least read first
         (then oldest)."""
         found = []
-        for req in _live(reqs):
-            got = self._candidates(req)
-            if got is not None:
-                blocks, readers = got
-                found += zip(readers[:n].tolist(), [req.rid] * n, blocks[:n].tolist())
+        for rid, blocks, readers in self._candidates(reqs):
+            found += zip(readers[:n].tolist(), [rid] * n, blocks[:n].tolist())
         found.sort(key=lambda c: (c[0], c[2]))
         return found[:n]
 

@@ -20,6 +20,7 @@ from sglang_psa.mem_cache.kv_budget import (
     metadata_bytes_per_token,
     unit_cache_bytes_per_page,
 )
+from sglang_psa.sched.agreement import kv_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def after_calculate_pool_sizes(result, configurator, available_bytes, page_size)
 
 def _tiered_pool_size(cfg, configurator, result, per_token: int, page_size: int):
     """The tiered home's token budget: SGLang's, less the HBM of the host blocks' rows."""
-    dtype, layers = configurator._psa_kv_dtype, configurator._psa_layers
-    rows = host_row_bytes(cfg, per_token, dtype, layers)
+    dtype, layers, ranks = configurator._psa_kv_dtype, configurator._psa_layers, kv_ranks()
+    rows = host_row_bytes(cfg, per_token, dtype, layers, ranks)
     pages = result.max_total_num_tokens // page_size + 1
     rows += pages * unit_cache_bytes_per_page(per_token, dtype, layers)
     cut = -(-rows // configurator._cell_size)
@@ -67,8 +68,8 @@ def _tiered_pool_size(cfg, configurator, result, per_token: int, page_size: int)
         )
     logger.info(
         "sglang-psa: tiered KV: %d tokens in HBM; %.2f GiB of HBM hold the metadata of "
-        "%d host blocks (%s %g)",
-        tokens, rows / 2**30, host_blocks(cfg, per_token), flag_name("host_pool_gb"),
-        cfg.host_pool_gb,
+        "%d host blocks (%s %g, split over %d ranks)",
+        tokens, rows / 2**30, host_blocks(cfg, per_token, ranks), flag_name("host_pool_gb"),
+        cfg.host_pool_gb, ranks,
     )  # fmt: skip
     return dataclasses.replace(result, max_total_num_tokens=tokens)

@@ -30,7 +30,7 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 
 from __future__ import annotations
 
-from sglang_psa.sched.serving import current
+from sglang_psa.sched.serving import combine_ranks, current
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):
@@ -147,7 +147,7 @@ def after_get_internal_state(result, scheduler, recv_req):
     cached = int(scheduler.tree_cache.evictable_size()) + int(
         getattr(scheduler.tree_cache, "protected_size", lambda: 0)()
     )
-    result.internal_state["psa"] = {
+    state = {
         "running": len(ctl.running),
         "paused": len(ctl.paused),
         "used_units": ctl.used_units,
@@ -171,6 +171,8 @@ def after_get_internal_state(result, scheduler, recv_req):
         # Blocks whose HBM pages were given back (tiered home), else None.
         "residency": serving.residency.report() if serving.residency is not None else None,
     }
+    # Every TP rank answers this request in lockstep: rank 0 reports them all.
+    result.internal_state["psa"] = combine_ranks(serving.agreement.gather(state))
     return result
 
 

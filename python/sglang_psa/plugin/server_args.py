@@ -56,6 +56,13 @@ _INCOMPATIBLE = (
         "HiSparse is SGLang's own sparse KV tier for DeepSeek models",
     ),
     (
+        "enable_dp_attention",
+        "--enable-dp-attention",
+        "the plugin agrees its scheduling over the tensor-parallel group that shards the "
+        "KV heads; attention data parallelism splits that group (use --tp, or several "
+        "servers behind sglang-router)",
+    ),
+    (
         "enable_hierarchical_cache",
         "--enable-hierarchical-cache",
         "the tiered store already keeps every KV block in host memory",
@@ -68,6 +75,12 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     for name, flag, why in _INCOMPATIBLE:
         if fields.get(name):
             raise PSAConfigError("sparse_mode", f"cannot be combined with {flag}: {why}")
+    if (fields.get("pp_size") or 1) > 1:
+        raise PSAConfigError(
+            "sparse_mode",
+            "cannot be combined with --pp-size above 1: each pipeline stage would keep "
+            "its own working sets and host tier for a share of the layers (use --tp)",
+        )
     page = fields.get("page_size")
     if page not in (None, cfg.block_size):
         raise PSAConfigError(

@@ -14,8 +14,11 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.sched.admission import AdmissionController, Candidate
+from sglang_psa.sched.agreement import RankAgreement
 from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
 
 
@@ -44,6 +47,9 @@ class PSAServing:
         self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
         self.residency = None  # mem_cache.residency.Residency, the same home
         self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
+        # With tensor parallelism every GPU measurement passes through this before a
+        # decision reads it, so that all ranks decide alike (`sched.agreement`).
+        self.agreement = RankAgreement()
 
     @property
     def retracts_by_working_set(self) -> bool:
@@ -126,18 +132,23 @@ class PSAServing:
         """Record the working-set sizes the GPU last published (before the next step). A
         row's value counts only if it was measured at most a window of steps ago for this
         request (its length then is close to the request's now); otherwise the row is
-        stale or belongs to the row's previous request."""
+        stale or belongs to the row's previous request. With several TP ranks each row's
+        size and length are the largest any rank measured (`agreement`)."""
         if self.measure is None:
             return
-        sizes, lengths = self.measure()
-        window = self.cfg.ws_window
-        for req in reqs:
-            row = getattr(req, "req_pool_idx", None)
-            if row is None or req.rid not in self.controller.running:
-                continue
-            n = int(lengths[row])
-            if n > 0 and 0 <= req.seqlen - n <= window:
-                self.controller.on_step_size(req.rid, int(sizes[row]), self.total_units(n))
+        running = [
+            r
+            for r in reqs
+            if getattr(r, "req_pool_idx", None) is not None and r.rid in self.controller.running
+        ]
+        if running:
+            sizes, lengths = self.measure()
+            rows = np.array([r.req_pool_idx for r in running], dtype=np.int64)
+            sizes, lengths = self.agreement.max(np.asarray(sizes)[rows], np.asarray(lengths)[rows])
+            window = self.cfg.ws_window
+            for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
+                if n > 0 and 0 <= req.seqlen - n <= window:
+                    self.controller.on_step_size(req.rid, size, self.total_units(n))
         if self.metrics is not None and self.metrics.due():
             self.metrics.set(self.metric_values())
 
@@ -213,6 +224,44 @@ def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:
         "host_blocks_used": rep["host_blocks_used"],
         "copy_engine_restarts_total": rep["engine_restarts"],
     }
+
+
+# Server-info entries each TP rank holds its own of (its GPU buffers, its host tier and
+# copy engine, its unit cache); every other entry is agreed, the same on every rank.
+PER_RANK = ("plugin_hbm_bytes", "gpu_reserved_bytes", "pinned_bytes", "writeback", "residency")
+
+
+def combine_ranks(states: list[dict]) -> dict:
+    """One server-info entry from every TP rank's (rank order): the agreed entries as
+    rank 0 has them, the `PER_RANK` ones summed over the ranks, the read fraction
+    averaged (every rank reads the same blocks' count of its own heads), and with
+    several ranks each rank's own entry under `tp_ranks`, the summed keys under
+    `tp_summed`."""
+    if len(states) == 1:
+        return states[0]
+    out = dict(states[0])
+    for key in PER_RANK:
+        out[key] = _sum([s[key] for s in states])
+    fractions = [s["blocks_read_fraction"] for s in states]
+    if None not in fractions:
+        out["blocks_read_fraction"] = sum(fractions) / len(fractions)
+    out["tp_summed"] = list(PER_RANK)
+    out["tp_ranks"] = states
+    return out
+
+
+_IDS = ("engine_pid",)  # per-rank entries that are names, not amounts
+
+
+def _sum(values: list, key: str = ""):
+    """Amounts summed, dicts key by key, anything else (process ids, None) as the list
+    by rank."""
+    if all(isinstance(v, dict) for v in values):
+        return {k: _sum([v.get(k) for v in values], k) for k in values[0]}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if key not in _IDS and all(map(number, values)):
+        return sum(values)
+    return values
 
 
 _current: PSAServing | None = None

@@ -93,6 +93,9 @@ print(json.dumps({
     "errors": {
         "spec": err(["--sparse-mode", "psa", "--speculative-algorithm", "EAGLE"]),
         "mixed": err(["--sparse-mode", "psa", "--enable-mixed-chunk"]),
+        "dp_attention": err(["--sparse-mode", "psa", "--tp", "2", "--dp", "2",
+                             "--enable-dp-attention"]),
+        "pp": err(["--sparse-mode", "psa", "--pp-size", "2"]),
         "page": err(["--sparse-mode", "psa", "--page-size", "16"]),
         "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
@@ -126,6 +129,8 @@ def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(s
     [
         ("spec", ["--sparse-mode", "--speculative-algorithm"]),
         ("mixed", ["--sparse-mode", "--enable-mixed-chunk"]),
+        ("dp_attention", ["--sparse-mode", "--enable-dp-attention"]),
+        ("pp", ["--sparse-mode", "--pp-size"]),
         ("page", ["--psa-block-size", "--page-size 16"]),
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),

@@ -1,0 +1,87 @@
+"""Agreement across tensor-parallel ranks: the plugin decides only from values every rank holds.
+
+With `--tp N` SGLang runs one scheduler process per GPU. They receive the same
+requests and run the same scheduling code in lockstep, so their batches (and their
+page allocators) stay identical as long as every decision reads identical inputs;
+ranks that decide differently run different batches and hang in the next collective.
+The plugin's decisions read values that differ between ranks: each rank measures
+working sets and block heat on its own KV heads, and its saves are acknowledged at
+their own times. Before a decision reads such values they pass through
+`RankAgreement.max`, an all-reduce over SGLang's TP CPU group (gloo), so that every
+rank holds the same numbers: the largest working set, the hottest heat, and (by
+`min`) the fewest acknowledged saves, i.e. what holds on every rank.
+
+With one rank (the usual case) nothing is communicated: the arrays come back as given.
+Contract for callers: every rank calls in the same order with arrays of the same
+shapes (shapes derived from lockstep state: the batch, the requests' lengths), never
+from state that is local to a rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class RankAgreement:
+    """Element-wise max / min of host integer arrays over the ranks of one TP group."""
+
+    def __init__(self, group=None, world_size: int = 1, rank: int = 0):
+        if world_size > 1 and group is None:
+            raise ValueError("several ranks need a process group to agree over")
+        self.group, self.world_size, self.rank = group, world_size, rank
+        self.reductions = 0  # collectives issued (server info)
+
+    @classmethod
+    def from_sglang(cls) -> RankAgreement:
+        """The agreement of this scheduler process: SGLang's TP group's CPU (gloo) group,
+        or a single rank when there is no tensor parallelism."""
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        try:
+            tp = get_tp_group()
+        except AssertionError:  # SGLang's distributed state is not set up: one rank
+            return cls()
+        if tp.world_size <= 1:
+            return cls()
+        return cls(tp.cpu_group, tp.world_size, tp.rank_in_group)
+
+    def max(self, *arrays) -> list[np.ndarray]:
+        """Each array's element-wise maximum over the ranks (int64), in one collective."""
+        return self.max_min(arrays, ())[0]
+
+    def max_min(self, maxes, mins) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each of `maxes`' element-wise maximum and each of `mins`' minimum over the
+        ranks (int64 arrays of the given shapes), in a single collective (a max of the
+        mins negated)."""
+        arrays = [np.asarray(a, dtype=np.int64) for a in maxes]
+        arrays += [-np.asarray(a, dtype=np.int64) for a in mins]
+        if self.world_size > 1 and arrays:
+            flat = np.concatenate([a.ravel() for a in arrays])
+            buf = torch.from_numpy(np.ascontiguousarray(flat))
+            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            self.reductions += 1
+            sizes = np.cumsum([a.size for a in arrays])[:-1]
+            arrays = [p.reshape(a.shape) for p, a in zip(np.split(buf.numpy(), sizes), arrays)]
+        n = len(maxes)
+        return arrays[:n], [-a for a in arrays[n:]]
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable host data; for server info), by rank."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def kv_ranks() -> int:
+    """Ranks SGLang shards the KV heads over in this server (its attention TP size; 1
+    without tensor parallelism or outside a running SGLang): each holds `1 / kv_ranks()`
+    of `--psa-host-pool-gb`, so that the server's host tier is the flag's size."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return max(1, int(get_parallel().attn_tp_size))
+    except AssertionError:  # SGLang's distributed state is not set up: one rank
+        return 1

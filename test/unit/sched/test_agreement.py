@@ -1,0 +1,194 @@
+"""Tensor parallelism on CPU: two real ranks (processes joined by a gloo group, as SGLang's
+TP CPU group joins its schedulers) fed different local measurements take the same
+admission and eviction decisions, the ones a single rank takes from the agreed values;
+each rank sizes its host tier from its share; server info sums what is per rank."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_psa.config import PSAConfig
+from sglang_psa.mem_cache import kv_budget
+from sglang_psa.mem_cache.residency import Residency
+from sglang_psa.sched.agreement import RankAgreement
+from sglang_psa.sched.serving import PER_RANK, PSAServing, combine_ranks
+
+BS = 32
+TOKENS = 640  # 20 blocks; 2 layers x 2 KV heads: 80 units per request
+
+
+def _in_two_ranks(tmp_path, fn, *args) -> list:
+    """`fn(agreement, rank, *args)` in two processes of one gloo group; results by rank."""
+    ctx = mp.get_context("fork")  # CPU only: nothing of CUDA to inherit
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+            agreement = RankAgreement(dist.group.WORLD, 2, rank)
+            out.put((rank, fn(agreement, rank, *args)))
+            dist.destroy_process_group()
+        except BaseException as e:  # report, do not hang the other rank's parent
+            out.put((rank, e))
+
+    procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for r in (0, 1):
+        if isinstance(got[r], BaseException):
+            raise AssertionError(f"rank {r} failed: {got[r]!r}")
+    return [got[0], got[1]]
+
+
+# -- admission -------------------------------------------------------------------------
+def _req(i: int):
+    return SimpleNamespace(rid=f"r{i}", seqlen=TOKENS, req_pool_idx=i, finished=lambda: False)
+
+
+def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -> list:
+    """Eight requests arrive one per round; each round the running ones decode a step,
+    measured on this rank's heads as `units_by_rank[rank]` units each."""
+    s = PSAServing(PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100)
+    s.agreement = agreement
+    sizes = torch.zeros(8, dtype=torch.int64)
+    lengths = torch.zeros(8, dtype=torch.int64)
+    s.measure = lambda: (sizes, lengths)
+    reqs, log = [_req(i) for i in range(8)], []
+    for i, req in enumerate(reqs):
+        running = [r for r in reqs if r.rid in s.controller.running]
+        log.append(s.try_admit(req.rid, TOKENS, alone=not running))
+        for r in reqs[: i + 1]:
+            if r.rid in s.controller.running:
+                sizes[r.req_pool_idx] = units_by_rank[rank]
+                lengths[r.req_pool_idx] = TOKENS
+        for _ in range(2):  # a window of steps: the running requests' sets are warm
+            s.flush_step(reqs)
+        log.append(s.controller.used_units)
+    s.controller.check_integrity()
+    return log
+
+
+def test_ranks_measuring_different_working_sets_admit_the_same_requests(tmp_path):
+    units = [20, 45]  # what each rank measures on its own KV heads
+    ranks = _in_two_ranks(tmp_path, _admissions, units)
+    assert ranks[0] == ranks[1]
+    # ... and what they agree on is the larger working set: a single rank fed it decides
+    # alike, while each rank alone would have admitted differently.
+    alone = [_admissions(RankAgreement(), r, units) for r in (0, 1)]
+    assert ranks[0] == alone[1]
+    assert alone[0] != alone[1], "the scenario must separate the ranks' local decisions"
+
+
+# -- eviction ---------------------------------------------------------------------------
+class _Alloc:
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def free_segment(self, tokens: torch.Tensor, start_pos: int) -> None:
+        self.freed += (tokens[::4] // 4).tolist()
+
+
+def _victims(agreement: RankAgreement, rank: int, readers_by_rank, saved_by_rank) -> list:
+    """The blocks `make_room` would give back for 3 pages, from this rank's heat and
+    acknowledged saves (`Residency._coldest`, whose inputs are agreed)."""
+    bs, n = 4, len(readers_by_rank[0])
+    heat = np.zeros(16, dtype=np.uint8)
+    heat[:n] = readers_by_rank[rank]
+    lengths = torch.zeros(4, dtype=torch.int32)
+    lengths[2] = n * bs
+    ws = SimpleNamespace(
+        read=lambda: (None, lengths),
+        heat_of=lambda row: heat if row == 2 else None,
+        layers=2,
+        kv_heads=2,
+        heat_blocks=16,
+    )
+    r = SimpleNamespace(row=2, saved=saved_by_rank[rank], host=list(range(10, 10 + n)))
+    wb = SimpleNamespace(request=lambda rid: r, blocks=SimpleNamespace(num_blocks=64))
+    cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1)
+    res = Residency(
+        wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg,
+        SimpleNamespace(size=63 * bs), None,
+    )  # fmt: skip
+    res.agreement = agreement
+    req = SimpleNamespace(rid="a", req_pool_idx=2, seqlen=n * bs, finished=lambda: False)
+    return [(rid, b) for _, rid, b in res._coldest([req], 3)]
+
+
+def test_ranks_with_different_heat_and_saves_evict_the_same_blocks(tmp_path):
+    # 10 full blocks: candidates are blocks 1-6 (the sink and the last three stay).
+    readers = [[7, 0, 8, 2, 1, 4, 5, 3, 5, 6], [7, 6, 0, 0, 9, 1, 0, 3, 5, 6]]
+    saved = [10, 5]  # rank 1 has acknowledged blocks 0-4 only
+    ranks = _in_two_ranks(tmp_path, _victims, readers, saved)
+    assert ranks[0] == ranks[1]
+    # the hottest view of each block, among blocks saved on both ranks: 1:6 2:8 3:2 4:9
+    assert sorted(b for _, b in ranks[0]) == [1, 2, 3]
+    hottest = [list(np.maximum(*map(np.array, readers)))] * 2
+    assert ranks[0] == _victims(RankAgreement(), 0, hottest, [min(saved)] * 2)
+    alone = [_victims(RankAgreement(), r, readers, saved) for r in (0, 1)]
+    assert alone[0] != alone[1], "the scenario must separate the ranks' local choices"
+
+
+# -- sizing and server info --------------------------------------------------------------
+def test_each_rank_holds_its_share_of_the_host_tier():
+    cfg = PSAConfig(kv_home="tiered", host_pool_gb=3.0)
+    whole = 2 * 24 * 2 * 64 * 2  # bytes per token, Qwen2.5-0.5B: 2 KV heads
+    one = kv_budget.host_blocks(cfg, whole, 1)
+    per_rank = kv_budget.host_blocks(cfg, whole // 2, 2)  # one KV head per rank
+    assert per_rank == one  # every rank holds the same tokens as one GPU would
+    assert 2 * per_rank * (whole // 2) * cfg.block_size <= 3 * 2**30  # the flag's bytes
+    rows = [kv_budget.host_row_bytes(cfg, whole // 2, torch.bfloat16, 24, r) for r in (1, 2)]
+    assert rows[1] < rows[0]
+
+
+def _rank_state(rank: int) -> dict:
+    return {
+        "running": 3,
+        "kv_held_tokens": 0,
+        "blocks_read_fraction": 0.2 + 0.1 * rank,
+        "plugin_hbm_bytes": {"block_metadata": 100, "working_sets": 10 + rank},
+        "gpu_reserved_bytes": 1000,
+        "pinned_bytes": 50,
+        "writeback": {"blocks_saved": 7 + rank, "engine_pid": 4000 + rank},
+        "residency": {"evictions": rank},
+    }
+
+
+def test_server_info_reports_agreed_entries_once_and_sums_per_rank_ones(tmp_path):
+    states = _in_two_ranks(tmp_path, lambda agreement, rank: agreement.gather(_rank_state(rank)))
+    assert states[0] == states[1] == [_rank_state(0), _rank_state(1)]
+    info = combine_ranks(states[0])
+    assert info["running"] == 3 and info["kv_held_tokens"] == 0
+    assert info["plugin_hbm_bytes"] == {"block_metadata": 200, "working_sets": 21}
+    assert info["writeback"] == {"blocks_saved": 15, "engine_pid": [4000, 4001]}
+    assert info["gpu_reserved_bytes"] == 2000 and info["residency"] == {"evictions": 1}
+    assert info["blocks_read_fraction"] == pytest.approx(0.25)
+    assert info["tp_summed"] == list(PER_RANK) and info["tp_ranks"] == states[0]
+    assert combine_ranks([_rank_state(0)]) == _rank_state(0)  # one rank: as it is
+
+
+def test_the_sglang_internals_the_agreement_relies_on_are_there():
+    """`from_sglang` and `kv_ranks` read SGLang's TP group (its gloo CPU group, rank and
+    size) and its attention TP size; outside a running server they mean one rank."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.runtime_context import ParallelContext
+
+    from sglang_psa.sched.agreement import kv_ranks
+
+    fields = GroupCoordinator.__annotations__
+    missing = [f for f in ("cpu_group", "rank_in_group", "world_size") if f not in fields]
+    assert not missing, f"SGLang's GroupCoordinator lost {missing}: update sched.agreement"
+    assert isinstance(getattr(ParallelContext, "attn_tp_size", None), property), (
+        "SGLang's ParallelContext.attn_tp_size is gone: update sched.agreement.kv_ranks"
+    )
+    assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1
