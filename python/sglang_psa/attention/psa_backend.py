@@ -39,11 +39,11 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.distributed import RankAgreement, kv_ranks
 from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.page_meta import PageMeta
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.mem_cache.working_sets import WorkingSets
-from sglang_psa.sched.agreement import RankAgreement, kv_ranks
 from sglang_psa.sched.serving import PSAServing, current, install
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class PSAAttnBackend(AttentionBackend):
             )
             self.residency.unit_reads = self.unit_reads
         serving = current()
-        # Ranks of a TP group decide from agreed values (sched.agreement).
+        # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
         serving.agreement = RankAgreement.from_sglang()
         if self.residency is not None:
             self.residency.agreement = serving.agreement

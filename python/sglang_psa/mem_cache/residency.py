@@ -53,9 +53,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
-from sglang_psa.sched.agreement import RankAgreement
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -144,7 +144,7 @@ class Residency:
     def _candidates(self, reqs) -> list[tuple[object, np.ndarray, np.ndarray]]:
         """`(rid, blocks, readers)` per request of `reqs` with blocks that may leave HBM
         now (saved, past the sink, not recent, not gone), least read first, then oldest.
-        Readers and saved counts are agreed over the TP ranks (`sched.agreement`): the
+        Readers and saved counts are agreed over the TP ranks (`sglang_psa.distributed`): the
         most readers and the fewest acknowledged saves of any rank, so that every rank
         evicts the same blocks and its allocator stays in step."""
         reqs = [(q, r) for q in _live(reqs) if (r := self.wb.request(q.rid)) is not None]

@@ -14,13 +14,13 @@ import dataclasses
 import logging
 
 from sglang_psa.config import flag_name
+from sglang_psa.distributed import kv_ranks
 from sglang_psa.mem_cache.kv_budget import (
     host_blocks,
     host_row_bytes,
     metadata_bytes_per_token,
     unit_cache_bytes_per_page,
 )
-from sglang_psa.sched.agreement import kv_ranks
 
 logger = logging.getLogger(__name__)
 

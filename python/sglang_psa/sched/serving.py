@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from sglang_psa.config import PSAConfig, flag_name
+from sglang_psa.distributed import RankAgreement
 from sglang_psa.sched.admission import AdmissionController, Candidate
-from sglang_psa.sched.agreement import RankAgreement
 from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
 
 
@@ -48,7 +48,7 @@ class PSAServing:
         self.residency = None  # mem_cache.residency.Residency, the same home
         self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
         # With tensor parallelism every GPU measurement passes through this before a
-        # decision reads it, so that all ranks decide alike (`sched.agreement`).
+        # decision reads it, so that all ranks decide alike (`sglang_psa.distributed`).
         self.agreement = RankAgreement()
 
     @property

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from sglang_psa.config import PSAConfig
+from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.residency import Residency
-from sglang_psa.sched.agreement import RankAgreement
 from sglang_psa.sched.serving import PER_RANK, PSAServing, combine_ranks
 
 BS = 32
@@ -183,12 +183,12 @@ def test_the_sglang_internals_the_agreement_relies_on_are_there():
     from sglang.srt.distributed.parallel_state import GroupCoordinator
     from sglang.srt.runtime_context import ParallelContext
 
-    from sglang_psa.sched.agreement import kv_ranks
+    from sglang_psa.distributed import kv_ranks
 
     fields = GroupCoordinator.__annotations__
     missing = [f for f in ("cpu_group", "rank_in_group", "world_size") if f not in fields]
-    assert not missing, f"SGLang's GroupCoordinator lost {missing}: update sched.agreement"
+    assert not missing, f"SGLang's GroupCoordinator lost {missing}: update sglang_psa.distributed"
     assert isinstance(getattr(ParallelContext, "attn_tp_size", None), property), (
-        "SGLang's ParallelContext.attn_tp_size is gone: update sched.agreement.kv_ranks"
+        "SGLang's ParallelContext.attn_tp_size is gone: update sglang_psa.distributed.kv_ranks"
     )
     assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1

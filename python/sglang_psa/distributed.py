@@ -7,9 +7,9 @@ ranks that decide differently run different batches and hang in the next collect
 The plugin's decisions read values that differ between ranks: each rank measures
 working sets and block heat on its own KV heads, and its saves are acknowledged at
 their own times. Before a decision reads such values they pass through
-`RankAgreement.max`, an all-reduce over SGLang's TP CPU group (gloo), so that every
-rank holds the same numbers: the largest working set, the hottest heat, and (by
-`min`) the fewest acknowledged saves, i.e. what holds on every rank.
+`RankAgreement.max_min`, an all-reduce over SGLang's TP CPU group (gloo), so that every
+rank holds the same numbers: the largest working set, the hottest heat, and the
+fewest acknowledged saves (what holds on every rank).
 
 With one rank (the usual case) nothing is communicated: the arrays come back as given.
 Contract for callers: every rank calls in the same order with arrays of the same
