@@ -69,6 +69,11 @@ class PSAConfig:
     # Tiered home: how blocks reach the host tier (engine: D2H copy + copy-engine scatter;
     # uva: a kernel writes them through unified addressing).
     writeback: str = "uva"
+    # Tiered home, while blocks are evicted: a resident block that fewer than this
+    # fraction of its (layer, KV head) units read lately also leaves HBM, its page
+    # becoming unit-cache slots for the units decode does read (0: blocks leave HBM
+    # only when SGLang needs pages).
+    cold_fraction: float = 0.125
     # Scheduler.
     ws_window: int = 12
     max_inject_tokens: int = 8192
@@ -134,6 +139,11 @@ class PSAConfig:
             or (isinstance(self.gpu_cache_gb, (int, float)) and self.gpu_cache_gb > 0),
             "gpu_cache_gb",
             "must be positive (or unset to size from free memory)",
+        )
+        need(
+            isinstance(self.cold_fraction, (int, float)) and 0.0 <= self.cold_fraction <= 1.0,
+            "cold_fraction",
+            "must be in [0, 1]",
         )
         need(
             isinstance(self.host_pool_gb, (int, float)) and self.host_pool_gb > 0,

@@ -115,7 +115,7 @@ def _victims(agreement: RankAgreement, rank: int, readers_by_rank, saved_by_rank
     )
     r = SimpleNamespace(row=2, saved=saved_by_rank[rank], host=list(range(10, 10 + n)))
     wb = SimpleNamespace(request=lambda rid: r, blocks=SimpleNamespace(num_blocks=64))
-    cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1)
+    cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0)
     res = Residency(
         wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg,
         SimpleNamespace(size=63 * bs), None,

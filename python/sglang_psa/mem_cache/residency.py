@@ -36,7 +36,10 @@ The unit cache (`mem_cache.unit_cache`): an evicted block does not come back
 whole. HBM pages the allocator can spare (beyond two per running request) become
 slots of the unit cache, which holds the single (layer, KV head) units of evicted
 blocks that decode reads; `refresh`, every decode round, grows it and brings in
-the units the last step read from the host. When SGLang needs pages, cold blocks
+the units the last step read from the host. While any block is evicted, `refresh`
+also evicts the resident blocks that few units read lately (`--psa-cold-fraction`):
+decode reads a few units of most blocks, so HBM holds more of what it reads as
+single units than as whole pages. When SGLang needs pages, cold blocks
 leave first (their hot units come back as units), then cache pages; when the last
 evicted block is gone the cache gives every page back.
 
@@ -49,6 +52,8 @@ snapshot: no table changes under a running step.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -75,6 +80,9 @@ class Residency:
         self.block_size = cfg.block_size
         self.sink = cfg.sink_blocks
         self.keep_recent = cfg.recent_blocks + 2
+        # Readers below which a resident block is cold (`refresh`); 0: never proactively.
+        units = working_sets.layers * working_sets.kv_heads
+        self.cold_readers = math.ceil(cfg.cold_fraction * units)
         self.page_rows = meta.page_rows
         self.max_blocks = working_sets.heat_blocks  # blocks of the longest request
         if not self.max_blocks:
@@ -237,13 +245,23 @@ class Residency:
         return len(blocks) * bs
 
     def refresh(self, reqs, allocator) -> int:
-        """Every decode round, while blocks are evicted: the unit cache takes the pages
-        the allocator can spare beyond two per running request, then brings in the host
-        units the last step read (`UnitCache.refresh`, no sync). Returns the pages
-        taken."""
+        """Every decode round, while blocks are evicted: saved blocks of `reqs` that
+        fewer than `cold_fraction` of their units read lately leave HBM too (a page
+        kept for a block serves its few readers; as cache slots it serves one hot unit
+        per (layer, KV head)); the unit cache takes the pages the allocator can spare
+        beyond two per running request, then brings in the host units the last step
+        read (`UnitCache.refresh`, no sync). Returns the pages taken."""
         self.allocator = allocator
         if not self.evicted:
             return 0
+        if self.cold_readers:  # cold resident blocks: their pages serve more as slots
+            cold = [
+                (r, rid, b)
+                for rid, blocks, readers in self._candidates(reqs)
+                for b, r in zip(blocks.tolist(), readers.tolist())
+                if r < self.cold_readers
+            ]
+            self._evict_all(cold, allocator)
         bs = self.block_size
         spare = allocator.available_size() // bs - 2 * sum(1 for _ in _live(reqs))
         n = min(spare, self.cache.capacity - self.cache.pages)

@@ -53,6 +53,10 @@ _HELP = {
     "(default: one kernel on a few SMs writes them through unified addressing) or engine "
     "(a GPU gather and one D2H copy per layer into a pinned ring, scattered by the "
     "copy-engine process; measured slower on the H100)",
+    "cold_fraction": "with --psa-kv-home tiered, while blocks are evicted: a resident block "
+    "read lately by fewer than this fraction of its (layer, KV head) units leaves HBM too, "
+    "its page holding single hot units of evicted blocks instead (0: only when SGLang "
+    "needs pages)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
     "max_inject_tokens": "prefill tokens per batch: long prompts are chunked at this size "
     "(sets --chunked-prefill-size unless given; layer-segmented prefill is not implemented)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from sglang_psa.mem_cache.residency import Residency
@@ -31,7 +32,7 @@ class _Alloc:
         self.free += (tokens[::BS] // BS).tolist()
 
 
-def _residency(readers: list[int]):
+def _residency(readers: list[int], cold_fraction: float = 0.0):
     heat = np.zeros(16, dtype=np.uint8)
     heat[: len(readers)] = readers
     lengths = torch.zeros(4, dtype=torch.int32)
@@ -47,25 +48,32 @@ def _residency(readers: list[int]):
     )
     r = SimpleNamespace(row=ROW, saved=len(readers), host=list(range(10, 10 + len(readers))))
     wb = SimpleNamespace(request=lambda rid: r, blocks=SimpleNamespace(num_blocks=HB), host=None)
-    cfg = SimpleNamespace(block_size=BS, sink_blocks=1, recent_blocks=1)
+    cfg = SimpleNamespace(
+        block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=cold_fraction
+    )
     pool = SimpleNamespace(size=63 * BS)
     res = Residency(wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg, pool, None)
     return res, r
 
 
-def test_make_room_takes_cold_blocks_first_then_cache_pages():
-    # 10 full blocks; candidates are blocks 1-6 (the sink and the last three stay).
-    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+def _recording_evict(res, alloc_pages_from: int):
     gone_order = []
 
     def evict(rid, blocks, allocator):
         gone_order.extend(blocks)
         for b in blocks:
             res.evicted.setdefault(rid, np.zeros(16, dtype=bool))[b] = True
-        allocator.free += [40 + b for b in blocks]
+        allocator.free += [alloc_pages_from + b for b in blocks]
         return len(blocks) * BS
 
     res.evict = evict
+    return gone_order
+
+
+def test_make_room_takes_cold_blocks_first_then_cache_pages():
+    # 10 full blocks; candidates are blocks 1-6 (the sink and the last three stay).
+    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+    gone_order = _recording_evict(res, 40)
     alloc = _Alloc([])
     res.cache.grow(torch.tensor([20, 21, 22]))
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
@@ -77,6 +85,27 @@ def test_make_room_takes_cold_blocks_first_then_cache_pages():
     assert sorted(gone_order) == [1, 2, 3, 4, 5, 6] and res.cache.pages == 1
     assert sorted(alloc.free) == [21, 22, 41, 42, 43, 44, 45, 46]
     assert int(res.cache.cache_pages[res.cache._slots(0, 1)[0]]) == 20
+
+
+@pytest.mark.parametrize("cold_fraction, cold", [(0.5, [1, 4]), (0.0, [])])
+def test_while_blocks_are_evicted_cold_resident_blocks_become_cache_pages(cold_fraction, cold):
+    """2 layers x 2 KV heads: 4 units a block. With `cold_fraction` 0.5, a resident
+    saved block read lately by fewer than 2 units leaves HBM at the next refresh and its
+    page joins the unit cache; 0 leaves blocks in HBM until SGLang needs pages."""
+    res, _ = _residency([4, 0, 4, 2, 1, 3, 4, 3, 4, 4], cold_fraction)
+    gone_order = _recording_evict(res, 40)
+    gone = np.zeros(16, dtype=bool)
+    gone[6] = True  # a block already on the host: the cache is in use
+    res.evicted = {"a": gone}
+    res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
+    alloc = _Alloc([30, 31, 32])
+    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
+    taken = res.refresh([req], alloc)
+    assert sorted(gone_order) == cold
+    assert taken == 3 + len(cold) - 2  # every spare page beyond two per request
+    assert res.cache.pages == taken
+    # nothing new is cold: the next refresh evicts nothing more
+    assert res.refresh([req], alloc) == 0 and sorted(gone_order) == cold
 
 
 def test_the_last_release_drains_the_cache_and_forgets_its_units():
