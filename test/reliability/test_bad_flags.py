@@ -38,6 +38,7 @@ INVALID = {
     "host_pool_gb": ["0", "-4"],
     "kv_home": ["disk", "HBM", "host"],  # host: the removed home
     "writeback": ["dma", "UVA"],
+    "cold_fraction": ["-0.1", "1.5", "nan", "x"],
     "ws_window": ["0", "x"],
     "max_inject_tokens": ["0", "2.5"],
 }
