@@ -26,11 +26,10 @@ import torch
 class RankAgreement:
     """Element-wise max / min of host integer arrays over the ranks of one TP group."""
 
-    def __init__(self, group=None, world_size: int = 1, rank: int = 0):
+    def __init__(self, group=None, world_size: int = 1):
         if world_size > 1 and group is None:
             raise ValueError("several ranks need a process group to agree over")
-        self.group, self.world_size, self.rank = group, world_size, rank
-        self.reductions = 0  # collectives issued (server info)
+        self.group, self.world_size = group, world_size
 
     @classmethod
     def from_sglang(cls) -> RankAgreement:
@@ -44,7 +43,7 @@ class RankAgreement:
             return cls()
         if tp.world_size <= 1:
             return cls()
-        return cls(tp.cpu_group, tp.world_size, tp.rank_in_group)
+        return cls(tp.cpu_group, tp.world_size)
 
     def max(self, *arrays) -> list[np.ndarray]:
         """Each array's element-wise maximum over the ranks (int64), in one collective."""
@@ -60,7 +59,6 @@ class RankAgreement:
             flat = np.concatenate([a.ravel() for a in arrays])
             buf = torch.from_numpy(np.ascontiguousarray(flat))
             torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=self.group)
-            self.reductions += 1
             sizes = np.cumsum([a.size for a in arrays])[:-1]
             arrays = [p.reshape(a.shape) for p, a in zip(np.split(buf.numpy(), sizes), arrays)]
         n = len(maxes)

@@ -32,7 +32,7 @@ def _in_two_ranks(tmp_path, fn, *args) -> list:
     def rank_main(rank: int) -> None:
         try:
             dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-            agreement = RankAgreement(dist.group.WORLD, 2, rank)
+            agreement = RankAgreement(dist.group.WORLD, 2)
             out.put((rank, fn(agreement, rank, *args)))
             dist.destroy_process_group()
         except BaseException as e:  # report, do not hang the other rank's parent
@@ -178,7 +178,7 @@ def test_server_info_reports_agreed_entries_once_and_sums_per_rank_ones(tmp_path
 
 
 def test_the_sglang_internals_the_agreement_relies_on_are_there():
-    """`from_sglang` and `kv_ranks` read SGLang's TP group (its gloo CPU group, rank and
+    """`from_sglang` and `kv_ranks` read SGLang's TP group (its gloo CPU group and
     size) and its attention TP size; outside a running server they mean one rank."""
     from sglang.srt.distributed.parallel_state import GroupCoordinator
     from sglang.srt.runtime_context import ParallelContext
@@ -186,7 +186,7 @@ def test_the_sglang_internals_the_agreement_relies_on_are_there():
     from sglang_psa.distributed import kv_ranks
 
     fields = GroupCoordinator.__annotations__
-    missing = [f for f in ("cpu_group", "rank_in_group", "world_size") if f not in fields]
+    missing = [f for f in ("cpu_group", "world_size") if f not in fields]
     assert not missing, f"SGLang's GroupCoordinator lost {missing}: update sglang_psa.distributed"
     assert isinstance(getattr(ParallelContext, "attn_tp_size", None), property), (
         "SGLang's ParallelContext.attn_tp_size is gone: update sglang_psa.distributed.kv_ranks"

@@ -156,14 +156,14 @@ class Residency:
         most readers and the fewest acknowledged saves of any rank, so that every rank
         evicts the same blocks and its allocator stays in step."""
         reqs = [(q, r) for q in _live(reqs) if (r := self.wb.request(q.rid)) is not None]
-        spans = [int(q.seqlen) // self.block_size - self.keep_recent for q, _ in reqs]
-        heat = [self._readers(r.row, int(q.seqlen), max(n, 0)) for (q, r), n in zip(reqs, spans)]
+        spans = [max(0, int(q.seqlen) // self.block_size - self.keep_recent) for q, _ in reqs]
+        heat = [self._readers(r.row, int(q.seqlen), n) for (q, r), n in zip(reqs, spans)]
         (heat,), (saved,) = self.agreement.max_min(
             [np.concatenate(heat) if heat else np.zeros(0)], [[r.saved for _, r in reqs]]
         )
         out, at = [], 0
         for (q, _), span, done in zip(reqs, spans, saved.tolist()):
-            readers, at = heat[at : at + max(span, 0)], at + max(span, 0)
+            readers, at = heat[at : at + span], at + span
             upto = min(done, span)
             if upto <= self.sink:
                 continue
