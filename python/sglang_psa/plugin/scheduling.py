@@ -45,15 +45,25 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     was_paused = req.rid in serving.controller.paused
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
+    short = freed = 0
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
         # what the adder will ask of its budget: the prompt, the clipped output, slack
         need = len(req.origin_input_ids) + min(max_new or 0, CLIP_MAX_NEW_TOKENS)
         need += 2 * serving.cfg.block_size
         alloc = adder.token_to_kv_pool_allocator
-        serving.make_room(running, need - int(adder.rem_total_tokens), alloc)
+        short = need - int(adder.rem_total_tokens)
+        freed = serving.make_room(running, short, alloc)
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
+        detail = f"SGLang answered {getattr(result, 'name', result)}"
+        if serving.residency is not None:
+            res = serving.residency
+            detail += (
+                f"; {max(short, 0)} tokens short, {freed} freed from {len(running)} running "
+                f"({res.evicted_blocks} blocks evicted, {res.cache.pages} unit-cache pages)"
+            )
+        serving.waited("kv_pages", detail)
     return result
 
 
@@ -157,6 +167,7 @@ def after_get_internal_state(result, scheduler, recv_req):
         "finished": ctl.stats.finished,
         "rejected": ctl.stats.rejected,
         "admission_deferrals": serving.deferrals,
+        "admission_waits": dict(serving.waits),  # the same, by reason
         "kv_total_tokens": total,
         "kv_available_tokens": available,
         "kv_cached_tokens": cached,

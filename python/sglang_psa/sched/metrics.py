@@ -16,7 +16,10 @@ cover KV token usage, queue lengths and latencies.
 | `running_requests`, `paused_requests` | requests admitted by working set; retracted ones |
 | `working_set_units`, `capacity_units` | their working sets; the HBM budget (layer x KV head x block) |
 | `admitted_total`, `retracted_total`, `finished_total`, `rejected_total` | admission events |
-| `admission_deferrals_total` | scheduling rounds a queued request waited for working-set or host-tier room |
+| `admission_deferrals_total` | scheduling rounds a queued request waited, all reasons |
+| `admission_waits_working_set_total` | ... because the running working sets plus its estimate exceed HBM |
+| `admission_waits_host_tier_total` | ... because the host tier cannot reserve its whole length yet (tiered home) |
+| `admission_waits_kv_pages_total` | ... because SGLang's budget found too few KV pages (at the tiered home, after saved blocks and unit-cache pages made what room they could) |
 | `blocks_saved_total`, `save_bytes_total` | blocks written back to the host tier and acknowledged (`--psa-kv-home tiered`) |
 | `save_jobs_in_flight`, `host_blocks_used` | write-back jobs not yet acknowledged; host-tier blocks held |
 | `copy_engine_restarts_total` | times a dead copy engine was restarted (its saves redone) |
@@ -41,6 +44,9 @@ GAUGES = {
     "finished_total": "requests that left admission control",
     "rejected_total": "requests refused because they can never fit",
     "admission_deferrals_total": "scheduling rounds a queued request waited for room",
+    "admission_waits_working_set_total": "rounds a queued request waited: working sets fill HBM",
+    "admission_waits_host_tier_total": "rounds a queued request waited: host tier full",
+    "admission_waits_kv_pages_total": "rounds a queued request waited: too few KV pages",
     "blocks_saved_total": "KV blocks written back to the host tier and acknowledged",
     "save_bytes_total": "bytes written back to the host tier and acknowledged",
     "save_jobs_in_flight": "write-back jobs not yet acknowledged by the copy engine",

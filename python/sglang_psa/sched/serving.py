@@ -10,7 +10,9 @@ hooks, server info and metrics read.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -20,6 +22,16 @@ from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.sched.admission import AdmissionController, Candidate
 from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
+
+logger = logging.getLogger(__name__)
+
+# Why a queued request waited a scheduling round (`PSAServing.waits`):
+WAIT_REASONS = (
+    "working_set",  # the running working sets plus its estimate exceed HBM for them
+    "host_tier",  # the tiered home's host tier cannot reserve its whole length yet
+    "kv_pages",  # SGLang's own budget refused it (too few KV pages, after make_room)
+)
+WAIT_LOG_INTERVAL_S = 10.0
 
 
 class PSAServing:
@@ -46,7 +58,9 @@ class PSAServing:
         self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
         self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
         self.residency = None  # mem_cache.residency.Residency, the same home
-        self.deferrals = 0  # scheduling rounds a queued request waited for working-set room
+        # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
+        self.waits = dict.fromkeys(WAIT_REASONS, 0)
+        self._wait_logged = -float("inf")
         # With tensor parallelism every GPU measurement passes through this before a
         # decision reads it, so that all ranks decide alike (`sglang_psa.distributed`).
         self.agreement = RankAgreement()
@@ -90,6 +104,25 @@ class PSAServing:
         return None
 
     # -- admission ----------------------------------------------------------------
+    @property
+    def deferrals(self) -> int:
+        """Scheduling rounds a queued request waited, all reasons."""
+        return sum(self.waits.values())
+
+    def waited(self, reason: str, detail: str) -> None:
+        """Count a round a queued request waited for `reason`; say why in the log at most
+        every `WAIT_LOG_INTERVAL_S` (an operator sees what holds the queue back)."""
+        self.waits[reason] += 1
+        now = time.monotonic()
+        if now - self._wait_logged >= WAIT_LOG_INTERVAL_S:
+            self._wait_logged = now
+            logger.info(
+                "sglang-psa: a queued request waits (%s: %s); waits so far %s",
+                reason,
+                detail,
+                self.waits,
+            )
+
     def try_admit(
         self, rid: Hashable, prompt_tokens: int, alone: bool, max_new_tokens: int | None = None
     ) -> bool:
@@ -98,8 +131,11 @@ class PSAServing:
         if rid in self.controller.running:
             return True
         wb = self.writeback
-        if wb is not None and not wb.reserve(rid, prompt_tokens + (max_new_tokens or 0)):
-            self.deferrals += 1  # blocks of running requests come back as they end
+        tokens = prompt_tokens + (max_new_tokens or 0)
+        if wb is not None and not wb.reserve(rid, tokens):
+            # blocks of running requests come back as they end
+            free = wb.blocks.available
+            self.waited("host_tier", f"{tokens} tokens, {free} host blocks free")
             return False
         cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
         if self.controller.try_admit([cand]).admitted:
@@ -109,7 +145,12 @@ class PSAServing:
             return True
         if wb is not None:
             wb.release(rid)
-        self.deferrals += 1
+        ctl = self.controller
+        self.waited(
+            "working_set",
+            f"{len(ctl.running)} running hold {ctl.used_units} units, it needs an estimated "
+            f"{cand.est_units}, HBM holds {ctl.capacity_units}",
+        )
         return False
 
     def undo_admit(self, rid: Hashable, was_paused: bool) -> None:
@@ -170,6 +211,7 @@ class PSAServing:
             "finished_total": st.finished,
             "rejected_total": st.rejected,
             "admission_deferrals_total": self.deferrals,
+            **{f"admission_waits_{k}_total": n for k, n in self.waits.items()},
             **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
             **(_residency_metrics(self.residency.report()) if self.residency else {}),
         }

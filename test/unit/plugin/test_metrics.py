@@ -25,9 +25,9 @@ SCRIPT = textwrap.dedent(
     s.read_counts = lambda: (30, 120)
     s.measure = lambda: ([0], [0])
     assert s.try_admit("a", 64, alone=True)
-    s.deferrals = 5
+    s.waits["working_set"], s.waits["kv_pages"] = 3, 2
     s.flush_step([])  # the first refresh is due at once
-    s.deferrals = 9
+    s.waits["host_tier"] = 4
     s.flush_step([])  # not due again within the interval: the gauge keeps 5
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg)
@@ -37,6 +37,8 @@ SCRIPT = textwrap.dedent(
     want = {
         "blocks_read_fraction": 0.25, "running_requests": 1.0, "capacity_units": 100.0,
         "admitted_total": 1.0, "admission_deferrals_total": 5.0,
+        "admission_waits_working_set_total": 3.0, "admission_waits_kv_pages_total": 2.0,
+        "admission_waits_host_tier_total": 0.0,
     }
     for line in text.splitlines():
         for name, value in want.items():

@@ -85,6 +85,7 @@ def test_sglang_refusing_after_admission_is_rolled_back(serving):
 
     res = scheduling.around_add_one_req(orig_refuses, _adder(), _req("a", 320), False, None)
     assert res == _result().NO_TOKEN
+    assert serving.waits == {"working_set": 0, "host_tier": 0, "kv_pages": 1}
     assert not serving.controller.running and serving.controller.used_units == 0
     stats = serving.controller.stats
     assert (stats.admitted, stats.finished, stats.retracted) == (0, 0, 0)
@@ -150,7 +151,8 @@ def test_tiered_home_holds_back_by_working_set_but_never_retracts(serving):
     assert add(_orig_admits, adder, reqs[0], False, None) == _result().CONTINUE
     assert add(_orig_admits, adder, reqs[1], False, None) == _result().CONTINUE
     assert add(_orig_admits, adder, reqs[2], False, None) == _result().OTHER  # 120 > 100
-    assert set(host.controller.running) == {"a", "b"} and host.deferrals == 1
+    assert set(host.controller.running) == {"a", "b"}
+    assert host.waits == {"working_set": 1, "host_tier": 0, "kv_pages": 0}
     host.measure = lambda: ([80, 80, 80], [640, 640, 640])
     two = reqs[:2]
     assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=two)) is True
@@ -285,3 +287,21 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
     assert batch.batch_is_full is (evictable == 0)
     assert ("refresh",) in calls
+
+
+def test_a_waiting_request_is_explained_in_the_log_at_most_every_interval(serving, caplog):
+    """An operator whose queue does not move reads why in the server log: the reason and
+    its numbers, once per interval however many scheduling rounds wait."""
+    import logging
+
+    add = scheduling.around_add_one_req
+    adder = _adder()
+    for r in "ab":
+        assert add(_orig_admits, adder, _req(r, 640), False, None) == _result().CONTINUE
+    with caplog.at_level(logging.INFO, logger="sglang_psa.sched.serving"):
+        for _ in range(3):
+            assert add(_orig_admits, adder, _req("c", 640), False, None) == _result().OTHER
+    lines = [r.getMessage() for r in caplog.records if "queued request waits" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "working_set" in lines[0] and "80 units" in lines[0] and "holds 100" in lines[0]
+    assert serving.waits["working_set"] == 3 and serving.deferrals == 3
