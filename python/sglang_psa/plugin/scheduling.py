@@ -30,6 +30,8 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 
 from __future__ import annotations
 
+import math
+
 from sglang_psa.sched.serving import combine_ranks, current
 
 
@@ -37,7 +39,7 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     serving = current()
     if serving is None:
         return original(adder, req, has_chunked_req, truncation_align_size)
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
@@ -47,12 +49,8 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     short = freed = 0
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
-        # what the adder will ask of its budget: the prompt, the clipped output, slack
-        need = len(req.origin_input_ids) + min(max_new or 0, CLIP_MAX_NEW_TOKENS)
-        need += 2 * serving.cfg.block_size
-        alloc = adder.token_to_kv_pool_allocator
-        short = need - int(adder.rem_total_tokens)
-        freed = serving.make_room(running, short, alloc)
+        short = _budget_short(adder, req, running, 2 * serving.cfg.block_size)
+        freed = serving.make_room(running, short, adder.token_to_kv_pool_allocator)
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
@@ -65,6 +63,43 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
             )
         serving.waited("kv_pages", detail)
     return result
+
+
+def _budget_short(adder, req, running, slack: int) -> int:
+    """Tokens SGLang's prefill budget lacks now to take `req` (`slack` spare for page
+    alignment), for `make_room` to free at the tiered home.
+
+    SGLang's adder asks for the prompt plus the clipped output beside the running
+    requests' expected growth (`rem_total_tokens`). A request with `ignore_eos`, with
+    prefix caching off (as the tiered home has it), takes a stricter path: the adder plays
+    every request (the running ones, those added this round and the new one) forward to
+    the end of its `max_new_tokens`, shortest first, each freeing its KV as it ends, and
+    admits only if the free tokens never run out on the way. Every running request's
+    whole remaining output counts against today's free pages there, not a decayed
+    share; room made for less is refused again and again (the H100's workload b sat at
+    two running with 13-30 queued for 1.5-3.5 s at a time) until the running requests'
+    remaining outputs shrink enough. This returns the larger of the two shortfalls."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
+
+    params = req.sampling_params
+    prompt = len(req.origin_input_ids)
+    max_new = getattr(params, "max_new_tokens", None) or 0
+    short = prompt + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
+    if not (getattr(params, "ignore_eos", False) and getattr(adder.tree_cache, "disable", True)):
+        return short
+    states = []  # (output tokens still to come, tokens held), as the adder counts them
+    for r in [req, *running, *adder.can_run_list]:
+        p = r.sampling_params
+        ratio = 1.0 if p.ignore_eos else adder.new_token_ratio
+        left = (p.max_new_tokens or 0) * ratio - len(r.output_ids)
+        if left > 0:
+            states.append((left, len(r.origin_input_ids) + len(r.output_ids)))
+    states.sort(key=lambda st: st[0])
+    need, ended, n = 0, 0, len(states)
+    for i, (left, held) in enumerate(states):  # the i shortest have ended, freeing theirs
+        need = max(need, prompt + slack - ended + (left + IGNORE_EOS_RESERVE_TOKENS) * (n - i))
+        ended += held
+    return max(short, math.ceil(need) + 1 - int(adder.cur_rem_tokens))
 
 
 def around_check_decode_mem(original, batch, selected_indices=None):

@@ -305,3 +305,105 @@ def test_a_waiting_request_is_explained_in_the_log_at_most_every_interval(servin
     assert len(lines) == 1, lines
     assert "working_set" in lines[0] and "80 units" in lines[0] and "holds 100" in lines[0]
     assert serving.waits["working_set"] == 3 and serving.deferrals == 3
+
+
+class _SGLangReq(SimpleNamespace):
+    """What SGLang's real `PrefillAdder.add_one_req` reads of a request."""
+
+    def __init__(self, rid, prompt, max_new, out=0, ignore_eos=True):
+        super().__init__(
+            rid=rid,
+            origin_input_ids=[0] * prompt,
+            output_ids=[0] * out,
+            full_untruncated_fill_ids=[0] * (prompt + out),
+            prefix_indices=[],
+            seqlen=prompt + out,
+            req_pool_idx=None,
+            last_node=None,
+            host_hit_length=0,
+            retracted_stain=False,
+            sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
+            finished=lambda: False,
+        )
+
+    def set_extend_range(self, start, end):
+        self.extend_range = SimpleNamespace(start=start, end=end, length=end - start)
+
+    def needs_host_load_back(self):
+        return False
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignore_eos):
+    """At the tiered home (prefix caching off) SGLang admits an `ignore_eos` request only
+    if every running request's whole remaining output fits the free pages now; the room
+    made for a queued prompt is what SGLang's real `PrefillAdder` then accepts, where the
+    prompt plus its own output (enough on SGLang's other path) is refused."""
+    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
+    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        monkeypatch.setattr(policy, name, lambda: False)  # parallel state is not published
+
+    class Alloc:
+        free = 0
+
+        def available_size(self):
+            return self.free
+
+    tree = SimpleNamespace(  # prefix caching off, as the tiered home has it
+        disable=True,
+        evictable_size=lambda: 0,
+        supports_mamba=lambda: False,
+        is_tree_cache=lambda: False,
+        inc_lock_ref=lambda node: None,
+        dec_lock_ref=lambda node, *params: None,
+    )
+    frees = []
+
+    class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
+        evicted_blocks, cache, cut = 0, SimpleNamespace(pages=0), 0
+
+        def make_room(self, reqs, tokens, allocator):
+            frees.append(tokens)
+            allocator.free += tokens - self.cut
+            return tokens - self.cut
+
+        def release(self, rid):
+            pass
+
+    serving.cfg = serving.cfg.replace(kv_home="tiered")
+    serving.controller.capacity_units = 10**9
+    serving.residency = Residency()
+
+    def attempt(free_less_by_old_rule: bool):
+        running = [
+            _SGLangReq("a", 1000, 900, out=10, ignore_eos=ignore_eos),
+            _SGLangReq("b", 1000, 900, out=20, ignore_eos=ignore_eos),
+        ]
+        adder = policy.PrefillAdder(
+            BS, tree, Alloc(), SimpleNamespace(reqs=running), 0.4, 16384, 8192
+        )
+        new = _SGLangReq("c", 1000, 900, ignore_eos=ignore_eos)
+        old_rule = 1000 + 900 + 2 * BS - int(adder.rem_total_tokens)
+        serving.residency.cut = 0
+        if free_less_by_old_rule:  # free only what the prompt-and-output rule asks
+            frees.clear()
+            serving.make_room = lambda reqs, tokens, alloc: Residency.make_room(
+                serving.residency, reqs, old_rule, alloc
+            )
+        res = scheduling.around_add_one_req(
+            policy.PrefillAdder.add_one_req, adder, new, False, None
+        )
+        serving.__dict__.pop("make_room", None)
+        return res, new in adder.can_run_list, old_rule
+
+    res, added, old_rule = attempt(False)
+    assert added and res != policy.AddReqResult.NO_TOKEN, res
+    assert "c" in serving.controller.running
+    if ignore_eos:  # the shortest remaining output (880) counts for all three in full
+        assert frees[-1] == 1000 + 2 * BS + (880 + 1) * 3 + 1 > old_rule + 1000
+        serving.release("c", retracted=False)
+        res, added, _ = attempt(True)
+        assert res == policy.AddReqResult.NO_TOKEN and not added
+        assert serving.waits["kv_pages"] == 1 and "c" not in serving.controller.running
+    else:
+        assert frees[-1] == old_rule
