@@ -3,10 +3,12 @@
 `k` and `v` are `[layers, kv_heads, num_blocks, block_size, head_dim]`, so one
 block of one head is one contiguous run (8 KB for 32 x 128 bf16): the unit the
 write-back and the unit cache's refresh move and the wave kernel reads through UVA.
-Where CUDA exists the memory is page-locked so the GPU reads it at PCIe speed:
-shared memory registered in place when the copy-engine process maps it, else
-CUDA's own pinned allocation. A host block id (`writeback.HostBlocks`) names
-the same block in every layer and head.
+Where CUDA exists the memory is page-locked in place (`cudaHostRegister`) so the
+GPU reads it at PCIe speed: shared memory when the copy-engine process maps it,
+else private memory. Never through torch's `pin_memory=True`: its caching host
+allocator rounds every allocation up to a power of two, so an 82 GiB tier asked
+for 128 GiB of pinned memory and failed on a 128 GiB host (and 11.75 GiB pinned 16).
+A host block id (`writeback.HostBlocks`) names the same block in every layer and head.
 """
 
 from __future__ import annotations
@@ -40,10 +42,9 @@ class HostKVPool:
         pin: bool | None = None,
         shared: bool = True,
     ):
-        """`shared`: in shared memory another process (the copy engine) maps, page-locked
-        in place; else private page-locked memory from CUDA's host allocator, allocated
-        once and not zeroed (no block is read before its save completes): no second
-        copy while it is made, and no `/dev/shm` limit on its size."""
+        """`shared`: in shared memory another process (the copy engine) maps; else private
+        memory, not zeroed (no block is read before its save completes) and with no
+        `/dev/shm` limit on its size. Either is page-locked in place, exactly its size."""
         if num_blocks < 1:
             raise ValueError("the host pool needs at least one block (raise --psa-host-pool-gb)")
         self.layers, self.kv_heads, self.num_blocks = layers, kv_heads, num_blocks
@@ -52,18 +53,22 @@ class HostKVPool:
         if pin is None:
             pin = torch.cuda.is_available()
         self.pinned = False
-        if not shared:
-            self.k = torch.empty(shape, dtype=dtype, pin_memory=pin)
-            self.v = torch.empty(shape, dtype=dtype, pin_memory=pin)
-            return
-        self.k = torch.zeros(shape, dtype=dtype).share_memory_()
-        self.v = torch.zeros(shape, dtype=dtype).share_memory_()
+        if shared:
+            self.k = torch.zeros(shape, dtype=dtype).share_memory_()
+            self.v = torch.zeros(shape, dtype=dtype).share_memory_()
+        else:
+            self.k = torch.empty(shape, dtype=dtype)
+            self.v = torch.empty(shape, dtype=dtype)
         if pin:
             self._register()
 
     def _register(self) -> None:
-        for t in (self.k, self.v):
-            register_host(t)
+        register_host(self.k)
+        try:
+            register_host(self.v)
+        except RuntimeError:
+            unregister_host(self.k)
+            raise
         self.pinned = True
 
     def close(self) -> None:

@@ -208,3 +208,26 @@ def test_decode_planning_issuing_and_polling_never_sync_the_host(path):
         check_saved(wb, pool, "a", 0, (start + 4 * BS - 2) // BS)
     finally:
         wb.close()
+
+
+@pytest.mark.gpu
+def test_the_private_host_tier_is_page_locked_at_its_own_size():
+    """The uva path's host tier is page-locked in place, exactly its size: torch's pinned
+    allocator rounds each allocation up to a power of two (an 82 GiB tier asked for 128
+    GiB and failed on the 128 GiB GPU machine)."""
+    from sglang_psa.mem_cache.host_pool import HostKVPool
+
+    stats = torch.cuda.host_memory_stats
+    before = stats().get("allocated_bytes.current", 0)
+    pool = HostKVPool(3, 2, 1000, BS, 128, torch.bfloat16, shared=False)  # 2 x 46.9 MiB
+    try:
+        assert pool.pinned and pool.nbytes == 2 * 3 * 2 * 1000 * BS * 128 * 2
+        assert stats().get("allocated_bytes.current", 0) == before  # not torch's allocator
+        # An asynchronous copy lands in it and reads back (the uva kernels: test above).
+        src = torch.arange(BS * 128, device="cuda", dtype=torch.float32).bfloat16()
+        pool.k[2, 1, 999].view(-1).copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(pool.k[2, 1, 999].view(-1).cuda(), src)
+    finally:
+        pool.close()
+    assert not pool.pinned
