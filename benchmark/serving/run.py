@@ -3,7 +3,7 @@
 
     python benchmark/serving/run.py stage a                     # workload a, its default systems
     python benchmark/serving/run.py stage a --systems psa,topk  # plain SGLang always runs too
-    python benchmark/serving/run.py merge --parts DIR ...       # fold stage parts into the result
+    python benchmark/serving/run.py merge PART.json ...         # fold stage parts into the result
     python benchmark/serving/run.py table                       # README table from the result
     python benchmark/serving/run.py missing                     # stages the result still lacks
     python benchmark/serving/run.py list                        # workloads and systems
