@@ -223,8 +223,9 @@ def after_get_internal_state(result, scheduler, recv_req):
 
 
 def _memory_bytes() -> dict[str, int | None]:
-    """This process's GPU memory held by torch's allocator and its pinned host memory
-    (the soak test watches both for growth)."""
+    """This process's GPU memory held by torch's allocator and the pinned host memory
+    torch's host allocator holds (the soak test watches both for growth; the host tier,
+    page-locked in place, is `writeback.host_tier_bytes`)."""
     import torch
 
     if not torch.cuda.is_available():
