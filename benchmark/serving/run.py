@@ -177,7 +177,8 @@ def run_system(
     port: int,
     deadline: float,
 ) -> dict:
-    """Start `name`'s server, warm it up, run the workload's timed run(s), stop it."""
+    """Start `name`'s server, warm it up, run the workload's timed run(s), hand the record
+    to `ctx["measured"]` (when set) while the server still runs, stop it."""
     system = systems_mod.SYSTEMS[name]
     extra = []
     if ctx["cap"] is not None:
@@ -229,6 +230,8 @@ def run_system(
                 rec["rates_failed"] = failed
             else:
                 rec.update(runs["inf"])
+            if ctx.get("measured"):  # saved before the server's shutdown, which takes time
+                ctx["measured"](name, rec)
     except (ServerFailed, OSError, ValueError, KeyError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
         rec["log_tail"] = driver.tail(server.log_path)
@@ -409,6 +412,15 @@ def stage(args) -> int:
         if w.batch_from_capacity:
             ctx["batch"] = part["systems"]["plain"]["num_prompts"]
         log(f"continuing run {part['run_id']} (plain measured there) with {', '.join(names)}")
+
+    def measured(name: str, rec: dict) -> None:
+        """A system's record goes into the part file as soon as it is measured: a device
+        call that runs out during the server's shutdown keeps it."""
+        part["systems"][name] = rec
+        finish_part(part, w, ctx)
+        save_part(part, part_path, args)
+
+    ctx["measured"] = measured
     for i, name in enumerate(names):
         left = deadline - time.time()
         if left < MIN_SYSTEM_BUDGET_S:
