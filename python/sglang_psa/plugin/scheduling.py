@@ -77,14 +77,16 @@ def _budget_short(adder, req, running, slack: int) -> int:
     admits only if the free tokens never run out on the way. Every running request's
     whole remaining output counts against today's free pages there, not a decayed
     share; room made for less is refused again and again (the H100's workload b sat at
-    two running with 13-30 queued for 1.5-3.5 s at a time) until the running requests'
+    two running with 13-30 queued for 1.5-4.5 s at a time) until the running requests'
     remaining outputs shrink enough. This returns the larger of the two shortfalls."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
-    prompt = len(req.origin_input_ids)
+    done = len(getattr(req, "output_ids", None) or ())  # a retracted request's output so far
+    fill = len(req.origin_input_ids) + done  # what its prefill stores
+    # once added, SGLang charges its whole (clipped) max_new_tokens, whatever is done
     max_new = getattr(params, "max_new_tokens", None) or 0
-    short = prompt + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
+    short = fill + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
     if not (getattr(params, "ignore_eos", False) and getattr(adder.tree_cache, "disable", True)):
         return short
     states = []  # (output tokens still to come, tokens held), as the adder counts them
@@ -97,7 +99,7 @@ def _budget_short(adder, req, running, slack: int) -> int:
     states.sort(key=lambda st: st[0])
     need, ended, n = 0, 0, len(states)
     for i, (left, held) in enumerate(states):  # the i shortest have ended, freeing theirs
-        need = max(need, prompt + slack - ended + (left + IGNORE_EOS_RESERVE_TOKENS) * (n - i))
+        need = max(need, fill + slack - ended + (left + IGNORE_EOS_RESERVE_TOKENS) * (n - i))
         ended += held
     return max(short, math.ceil(need) + 1 - int(adder.cur_rem_tokens))
 

@@ -333,8 +333,9 @@ class _SGLangReq(SimpleNamespace):
         return False
 
 
+@pytest.mark.parametrize("done", [0, 50], ids=["new", "retracted"])
 @pytest.mark.parametrize("ignore_eos", [True, False])
-def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignore_eos):
+def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignore_eos, done):
     """At the tiered home (prefix caching off) SGLang admits an `ignore_eos` request only
     if every running request's whole remaining output fits the free pages now; the room
     made for a queued prompt is what SGLang's real `PrefillAdder` then accepts, where the
@@ -382,8 +383,8 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
         adder = policy.PrefillAdder(
             BS, tree, Alloc(), SimpleNamespace(reqs=running), 0.4, 16384, 8192
         )
-        new = _SGLangReq("c", 1000, 900, ignore_eos=ignore_eos)
-        old_rule = 1000 + 900 + 2 * BS - int(adder.rem_total_tokens)
+        new = _SGLangReq("c", 1000, 900, out=done, ignore_eos=ignore_eos)  # done: resumed
+        old_rule = 1000 + 900 + 2 * BS - int(adder.rem_total_tokens)  # prompt and output
         serving.residency.cut = 0
         if free_less_by_old_rule:  # free only what the prompt-and-output rule asks
             frees.clear()
@@ -400,10 +401,11 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     assert added and res != policy.AddReqResult.NO_TOKEN, res
     assert "c" in serving.controller.running
     if ignore_eos:  # the shortest remaining output (880) counts for all three in full
-        assert frees[-1] == 1000 + 2 * BS + (880 + 1) * 3 + 1 > old_rule + 1000
+        shortest = min(880, 900 - done)  # of the outputs still to come
+        assert frees[-1] == 1000 + done + 2 * BS + (shortest + 1) * 3 + 1 > old_rule + 900
         serving.release("c", retracted=False)
         res, added, _ = attempt(True)
         assert res == policy.AddReqResult.NO_TOKEN and not added
         assert serving.waits["kv_pages"] == 1 and "c" not in serving.controller.running
-    else:
-        assert frees[-1] == old_rule
+    else:  # a resumed request stores its output so far too
+        assert frees[-1] == old_rule + done
