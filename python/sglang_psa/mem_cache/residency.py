@@ -186,15 +186,23 @@ class Residency:
         found.sort(key=lambda c: (c[0], c[2]))
         return found[:n]
 
-    def make_room(self, reqs, tokens: int, allocator) -> int:
+    def make_room(self, reqs, tokens: int, allocator, cache_first: int = 0) -> int:
         """Give back pages of `reqs` (SGLang requests, running) until `tokens` more tokens
         fit: cold blocks first, then unit-cache pages; returns the tokens freed (less
-        when too few blocks are saved yet and the cache is empty)."""
+        when too few blocks are saved yet and the cache is empty). The first `cache_first`
+        tokens come from the cache while it has pages: room SGLang only reserves (the
+        running requests' future output, which decode's own `make_room` serves at this
+        home) is back in the cache the next round, where an evicted block stays out."""
         self.allocator = allocator
         want = -(-tokens // self.block_size)
         if want <= 0:
             return 0
-        freed = self._evict_all(self._coldest(reqs, want), allocator)
+        first = min(-(-max(cache_first, 0) // self.block_size), want, self.cache.pages)
+        if first > 0:
+            self._free(self.cache.shrink(first), allocator)
+        freed = first * self.block_size
+        if want > first:
+            freed += self._evict_all(self._coldest(reqs, want - first), allocator)
         short = want - freed // self.block_size
         if short > 0 and self.cache.pages:
             n = min(short, self.cache.pages)

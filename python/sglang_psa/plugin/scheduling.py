@@ -49,8 +49,9 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     short = freed = 0
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
-        short = _budget_short(adder, req, running, 2 * serving.cfg.block_size)
-        freed = serving.make_room(running, short, adder.token_to_kv_pool_allocator)
+        short, reserve = _budget_short(adder, req, running, 2 * serving.cfg.block_size)
+        alloc = adder.token_to_kv_pool_allocator
+        freed = serving.make_room(running, short, alloc, cache_first=reserve)
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
@@ -65,9 +66,12 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     return result
 
 
-def _budget_short(adder, req, running, slack: int) -> int:
-    """Tokens SGLang's prefill budget lacks now to take `req` (`slack` spare for page
-    alignment), for `make_room` to free at the tiered home.
+def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
+    """`(short, reserve)`: the tokens SGLang's prefill budget lacks now to take `req`
+    (`slack` spare for page alignment), for `make_room` to free at the tiered home, and
+    how many of them only feed its strict path's reservation for the running requests'
+    future output (pages nothing takes before the next round: `make_room` takes them
+    from the unit cache first, which grows back into them).
 
     SGLang's adder asks for the prompt plus the clipped output beside the running
     requests' expected growth (`rem_total_tokens`). A request with `ignore_eos`, with
@@ -78,7 +82,7 @@ def _budget_short(adder, req, running, slack: int) -> int:
     whole remaining output counts against today's free pages there, not a decayed
     share; room made for less is refused again and again (the H100's workload b sat at
     two running with 13-30 queued for 1.5-4.5 s at a time) until the running requests'
-    remaining outputs shrink enough. This returns the larger of the two shortfalls."""
+    remaining outputs shrink enough. `short` is the larger of the two shortfalls."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
@@ -88,7 +92,7 @@ def _budget_short(adder, req, running, slack: int) -> int:
     max_new = getattr(params, "max_new_tokens", None) or 0
     short = fill + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
     if not (getattr(params, "ignore_eos", False) and getattr(adder.tree_cache, "disable", True)):
-        return short
+        return short, 0
     states = []  # (output tokens still to come, tokens held), as the adder counts them
     for r in [req, *running, *adder.can_run_list]:
         p = r.sampling_params
@@ -101,7 +105,8 @@ def _budget_short(adder, req, running, slack: int) -> int:
     for i, (left, held) in enumerate(states):  # the i shortest have ended, freeing theirs
         need = max(need, fill + slack - ended + (left + IGNORE_EOS_RESERVE_TOKENS) * (n - i))
         ended += held
-    return max(short, math.ceil(need) + 1 - int(adder.cur_rem_tokens))
+    strict = math.ceil(need) + 1 - int(adder.cur_rem_tokens)
+    return max(short, strict), max(strict - max(short, 0), 0)
 
 
 def around_check_decode_mem(original, batch, selected_indices=None):

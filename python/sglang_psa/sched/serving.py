@@ -223,12 +223,13 @@ class PSAServing:
         load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
         return load <= ctl.capacity_units
 
-    def make_room(self, reqs, tokens: int, allocator) -> int:
+    def make_room(self, reqs, tokens: int, allocator, cache_first: int = 0) -> int:
         """Tiered home: give back HBM pages of `reqs`' saved blocks until `tokens` more
-        tokens fit in SGLang's allocator; returns the tokens freed (0 elsewhere)."""
+        tokens fit in SGLang's allocator, the first `cache_first` from the unit cache
+        (`Residency.make_room`); returns the tokens freed (0 elsewhere)."""
         if self.residency is None or tokens <= 0:
             return 0
-        return self.residency.make_room(reqs, tokens, allocator)
+        return self.residency.make_room(reqs, tokens, allocator, cache_first)
 
     def refresh(self, reqs, allocator) -> int:
         """Tiered home: the unit cache takes spare pages and brings in the host units the

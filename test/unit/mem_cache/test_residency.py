@@ -87,6 +87,24 @@ def test_make_room_takes_cold_blocks_first_then_cache_pages():
     assert int(res.cache.cache_pages[res.cache._slots(0, 1)[0]]) == 20
 
 
+def test_room_sglang_only_reserves_comes_from_the_cache_first():
+    """Room for the running requests' future output (SGLang's strict admission reserves
+    it; decode's own make_room serves it here) takes cache pages, which grow back the next
+    round, before it evicts a block; the rest still takes cold blocks first."""
+    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+    gone_order = _recording_evict(res, 40)
+    alloc = _Alloc([])
+    res.cache.grow(torch.tensor([20, 21, 22]))
+    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
+    # 4 pages, 2 of them reserve: two cache pages, then the least read block (readers 0)
+    # and the next (readers 1)
+    assert res.make_room([req], 4 * BS, alloc, cache_first=2 * BS) == 4 * BS
+    assert sorted(gone_order) == [1, 4] and res.cache.pages == 1
+    # reserve beyond the cache: its last page, then blocks
+    assert res.make_room([req], 3 * BS, alloc, cache_first=3 * BS) == 3 * BS
+    assert res.cache.pages == 0 and sorted(gone_order) == [1, 3, 4, 5]
+
+
 @pytest.mark.parametrize("cold_fraction, cold", [(0.5, [1, 4]), (0.0, [])])
 def test_while_blocks_are_evicted_cold_resident_blocks_become_cache_pages(cold_fraction, cold):
     """2 layers x 2 KV heads: 4 units a block. With `cold_fraction` 0.5, a resident

@@ -358,13 +358,14 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
         inc_lock_ref=lambda node: None,
         dec_lock_ref=lambda node, *params: None,
     )
-    frees = []
+    frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
         evicted_blocks, cache, cut = 0, SimpleNamespace(pages=0), 0
 
-        def make_room(self, reqs, tokens, allocator):
+        def make_room(self, reqs, tokens, allocator, cache_first=0):
             frees.append(tokens)
+            firsts.append(cache_first)
             allocator.free += tokens - self.cut
             return tokens - self.cut
 
@@ -388,7 +389,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
         serving.residency.cut = 0
         if free_less_by_old_rule:  # free only what the prompt-and-output rule asks
             frees.clear()
-            serving.make_room = lambda reqs, tokens, alloc: Residency.make_room(
+            serving.make_room = lambda reqs, tokens, alloc, cache_first: Residency.make_room(
                 serving.residency, reqs, old_rule, alloc
             )
         res = scheduling.around_add_one_req(
@@ -403,9 +404,11 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     if ignore_eos:  # the shortest remaining output (880) counts for all three in full
         shortest = min(880, 900 - done)  # of the outputs still to come
         assert frees[-1] == 1000 + done + 2 * BS + (shortest + 1) * 3 + 1 > old_rule + 900
+        # what only the strict path's reservation asks comes from the unit cache first
+        assert firsts[-1] == frees[-1] - (old_rule + done)
         serving.release("c", retracted=False)
         res, added, _ = attempt(True)
         assert res == policy.AddReqResult.NO_TOKEN and not added
         assert serving.waits["kv_pages"] == 1 and "c" not in serving.controller.running
     else:  # a resumed request stores its output so far too
-        assert frees[-1] == old_rule + done
+        assert frees[-1] == old_rule + done and firsts[-1] == 0
