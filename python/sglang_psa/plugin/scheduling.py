@@ -55,13 +55,18 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
-        detail = f"SGLang answered {getattr(result, 'name', result)}"
-        if serving.residency is not None:
+
+        def detail() -> str:
+            said = f"SGLang answered {getattr(result, 'name', result)}"
             res = serving.residency
-            detail += (
-                f"; {max(short, 0)} tokens short, {freed} freed from {len(running)} running "
-                f"({res.evicted_blocks} blocks evicted, {res.cache.pages} unit-cache pages)"
+            if res is None:
+                return said
+            return (
+                f"{said}; {max(short, 0)} tokens short, {freed} freed from {len(running)} "
+                f"running ({res.evicted_blocks} blocks evicted, {res.cache.pages} unit-cache "
+                "pages)"
             )
+
         serving.waited("kv_pages", detail)
     return result
 

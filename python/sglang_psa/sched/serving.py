@@ -109,9 +109,10 @@ class PSAServing:
         """Scheduling rounds a queued request waited, all reasons."""
         return sum(self.waits.values())
 
-    def waited(self, reason: str, detail: str) -> None:
-        """Count a round a queued request waited for `reason`; say why in the log at most
-        every `WAIT_LOG_INTERVAL_S` (an operator sees what holds the queue back)."""
+    def waited(self, reason: str, detail: Callable[[], str]) -> None:
+        """Count a round a queued request waited for `reason`; say why (`detail()`, built
+        only then) in the log at most every `WAIT_LOG_INTERVAL_S` (an operator sees what
+        holds the queue back). A queued request waits every scheduling round."""
         self.waits[reason] += 1
         now = time.monotonic()
         if now - self._wait_logged >= WAIT_LOG_INTERVAL_S:
@@ -119,7 +120,7 @@ class PSAServing:
             logger.info(
                 "sglang-psa: a queued request waits (%s: %s); waits so far %s",
                 reason,
-                detail,
+                detail(),
                 self.waits,
             )
 
@@ -134,8 +135,9 @@ class PSAServing:
         tokens = prompt_tokens + (max_new_tokens or 0)
         if wb is not None and not wb.reserve(rid, tokens):
             # blocks of running requests come back as they end
-            free = wb.blocks.available
-            self.waited("host_tier", f"{tokens} tokens, {free} host blocks free")
+            self.waited(
+                "host_tier", lambda: f"{tokens} tokens, {wb.blocks.available} host blocks free"
+            )
             return False
         cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
         if self.controller.try_admit([cand]).admitted:
@@ -148,8 +150,10 @@ class PSAServing:
         ctl = self.controller
         self.waited(
             "working_set",
-            f"{len(ctl.running)} running hold {ctl.used_units} units, it needs an estimated "
-            f"{cand.est_units}, HBM holds {ctl.capacity_units}",
+            lambda: (
+                f"{len(ctl.running)} running hold {ctl.used_units} units, it needs an "
+                f"estimated {cand.est_units}, HBM holds {ctl.capacity_units}"
+            ),
         )
         return False
 
