@@ -30,10 +30,18 @@ HEADLINE = [
     ("serving_h100", "throughput_ratio_host_vs_plain_capped",
      "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
      "requests", "higher is better"),
+    ("serving_h100", "throughput_ratio_tiered_vs_hbm",
+     "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K)",
+     "higher is better"),
     ("serving_h100", "accuracy_delta_vs_plain",
      "answers correct, psa minus plain (same prompts)", "0 = same"),
     ("serving_h100", "decode_step_ratio_topk_vs_plain_8b",
      "decode step, topk / plain at Llama-3.1-8B shapes (dummy weights)", "lower is better"),
+    ("serving_h100", "max_concurrent_ratio_tiered_vs_plain_8b",
+     "requests decoding at once, topk + tiered / plain, 8B shapes, HBM for KV capped to "
+     "plain's 10 (dummy weights)", "higher is better"),
+    ("serving_h100", "throughput_ratio_tiered_vs_plain_8b",
+     "output throughput, the same 8B run", "higher is better"),
     ("serving_h100", "goodput_ratio_vs_plain_strict",
      "goodput, psa / plain, Poisson mix 4K-28K, strict latency objectives", "higher is better"),
     ("serving_h100", "goodput_ratio_vs_plain_relaxed",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections import Counter
 from collections.abc import Iterable
 
 DECODE_RE = re.compile(
@@ -40,15 +41,23 @@ def parse_decode_lines(text: str) -> list[dict]:
     return out
 
 
+STEADY_MIN_INTERVALS = 3  # log intervals at one batch that make it a steady state
+
+
 def steady_step(lines: list[dict], batch: int | None = None) -> dict:
     """The decode step at full batch: the median over log intervals at `batch` running
-    requests (or, when the server never ran that many at once, the most it ran) of running /
-    generated tokens per second. The first such interval is dropped when there are others
-    (it may hold the last prefill)."""
+    requests of running / generated tokens per second. When the server never ran `batch`
+    at once: the largest batch it held for `STEADY_MIN_INTERVALS` busy intervals (a peak
+    seen in one interval, a prefill landing as others finish, is no steady state), else the
+    most it ran. The first interval is dropped when there are others (it may hold the last
+    prefill)."""
     if not lines:
         return {"step_ms": None, "batch": None, "intervals": 0, "graph": None}
     most = max(ln["running"] for ln in lines)
-    batch = batch if batch and batch <= most else most
+    if not batch or batch > most:
+        held = Counter(ln["running"] for ln in lines if ln["gen_tok_s"] > 0)
+        steady = [b for b, n in held.items() if n >= STEADY_MIN_INTERVALS]
+        batch = max(steady) if steady else most
     at = [ln for ln in lines if ln["running"] == batch and ln["gen_tok_s"] > 0]
     if len(at) > 1:
         at = at[1:]
@@ -239,6 +248,7 @@ SUMMARY_KEYS = (
     "goodput_ratio_vs_plain_strict",
     "goodput_ratio_vs_plain_relaxed",
     "ttft_p99_ratio_host_vs_hbm",
+    "throughput_ratio_tiered_vs_hbm",
     "accuracy_delta_vs_plain",
     "decode_step_ratio_topk_vs_plain_8b",
     "throughput_ratio_tiered_vs_plain_8b",
@@ -290,8 +300,9 @@ TIERED = ("psa_tiered_uva", "psa_tiered")  # sglang-psa with a host tier, defaul
 
 def summarize(parts: list[dict]) -> dict:
     """The issue's summary keys; each ratio compares a system with plain SGLang measured in
-    the same part (stage run), except `ttft_p99_ratio_host_vs_hbm`, which compares the two
-    sglang-psa homes, the tiered one and HBM only (from one part when a stage ran both). A
+    the same part (stage run), except `ttft_p99_ratio_host_vs_hbm` and
+    `throughput_ratio_tiered_vs_hbm`, which compare the two sglang-psa homes, the tiered
+    one and HBM only (from one part when a stage ran both). A
     key whose systems were not measured is None."""
     best = latest_runs(parts)
     step = ("metrics", "steady_decode", "step_ms")
@@ -316,6 +327,7 @@ def summarize(parts: list[dict]) -> dict:
     hbm, _ = _pair(best, "a", "psa")
     p99 = ("metrics", "ttft_s", "p99")
     s["ttft_p99_ratio_host_vs_hbm"] = _ratio(_metric(host, *p99), _metric(hbm, *p99))
+    s["throughput_ratio_tiered_vs_hbm"] = _ratio(_metric(host, *tok_s), _metric(hbm, *tok_s))
     s["accuracy_delta_vs_plain"] = accuracy_delta(best, "psa")
     run, plain = _pair(best, "d", "topk")
     s["decode_step_ratio_topk_vs_plain_8b"] = _ratio(_metric(run, *step), _metric(plain, *step))
@@ -364,9 +376,21 @@ def accuracy_delta(best, system: str) -> float | None:
     return (ours - theirs) / n if n else None
 
 
+def restate_steady(parts: list[dict]) -> None:
+    """Re-derive every run's steady decode step from its decode log with the current rule
+    (`steady_step`), so that parts measured apart are read alike."""
+    for p in parts:
+        for rec in p["systems"].values():
+            for rate, run in _runs(rec).items():
+                if run.get("decode_log") and run.get("metrics"):
+                    batch = rec.get("num_prompts") if rate == "inf" else None
+                    run["metrics"]["steady_decode"] = steady_step(run["decode_log"], batch)
+
+
 def merge(parts: list[dict]) -> dict:
     """One document from stage parts: provenance of each part, the newest measurement of
     every (workload, system, rate) with plain from its own run, the summary."""
+    restate_steady(parts)
     best = latest_runs(parts)
     used = {id(p) for p in best.values()}
     kept = [p for p in sorted(parts, key=lambda p: p["date"]) if id(p) in used]

@@ -87,6 +87,33 @@ def test_steady_step_is_the_median_at_the_batch_without_the_first_interval():
     assert (empty["step_ms"], empty["batch"], empty["intervals"]) == (None, None, 0)
 
 
+def test_a_peak_batch_seen_once_is_not_the_steady_state():
+    """A server that never ran the whole workload at once: one interval at 18 (a prefill
+    landing as others finish, 231 ms) is no steady state; the step is the largest batch
+    held for several busy intervals (17, at 4 ms)."""
+    lines = analysis.parse_decode_lines(
+        "\n".join(
+            [decode(i, 17, 17000 / 4.0) for i in range(6)]
+            + [decode(6, 18, 18000 / 231.0)]
+            + [decode(7 + i, 5, 5000 / 3.0) for i in range(5)]
+        )
+    )
+    s = analysis.steady_step(lines, 32)
+    assert (s["batch"], s["intervals"]) == (17, 5)
+    assert s["step_ms"] == pytest.approx(4.0)
+    part = {
+        "systems": {
+            "x": {
+                "num_prompts": 32,
+                "decode_log": lines,
+                "metrics": {"steady_decode": {"step_ms": 231.0, "batch": 18}},
+            }
+        }
+    }
+    analysis.restate_steady([part])
+    assert part["systems"]["x"]["metrics"]["steady_decode"]["batch"] == 17
+
+
 # --- 2. percentiles, goodput, identical completions, counters -------------------------
 
 
@@ -227,7 +254,14 @@ def _parts():
             plain=_rec(10, 100, correct=(True, True, False, True)),
             psa=_rec(5, 150, p99=2.0, correct=(True, False, False, None)),
         ),
-        _part("a", "03-01", "c2", plain=_rec(20, 1), topk=_rec(4, 1), psa_tiered_uva=_rec(p99=3.0)),
+        _part(
+            "a",
+            "03-01",
+            "c2",
+            plain=_rec(20, 1),
+            topk=_rec(4, 1),
+            psa_tiered_uva=_rec(tok_s=120, p99=3.0),
+        ),
         # random weights: speed and capacity only, its answers are never scored
         _part(
             "e",
@@ -271,6 +305,7 @@ def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     assert s["decode_step_ratio_topk_vs_plain"] == 0.2  # 4 / 20
     assert s["throughput_ratio_psa_vs_plain"] == 1.5
     assert s["ttft_p99_ratio_host_vs_hbm"] == 1.5
+    assert s["throughput_ratio_tiered_vs_hbm"] == 0.8  # 120 / 150, the two homes
     assert s["goodput_ratio_vs_plain_strict"] == 0.6  # best over all rates: 6 / 10
     assert s["goodput_ratio_vs_plain_relaxed"] == 2.0  # 20 / 10
     # a: 3 prompts compared (psa's errored one left out), psa 1 right, plain 2;
