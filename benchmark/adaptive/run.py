@@ -5,9 +5,9 @@
         --per-kind 1 --name adaptive_smoke                            # a CPU check of the path
 
 Per task (`sglang_psa.eval.tasks`, every kind, each length): one dense prefill through
-the transformers hook, then per policy a 64-token greedy completion (the task's answer
-scored, the tokens compared with dense's) and the same policy teacher forced along
-dense's tokens (the mean next-token KL from dense). A policy's KV fraction counts what
+the transformers hook, then every policy at once, a batch row each: a 64-token greedy
+completion (the task's answer scored, the tokens compared with dense's), then teacher
+forcing along dense's tokens (the mean next-token KL from dense). A policy's KV fraction counts what
 it reads: the blocks, plus the block metadata its ranking reads for every block (key
 min and max, or the mean: 2 or 1 vectors per `block_size` keys and values).
 
@@ -23,6 +23,8 @@ completions equal dense's for at least `--identical-min` of the tasks. Writes
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import chat_parts, stop_ids
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
-from sglang_psa.hf.decode import Session, load_model, mean_kl
+from sglang_psa.hf.decode import Session, load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -41,11 +43,22 @@ COMPLETION = 64  # tokens compared with dense's
 
 
 def policies(budgets: list[int]) -> list[DecodePolicy]:
-    """Dense first (the reference), the default psa policy second, then the others."""
+    """Dense first (the reference), the default psa policy second, then the others, each
+    family in a row (`DecodePolicy.group`): one batched call per family and layer.
+
+    Candidates beside the default: lower ε (covering 98% of a diffuse head's mass is more
+    than an answer needs), a cap on the tokens read (a mass target that stops at a budget:
+    never more than top-k, less where attention is skewed), a smaller first wave (16
+    blocks are 12% of a 4K context before any estimate), and the certified rule."""
     base = PSAConfig()
     out = [DecodePolicy("dense", base), DecodePolicy("psa", base)]
-    for eps in (0.9, 0.95):
+    for eps in (0.8, 0.9, 0.95):
         out.append(DecodePolicy("psa", base.replace(threshold=eps)))
+    for eps, cap in ((0.98, 2048), (0.98, 1024), (0.95, 1024), (0.9, 512)):
+        out.append(DecodePolicy("psa", base.replace(threshold=eps), cap_tokens=cap))
+    small = base.replace(wave_blocks=4, wave_growth=1.5)
+    for eps, cap in ((0.98, None), (0.95, 1024), (0.9, None)):
+        out.append(DecodePolicy("psa", small.replace(threshold=eps), cap_tokens=cap, tag="-w4"))
     out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
     out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
     return out
@@ -61,15 +74,16 @@ def metadata_fraction(policy: DecodePolicy) -> float:
 
 
 def run_task(session: Session, task, pols: list[DecodePolicy], stop: set[int]) -> list[dict]:
-    """Every policy on one prefilled task: a row per policy."""
-    rows, dense_tokens, dense_lp = [], None, None
-    for p in pols:
-        dec = session.decode(p, COMPLETION)  # no early stop: 64 tokens to compare
-        dense_tokens = dec.tokens if dense_tokens is None else dense_tokens
-        lp = session.forced_logprobs(p, dense_tokens)
-        dense_lp = lp if dense_lp is None else dense_lp
+    """Every policy on one prefilled task, all at once (a batch row each): a row per policy.
+
+    Greedy completions of `COMPLETION` tokens (no early stop, to compare with dense's),
+    then teacher forcing along dense's completion for the KL."""
+    dec = session.decode_rows(pols, COMPLETION)
+    kls = session.forced_kl_rows(pols, dec.tokens[0])
+    rows = []
+    for p, tokens, kv, kl in zip(pols, dec.tokens, dec.kv_fractions, kls):
         answer = []
-        for t in dec.tokens:
+        for t in tokens:
             if t in stop:
                 break
             answer.append(t)
@@ -79,9 +93,9 @@ def run_task(session: Session, task, pols: list[DecodePolicy], stop: set[int]) -
                 "length": session.length,
                 "policy": p.label,
                 "correct": task.score(session.tok.decode(answer, skip_special_tokens=True)),
-                "identical": dec.tokens == dense_tokens,
-                "kl": mean_kl(dense_lp, lp),
-                "kv_fraction": min(1.0, dec.kv_fraction() + metadata_fraction(p)),
+                "identical": tokens == dec.tokens[0],
+                "kl": kl,
+                "kv_fraction": min(1.0, kv + metadata_fraction(p)),
             }
         )
     return rows
@@ -174,7 +188,7 @@ def plot(tab: dict, path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    ap.add_argument("--lengths", default="4096,8192,16384,32000")
+    ap.add_argument("--lengths", default="4096,8192,16384,24576,32000")
     ap.add_argument("--per-kind", type=int, default=2, help="tasks per kind and length")
     ap.add_argument("--kinds", default=",".join(GENERATORS))
     ap.add_argument("--budgets", default="256,512,1024,2048,4096", help="top-k tokens")
@@ -183,6 +197,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--name", default="adaptive_budget")
+    ap.add_argument("--out", default=str(RESULTS), help="folder of NAME.json and NAME.png")
+    ap.add_argument(
+        "--merge",
+        nargs="*",
+        default=[],
+        help="result files of earlier runs (other lengths) whose rows join this run's",
+    )
     args = ap.parse_args()
 
     model, tok = load_model(ensure_model(args.model), device=args.device)
@@ -190,8 +211,11 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     pols = policies(budgets)
     stop = stop_ids(tok)
-    rows = []
-    lengths = [int(n) for n in args.lengths.split(",")]
+    rows, merged = [], []
+    for f in args.merge:
+        merged += json.loads(Path(f).read_text())["data"]["rows"]
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    t0 = time.time()
     for n in lengths:
         tasks = make_tasks(args.kinds.split(","), n, args.per_kind, args.seed, count)
         for i, task in enumerate(tasks):
@@ -202,11 +226,19 @@ def main() -> None:
             for r in got:
                 r["length_bucket"] = n
             rows += got
-            print(f"{n} tokens, task {i + 1}/{len(tasks)} ({task.kind}) done", flush=True)
+            print(
+                f"{n} tokens, task {i + 1}/{len(tasks)} ({task.kind}) done, "
+                f"{time.time() - t0:.0f} s so far",
+                flush=True,
+            )
+    rows += merged
+    lengths = sorted({r["length_bucket"] for r in rows})
     tab = table(rows)
     summary = summarize(tab, budgets, args.accuracy_slack, args.identical_min)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     write_result(
-        RESULTS / f"{args.name}.json",
+        out / f"{args.name}.json",
         summary,
         {"policies": tab, "rows": rows},
         model=MODELS[args.model].name,
@@ -214,7 +246,7 @@ def main() -> None:
         per_kind=args.per_kind,
         budgets=budgets,
     )
-    plot(tab, RESULTS / f"{args.name}.png", f"{args.model}, {len(rows) // len(pols)} tasks")
+    plot(tab, out / f"{args.name}.png", f"{args.model}, {len(rows) // len(pols)} tasks")
     for name, s in tab.items():
         print(
             f"{name:24s} acc {s['accuracy']:.3f} identical {s['identical']:.3f} "

@@ -95,3 +95,35 @@ def test_teacher_forced_kl_is_zero_for_dense_and_grows_as_the_budget_shrinks(ses
     kl_every = mean_kl(ref, session.forced_logprobs(every, dense.tokens))
     kl_tiny = mean_kl(ref, session.forced_logprobs(tiny, dense.tokens))
     assert kl_every < 0.01 and kl_tiny > kl_every, (kl_every, kl_tiny)
+
+
+def test_policies_batched_as_rows_equal_each_policy_alone(session):
+    """The adaptive-budget suite decodes every policy at once, one batch row each, with
+    psa's ε and cap and top-k's budget per row: each row gives the tokens, the blocks read
+    and the teacher-forced KL of that policy decoded alone."""
+    from sglang_psa.hf.decode import mean_kl
+
+    pols = [
+        DecodePolicy("dense"),
+        DecodePolicy("psa", PSAConfig(threshold=0.98)),
+        DecodePolicy("psa", PSAConfig(threshold=0.8)),
+        DecodePolicy("psa", PSAConfig(threshold=0.98), cap_tokens=64),
+        DecodePolicy("topk", PSAConfig(topk_tokens=64)),
+        DecodePolicy("topk", PSAConfig(topk_tokens=256)),
+    ]
+    length = session.length
+    rows = session.decode_rows(pols, 10)
+    kls = session.forced_kl_rows(pols, rows.tokens[0])
+    assert session.length == length
+    ref = session.forced_logprobs(pols[0], rows.tokens[0])
+    for i, p in enumerate(pols):
+        alone = session.decode(p, 10)
+        assert rows.tokens[i] == alone.tokens, p.label
+        assert abs(rows.kv_fractions[i] - alone.kv_fraction()) < 1e-6, p.label
+        kl = mean_kl(ref, session.forced_logprobs(p, rows.tokens[0]))
+        assert abs(kls[i] - kl) < 1e-3 + 0.05 * kl, (p.label, kls[i], kl)
+    assert kls[0] == 0.0
+    # The cap binds: capped psa reads at most its 2 blocks plus the forced sink and tail.
+    n_blocks = -(-(length + 9) // 32)
+    assert rows.kv_fractions[3] <= 4 / (n_blocks - 9) + 1e-6
+    assert rows.kv_fractions[3] < rows.kv_fractions[1]

@@ -88,6 +88,11 @@ def dense_attention(
     return out.flatten(1, 2).to(q.dtype)
 
 
+def stop_limit(threshold: float) -> float:
+    """The stop rule's bound on log(uncovered / covered) for ε = `threshold` (-inf at 1)."""
+    return math.log((1.0 - threshold) / threshold) if threshold < 1.0 else -math.inf
+
+
 def forced_blocks(lengths: torch.Tensor, nb: int, cfg: PSAConfig) -> torch.Tensor:
     """`[B, NB]` bool: the sink blocks and the recent (tail) blocks, always read."""
     idx = torch.arange(nb, device=lengths.device)[None, :]
@@ -143,6 +148,8 @@ def progressive_attention(
     cfg: PSAConfig,
     meta: BlockMeta | None = None,
     scale: float | None = None,
+    threshold: torch.Tensor | None = None,
+    cap_tokens: torch.Tensor | None = None,
 ) -> SparseResult:
     """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
 
@@ -155,6 +162,11 @@ def progressive_attention(
       covered for every query head.
     Stop when uncovered / covered ≤ (1 - ε) / ε, evaluated in log space so that
     ε = 1 reads everything (dense attention).
+
+    Per request (`[B]` tensors, for evaluating several policies in one batch):
+    `threshold` replaces `cfg.threshold` as ε; `cap_tokens` caps the blocks read at
+    `cap_tokens // block_size` (never below the forced ones; 0 or less: no cap), as
+    if the last wave ended there.
     """
     scale = _default_scale(q, scale)
     B, Hq, _ = q.shape
@@ -187,7 +199,12 @@ def progressive_attention(
         tail = torch.logcumsumexp(ub.flip(-1), dim=-1).flip(-1)
         uncovered = torch.cat([tail[..., 1:], torch.full_like(tail[..., :1], -torch.inf)], -1)
 
-    limit = math.log((1.0 - cfg.threshold) / cfg.threshold) if cfg.threshold < 1.0 else -math.inf
+    if threshold is None:
+        limit = stop_limit(cfg.threshold)
+    else:
+        t = threshold.to(device=q.device, dtype=torch.float64)
+        limit = torch.where(t < 1.0, torch.log((1.0 - t) / t), -torch.inf).float()
+        limit = limit[:, None, None]
     ok = (uncovered - covered) <= limit  # -inf - finite = -inf <= -inf holds
     ok_group = ok.view(B, Hkv, G, nb).all(2)
     checks = _wave_checkpoints(nblk, n_forced, nb, cfg)
@@ -195,9 +212,16 @@ def progressive_attention(
     # First verified position that satisfies the rule; the last block always does.
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
+    if cap_tokens is not None:
+        cap_tokens = cap_tokens.to(q.device)
+        cap = torch.where(cap_tokens > 0, cap_tokens // bs, nb).clamp(min=1)
+        n_read = torch.minimum(n_read, torch.maximum(cap, n_forced)[:, None])
     read_sorted = pos[None, None, :] < n_read[..., None]
     read = _unsort(order, read_sorted, meta.count > 0)
     n_waves = (checks[:, None, :] & read_sorted).sum(-1)
+    if cap_tokens is not None:  # a wave the cap cut short counts too
+        last = checks[:, None, :].expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
+        n_waves = n_waves + (~last[..., 0]).long()
     out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, n_waves)
 
@@ -208,14 +232,15 @@ def topk_attention(
     v: torch.Tensor,
     lengths: torch.Tensor,
     cfg: PSAConfig,
-    budget_tokens: int | None = None,
+    budget_tokens: int | torch.Tensor | None = None,
     meta: BlockMeta | None = None,
     scale: float | None = None,
 ) -> SparseResult:
     """Quest-style baseline: read a fixed budget of blocks (forced ones included).
 
     `cfg.score` picks the ranking: `bound` is Quest's key min/max bound, `mean`
-    the cuboid mean.
+    the cuboid mean. `budget_tokens` (default `cfg.topk_tokens`) may be a `[B]`
+    tensor: one budget per request.
     """
     scale = _default_scale(q, scale)
     bs = cfg.block_size
@@ -223,7 +248,8 @@ def topk_attention(
     meta = block_metadata(k, lengths, bs) if meta is None else meta
     nb = meta.count.shape[1]
     order, n_forced = read_order(q, meta, lengths, cfg, scale)
-    k_blocks = torch.maximum(torch.full_like(n_forced, max(budget // bs, 1)), n_forced)
+    budget = torch.as_tensor(budget, device=q.device).expand(n_forced.shape)
+    k_blocks = torch.maximum((budget // bs).clamp(min=1), n_forced)
     pos = torch.arange(nb, device=q.device)
     read_sorted = (pos[None, :] < k_blocks[:, None])[:, None, :].expand_as(order)
     read = _unsort(order, read_sorted, meta.count > 0)

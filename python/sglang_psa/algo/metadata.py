@@ -125,9 +125,29 @@ class BlockMetaCache:
             self.count[b].scatter_add_(0, blk, torch.ones_like(blk))
         self.lengths = new_len
 
-    def meta(self) -> BlockMeta:
-        """Summaries of the `ceil(max length / block_size)` first blocks, as `block_metadata`."""
-        nb = int(num_blocks(self.lengths, self.block_size).max()) if self.lengths.numel() else 0
+    def append_uniform(self, k_new: torch.Tensor, start: int) -> None:
+        """`append` for requests that all hold `start` tokens and all add every key of
+        `k_new [B, H, n, d]`: one scatter per summary for the whole batch, no host sync."""
+        B, H, n, d = k_new.shape
+        self._grow(-(-(start + n) // self.block_size))
+        blk = torch.arange(start, start + n, device=k_new.device) // self.block_size
+        kb = k_new.float()
+        idx = blk.view(1, 1, n, 1).expand(B, H, n, d)
+        self.ksum.scatter_add_(2, idx, kb)
+        self.kmin.scatter_reduce_(2, idx, kb, reduce="amin", include_self=True)
+        self.kmax.scatter_reduce_(2, idx, kb, reduce="amax", include_self=True)
+        self.count.scatter_add_(
+            1, blk.expand(B, n), torch.ones(B, n, dtype=self.count.dtype, device=blk.device)
+        )
+        self.lengths = self.lengths + n
+
+    def meta(self, n_blocks: int | None = None) -> BlockMeta:
+        """Summaries of the `ceil(max length / block_size)` first blocks, as `block_metadata`
+        (`n_blocks`, when the caller knows it, spares reading the lengths back)."""
+        if n_blocks is not None:
+            nb = n_blocks
+        else:
+            nb = int(num_blocks(self.lengths, self.block_size).max()) if self.lengths.numel() else 0
         count = self.count[:, :nb]
         empty = (count == 0)[:, None, :, None]
         mean = self.ksum[:, :, :nb] / count.clamp(min=1)[:, None, :, None]

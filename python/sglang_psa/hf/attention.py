@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_psa.algo import (
+    BlockMeta,
     BlockMetaCache,
     num_blocks,
     oracle_attention,
@@ -39,20 +40,37 @@ class DecodePolicy:
     kind: str = "dense"
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
+    cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
+    tag: str = ""  # appended to the label: what else differs from the defaults
 
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "psa", "topk", "oracle"):
             raise ValueError(f"unknown decode policy {self.kind!r} (dense|psa|topk|oracle)")
+        if self.cap_tokens is not None and self.kind != "psa":
+            raise ValueError("cap_tokens applies to psa policies only")
 
     @property
     def label(self) -> str:
+        suffix = (f"-cap{self.cap_tokens}" if self.cap_tokens else "") + self.tag
         if self.kind == "psa":
-            return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}"
+            return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
         if self.kind == "oracle":
-            return f"oracle-{self.cfg.threshold:g}"
+            return f"oracle-{self.cfg.threshold:g}{suffix}"
         if self.kind == "topk":
-            return f"topk-{self.cfg.score}-{self.budget_tokens or self.cfg.topk_tokens}"
-        return "dense"
+            return f"topk-{self.cfg.score}-{self.budget_tokens or self.cfg.topk_tokens}{suffix}"
+        return "dense" + suffix
+
+    @property
+    def group(self) -> tuple:
+        """Policies with equal groups run as one batched call with per-row ε, cap or
+        budget (`PSARuntime.use_rows`)."""
+        if self.kind == "psa":
+            return ("psa", self.cfg.replace(threshold=1.0))
+        if self.kind == "topk":
+            return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64))
+        if self.kind == "oracle":
+            return ("oracle", self.cfg)
+        return ("dense",)
 
 
 @dataclass
@@ -88,13 +106,19 @@ class PSARuntime:
     def __init__(self) -> None:
         self.policy = DecodePolicy()
         self.meta: dict[int, BlockMetaCache] = {}
+        self.meta_tokens: dict[int, int] = {}  # tokens summarised in `meta[layer]`
         self.reads: dict[int, LayerReads] = defaultdict(LayerReads)
         self.trace: list[BlockTrace] | None = None
+        self.rows: list[RowGroup] | None = None  # `use_rows`: a policy per batch row
+        self.row_fraction_sum: torch.Tensor | None = None  # [B]: Σ over calls
+        self.row_calls = 0
 
     def reset(self) -> None:
         """Forget metadata and stats (not `trace`); call before a new or rewound sequence."""
         self.meta.clear()
+        self.meta_tokens.clear()
         self.reads.clear()
+        self.row_fraction_sum, self.row_calls = None, 0
 
     @contextlib.contextmanager
     def use(self, policy: DecodePolicy) -> Iterator[PSARuntime]:
@@ -104,26 +128,46 @@ class PSARuntime:
         finally:
             self.policy = old
 
+    @contextlib.contextmanager
+    def use_rows(self, policies: list[DecodePolicy]) -> Iterator[PSARuntime]:
+        """Batch row `i` decodes under `policies[i]`: every row must hold the same number
+        of tokens (one context, repeated). Consecutive policies of one `group` run as one
+        call per layer, which is what makes a suite of policies affordable."""
+        old, self.rows = self.rows, _row_groups(policies)
+        try:
+            yield self
+        finally:
+            self.rows = old
+
+    def row_fractions(self) -> list[float]:
+        """Per row of `use_rows`: mean fraction of KV blocks read over layers, steps and KV
+        heads since `reset`."""
+        if self.row_fraction_sum is None:
+            return []
+        return (self.row_fraction_sum / self.row_calls).tolist()
+
     def layer_fractions(self) -> dict[int, torch.Tensor]:
         return {layer: r.fractions() for layer, r in sorted(self.reads.items())}
 
     def _meta_for(self, layer: int, key: torch.Tensor, block_size: int) -> BlockMetaCache:
+        """The layer's block summaries brought up to `key`'s length (every row holds
+        the same tokens: the hook refuses padding)."""
         B, H, T, d = key.shape
         cache = self.meta.get(layer)
         stale = (
             cache is None
             or cache.block_size != block_size
             or cache.ksum.shape[0] != B
-            or int(cache.lengths.max()) > T
+            or self.meta_tokens[layer] > T
         )
         if stale:
             capacity = -(-T // block_size)
             cache = BlockMetaCache.empty(B, H, d, block_size, capacity, device=key.device)
-            self.meta[layer] = cache
-        start = int(cache.lengths.max())
-        if start < T:
-            n = torch.full((B,), T - start, dtype=torch.int64, device=key.device)
-            cache.append(key[:, :, start:], n)
+            self.meta[layer], self.meta_tokens[layer] = cache, 0
+        done = self.meta_tokens[layer]
+        if done < T:
+            cache.append_uniform(key[:, :, done:], done)
+            self.meta_tokens[layer] = T
         return cache
 
     def __call__(
@@ -140,7 +184,7 @@ class PSARuntime:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         policy = self.policy
-        if query.shape[2] != 1 or policy.kind == "dense":
+        if query.shape[2] != 1 or (self.rows is None and policy.kind == "dense"):
             if query.shape[2] == 1:
                 self._record_dense(module, key)
             return sdpa_attention_forward(
@@ -156,13 +200,22 @@ class PSARuntime:
         _check_unpadded(attention_mask)
         if getattr(module, "sliding_window", None):
             raise NotImplementedError("PSA decode does not support sliding-window layers yet")
+        if self.rows is not None:
+            return self._call_rows(module, query, key, value, attention_mask, scaling, kwargs)
         B, Hq, _, d = query.shape
         q = query[:, :, 0]
         lengths = torch.full((B,), key.shape[2], dtype=torch.int64, device=key.device)
         cfg = policy.cfg
-        meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta()
+        meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(
+            -(-key.shape[2] // cfg.block_size)
+        )
         if policy.kind == "psa":
-            res = progressive_attention(q, key, value, lengths, cfg, meta=meta, scale=scaling)
+            cap = None
+            if policy.cap_tokens:
+                cap = torch.full((B,), policy.cap_tokens, dtype=torch.int64, device=key.device)
+            res = progressive_attention(
+                q, key, value, lengths, cfg, meta=meta, scale=scaling, cap_tokens=cap
+            )
         elif policy.kind == "oracle":
             res = oracle_attention(q, key, value, lengths, cfg, scale=scaling)
         else:
@@ -177,6 +230,61 @@ class PSARuntime:
             self.trace.append(BlockTrace(module.layer_idx, res.read.cpu(), nblk.cpu()))
         return res.out.unsqueeze(1).contiguous(), None
 
+    def _call_rows(self, module, query, key, value, attention_mask, scaling, kwargs):
+        """One decode step where each row group runs its own policy (see `use_rows`)."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        B, Hq, _, d = query.shape
+        if self.rows[-1].stop != B:
+            raise ValueError(f"use_rows: {self.rows[-1].stop} policies for a batch of {B}")
+        T = key.shape[2]
+        out = query.new_empty(B, 1, Hq, d)
+        fraction = torch.ones(B, device=query.device)
+        meta, meta_bs = None, None
+        for g in self.rows:
+            rows = slice(g.start, g.stop)
+            p, cfg = g.policies[0], g.policies[0].cfg
+            if p.kind == "dense":
+                mask = attention_mask[rows] if attention_mask is not None else None
+                out[rows] = sdpa_attention_forward(
+                    module, query[rows], key[rows], value[rows], mask, scaling=scaling, **kwargs
+                )[0]
+                continue
+            if meta_bs != cfg.block_size:
+                meta_bs = cfg.block_size
+                meta = self._meta_for(module.layer_idx, key, meta_bs).meta(-(-T // meta_bs))
+            n = g.stop - g.start
+            lengths = torch.full((n,), T, dtype=torch.int64, device=key.device)
+            m = BlockMeta(*(t[rows] for t in meta))
+            q = query[rows, :, 0]
+            k, v = key[rows], value[rows]
+            if p.kind == "psa":
+                res = progressive_attention(
+                    q,
+                    k,
+                    v,
+                    lengths,
+                    cfg,
+                    meta=m,
+                    scale=scaling,
+                    threshold=g.on(q.device, "threshold"),
+                    cap_tokens=g.on(q.device, "cap"),
+                )
+            elif p.kind == "topk":
+                res = topk_attention(
+                    q, k, v, lengths, cfg, g.on(q.device, "budget"), meta=m, scale=scaling
+                )
+            else:
+                res = oracle_attention(q, k, v, lengths, cfg, scale=scaling)
+            out[rows] = res.out.unsqueeze(1).to(out.dtype)
+            nblk = -(-T // cfg.block_size)
+            fraction[rows] = res.read.sum(-1).float().mean(-1) / nblk
+        if self.row_fraction_sum is None:
+            self.row_fraction_sum = torch.zeros(B, device=query.device)
+        self.row_fraction_sum += fraction
+        self.row_calls += 1
+        return out, None
+
     def _record(self, layer: int, read: torch.Tensor, total: torch.Tensor) -> None:
         r = self.reads[layer]
         r.read.append(read.cpu())
@@ -187,6 +295,50 @@ class PSARuntime:
         nb = num_blocks(torch.tensor(T), self.policy.cfg.block_size)
         n = torch.full((B * H,), int(nb))
         self._record(module.layer_idx, n, n)
+
+
+@dataclass
+class RowGroup:
+    """Consecutive batch rows `[start, stop)` whose policies share a `group`, with their
+    per-row ε and cap (psa) or budget (top-k)."""
+
+    start: int
+    stop: int
+    policies: tuple[DecodePolicy, ...]
+    threshold: torch.Tensor  # [n] float64
+    cap: torch.Tensor  # [n] int64, 0 = none
+    budget: torch.Tensor  # [n] int64
+    _device: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device, name: str) -> torch.Tensor:
+        """`name`'s tensor on `device`, copied there once."""
+        key = (str(device), name)
+        if key not in self._device:
+            self._device[key] = getattr(self, name).to(device)
+        return self._device[key]
+
+
+def _row_groups(policies: list[DecodePolicy]) -> list[RowGroup]:
+    groups: list[RowGroup] = []
+    start = 0
+    for i in range(1, len(policies) + 1):
+        if i < len(policies) and policies[i].group == policies[start].group:
+            continue
+        ps = tuple(policies[start:i])
+        groups.append(
+            RowGroup(
+                start,
+                i,
+                ps,
+                torch.tensor([p.cfg.threshold for p in ps], dtype=torch.float64),
+                torch.tensor([p.cap_tokens or 0 for p in ps], dtype=torch.int64),
+                torch.tensor([p.budget_tokens or p.cfg.topk_tokens for p in ps]),
+            )
+        )
+        start = i
+    if not groups:
+        raise ValueError("use_rows: no policies")
+    return groups
 
 
 def _check_unpadded(mask: torch.Tensor | None) -> None:

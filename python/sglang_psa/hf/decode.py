@@ -89,6 +89,7 @@ class Session:
         """Greedy tokens after the current context; the context is unchanged afterwards."""
         assert self.next_logits is not None, "extend() the session first"
         rt = runtime()
+        self._rows(1)
         rt.reset()
         start = self.length
         stop_ids = stop_ids or set()
@@ -105,6 +106,62 @@ class Session:
         rt.reset()
         text = self.tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
         return Decoded(tokens, text, fractions)
+
+    @torch.inference_mode()
+    def decode_rows(self, policies: list[DecodePolicy], steps: int) -> RowsDecoded:
+        """Greedy decoding of `steps` tokens under every policy at once, one batch row each
+        (no early stop); the context is unchanged afterwards. Equal to `decode` per policy
+        up to the numerics of a larger batch."""
+        assert self.next_logits is not None, "extend() the session first"
+        rt, start = runtime(), self.length
+        self._rows(len(policies))
+        rt.reset()
+        nxt = self.next_logits.argmax().repeat(len(policies))
+        out = [nxt]
+        with rt.use_rows(policies):
+            for _ in range(steps - 1):
+                nxt = self._feed_rows(nxt).argmax(-1)
+                out.append(nxt)
+        tokens = torch.stack(out, 1).tolist()
+        fractions = rt.row_fractions() if steps > 1 else []
+        fractions = [1.0 if p.kind == "dense" else f for p, f in zip(policies, fractions)]
+        self.rewind(start)
+        rt.reset()
+        return RowsDecoded(tokens, fractions)
+
+    @torch.inference_mode()
+    def forced_kl_rows(self, policies: list[DecodePolicy], tokens: list[int]) -> list[float]:
+        """Teacher forcing as `forced_logprobs`, every policy at once: per policy the mean
+        next-token KL from the first policy (the reference, normally dense) along `tokens`.
+        The context is unchanged afterwards."""
+        rt, start = runtime(), self.length
+        self._rows(len(policies))
+        rt.reset()
+        kl = torch.zeros(len(policies), device=self.model.device)
+        with rt.use_rows(policies):
+            for t in tokens[:-1]:
+                feed = torch.full((len(policies),), t, device=self.model.device)
+                lp = torch.log_softmax(self._feed_rows(feed).float(), -1)
+                kl += (lp[0].exp() * (lp[0] - lp)).sum(-1).clamp_min(0)
+        self.rewind(start)
+        rt.reset()
+        n = len(tokens) - 1
+        return (kl / n).tolist() if n else [float("nan")] * len(policies)
+
+    def _rows(self, n: int) -> None:
+        """Make the cache hold the context `n` times over (rows are equal after a rewind)."""
+        rows = self.cache.layers[0].keys.shape[0]
+        if rows == n:
+            return
+        if rows != 1:
+            self.cache.batch_select_indices(torch.zeros(1, dtype=torch.long))
+        self.cache.batch_repeat_interleave(n)
+
+    def _feed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step, row `i` on `tokens[i]`: `[rows, vocab]` next-token logits."""
+        out = self.model(input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True)
+        self.length += 1
+        return out.logits[:, -1]
 
     def _feed(self, token: int) -> torch.Tensor:
         """One decode step on `token` under the policy in use: the next-token logits."""
@@ -123,6 +180,7 @@ class Session:
         distribution `tokens[i + 1]` follows. (The first token follows the prefill, dense
         under every policy.) The context is unchanged afterwards."""
         rt = runtime()
+        self._rows(1)
         rt.reset()
         start = self.length
         rows = []
@@ -133,6 +191,15 @@ class Session:
         rt.reset()
         vocab = self.next_logits.shape[-1]
         return torch.stack(rows) if rows else torch.zeros(0, vocab)
+
+
+@dataclass
+class RowsDecoded:
+    """`Session.decode_rows`: per policy, its greedy tokens and mean fraction of KV blocks
+    read (over layers, steps and KV heads; 1 for dense)."""
+
+    tokens: list[list[int]]
+    kv_fractions: list[float]
 
 
 def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:

@@ -295,3 +295,39 @@ def test_oracle_is_the_smallest_true_mass_prefix(seed, eps):
             fewer[b, h, j] = False
             c = true_coverage(q, k, v, lengths, fewer, 32)[b, h * G : (h + 1) * G]
             assert bool((c < eps + 1e-6).any())
+
+
+@pytest.mark.parametrize("rule", ["heuristic", "certified"])
+def test_per_request_threshold_cap_and_budget_equal_separate_calls(rule):
+    """A batch of requests with their own ε and cap (psa) or budget (top-k) gives each
+    request what a call with that setting alone gives; a cap stops reading at the first
+    `cap // block_size` ranked positions (never below the forced blocks)."""
+    cfg = PSAConfig(block_size=8, wave_blocks=2, stop_rule=rule)
+    q, k, v, _ = make(7, B=4, T=400)
+    lengths = torch.tensor([400, 397, 260, 400])
+    eps = torch.tensor([0.8, 0.95, 1.0, 0.98])
+    cap = torch.tensor([0, 40, 16, 8])  # tokens: none, 5 blocks, 2, 1 (below the forced)
+    got = progressive_attention(q, k, v, lengths, cfg, threshold=eps, cap_tokens=cap)
+    for b in range(4):
+        one = slice(b, b + 1)
+        alone = progressive_attention(
+            q[one], k[one], v[one], lengths[one], cfg.replace(threshold=float(eps[b]))
+        )
+        n_alone = alone.read.sum(-1)
+        n_forced = int(forced_blocks(lengths[one], 50, cfg).sum())
+        limit = max(int(cap[b]) // 8, n_forced) if cap[b] > 0 else 10**9
+        assert torch.equal(got.read[one].sum(-1), n_alone.clamp(max=limit))
+        # Capped reads are the first blocks of the same order: a subset of the uncapped.
+        assert not bool((got.read[one] & ~alone.read).any())
+        capped = got.read[one].sum(-1) < n_alone
+        assert bool((got.n_waves[one][capped] <= alone.n_waves[capped]).all())
+        assert bool((got.n_waves[one][~capped] == alone.n_waves[~capped]).all())
+        if cap[b] == 0:
+            torch.testing.assert_close(got.out[one], alone.out)
+    budgets = torch.tensor([16, 64, 128, 8])
+    got = topk_attention(q, k, v, lengths, cfg, budgets)
+    for b in range(4):
+        one = slice(b, b + 1)
+        alone = topk_attention(q[one], k[one], v[one], lengths[one], cfg, int(budgets[b]))
+        assert torch.equal(got.read[one], alone.read)
+        torch.testing.assert_close(got.out[one], alone.out)

@@ -58,3 +58,25 @@ def test_incremental_update_equals_recomputation(data, bs, batch):
     assert torch.equal(got.count, want.count[:, :nb])
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b[:, :, :nb], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), bs=st.sampled_from([4, 8, 32]), batch=st.integers(1, 3))
+def test_uniform_append_equals_recomputation(data, bs, batch):
+    """Equal-length requests appended in chunks of one size for all (a batch of decode
+    policies over one context) give the summaries of a full recompute."""
+    T = data.draw(st.integers(1, 90))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k = torch.randn(batch, 2, T, 4, generator=g)
+    cache = BlockMetaCache.empty(batch, 2, 4, bs, capacity_blocks=1)
+    start = 0
+    while start < T:
+        n = min(data.draw(st.integers(1, 40)), T - start)
+        cache.append_uniform(k[:, :, start : start + n], start)
+        start += n
+    nb = -(-T // bs)
+    got, want = cache.meta(nb), block_metadata(k, torch.full((batch,), T), bs)
+    assert torch.equal(cache.lengths, torch.full((batch,), T))
+    assert torch.equal(got.count, want.count)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
