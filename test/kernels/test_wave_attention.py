@@ -217,6 +217,24 @@ def test_wave_attention_with_a_block_budget_is_topk(device):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.98), ("certified", 0.95)])
+@pytest.mark.parametrize("splits", [1, pytest.param(4, marks=pytest.mark.gpu)])
+def test_a_block_cap_stops_psa_where_the_reference_does(device, rule, eps, splits):
+    """PSA with a cap (`max_read_blocks` below 1 = no stop rule): waves end at the cap
+    as in `progressive_attention(cap_tokens=...)`; same blocks, output and waves."""
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    q, k, v, lengths = _case(5, T=300, device=device)
+    cap = torch.full((q.shape[0],), 16 * 7, device=device)
+    ref = progressive_attention(q, k, v, lengths, cfg, cap_tokens=cap)
+    uncapped = progressive_attention(q, k, v, lengths, cfg)
+    assert (ref.read.sum(-1) < uncapped.read.sum(-1)).any(), "the cap must bind somewhere"
+    res = _run_tiered(cfg, q, k, v, lengths, 0.3, 4, device, splits=splits, max_read_blocks=7)
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
+    assert torch.equal(res.n_waves.long(), ref.n_waves)
+
+
 @pytest.mark.parametrize("budget", [None, 5], ids=["dense", "topk"])
 def test_one_wave_splits_are_merged_by_the_last_program(device, budget):
     """No stop rule (threshold 1, or a fixed budget): one wave, several programs per
