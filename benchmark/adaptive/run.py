@@ -214,9 +214,26 @@ def main() -> None:
     rows, merged = [], []
     for f in args.merge:
         merged += json.loads(Path(f).read_text())["data"]["rows"]
-    lengths = [int(n) for n in args.lengths.split(",") if n]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> dict:
+        """The result so far (after every task: a run cut short keeps what finished)."""
+        every = rows + merged
+        tab = table(every)
+        write_result(
+            out / f"{args.name}.json",
+            summarize(tab, budgets, args.accuracy_slack, args.identical_min),
+            {"policies": tab, "rows": every},
+            model=MODELS[args.model].name,
+            lengths=sorted({r["length_bucket"] for r in every}),
+            per_kind=args.per_kind,
+            budgets=budgets,
+        )
+        return tab
+
     t0 = time.time()
-    for n in lengths:
+    for n in [int(x) for x in args.lengths.split(",") if x]:
         tasks = make_tasks(args.kinds.split(","), n, args.per_kind, args.seed, count)
         for i, task in enumerate(tasks):
             doc, q = chat_parts(tok, task.prompt, task.question)
@@ -226,33 +243,21 @@ def main() -> None:
             for r in got:
                 r["length_bucket"] = n
             rows += got
+            save()
             print(
                 f"{n} tokens, task {i + 1}/{len(tasks)} ({task.kind}) done, "
                 f"{time.time() - t0:.0f} s so far",
                 flush=True,
             )
-    rows += merged
-    lengths = sorted({r["length_bucket"] for r in rows})
-    tab = table(rows)
-    summary = summarize(tab, budgets, args.accuracy_slack, args.identical_min)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_result(
-        out / f"{args.name}.json",
-        summary,
-        {"policies": tab, "rows": rows},
-        model=MODELS[args.model].name,
-        lengths=lengths,
-        per_kind=args.per_kind,
-        budgets=budgets,
-    )
-    plot(tab, out / f"{args.name}.png", f"{args.model}, {len(rows) // len(pols)} tasks")
+    tab = save()
+    n_tasks = len(rows + merged) // len(pols)
+    plot(tab, out / f"{args.name}.png", f"{args.model}, {n_tasks} tasks")
     for name, s in tab.items():
         print(
             f"{name:24s} acc {s['accuracy']:.3f} identical {s['identical']:.3f} "
             f"KL {s['mean_kl']:.4f} KV {s['kv_fraction']:.4f}"
         )
-    print("summary:", summary)
+    print("summary:", json.loads((out / f"{args.name}.json").read_text())["summary"])
 
 
 if __name__ == "__main__":
