@@ -73,13 +73,16 @@ def metadata_fraction(policy: DecodePolicy) -> float:
     return vectors / (2 * cfg.block_size)
 
 
-def run_task(session: Session, task, pols: list[DecodePolicy], stop: set[int]) -> list[dict]:
+def run_task(
+    session: Session, task, pols: list[DecodePolicy], stop: set[int], kernels: bool = False
+) -> list[dict]:
     """Every policy on one prefilled task, all at once (a batch row each): a row per policy.
 
     Greedy completions of `COMPLETION` tokens (no early stop, to compare with dense's),
-    then teacher forcing along dense's completion for the KL."""
-    dec = session.decode_rows(pols, COMPLETION)
-    kls = session.forced_kl_rows(pols, dec.tokens[0])
+    then teacher forcing along dense's completion for the KL. `kernels`: the sparse
+    policies run the server's Triton kernels (GPU) instead of the PyTorch reference."""
+    dec = session.decode_rows(pols, COMPLETION, kernels)
+    kls = session.forced_kl_rows(pols, dec.tokens[0], kernels)
     rows = []
     for p, tokens, kv, kl in zip(pols, dec.tokens, dec.kv_fractions, kls):
         answer = []
@@ -196,6 +199,12 @@ def main() -> None:
     ap.add_argument("--identical-min", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="sparse policies through the PyTorch reference on a GPU too (default there: "
+        "the Triton kernels: a few launches per policy and layer)",
+    )
     ap.add_argument("--name", default="adaptive_budget")
     ap.add_argument("--out", default=str(RESULTS), help="folder of NAME.json and NAME.png")
     ap.add_argument(
@@ -209,6 +218,7 @@ def main() -> None:
     model, tok = load_model(ensure_model(args.model), device=args.device)
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
     budgets = [int(b) for b in args.budgets.split(",")]
+    kernels = args.device.startswith("cuda") and not args.reference
     pols = policies(budgets)
     stop = stop_ids(tok)
     rows, merged = [], []
@@ -239,7 +249,7 @@ def main() -> None:
             doc, q = chat_parts(tok, task.prompt, task.question)
             session = Session(model, tok)
             session.extend(doc + q)
-            got = run_task(session, task, pols, stop)
+            got = run_task(session, task, pols, stop, kernels)
             for r in got:
                 r["length_bucket"] = n
             rows += got

@@ -127,3 +127,31 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
     n_blocks = -(-(length + 9) // 32)
     assert rows.kv_fractions[3] <= 4 / (n_blocks - 9) + 1e-6
     assert rows.kv_fractions[3] < rows.kv_fractions[1]
+
+
+@pytest.mark.gpu
+def test_kernel_rows_decode_as_the_reference_rows_on_the_gpu():
+    """On the GPU the suite runs sparse rows through the Triton kernels: same greedy
+    tokens and (up to tf32 ranking ties) the same blocks as the PyTorch reference."""
+    from sglang_psa.hf.decode import load_model
+    from sglang_psa.models import ensure_model
+
+    model, tok = load_model(ensure_model("smollm2-135m"), device="cuda")
+    s = Session(model, tok)
+    s.extend(tok(PROMPT)["input_ids"])
+    pols = [
+        DecodePolicy("dense"),
+        DecodePolicy("psa", PSAConfig(threshold=0.9)),
+        DecodePolicy("psa", PSAConfig(threshold=0.98), cap_tokens=64),
+        DecodePolicy("topk", PSAConfig(topk_tokens=128), 128),
+    ]
+    ref = s.decode_rows(pols, 8)
+    ker = s.decode_rows(pols, 8, kernels=True)
+    assert ker.tokens == ref.tokens
+    for a, b in zip(ker.kv_fractions, ref.kv_fractions):
+        assert abs(a - b) < 0.02, (ker.kv_fractions, ref.kv_fractions)
+    kl_ref = s.forced_kl_rows(pols, ref.tokens[0])
+    kl_ker = s.forced_kl_rows(pols, ref.tokens[0], kernels=True)
+    assert kl_ker[0] == 0.0
+    for a, b in zip(kl_ker, kl_ref):
+        assert abs(a - b) < 1e-3 + 0.1 * b, (kl_ker, kl_ref)

@@ -110,6 +110,7 @@ class PSARuntime:
         self.reads: dict[int, LayerReads] = defaultdict(LayerReads)
         self.trace: list[BlockTrace] | None = None
         self.rows: list[RowGroup] | None = None  # `use_rows`: a policy per batch row
+        self.kernel_rows: KernelRows | None = None
         self.row_fraction_sum: torch.Tensor | None = None  # [B]: Σ over calls
         self.row_calls = 0
 
@@ -129,15 +130,19 @@ class PSARuntime:
             self.policy = old
 
     @contextlib.contextmanager
-    def use_rows(self, policies: list[DecodePolicy]) -> Iterator[PSARuntime]:
+    def use_rows(self, policies: list[DecodePolicy], kernels: bool = False) -> Iterator[PSARuntime]:
         """Batch row `i` decodes under `policies[i]`: every row must hold the same number
         of tokens (one context, repeated). Consecutive policies of one `group` run as one
-        call per layer, which is what makes a suite of policies affordable."""
-        old, self.rows = self.rows, _row_groups(policies)
+        call per layer, which is what makes a suite of policies affordable. With
+        `kernels` (CUDA) the sparse rows run the server's Triton kernels instead of the
+        PyTorch reference (`KernelRows`)."""
+        old = self.rows, self.kernel_rows
+        self.rows = _row_groups(policies)
+        self.kernel_rows = KernelRows() if kernels else None
         try:
             yield self
         finally:
-            self.rows = old
+            self.rows, self.kernel_rows = old
 
     def row_fractions(self) -> list[float]:
         """Per row of `use_rows`: mean fraction of KV blocks read over layers, steps and KV
@@ -253,6 +258,21 @@ class PSARuntime:
             if meta_bs != cfg.block_size:
                 meta_bs = cfg.block_size
                 meta = self._meta_for(module.layer_idx, key, meta_bs).meta(-(-T // meta_bs))
+            if self.kernel_rows is not None and p.kind in ("psa", "topk"):
+                for i in range(g.start, g.stop):
+                    one = slice(i, i + 1)
+                    res, n_read = self.kernel_rows.run(
+                        i,
+                        self.rows_policy(i),
+                        query[one, :, 0],
+                        key[one],
+                        value[one],
+                        BlockMeta(*(t[one] for t in meta)),
+                        scaling,
+                    )
+                    out[one, 0] = res
+                    fraction[one] = n_read.float().mean(-1) / -(-T // cfg.block_size)
+                continue
             n = g.stop - g.start
             lengths = torch.full((n,), T, dtype=torch.int64, device=key.device)
             m = BlockMeta(*(t[rows] for t in meta))
@@ -285,6 +305,11 @@ class PSARuntime:
         self.row_calls += 1
         return out, None
 
+    def rows_policy(self, i: int) -> DecodePolicy:
+        """The policy of batch row `i` under `use_rows`."""
+        g = next(g for g in self.rows if g.start <= i < g.stop)
+        return g.policies[i - g.start]
+
     def _record(self, layer: int, read: torch.Tensor, total: torch.Tensor) -> None:
         r = self.reads[layer]
         r.read.append(read.cpu())
@@ -295,6 +320,71 @@ class PSARuntime:
         nb = num_blocks(torch.tensor(T), self.policy.cfg.block_size)
         n = torch.full((B * H,), int(nb))
         self._record(module.layer_idx, n, n)
+
+
+class KernelRows:
+    """Sparse decode rows through the server's Triton kernels (`sgl_kernel_ext.
+    wave_attention`) instead of the PyTorch reference: a few launches per policy and
+    layer instead of hundreds of small ops, which is what makes a suite of policies
+    affordable on a GPU (and measures what the server runs). One plan per row (batch 1),
+    made again when the context grows a block and shared by every layer; a row's KV is
+    read in place from the transformers cache (`[Hkv, T, d]`, slots = blocks)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, tuple[int, object]] = {}
+        self.locs: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    @staticmethod
+    def max_read(policy: DecodePolicy) -> int | None:
+        """Blocks read at most: top-k's budget, or psa's cap (never below the forced)."""
+        cfg = policy.cfg
+        if policy.kind == "topk":
+            tokens = policy.budget_tokens or cfg.topk_tokens
+        else:
+            tokens = policy.cap_tokens
+        if not tokens:
+            return None
+        return max(tokens // cfg.block_size, cfg.sink_blocks + cfg.recent_blocks, 1)
+
+    def run(
+        self, i: int, policy: DecodePolicy, q, k, v, meta: BlockMeta, scale
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `i`: q `[1, Hq, d]`, k and v `[1, Hkv, T, d]`, its block summaries. Returns
+        the output `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
+        from sgl_kernel_ext.wave_attention import WaveAttention
+
+        cfg = policy.cfg
+        bs = cfg.block_size
+        _, Hkv, T, d = k.shape
+        nb = -(-T // bs)
+        cap = self.max_read(policy)
+        plan = self.plans.get(i)
+        if plan is None or plan[0] != nb:
+            run_cfg = cfg.replace(threshold=1.0) if policy.kind == "topk" else cfg
+            wa = WaveAttention.from_config(run_cfg).plan(
+                1, q.shape[1], Hkv, d, nb, q.device, out_dtype=q.dtype, read_blocks=cap
+            )
+            self.plans[i] = plan = (nb, wa)
+        key = (nb, Hkv, str(q.device))
+        if key not in self.locs:
+            self.locs[key] = (
+                torch.arange(nb, dtype=torch.int32, device=q.device).expand(1, Hkv, nb).contiguous()
+            )
+        kr, vr = k[0], v[0]
+        if kr.stride() != vr.stride() or kr.stride(-1) != 1:
+            raise ValueError(f"K and V rows need one layout with unit stride: {kr.stride()}")
+        res = plan[1].run(
+            q.contiguous(),
+            kr,
+            vr,
+            self.locs[key],
+            torch.full((1,), T, dtype=torch.int32, device=q.device),
+            *(t.contiguous() for t in meta[:3]),
+            scale=scale,
+            max_read_blocks=cap,
+            slot_strides=(bs * kr.stride(1), kr.stride(1), kr.stride(0)),
+        )
+        return res.out, res.n_read
 
 
 @dataclass

@@ -108,17 +108,20 @@ class Session:
         return Decoded(tokens, text, fractions)
 
     @torch.inference_mode()
-    def decode_rows(self, policies: list[DecodePolicy], steps: int) -> RowsDecoded:
+    def decode_rows(
+        self, policies: list[DecodePolicy], steps: int, kernels: bool = False
+    ) -> RowsDecoded:
         """Greedy decoding of `steps` tokens under every policy at once, one batch row each
         (no early stop); the context is unchanged afterwards. Equal to `decode` per policy
-        up to the numerics of a larger batch."""
+        up to the numerics of a larger batch. `kernels`: sparse rows run the Triton
+        kernels (GPU), see `PSARuntime.use_rows`."""
         assert self.next_logits is not None, "extend() the session first"
         rt, start = runtime(), self.length
         self._rows(len(policies))
         rt.reset()
         nxt = self.next_logits.argmax().repeat(len(policies))
         out = [nxt]
-        with rt.use_rows(policies):
+        with rt.use_rows(policies, kernels):
             for _ in range(steps - 1):
                 nxt = self._feed_rows(nxt).argmax(-1)
                 out.append(nxt)
@@ -130,7 +133,9 @@ class Session:
         return RowsDecoded(tokens, fractions)
 
     @torch.inference_mode()
-    def forced_kl_rows(self, policies: list[DecodePolicy], tokens: list[int]) -> list[float]:
+    def forced_kl_rows(
+        self, policies: list[DecodePolicy], tokens: list[int], kernels: bool = False
+    ) -> list[float]:
         """Teacher forcing as `forced_logprobs`, every policy at once: per policy the mean
         next-token KL from the first policy (the reference, normally dense) along `tokens`.
         The context is unchanged afterwards."""
@@ -138,7 +143,7 @@ class Session:
         self._rows(len(policies))
         rt.reset()
         kl = torch.zeros(len(policies), device=self.model.device)
-        with rt.use_rows(policies):
+        with rt.use_rows(policies, kernels):
             for t in tokens[:-1]:
                 feed = torch.full((len(policies),), t, device=self.model.device)
                 lp = torch.log_softmax(self._feed_rows(feed).float(), -1)
