@@ -30,6 +30,8 @@ HEADLINE = [
     ("serving_h100", "throughput_ratio_host_vs_plain_capped",
      "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
      "requests", "higher is better"),
+    ("serving_h100", "throughput_ratio_host_vs_plain_capped_topk",
+     "the same, `--sparse-mode topk` (2048 tokens) at the tiered home", "higher is better"),
     ("serving_h100", "throughput_ratio_tiered_vs_hbm",
      "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K)",
      "higher is better"),

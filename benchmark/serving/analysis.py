@@ -245,6 +245,7 @@ SUMMARY_KEYS = (
     "throughput_ratio_psa_vs_plain",
     "throughput_ratio_host_vs_plain_capped",
     "throughput_ratio_host_vs_plain_capped_system",
+    "throughput_ratio_host_vs_plain_capped_topk",
     "goodput_ratio_vs_plain_strict",
     "goodput_ratio_vs_plain_relaxed",
     "ttft_p99_ratio_host_vs_hbm",
@@ -321,6 +322,12 @@ def summarize(parts: list[dict]) -> dict:
             break
     s["throughput_ratio_host_vs_plain_capped"] = ratio
     s["throughput_ratio_host_vs_plain_capped_system"] = home if ratio is not None else None
+    # The same store under the fixed top-k budget: what the store gives a policy that reads
+    # less (a reference beside the default psa policy's figure above, not a replacement).
+    run, plain = _pair(best, "b", "topk_tiered")
+    s["throughput_ratio_host_vs_plain_capped_topk"] = _ratio(
+        _metric(run, *tok_s), _metric(plain, *tok_s)
+    )
     for which in ("strict", "relaxed"):
         s[f"goodput_ratio_vs_plain_{which}"] = sweep_ratio(best, "psa", f"goodput_{which}")
     host = next((r for r in (_pair(best, "a", h)[0] for h in TIERED) if r), None)

@@ -112,7 +112,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (28_000,),
             (1024,),
-            ("plain", "psa_tiered_uva", "plain_hicache"),
+            ("plain", "psa_tiered_uva", "topk_tiered", "plain_hicache"),
             kv_cap_requests=4,
         ),
         Workload(

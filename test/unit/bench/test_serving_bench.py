@@ -306,6 +306,7 @@ def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     assert s["throughput_ratio_psa_vs_plain"] == 1.5
     assert s["ttft_p99_ratio_host_vs_hbm"] == 1.5
     assert s["throughput_ratio_tiered_vs_hbm"] == 0.8  # 120 / 150, the two homes
+    assert s["throughput_ratio_host_vs_plain_capped_topk"] is None  # no topk_tiered in b
     assert s["goodput_ratio_vs_plain_strict"] == 0.6  # best over all rates: 6 / 10
     assert s["goodput_ratio_vs_plain_relaxed"] == 2.0  # 20 / 10
     # a: 3 prompts compared (psa's errored one left out), psa 1 right, plain 2;
