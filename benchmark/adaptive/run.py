@@ -62,8 +62,18 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     small = base.replace(wave_blocks=4, wave_growth=1.5)
     for eps in (0.9, 0.8):
         out.append(DecodePolicy("psa", small.replace(threshold=eps), tag="-w4"))
+    # 64-token blocks halve the bounds' bytes (a third of what psa 0.8 read at 16K) at a
+    # coarser selection; the first wave keeps its 512 tokens.
+    big = base.replace(block_size=64, wave_blocks=8, max_wave_blocks=64)
+    for eps in (0.9, 0.8):
+        out.append(DecodePolicy("psa", big.replace(threshold=eps), tag="-b64"))
     out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
     out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
+    out += [
+        DecodePolicy("topk", big.replace(topk_tokens=b), b, tag="-b64")
+        for b in budgets
+        if b >= 4 * big.block_size
+    ]
     return out
 
 

@@ -105,8 +105,9 @@ class PSARuntime:
 
     def __init__(self) -> None:
         self.policy = DecodePolicy()
-        self.meta: dict[int, BlockMetaCache] = {}
-        self.meta_tokens: dict[int, int] = {}  # tokens summarised in `meta[layer]`
+        # Block summaries per (layer, block size) and the tokens they cover.
+        self.meta: dict[tuple[int, int], BlockMetaCache] = {}
+        self.meta_tokens: dict[tuple[int, int], int] = {}
         self.reads: dict[int, LayerReads] = defaultdict(LayerReads)
         self.trace: list[BlockTrace] | None = None
         self.rows: list[RowGroup] | None = None  # `use_rows`: a policy per batch row
@@ -155,24 +156,20 @@ class PSARuntime:
         return {layer: r.fractions() for layer, r in sorted(self.reads.items())}
 
     def _meta_for(self, layer: int, key: torch.Tensor, block_size: int) -> BlockMetaCache:
-        """The layer's block summaries brought up to `key`'s length (every row holds
-        the same tokens: the hook refuses padding)."""
+        """The layer's block summaries at `block_size`, brought up to `key`'s length
+        (every row holds the same tokens: the hook refuses padding). Policies of several
+        block sizes in one batch keep one cache each."""
         B, H, T, d = key.shape
-        cache = self.meta.get(layer)
-        stale = (
-            cache is None
-            or cache.block_size != block_size
-            or cache.ksum.shape[0] != B
-            or self.meta_tokens[layer] > T
-        )
-        if stale:
+        at = (layer, block_size)
+        cache = self.meta.get(at)
+        if cache is None or cache.ksum.shape[0] != B or self.meta_tokens[at] > T:
             capacity = -(-T // block_size)
             cache = BlockMetaCache.empty(B, H, d, block_size, capacity, device=key.device)
-            self.meta[layer], self.meta_tokens[layer] = cache, 0
-        done = self.meta_tokens[layer]
+            self.meta[at], self.meta_tokens[at] = cache, 0
+        done = self.meta_tokens[at]
         if done < T:
             cache.append_uniform(key[:, :, done:], done)
-            self.meta_tokens[layer] = T
+            self.meta_tokens[at] = T
         return cache
 
     def __call__(
