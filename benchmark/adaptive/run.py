@@ -67,6 +67,9 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     big = base.replace(block_size=64, wave_blocks=8, max_wave_blocks=64)
     for eps in (0.9, 0.8):
         out.append(DecodePolicy("psa", big.replace(threshold=eps), tag="-b64"))
+    # Key bounds in 8 bits: half the metadata bytes (a third of psa 0.8's read at 16K).
+    for eps in (0.9, 0.8):
+        out.append(DecodePolicy("psa", base.replace(threshold=eps), bound_bits=8))
     out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
     out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
     out += [
@@ -74,15 +77,25 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
         for b in budgets
         if b >= 4 * big.block_size
     ]
+    out += [
+        DecodePolicy("topk", base.replace(topk_tokens=b), b, bound_bits=8)
+        for b in budgets
+        if 512 <= b <= 2048
+    ]
     return out
 
 
 def metadata_fraction(policy: DecodePolicy) -> float:
-    """KV-equivalent bytes of the block metadata a sparse policy reads for every block."""
+    """KV-equivalent bytes of the block metadata a sparse policy reads for every block:
+    its vectors in the KV dtype (16 bits), the key bounds in `bound_bits` plus a 16-bit
+    scale per block and KV head when they are quantized."""
     if policy.kind == "dense":
         return 0.0
     cfg = policy.cfg
-    vectors = (2 if cfg.needs_key_bounds else 0) + (1 if cfg.needs_key_mean else 0)
+    bounds = 2.0 if cfg.needs_key_bounds else 0.0
+    if bounds and policy.bound_bits:
+        bounds = bounds * policy.bound_bits / 16 + 1.0 / 64  # + one fp16 scale per 64 dims
+    vectors = bounds + (1 if cfg.needs_key_mean else 0)
     return vectors / (2 * cfg.block_size)
 
 
@@ -218,6 +231,10 @@ def main() -> None:
         help="sparse policies through the PyTorch reference on a GPU too (default there: "
         "the Triton kernels: a few launches per policy and layer)",
     )
+    ap.add_argument(
+        "--policies",
+        help="comma list of policy labels to run (default: all; dense always runs first)",
+    )
     ap.add_argument("--name", default="adaptive_budget")
     ap.add_argument("--out", default=str(RESULTS), help="folder of NAME.json and NAME.png")
     ap.add_argument(
@@ -233,6 +250,14 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     kernels = args.device.startswith("cuda") and not args.reference
     pols = policies(budgets)
+    if args.policies:
+        want = set(args.policies.split(","))
+        unknown = want - {p.label for p in pols}
+        if unknown:
+            raise SystemExit(
+                f"--policies: unknown {sorted(unknown)}; known: {', '.join(p.label for p in pols)}"
+            )
+        pols = [p for p in pols if p.kind == "dense" or p.label in want]
     stop = stop_ids(tok)
     rows, merged = [], []
     for f in args.merge:

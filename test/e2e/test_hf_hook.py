@@ -109,6 +109,7 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
         DecodePolicy("psa", PSAConfig(threshold=0.8)),
         DecodePolicy("psa", PSAConfig(threshold=0.98), cap_tokens=64),
         DecodePolicy("psa", PSAConfig(threshold=0.9, block_size=64)),  # its own summaries
+        DecodePolicy("psa", PSAConfig(threshold=0.9), bound_bits=8),
         DecodePolicy("topk", PSAConfig(topk_tokens=64)),
         DecodePolicy("topk", PSAConfig(topk_tokens=256)),
     ]
@@ -126,7 +127,7 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
     assert kls[0] == 0.0
     # The cap binds: capped psa reads at most its 2 blocks plus the forced sink and tail.
     n_blocks = -(-(length + 9) // 32)
-    assert rows.kv_fractions[3] <= 4 / (n_blocks - 9) + 1e-6
+    assert rows.kv_fractions[3] <= 4 / (n_blocks - 9) + 1e-6  # psa 0.98 cap 64
     assert rows.kv_fractions[3] < rows.kv_fractions[1]
     assert set(runtime().meta) == set()  # reset after decoding: no summaries kept
 

@@ -9,7 +9,13 @@ from sglang_psa.algo.attention import (
     true_coverage,
 )
 from sglang_psa.algo.criticality import bound_logits, criticality, mean_logits
-from sglang_psa.algo.metadata import BlockMeta, BlockMetaCache, block_metadata, num_blocks
+from sglang_psa.algo.metadata import (
+    BlockMeta,
+    BlockMetaCache,
+    block_metadata,
+    num_blocks,
+    quantize_bounds,
+)
 
 __all__ = [
     "BlockMeta",
@@ -23,6 +29,7 @@ __all__ = [
     "num_blocks",
     "oracle_attention",
     "progressive_attention",
+    "quantize_bounds",
     "topk_attention",
     "true_coverage",
 ]

@@ -44,6 +44,25 @@ def block_metadata(k: torch.Tensor, lengths: torch.Tensor, block_size: int) -> B
     return BlockMeta(mean, kmin, kmax, count)
 
 
+def quantize_bounds(meta: BlockMeta, bits: int = 8) -> BlockMeta:
+    """The key bounds as `bits`-bit integers with one scale per (request, KV head, block),
+    read back: `kmin` rounded down and `kmax` up, so they still bound every key of the
+    block (Quest's score and the certified rule stay valid) in `bits` instead of the KV
+    dtype's 16 bits a channel. The mean is left as it is."""
+    if not 2 <= bits <= 16:
+        raise ValueError(f"bits must be in [2, 16], got {bits}")
+    levels = 2 ** (bits - 1) - 1
+    lo, hi = meta.kmin.double(), meta.kmax.double()
+    amax = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)
+    scale = (amax / levels).clamp(min=1e-30)
+    qlo = torch.floor(lo / scale).clamp(-levels, levels)
+    qhi = torch.ceil(hi / scale).clamp(-levels, levels)
+    # Exact in real arithmetic; the min/max only absorbs float rounding at the last bit.
+    kmin = torch.minimum(qlo * scale, lo).to(meta.kmin.dtype)
+    kmax = torch.maximum(qhi * scale, hi).to(meta.kmax.dtype)
+    return BlockMeta(meta.mean, kmin, kmax, meta.count)
+
+
 @dataclass
 class BlockMetaCache:
     """Block summaries kept up to date as tokens arrive, without rereading old keys.

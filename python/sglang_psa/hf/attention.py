@@ -25,6 +25,7 @@ from sglang_psa.algo import (
     num_blocks,
     oracle_attention,
     progressive_attention,
+    quantize_bounds,
     topk_attention,
 )
 from sglang_psa.config import PSAConfig
@@ -41,6 +42,7 @@ class DecodePolicy:
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
+    bound_bits: int | None = None  # key bounds kept in this many bits (reference path only)
     tag: str = ""  # appended to the label: what else differs from the defaults
 
     def __post_init__(self) -> None:
@@ -51,7 +53,10 @@ class DecodePolicy:
 
     @property
     def label(self) -> str:
-        suffix = (f"-cap{self.cap_tokens}" if self.cap_tokens else "") + self.tag
+        suffix = (f"-cap{self.cap_tokens}" if self.cap_tokens else "") + (
+            f"-q{self.bound_bits}" if self.bound_bits else ""
+        )
+        suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
         if self.kind == "oracle":
@@ -65,9 +70,9 @@ class DecodePolicy:
         """Policies with equal groups run as one batched call with per-row ε, cap or
         budget (`PSARuntime.use_rows`)."""
         if self.kind == "psa":
-            return ("psa", self.cfg.replace(threshold=1.0))
+            return ("psa", self.cfg.replace(threshold=1.0), self.bound_bits)
         if self.kind == "topk":
-            return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64))
+            return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64), self.bound_bits)
         if self.kind == "oracle":
             return ("oracle", self.cfg)
         return ("dense",)
@@ -211,6 +216,8 @@ class PSARuntime:
         meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(
             -(-key.shape[2] // cfg.block_size)
         )
+        if policy.bound_bits:
+            meta = quantize_bounds(meta, policy.bound_bits)
         if policy.kind == "psa":
             cap = None
             if policy.cap_tokens:
@@ -255,7 +262,7 @@ class PSARuntime:
             if meta_bs != cfg.block_size:
                 meta_bs = cfg.block_size
                 meta = self._meta_for(module.layer_idx, key, meta_bs).meta(-(-T // meta_bs))
-            if self.kernel_rows is not None and p.kind in ("psa", "topk"):
+            if self.kernel_rows is not None and p.kind in ("psa", "topk") and not p.bound_bits:
                 for i in range(g.start, g.stop):
                     one = slice(i, i + 1)
                     res, n_read = self.kernel_rows.run(
@@ -273,6 +280,8 @@ class PSARuntime:
             n = g.stop - g.start
             lengths = torch.full((n,), T, dtype=torch.int64, device=key.device)
             m = BlockMeta(*(t[rows] for t in meta))
+            if p.bound_bits:
+                m = quantize_bounds(m, p.bound_bits)
             q = query[rows, :, 0]
             k, v = key[rows], value[rows]
             if p.kind == "psa":

@@ -331,3 +331,18 @@ def test_per_request_threshold_cap_and_budget_equal_separate_calls(rule):
         alone = topk_attention(q[one], k[one], v[one], lengths[one], cfg, int(budgets[b]))
         assert torch.equal(got.read[one], alone.read)
         torch.testing.assert_close(got.out[one], alone.out)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([0.9, 0.98]))
+def test_certified_rule_holds_with_8_bit_bounds(seed, eps):
+    """Bounds read back from 8-bit integers still bound the keys, so the certified rule
+    still covers at least ε of the true mass."""
+    from sglang_psa.algo import quantize_bounds
+
+    cfg = PSAConfig(threshold=eps, stop_rule="certified", block_size=8, wave_blocks=2)
+    q, k, v, lengths = make(seed)
+    meta = quantize_bounds(block_metadata(k, lengths, 8), 8)
+    res = progressive_attention(q, k, v, lengths, cfg, meta=meta)
+    cov = true_coverage(q, k, v, lengths, res.read, 8)
+    assert bool((cov >= eps - 1e-5).all()), cov.min()

@@ -80,3 +80,27 @@ def test_uniform_append_equals_recomputation(data, bs, batch):
     assert torch.equal(got.count, want.count)
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    bits=st.sampled_from([4, 8]),
+    spread=st.sampled_from([1e-3, 1.0, 50.0]),
+)
+def test_quantized_bounds_still_bound_every_key(seed, bits, spread):
+    """Key bounds kept in `bits`-bit integers and a scale per block still bound every key,
+    and lie within one quantization step of the exact bounds."""
+    from sglang_psa.algo import quantize_bounds
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 3, 70, 8, generator=g) * spread
+    lengths = torch.tensor([70, 33])
+    meta = block_metadata(k, lengths, 16)
+    q = quantize_bounds(meta, bits)
+    assert bool((q.kmin <= meta.kmin).all()) and bool((q.kmax >= meta.kmax).all())
+    step = torch.maximum(meta.kmin.abs(), meta.kmax.abs()).amax(-1, keepdim=True)
+    step = step / (2 ** (bits - 1) - 1)
+    assert bool((meta.kmin - q.kmin <= step * 1.0001).all())
+    assert bool((q.kmax - meta.kmax <= step * 1.0001).all())
+    assert torch.equal(q.mean, meta.mean) and torch.equal(q.count, meta.count)

@@ -75,3 +75,5 @@ def test_metadata_counts_in_a_sparse_policys_kv_fraction():
     assert adaptive.metadata_fraction(DecodePolicy("dense", PSAConfig())) == 0.0
     assert adaptive.metadata_fraction(bound) == pytest.approx(2 / 64)  # min and max per 32
     assert adaptive.metadata_fraction(mean) == pytest.approx(1 / 64)
+    q8 = DecodePolicy("psa", PSAConfig(score="bound"), bound_bits=8)
+    assert adaptive.metadata_fraction(q8) == pytest.approx((1 + 1 / 64) / 64)  # + the scale
