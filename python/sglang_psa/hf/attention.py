@@ -249,7 +249,7 @@ class PSARuntime:
         T = key.shape[2]
         out = query.new_empty(B, 1, Hq, d)
         fraction = torch.ones(B, device=query.device)
-        meta, meta_bs = None, None
+        metas: dict[int, BlockMeta] = {}  # by block size, made once per layer call
         for g in self.rows:
             rows = slice(g.start, g.stop)
             p, cfg = g.policies[0], g.policies[0].cfg
@@ -259,9 +259,10 @@ class PSARuntime:
                     module, query[rows], key[rows], value[rows], mask, scaling=scaling, **kwargs
                 )[0]
                 continue
-            if meta_bs != cfg.block_size:
-                meta_bs = cfg.block_size
-                meta = self._meta_for(module.layer_idx, key, meta_bs).meta(-(-T // meta_bs))
+            bs = cfg.block_size
+            if bs not in metas:
+                metas[bs] = self._meta_for(module.layer_idx, key, bs).meta(-(-T // bs))
+            meta = metas[bs]
             if self.kernel_rows is not None and p.kind in ("psa", "topk") and not p.bound_bits:
                 for i in range(g.start, g.stop):
                     one = slice(i, i + 1)
