@@ -262,13 +262,13 @@ class PSARuntime:
             bs = cfg.block_size
             if bs not in metas:
                 metas[bs] = self._meta_for(module.layer_idx, key, bs).meta(-(-T // bs))
-            meta = metas[bs]
+            meta, nblk = metas[bs], -(-T // bs)
             if self.kernel_rows is not None and p.kind in ("psa", "topk") and not p.bound_bits:
-                for i in range(g.start, g.stop):
+                for i, policy in enumerate(g.policies, g.start):
                     one = slice(i, i + 1)
                     res, n_read = self.kernel_rows.run(
                         i,
-                        self.rows_policy(i),
+                        policy,
                         query[one, :, 0],
                         key[one],
                         value[one],
@@ -276,7 +276,7 @@ class PSARuntime:
                         scaling,
                     )
                     out[one, 0] = res
-                    fraction[one] = n_read.float().mean(-1) / -(-T // cfg.block_size)
+                    fraction[one] = n_read.float().mean(-1) / nblk
                 continue
             n = g.stop - g.start
             lengths = torch.full((n,), T, dtype=torch.int64, device=key.device)
@@ -304,18 +304,12 @@ class PSARuntime:
             else:
                 res = oracle_attention(q, k, v, lengths, cfg, scale=scaling)
             out[rows] = res.out.unsqueeze(1).to(out.dtype)
-            nblk = -(-T // cfg.block_size)
             fraction[rows] = res.read.sum(-1).float().mean(-1) / nblk
         if self.row_fraction_sum is None:
             self.row_fraction_sum = torch.zeros(B, device=query.device)
         self.row_fraction_sum += fraction
         self.row_calls += 1
         return out, None
-
-    def rows_policy(self, i: int) -> DecodePolicy:
-        """The policy of batch row `i` under `use_rows`."""
-        g = next(g for g in self.rows if g.start <= i < g.stop)
-        return g.policies[i - g.start]
 
     def _record(self, layer: int, read: torch.Tensor, total: torch.Tensor) -> None:
         r = self.reads[layer]

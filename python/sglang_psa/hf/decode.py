@@ -147,7 +147,7 @@ class Session:
             for t in tokens[:-1]:
                 feed = torch.full((len(policies),), t, device=self.model.device)
                 lp = torch.log_softmax(self._feed_rows(feed).float(), -1)
-                kl += (lp[0].exp() * (lp[0] - lp)).sum(-1).clamp_min(0)
+                kl += step_kl(lp[0], lp)
         self.rewind(start)
         rt.reset()
         n = len(tokens) - 1
@@ -207,13 +207,18 @@ class RowsDecoded:
     kv_fractions: list[float]
 
 
+def step_kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) over the last dimension of log-probabilities (clamped at 0
+    against rounding), broadcasting the leading ones."""
+    return (reference.exp() * (reference - other)).sum(-1).clamp_min(0)
+
+
 def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over steps of KL(reference || other), both `[steps, vocab]` log-probabilities
     (NaN without steps)."""
     if reference.shape[0] == 0:
         return float("nan")
-    kl = (reference.exp() * (reference - other)).sum(-1)
-    return float(kl.clamp_min(0).mean())
+    return float(step_kl(reference, other).mean())
 
 
 def greedy_decode(
