@@ -46,42 +46,26 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     """Dense first (the reference), the default psa policy second, then the others, each
     family in a row (`DecodePolicy.group`): one batched call per family and layer.
 
-    Candidates beside the default: lower ε (covering 98% of a diffuse head's mass is more
-    than an answer needs), a cap on the tokens read (a mass target that stops at a budget:
-    never more than top-k, less where attention is skewed), a smaller first wave (16
-    blocks are 12% of a 4K context before any estimate), and the certified rule."""
+    Candidates beside the default, from the CPU runs at 4K and 8K and the H100 probe at
+    16K: lower ε (covering 98% of a diffuse head's mass is more than an answer needs), a
+    cap on the tokens read, a smaller first wave (16 blocks are 12% of a 4K context before
+    any estimate), key bounds in 8 bits (half the metadata bytes, which are a third of
+    what psa 0.8 reads at 16K) and both together, the certified rule. Dropped after those
+    runs: 64-token blocks (a worse KL per byte at every ε) and caps on the lower ε (they
+    did what the cap's top-k does)."""
     base = PSAConfig()
-    out = [DecodePolicy("dense", base), DecodePolicy("psa", base)]
-    # The H100 probe at 16K (adaptive_budget_h100_probe.json): lowering ε moved psa along a
-    # better KL-per-KV curve than top-k's budgets; a cap at a budget did about what that
-    # budget's top-k does. So: a finer ε sweep, caps on the lower ε, one small first wave.
-    for eps in (0.7, 0.8, 0.85, 0.9, 0.95):
-        out.append(DecodePolicy("psa", base.replace(threshold=eps)))
-    for eps, cap in ((0.98, 2048), (0.9, 2048), (0.8, 1024)):
-        out.append(DecodePolicy("psa", base.replace(threshold=eps), cap_tokens=cap))
     small = base.replace(wave_blocks=4, wave_growth=1.5)
-    for eps in (0.9, 0.8):
-        out.append(DecodePolicy("psa", small.replace(threshold=eps), tag="-w4"))
-    # 64-token blocks halve the bounds' bytes (a third of what psa 0.8 read at 16K) at a
-    # coarser selection; the first wave keeps its 512 tokens.
-    big = base.replace(block_size=64, wave_blocks=8, max_wave_blocks=64)
-    for eps in (0.9, 0.8):
-        out.append(DecodePolicy("psa", big.replace(threshold=eps), tag="-b64"))
-    # Key bounds in 8 bits: half the metadata bytes (a third of psa 0.8's read at 16K).
-    for eps in (0.9, 0.8):
-        out.append(DecodePolicy("psa", base.replace(threshold=eps), bound_bits=8))
+    out = [DecodePolicy("dense", base), DecodePolicy("psa", base)]
+    out += [DecodePolicy("psa", base.replace(threshold=e)) for e in (0.8, 0.85, 0.9, 0.95)]
+    out.append(DecodePolicy("psa", base.replace(threshold=0.9), cap_tokens=2048))
+    out += [DecodePolicy("psa", small.replace(threshold=e), tag="-w4") for e in (0.85, 0.9)]
+    out += [DecodePolicy("psa", base.replace(threshold=e), bound_bits=8) for e in (0.8, 0.85, 0.9)]
+    out += [
+        DecodePolicy("psa", small.replace(threshold=e), bound_bits=8, tag="-w4")
+        for e in (0.8, 0.85, 0.9)
+    ]
     out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
     out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
-    out += [
-        DecodePolicy("topk", big.replace(topk_tokens=b), b, tag="-b64")
-        for b in budgets
-        if b >= 4 * big.block_size
-    ]
-    out += [
-        DecodePolicy("topk", base.replace(topk_tokens=b), b, bound_bits=8)
-        for b in budgets
-        if 512 <= b <= 2048
-    ]
     return out
 
 

@@ -42,7 +42,7 @@ class DecodePolicy:
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
-    bound_bits: int | None = None  # key bounds kept in this many bits (reference path only)
+    bound_bits: int | None = None  # key bounds kept in this many bits, read back as floats
     tag: str = ""  # appended to the label: what else differs from the defaults
 
     def __post_init__(self) -> None:
@@ -263,8 +263,12 @@ class PSARuntime:
             if bs not in metas:
                 metas[bs] = self._meta_for(module.layer_idx, key, bs).meta(-(-T // bs))
             meta, nblk = metas[bs], -(-T // bs)
-            if self.kernel_rows is not None and p.kind in ("psa", "topk") and not p.bound_bits:
-                for i, policy in enumerate(g.policies, g.start):
+            if self.kernel_rows is not None and p.kind in ("psa", "topk"):
+                gm = BlockMeta(*(t[rows] for t in meta))
+                if p.bound_bits:  # the bounds as read back from `bound_bits`
+                    gm = quantize_bounds(gm, p.bound_bits)
+                for j, policy in enumerate(g.policies):
+                    i = g.start + j
                     one = slice(i, i + 1)
                     res, n_read = self.kernel_rows.run(
                         i,
@@ -272,7 +276,7 @@ class PSARuntime:
                         query[one, :, 0],
                         key[one],
                         value[one],
-                        BlockMeta(*(t[one] for t in meta)),
+                        BlockMeta(*(t[j : j + 1] for t in gm)),
                         scaling,
                     )
                     out[one, 0] = res
