@@ -217,7 +217,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--policies",
-        help="comma list of policy labels to run (default: all; dense always runs first)",
+        help="comma list of policy labels to run (default: all; dense and the default psa "
+        "always run)",
     )
     ap.add_argument("--name", default="adaptive_budget")
     ap.add_argument("--out", default=str(RESULTS), help="folder of NAME.json and NAME.png")
@@ -226,6 +227,11 @@ def main() -> None:
         nargs="*",
         default=[],
         help="result files of earlier runs (other lengths) whose rows join this run's",
+    )
+    ap.add_argument(
+        "--resume",
+        help="a result file of an earlier run of the same suite (say this run's own "
+        "NAME.json): its tasks are kept and not run again",
     )
     args = ap.parse_args()
 
@@ -241,7 +247,7 @@ def main() -> None:
             raise SystemExit(
                 f"--policies: unknown {sorted(unknown)}; known: {', '.join(p.label for p in pols)}"
             )
-        pols = [p for p in pols if p.kind == "dense" or p.label in want]
+        pols = [p for p in pols[:2] if p.label not in want] + [p for p in pols if p.label in want]
     stop = stop_ids(tok)
     rows, merged = [], []
     for f in args.merge:
@@ -264,23 +270,38 @@ def main() -> None:
         )
         return tab
 
+    # Task i of every kind at every length before task i + 1 of any: a run cut short
+    # still covers every length. `--resume` skips what an earlier run finished.
+    kinds = args.kinds.split(",")
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    by_length = {n: make_tasks(kinds, n, args.per_kind, args.seed, count) for n in lengths}
+    jobs = [
+        (n, i, by_length[n][k * args.per_kind + i])
+        for i in range(args.per_kind)
+        for n in lengths
+        for k in range(len(kinds))
+    ]
+    if args.resume and Path(args.resume).exists():
+        earlier = json.loads(Path(args.resume).read_text())["data"]["rows"]
+        merged += earlier
+        done = {(r["length_bucket"], r["task"], r.get("index")) for r in earlier}
+        jobs = [j for j in jobs if (j[0], j[2].kind, j[1]) not in done]
+        print(f"resuming {args.resume}: {len(earlier) // len(pols)} tasks done", flush=True)
     t0 = time.time()
-    for n in [int(x) for x in args.lengths.split(",") if x]:
-        tasks = make_tasks(args.kinds.split(","), n, args.per_kind, args.seed, count)
-        for i, task in enumerate(tasks):
-            doc, q = chat_parts(tok, task.prompt, task.question)
-            session = Session(model, tok)
-            session.extend(doc + q)
-            got = run_task(session, task, pols, stop, kernels)
-            for r in got:
-                r["length_bucket"] = n
-            rows += got
-            save()
-            print(
-                f"{n} tokens, task {i + 1}/{len(tasks)} ({task.kind}) done, "
-                f"{time.time() - t0:.0f} s so far",
-                flush=True,
-            )
+    for done_jobs, (n, i, task) in enumerate(jobs, 1):
+        doc, q = chat_parts(tok, task.prompt, task.question)
+        session = Session(model, tok)
+        session.extend(doc + q)
+        got = run_task(session, task, pols, stop, kernels)
+        for r in got:
+            r["length_bucket"], r["index"] = n, i
+        rows += got
+        save()
+        print(
+            f"{n} tokens, {task.kind} #{i}: task {done_jobs}/{len(jobs)} done, "
+            f"{time.time() - t0:.0f} s so far",
+            flush=True,
+        )
     tab = save()
     n_tasks = len(rows + merged) // len(pols)
     plot(tab, out / f"{args.name}.png", f"{args.model}, {n_tasks} tasks")
