@@ -139,7 +139,7 @@ def test_kernel_rows_decode_as_the_reference_rows_on_the_gpu():
     from sglang_psa.hf.decode import load_model
     from sglang_psa.models import ensure_model
 
-    model, tok = load_model(ensure_model("smollm2-135m"), device="cuda")
+    model, tok = load_model(ensure_model("qwen2.5-0.5b"), device="cuda")  # the GPU test model
     s = Session(model, tok)
     s.extend(tok(PROMPT)["input_ids"])
     pols = [
