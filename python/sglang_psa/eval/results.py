@@ -68,7 +68,9 @@ def write_result(path: Path, summary: dict[str, Any], data: Any, **extra: Any) -
         "data": data,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_result(doc))
+    tmp = path.with_name(path.name + ".tmp")  # whole or not at all: a run killed mid-write
+    tmp.write_text(dump_result(doc))  # leaves the last result in place
+    tmp.replace(path)
     return path
 
 
