@@ -15,6 +15,11 @@ One program per (request, page of it, KV head), reading the page's keys as one
 `[block_size, d]` tile in place from SGLang's token-major `[tokens, Hkv, d]`
 buffer. All inputs are device tensors and the grid depends only on the batch
 shape, so the decode launch is captured in CUDA graphs.
+
+Bounds are kept in the KV dtype, or (int8 `kmin`/`kmax` with a float32 `kscale
+[pages, Hkv]`) as 8-bit codes: half the bytes scoring reads. The codes round
+outward, so they still bound every key (spec: `sglang_psa.algo.bound_codes`,
+whose float32 steps the kernel repeats exactly).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext.runtime import triton_enabled
+
+# float32((1 + 2^-20) / 127): a block's largest |bound| to its code scale (the margin
+# keeps every code in [-128, 127]); `sglang_psa.algo.bound_codes` spells it out.
+CODE_STEP = float(torch.tensor((1 + 2**-20) / 127, dtype=torch.float32))
 
 
 @triton.jit
@@ -37,8 +46,10 @@ def _page_meta_kernel(
     mean_ptr,
     min_ptr,
     max_ptr,
+    scale_ptr,
     table_stride,
     Hkv,
+    code_step,
     BS: tl.constexpr,
     D: tl.constexpr,
     BS_P: tl.constexpr,
@@ -46,6 +57,7 @@ def _page_meta_kernel(
     FROM_LOCS: tl.constexpr,
     MEAN: tl.constexpr,
     BOUNDS: tl.constexpr,
+    CODES: tl.constexpr,
 ):
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -75,11 +87,26 @@ def _page_meta_kernel(
     if MEAN:
         tl.store(mean_ptr + out, tl.sum(k, axis=0) / tl.maximum(count, 1), mask=sm)
     if BOUNDS:
-        tl.store(min_ptr + out, tl.min(tl.where(valid, k, float("inf")), axis=0), mask=sm)
-        tl.store(max_ptr + out, tl.max(tl.where(valid, k, float("-inf")), axis=0), mask=sm)
+        lo = tl.min(tl.where(valid, k, float("inf")), axis=0)
+        hi = tl.max(tl.where(valid, k, float("-inf")), axis=0)
+        if CODES:  # 8-bit codes, rounded outward, and the block's scale
+            amax = tl.max(tl.where(dm, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0), axis=0)
+            sc = tl.maximum(amax * code_step, 1e-30)
+            qlo = tl.floor(tl.math.div_rn(lo, sc))
+            qlo = tl.where(qlo * sc > lo, qlo - 1.0, qlo)
+            qhi = tl.ceil(tl.math.div_rn(hi, sc))
+            qhi = tl.where(qhi * sc < hi, qhi + 1.0, qhi)
+            qlo = tl.minimum(tl.maximum(qlo, -128.0), 127.0)
+            qhi = tl.minimum(tl.maximum(qhi, -128.0), 127.0)
+            tl.store(min_ptr + out, qlo.to(tl.int8), mask=sm)
+            tl.store(max_ptr + out, qhi.to(tl.int8), mask=sm)
+            tl.store(scale_ptr + page * Hkv + h, sc, mask=count > 0)
+        else:
+            tl.store(min_ptr + out, lo, mask=sm)
+            tl.store(max_ptr + out, hi, mask=sm)
 
 
-def _check(k_buffer, block_size, mean, kmin, kmax):
+def _check(k_buffer, block_size, mean, kmin, kmax, kscale=None):
     if k_buffer.dim() != 3 or not k_buffer.is_contiguous():
         raise ValueError("k_buffer must be SGLang's contiguous [tokens, Hkv, d] key buffer")
     if k_buffer.shape[0] % block_size:
@@ -93,25 +120,29 @@ def _check(k_buffer, block_size, mean, kmin, kmax):
     for t in kept:
         if t.dim() != 3 or t.shape[1:] != (H, d) or not t.is_contiguous():
             raise ValueError(f"metadata must be contiguous [pages, {H}, {d}] tensors")
+    codes = kmin is not None and kmin.dtype == torch.int8
+    if codes and (kscale is None or kscale.shape != (kmin.shape[0], H)
+                  or kscale.dtype != torch.float32 or not kscale.is_contiguous()):  # fmt: skip
+        raise ValueError(f"8-bit bounds need a contiguous float32 kscale [pages, {H}]")
 
 
-def _launch(k_buffer, block_size, grid, mean, kmin, kmax, *, locs=None, table=None, rows=None,
-            starts=None, ends=None):  # fmt: skip
+def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, table=None,
+            rows=None, starts=None, ends=None):  # fmt: skip
     """Decode passes `locs`, prefill the request table and its rows; the kernel never
     reads what its mode does not use, so those slots get a placeholder tensor."""
     _, H, d = k_buffer.shape
     dummy = mean if mean is not None else kmin
-    args = (locs, table, rows, starts, ends, mean, kmin, kmax)
+    args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale)
     _page_meta_kernel[grid](
         k_buffer, *(dummy if t is None else t for t in args),
-        0 if table is None else table.stride(0), H,
+        0 if table is None else table.stride(0), H, CODE_STEP,
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
         D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
-        MEAN=mean is not None, BOUNDS=kmin is not None,
+        MEAN=mean is not None, BOUNDS=kmin is not None, CODES=kscale is not None,
     )  # fmt: skip
 
 
-def _torch_pages(k_buffer, block_size, pages, counts, mean, kmin, kmax):
+def _torch_pages(k_buffer, block_size, pages, counts, mean, kmin, kmax, kscale):
     """The same computation in torch (CPU without the interpreter)."""
     keep = counts > 0
     pages, counts = pages[keep].long(), counts[keep].long()
@@ -121,9 +152,20 @@ def _torch_pages(k_buffer, block_size, pages, counts, mean, kmin, kmax):
     if mean is not None:
         s = torch.where(valid, k, 0.0).sum(1) / counts[:, None, None]
         mean[pages] = s.to(mean.dtype)
-    if kmin is not None:
-        kmin[pages] = torch.where(valid, k, torch.inf).amin(1).to(kmin.dtype)
-        kmax[pages] = torch.where(valid, k, -torch.inf).amax(1).to(kmax.dtype)
+    if kmin is None:
+        return
+    lo = torch.where(valid, k, torch.inf).amin(1)
+    hi = torch.where(valid, k, -torch.inf).amax(1)
+    if kscale is not None:  # the kernel's float32 steps
+        sc = (torch.maximum(lo.abs(), hi.abs()).amax(-1) * CODE_STEP).clamp(min=1e-30)
+        s = sc[..., None]
+        qlo, qhi = torch.floor(lo / s), torch.ceil(hi / s)
+        qlo = torch.where(qlo * s > lo, qlo - 1, qlo).clamp(-128, 127)
+        qhi = torch.where(qhi * s < hi, qhi + 1, qhi).clamp(-128, 127)
+        lo, hi = qlo, qhi
+        kscale[pages] = sc
+    kmin[pages] = lo.to(kmin.dtype)
+    kmax[pages] = hi.to(kmax.dtype)
 
 
 def page_meta_from_locs(
@@ -133,19 +175,22 @@ def page_meta_from_locs(
     mean: torch.Tensor | None,
     kmin: torch.Tensor | None,
     kmax: torch.Tensor | None,
+    kscale: torch.Tensor | None = None,
 ) -> None:
     """Decode: for each token slot in `locs [B]` (the step's new tokens), the metadata of
     its page over the `loc % block_size + 1` tokens the page holds. Slot 0 is SGLang's
     padding sink (page 0, never part of a request). One launch, no host sync."""
-    _check(k_buffer, block_size, mean, kmin, kmax)
+    _check(k_buffer, block_size, mean, kmin, kmax, kscale)
     B = locs.numel()
     if B == 0:
         return
     if triton_enabled(k_buffer.device):
-        _launch(k_buffer, block_size, (B, 1, k_buffer.shape[1]), mean, kmin, kmax, locs=locs)
+        grid = (B, 1, k_buffer.shape[1])
+        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, locs=locs)
         return
     locs = locs.long()
-    _torch_pages(k_buffer, block_size, locs // block_size, locs % block_size + 1, mean, kmin, kmax)
+    pages, counts = locs // block_size, locs % block_size + 1
+    _torch_pages(k_buffer, block_size, pages, counts, mean, kmin, kmax, kscale)
 
 
 def page_meta_from_table(
@@ -159,18 +204,19 @@ def page_meta_from_table(
     mean: torch.Tensor | None,
     kmin: torch.Tensor | None,
     kmax: torch.Tensor | None,
+    kscale: torch.Tensor | None = None,
 ) -> None:
     """Prefill: request `b` (its `req_to_token` row `rows[b]`) had tokens `[starts[b],
     ends[b])` written; recompute every page holding one of them, over the tokens the page
     holds up to `ends[b]`. `max_pages` bounds the pages any request touched (the grid)."""
-    _check(k_buffer, block_size, mean, kmin, kmax)
+    _check(k_buffer, block_size, mean, kmin, kmax, kscale)
     B = rows.numel()
     if B == 0 or max_pages <= 0:
         return
     if triton_enabled(k_buffer.device):
         grid = (B, max_pages, k_buffer.shape[1])
-        _launch(k_buffer, block_size, grid, mean, kmin, kmax, table=req_to_token, rows=rows,
-                starts=starts, ends=ends)  # fmt: skip
+        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, table=req_to_token,
+                rows=rows, starts=starts, ends=ends)  # fmt: skip
         return
     j = torch.arange(max_pages, device=rows.device)
     p = starts.long()[:, None] // block_size + j[None, :]  # [B, J]
@@ -180,5 +226,5 @@ def page_meta_from_table(
     counts = torch.where(live, (ends.long()[:, None] - p * block_size).clamp(max=block_size), 0)
     _torch_pages(
         k_buffer, block_size, (slots.long() // block_size).flatten(), counts.flatten(),
-        mean, kmin, kmax,
+        mean, kmin, kmax, kscale,
     )  # fmt: skip

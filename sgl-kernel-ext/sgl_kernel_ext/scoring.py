@@ -6,6 +6,9 @@ whole GQA group, so the launch is as parallel as the metadata: per query head th
 over the blocks, and the group's max is the block's criticality (spec:
 `sglang_psa.algo.criticality`). With `want_bound`, the per-head true upper
 bound of each block's log-mass is also written, for the certified stop rule.
+Key bounds are read in the KV dtype, or as 8-bit codes with a scale per block and
+KV head (`sgl_kernel_ext.metadata`): the codes are exact in fp16, so the products
+stay float32-accurate and the scale multiplies the block's sum.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def _logits(
     mean_ptr,
     min_ptr,
     max_ptr,
+    scale_ptr,
     base,
     j,
     dd,
@@ -64,20 +68,26 @@ def _logits(
     D: tl.constexpr,
     BOUND: tl.constexpr,
     PAGED: tl.constexpr,
+    CODES: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     jm = j < nb
     if PAGED:  # metadata per page `[P, Hkv, D]`, found through the request's page table
         page = tl.load(pages_ptr + page_row + j, mask=jm, other=0).to(tl.int64)
-        offs = (page[:, None] * Hkv + h) * D + dd[None, :]
+        row = page * Hkv + h
     else:
-        offs = base + j[:, None] * D + dd[None, :]
+        row = base // D + j
+    offs = row[:, None] * D + dd[None, :]
     if BOUND:
-        kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0.0)
-        kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0.0)
+        kmin = tl.load(min_ptr + offs, mask=jm[:, None], other=0)
+        kmax = tl.load(max_ptr + offs, mask=jm[:, None], other=0)
+        if CODES:  # integers up to 2048 are exact in fp16
+            kmin, kmax = kmin.to(tl.float16), kmax.to(tl.float16)
         # sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min: two tensor-core products
         # instead of a [GP, NBC, D] elementwise tensor (which spilled registers).
         x = _qdot(tl.maximum(q, 0.0), kmax, INTERP) + _qdot(tl.minimum(q, 0.0), kmin, INTERP)
+        if CODES:
+            x = x * tl.load(scale_ptr + row, mask=jm, other=0.0)[None, :]
     else:
         mean = tl.load(mean_ptr + offs, mask=jm[:, None], other=0.0)
         x = _qdot(q, mean, INTERP)  # tensor cores (GP, NBC >= 16)
@@ -92,6 +102,7 @@ def _score_kernel(
     mean_ptr,
     min_ptr,
     max_ptr,
+    scale_ptr,
     lengths_ptr,
     pages_ptr,
     logit_ptr,
@@ -109,6 +120,7 @@ def _score_kernel(
     WANT_UB: tl.constexpr,
     PAGED: tl.constexpr,
     WANT_PART: tl.constexpr,
+    CODES: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     b = tl.program_id(0) // Hkv
@@ -131,7 +143,23 @@ def _score_kernel(
     omask = gmask[:, None] & (j < NB)[None, :]
     args = (pages_ptr, b * NB, h, Hkv)
     x = _logits(
-        q, mean_ptr, min_ptr, max_ptr, base, j, dd, nb, length, *args, BS, D, BOUND, PAGED, INTERP
+        q,
+        mean_ptr,
+        min_ptr,
+        max_ptr,
+        scale_ptr,
+        base,
+        j,
+        dd,
+        nb,
+        length,
+        *args,
+        BS,
+        D,
+        BOUND,
+        PAGED,
+        CODES,
+        INTERP,
     )
     tl.store(logit_ptr + out, x, mask=omask)
     if WANT_PART:  # this chunk's (max, sum of exp) per query head, for the row's lse
@@ -146,6 +174,7 @@ def _score_kernel(
             mean_ptr,
             min_ptr,
             max_ptr,
+            scale_ptr,
             base,
             j,
             dd,
@@ -156,6 +185,7 @@ def _score_kernel(
             D,
             True,
             PAGED,
+            CODES,
             INTERP,
         )
         tl.store(ub_ptr + out, ub, mask=omask)
@@ -177,13 +207,16 @@ def block_scores(
     normalize: bool = True,
     partials: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    meta_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
 
     `meta_*` are `[B, Hkv, NB, d]` (gathered per request by the caller), or,
     with `pages [B, NB]`, `[P, Hkv, d]` per page, read through the page table in place;
-    float32, or the KV dtype (half the bytes to read; scored in float32).
+    float32, or the KV dtype (half the bytes to read; scored in float32). With int8
+    `meta_min`/`meta_max` (8-bit codes), `meta_scale` is their float32 scale per block
+    and KV head: `[B, Hkv, NB]`, or `[P, Hkv]` per page.
     `partials` (`[B, Hq, partial_chunks(NB), 2]` float32, see there) receives each
     chunk's (max, sum of exp) of the raw logits, from which `rank_blocks` gets the lse.
     `out` receives the raw logits (else they are allocated).
@@ -208,14 +241,19 @@ def block_scores(
     paged = pages is not None
     pages_arg = pages.to(torch.int32).contiguous() if paged else lengths32
     nbc = max(nbc, 16)
+    codes = meta_min.dtype == torch.int8
+    if codes != (meta_scale is not None) or codes != (meta_max.dtype == torch.int8):
+        raise ValueError("8-bit bounds (int8 meta_min and meta_max) come with meta_scale")
+    if codes and meta_scale.shape != (meta_min.shape[:-1]):
+        raise ValueError(f"meta_scale must be {tuple(meta_min.shape[:-1])}, one per bound pair")
     if partials is not None and partials.shape != (B, Hq, triton.cdiv(NB, nbc), 2):
         raise ValueError(f"partials must be [B, Hq, {triton.cdiv(NB, nbc)}, 2] float32")
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
-        lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
+        meta_scale.contiguous() if codes else lengths32, lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=nbc,
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
-        WANT_PART=partials is not None, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        WANT_PART=partials is not None, CODES=codes, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)

@@ -596,7 +596,18 @@ class WaveAttention:
         # The split barrier's arrival counters: zero between launches (each resets its own).
         self.counters = take("counters", (batch * n_kv_heads,), torch.int32)
 
-    def rank(self, q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages=None, loc=None):
+    def rank(
+        self,
+        q,
+        meta_mean,
+        meta_min,
+        meta_max,
+        lengths,
+        scale,
+        meta_pages=None,
+        loc=None,
+        meta_scale=None,
+    ):
         """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
         counts `[B]` and, for the certified rule, suffix sums of the bound log-mass.
         With the block table `loc` (int32), `self.ranked_loc` receives it in read order."""
@@ -619,6 +630,7 @@ class WaveAttention:
             blocks_per_program=self.score_blocks,
             num_warps=self.score_warps,
             out=self.logits,
+            meta_scale=meta_scale,
         )
         if fused:  # group criticality, forced blocks first, stable descending chunked sort
             order, n_forced = rank_blocks(
@@ -681,6 +693,7 @@ class WaveAttention:
         stats: torch.Tensor | None = None,
         unit_slot: torch.Tensor | None = None,
         cache_pages: torch.Tensor | None = None,
+        meta_scale: torch.Tensor | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -698,6 +711,8 @@ class WaveAttention:
         (int64) gains the blocks read, the blocks available and those read from the host.
         With `unit_slot [Hkv, host blocks + 1]` and `cache_pages [C]` (int32, the unit
         cache of this layer) a cached host unit is read from its slot's page instead.
+        int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
+        (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -711,7 +726,7 @@ class WaveAttention:
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
         else:
             order, n_forced, ub_suffix = self.rank(
-                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc
+                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale
             )
             rloc = self.ranked_loc
         has_host = k_host is not None

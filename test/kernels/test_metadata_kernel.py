@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
-from sglang_psa.algo import block_metadata
+from sglang_psa.algo import block_metadata, bound_codes
 
 
 def _pool(g, lengths, bs, H, d, dtype, pages_total=None):
@@ -137,3 +137,67 @@ def test_torch_fallback_without_cuda_or_interpreter(monkeypatch):
     meta2 = _bufs(P, H, d, torch.float32, "cpu")
     page_meta_from_locs(pool, locs, bs, *meta2)
     _assert_page(meta2, ref, int(locs[0]) // bs, 0, 2, exact_bounds=True)
+
+
+def _code_bufs(P, H, d, dev):
+    """8-bit bounds and their scale, poisoned so untouched pages show."""
+    kmin = torch.full((P, H, d), 99, dtype=torch.int8, device=dev)
+    return kmin, kmin.clone(), torch.full((P, H), 7.0, device=dev)
+
+
+def _assert_codes(got, ref, page, r, j):
+    """The page's codes and scale are `bound_codes` of the reference bounds, bit for bit,
+    and read back they bound every key of the block."""
+    kmin, kmax, kscale = got
+    qlo, qhi, sc = bound_codes(ref.kmin[r, :, j], ref.kmax[r, :, j])
+    assert torch.equal(kmin[page].cpu().float(), qlo), (page, r, j)
+    assert torch.equal(kmax[page].cpu().float(), qhi), (page, r, j)
+    assert torch.equal(kscale[page].cpu(), sc), (page, r, j)
+    s = kscale[page].cpu()[:, None]
+    assert bool((kmin[page].cpu().float() * s <= ref.kmin[r, :, j]).all())
+    assert bool((kmax[page].cpu().float() * s >= ref.kmax[r, :, j]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,H,d", [(32, 2, 64), (32, 8, 128)])
+@pytest.mark.parametrize("spread", [1e-3, 30.0])
+def test_8_bit_bounds_are_the_reference_codes(kernel_device, dtype, bs, H, d, spread):
+    """Prefill from the table and a decode step write 8-bit codes and scales equal to
+    `sglang_psa.algo.bound_codes` of the exact bounds."""
+    g = torch.Generator().manual_seed(bs + H + d)
+    lengths = [5 * bs + 7, 2 * bs + 1]
+    pool, table, P = _pool(g, lengths, bs, H, d, torch.float32)
+    pool = (pool * spread).to(dtype)
+    dev = kernel_device
+    got = _code_bufs(P, H, d, dev)
+    page_meta_from_table(
+        pool.to(dev), table.to(dev), torch.tensor([1, 2], device=dev),
+        torch.tensor([0, 0], device=dev), torch.tensor(lengths, device=dev), 6, bs,
+        None, got[0], got[1], got[2],
+    )  # fmt: skip
+    ref = _ref(pool, table, lengths, bs)
+    for r, n in enumerate(lengths):
+        for j in range(-(-n // bs)):
+            _assert_codes(got, ref, int(table[r + 1, j * bs]) // bs, r, j)
+    got = _code_bufs(P, H, d, dev)
+    locs = torch.tensor([int(table[r + 1, n - 1]) for r, n in enumerate(lengths)])
+    page_meta_from_locs(pool.to(dev), locs.to(dev), bs, None, *got)
+    for r, n in enumerate(lengths):
+        _assert_codes(got, ref, int(locs[r]) // bs, r, (n - 1) // bs)
+
+
+def test_8_bit_bounds_on_the_torch_fallback(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(4)
+    bs, H, d = 8, 2, 4
+    lengths = [2 * bs + 3, bs]
+    pool, table, P = _pool(g, lengths, bs, H, d, torch.float32)
+    got = _code_bufs(P, H, d, "cpu")
+    page_meta_from_table(pool, table, torch.tensor([1, 2]), torch.tensor([0, 0]),
+                         torch.tensor(lengths), 4, bs, None, *got)  # fmt: skip
+    ref = _ref(pool, table, lengths, bs)
+    for r, n in enumerate(lengths):
+        for j in range(-(-n // bs)):
+            _assert_codes(got, ref, int(table[r + 1, j * bs]) // bs, r, j)
+    with pytest.raises(ValueError, match="kscale"):
+        page_meta_from_locs(pool, torch.tensor([9]), bs, None, got[0], got[1], None)

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from sglang_psa.algo import block_metadata, criticality, progressive_attention
+from sglang_psa.algo import (
+    block_metadata,
+    bound_codes,
+    criticality,
+    progressive_attention,
+    quantize_bounds,
+)
 from sglang_psa.algo.criticality import bound_logits
 from sglang_psa.config import PSAConfig
 
@@ -74,12 +80,14 @@ def _paged_pool(k, v, bs, g, device):
     return pages, k_pool, v_pool
 
 
-def _run_tiered(cfg, q, k, v, lengths, host_fraction, layout_seed, device, splits=None, **kw):
+def _run_tiered(
+    cfg, q, k, v, lengths, host_fraction, layout_seed, device, splits=None, meta=None, **kw
+):
     """Lay the KV out over slots and host pool, then run the Triton wave attention."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
     bs = cfg.block_size
-    meta = block_metadata(k, lengths, bs)
+    meta = block_metadata(k, lengths, bs) if meta is None else meta
     k_slots, v_slots, k_host, v_host, loc = _tiered_layout(
         k, v, lengths, bs, host_fraction, seed=layout_seed
     )
@@ -167,6 +175,61 @@ def test_block_scores_read_metadata_in_the_kv_dtype(device, method, dtype):
     want = block_scores(q, *(t.float() for t in low), lengths, 32, scale, method, True)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+def _codes(meta):
+    """The bounds as int8 codes and their scale (what the metadata kernel writes)."""
+    qlo, qhi, scale = bound_codes(meta.kmin, meta.kmax)
+    return qlo.to(torch.int8), qhi.to(torch.int8), scale
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("G,d", [(7, 64), (4, 128)])
+def test_block_scores_read_8_bit_bounds(device, paged, G, d):
+    """8-bit codes and their scale score as the float bounds they read back as
+    (`quantize_bounds`), per request or per page through the page table."""
+    from sgl_kernel_ext.scoring import block_scores
+
+    q, k, _, lengths = _case(8, Hq=2 * G, Hkv=2, T=700, d=d, spread=3.0, device=device)
+    meta = block_metadata(k, lengths, 32)
+    back = quantize_bounds(meta)
+    qlo, qhi, sc = _codes(meta)
+    scale = 1 / math.sqrt(d)
+    want = block_scores(q, back.mean, back.kmin, back.kmax, lengths, 32, scale, "bound", True)
+    if paged:
+        B, Hkv, NB, _ = meta.mean.shape
+        g = torch.Generator().manual_seed(2)
+        pages = (torch.randperm(B * NB + 3, generator=g)[: B * NB] + 1).view(B, NB).to(device)
+        per_page = []
+        for src in (meta.mean, qlo, qhi, sc):
+            dst = torch.zeros((B * NB + 4, *src.permute(0, 2, 1, *range(3, src.dim())).shape[2:]),
+                              dtype=src.dtype, device=device)  # fmt: skip
+            dst[pages] = src.transpose(1, 2)
+            per_page.append(dst)
+        got = block_scores(q, *per_page[:3], lengths, 32, scale, "bound", True, pages=pages,
+                           meta_scale=per_page[3])  # fmt: skip
+    else:
+        got = block_scores(q, meta.mean, qlo, qhi, lengths, 32, scale, "bound", True,
+                           meta_scale=sc)  # fmt: skip
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="meta_scale"):
+        block_scores(q, meta.mean, qlo, qhi, lengths, 32, scale, "bound")
+
+
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.9), ("certified", 0.95)])
+def test_wave_attention_with_8_bit_bounds_reads_what_the_reference_reads(device, rule, eps):
+    """The wave kernel ranking and stopping on 8-bit codes reads the blocks the reference
+    reads with the bounds read back from them, and gives its output."""
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    q, k, v, lengths = _case(17, T=600, d=64, spread=2.0, device=device)
+    meta = block_metadata(k, lengths, cfg.block_size)
+    ref = progressive_attention(q, k, v, lengths, cfg, meta=quantize_bounds(meta))
+    qlo, qhi, sc = _codes(meta)
+    res = _run_tiered(cfg, q, k, v, lengths, 0.3, 4, device, meta=meta._replace(kmin=qlo, kmax=qhi),
+                      meta_scale=sc)  # fmt: skip
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize(

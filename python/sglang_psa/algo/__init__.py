@@ -13,6 +13,7 @@ from sglang_psa.algo.metadata import (
     BlockMeta,
     BlockMetaCache,
     block_metadata,
+    bound_codes,
     num_blocks,
     quantize_bounds,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "num_blocks",
     "oracle_attention",
     "progressive_attention",
+    "bound_codes",
     "quantize_bounds",
     "topk_attention",
     "true_coverage",

@@ -44,23 +44,45 @@ def block_metadata(k: torch.Tensor, lengths: torch.Tensor, block_size: int) -> B
     return BlockMeta(mean, kmin, kmax, count)
 
 
-def quantize_bounds(meta: BlockMeta, bits: int = 8) -> BlockMeta:
-    """The key bounds as `bits`-bit integers with one scale per (request, KV head, block),
-    read back: `kmin` rounded down and `kmax` up, so they still bound every key of the
-    block (Quest's score and the certified rule stay valid) in `bits` instead of the KV
-    dtype's 16 bits a channel. The mean is left as it is."""
-    if not 2 <= bits <= 16:
-        raise ValueError(f"bits must be in [2, 16], got {bits}")
+def bound_codes(
+    kmin: torch.Tensor, kmax: torch.Tensor, bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key bounds `[..., d]` as `bits`-bit integer codes with one float32 scale per vector
+    pair (per block and KV head): `(qmin, qmax, scale [...])`, `kmin >= qmin * scale` and
+    `kmax <= qmax * scale` in float32, so the bounds read back still bound every key
+    (Quest's score and the certified rule stay valid) in `bits` instead of 16 bits a
+    channel. This float32 arithmetic is the metadata kernel's, step for step:
+
+    scale = max |bound| * (1 + 2^-20) / (2^(bits-1) - 1)   (the margin keeps codes in range)
+    qmin  = floor(kmin / scale), one lower if qmin * scale > kmin   (float rounding)
+    qmax  = ceil(kmax / scale),  one higher if qmax * scale < kmax
+    """
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in [2, 8], got {bits}")
+    lo, hi = kmin.float(), kmax.float()
+    amax = torch.maximum(lo.abs(), hi.abs()).amax(-1)
+    scale = torch.clamp(amax * _code_step(bits), min=1e-30)
+    s = scale[..., None]
+    qlo = torch.floor(lo / s)
+    qlo = torch.where(qlo * s > lo, qlo - 1, qlo)
+    qhi = torch.ceil(hi / s)
+    qhi = torch.where(qhi * s < hi, qhi + 1, qhi)
+    top = 2 ** (bits - 1)
+    return qlo.clamp(-top, top - 1), qhi.clamp(-top, top - 1), scale
+
+
+def _code_step(bits: int) -> float:
+    """The float32 factor from a block's largest |bound| to its code scale."""
     levels = 2 ** (bits - 1) - 1
-    lo, hi = meta.kmin.double(), meta.kmax.double()
-    amax = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)
-    scale = (amax / levels).clamp(min=1e-30)
-    qlo = torch.floor(lo / scale).clamp(-levels, levels)
-    qhi = torch.ceil(hi / scale).clamp(-levels, levels)
-    # Exact in real arithmetic; the min/max only absorbs float rounding at the last bit.
-    kmin = torch.minimum(qlo * scale, lo).to(meta.kmin.dtype)
-    kmax = torch.maximum(qhi * scale, hi).to(meta.kmax.dtype)
-    return BlockMeta(meta.mean, kmin, kmax, meta.count)
+    return float(torch.tensor((1 + 2**-20) / levels, dtype=torch.float32))
+
+
+def quantize_bounds(meta: BlockMeta, bits: int = 8) -> BlockMeta:
+    """The key bounds as read back from `bound_codes` (float32): what scoring sees when
+    blocks keep 8-bit bounds (`PSAConfig.bound_bits`). The mean is left as it is."""
+    qlo, qhi, scale = bound_codes(meta.kmin, meta.kmax, bits)
+    s = scale[..., None]
+    return BlockMeta(meta.mean, qlo * s, qhi * s, meta.count)
 
 
 @dataclass
