@@ -59,27 +59,24 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     out += [DecodePolicy("psa", base.replace(threshold=e)) for e in (0.8, 0.85, 0.9, 0.95)]
     out.append(DecodePolicy("psa", base.replace(threshold=0.9), cap_tokens=2048))
     out += [DecodePolicy("psa", small.replace(threshold=e), tag="-w4") for e in (0.85, 0.9)]
-    out += [DecodePolicy("psa", base.replace(threshold=e), bound_bits=8) for e in (0.8, 0.85, 0.9)]
-    out += [
-        DecodePolicy("psa", small.replace(threshold=e), bound_bits=8, tag="-w4")
-        for e in (0.8, 0.85, 0.9)
-    ]
+    q8, small_q8 = base.replace(bound_bits=8), small.replace(bound_bits=8)
+    out += [DecodePolicy("psa", q8.replace(threshold=e)) for e in (0.8, 0.85, 0.9)]
+    out += [DecodePolicy("psa", small_q8.replace(threshold=e), tag="-w4") for e in (0.8, 0.85, 0.9)]
     out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
     out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
     return out
 
 
-def metadata_fraction(policy: DecodePolicy) -> float:
+def metadata_fraction(policy: DecodePolicy, head_dim: int) -> float:
     """KV-equivalent bytes of the block metadata a sparse policy reads for every block:
-    its vectors in the KV dtype (16 bits), the key bounds in `bound_bits` plus a 16-bit
-    scale per block and KV head when they are quantized."""
+    its vectors in the KV dtype (16 bits); 8-bit key bounds (`bound_bits`) a byte a
+    channel plus a float32 scale per block and KV head."""
     if policy.kind == "dense":
         return 0.0
     cfg = policy.cfg
-    bounds = 2.0 if cfg.needs_key_bounds else 0.0
-    if bounds and policy.bound_bits:
-        bounds = bounds * policy.bound_bits / 16 + 1.0 / 64  # + one fp16 scale per 64 dims
-    vectors = bounds + (1 if cfg.needs_key_mean else 0)
+    vectors = 1.0 if cfg.needs_key_mean else 0.0
+    if cfg.needs_key_bounds:
+        vectors += 1.0 + 2.0 / head_dim if cfg.bound_bits == 8 else 2.0
     return vectors / (2 * cfg.block_size)
 
 
@@ -108,7 +105,7 @@ def run_task(
                 "correct": task.score(session.tok.decode(answer, skip_special_tokens=True)),
                 "identical": tokens == dec.tokens[0],
                 "kl": kl,
-                "kv_fraction": min(1.0, kv + metadata_fraction(p)),
+                "kv_fraction": min(1.0, kv + metadata_fraction(p, session.head_dim)),
             }
         )
     return rows

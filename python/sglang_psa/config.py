@@ -59,6 +59,9 @@ class PSAConfig:
     wave_growth: float = 1.25
     max_wave_blocks: int = 128
     topk_tokens: int = 2048
+    # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
+    # per block and KV head: half the metadata bytes decode reads for every block.
+    bound_bits: int = 16
     # Tiered store.
     # HBM for working sets: an admission cap at hbm home.
     gpu_cache_gb: float | None = None
@@ -113,6 +116,7 @@ class PSAConfig:
                 "must be a positive integer",
             )
         need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
+        need(self.bound_bits in (8, 16), "bound_bits", "must be 8 or 16")
         for name in ("sink_blocks", "recent_blocks"):
             need(
                 _is_int(getattr(self, name)) and getattr(self, name) >= 0,

@@ -109,7 +109,7 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
         DecodePolicy("psa", PSAConfig(threshold=0.8)),
         DecodePolicy("psa", PSAConfig(threshold=0.98), cap_tokens=64),
         DecodePolicy("psa", PSAConfig(threshold=0.9, block_size=64)),  # its own summaries
-        DecodePolicy("psa", PSAConfig(threshold=0.9), bound_bits=8),
+        DecodePolicy("psa", PSAConfig(threshold=0.9, bound_bits=8)),
         DecodePolicy("topk", PSAConfig(topk_tokens=64)),
         DecodePolicy("topk", PSAConfig(topk_tokens=256)),
     ]
@@ -146,7 +146,7 @@ def test_kernel_rows_decode_as_the_reference_rows_on_the_gpu():
         DecodePolicy("dense"),
         DecodePolicy("psa", PSAConfig(threshold=0.9)),
         DecodePolicy("psa", PSAConfig(threshold=0.98), cap_tokens=64),
-        DecodePolicy("psa", PSAConfig(threshold=0.9), bound_bits=8),
+        DecodePolicy("psa", PSAConfig(threshold=0.9, bound_bits=8)),
         DecodePolicy("psa", PSAConfig(threshold=0.9, wave_blocks=4, wave_growth=1.5), tag="-w4"),
         DecodePolicy("topk", PSAConfig(topk_tokens=128), 128),
     ]

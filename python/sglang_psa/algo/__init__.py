@@ -12,6 +12,7 @@ from sglang_psa.algo.criticality import bound_logits, criticality, mean_logits
 from sglang_psa.algo.metadata import (
     BlockMeta,
     BlockMetaCache,
+    as_kept,
     block_metadata,
     bound_codes,
     num_blocks,
@@ -21,6 +22,7 @@ from sglang_psa.algo.metadata import (
 __all__ = [
     "BlockMeta",
     "BlockMetaCache",
+    "as_kept",
     "SparseResult",
     "block_metadata",
     "bound_logits",

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_psa.algo.criticality import bound_logits, criticality
-from sglang_psa.algo.metadata import BlockMeta, block_metadata, num_blocks
+from sglang_psa.algo.metadata import BlockMeta, as_kept, block_metadata, num_blocks
 from sglang_psa.config import PSAConfig
 
 
@@ -163,6 +163,9 @@ def progressive_attention(
     Stop when uncovered / covered ≤ (1 - ε) / ε, evaluated in log space so that
     ε = 1 reads everything (dense attention).
 
+    `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
+    bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.
+
     Per request (`[B]` tensors, for evaluating several policies in one batch):
     `threshold` replaces `cfg.threshold` as ε; `cap_tokens` caps the blocks read at
     `cap_tokens // block_size` (never below the forced ones; 0 or less: no cap), as
@@ -173,7 +176,7 @@ def progressive_attention(
     Hkv = k.shape[1]
     G = Hq // Hkv
     bs = cfg.block_size
-    meta = block_metadata(k, lengths, bs) if meta is None else meta
+    meta = as_kept(block_metadata(k, lengths, bs) if meta is None else meta, cfg)
     nb = meta.count.shape[1]
     nblk = num_blocks(lengths, bs)
     scores = token_scores(q, k, lengths, scale)
@@ -245,7 +248,7 @@ def topk_attention(
     scale = _default_scale(q, scale)
     bs = cfg.block_size
     budget = cfg.topk_tokens if budget_tokens is None else budget_tokens
-    meta = block_metadata(k, lengths, bs) if meta is None else meta
+    meta = as_kept(block_metadata(k, lengths, bs) if meta is None else meta, cfg)
     nb = meta.count.shape[1]
     order, n_forced = read_order(q, meta, lengths, cfg, scale)
     budget = torch.as_tensor(budget, device=q.device).expand(n_forced.shape)

@@ -77,6 +77,12 @@ def _code_step(bits: int) -> float:
     return float(torch.tensor((1 + 2**-20) / levels, dtype=torch.float32))
 
 
+def as_kept(meta: BlockMeta, cfg) -> BlockMeta:
+    """Exact block summaries as the blocks keep them under `cfg`: with
+    `cfg.bound_bits == 8` the key bounds read back from their 8-bit codes."""
+    return quantize_bounds(meta, 8) if cfg.bound_bits == 8 else meta
+
+
 def quantize_bounds(meta: BlockMeta, bits: int = 8) -> BlockMeta:
     """The key bounds as read back from `bound_codes` (float32): what scoring sees when
     blocks keep 8-bit bounds (`PSAConfig.bound_bits`). The mean is left as it is."""

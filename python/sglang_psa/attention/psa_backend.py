@@ -212,6 +212,7 @@ class PSAAttnBackend(AttentionBackend):
             key_dtype=kv_budget.metadata_dtype(pool.dtype),
             device=device,
             host_rows=host_rows,
+            bound_bits=cfg.bound_bits,
         )
         self.ws = WorkingSets(
             pool.layer_num,
@@ -423,7 +424,7 @@ class PSAAttnBackend(AttentionBackend):
             host_k, host_v = self.writeback.host.k[lid], self.writeback.host.v[lid]
             host_strides = self.writeback.host_strides()
             unit_slot, cache_pages = self.residency.cache.layer(lid)  # cache's copies
-        mean, kmin, kmax = self.meta.layer(lid)  # per page; the kernel reads via the table
+        mean, kmin, kmax, kscale = self.meta.layer(lid)  # per page, read via the table
         res = plan.run(
             q,
             kbuf,
@@ -445,6 +446,7 @@ class PSAAttnBackend(AttentionBackend):
             stats=self.stats[lid],
             unit_slot=unit_slot,
             cache_pages=cache_pages,
+            meta_scale=kscale,
         )
         return res.out
 

@@ -22,10 +22,10 @@ import torch
 from sglang_psa.algo import (
     BlockMeta,
     BlockMetaCache,
+    bound_codes,
     num_blocks,
     oracle_attention,
     progressive_attention,
-    quantize_bounds,
     topk_attention,
 )
 from sglang_psa.config import PSAConfig
@@ -42,7 +42,6 @@ class DecodePolicy:
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
-    bound_bits: int | None = None  # key bounds kept in this many bits, read back as floats
     tag: str = ""  # appended to the label: what else differs from the defaults
 
     def __post_init__(self) -> None:
@@ -53,10 +52,8 @@ class DecodePolicy:
 
     @property
     def label(self) -> str:
-        suffix = (f"-cap{self.cap_tokens}" if self.cap_tokens else "") + (
-            f"-q{self.bound_bits}" if self.bound_bits else ""
-        )
-        suffix += self.tag
+        suffix = f"-cap{self.cap_tokens}" if self.cap_tokens else ""
+        suffix += ("-q8" if self.cfg.bound_bits == 8 else "") + self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
         if self.kind == "oracle":
@@ -70,9 +67,9 @@ class DecodePolicy:
         """Policies with equal groups run as one batched call with per-row ε, cap or
         budget (`PSARuntime.use_rows`)."""
         if self.kind == "psa":
-            return ("psa", self.cfg.replace(threshold=1.0), self.bound_bits)
+            return ("psa", self.cfg.replace(threshold=1.0))
         if self.kind == "topk":
-            return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64), self.bound_bits)
+            return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64))
         if self.kind == "oracle":
             return ("oracle", self.cfg)
         return ("dense",)
@@ -216,8 +213,6 @@ class PSARuntime:
         meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(
             -(-key.shape[2] // cfg.block_size)
         )
-        if policy.bound_bits:
-            meta = quantize_bounds(meta, policy.bound_bits)
         if policy.kind == "psa":
             cap = None
             if policy.cap_tokens:
@@ -265,8 +260,6 @@ class PSARuntime:
             meta, nblk = metas[bs], -(-T // bs)
             if self.kernel_rows is not None and p.kind in ("psa", "topk"):
                 gm = BlockMeta(*(t[rows] for t in meta))
-                if p.bound_bits:  # the bounds as read back from `bound_bits`
-                    gm = quantize_bounds(gm, p.bound_bits)
                 for j, policy in enumerate(g.policies):
                     i = g.start + j
                     one = slice(i, i + 1)
@@ -284,9 +277,7 @@ class PSARuntime:
                 continue
             n = g.stop - g.start
             lengths = torch.full((n,), T, dtype=torch.int64, device=key.device)
-            m = BlockMeta(*(t[rows] for t in meta))
-            if p.bound_bits:
-                m = quantize_bounds(m, p.bound_bits)
+            m = BlockMeta(*(t[rows] for t in meta))  # 8-bit bounds: read back by algo
             q = query[rows, :, 0]
             k, v = key[rows], value[rows]
             if p.kind == "psa":
@@ -354,8 +345,9 @@ class KernelRows:
     def run(
         self, i: int, policy: DecodePolicy, q, k, v, meta: BlockMeta, scale
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `i`: q `[1, Hq, d]`, k and v `[1, Hkv, T, d]`, its block summaries. Returns
-        the output `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
+        """Row `i`: q `[1, Hq, d]`, k and v `[1, Hkv, T, d]`, its exact block summaries
+        (with `cfg.bound_bits` 8 the kernel reads the bounds' 8-bit codes, as the server
+        does). Returns the output `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
         from sgl_kernel_ext.wave_attention import WaveAttention
 
         cfg = policy.cfg
@@ -378,13 +370,18 @@ class KernelRows:
         kr, vr = k[0], v[0]
         if kr.stride() != vr.stride() or kr.stride(-1) != 1:
             raise ValueError(f"K and V rows need one layout with unit stride: {kr.stride()}")
+        mean, kmin, kmax, kscale = meta.mean, meta.kmin, meta.kmax, None
+        if cfg.bound_bits == 8:
+            kmin, kmax, kscale = bound_codes(kmin, kmax)
+            kmin, kmax = kmin.to(torch.int8), kmax.to(torch.int8)
         res = plan[1].run(
             q.contiguous(),
             kr,
             vr,
             self.locs[key],
             torch.full((1,), T, dtype=torch.int32, device=q.device),
-            *(t.contiguous() for t in meta[:3]),
+            *(t.contiguous() for t in (mean, kmin, kmax)),
+            meta_scale=kscale,
             scale=scale,
             max_read_blocks=cap,
             slot_strides=(bs * kr.stride(1), kr.stride(1), kr.stride(0)),

@@ -51,6 +51,11 @@ class Session:
         self.length = 0
         self.next_logits: torch.Tensor | None = None
 
+    @property
+    def head_dim(self) -> int:
+        c = self.model.config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
     @torch.inference_mode()
     def extend(self, ids: list[int], chunk: int = 4096, progress=None) -> None:
         """Append tokens with dense (prefill) attention, in chunks to bound memory;

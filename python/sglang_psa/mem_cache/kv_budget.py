@@ -18,13 +18,18 @@ def metadata_dtype(kv_dtype: torch.dtype) -> torch.dtype:
 def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg) -> int:
     """HBM bytes of block metadata per token: per (layer, KV head) per block of
     `block_size` tokens, the key vectors the ranking and the stop rule read (the mean
-    for the mean score, min and max for key bounds), in `metadata_dtype`."""
-    n_meta = (2 if cfg.needs_key_bounds else 0) + (1 if cfg.needs_key_mean else 0)
+    for the mean score, min and max for key bounds), in `metadata_dtype`; 8-bit bounds
+    (`cfg.bound_bits`) take a byte a channel and a float32 scale per (layer, KV head)."""
     kv_elem = torch.empty((), dtype=kv_dtype).element_size()
     meta_elem = torch.empty((), dtype=metadata_dtype(kv_dtype)).element_size()
     # kv_bytes_per_token = 2 (K, V) x layers x heads x d x kv_elem
     per_vector_token = kv_bytes_per_token // (2 * kv_elem)  # layers x heads x d
-    return math.ceil(per_vector_token * n_meta * meta_elem / cfg.block_size)
+    per_block = per_vector_token * (meta_elem if cfg.needs_key_mean else 0)
+    if cfg.needs_key_bounds and cfg.bound_bits == 8:
+        per_block += 2 * per_vector_token + 4 * max(1, per_vector_token // 32)  # d >= 32
+    elif cfg.needs_key_bounds:
+        per_block += 2 * per_vector_token * meta_elem
+    return math.ceil(per_block / cfg.block_size)
 
 
 def host_blocks(cfg, kv_bytes_per_token: int, ranks: int) -> int:

@@ -11,7 +11,9 @@ block beside the page rows (`host_rows`): a block whose page was given back is
 scored from there (`residency`). Per layer `[rows, Hkv, d]` vectors in the KV
 dtype (bf16 min/max of bf16 keys are exact; the scoring kernel reads them in
 float32): the mean key when the score is the mean, per-channel min and max when
-the score or the stop rule needs key bounds, nothing it would not read.
+the score or the stop rule needs key bounds, nothing it would not read. With
+`bound_bits=8` the bounds are int8 codes with a float32 scale per (page, KV head)
+(`kscale`), rounded outward: half the bytes the ranking reads per block.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class PageMeta:
         key_dtype: torch.dtype,
         device: torch.device | str,
         host_rows: int = 0,
+        bound_bits: int = 16,
     ):
         if not (mean or bounds):
             raise ValueError("PageMeta keeps the mean key, the key bounds, or both")
@@ -43,17 +46,22 @@ class PageMeta:
         self.page_size, self.num_pages = page_size, num_pages
         self.page_rows = num_pages  # rows from here on belong to host blocks
         self.mean = torch.zeros(shape, **kw) if mean else None
-        self.kmin = torch.zeros(shape, **kw) if bounds else None
-        self.kmax = torch.zeros(shape, **kw) if bounds else None
+        codes = bounds and bound_bits == 8
+        bkw = dict(dtype=torch.int8, device=device) if codes else kw
+        self.kmin = torch.zeros(shape, **bkw) if bounds else None
+        self.kmax = torch.zeros(shape, **bkw) if bounds else None
+        self.kscale = torch.zeros(shape[:-1], device=device) if codes else None
+
+    @property
+    def _tensors(self):
+        return (self.mean, self.kmin, self.kmax, self.kscale)
 
     @property
     def bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in (self.mean, self.kmin, self.kmax) if t is not None
-        )
+        return sum(t.numel() * t.element_size() for t in self._tensors if t is not None)
 
     def _kept(self, layer: int):
-        return tuple(None if t is None else t[layer] for t in (self.mean, self.kmin, self.kmax))
+        return tuple(None if t is None else t[layer] for t in self._tensors)
 
     def on_decode(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> None:
         """A decode step wrote one key per request at token slots `locs [B]`."""
@@ -78,15 +86,17 @@ class PageMeta:
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's metadata of rows `src` into rows `dst` (int64 device tensors)."""
-        for t in (self.mean, self.kmin, self.kmax):
+        for t in self._tensors:
             if t is not None:
                 t.index_copy_(1, dst, t.index_select(1, src))
 
     def layer(self, layer: int):
-        """`[rows, Hkv, d]` mean, min, max of `layer`. What is not kept is replaced by a
-        kept tensor, which the scoring kernel then does not read."""
+        """`[rows, Hkv, d]` mean, min, max of `layer`, and the bounds' `[rows, Hkv]` scale
+        when they are 8-bit codes (else None). What is not kept is replaced by a kept
+        tensor, which the scoring kernel then does not read."""
         kept = self.mean if self.mean is not None else self.kmin
         mean = kept[layer]
         if self.kmin is None:
-            return mean, mean, mean
-        return mean, self.kmin[layer], self.kmax[layer]
+            return mean, mean, mean, None
+        scale = None if self.kscale is None else self.kscale[layer]
+        return mean, self.kmin[layer], self.kmax[layer], scale

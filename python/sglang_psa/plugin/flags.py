@@ -41,6 +41,9 @@ _HELP = {
     "wave_growth": "growth factor of successive waves",
     "max_wave_blocks": "largest wave",
     "topk_tokens": "topk mode: tokens attended per step",
+    "bound_bits": "bits per channel of the per-block key bounds: 16 (the KV dtype) or 8 "
+    "(codes with a float32 scale per block and KV head, rounded outward so they still "
+    "bound every key: half the metadata bytes read per step)",
     "gpu_cache_gb": "GiB of HBM for working sets: a cap on the working sets admitted "
     "together, at either --psa-kv-home (default: SGLang's whole KV pool)",
     "host_pool_gb": "pinned host memory in GiB for the host tier of --psa-kv-home tiered "

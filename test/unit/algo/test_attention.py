@@ -346,3 +346,21 @@ def test_certified_rule_holds_with_8_bit_bounds(seed, eps):
     res = progressive_attention(q, k, v, lengths, cfg, meta=meta)
     cov = true_coverage(q, k, v, lengths, res.read, 8)
     assert bool((cov >= eps - 1e-5).all()), cov.min()
+
+
+@pytest.mark.parametrize("kind", ["psa", "topk"])
+def test_8_bit_bounds_in_the_config_rank_by_the_read_back_bounds(kind):
+    """`bound_bits=8` is the same policy ranking and stopping on the bounds read back
+    from their 8-bit codes, whatever the summaries handed in (exact ones)."""
+    from sglang_psa.algo import quantize_bounds, topk_attention
+
+    q, k, v, lengths = make(1, T=600, spread=2.0)
+    cfg = PSAConfig(threshold=0.9, block_size=8, wave_blocks=2, topk_tokens=24)
+    run = progressive_attention if kind == "psa" else topk_attention
+    exact = block_metadata(k, lengths, 8)
+    want = run(q, k, v, lengths, cfg, meta=quantize_bounds(exact))
+    assert not torch.equal(want.read, run(q, k, v, lengths, cfg, meta=exact).read)
+    for meta in (None, exact):
+        got = run(q, k, v, lengths, cfg.replace(bound_bits=8), meta=meta)
+        assert torch.equal(got.read, want.read)
+        torch.testing.assert_close(got.out, want.out)

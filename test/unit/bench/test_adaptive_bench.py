@@ -72,8 +72,10 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
 def test_metadata_counts_in_a_sparse_policys_kv_fraction():
     bound = DecodePolicy("psa", PSAConfig(score="bound"))
     mean = DecodePolicy("topk", PSAConfig(score="mean", topk_tokens=256), 256)
-    assert adaptive.metadata_fraction(DecodePolicy("dense", PSAConfig())) == 0.0
-    assert adaptive.metadata_fraction(bound) == pytest.approx(2 / 64)  # min and max per 32
-    assert adaptive.metadata_fraction(mean) == pytest.approx(1 / 64)
-    q8 = DecodePolicy("psa", PSAConfig(score="bound"), bound_bits=8)
-    assert adaptive.metadata_fraction(q8) == pytest.approx((1 + 1 / 64) / 64)  # + the scale
+    f = adaptive.metadata_fraction
+    assert f(DecodePolicy("dense", PSAConfig()), 64) == 0.0
+    assert f(bound, 64) == pytest.approx(2 / 64)  # min and max per 32 keys and values
+    assert f(mean, 64) == pytest.approx(1 / 64)
+    q8 = DecodePolicy("psa", PSAConfig(score="bound", bound_bits=8))
+    assert f(q8, 64) == pytest.approx((1 + 2 / 64) / 64)  # a byte a channel + float32 scale
+    assert q8.label.endswith("-q8") and q8.group != bound.group

@@ -42,6 +42,7 @@ def test_only_given_flags_override_defaults():
     "argv, flag",
     [
         (["--sparse-mode", "psa", "--psa-threshold", "1.5"], "--psa-threshold"),
+        (["--sparse-mode", "psa", "--psa-bound-bits", "4"], "--psa-bound-bits"),
         (["--sparse-mode", "psa", "--psa-block-size", "24"], "--psa-block-size"),
         (["--sparse-mode", "psa", "--psa-host-pool-gb", "-1"], "--psa-host-pool-gb"),
         (["--sparse-mode", "psa", "--psa-recent-blocks", "0"], "--psa-recent-blocks"),
