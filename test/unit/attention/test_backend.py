@@ -125,16 +125,20 @@ def _dense_kv(runner, fb, layer_id):
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
 @pytest.mark.parametrize(
-    "mode, threshold, rule",
+    "mode, threshold, rule, bits",
     [
-        ("psa", 1.0, "heuristic"),
-        ("psa", 0.9, "heuristic"),
-        ("psa", 0.95, "certified"),
-        ("topk", None, "heuristic"),
+        ("psa", 1.0, "heuristic", 16),
+        ("psa", 0.9, "heuristic", 16),
+        ("psa", 0.95, "certified", 16),
+        ("topk", None, "heuristic", 16),
+        ("psa", 0.9, "heuristic", 8),
+        ("psa", 0.95, "certified", 8),
+        ("topk", None, "heuristic", 8),
     ],
 )
-def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, use_kernel):
+def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bits, use_kernel):
     cfg = PSAConfig(
+        bound_bits=bits,
         stop_rule=rule,
         sparse_mode=mode,
         threshold=threshold or 0.98,
@@ -240,6 +244,14 @@ def test_page_metadata_keeps_what_the_score_reads_in_the_kv_dtype(score):
     assert all(t.dtype == runner.token_to_kv_pool.dtype for t in kept)
     per_vector = meta.num_pages * LAYERS * HKV * D * 4  # float32 pool in this rig
     assert meta.bytes == len(kept) * per_vector
+
+
+def test_8_bit_page_bounds_take_a_byte_a_channel_and_a_scale_per_page_and_head():
+    runner, _, _ = _rig(PSAConfig(bound_bits=8), [64])
+    meta = PSAAttnBackend(runner, use_kernel=True).meta
+    assert meta.kmin.dtype == meta.kmax.dtype == torch.int8 and meta.mean is None
+    assert meta.kscale.shape == (LAYERS, meta.num_pages, HKV)
+    assert meta.bytes == meta.num_pages * LAYERS * HKV * (2 * D + 4)
 
 
 @pytest.mark.parametrize("score", ["bound", "mean"])
