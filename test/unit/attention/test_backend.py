@@ -334,13 +334,20 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq, hkv, d", [(14, 2, 64), (32, 8, 128)], ids=["qwen05b", "llama8b"])
-@pytest.mark.parametrize("mode, threshold", [("psa", 0.95), ("psa", 1.0), ("topk", None)])
-def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(hq, hkv, d, mode, threshold):
+@pytest.mark.parametrize(
+    "mode, threshold, bits",
+    [("psa", 0.95, 16), ("psa", 1.0, 16), ("topk", None, 16), ("psa", 0.9, 8), ("topk", None, 8)],
+)
+def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(
+    hq, hkv, d, mode, threshold, bits
+):
     """A decode step captured as SGLang captures it (out-of-graph prep, two eager warmups,
     capture of the in-graph prep and every layer), replayed on a new batch of a smaller
     size padded as SGLang pads it: equal to the eager step bit for bit and to the
     reference; no host sync in the eager step or the replay (sync debug mode "error")."""
-    cfg = PSAConfig(sparse_mode=mode, threshold=threshold or 0.98, topk_tokens=2048)
+    cfg = PSAConfig(
+        sparse_mode=mode, threshold=threshold or 0.98, topk_tokens=2048, bound_bits=bits
+    )
     # > 512 blocks per request table; a short request beside long ones; max batch 4.
     lengths = [20011, 300, 9000, 33]
     runner, fb, g = _rig(cfg, lengths, hkv=hkv, d=d, dtype=torch.bfloat16)
