@@ -34,6 +34,7 @@ INVALID = {
     "wave_growth": ["0.5", "nan"],
     "max_wave_blocks": ["8"],  # below the first wave (16)
     "topk_tokens": ["16", "0"],
+    "bound_bits": ["4", "x"],
     "gpu_cache_gb": ["-1"],
     "host_pool_gb": ["0", "-4"],
     "kv_home": ["disk", "HBM", "host"],  # host: the removed home
