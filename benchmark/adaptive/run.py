@@ -64,6 +64,13 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     out += [DecodePolicy("psa", small_q8.replace(threshold=e), tag="-w4") for e in (0.8, 0.85, 0.9)]
     out.append(DecodePolicy("psa", base.replace(threshold=0.95, stop_rule="certified")))
     out += [DecodePolicy("topk", base.replace(topk_tokens=b), b) for b in budgets]
+    # After the H100 suite's first 56 tasks (all psa variants fell below top-k 4096's
+    # identical completions at 24K and 32K while reading more there): the default with
+    # 8-bit bounds, and a first wave of 64 blocks (2048 tokens) as a floor under ε.
+    out += [DecodePolicy("psa", q8.replace(threshold=e)) for e in (0.95, 0.98)]
+    floor = q8.replace(wave_blocks=64)
+    out += [DecodePolicy("psa", floor.replace(threshold=e), tag="-w64") for e in (0.9, 0.95)]
+    out += [DecodePolicy("topk", q8.replace(topk_tokens=b), b) for b in (2048, 4096)]
     return out
 
 
