@@ -202,6 +202,25 @@ def plot(tab: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def report(doc: dict) -> str:
+    """A result's policies as a markdown table: the whole suite, then KV fraction and
+    identical completions per length (the closing notes' and docs' table)."""
+    tab = doc["data"]["policies"]
+    lengths = sorted({int(k) for s in tab.values() for k in s["by_length"]})
+    head = "| policy | accuracy | identical | mean KL | KV read | " + " | ".join(
+        f"{n // 1024 if n % 1024 == 0 else round(n / 1000)}K KV / id." for n in lengths
+    )
+    rows = [head + " |", "|---" * (5 + len(lengths)) + "|"]
+    for name, s in tab.items():
+        per = [s["by_length"].get(str(n)) or s["by_length"].get(n) for n in lengths]
+        cells = [f"{p['kv_fraction']:.3f} / {p['identical']:.2f}" if p else "" for p in per]
+        rows.append(
+            f"| {name} | {s['accuracy']:.3f} | {s['identical']:.2f} | {s['mean_kl']:.4f} | "
+            f"{s['kv_fraction']:.3f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -237,7 +256,11 @@ def main() -> None:
         help="a result file of an earlier run of the same suite (say this run's own "
         "NAME.json): its tasks are kept and not run again",
     )
+    ap.add_argument("--report", metavar="NAME.json", help="print a result's table and exit")
     args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())), end="")
+        return
 
     model, tok = load_model(ensure_model(args.model), device=args.device)
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])

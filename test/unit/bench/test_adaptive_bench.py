@@ -4,6 +4,7 @@ single top-k budget as an operator would pick it, and the summary keys of its re
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -79,3 +80,18 @@ def test_metadata_counts_in_a_sparse_policys_kv_fraction():
     q8 = DecodePolicy("psa", PSAConfig(score="bound", bound_bits=8))
     assert f(q8, 64) == pytest.approx((1 + 2 / 64) / 64)  # a byte a channel + float32 scale
     assert q8.label.endswith("-q8") and q8.group != bound.group
+
+
+def test_report_tables_every_policy_overall_and_per_length():
+    rows, psa, topk = _suite()
+    tab = adaptive.table(rows)
+    text = adaptive.report({"data": {"policies": json.loads(json.dumps(tab))}})
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(tab)
+    row = next(line for line in lines if line.startswith(f"| {psa} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    s = tab[psa]
+    assert cells[4] == f"{s['kv_fraction']:.3f}"
+    lengths = sorted(s["by_length"])
+    per = s["by_length"][lengths[-1]]
+    assert cells[-1] == f"{per['kv_fraction']:.3f} / {per['identical']:.2f}"
