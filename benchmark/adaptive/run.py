@@ -71,6 +71,10 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     floor = q8.replace(wave_blocks=64)
     out += [DecodePolicy("psa", floor.replace(threshold=e), tag="-w64") for e in (0.9, 0.95)]
     out += [DecodePolicy("topk", q8.replace(topk_tokens=b), b) for b in (2048, 4096)]
+    # After that probe (a 64-block first wave fixed psa's KL at 24K-32K): a first wave
+    # that grows with the context, 1/8 or 1/16 of its blocks, between 16 and 64.
+    for e, f in ((0.9, 8), (0.95, 8), (0.95, 16)):
+        out.append(DecodePolicy("psa", q8.replace(threshold=e), wave_fraction=1 / f, tag=f"-wf{f}"))
     return out
 
 

@@ -42,13 +42,25 @@ class DecodePolicy:
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
+    # psa only: a first wave of this fraction of the context's blocks, between
+    # cfg.wave_blocks and 64 (a floor that grows with the context; the suite's
+    # candidate, per context length: the server's kernels plan one first wave)
+    wave_fraction: float = 0.0
     tag: str = ""  # appended to the label: what else differs from the defaults
 
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "psa", "topk", "oracle"):
             raise ValueError(f"unknown decode policy {self.kind!r} (dense|psa|topk|oracle)")
-        if self.cap_tokens is not None and self.kind != "psa":
-            raise ValueError("cap_tokens applies to psa policies only")
+        if (self.cap_tokens is not None or self.wave_fraction) and self.kind != "psa":
+            raise ValueError("cap_tokens and wave_fraction apply to psa policies only")
+
+    def cfg_at(self, n_blocks: int) -> PSAConfig:
+        """The config for a context of `n_blocks` blocks (`wave_fraction` sets the first
+        wave)."""
+        if not self.wave_fraction:
+            return self.cfg
+        first = min(max(int(n_blocks * self.wave_fraction), self.cfg.wave_blocks), 64)
+        return self.cfg.replace(wave_blocks=first, max_wave_blocks=max(first, 128))
 
     @property
     def label(self) -> str:
@@ -67,7 +79,7 @@ class DecodePolicy:
         """Policies with equal groups run as one batched call with per-row ε, cap or
         budget (`PSARuntime.use_rows`)."""
         if self.kind == "psa":
-            return ("psa", self.cfg.replace(threshold=1.0))
+            return ("psa", self.cfg.replace(threshold=1.0), self.wave_fraction)
         if self.kind == "topk":
             return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64))
         if self.kind == "oracle":
@@ -209,10 +221,9 @@ class PSARuntime:
         B, Hq, _, d = query.shape
         q = query[:, :, 0]
         lengths = torch.full((B,), key.shape[2], dtype=torch.int64, device=key.device)
-        cfg = policy.cfg
-        meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(
-            -(-key.shape[2] // cfg.block_size)
-        )
+        nb = -(-key.shape[2] // policy.cfg.block_size)
+        cfg = policy.cfg_at(nb)
+        meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(nb)
         if policy.kind == "psa":
             cap = None
             if policy.cap_tokens:
@@ -247,7 +258,8 @@ class PSARuntime:
         metas: dict[int, BlockMeta] = {}  # by block size, made once per layer call
         for g in self.rows:
             rows = slice(g.start, g.stop)
-            p, cfg = g.policies[0], g.policies[0].cfg
+            p = g.policies[0]
+            cfg = p.cfg_at(-(-T // p.cfg.block_size))
             if p.kind == "dense":
                 mask = attention_mask[rows] if attention_mask is not None else None
                 out[rows] = sdpa_attention_forward(
@@ -350,10 +362,10 @@ class KernelRows:
         does). Returns the output `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
         from sgl_kernel_ext.wave_attention import WaveAttention
 
-        cfg = policy.cfg
-        bs = cfg.block_size
+        bs = policy.cfg.block_size
         _, Hkv, T, d = k.shape
         nb = -(-T // bs)
+        cfg = policy.cfg_at(nb)
         cap = self.max_read(policy)
         plan = self.plans.get(i)
         if plan is None or plan[0] != nb:
