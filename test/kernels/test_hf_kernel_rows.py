@@ -22,6 +22,7 @@ def device(kernel_device):
         DecodePolicy("psa", PSAConfig(threshold=0.9, **SMALL)),
         DecodePolicy("psa", PSAConfig(threshold=0.98, **SMALL), cap_tokens=16 * 5),
         DecodePolicy("psa", PSAConfig(threshold=0.95, stop_rule="certified", **SMALL)),
+        DecodePolicy("psa", PSAConfig(threshold=0.9, bound_bits=8, **SMALL)),
         DecodePolicy("topk", PSAConfig(**SMALL), 16 * 6),
     ],
     ids=lambda p: p.label,
@@ -43,8 +44,13 @@ def test_a_kernel_row_equals_the_reference(device, policy, Hq, Hkv, d):
         ref = topk_attention(q, k, v, lengths, cfg, policy.budget_tokens, meta=meta)
     rows = KernelRows()
     to = lambda t: t.to(device)  # noqa: E731
+    kscale = None
+    if cfg.bound_bits == 8:  # the reference reads the bounds back from the same codes
+        meta, kscale = KernelRows.codes(meta)
+        kscale = to(kscale)
     for step in range(2):  # the plan is made once and reused
-        out, n_read = rows.run(0, policy, to(q), to(k), to(v), type(meta)(*map(to, meta)), None)
+        m = type(meta)(*map(to, meta))
+        out, n_read = rows.run(0, policy, to(q), to(k), to(v), m, None, kscale)
         assert torch.equal(n_read.cpu().long(), ref.read.sum(-1)), step
         torch.testing.assert_close(out.float().cpu(), ref.out.float(), atol=2e-4, rtol=2e-4)
     assert len(rows.plans) == 1

@@ -60,7 +60,9 @@ class DecodePolicy:
         if not self.wave_fraction:
             return self.cfg
         first = min(max(int(n_blocks * self.wave_fraction), self.cfg.wave_blocks), 64)
-        return self.cfg.replace(wave_blocks=first, max_wave_blocks=max(first, 128))
+        return self.cfg.replace(
+            wave_blocks=first, max_wave_blocks=max(first, self.cfg.max_wave_blocks)
+        )
 
     @property
     def label(self) -> str:
@@ -256,6 +258,7 @@ class PSARuntime:
         out = query.new_empty(B, 1, Hq, d)
         fraction = torch.ones(B, device=query.device)
         metas: dict[int, BlockMeta] = {}  # by block size, made once per layer call
+        codes: dict[int, BlockMeta] = {}  # the same with 8-bit bounds (kernel rows)
         for g in self.rows:
             rows = slice(g.start, g.stop)
             p = g.policies[0]
@@ -271,9 +274,12 @@ class PSARuntime:
                 metas[bs] = self._meta_for(module.layer_idx, key, bs).meta(-(-T // bs))
             meta, nblk = metas[bs], -(-T // bs)
             if self.kernel_rows is not None and p.kind in ("psa", "topk"):
-                gm = BlockMeta(*(t[rows] for t in meta))
-                for j, policy in enumerate(g.policies):
-                    i = g.start + j
+                kscale = None
+                if cfg.bound_bits == 8:
+                    if bs not in codes:
+                        codes[bs] = KernelRows.codes(meta)
+                    meta, kscale = codes[bs]
+                for i, policy in enumerate(g.policies, g.start):
                     one = slice(i, i + 1)
                     res, n_read = self.kernel_rows.run(
                         i,
@@ -281,8 +287,9 @@ class PSARuntime:
                         query[one, :, 0],
                         key[one],
                         value[one],
-                        BlockMeta(*(t[j : j + 1] for t in gm)),
+                        BlockMeta(*(t[one] for t in meta)),
                         scaling,
+                        None if kscale is None else kscale[one],
                     )
                     out[one, 0] = res
                     fraction[one] = n_read.float().mean(-1) / nblk
@@ -354,12 +361,20 @@ class KernelRows:
             return None
         return max(tokens // cfg.block_size, cfg.sink_blocks + cfg.recent_blocks, 1)
 
+    @staticmethod
+    def codes(meta: BlockMeta) -> tuple[BlockMeta, torch.Tensor]:
+        """Exact summaries with the bounds as the server keeps them at `bound_bits` 8:
+        int8 codes, and their scale `[B, Hkv, NB]`."""
+        kmin, kmax, kscale = bound_codes(meta.kmin, meta.kmax)
+        return meta._replace(kmin=kmin.to(torch.int8), kmax=kmax.to(torch.int8)), kscale
+
     def run(
-        self, i: int, policy: DecodePolicy, q, k, v, meta: BlockMeta, scale
+        self, i: int, policy: DecodePolicy, q, k, v, meta: BlockMeta, scale, kscale=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `i`: q `[1, Hq, d]`, k and v `[1, Hkv, T, d]`, its exact block summaries
-        (with `cfg.bound_bits` 8 the kernel reads the bounds' 8-bit codes, as the server
-        does). Returns the output `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
+        """Row `i`: q `[1, Hq, d]`, k and v `[1, Hkv, T, d]`, its block summaries: exact, or
+        for `cfg.bound_bits` 8 with the bounds as `codes` gives them and their scale
+        `kscale` (the kernel reads the codes, as the server does). Returns the output
+        `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
         from sgl_kernel_ext.wave_attention import WaveAttention
 
         bs = policy.cfg.block_size
@@ -382,18 +397,16 @@ class KernelRows:
         kr, vr = k[0], v[0]
         if kr.stride() != vr.stride() or kr.stride(-1) != 1:
             raise ValueError(f"K and V rows need one layout with unit stride: {kr.stride()}")
-        mean, kmin, kmax, kscale = meta.mean, meta.kmin, meta.kmax, None
-        if cfg.bound_bits == 8:
-            kmin, kmax, kscale = bound_codes(kmin, kmax)
-            kmin, kmax = kmin.to(torch.int8), kmax.to(torch.int8)
+        if (cfg.bound_bits == 8) != (kscale is not None):
+            raise ValueError("8-bit bounds come as KernelRows.codes: int8 codes and kscale")
         res = plan[1].run(
             q.contiguous(),
             kr,
             vr,
             self.locs[key],
             torch.full((1,), T, dtype=torch.int32, device=q.device),
-            *(t.contiguous() for t in (mean, kmin, kmax)),
-            meta_scale=kscale,
+            *(t.contiguous() for t in meta[:3]),
+            meta_scale=None if kscale is None else kscale.contiguous(),
             scale=scale,
             max_read_blocks=cap,
             slot_strides=(bs * kr.stride(1), kr.stride(1), kr.stride(0)),
