@@ -244,16 +244,18 @@ def block_scores(
     codes = meta_min.dtype == torch.int8
     if codes != (meta_scale is not None) or codes != (meta_max.dtype == torch.int8):
         raise ValueError("8-bit bounds (int8 meta_min and meta_max) come with meta_scale")
-    if codes and meta_scale.shape != (meta_min.shape[:-1]):
+    if codes and meta_scale.shape != meta_min.shape[:-1]:
         raise ValueError(f"meta_scale must be {tuple(meta_min.shape[:-1])}, one per bound pair")
     if partials is not None and partials.shape != (B, Hq, triton.cdiv(NB, nbc), 2):
         raise ValueError(f"partials must be [B, Hq, {triton.cdiv(NB, nbc)}, 2] float32")
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
-        meta_scale.contiguous() if codes else lengths32, lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
+        meta_scale.contiguous() if codes else lengths32,  # unread without codes
+        lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=nbc,
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
-        WANT_PART=partials is not None, CODES=codes, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        WANT_PART=partials is not None, CODES=codes,
+        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
