@@ -74,7 +74,7 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     # After that probe (a 64-block first wave fixed psa's KL at 24K-32K): a first wave
     # that grows with the context, 1/8 or 1/16 of its blocks, between 16 and 64.
     for e, f in ((0.9, 8), (0.95, 8), (0.95, 16)):
-        out.append(DecodePolicy("psa", q8.replace(threshold=e), wave_fraction=1 / f, tag=f"-wf{f}"))
+        out.append(DecodePolicy("psa", q8.replace(threshold=e, wave_fraction=1 / f)))
     return out
 
 
@@ -225,6 +225,45 @@ def report(doc: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def combine(files: list[Path], out: Path, budgets: list[int], args) -> None:
+    """One result from the rows of several runs of the suite (on the same machine kind):
+    per policy and task the first file's row; policies that miss a task are dropped."""
+    docs = [json.loads(f.read_text()) for f in files]
+    rows, seen = [], set()
+    for doc in docs:
+        for r in doc["data"]["rows"]:
+            key = (r["policy"], r["length_bucket"], r["task"], r.get("index"))
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    task = lambda r: (r["length_bucket"], r["task"], r.get("index"))  # noqa: E731
+    every = {task(r) for r in rows if r["policy"] == "dense"}
+    covered = defaultdict(set)
+    for r in rows:
+        covered[r["policy"]].add(task(r))
+    dropped = sorted(p for p, ts in covered.items() if ts != every)
+    rows = [r for r in rows if r["policy"] not in dropped]
+    tab = table(rows)
+    write_result(
+        out.with_suffix(".json"),
+        summarize(tab, budgets, args.accuracy_slack, args.identical_min),
+        {"policies": tab, "rows": rows},
+        machine=docs[0]["machine"],
+        git_commit="; ".join(dict.fromkeys(d["git_commit"] for d in docs)),
+        model=docs[0].get("model"),
+        lengths=sorted({r["length_bucket"] for r in rows}),
+        budgets=budgets,
+        sources=[
+            {k: d.get(k) for k in ("command", "date", "git_commit", "machine")} | {"file": f.name}
+            for f, d in zip(files, docs)
+        ],
+        dropped_policies=dropped,
+    )
+    plot(tab, out.with_suffix(".png"), f"{docs[0].get('model')}, {len(every)} tasks")
+    print(report(json.loads(out.with_suffix(".json").read_text())), end="")
+    print("dropped (not on every task):", dropped)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -261,9 +300,20 @@ def main() -> None:
         "NAME.json): its tasks are kept and not run again",
     )
     ap.add_argument("--report", metavar="NAME.json", help="print a result's table and exit")
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="FILE",
+        help="no model: write NAME.json from these results' rows (the first file's row of "
+        "a policy and task wins), keeping the policies run on every task dense ran",
+    )
     args = ap.parse_args()
     if args.report:
         print(report(json.loads(Path(args.report).read_text())), end="")
+        return
+    if args.combine:
+        budgets = [int(b) for b in args.budgets.split(",")]
+        combine([Path(f) for f in args.combine], Path(args.out) / args.name, budgets, args)
         return
 
     model, tok = load_model(ensure_model(args.model), device=args.device)

@@ -7,11 +7,13 @@ the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
 
 - save: a prefill chunk of `--chunk-tokens` new tokens per layer, all layers
   back to back, through the serving path's `WriteBack` (`--psa-kv-home tiered`)
-  until every job is acknowledged: GB/s of KV saved vs the D2H peak. Both paths:
-  `uva` (the default: one kernel per layer writes the blocks into the host tier
-  through unified addressing; the summary's `save_*` keys) and `engine` (GPU
-  gather of the chunk's pages, one D2H copy per layer into the staging ring,
-  copy-engine CPU scatter into host blocks; `save_engine_*`).
+  until every job is acknowledged: GB/s of KV saved vs the D2H peak. Paths:
+  `uva` as served (the default: a gather of the chunk's pages into device staging,
+  then DMA copies, one per run of host blocks and KV head; the summary's `save_*`
+  keys), `uva` with the save kernel alone (one kernel per layer writes the blocks
+  into the host tier through unified addressing, as decode flushes go;
+  `save_kernel_*`) and `engine` (GPU gather, one D2H copy per layer into the
+  staging ring, copy-engine CPU scatter into host blocks; `save_engine_*`).
 - overlap: the same saves issued between per-layer matmuls standing in for the
   layer's prefill compute; fraction of the save's GPU time hidden under compute,
   `(T_compute + T_save - T_both) / T_save`, and `prefill_slowdown_with_save`,
@@ -54,10 +56,14 @@ def memcpy_peaks(mib: int = 256) -> dict[str, float]:
     return {"h2d_memcpy_peak_gbps": n / h2d / 1e9, "d2h_memcpy_peak_gbps": n / d2h / 1e9}
 
 
-def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: str) -> dict:
+def bench_save(
+    layers: int, chunk: int, engine_threads: int, reps: int, path: str, dma: bool = True
+) -> dict:
     """The serving path's write-back (`mem_cache.writeback.WriteBack`, as `--psa-kv-home
     tiered` runs it): a prefill chunk of `chunk` tokens in SGLang's token-major pool
-    (pages in a shuffled order, as its allocator hands them out), saved layer by layer."""
+    (pages in a shuffled order, as its allocator hands them out), saved layer by layer.
+    `uva` with `dma` (as served): a staging of the chunk's blocks, runs moved by DMA;
+    without: every job through the save kernel."""
     from types import SimpleNamespace
 
     from sglang_psa.mem_cache.writeback import WriteBack, wait_saved
@@ -72,6 +78,7 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
     wb = WriteBack(
         layers, H, D, DT, BS, 2 * blocks, 4 * chunk, "cuda",
         max_job_rows=chunk, threads=engine_threads, path=path,
+        dma_blocks=blocks if path == "uva" and dma else 0,
     )  # fmt: skip
     nbytes = 2 * layers * chunk * H * D * torch.empty((), dtype=DT).element_size()
     w = torch.randn(4096, 4096, device="cuda", dtype=DT)
@@ -155,9 +162,11 @@ def bench_save(layers: int, chunk: int, engine_threads: int, reps: int, path: st
     t_compute = gpu_time(lambda: [compute() for _ in range(layers)] and None)
     t_save = gpu_time(lambda: saves(False))
     t_both = gpu_time(lambda: saves(True))
+    dma_jobs = wb.stats.dma_jobs
     wb.close()
     return {
-        "path": path,
+        "path": path + ("" if path != "uva" or dma else " (save kernel only)"),
+        "dma_jobs": dma_jobs,
         "layers": layers,
         "chunk_tokens": chunk,
         "bytes": nbytes,
@@ -322,6 +331,10 @@ def main() -> None:
     print("save (engine)", save, flush=True)
     save_uva = bench_save(args.layers, args.chunk_tokens, args.engine_threads, 5, "uva")
     print("save (uva)", save_uva, flush=True)
+    save_kernel = bench_save(
+        args.layers, args.chunk_tokens, args.engine_threads, 5, "uva", dma=False
+    )
+    print("save (uva, kernel only)", save_kernel, flush=True)
     sizes = [int(n) for n in args.promote_blocks.split(",") if n]
     promote = bench_promote(args.layers, args.host_blocks, sizes, reps=10)
     print("promote", promote, flush=True)
@@ -338,8 +351,12 @@ def main() -> None:
         "save_engine_ratio_to_d2h_peak": save["save_gbps"] / d2h,
         "save_engine_overlap_fraction": save["save_overlap_fraction"],
         "prefill_slowdown_with_engine_save": save["compute_plus_save_s"] / save["compute_s"],
+        "save_kernel_ratio_to_d2h_peak": save_kernel["save_gbps"] / d2h,
+        "prefill_slowdown_with_kernel_save": save_kernel["compute_plus_save_s"]
+        / save_kernel["compute_s"],
     }
-    data = {"peaks": peaks, "save": save, "save_uva": save_uva, "promote": promote}
+    data = {"peaks": peaks, "save": save, "save_uva": save_uva, "save_uva_kernel": save_kernel}
+    data["promote"] = promote
     data["serving_source"] = prov
     out = Path(args.out)
     write_result(

@@ -41,8 +41,9 @@ class PSAConfig:
 
     Attention: blocks of `block_size` tokens are ranked by criticality (`score`);
     the `sink_blocks` first and `recent_blocks` last blocks are always attended;
-    the rest are attended in waves (first `wave_blocks`, growing by `wave_growth`
-    up to `max_wave_blocks`) until the covered softmax mass passes `threshold`
+    the rest are attended in waves (first `wave_blocks`, or with `wave_fraction` that
+    fraction of the request's blocks between `wave_blocks` and `max_first_wave_blocks`;
+    growing by `wave_growth` up to `max_wave_blocks`) until the covered softmax mass passes `threshold`
     under `stop_rule`. `topk` mode attends a fixed `topk_tokens` budget instead.
     """
 
@@ -58,6 +59,12 @@ class PSAConfig:
     wave_blocks: int = 16
     wave_growth: float = 1.25
     max_wave_blocks: int = 128
+    # A first wave that grows with the context: this fraction of a request's blocks (0:
+    # always `wave_blocks`), between `wave_blocks` and `max_first_wave_blocks`. A fixed
+    # first wave is 12% of a 4K context but 1.6% of a 32K one, where heads then stop too
+    # early (benchmark/results/adaptive_probe_long.json).
+    wave_fraction: float = 0.0
+    max_first_wave_blocks: int = 64
     topk_tokens: int = 2048
     # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
     # per block and KV head: half the metadata bytes decode reads for every block.
@@ -106,6 +113,7 @@ class PSAConfig:
             "block_size",
             "wave_blocks",
             "max_wave_blocks",
+            "max_first_wave_blocks",
             "topk_tokens",
             "ws_window",
             "max_inject_tokens",
@@ -132,6 +140,16 @@ class PSAConfig:
             self.max_wave_blocks >= self.wave_blocks,
             "max_wave_blocks",
             f"must be >= wave_blocks ({self.wave_blocks})",
+        )
+        need(
+            isinstance(self.wave_fraction, (int, float)) and 0.0 <= self.wave_fraction <= 1.0,
+            "wave_fraction",
+            "must be in [0, 1]",
+        )
+        need(
+            not self.wave_fraction or self.max_first_wave_blocks >= self.wave_blocks,
+            "max_first_wave_blocks",
+            f"must be >= wave_blocks ({self.wave_blocks}) with a wave fraction",
         )
         need(
             isinstance(self.wave_growth, (int, float)) and self.wave_growth >= 1.0,
@@ -174,14 +192,24 @@ class PSAConfig:
     def replace(self, **changes: Any) -> PSAConfig:
         return dataclasses.replace(self, **changes)
 
-    def wave_sizes(self, n_blocks: int) -> list[int]:
-        """Sizes of the successive waves over `n_blocks` ranked blocks."""
-        sizes, size, left = [], float(self.wave_blocks), n_blocks
+    def first_wave(self, context_blocks: int) -> int:
+        """Blocks of the first wave of a request of `context_blocks` blocks."""
+        if not self.wave_fraction:
+            return self.wave_blocks
+        grown = int(context_blocks * self.wave_fraction)
+        return min(max(grown, self.wave_blocks), self.max_first_wave_blocks)
+
+    def wave_sizes(self, n_blocks: int, first: int | None = None) -> list[int]:
+        """Sizes of the successive waves over `n_blocks` ranked blocks, from a first wave
+        of `first` blocks (default `wave_blocks`); no later wave is smaller than it."""
+        first = self.wave_blocks if first is None else first
+        cap = float(max(self.max_wave_blocks, first))
+        sizes, size, left = [], float(first), n_blocks
         while left > 0:
             m = min(int(size), left)
             sizes.append(m)
             left -= m
-            size = min(size * self.wave_growth, float(self.max_wave_blocks))
+            size = min(size * self.wave_growth, cap)
         return sizes
 
     @classmethod

@@ -153,6 +153,7 @@ def _wave_attention_kernel(
     lengths_ptr,
     nforced_ptr,
     wave_ends_ptr,
+    wave_row_ptr,
     ub_suffix_ptr,
     out_ptr,
     lse_ptr,
@@ -169,6 +170,7 @@ def _wave_attention_kernel(
     cpages_ptr,
     stamp_stride,
     uslot_stride,
+    wave_stride,
     scale,
     limit,
     max_read,
@@ -235,6 +237,9 @@ def _wave_attention_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     smallest = tl.full([GP], float("inf"), tl.float32)
     row = bh * NB
+    # This request's wave schedule: a row of the table, chosen by its block count (the
+    # first wave may grow with the context).
+    ends_row = wave_ends_ptr + tl.load(wave_row_ptr + tl.minimum(nb, NB)) * wave_stride
     if STAMP:
         step = tl.load(step_ptr)
     wstart = 0
@@ -242,7 +247,7 @@ def _wave_attention_kernel(
     n_host = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
-        end = tl.minimum(tl.minimum(nf + tl.load(wave_ends_ptr + w), nb), max_read)
+        end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), max_read)
         # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
@@ -463,12 +468,16 @@ class WaveAttention:
         wave_blocks: int = 8,
         wave_growth: float = 1.25,
         max_wave_blocks: int = 128,
+        wave_fraction: float = 0.0,
+        max_first_wave_blocks: int = 64,
     ):
         if stop_rule not in ("heuristic", "certified"):
             raise ValueError(f"stop_rule must be heuristic|certified, got {stop_rule!r}")
         self.bs, self.threshold, self.rule, self.score = block_size, threshold, stop_rule, score
         self.sink, self.recent = sink_blocks, recent_blocks
         self.wave = (wave_blocks, wave_growth, max_wave_blocks)
+        self.wave_fraction, self.max_first_wave = wave_fraction, max_first_wave_blocks
+        self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
         # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
@@ -491,6 +500,42 @@ class WaveAttention:
             wave_blocks=cfg.wave_blocks,
             wave_growth=cfg.wave_growth,
             max_wave_blocks=cfg.max_wave_blocks,
+            wave_fraction=cfg.wave_fraction,
+            max_first_wave_blocks=cfg.max_first_wave_blocks,
+        )
+
+    def first_wave(self, n_blocks: int) -> int:
+        """The first wave of a request of `n_blocks` blocks (`PSAConfig.first_wave`)."""
+        first = self.wave[0]
+        if not self.wave_fraction:
+            return first
+        return min(max(int(n_blocks * self.wave_fraction), first), self.max_first_wave)
+
+    def _wave_table(self, max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[F, W]` int32 cumulative wave ends, one row per distinct first wave (each row
+        ends with a repeat of its last end), and `[max_blocks + 1]` int32: the row of a
+        request of n blocks (`PSAConfig.wave_sizes`)."""
+        _, growth, cap = self.wave
+        if self.one_wave:
+            firsts = [max_blocks] * (max_blocks + 1)
+        else:
+            firsts = [self.first_wave(n) for n in range(max_blocks + 1)]
+        rows: dict[int, list[int]] = {}
+        for first in firsts:
+            if first in rows:
+                continue
+            ends, size, left, top = [], float(first), max_blocks, float(max(cap, first))
+            while left > 0:
+                left -= min(int(size), left)
+                ends.append(max_blocks - left)
+                size = min(size * growth, top)
+            rows[first] = (ends or [1]) + [(ends or [1])[-1]]
+        width = max(len(r) for r in rows.values())
+        table = [r + r[-1:] * (width - len(r)) for r in rows.values()]
+        index = {f: i for i, f in enumerate(rows)}
+        return (
+            torch.tensor(table, dtype=torch.int32),
+            torch.tensor([index[f] for f in firsts], dtype=torch.int32),
         )
 
     def plan(
@@ -544,16 +589,10 @@ class WaveAttention:
             max_blocks,
         )
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
-        first, growth, cap = self.wave
-        if self.one_wave:
-            first = cap = max_blocks
-        sizes, size, left = [], float(first), max_blocks
-        while left > 0:
-            sizes.append(min(int(size), left))
-            left -= sizes[-1]
-            size = min(size * growth, float(cap))
-        ends = torch.tensor(sizes or [1], dtype=torch.int64).cumsum(0)
-        self.wave_ends = torch.cat([ends, ends[-1:]]).to(torch.int32).to(device)
+        key = (max_blocks, self.one_wave, str(dev))
+        if key not in self._tables:
+            self._tables[key] = tuple(t.to(dev) for t in self._wave_table(max_blocks))
+        self.wave_ends, self.wave_row = self._tables[key]
         take = self._ws.take
         i32, f32 = torch.int32, torch.float32
         B, Hq, Hkv, NB = batch, n_q_heads, n_kv_heads, max_blocks
@@ -751,6 +790,7 @@ class WaveAttention:
                     lengths,
                     n_forced,
                     self.wave_ends,
+                    self.wave_row,
                     ub_suffix,
                     self.out,
                     self.lse,
@@ -767,6 +807,7 @@ class WaveAttention:
                     cache_pages if cached else self.n_read,
                     stamps.stride(0) if stamps is not None else 0,
                     unit_slot.stride(0) if cached else 0,
+                    self.wave_ends.stride(0),
                     scale,
                     self.limit,
                     NB if max_read_blocks is None else max_read_blocks,

@@ -122,6 +122,8 @@ class WavePipeline:
     """
 
     def __init__(self, wave: WaveAttention, spare_slots: torch.Tensor, poll_s: float = 20e-6):
+        if wave.wave_fraction:
+            raise ValueError("the wave pipeline plans one wave schedule: no wave fraction")
         self.wave, self.spare, self.poll_s = wave, spare_slots.long(), poll_s
 
     def run(
@@ -153,7 +155,7 @@ class WavePipeline:
         # The loader needs the read order and the layout on the host: one copy per step.
         order_h, loc_h = order.cpu().long(), loc.cpu()
         nf_h, len_h = n_forced.cpu(), lengths.cpu()
-        ends_h = wa.wave_ends.cpu()
+        ends_h = wa.wave_ends[0].cpu()
         loc = loc.to(torch.int32).clone()
         state = dict(
             m=torch.full((B, Hq), -math.inf, device=dev),
@@ -220,7 +222,7 @@ class WavePipeline:
         def launch(w: int) -> None:
             _wave_step_kernel[(B, Hkv)](
                 q.contiguous(), k_slots, v_slots, loc, order,
-                lengths.to(torch.int32).contiguous(), n_forced, wa.wave_ends, ub_suffix,
+                lengths.to(torch.int32).contiguous(), n_forced, wa.wave_ends[0], ub_suffix,
                 state["m"], state["l"], state["acc"], state["small"], state["pos"],
                 state["done"], flags, state["waves"], w, scale, wa.limit, cap, Hkv, NB,
                 G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=bs,

@@ -110,7 +110,7 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
         DecodePolicy("psa", PSAConfig(threshold=0.98), cap_tokens=64),
         DecodePolicy("psa", PSAConfig(threshold=0.9, block_size=64)),  # its own summaries
         DecodePolicy("psa", PSAConfig(threshold=0.9, bound_bits=8)),
-        DecodePolicy("psa", PSAConfig(threshold=0.8), wave_fraction=1.0, tag="-wall"),
+        DecodePolicy("psa", PSAConfig(threshold=0.8, wave_fraction=1.0)),
         DecodePolicy("topk", PSAConfig(topk_tokens=64)),
         DecodePolicy("topk", PSAConfig(topk_tokens=256)),
     ]
@@ -130,9 +130,9 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
     n_blocks = -(-(length + 9) // 32)
     assert rows.kv_fractions[3] <= 4 / (n_blocks - 9) + 1e-6  # psa 0.98 cap 64
     assert rows.kv_fractions[3] < rows.kv_fractions[1]
-    # A first wave of every block (wave_fraction 1) reads them all; psa 0.8 does not.
+    # A first wave of every block (wave_fraction 1, under 64 blocks) reads them all;
+    # psa 0.8 does not.
     assert rows.kv_fractions[6] == 1.0 and rows.kv_fractions[2] < 1.0
-    assert pols[6].cfg_at(1000).wave_blocks == 64 and pols[6].cfg_at(10).wave_blocks == 16
     assert set(runtime().meta) == set()  # reset after decoding: no summaries kept
 
 

@@ -280,6 +280,63 @@ def test_wave_attention_with_a_block_budget_is_topk(device):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
+def test_wave_table_rows_are_the_configs_schedules():
+    """Each request's row of the kernel's wave table is `PSAConfig.wave_sizes` from its
+    own first wave (`first_wave` of its blocks), cumulated."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    cfg = PSAConfig(wave_fraction=1 / 8, threshold=0.9)
+    wa = WaveAttention.from_config(cfg)
+    wa.one_wave = False
+    ends, rows = wa._wave_table(1100)
+    assert len(set(rows.tolist())) == 64 - 16 + 1  # first waves 16..64
+    for n in (0, 1, 100, 129, 300, 511, 512, 513, 1100):
+        want = torch.tensor(cfg.wave_sizes(1100, cfg.first_wave(n))).cumsum(0)
+        row = ends[rows[n]]
+        assert torch.equal(row[: len(want)].long(), want), n
+        assert (row[len(want) :] == want[-1]).all()
+    assert [cfg.first_wave(n) for n in (10, 200, 400, 1100)] == [16, 25, 50, 64]
+
+
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.9), ("certified", 0.95)])
+@pytest.mark.parametrize("splits", [1, pytest.param(4, marks=pytest.mark.gpu)])
+def test_a_first_wave_that_grows_with_the_context_reads_what_the_reference_reads(
+    device, rule, eps, splits
+):
+    """`wave_fraction`: each request's first wave is its own share of its blocks; the
+    kernel verifies where the reference does: same blocks, output and waves."""
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, wave_fraction=0.2, max_first_wave_blocks=9,
+                    **SMALL_WAVES)  # fmt: skip
+    case = _case(21, B=4, T=700, spread=2.0, device=device)
+    lengths = case[3]
+    lengths[1:] = torch.tensor([100, 300, 520], device=lengths.device)
+    firsts = {cfg.first_wave(-(-int(n) // 16)) for n in lengths}
+    assert len(firsts) >= 3, firsts  # requests of different first waves in one batch
+    ref = progressive_attention(*case, cfg)
+    fixed = progressive_attention(*case, cfg.replace(wave_fraction=0.0))
+    assert not torch.equal(ref.n_waves, fixed.n_waves)  # the schedule matters here
+    _assert_matches_psa(cfg, case, 0.3, 5, device, splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,d", [(7, 64), (4, 128)])
+def test_a_growing_first_wave_at_real_shapes(G, d):
+    """The server's shapes: 32-token blocks, over 512 of them, group sizes 4-8, head_dim
+    64 and 128, a first wave of 1/8 of each request's blocks, bf16."""
+    cfg = PSAConfig(threshold=0.95, wave_fraction=1 / 8)
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, T = 3, 2, 20000
+    q = (torch.randn(B, Hkv * G, d, generator=g) * 2).cuda().bfloat16()
+    k = (torch.randn(B, Hkv, T, d, generator=g) * 2).cuda().bfloat16()
+    v = torch.randn(B, Hkv, T, d, generator=g).cuda().bfloat16()
+    lengths = torch.tensor([T, 9000, 3000], device="cuda")
+    ref = progressive_attention(q.float(), k.float(), v.float(), lengths, cfg)
+    res = _run_tiered(cfg, q.float(), k.float(), v.float(), lengths, 0.2, 3, "cuda")
+    assert torch.equal(res.read_mask(), ref.read)
+    assert torch.equal(res.n_waves.long(), ref.n_waves)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("rule,eps", [("heuristic", 0.98), ("certified", 0.95)])
 @pytest.mark.parametrize("splits", [1, pytest.param(4, marks=pytest.mark.gpu)])
 def test_a_block_cap_stops_psa_where_the_reference_does(device, rule, eps, splits):

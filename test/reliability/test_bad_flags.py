@@ -33,6 +33,8 @@ INVALID = {
     "wave_blocks": ["0", "1.5"],
     "wave_growth": ["0.5", "nan"],
     "max_wave_blocks": ["8"],  # below the first wave (16)
+    "wave_fraction": ["1.5", "-0.1", "x"],
+    "max_first_wave_blocks": ["0", "2.5"],
     "topk_tokens": ["16", "0"],
     "bound_bits": ["4", "x"],
     "gpu_cache_gb": ["-1"],

@@ -54,3 +54,25 @@ def test_wave_sizes_partition_the_blocks(n, first, growth, cap):
     assert sum(sizes) == n
     assert all(1 <= s <= cap for s in sizes)
     assert all(a <= b for a, b in zip(sizes[:-2], sizes[1:-1]))  # non-decreasing but the last
+
+
+def test_a_first_wave_fraction_grows_between_its_bounds():
+    cfg = PSAConfig(wave_fraction=1 / 8)
+    assert [cfg.first_wave(n) for n in (0, 100, 128, 300, 512, 5000)] == [16, 16, 16, 37, 64, 64]
+    assert PSAConfig().first_wave(5000) == 16  # no fraction: always wave_blocks
+    sizes = cfg.wave_sizes(1000, cfg.first_wave(1000))
+    assert sizes[0] == 64 and sum(sizes) == 1000 and max(sizes) == 128
+    assert PSAConfig(max_wave_blocks=32).wave_sizes(100, 50)[:2] == [50, 50]  # never shrinks
+
+
+@pytest.mark.parametrize(
+    "changes,flag",
+    [
+        (dict(wave_fraction=1.5), "--psa-wave-fraction"),
+        (dict(wave_fraction=-0.1), "--psa-wave-fraction"),
+        (dict(wave_fraction=0.1, max_first_wave_blocks=8), "--psa-max-first-wave-blocks"),
+    ],
+)
+def test_bad_wave_fraction_settings_name_their_flag(changes, flag):
+    with pytest.raises(PSAConfigError, match=flag):
+        PSAConfig(**changes)

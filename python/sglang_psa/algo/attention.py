@@ -126,11 +126,16 @@ def order_blocks(
 def _wave_checkpoints(
     nblk: torch.Tensor, n_forced: torch.Tensor, nb: int, cfg: PSAConfig
 ) -> torch.Tensor:
-    """`[B, NB]` bool: read-order positions after which a wave ends and is verified."""
-    ends = torch.tensor(cfg.wave_sizes(nb), device=nblk.device).cumsum(0)
+    """`[B, NB]` bool: read-order positions after which a wave ends and is verified
+    (each request's first wave is `cfg.first_wave` of its own blocks)."""
     pos = torch.arange(nb, device=nblk.device)[None, :]
     ranked_done = pos + 1 - n_forced[:, None]
-    at_end = torch.isin(ranked_done, ends) & (ranked_done > 0)
+    firsts = [cfg.first_wave(int(n)) for n in nblk.tolist()]
+    ends = {f: torch.tensor(cfg.wave_sizes(nb, f), device=nblk.device).cumsum(0) for f in firsts}
+    at_end = torch.zeros_like(ranked_done, dtype=torch.bool)
+    for i, f in enumerate(firsts):
+        at_end[i] = torch.isin(ranked_done[i], ends[f])
+    at_end &= ranked_done > 0
     return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
 
 

@@ -231,22 +231,24 @@ class PSAAttnBackend(AttentionBackend):
 
     @staticmethod
     def _writeback(cfg: PSAConfig, pool, model_runner, device, table_shape, host_blocks: int):
-        """The host tier and its copy engine (`--psa-kv-home tiered`). The device staging
-        holds one job (a prefill's blocks of one layer, up to the context); the pinned
-        ring four such jobs, so prefill runs ahead of the engine by a few layers. Its
-        location table has the shape of the request table's page columns."""
+        """The host tier and its write-back (`--psa-kv-home tiered`). `engine`: the device
+        staging holds one job (a prefill's blocks of one layer, up to the context), the
+        pinned ring four such jobs, so prefill runs ahead of the engine by a few layers.
+        `uva`: the device staging holds a prefill chunk's blocks of one layer, moved by
+        DMA. The location table has the shape of the request table's page columns."""
         from sglang_psa.mem_cache.writeback import WriteBack
 
         context = int(getattr(getattr(model_runner, "model_config", None), "context_len", 0) or 0)
         chunk = int(getattr(model_runner.server_args, "chunked_prefill_size", 0) or 0)
         job_rows = -(-max(context, chunk, cfg.block_size) // cfg.block_size) * cfg.block_size
+        dma_blocks = -(-(chunk if chunk > 0 else cfg.max_inject_tokens) // cfg.block_size)
         try:
             return WriteBack(
                 pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
                 host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
                 table_shape=tuple(table_shape),
                 threads=max(2, min(8, (os.cpu_count() or 4) // (2 * kv_ranks()))),
-                path=cfg.writeback,
+                path=cfg.writeback, dma_blocks=dma_blocks,
             )  # fmt: skip
         except (RuntimeError, torch.OutOfMemoryError) as e:
             raise PSAConfigError(

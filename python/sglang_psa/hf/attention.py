@@ -42,32 +42,20 @@ class DecodePolicy:
     cfg: PSAConfig = field(default_factory=PSAConfig)
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
-    # psa only: a first wave of this fraction of the context's blocks, between
-    # cfg.wave_blocks and 64 (a floor that grows with the context; the suite's
-    # candidate, per context length: the server's kernels plan one first wave)
-    wave_fraction: float = 0.0
     tag: str = ""  # appended to the label: what else differs from the defaults
 
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "psa", "topk", "oracle"):
             raise ValueError(f"unknown decode policy {self.kind!r} (dense|psa|topk|oracle)")
-        if (self.cap_tokens is not None or self.wave_fraction) and self.kind != "psa":
-            raise ValueError("cap_tokens and wave_fraction apply to psa policies only")
-
-    def cfg_at(self, n_blocks: int) -> PSAConfig:
-        """The config for a context of `n_blocks` blocks (`wave_fraction` sets the first
-        wave)."""
-        if not self.wave_fraction:
-            return self.cfg
-        first = min(max(int(n_blocks * self.wave_fraction), self.cfg.wave_blocks), 64)
-        return self.cfg.replace(
-            wave_blocks=first, max_wave_blocks=max(first, self.cfg.max_wave_blocks)
-        )
+        if self.cap_tokens is not None and self.kind != "psa":
+            raise ValueError("cap_tokens applies to psa policies only")
 
     @property
     def label(self) -> str:
         suffix = f"-cap{self.cap_tokens}" if self.cap_tokens else ""
-        suffix += ("-q8" if self.cfg.bound_bits == 8 else "") + self.tag
+        suffix += "-q8" if self.cfg.bound_bits == 8 else ""
+        suffix += f"-wf{1 / self.cfg.wave_fraction:g}" if self.cfg.wave_fraction else ""
+        suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
         if self.kind == "oracle":
@@ -81,7 +69,7 @@ class DecodePolicy:
         """Policies with equal groups run as one batched call with per-row ε, cap or
         budget (`PSARuntime.use_rows`)."""
         if self.kind == "psa":
-            return ("psa", self.cfg.replace(threshold=1.0), self.wave_fraction)
+            return ("psa", self.cfg.replace(threshold=1.0))
         if self.kind == "topk":
             return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64))
         if self.kind == "oracle":
@@ -224,7 +212,7 @@ class PSARuntime:
         q = query[:, :, 0]
         lengths = torch.full((B,), key.shape[2], dtype=torch.int64, device=key.device)
         nb = -(-key.shape[2] // policy.cfg.block_size)
-        cfg = policy.cfg_at(nb)
+        cfg = policy.cfg
         meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(nb)
         if policy.kind == "psa":
             cap = None
@@ -262,7 +250,7 @@ class PSARuntime:
         for g in self.rows:
             rows = slice(g.start, g.stop)
             p = g.policies[0]
-            cfg = p.cfg_at(-(-T // p.cfg.block_size))
+            cfg = p.cfg
             if p.kind == "dense":
                 mask = attention_mask[rows] if attention_mask is not None else None
                 out[rows] = sdpa_attention_forward(
@@ -380,7 +368,7 @@ class KernelRows:
         bs = policy.cfg.block_size
         _, Hkv, T, d = k.shape
         nb = -(-T // bs)
-        cfg = policy.cfg_at(nb)
+        cfg = policy.cfg
         cap = self.max_read(policy)
         plan = self.plans.get(i)
         if plan is None or plan[0] != nb:

@@ -35,6 +35,7 @@ full of unacknowledged rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -59,6 +60,24 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
 # Persistent programs of the uva path's save kernel: enough to keep PCIe busy, few enough
 # to leave the other SMs to the forward it overlaps.
 UVA_PROGRAMS = 16
+# The uva path moves a job whose host blocks form runs by DMA instead (a gather into device
+# staging, then one copy per run and KV head on the GPU's copy engines: no SMs taken from
+# the forward) when it takes at most this many copies; scattered blocks (decode flushes of
+# many requests) go through the save kernel.
+DMA_MAX_COPIES = 32
+
+
+def host_runs(entries) -> list[tuple[int, int, int]]:
+    """`(first entry, first host block, length)` of each run of consecutive host blocks
+    in `entries` (in their order)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, e in enumerate(entries):
+        if runs and runs[-1][1] + runs[-1][2] == e.host:
+            i0, h0, n = runs[-1]
+            runs[-1] = (i0, h0, n + 1)
+        else:
+            runs.append((i, e.host, 1))
+    return runs
 
 
 class HostTierFull(RuntimeError):
@@ -70,8 +89,8 @@ class HostBlocks:
 
     A request reserves the blocks its whole length can fill when admitted, so a
     running request never finds the host tier full; it takes ids as its blocks
-    fill and returns all of them when it ends. Ids come out ascending from a fresh
-    list, so a prefill's blocks are runs the engine copies with one memcpy.
+    fill and returns all of them when it ends. Ids come out smallest first (the free
+    list stays sorted), so a prefill's blocks are runs that one copy per head moves.
     """
 
     def __init__(self, num_blocks: int):
@@ -115,7 +134,9 @@ class HostBlocks:
         """Return every id and reservation of `rid`; the number of ids returned."""
         self._reserved.pop(rid, None)
         ids = self._owned.pop(rid, [])
-        self._free.extend(reversed(ids))
+        if ids:
+            self._free.extend(ids)
+            self._free.sort(reverse=True)  # pop() gives the smallest: freed space re-forms runs
         return len(ids)
 
     def check_integrity(self) -> None:
@@ -148,6 +169,7 @@ class WriteBackStats:
     blocks_saved: int = 0
     bytes_saved: int = 0
     jobs: int = 0
+    dma_jobs: int = 0  # uva path: jobs moved by DMA copies
     engine_restarts: int = 0
     resubmitted_jobs: int = 0
     dropped_blocks: int = 0  # planned for requests that ended before the save ran
@@ -174,12 +196,15 @@ class WriteBack:
         heartbeat_timeout: float = 1.0,
         engine_slow_ms: int = 0,
         path: str = "engine",
+        dma_blocks: int = 0,
     ):
         """`path`: `engine` (GPU gather, one D2H copy per layer into the pinned staging
-        ring, copy-engine process scatter, ZMQ acknowledgement) or `uva` (one kernel per
-        layer writes the blocks straight into the host tier through unified addressing;
-        a CUDA event is the acknowledgement; no engine process). The store benchmark
-        measures both."""
+        ring, copy-engine process scatter, ZMQ acknowledgement) or `uva` (no engine
+        process; a CUDA event is the acknowledgement): a job whose host blocks form a few
+        runs is gathered into a device staging of `dma_blocks` blocks and copied into the
+        host tier by DMA, one copy per run and KV head (prefill chunks); any other job is
+        written by one kernel through unified addressing (decode flushes). The store
+        benchmark measures both paths."""
         if path not in ("engine", "uva"):
             raise ValueError(f"write-back path must be engine or uva, got {path!r}")
         self.path = path
@@ -215,7 +240,7 @@ class WriteBack:
         self._head = 0
         rows = self.max_job_rows = min(max_job_rows or staging_rows, staging_rows)
         if path == "uva":
-            rows = 0  # no staging
+            rows = dma_blocks * block_size  # the DMA jobs' staging
         self._stage_k = torch.empty(kv_heads * rows * head_dim, dtype=dtype, device=self.device)
         self._stage_v = torch.empty_like(self._stage_k)
         if self.cuda:
@@ -352,6 +377,39 @@ class WriteBack:
         self._uva.append((done, job_id))
         self.stats.jobs += 1
 
+    def _issue_dma(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, runs) -> None:
+        """`uva` path, a job of a few runs of host blocks: one gather into the device
+        staging, then one DMA copy per run and KV head; an event marks the save complete.
+        (Jobs larger than the staging are split by the caller.)"""
+        job_id, self._next_uva = self._next_uva, self._next_uva + 1
+        hk, hv = self.host.k[layer], self.host.v[layer]
+        bs, n, H, d = self.block_size, len(entries), self.heads, self.head_dim
+        dk = self._stage_k[: H * n * bs * d].view(H, n * bs, d)
+        dv = self._stage_v[: H * n * bs * d].view(H, n * bs, d)
+        done = None
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with ctx:  # the stream orders the next job's gather after these copies
+            gather_pages_head_major(k_buf, v_buf, tables[0], dk, dv, bs)
+            if self.cuda:
+                self._gathered = torch.cuda.Event()  # the pages are free again after this
+                self._gathered.record(self.stream)
+            for i0, h0, m in runs:
+                for h in range(H):
+                    rows = slice(i0 * bs, (i0 + m) * bs)
+                    hk[h, h0 : h0 + m].view(m * bs, d).copy_(dk[h, rows], non_blocking=True)
+                    hv[h, h0 : h0 + m].view(m * bs, d).copy_(dv[h, rows], non_blocking=True)
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        if self.cuda:
+            tables.record_stream(self.stream)
+        self._jobs[job_id] = (SaveJob(layer, 0, []), entries)
+        self._uva.append((done, job_id))
+        self.stats.jobs += 1
+        self.stats.dma_jobs += 1
+
     def _reserve_rows(self, n: int) -> int:
         """Ring rows for a job of `n` rows, waiting for the engine if they are in use."""
         rows = self.engine.staging_rows
@@ -369,7 +427,17 @@ class WriteBack:
     def _issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries: list[_Entry]):
         """One job: `entries` (at most a job's rows) of one layer."""
         if self.path == "uva":
-            return self._issue_uva(layer, k_buf, v_buf, tables, entries)
+            step = self._stage_k.numel() // (self.heads * self.block_size * self.head_dim)
+            if not step:
+                return self._issue_uva(layer, k_buf, v_buf, tables, entries)
+            for i in range(0, len(entries), step):  # at most a staging's blocks at a time
+                part, t = entries[i : i + step], tables[:, i : i + step]
+                runs = host_runs(part)
+                if 2 * self.heads * len(runs) <= DMA_MAX_COPIES:
+                    self._issue_dma(layer, k_buf, v_buf, t, part, runs)
+                else:
+                    self._issue_uva(layer, k_buf, v_buf, t, part)
+            return
         pages = tables[0]
         step = self.max_job_rows // self.block_size
         if len(entries) > step:
@@ -526,6 +594,7 @@ class WriteBack:
             "blocks_saved": s.blocks_saved,
             "bytes_saved": s.bytes_saved,
             "save_jobs": s.jobs,
+            "save_jobs_dma": s.dma_jobs,
             "save_jobs_in_flight": len(self._jobs),
             "blocks_pending": len(self._decode),
             "engine_restarts": s.engine_restarts,
@@ -539,6 +608,8 @@ class WriteBack:
         }
 
     def _staging_bytes(self) -> int:
+        """Pinned staging-ring bytes (the engine path's; the uva path's staging is in
+        `device_bytes`)."""
         if self.engine is None:
             return 0
         return 2 * self.engine.stage_k.numel() * self.engine.stage_k.element_size()

@@ -83,9 +83,18 @@ def make(device, **kw):
     return WriteBack(L, H, D, torch.float32, BS, 40, 12 * BS, device, **kw)
 
 
-@pytest.mark.parametrize("path", ["engine", "uva"])
+PATHS = {
+    "engine": dict(path="engine"),
+    "uva": dict(path="uva"),
+    "uva-dma": dict(path="uva", dma_blocks=2),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
-    wb = make(device, decode_flush_blocks=2, path=path)
+    """`uva-dma`: runs of host blocks move by DMA through a 2-block staging (prefill
+    chunks split over it; decode flushes of two requests' blocks are runs of one)."""
+    wb = make(device, decode_flush_blocks=2, **PATHS[path])
     pool = FakePool(device)
     a, b = FakeReq("a", 0), FakeReq("b", 2)
     try:
@@ -110,7 +119,8 @@ def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
         full = (pool.lens[0] - 1) // BS + (pool.lens[2] - 1) // BS
         assert rep["blocks_saved"] == rep["blocks_planned"] == full == 7 + 3
         assert rep["save_jobs_in_flight"] == 0 and rep["engine_restarts"] == 0
-        assert (rep["engine_pid"] is None) == (path == "uva")
+        assert (rep["engine_pid"] is None) == (path != "engine")
+        assert (rep["save_jobs_dma"] > 0) == (path == "uva-dma")
         # Only the engine maps the host tier from its process: the uva tier is private.
         assert wb.host.k.is_shared() == wb.host.v.is_shared() == (path == "engine")
         wb.release("a")
@@ -178,13 +188,37 @@ def test_host_blocks_reserve_take_release():
     assert hb.take("c", 3) == [0, 1, 2]
 
 
+def test_host_runs_decide_dma_or_the_save_kernel(device):
+    """A job of few runs of host blocks moves by DMA; one of scattered blocks (more than
+    `DMA_MAX_COPIES` copies) through the save kernel; both land in their host blocks."""
+    from sglang_psa.mem_cache import writeback
+
+    wb = make(device, path="uva", dma_blocks=16)
+    pool = FakePool(device)
+    a = FakeReq("a", 0)
+    try:
+        # A fragmented free list: odd ids are handed out first, one apart.
+        wb.blocks._free = [i for i in range(0, 40, 2)][::-1] + [i for i in range(1, 40, 2)][::-1]
+        assert wb.reserve("a", CTX)
+        extend(wb, pool, [(a, 12 * BS)])
+        host = wb.request("a").host
+        assert len(writeback.host_runs([type("E", (), {"host": h}) for h in host])) == 12
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, 12)
+        assert wb.stats.dma_jobs == 0  # 12 runs x 2 heads x K,V = 48 copies > 32
+        wb.release("a")
+        assert wb.blocks.take("y", 5) == [0, 1, 2, 3, 4]  # released ids re-form runs
+    finally:
+        wb.close()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["engine", "uva"])
+@pytest.mark.parametrize("path", list(PATHS))
 def test_decode_planning_issuing_and_polling_never_sync_the_host(path):
     """What the tiered home adds around each decode step (plan, the wait for the last
     gather, the flush of pending blocks, taking acknowledgements) runs with CUDA's sync
     debug mode set to error."""
-    wb = make("cuda", decode_flush_blocks=2, path=path)
+    wb = make("cuda", decode_flush_blocks=2, **PATHS[path])
     pool = FakePool("cuda")
     a = FakeReq("a", 0)
     try:
