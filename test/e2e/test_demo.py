@@ -34,8 +34,8 @@ def test_demo_prints_answers_and_per_layer_reads(capsys):
     ]
     assert len(rows) == 30
     # ε = 1 reads every block and reproduces dense greedy decoding exactly.
-    assert "psa-heuristic-1: " in out
-    line = next(ln for ln in out.splitlines() if ln.startswith("psa-heuristic-1: "))
+    assert "psa-heuristic-1-q8-wf8: " in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("psa-heuristic-1-q8-wf8: "))
     assert "2/2 identical to dense" in line and "mean KV read 100.0%" in line
 
 

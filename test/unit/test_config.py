@@ -59,7 +59,7 @@ def test_wave_sizes_partition_the_blocks(n, first, growth, cap):
 def test_a_first_wave_fraction_grows_between_its_bounds():
     cfg = PSAConfig(wave_fraction=1 / 8)
     assert [cfg.first_wave(n) for n in (0, 100, 128, 300, 512, 5000)] == [16, 16, 16, 37, 64, 64]
-    assert PSAConfig().first_wave(5000) == 16  # no fraction: always wave_blocks
+    assert PSAConfig(wave_fraction=0).first_wave(5000) == 16  # always wave_blocks
     sizes = cfg.wave_sizes(1000, cfg.first_wave(1000))
     assert sizes[0] == 64 and sum(sizes) == 1000 and max(sizes) == 128
     assert PSAConfig(max_wave_blocks=32).wave_sizes(100, 50)[:2] == [50, 50]  # never shrinks

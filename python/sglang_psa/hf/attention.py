@@ -54,7 +54,8 @@ class DecodePolicy:
     def label(self) -> str:
         suffix = f"-cap{self.cap_tokens}" if self.cap_tokens else ""
         suffix += "-q8" if self.cfg.bound_bits == 8 else ""
-        suffix += f"-wf{1 / self.cfg.wave_fraction:g}" if self.cfg.wave_fraction else ""
+        if self.kind == "psa" and self.cfg.wave_fraction:
+            suffix += f"-wf{1 / self.cfg.wave_fraction:g}"
         suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"

@@ -60,10 +60,10 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
 # Persistent programs of the uva path's save kernel: enough to keep PCIe busy, few enough
 # to leave the other SMs to the forward it overlaps.
 UVA_PROGRAMS = 16
-# The uva path moves a job whose host blocks form runs by DMA instead (a gather into device
-# staging, then one copy per run and KV head on the GPU's copy engines: no SMs taken from
-# the forward) when it takes at most this many copies; scattered blocks (decode flushes of
-# many requests) go through the save kernel.
+# The uva path moves a prefill job whose host blocks form runs by DMA instead (a gather into
+# device staging, then one copy per run and KV head on the GPU's copy engines: no SMs taken
+# from the forward) when it takes at most this many copies; scattered blocks and decode
+# flushes go through the save kernel.
 DMA_MAX_COPIES = 32
 
 
@@ -239,12 +239,16 @@ class WriteBack:
         self._ring: deque[tuple[int, int, int]] = deque()  # (job, row0, rows) in ring order
         self._head = 0
         rows = self.max_job_rows = min(max_job_rows or staging_rows, staging_rows)
+        self.dma_blocks = dma_blocks if path == "uva" else 0
         if path == "uva":
-            rows = dma_blocks * block_size  # the DMA jobs' staging
+            rows = 2 * dma_blocks * block_size  # the DMA jobs' staging, two halves
         self._stage_k = torch.empty(kv_heads * rows * head_dim, dtype=dtype, device=self.device)
         self._stage_v = torch.empty_like(self._stage_k)
+        self._half = 0  # the staging half the next DMA job gathers into
+        self._half_free: list = [None, None]  # the event of the copies that last read it
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
+            self.dma_stream = torch.cuda.Stream(self.device) if self.dma_blocks else None
             self._gathered = torch.cuda.Event()
             self._seq = torch.zeros(FLAG_SLOTS, dtype=torch.int64, device=self.device)
         else:
@@ -336,7 +340,7 @@ class WriteBack:
         if self._extend_tables is None:
             return
         tables, entries = self._extend_tables
-        self._issue(layer, k_buf, v_buf, tables, entries)
+        self._issue(layer, k_buf, v_buf, tables, entries, dma=True)
         if layer == self.layers - 1:
             self._extend_tables = None
 
@@ -378,32 +382,40 @@ class WriteBack:
         self.stats.jobs += 1
 
     def _issue_dma(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, runs) -> None:
-        """`uva` path, a job of a few runs of host blocks: one gather into the device
-        staging, then one DMA copy per run and KV head; an event marks the save complete.
-        (Jobs larger than the staging are split by the caller.)"""
+        """`uva` path, a job of a few runs of host blocks: one gather into a half of the
+        device staging on the copy stream, then one DMA copy per run and KV head on the
+        DMA stream; an event marks the save complete. The halves alternate, so the next
+        layer's gather does not wait for these copies. (Jobs larger than a half are split
+        by the caller.)"""
         job_id, self._next_uva = self._next_uva, self._next_uva + 1
         hk, hv = self.host.k[layer], self.host.v[layer]
         bs, n, H, d = self.block_size, len(entries), self.heads, self.head_dim
-        dk = self._stage_k[: H * n * bs * d].view(H, n * bs, d)
-        dv = self._stage_v[: H * n * bs * d].view(H, n * bs, d)
+        half, self._half = self._half, self._half ^ 1
+        at = half * H * self.dma_blocks * bs * d
+        dk = self._stage_k[at : at + H * n * bs * d].view(H, n * bs, d)
+        dv = self._stage_v[at : at + H * n * bs * d].view(H, n * bs, d)
         done = None
-        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
-        if self.cuda:
+        cuda = self.cuda
+        if cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with ctx:  # the stream orders the next job's gather after these copies
+            if self._half_free[half] is not None:  # the copies that last read this half
+                self.stream.wait_event(self._half_free[half])
+        with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
             gather_pages_head_major(k_buf, v_buf, tables[0], dk, dv, bs)
-            if self.cuda:
+            if cuda:
                 self._gathered = torch.cuda.Event()  # the pages are free again after this
                 self._gathered.record(self.stream)
+                self.dma_stream.wait_event(self._gathered)
+        with torch.cuda.stream(self.dma_stream) if cuda else contextlib.nullcontext():
             for i0, h0, m in runs:
+                rows = slice(i0 * bs, (i0 + m) * bs)
                 for h in range(H):
-                    rows = slice(i0 * bs, (i0 + m) * bs)
                     hk[h, h0 : h0 + m].view(m * bs, d).copy_(dk[h, rows], non_blocking=True)
                     hv[h, h0 : h0 + m].view(m * bs, d).copy_(dv[h, rows], non_blocking=True)
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record(self.stream)
-        if self.cuda:
+            if cuda:
+                done = self._half_free[half] = torch.cuda.Event()
+                done.record(self.dma_stream)
+        if cuda:
             tables.record_stream(self.stream)
         self._jobs[job_id] = (SaveJob(layer, 0, []), entries)
         self._uva.append((done, job_id))
@@ -424,11 +436,15 @@ class WriteBack:
         _, a, m = entry
         return a < r0 + n and r0 < a + m
 
-    def _issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries: list[_Entry]):
-        """One job: `entries` (at most a job's rows) of one layer."""
+    def _issue(
+        self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries: list[_Entry], dma=False
+    ):
+        """One job: `entries` (at most a job's rows) of one layer. `dma` (prefill chunks):
+        the uva path may move runs of host blocks by DMA; decode flushes never do (their
+        copies and gathers per layer cost the step more host time than one launch)."""
         if self.path == "uva":
-            step = self._stage_k.numel() // (self.heads * self.block_size * self.head_dim)
-            if not step:
+            step = self.dma_blocks
+            if not step or not dma:
                 return self._issue_uva(layer, k_buf, v_buf, tables, entries)
             for i in range(0, len(entries), step):  # at most a staging's blocks at a time
                 part, t = entries[i : i + step], tables[:, i : i + step]

@@ -56,9 +56,10 @@ _HELP = {
     "to a host tier of --psa-host-pool-gb (see --psa-writeback); saved blocks leave HBM "
     "when it runs short; prefix caching is off)",
     "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: uva "
-    "(default: one kernel on a few SMs writes them through unified addressing) or engine "
-    "(a GPU gather and one D2H copy per layer into a pinned ring, scattered by the "
-    "copy-engine process; measured slower on the H100)",
+    "(default: a prefill chunk's blocks gathered into device staging and copied by DMA, a "
+    "decode step's by one kernel on a few SMs through unified addressing; no helper "
+    "process) or engine (a GPU gather and one D2H copy per layer into a pinned ring, "
+    "scattered by the copy-engine process; measured slower on the H100)",
     "cold_fraction": "with --psa-kv-home tiered, while blocks are evicted: a resident block "
     "read lately by fewer than this fraction of its (layer, KV head) units leaves HBM too, "
     "its page holding single hot units of evicted blocks instead (0: only when SGLang "

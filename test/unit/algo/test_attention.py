@@ -16,6 +16,7 @@ from sglang_psa.algo import (
     true_coverage,
 )
 from sglang_psa.algo.attention import forced_blocks
+from sglang_psa.algo.metadata import as_kept
 from sglang_psa.config import PSAConfig
 
 
@@ -42,13 +43,14 @@ def explicit_masked_attention(q, k, v, lengths, read, bs):
 
 
 def loop_reference(q, k, v, lengths, cfg):
-    """Algorithm 1 of the PSA paper, generalised to waves, GQA and the certified rule,
-    written as a plain loop with an online-softmax state (no vectorised tricks)."""
+    """Algorithm 1 of the PSA paper, generalised to waves (each request's first wave
+    `cfg.first_wave` of its blocks), GQA and the certified rule, on the bounds as kept
+    (`cfg.bound_bits`), written as a plain loop (no vectorised tricks)."""
     B, Hq, d = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     bs, scale = cfg.block_size, 1 / math.sqrt(d)
-    meta = block_metadata(k, lengths, bs)
+    meta = as_kept(block_metadata(k, lengths, bs), cfg)
     crit = criticality(q, meta, scale, cfg.score)
     forced = forced_blocks(lengths, meta.count.shape[1], cfg)
     read = torch.zeros(B, Hkv, meta.count.shape[1], dtype=torch.bool)
@@ -60,9 +62,10 @@ def loop_reference(q, k, v, lengths, cfg):
                 (j for j in range(nblk) if not forced[b, j]),
                 key=lambda j: (-float(crit[b, h, j]), j),
             )
-            waves = [f + ranked[: cfg.wave_sizes(len(ranked))[0]]] if ranked else [f]
+            sizes = cfg.wave_sizes(len(ranked), cfg.first_wave(nblk))
+            waves = [f + ranked[: sizes[0]]] if ranked else [f]
             pos = len(waves[0]) - len(f)
-            for m in cfg.wave_sizes(len(ranked))[1:]:
+            for m in sizes[1:]:
                 waves.append(ranked[pos : pos + m])
                 pos += m
             done_blocks = []
@@ -124,7 +127,9 @@ def test_dense_reference_matches_torch_sdpa():
 @pytest.mark.parametrize("rule", ["heuristic", "certified"])
 @pytest.mark.parametrize("eps", [0.5, 0.9, 0.98])
 @pytest.mark.parametrize("score", ["mean", "bound"])
-def test_vectorised_psa_matches_the_loop_algorithm(rule, eps, score):
+@pytest.mark.parametrize("kept", ["default", "exact-bounds-fixed-wave"])
+def test_vectorised_psa_matches_the_loop_algorithm(rule, eps, score, kept):
+    """Default: 8-bit bounds and a first wave of 1/8 of each request's blocks."""
     q, k, v, lengths = make(3, B=2, T=200, spread=1.5)
     cfg = PSAConfig(
         threshold=eps,
@@ -135,6 +140,8 @@ def test_vectorised_psa_matches_the_loop_algorithm(rule, eps, score):
         wave_growth=1.5,
         max_wave_blocks=8,
     )
+    if kept != "default":
+        cfg = cfg.replace(bound_bits=16, wave_fraction=0.0)
     res = progressive_attention(q, k, v, lengths, cfg)
     assert torch.equal(res.read, loop_reference(q, k, v, lengths, cfg))
     want = explicit_masked_attention(q, k, v, lengths, res.read, 8)
@@ -186,7 +193,12 @@ def test_heuristic_rule_is_not_a_bound_on_adversarial_input():
     k[0, 0, 41 * 32 - 1, 0] = 15.0
     lengths = torch.tensor([64 * 32])
     cfg = PSAConfig(
-        threshold=0.95, stop_rule="heuristic", score="mean", wave_blocks=1, wave_growth=1.0
+        threshold=0.95,
+        stop_rule="heuristic",
+        score="mean",
+        wave_blocks=1,
+        wave_growth=1.0,
+        wave_fraction=0.0,
     )
     heur = progressive_attention(q, k, v, lengths, cfg)
     cert = progressive_attention(q, k, v, lengths, cfg.replace(stop_rule="certified"))
@@ -217,7 +229,9 @@ def test_reads_grow_with_threshold_and_forced_blocks_are_always_read(seed, rule)
 
 def test_wave_ends_are_verification_points():
     q, k, v, lengths = make(5, T=2000, ragged=False, B=2)
-    cfg = PSAConfig(threshold=0.9, wave_blocks=4, wave_growth=2.0, max_wave_blocks=16)
+    cfg = PSAConfig(
+        threshold=0.9, wave_blocks=4, wave_growth=2.0, max_wave_blocks=16, wave_fraction=0.0
+    )
     res = progressive_attention(q, k, v, lengths, cfg)
     n_forced = cfg.sink_blocks + cfg.recent_blocks
     ends = {n_forced + e for e in torch.tensor(cfg.wave_sizes(63)).cumsum(0).tolist()}
@@ -357,6 +371,7 @@ def test_8_bit_bounds_in_the_config_rank_by_the_read_back_bounds(kind):
     q, k, v, lengths = make(1 if kind == "psa" else 5, T=600, spread=2.0)  # seeds where 8 bits
     # change what is read
     cfg = PSAConfig(threshold=0.9, block_size=8, wave_blocks=2, topk_tokens=24)
+    cfg = cfg.replace(bound_bits=16, wave_fraction=0.0)
     run = progressive_attention if kind == "psa" else topk_attention
     exact = block_metadata(k, lengths, 8)
     want = run(q, k, v, lengths, cfg, meta=quantize_bounds(exact))

@@ -224,18 +224,26 @@ def test_backend_reports_its_gpu_bytes_and_names_the_flag_when_they_do_not_fit(m
 
 
 def _assert_page_meta(meta, layer, page, keys):
-    """Whatever the page's metadata keeps equals its keys' summaries (min/max exactly)."""
+    """Whatever the page's metadata keeps equals its keys' summaries (min/max exactly, or
+    8-bit bounds as `bound_codes` makes them, codes and scale)."""
+    from sglang_psa.algo import bound_codes
+
     keys = keys.float()
     if meta.mean is not None:
         torch.testing.assert_close(meta.mean[layer, page].float(), keys.mean(0))
-    if meta.kmin is not None:
+    if meta.kmin is not None and meta.kmin.dtype == torch.int8:
+        lo, hi, scale = bound_codes(keys.amin(0), keys.amax(0))
+        assert torch.equal(meta.kmin[layer, page].float(), lo)
+        assert torch.equal(meta.kmax[layer, page].float(), hi)
+        assert torch.equal(meta.kscale[layer, page].float(), scale)
+    elif meta.kmin is not None:
         assert torch.equal(meta.kmin[layer, page].float(), keys.amin(0))
         assert torch.equal(meta.kmax[layer, page].float(), keys.amax(0))
 
 
 @pytest.mark.parametrize("score", ["bound", "mean"])
 def test_page_metadata_keeps_what_the_score_reads_in_the_kv_dtype(score):
-    cfg = PSAConfig(score=score)
+    cfg = PSAConfig(score=score, bound_bits=16)
     runner, _, _ = _rig(cfg, [64])
     meta = PSAAttnBackend(runner, use_kernel=True).meta
     assert (meta.mean is not None) == (score == "mean")
@@ -635,7 +643,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         idx = torch.tensor(pages, device=DEV)
         for t in (backend.meta.mean, backend.meta.kmin, backend.meta.kmax):
             if t is not None:
-                t[:, idx] = 1e4
+                t[:, idx] = 127 if t.dtype == torch.int8 else 1e4
         backend.ws.stamps[:, idx] = 0
         after = step()
         for a, b in zip(before, after):

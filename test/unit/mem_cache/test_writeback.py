@@ -92,8 +92,8 @@ PATHS = {
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
-    """`uva-dma`: runs of host blocks move by DMA through a 2-block staging (prefill
-    chunks split over it; decode flushes of two requests' blocks are runs of one)."""
+    """`uva-dma`: a prefill chunk's runs of host blocks move by DMA through a 2-block
+    staging (chunks split over it); decode flushes go through the save kernel."""
     wb = make(device, decode_flush_blocks=2, **PATHS[path])
     pool = FakePool(device)
     a, b = FakeReq("a", 0), FakeReq("b", 2)

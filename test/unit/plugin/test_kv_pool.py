@@ -35,10 +35,15 @@ def test_hbm_budget_counts_block_metadata():
     # 24 layers x 2 heads x 64 x 2 B per 32 tokens = 192 B per token.
     flags.export(PSAConfig(score="mean"))  # the mean key only
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 192
-    flags.export(PSAConfig(score="mean", stop_rule="certified"))  # mean, min and max
+    flags.export(PSAConfig(score="mean", stop_rule="certified", bound_bits=16))  # mean, min, max
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 192
-    flags.export(PSAConfig())  # the default ranks by the bound: min and max, no mean
+    flags.export(PSAConfig(bound_bits=16))  # the bound ranks: min and max, no mean
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 2 * 192
+    # The default keeps them as 8-bit codes: a byte a channel, a float32 scale per
+    # (layer, head) and block: (2 x 3072 + 4 x 96) B per 32 tokens.
+    flags.export(PSAConfig())
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 204
+    flags.export(PSAConfig(bound_bits=16))
     fp8 = SimpleNamespace(kv_cache_dtype=torch.float8_e4m3fn, use_mla_backend=False)
     # An fp8 cache (half the KV bytes) keeps bf16 metadata: the same 2 x 192 B per token.
     assert kv_pool.after_compute_cell_size(PER_TOKEN // 2, conf, fp8, 24) == PER_TOKEN // 2 + 384
@@ -53,7 +58,7 @@ def test_hbm_budget_counts_block_metadata():
 
 def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_flag():
     conf = SimpleNamespace()
-    flags.export(PSAConfig(kv_home="tiered", host_pool_gb=1.0))
+    flags.export(PSAConfig(kv_home="tiered", host_pool_gb=1.0, bound_bits=16))
     conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
     assert conf._cell_size == PER_TOKEN + 2 * 192  # the pool's own tokens carry metadata
     blocks = 2**30 // (PER_TOKEN * 32)  # 2730 host blocks of 32 tokens
@@ -69,6 +74,6 @@ def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_
     most += 32 * conf._cell_size
     assert least <= cut * conf._cell_size <= most + conf._cell_size
     assert got.max_total_num_tokens % 32 == 0
-    flags.export(PSAConfig(kv_home="tiered", host_pool_gb=64.0))
+    flags.export(PSAConfig(kv_home="tiered", host_pool_gb=64.0, bound_bits=16))
     with pytest.raises(ValueError, match="--psa-host-pool-gb"):
         kv_pool.after_calculate_pool_sizes(PoolConfig(10**5), conf, 0, 32)
