@@ -21,8 +21,12 @@ def device(kernel_device):
     return kernel_device
 
 
-# Small blocks and waves, so a short context spans many waves.
-SMALL_WAVES = dict(block_size=16, wave_blocks=2, wave_growth=1.5, max_wave_blocks=8)
+# Small blocks and waves, so a short context spans many waves; exact (16-bit) bounds and a
+# fixed first wave (the default's 8-bit bounds and growing first wave have their tests).
+SMALL_WAVES = dict(
+    block_size=16, wave_blocks=2, wave_growth=1.5, max_wave_blocks=8, bound_bits=16,
+    wave_fraction=0.0,
+)  # fmt: skip
 
 
 def _case(seed, B=2, Hq=4, Hkv=2, T=200, d=16, spread=1.5, device="cpu"):
@@ -83,11 +87,15 @@ def _paged_pool(k, v, bs, g, device):
 def _run_tiered(
     cfg, q, k, v, lengths, host_fraction, layout_seed, device, splits=None, meta=None, **kw
 ):
-    """Lay the KV out over slots and host pool, then run the Triton wave attention."""
+    """Lay the KV out over slots and host pool, then run the Triton wave attention (with
+    `cfg.bound_bits` 8 on the bounds' codes and scale, as the server keeps them)."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
     bs = cfg.block_size
     meta = block_metadata(k, lengths, bs) if meta is None else meta
+    if cfg.bound_bits == 8 and "meta_scale" not in kw:
+        qlo, qhi, kw["meta_scale"] = _codes(meta)
+        meta = meta._replace(kmin=qlo, kmax=qhi)
     k_slots, v_slots, k_host, v_host, loc = _tiered_layout(
         k, v, lengths, bs, host_fraction, seed=layout_seed
     )
@@ -305,8 +313,8 @@ def test_a_first_wave_that_grows_with_the_context_reads_what_the_reference_reads
 ):
     """`wave_fraction`: each request's first wave is its own share of its blocks; the
     kernel verifies where the reference does: same blocks, output and waves."""
-    cfg = PSAConfig(threshold=eps, stop_rule=rule, wave_fraction=0.2, max_first_wave_blocks=9,
-                    **SMALL_WAVES)  # fmt: skip
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    cfg = cfg.replace(wave_fraction=0.2, max_first_wave_blocks=9)
     case = _case(21, B=4, T=700, spread=2.0, device=device)
     lengths = case[3]
     lengths[1:] = torch.tensor([100, 300, 520], device=lengths.device)
@@ -321,9 +329,11 @@ def test_a_first_wave_that_grows_with_the_context_reads_what_the_reference_reads
 @pytest.mark.gpu
 @pytest.mark.parametrize("G,d", [(7, 64), (4, 128)])
 def test_a_growing_first_wave_at_real_shapes(G, d):
-    """The server's shapes: 32-token blocks, over 512 of them, group sizes 4-8, head_dim
-    64 and 128, a first wave of 1/8 of each request's blocks, bf16."""
-    cfg = PSAConfig(threshold=0.95, wave_fraction=1 / 8)
+    """The server's shapes and default policy: 32-token blocks, over 512 of them, group
+    sizes 4-8, head_dim 64 and 128, 8-bit bounds, a first wave of 1/8 of each request's
+    blocks."""
+    cfg = PSAConfig()
+    assert cfg.bound_bits == 8 and cfg.wave_fraction == 1 / 8
     g = torch.Generator().manual_seed(3)
     B, Hkv, T = 3, 2, 20000
     q = (torch.randn(B, Hkv * G, d, generator=g) * 2).cuda().bfloat16()
@@ -361,7 +371,7 @@ def test_one_wave_splits_are_merged_by_the_last_program(device, budget):
     (request, KV head), no barrier; the last to finish merges. Counters end at zero."""
     from sglang_psa.algo import topk_attention
 
-    cfg = PSAConfig(threshold=1.0, block_size=16, topk_tokens=16 * (budget or 2))
+    cfg = PSAConfig(threshold=1.0, block_size=16, topk_tokens=16 * (budget or 2), bound_bits=16)
     q, k, v, lengths = _case(9, T=300, device=device)
     ref = (
         topk_attention(q, k, v, lengths, cfg)
