@@ -33,7 +33,8 @@ HEADLINE = [
     ("serving_h100", "throughput_ratio_host_vs_plain_capped_topk",
      "the same, `--sparse-mode topk` (2048 tokens) at the tiered home", "higher is better"),
     ("serving_h100", "throughput_ratio_tiered_vs_hbm",
-     "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K)",
+     "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K; the tiered "
+     "run predates the current default policy, the HBM-only run does not)",
      "higher is better"),
     ("serving_h100", "accuracy_delta_vs_plain",
      "answers correct, psa minus plain (same prompts)", "0 = same"),
