@@ -329,15 +329,16 @@ class WriteBack:
         self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor
     ) -> None:
         """After extend layer `layer` (0-based) stored its KV: save its planned blocks."""
-        if layer == 0:
+        if layer == 0:  # the batch's tables and DMA plan, the same for every layer
+            e = self._extend
             self._extend_tables = (
-                (self._tables(self._extend, req_to_token), self._extend) if self._extend else None
+                (self._tables(e, req_to_token), e, self._dma_plan(e)) if e else None
             )
             self._extend = []
         if self._extend_tables is None:
             return
-        tables, entries = self._extend_tables
-        self._issue(layer, k_buf, v_buf, tables, entries, dma=True)
+        tables, entries, plan = self._extend_tables
+        self._issue(layer, k_buf, v_buf, tables, entries, plan)
         if layer == self.layers - 1:
             self._extend_tables = None
 
@@ -374,9 +375,29 @@ class WriteBack:
         else:
             copy_pages_to_units(k_buf, v_buf, tables[0], hk, hv, tables[1])
             done = None
+        self._uva_job(job_id, layer, done, entries)
+
+    def _uva_job(self, job_id: int, layer: int, done, entries) -> None:
+        """A uva-path job issued: saved once `done` (its CUDA event; None: already) has
+        completed."""
         self._jobs[job_id] = (SaveJob(layer, 0, []), entries)
         self._uva.append((done, job_id))
         self.stats.jobs += 1
+
+    def _dma_plan(self, entries) -> list[tuple[int, int, list | None]] | None:
+        """uva path, a prefill job: its slices `[i, j)` of at most a staging's blocks, each
+        with its runs of host blocks if DMA moves it (None: the save kernel does, for more
+        than `DMA_MAX_COPIES` copies). None without a staging (or on the engine path)."""
+        step = self.dma_blocks
+        if not step:
+            return None
+        plan = []
+        for i in range(0, len(entries), step):
+            runs = host_runs(entries[i : i + step])
+            plan.append(
+                (i, i + step, runs if 2 * self.heads * len(runs) <= DMA_MAX_COPIES else None)
+            )
+        return plan
 
     def _issue_dma(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, runs) -> None:
         """`uva` path, a job of a few runs of host blocks: one gather into the device
@@ -407,9 +428,7 @@ class WriteBack:
                 done.record(self.stream)
         if self.cuda:
             tables.record_stream(self.stream)
-        self._jobs[job_id] = (SaveJob(layer, 0, []), entries)
-        self._uva.append((done, job_id))
-        self.stats.jobs += 1
+        self._uva_job(job_id, layer, done, entries)
         self.stats.dma_jobs += 1
 
     def _reserve_rows(self, n: int) -> int:
@@ -427,19 +446,18 @@ class WriteBack:
         return a < r0 + n and r0 < a + m
 
     def _issue(
-        self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries: list[_Entry], dma=False
+        self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries: list[_Entry], plan=None
     ):
-        """One job: `entries` (at most a job's rows) of one layer. `dma` (prefill chunks):
-        the uva path may move runs of host blocks by DMA; decode flushes never do (their
-        copies and gathers per layer cost the step more host time than one launch)."""
+        """One job: `entries` (at most a job's rows) of one layer. `plan` (prefill chunks,
+        `_dma_plan`): the uva path moves runs of host blocks by DMA; decode flushes never
+        do (their copies and gathers per layer cost the step more host time than one
+        launch)."""
         if self.path == "uva":
-            step = self.dma_blocks
-            if not step or not dma:
+            if plan is None:
                 return self._issue_uva(layer, k_buf, v_buf, tables, entries)
-            for i in range(0, len(entries), step):  # at most a staging's blocks at a time
-                part, t = entries[i : i + step], tables[:, i : i + step]
-                runs = host_runs(part)
-                if 2 * self.heads * len(runs) <= DMA_MAX_COPIES:
+            for i, j, runs in plan:
+                part, t = entries[i:j], tables[:, i:j]
+                if runs is not None:
                     self._issue_dma(layer, k_buf, v_buf, t, part, runs)
                 else:
                     self._issue_uva(layer, k_buf, v_buf, t, part)
