@@ -162,11 +162,12 @@ def bench_save(
     t_compute = gpu_time(lambda: [compute() for _ in range(layers)] and None)
     t_save = gpu_time(lambda: saves(False))
     t_both = gpu_time(lambda: saves(True))
-    dma_jobs = wb.stats.dma_jobs
+    dma_jobs, dma_copy = wb.stats.dma_jobs, wb.report()["dma_copy"]
     wb.close()
     return {
         "path": path + ("" if path != "uva" or dma else " (save kernel only)"),
         "dma_jobs": dma_jobs,
+        "dma_copy": dma_copy,
         "layers": layers,
         "chunk_tokens": chunk,
         "bytes": nbytes,

@@ -56,6 +56,8 @@ class DecodePolicy:
         suffix += "-q8" if self.cfg.bound_bits == 8 else ""
         if self.kind == "psa" and self.cfg.wave_fraction:
             suffix += f"-wf{1 / self.cfg.wave_fraction:g}"
+            if self.cfg.max_first_wave_blocks != PSAConfig.max_first_wave_blocks:
+                suffix += f"-fw{self.cfg.max_first_wave_blocks}"
         suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"

@@ -46,6 +46,7 @@ import torch
 from sgl_kernel_ext.writeback import copy_pages_to_units, gather_pages_head_major
 from sglang_psa.mem_cache.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
 from sglang_psa.mem_cache.host_pool import HostKVPool
+from sglang_psa.mem_cache.strided_copy import StridedCopy
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
 # to leave the other SMs to the forward it overlaps.
 UVA_PROGRAMS = 16
 # The uva path moves a prefill job whose host blocks form runs by DMA instead (a gather into
-# device staging, then one copy per run and KV head on the GPU's copy engines: no SMs taken
-# from the forward) when it takes at most this many copies; scattered blocks and decode
-# flushes go through the save kernel.
+# device staging, then per run one strided copy of every KV head's K and one of V on the
+# GPU's copy engines: no SMs taken from the forward) when it takes at most this many
+# copies; scattered blocks and decode flushes go through the save kernel.
 DMA_MAX_COPIES = 32
 
 
@@ -202,7 +203,7 @@ class WriteBack:
         ring, copy-engine process scatter, ZMQ acknowledgement) or `uva` (no engine
         process; a CUDA event is the acknowledgement): a job whose host blocks form a few
         runs is gathered into a device staging of `dma_blocks` blocks and copied into the
-        host tier by DMA, one copy per run and KV head (prefill chunks); any other job is
+        host tier by DMA, one strided copy per run for K and one for V (prefill chunks); any other job is
         written by one kernel through unified addressing (decode flushes). The store
         benchmark measures both paths."""
         if path not in ("engine", "uva"):
@@ -243,6 +244,7 @@ class WriteBack:
         if path == "uva":
             rows = dma_blocks * block_size  # the DMA jobs' staging
         self._stage_k = torch.empty(kv_heads * rows * head_dim, dtype=dtype, device=self.device)
+        self._copy2d = StridedCopy(self.device)
         self._stage_v = torch.empty_like(self._stage_k)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
@@ -394,17 +396,17 @@ class WriteBack:
         plan = []
         for i in range(0, len(entries), step):
             runs = host_runs(entries[i : i + step])
-            plan.append(
-                (i, i + step, runs if 2 * self.heads * len(runs) <= DMA_MAX_COPIES else None)
-            )
+            copies = 2 * len(runs) * (1 if self._copy2d.api == "memcpy2d" else self.heads)
+            plan.append((i, i + step, runs if copies <= DMA_MAX_COPIES else None))
         return plan
 
     def _issue_dma(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, runs) -> None:
         """`uva` path, a job of a few runs of host blocks: one gather into the device
-        staging, then one DMA copy per run and KV head, all on the copy stream (which
-        orders the next job's gather after these copies; a second stream for the copies
-        with a double staging measured half as fast on the H100); an event marks the save
-        complete. (Jobs larger than the staging are split by the caller.)"""
+        staging, then per run one strided DMA copy of every head's K and one of V
+        (`StridedCopy`; a copy per head measured 0.78 of the D2H peak), all on the copy
+        stream (which orders the next job's gather after these copies; a second stream
+        for the copies with a double staging measured half as fast on the H100); an event
+        marks the save complete. (Jobs larger than the staging are split by the caller.)"""
         job_id, self._next_uva = self._next_uva, self._next_uva + 1
         hk, hv = self.host.k[layer], self.host.v[layer]
         bs, n, H, d = self.block_size, len(entries), self.heads, self.head_dim
@@ -420,9 +422,8 @@ class WriteBack:
                 self._gathered.record(self.stream)
             for i0, h0, m in runs:
                 rows = slice(i0 * bs, (i0 + m) * bs)
-                for h in range(H):
-                    hk[h, h0 : h0 + m].view(m * bs, d).copy_(dk[h, rows], non_blocking=True)
-                    hv[h, h0 : h0 + m].view(m * bs, d).copy_(dv[h, rows], non_blocking=True)
+                for host, stage in ((hk, dk), (hv, dv)):
+                    self._copy2d(host[:, h0 : h0 + m].view(H, -1), stage[:, rows].view(H, -1), self.stream)
             if self.cuda:
                 done = torch.cuda.Event()
                 done.record(self.stream)
@@ -611,7 +612,7 @@ class WriteBack:
         r = self._reqs.get(rid)
         return [] if r is None else r.host[: r.saved]
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> dict[str, int | str | None]:
         s = self.stats
         return {
             "blocks_planned": s.blocks_planned,
@@ -619,6 +620,7 @@ class WriteBack:
             "bytes_saved": s.bytes_saved,
             "save_jobs": s.jobs,
             "save_jobs_dma": s.dma_jobs,
+            "dma_copy": self._copy2d.api if self.dma_blocks else None,
             "save_jobs_in_flight": len(self._jobs),
             "blocks_pending": len(self._decode),
             "engine_restarts": s.engine_restarts,

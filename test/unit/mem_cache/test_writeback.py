@@ -188,11 +188,13 @@ def test_host_blocks_reserve_take_release():
     assert hb.take("c", 3) == [0, 1, 2]
 
 
-def test_host_runs_decide_dma_or_the_save_kernel(device):
+def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
     """A job of few runs of host blocks moves by DMA; one of scattered blocks (more than
     `DMA_MAX_COPIES` copies) through the save kernel; both land in their host blocks."""
     from sglang_psa.mem_cache import writeback
 
+    # 12 runs take 24 strided copies (CUDA) or 48 per-head ones: over this limit either way.
+    monkeypatch.setattr(writeback, "DMA_MAX_COPIES", 23)
     wb = make(device, path="uva", dma_blocks=16)
     pool = FakePool(device)
     a = FakeReq("a", 0)
@@ -205,7 +207,7 @@ def test_host_runs_decide_dma_or_the_save_kernel(device):
         assert len(writeback.host_runs([type("E", (), {"host": h}) for h in host])) == 12
         wait_saved(wb)
         check_saved(wb, pool, "a", 0, 12)
-        assert wb.stats.dma_jobs == 0  # 12 runs x 2 heads x K,V = 48 copies > 32
+        assert wb.stats.dma_jobs == 0
         wb.release("a")
         assert wb.blocks.take("y", 5) == [0, 1, 2, 3, 4]  # released ids re-form runs
     finally:
@@ -265,3 +267,34 @@ def test_the_private_host_tier_is_page_locked_at_its_own_size():
     finally:
         pool.close()
     assert not pool.pinned
+
+
+@pytest.mark.parametrize("api", ["memcpy2d", "per-row"])
+def test_strided_copy_moves_every_row_and_nothing_else(device, api):
+    """A run of host blocks of every head (rows a slab apart) from the staging (rows a
+    job apart): each row lands, the bytes between rows stay. On CUDA the default is one
+    `cudaMemcpy2DAsync` from torch's runtime (`memcpy2d`); `per-row` is the fallback."""
+    from sglang_psa.mem_cache.strided_copy import StridedCopy
+
+    if device == "cpu" and api == "memcpy2d":
+        pytest.skip("memcpy2d is the CUDA path; the CPU copies row by row")
+    dev = torch.device(device)
+    copy = StridedCopy(dev)
+    assert copy.api == ("memcpy2d" if device == "cuda" else "per-row")
+    if api == "per-row":
+        copy._fn, copy.api = None, "per-row"
+    heads, blocks, n = 4, 10, 6
+    host = torch.full((heads, blocks, BS, D), -1.0, pin_memory=device == "cuda")
+    stage = torch.randn(heads, n * BS, D, device=dev)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    # Staging blocks 1..4 (4 blocks) into host blocks 5..8 of every head.
+    copy(host[:, 5:9].view(heads, -1), stage[:, BS : 5 * BS].view(heads, -1), stream)
+    if stream is not None:
+        stream.synchronize()
+    want = torch.full_like(host, -1.0)
+    want[:, 5:9] = stage[:, BS : 5 * BS].view(heads, 4, BS, D).cpu()
+    assert torch.equal(host, want)
+    with pytest.raises(ValueError, match="strided copy"):
+        copy(host[:, 5:9].view(heads, -1), stage[:, :BS].view(heads, -1), stream)
