@@ -3,6 +3,8 @@
 import pytest
 
 from sglang_psa import demo
+from sglang_psa.config import PSAConfig
+from sglang_psa.hf.attention import DecodePolicy
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -34,8 +36,9 @@ def test_demo_prints_answers_and_per_layer_reads(capsys):
     ]
     assert len(rows) == 30
     # ε = 1 reads every block and reproduces dense greedy decoding exactly.
-    assert "psa-heuristic-1-q8-wf8: " in out
-    line = next(ln for ln in out.splitlines() if ln.startswith("psa-heuristic-1-q8-wf8: "))
+    label = DecodePolicy("psa", PSAConfig(threshold=1.0)).label + ": "
+    assert label.startswith("psa-heuristic-1-") and label in out
+    line = next(ln for ln in out.splitlines() if ln.startswith(label))
     assert "2/2 identical to dense" in line and "mean KV read 100.0%" in line
 
 

@@ -31,6 +31,9 @@ from sglang_psa.algo import (
 from sglang_psa.config import PSAConfig
 
 ATTN_NAME = "psa"
+# Labels name a growing first wave's cap when it is not this one (the first such policies'),
+# so that stored results keep their labels when the default changes.
+LABEL_FIRST_WAVE_CAP = 64
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class DecodePolicy:
         suffix += "-q8" if self.cfg.bound_bits == 8 else ""
         if self.kind == "psa" and self.cfg.wave_fraction:
             suffix += f"-wf{1 / self.cfg.wave_fraction:g}"
-            if self.cfg.max_first_wave_blocks != PSAConfig.max_first_wave_blocks:
+            if self.cfg.max_first_wave_blocks != LABEL_FIRST_WAVE_CAP:
                 suffix += f"-fw{self.cfg.max_first_wave_blocks}"
         suffix += self.tag
         if self.kind == "psa":
