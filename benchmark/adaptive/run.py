@@ -85,8 +85,15 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     # policy near the 0.9 bar, its misses at 16K and 32K where the first wave's cap of 64
     # blocks reads half its 4096 tokens): higher ε, and first waves of 1/4 or a cap of
     # 128 blocks (top-k 4096's tokens at long context, then ε on top).
-    for e, f, cap in ((0.98, 8, 64), (0.99, 8, 64), (0.95, 8, 128), (0.95, 4, 128), (0.98, 4, 128),
-                       (0.97, 4, 128), (0.98, 6, 128)):
+    for e, f, cap in (
+        (0.98, 8, 64),
+        (0.99, 8, 64),
+        (0.95, 8, 128),
+        (0.95, 4, 128),
+        (0.98, 4, 128),
+        (0.97, 4, 128),
+        (0.98, 6, 128),
+    ):
         wave = q8.replace(threshold=e, wave_fraction=1 / f, max_first_wave_blocks=cap)
         out.append(DecodePolicy("psa", wave))
     return out

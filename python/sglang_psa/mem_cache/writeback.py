@@ -423,7 +423,9 @@ class WriteBack:
             for i0, h0, m in runs:
                 rows = slice(i0 * bs, (i0 + m) * bs)
                 for host, stage in ((hk, dk), (hv, dv)):
-                    self._copy2d(host[:, h0 : h0 + m].view(H, -1), stage[:, rows].view(H, -1), self.stream)
+                    self._copy2d(
+                        host[:, h0 : h0 + m].view(H, -1), stage[:, rows].view(H, -1), self.stream
+                    )
             if self.cuda:
                 done = torch.cuda.Event()
                 done.record(self.stream)
