@@ -293,7 +293,7 @@ def test_wave_table_rows_are_the_configs_schedules():
     own first wave (`first_wave` of its blocks), cumulated."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
-    cfg = PSAConfig(wave_fraction=1 / 8, threshold=0.9)
+    cfg = PSAConfig(wave_fraction=1 / 8, max_first_wave_blocks=64, threshold=0.9)
     wa = WaveAttention.from_config(cfg)
     wa.one_wave = False
     ends, rows = wa._wave_table(1100)
@@ -330,10 +330,10 @@ def test_a_first_wave_that_grows_with_the_context_reads_what_the_reference_reads
 @pytest.mark.parametrize("G,d", [(7, 64), (4, 128)])
 def test_a_growing_first_wave_at_real_shapes(G, d):
     """The server's shapes and default policy: 32-token blocks, over 512 of them, group
-    sizes 4-8, head_dim 64 and 128, 8-bit bounds, a first wave of 1/8 of each request's
-    blocks."""
+    sizes 4-8, head_dim 64 and 128, 8-bit bounds, a first wave of 1/4 of each request's
+    blocks up to 128 (the 20000-token request's is capped, the others' are not)."""
     cfg = PSAConfig()
-    assert cfg.bound_bits == 8 and cfg.wave_fraction == 1 / 8
+    assert cfg.bound_bits == 8 and cfg.wave_fraction == 1 / 4 and cfg.max_first_wave_blocks == 128
     g = torch.Generator().manual_seed(3)
     B, Hkv, T = 3, 2, 20000
     q = (torch.randn(B, Hkv * G, d, generator=g) * 2).cuda().bfloat16()

@@ -57,7 +57,7 @@ def test_wave_sizes_partition_the_blocks(n, first, growth, cap):
 
 
 def test_a_first_wave_fraction_grows_between_its_bounds():
-    cfg = PSAConfig(wave_fraction=1 / 8)
+    cfg = PSAConfig(wave_fraction=1 / 8, max_first_wave_blocks=64)
     assert [cfg.first_wave(n) for n in (0, 100, 128, 300, 512, 5000)] == [16, 16, 16, 37, 64, 64]
     assert PSAConfig(wave_fraction=0).first_wave(5000) == 16  # always wave_blocks
     sizes = cfg.wave_sizes(1000, cfg.first_wave(1000))

@@ -266,7 +266,8 @@ def test_topk_reads_the_budget_of_best_blocks(score):
 
 
 def test_sparse_attention_reads_less_on_skewed_attention():
-    """With a few dominant keys, PSA at 0.95 reads few blocks and stays close to dense."""
+    """With a few dominant keys, PSA at 0.95 reads few blocks and stays close to dense
+    (a fixed 16-block first wave: the stop rule decides what else is read)."""
     q, k, v, lengths = make(8, B=1, Hq=4, Hkv=1, T=4096, d=32, ragged=False)
     u = torch.nn.functional.normalize(
         torch.randn(32, generator=torch.Generator().manual_seed(1)), dim=0
@@ -275,7 +276,7 @@ def test_sparse_attention_reads_less_on_skewed_attention():
     k *= 0.2
     for t in (100, 2000, 3500):
         k[0, 0, t] = 8 * u
-    res = progressive_attention(q, k, v, lengths, PSAConfig(threshold=0.95))
+    res = progressive_attention(q, k, v, lengths, PSAConfig(threshold=0.95, wave_fraction=0))
     assert res.read.float().mean() < 0.2
     dense = dense_attention(q, k, v, lengths)
     assert (res.out - dense).norm() / dense.norm() < 0.05
