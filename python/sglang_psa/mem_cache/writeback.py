@@ -91,7 +91,7 @@ class HostBlocks:
     A request reserves the blocks its whole length can fill when admitted, so a
     running request never finds the host tier full; it takes ids as its blocks
     fill and returns all of them when it ends. Ids come out smallest first (the free
-    list stays sorted), so a prefill's blocks are runs that one copy per head moves.
+    list stays sorted), so a prefill's blocks are runs that one strided copy moves.
     """
 
     def __init__(self, num_blocks: int):
@@ -203,9 +203,9 @@ class WriteBack:
         ring, copy-engine process scatter, ZMQ acknowledgement) or `uva` (no engine
         process; a CUDA event is the acknowledgement): a job whose host blocks form a few
         runs is gathered into a device staging of `dma_blocks` blocks and copied into the
-        host tier by DMA, one strided copy per run for K and one for V (prefill chunks); any other job is
-        written by one kernel through unified addressing (decode flushes). The store
-        benchmark measures both paths."""
+        host tier by DMA, one strided copy per run for K and one for V (prefill chunks);
+        any other job is written by one kernel through unified addressing (decode
+        flushes). The store benchmark measures both paths."""
         if path not in ("engine", "uva"):
             raise ValueError(f"write-back path must be engine or uva, got {path!r}")
         self.path = path
@@ -244,8 +244,8 @@ class WriteBack:
         if path == "uva":
             rows = dma_blocks * block_size  # the DMA jobs' staging
         self._stage_k = torch.empty(kv_heads * rows * head_dim, dtype=dtype, device=self.device)
-        self._copy2d = StridedCopy(self.device)
         self._stage_v = torch.empty_like(self._stage_k)
+        self._copy2d = StridedCopy(self.device) if self.dma_blocks else None
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self._gathered = torch.cuda.Event()
@@ -622,7 +622,7 @@ class WriteBack:
             "bytes_saved": s.bytes_saved,
             "save_jobs": s.jobs,
             "save_jobs_dma": s.dma_jobs,
-            "dma_copy": self._copy2d.api if self.dma_blocks else None,
+            "dma_copy": self._copy2d.api if self._copy2d else None,
             "save_jobs_in_flight": len(self._jobs),
             "blocks_pending": len(self._decode),
             "engine_restarts": s.engine_restarts,
