@@ -97,6 +97,16 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     ):
         wave = q8.replace(threshold=e, wave_fraction=1 / f, max_first_wave_blocks=cap)
         out.append(DecodePolicy("psa", wave))
+    # After that default (0.35 of the KV at 0.91 identical): past its first wave every
+    # wave was as large as the first (128 blocks at 16K-32K), read in full even where the
+    # stop rule would have held a few blocks in. Later waves from 16 or 32 blocks
+    # (`later_wave_blocks`, the rule checked after each), at ε 0.98 and 0.99, and with a
+    # first-wave cap of 192 (a higher floor at 24K-32K, where the misses are).
+    for e, cap, later in ((0.98, 128, 16), (0.98, 128, 32), (0.99, 128, 16), (0.98, 192, 16)):
+        wave = q8.replace(
+            threshold=e, wave_fraction=0.25, max_first_wave_blocks=cap, later_wave_blocks=later
+        )
+        out.append(DecodePolicy("psa", wave))
     return out
 
 

@@ -101,6 +101,21 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_lw16",
+            "psa with --psa-later-wave-blocks 16: the waves after the first start at 16 "
+            "blocks instead of the first's size (a candidate default policy)",
+            ("--sparse-mode", "psa", "--psa-later-wave-blocks", "16"),
+            False,
+            True,
+        ),
+        System(
+            "psa_tiered_lw16",
+            "psa_tiered_uva with --psa-later-wave-blocks 16 (a candidate default policy)",
+            (*_TIERED, "--psa-writeback", "uva", "--psa-later-wave-blocks", "16"),
+            False,
+            True,
+        ),
+        System(
             "topk_tiered",
             "sglang-psa --sparse-mode topk --psa-kv-home tiered (fixed 2048-token budget; "
             "every full block written back to the host tier, cold blocks leave HBM), decode "

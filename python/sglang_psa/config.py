@@ -43,7 +43,8 @@ class PSAConfig:
     the `sink_blocks` first and `recent_blocks` last blocks are always attended;
     the rest are attended in waves (first `wave_blocks`, or with `wave_fraction` that
     fraction of the request's blocks between `wave_blocks` and `max_first_wave_blocks`;
-    growing by `wave_growth` up to `max_wave_blocks`) until the covered softmax mass
+    then from `later_wave_blocks` (0: the first wave's size), growing by `wave_growth` up
+    to `max_wave_blocks`) until the covered softmax mass
     passes `threshold` under `stop_rule`. `topk` mode attends a fixed `topk_tokens` budget instead.
     """
 
@@ -72,6 +73,10 @@ class PSAConfig:
     # misses at 16K-32K that a 4096-token top-k did not have.
     wave_fraction: float = 0.25
     max_first_wave_blocks: int = 128
+    # The waves after the first start at this many blocks (0: as large as the first wave).
+    # The stop rule is checked after every wave, so smaller later waves read less past
+    # the point where it holds.
+    later_wave_blocks: int = 0
     topk_tokens: int = 2048
     # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
     # per block and KV head: half the metadata bytes decode reads for every block.
@@ -132,7 +137,7 @@ class PSAConfig:
             )
         need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         need(self.bound_bits in (8, 16), "bound_bits", "must be 8 or 16")
-        for name in ("sink_blocks", "recent_blocks"):
+        for name in ("sink_blocks", "recent_blocks", "later_wave_blocks"):
             need(
                 _is_int(getattr(self, name)) and getattr(self, name) >= 0,
                 name,
@@ -208,20 +213,33 @@ class PSAConfig:
 
     def wave_sizes(self, n_blocks: int, first: int | None = None) -> list[int]:
         """Sizes of the successive waves over `n_blocks` ranked blocks, from a first wave
-        of `first` blocks (default `wave_blocks`); no later wave is smaller than it."""
+        of `first` blocks (default `wave_blocks`): `wave_schedule`."""
         first = self.wave_blocks if first is None else first
-        cap = float(max(self.max_wave_blocks, first))
-        sizes, size, left = [], float(first), n_blocks
-        while left > 0:
-            m = min(int(size), left)
-            sizes.append(m)
-            left -= m
-            size = min(size * self.wave_growth, cap)
-        return sizes
+        return wave_schedule(
+            n_blocks,
+            first,
+            self.later_wave_blocks,
+            self.wave_growth,
+            self.max_wave_blocks,
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+
+def wave_schedule(n_blocks: int, first: int, later: int, growth: float, cap: int) -> list[int]:
+    """Wave sizes over `n_blocks` ranked blocks: `first`, then from `later` (0: `first`)
+    each `growth` times the one before, up to `max(cap, first)` (a later wave starting at
+    `first` is never smaller than it); the last wave takes what is left."""
+    top = float(max(cap, first))
+    sizes, size, left = [], float(first), n_blocks
+    while left > 0:
+        m = min(int(size), left)
+        sizes.append(m)
+        left -= m
+        size = min(size * growth, top) if len(sizes) > 1 or not later else float(later)
+    return sizes
 
 
 def _is_int(x: Any) -> bool:

@@ -470,6 +470,7 @@ class WaveAttention:
         max_wave_blocks: int = 128,
         wave_fraction: float = 0.0,
         max_first_wave_blocks: int = 64,
+        later_wave_blocks: int = 0,
     ):
         if stop_rule not in ("heuristic", "certified"):
             raise ValueError(f"stop_rule must be heuristic|certified, got {stop_rule!r}")
@@ -477,6 +478,7 @@ class WaveAttention:
         self.sink, self.recent = sink_blocks, recent_blocks
         self.wave = (wave_blocks, wave_growth, max_wave_blocks)
         self.wave_fraction, self.max_first_wave = wave_fraction, max_first_wave_blocks
+        self.later_wave = later_wave_blocks  # 0: later waves start at the first's size
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
@@ -502,6 +504,7 @@ class WaveAttention:
             max_wave_blocks=cfg.max_wave_blocks,
             wave_fraction=cfg.wave_fraction,
             max_first_wave_blocks=cfg.max_first_wave_blocks,
+            later_wave_blocks=cfg.later_wave_blocks,
         )
 
     def first_wave(self, n_blocks: int) -> int:
@@ -514,7 +517,7 @@ class WaveAttention:
     def _wave_table(self, max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`[F, W]` int32 cumulative wave ends, one row per distinct first wave (each row
         ends with a repeat of its last end), and `[max_blocks + 1]` int32: the row of a
-        request of n blocks (`PSAConfig.wave_sizes`)."""
+        request of n blocks (spec: `PSAConfig.wave_sizes`; later waves from `later_wave`)."""
         _, growth, cap = self.wave
         if self.one_wave:
             firsts = [max_blocks] * (max_blocks + 1)
@@ -528,7 +531,10 @@ class WaveAttention:
             while left > 0:
                 left -= min(int(size), left)
                 ends.append(max_blocks - left)
-                size = min(size * growth, top)
+                if len(ends) == 1 and self.later_wave:
+                    size = float(self.later_wave)
+                else:
+                    size = min(size * growth, top)
             rows[first] = (ends or [1]) + [(ends or [1])[-1]]
         width = max(len(r) for r in rows.values())
         table = [r + r[-1:] * (width - len(r)) for r in rows.values()]

@@ -288,12 +288,15 @@ def test_wave_attention_with_a_block_budget_is_topk(device):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
-def test_wave_table_rows_are_the_configs_schedules():
+@pytest.mark.parametrize("later", [0, 16])
+def test_wave_table_rows_are_the_configs_schedules(later):
     """Each request's row of the kernel's wave table is `PSAConfig.wave_sizes` from its
-    own first wave (`first_wave` of its blocks), cumulated."""
+    own first wave (`first_wave` of its blocks), cumulated; with or without smaller
+    later waves."""
     from sgl_kernel_ext.wave_attention import WaveAttention
 
     cfg = PSAConfig(wave_fraction=1 / 8, max_first_wave_blocks=64, threshold=0.9)
+    cfg = cfg.replace(later_wave_blocks=later)
     wa = WaveAttention.from_config(cfg)
     wa.one_wave = False
     ends, rows = wa._wave_table(1100)
@@ -308,13 +311,15 @@ def test_wave_table_rows_are_the_configs_schedules():
 
 @pytest.mark.parametrize("rule,eps", [("heuristic", 0.9), ("certified", 0.95)])
 @pytest.mark.parametrize("splits", [1, pytest.param(4, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("later", [0, 2])
 def test_a_first_wave_that_grows_with_the_context_reads_what_the_reference_reads(
-    device, rule, eps, splits
+    device, rule, eps, splits, later
 ):
-    """`wave_fraction`: each request's first wave is its own share of its blocks; the
-    kernel verifies where the reference does: same blocks, output and waves."""
+    """`wave_fraction`: each request's first wave is its own share of its blocks (and the
+    later waves start at `later_wave_blocks`); the kernel verifies where the reference
+    does: same blocks, output and waves."""
     cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
-    cfg = cfg.replace(wave_fraction=0.2, max_first_wave_blocks=9)
+    cfg = cfg.replace(wave_fraction=0.2, max_first_wave_blocks=9, later_wave_blocks=later)
     case = _case(21, B=4, T=700, spread=2.0, device=device)
     lengths = case[3]
     lengths[1:] = torch.tensor([100, 300, 520], device=lengths.device)
@@ -327,12 +332,14 @@ def test_a_first_wave_that_grows_with_the_context_reads_what_the_reference_reads
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("later", [0, 16])
 @pytest.mark.parametrize("G,d", [(7, 64), (4, 128)])
-def test_a_growing_first_wave_at_real_shapes(G, d):
+def test_a_growing_first_wave_at_real_shapes(G, d, later):
     """The server's shapes and default policy: 32-token blocks, over 512 of them, group
     sizes 4-8, head_dim 64 and 128, 8-bit bounds, a first wave of 1/4 of each request's
-    blocks up to 128 (the 20000-token request's is capped, the others' are not)."""
-    cfg = PSAConfig()
+    blocks up to 128 (the 20000-token request's is capped, the others' are not); later
+    waves as large as the first, or from 16 blocks."""
+    cfg = PSAConfig().replace(later_wave_blocks=later)
     assert cfg.bound_bits == 8 and cfg.wave_fraction == 1 / 4 and cfg.max_first_wave_blocks == 128
     g = torch.Generator().manual_seed(3)
     B, Hkv, T = 3, 2, 20000

@@ -65,6 +65,33 @@ def test_a_first_wave_fraction_grows_between_its_bounds():
     assert PSAConfig(max_wave_blocks=32).wave_sizes(100, 50)[:2] == [50, 50]  # never shrinks
 
 
+@given(
+    n=st.integers(0, 3000),
+    first=st.integers(1, 200),
+    later=st.integers(1, 64),
+    growth=st.floats(1.0, 2.0),
+)
+def test_later_waves_start_small_and_grow_to_the_cap(n, first, later, growth):
+    cfg = PSAConfig(later_wave_blocks=later, wave_growth=growth, max_wave_blocks=128)
+    sizes = cfg.wave_sizes(n, first)
+    assert sum(sizes) == n
+    if n > first:
+        assert sizes[0] == first and sizes[1] == min(later, n - first)
+    body = sizes[1:-1]  # the later waves but the last (which takes what is left)
+    assert all(a <= b <= max(128, first) for a, b in zip(body, body[1:]))
+    if len(sizes) > 2:
+        assert sizes[2] == min(int(min(later * growth, max(128, first))), n - first - sizes[1])
+
+
+def test_later_waves_default_to_the_first_waves_size():
+    cfg = PSAConfig()
+    assert cfg.later_wave_blocks == 0
+    assert cfg.wave_sizes(1000, 128) == [128] * 7 + [104]
+    assert cfg.replace(later_wave_blocks=16).wave_sizes(300, 128) == [128, 16, 20, 25, 31, 39, 41]
+    with pytest.raises(PSAConfigError, match="--psa-later-wave-blocks"):
+        PSAConfig(later_wave_blocks=-1)
+
+
 @pytest.mark.parametrize(
     "changes,flag",
     [

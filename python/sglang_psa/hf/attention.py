@@ -61,6 +61,8 @@ class DecodePolicy:
             suffix += f"-wf{1 / self.cfg.wave_fraction:g}"
             if self.cfg.max_first_wave_blocks != LABEL_FIRST_WAVE_CAP:
                 suffix += f"-fw{self.cfg.max_first_wave_blocks}"
+        if self.kind == "psa" and self.cfg.later_wave_blocks:
+            suffix += f"-lw{self.cfg.later_wave_blocks}"
         suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"

@@ -43,6 +43,9 @@ _HELP = {
     "wave_fraction": "PSA: a first wave of this fraction of each request's blocks, between "
     "--psa-wave-blocks and --psa-max-first-wave-blocks (0: always --psa-wave-blocks)",
     "max_first_wave_blocks": "PSA: largest first wave under --psa-wave-fraction",
+    "later_wave_blocks": "PSA: the waves after the first start at this many blocks and grow "
+    "by --psa-wave-growth up to --psa-max-wave-blocks (0: as large as the first wave); the "
+    "stop rule is checked after each wave",
     "topk_tokens": "topk mode: tokens attended per step",
     "bound_bits": "bits per channel of the per-block key bounds: 16 (the KV dtype) or 8 "
     "(codes with a float32 scale per block and KV head, rounded outward so they still "
