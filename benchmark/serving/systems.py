@@ -100,20 +100,26 @@ SYSTEMS: dict[str, System] = {
             False,
             True,
         ),
-        System(
-            "psa_lw16",
-            "psa with --psa-later-wave-blocks 16: the waves after the first start at 16 "
-            "blocks instead of the first's size (a candidate default policy)",
-            ("--sparse-mode", "psa", "--psa-later-wave-blocks", "16"),
-            False,
-            True,
+        *(
+            System(
+                f"psa_mr{tag}",
+                f"psa with --psa-max-read-fraction {frac}: a KV head reads at most that "
+                "share of its request's blocks (a candidate default policy)",
+                ("--sparse-mode", "psa", "--psa-max-read-fraction", frac),
+                False,
+                True,
+            )
+            for tag, frac in (("04", "0.4"), ("05", "0.5"))
         ),
-        System(
-            "psa_tiered_lw16",
-            "psa_tiered_uva with --psa-later-wave-blocks 16 (a candidate default policy)",
-            (*_TIERED, "--psa-writeback", "uva", "--psa-later-wave-blocks", "16"),
-            False,
-            True,
+        *(
+            System(
+                f"psa_tiered_mr{tag}",
+                f"psa_tiered_uva with --psa-max-read-fraction {frac} (a candidate default policy)",
+                (*_TIERED, "--psa-writeback", "uva", "--psa-max-read-fraction", frac),
+                False,
+                True,
+            )
+            for tag, frac in (("04", "0.4"), ("05", "0.5"))
         ),
         System(
             "topk_tiered",

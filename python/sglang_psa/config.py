@@ -77,6 +77,11 @@ class PSAConfig:
     # The stop rule is checked after every wave, so smaller later waves read less past
     # the point where it holds.
     later_wave_blocks: int = 0
+    # PSA: a (request, KV head) reads at most this fraction of the request's blocks (never
+    # fewer than the forced ones), whatever the stop rule says (1: no cap). A diffuse head
+    # never meets the rule and reads everything; its output is an average that a part of
+    # its blocks already gives.
+    max_read_fraction: float = 1.0
     topk_tokens: int = 2048
     # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
     # per block and KV head: half the metadata bytes decode reads for every block.
@@ -162,6 +167,12 @@ class PSAConfig:
             not self.wave_fraction or self.max_first_wave_blocks >= self.wave_blocks,
             "max_first_wave_blocks",
             f"must be >= wave_blocks ({self.wave_blocks}) with a wave fraction",
+        )
+        need(
+            isinstance(self.max_read_fraction, (int, float))
+            and 0.0 < self.max_read_fraction <= 1.0,
+            "max_read_fraction",
+            "must be in (0, 1]",
         )
         need(
             isinstance(self.wave_growth, (int, float)) and self.wave_growth >= 1.0,

@@ -174,6 +174,7 @@ def _wave_attention_kernel(
     scale,
     limit,
     max_read,
+    cap_frac,
     Hkv,
     NB,
     slot_stride,
@@ -227,6 +228,9 @@ def _wave_attention_kernel(
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
     nf = tl.load(nforced_ptr + b)
+    # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
+    # (the ceiling of the float32 product; never below the forced blocks).
+    mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
     g = tl.arange(0, GP)
     gmask = g < G
     dd = tl.arange(0, D)
@@ -247,7 +251,7 @@ def _wave_attention_kernel(
     n_host = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
-        end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), max_read)
+        end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
         # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
@@ -320,7 +324,7 @@ def _wave_attention_kernel(
             covered = m_top + tl.log(l_top)
         w += 1
         done = _stop(
-            covered, low, ub_suffix_ptr, b * Hkv * G + hq, wstart, nb, max_read, limit, gmask,
+            covered, low, ub_suffix_ptr, b * Hkv * G + hq, wstart, nb, mr, limit, gmask,
             NB, RULE,
         )  # fmt: skip
     writer = sid == 0
@@ -471,6 +475,7 @@ class WaveAttention:
         wave_fraction: float = 0.0,
         max_first_wave_blocks: int = 64,
         later_wave_blocks: int = 0,
+        max_read_fraction: float = 1.0,
     ):
         if stop_rule not in ("heuristic", "certified"):
             raise ValueError(f"stop_rule must be heuristic|certified, got {stop_rule!r}")
@@ -479,6 +484,8 @@ class WaveAttention:
         self.wave = (wave_blocks, wave_growth, max_wave_blocks)
         self.wave_fraction, self.max_first_wave = wave_fraction, max_first_wave_blocks
         self.later_wave = later_wave_blocks  # 0: later waves start at the first's size
+        # A (request, KV head) reads at most this share of the request's blocks.
+        self.max_read_fraction = float(max_read_fraction)
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
@@ -505,6 +512,7 @@ class WaveAttention:
             wave_fraction=cfg.wave_fraction,
             max_first_wave_blocks=cfg.max_first_wave_blocks,
             later_wave_blocks=cfg.later_wave_blocks,
+            max_read_fraction=cfg.max_read_fraction,
         )
 
     def first_wave(self, n_blocks: int) -> int:
@@ -743,7 +751,9 @@ class WaveAttention:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
         `max_read_blocks` caps the blocks read per (request, KV head): with
-        threshold 1 this is top-k attention over the same ranked order.
+        threshold 1 this is top-k attention over the same ranked order. The
+        `max_read_fraction` of the plan caps them at that share of each request's blocks
+        (spec: `sglang_psa.algo.attention.read_cap`).
         `slot_strides` (elements per slot, per token, per KV head) lets the slots be
         another layout: SGLang's `[tokens, Hkv, d]` KV buffer is read in place as
         slots = pages with `(bs * Hkv * d, Hkv * d, d)`. Default: `[num_slots, bs, d]`.
@@ -767,7 +777,8 @@ class WaveAttention:
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
-        if self.one_wave and max_read_blocks is None:  # dense: every block, block order
+        dense = self.one_wave and max_read_blocks is None and self.max_read_fraction >= 1
+        if dense:  # every block, in block order
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
         else:
             order, n_forced, ub_suffix = self.rank(
@@ -817,6 +828,7 @@ class WaveAttention:
                     scale,
                     self.limit,
                     NB if max_read_blocks is None else max_read_blocks,
+                    self.max_read_fraction,
                     Hkv,
                     NB,
                     *(slot_strides or (bs * D, D, 0)),

@@ -24,6 +24,7 @@ def device(kernel_device):
         DecodePolicy("psa", PSAConfig(threshold=0.95, stop_rule="certified", **SMALL)),
         DecodePolicy("psa", PSAConfig(threshold=0.9, bound_bits=8, **SMALL)),
         DecodePolicy("psa", PSAConfig(threshold=0.95, bound_bits=8, later_wave_blocks=1, **SMALL)),
+        DecodePolicy("psa", PSAConfig(threshold=0.98, max_read_fraction=0.4, **SMALL)),
         DecodePolicy("topk", PSAConfig(**SMALL), 16 * 6),
     ],
     ids=lambda p: p.label,

@@ -372,6 +372,21 @@ def test_a_block_cap_stops_psa_where_the_reference_does(device, rule, eps, split
     assert torch.equal(res.n_waves.long(), ref.n_waves)
 
 
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.98), ("certified", 0.95), ("heuristic", 1.0)])
+@pytest.mark.parametrize("splits", [1, pytest.param(4, marks=pytest.mark.gpu)])
+def test_a_read_fraction_caps_psa_where_the_reference_does(device, rule, eps, splits):
+    """`max_read_fraction`: each request's heads read at most that share of its own
+    blocks (at threshold 1: a top-k of that share); same blocks, output and waves as the
+    reference."""
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, max_read_fraction=0.3, **SMALL_WAVES)
+    case = _case(8, B=3, T=400, spread=2.0, device=device)
+    case[3][1:] = torch.tensor([250, 90], device=case[3].device)
+    free = progressive_attention(*case, cfg.replace(max_read_fraction=1.0))
+    ref = progressive_attention(*case, cfg)
+    assert (ref.read.sum(-1) < free.read.sum(-1)).any(), "the cap must bind somewhere"
+    _assert_matches_psa(cfg, case, 0.3, 6, device, splits=splits)
+
+
 @pytest.mark.parametrize("budget", [None, 5], ids=["dense", "topk"])
 def test_one_wave_splits_are_merged_by_the_last_program(device, budget):
     """No stop rule (threshold 1, or a fixed budget): one wave, several programs per

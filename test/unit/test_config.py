@@ -92,6 +92,12 @@ def test_later_waves_default_to_the_first_waves_size():
         PSAConfig(later_wave_blocks=-1)
 
 
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan")])
+def test_a_read_fraction_must_be_a_share(bad):
+    with pytest.raises(PSAConfigError, match="--psa-max-read-fraction"):
+        PSAConfig(max_read_fraction=bad)
+
+
 @pytest.mark.parametrize(
     "changes,flag",
     [

@@ -139,6 +139,14 @@ def _wave_checkpoints(
     return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
 
 
+def read_cap(nblk: torch.Tensor, cfg: PSAConfig) -> torch.Tensor:
+    """`[B]` most blocks each request's KV heads read under `cfg.max_read_fraction`: the
+    ceiling of the float32 product, as the kernel computes it (the forced blocks are
+    read whatever it says)."""
+    f = torch.tensor(cfg.max_read_fraction, dtype=torch.float32, device=nblk.device)
+    return torch.ceil(nblk.to(torch.float32) * f).long()
+
+
 def _unsort(order: torch.Tensor, read_sorted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Read mask by block index from one by read-order position; empty blocks never read."""
     read = torch.zeros_like(read_sorted).scatter(-1, order, read_sorted)
@@ -174,7 +182,8 @@ def progressive_attention(
     Per request (`[B]` tensors, for evaluating several policies in one batch):
     `threshold` replaces `cfg.threshold` as ε; `cap_tokens` caps the blocks read at
     `cap_tokens // block_size` (never below the forced ones; 0 or less: no cap), as
-    if the last wave ended there.
+    if the last wave ended there. `cfg.max_read_fraction` caps them the same way at that
+    share of each request's blocks (`read_cap`).
     """
     scale = _default_scale(q, scale)
     B, Hq, _ = q.shape
@@ -220,14 +229,17 @@ def progressive_attention(
     # First verified position that satisfies the rule; the last block always does.
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
+    cap = read_cap(nblk, cfg)
     if cap_tokens is not None:
         cap_tokens = cap_tokens.to(q.device)
-        cap = torch.where(cap_tokens > 0, cap_tokens // bs, nb).clamp(min=1)
+        cap = torch.minimum(cap, torch.where(cap_tokens > 0, cap_tokens // bs, nb).clamp(min=1))
+    capped = cap_tokens is not None or cfg.max_read_fraction < 1
+    if capped:
         n_read = torch.minimum(n_read, torch.maximum(cap, n_forced)[:, None])
     read_sorted = pos[None, None, :] < n_read[..., None]
     read = _unsort(order, read_sorted, meta.count > 0)
     n_waves = (checks[:, None, :] & read_sorted).sum(-1)
-    if cap_tokens is not None:  # a wave the cap cut short counts too
+    if capped:  # a wave the cap cut short counts too
         last = checks[:, None, :].expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
         n_waves = n_waves + (~last[..., 0]).long()
     out, lse = attend(scores, v, read, bs)

@@ -63,6 +63,8 @@ class DecodePolicy:
                 suffix += f"-fw{self.cfg.max_first_wave_blocks}"
         if self.kind == "psa" and self.cfg.later_wave_blocks:
             suffix += f"-lw{self.cfg.later_wave_blocks}"
+        if self.kind == "psa" and self.cfg.max_read_fraction < 1:
+            suffix += f"-mr{self.cfg.max_read_fraction:g}"
         suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
@@ -380,7 +382,8 @@ class KernelRows:
         cap = self.max_read(policy)
         plan = self.plans.get(i)
         if plan is None or plan[0] != nb:
-            run_cfg = cfg.replace(threshold=1.0) if policy.kind == "topk" else cfg
+            topk = policy.kind == "topk"
+            run_cfg = cfg.replace(threshold=1.0, max_read_fraction=1.0) if topk else cfg
             wa = WaveAttention.from_config(run_cfg).plan(
                 1, q.shape[1], Hkv, d, nb, q.device, out_dtype=q.dtype, read_blocks=cap
             )

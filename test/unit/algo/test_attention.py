@@ -102,7 +102,9 @@ def loop_reference(q, k, v, lengths, cfg):
                     ok &= cov >= cfg.threshold
                 if ok:
                     break
-            read[b, h, done_blocks] = True
+            # max_read_fraction: the blocks past the cap (in read order) stay unread.
+            cap = max(len(f), math.ceil(float(torch.tensor(nblk * 1.0) * cfg.max_read_fraction)))
+            read[b, h, (f + ranked)[: min(cap, len(done_blocks))]] = True
     return read
 
 
@@ -127,9 +129,10 @@ def test_dense_reference_matches_torch_sdpa():
 @pytest.mark.parametrize("rule", ["heuristic", "certified"])
 @pytest.mark.parametrize("eps", [0.5, 0.9, 0.98])
 @pytest.mark.parametrize("score", ["mean", "bound"])
-@pytest.mark.parametrize("kept", ["default", "exact-bounds-fixed-wave"])
+@pytest.mark.parametrize("kept", ["default", "exact-bounds-fixed-wave", "later-waves-capped"])
 def test_vectorised_psa_matches_the_loop_algorithm(rule, eps, score, kept):
-    """Default: 8-bit bounds and a first wave of 1/8 of each request's blocks."""
+    """Default: 8-bit bounds and a first wave of 1/4 of each request's blocks; also with
+    later waves of one block growing and a cap of 40% of each request's blocks."""
     q, k, v, lengths = make(3, B=2, T=200, spread=1.5)
     cfg = PSAConfig(
         threshold=eps,
@@ -140,8 +143,10 @@ def test_vectorised_psa_matches_the_loop_algorithm(rule, eps, score, kept):
         wave_growth=1.5,
         max_wave_blocks=8,
     )
-    if kept != "default":
+    if kept == "exact-bounds-fixed-wave":
         cfg = cfg.replace(bound_bits=16, wave_fraction=0.0)
+    elif kept == "later-waves-capped":
+        cfg = cfg.replace(later_wave_blocks=1, max_read_fraction=0.4)
     res = progressive_attention(q, k, v, lengths, cfg)
     assert torch.equal(res.read, loop_reference(q, k, v, lengths, cfg))
     want = explicit_masked_attention(q, k, v, lengths, res.read, 8)
@@ -381,3 +386,24 @@ def test_8_bit_bounds_in_the_config_rank_by_the_read_back_bounds(kind):
         got = run(q, k, v, lengths, cfg.replace(bound_bits=8), meta=meta)
         assert torch.equal(got.read, want.read)
         torch.testing.assert_close(got.out, want.out)
+
+
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.98), ("certified", 0.95), ("heuristic", 1.0)])
+def test_a_read_fraction_caps_each_head_at_its_requests_share(rule, eps):
+    """`max_read_fraction`: a head reads at most ceil(f x its request's blocks) (never fewer
+    than the forced blocks), the first of what it would read uncapped; heads under the
+    cap read the same blocks."""
+    q, k, v, lengths = make(5, B=4, T=400, spread=1.5)
+    lengths[:] = torch.tensor([400, 250, 97, 30])
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, block_size=8, wave_blocks=2)
+    free = progressive_attention(q, k, v, lengths, cfg)
+    res = progressive_attention(q, k, v, lengths, cfg.replace(max_read_fraction=0.3))
+    nblk = (lengths + 7) // 8
+    forced = forced_blocks(lengths, res.read.shape[-1], cfg).sum(-1)
+    cap = torch.maximum(torch.ceil(nblk * 0.3).long(), forced)
+    n_free, n_res = free.read.sum(-1), res.read.sum(-1)
+    assert torch.equal(n_res, torch.minimum(n_free, cap[:, None]))
+    assert (res.read <= free.read).all()  # a prefix of the same read order
+    assert (n_res < n_free).any(), "the cap must bind somewhere"
+    under = n_free <= cap[:, None]
+    assert torch.equal(res.read[under], free.read[under])
