@@ -50,11 +50,11 @@ class PSAConfig:
 
     sparse_mode: str = "psa"
     # The default policy (ε 0.98, 8-bit key bounds, a first wave of 1/4 of the blocks up
-    # to 128) is the psa policy reading least KV (0.35) at dense's accuracy with >= 0.9 of
-    # 64-token completions identical to dense's, on the H100's 70-task suite at 4K-32K;
-    # the smallest top-k budget there reads 0.64 (8192 tokens); ε 0.95 with a first wave
-    # of 1/8 up to 64 read 0.21 but kept 0.81 identical
-    # (benchmark/results/adaptive_budget.json).
+    # to 128, a KV head reading at most half its request's blocks) reads 0.30 of the KV at
+    # dense's accuracy with 0.93 of 64-token completions identical to dense's on the H100's
+    # 70-task suite at 4K-32K; the smallest top-k budget at that quality reads 0.64 (8192
+    # tokens). Caps of 0.4 and 0.3 read 0.28 and 0.25 at exactly 0.90 identical; without
+    # a cap the same policy read 0.35 at 0.91 (benchmark/results/adaptive_budget.json).
     threshold: float = 0.98
     stop_rule: str = "heuristic"
     # Quest's bound ranks long-context answers well where mean keys do not, and a first
@@ -77,11 +77,12 @@ class PSAConfig:
     # The stop rule is checked after every wave, so smaller later waves read less past
     # the point where it holds.
     later_wave_blocks: int = 0
-    # PSA: a (request, KV head) reads at most this fraction of the request's blocks (never
-    # fewer than the forced ones), whatever the stop rule says (1: no cap). A diffuse head
-    # never meets the rule and reads everything; its output is an average that a part of
-    # its blocks already gives.
-    max_read_fraction: float = 1.0
+    # PSA, heuristic rule, ε < 1: a (request, KV head) reads at most this fraction of the
+    # request's blocks (never fewer than the forced ones), whatever the rule says (1: no
+    # cap; the certified rule is never capped, ε = 1 is dense). A diffuse head
+    # never meets the rule and would read everything; its output is an average that half
+    # of its best-ranked blocks already gives.
+    max_read_fraction: float = 0.5
     topk_tokens: int = 2048
     # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
     # per block and KV head: half the metadata bytes decode reads for every block.

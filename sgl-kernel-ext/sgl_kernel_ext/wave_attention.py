@@ -484,8 +484,9 @@ class WaveAttention:
         self.wave = (wave_blocks, wave_growth, max_wave_blocks)
         self.wave_fraction, self.max_first_wave = wave_fraction, max_first_wave_blocks
         self.later_wave = later_wave_blocks  # 0: later waves start at the first's size
-        # A (request, KV head) reads at most this share of the request's blocks.
-        self.max_read_fraction = float(max_read_fraction)
+        # A (request, KV head) reads at most this share of the request's blocks under the
+        # heuristic rule (the certified rule's guarantee would not survive a cap).
+        self.max_read_fraction = float(max_read_fraction) if stop_rule == "heuristic" else 1.0
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
@@ -777,8 +778,7 @@ class WaveAttention:
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
-        dense = self.one_wave and max_read_blocks is None and self.max_read_fraction >= 1
-        if dense:  # every block, in block order
+        if self.one_wave and max_read_blocks is None:  # dense: every block, block order
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
         else:
             order, n_forced, ub_suffix = self.rank(
@@ -828,7 +828,7 @@ class WaveAttention:
                     scale,
                     self.limit,
                     NB if max_read_blocks is None else max_read_blocks,
-                    self.max_read_fraction,
+                    1.0 if self.one_wave else self.max_read_fraction,  # ε = 1: dense
                     Hkv,
                     NB,
                     *(slot_strides or (bs * D, D, 0)),

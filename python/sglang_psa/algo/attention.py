@@ -140,9 +140,9 @@ def _wave_checkpoints(
 
 
 def read_cap(nblk: torch.Tensor, cfg: PSAConfig) -> torch.Tensor:
-    """`[B]` most blocks each request's KV heads read under `cfg.max_read_fraction`: the
-    ceiling of the float32 product, as the kernel computes it (the forced blocks are
-    read whatever it says)."""
+    """`[B]` most blocks each request's KV heads read under `cfg.max_read_fraction` (the
+    heuristic rule only): the ceiling of the float32 product, as the kernel computes it
+    (the forced blocks are read whatever it says)."""
     f = torch.tensor(cfg.max_read_fraction, dtype=torch.float32, device=nblk.device)
     return torch.ceil(nblk.to(torch.float32) * f).long()
 
@@ -183,7 +183,7 @@ def progressive_attention(
     `threshold` replaces `cfg.threshold` as ε; `cap_tokens` caps the blocks read at
     `cap_tokens // block_size` (never below the forced ones; 0 or less: no cap), as
     if the last wave ended there. `cfg.max_read_fraction` caps them the same way at that
-    share of each request's blocks (`read_cap`).
+    share of each request's blocks (`read_cap`) under the heuristic rule with ε < 1.
     """
     scale = _default_scale(q, scale)
     B, Hq, _ = q.shape
@@ -230,6 +230,14 @@ def progressive_attention(
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
     cap = read_cap(nblk, cfg)
+    # The share cap bounds the heuristic rule only: ε = 1 reads everything (dense), and
+    # the certified rule's guarantee would not survive a cap.
+    if cfg.stop_rule == "certified":
+        cap = torch.full_like(cap, nb)
+    elif threshold is None:
+        cap = cap if cfg.threshold < 1.0 else torch.full_like(cap, nb)
+    else:
+        cap = torch.where(threshold.to(q.device) < 1.0, cap, nb)
     if cap_tokens is not None:
         cap_tokens = cap_tokens.to(q.device)
         cap = torch.minimum(cap, torch.where(cap_tokens > 0, cap_tokens // bs, nb).clamp(min=1))

@@ -43,8 +43,9 @@ _HELP = {
     "wave_fraction": "PSA: a first wave of this fraction of each request's blocks, between "
     "--psa-wave-blocks and --psa-max-first-wave-blocks (0: always --psa-wave-blocks)",
     "max_first_wave_blocks": "PSA: largest first wave under --psa-wave-fraction",
-    "max_read_fraction": "PSA: a KV head reads at most this fraction of a request's blocks "
-    "whatever the stop rule says (1: no cap; the sink and recent blocks are always read)",
+    "max_read_fraction": "PSA, heuristic rule: a KV head reads at most this fraction of a "
+    "request's blocks whatever the rule says (1: no cap; the sink and recent blocks are "
+    "always read; the certified rule and --psa-threshold 1 are never capped)",
     "later_wave_blocks": "PSA: the waves after the first start at this many blocks and grow "
     "by --psa-wave-growth up to --psa-max-wave-blocks (0: as large as the first wave); the "
     "stop rule is checked after each wave",

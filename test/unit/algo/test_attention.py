@@ -102,8 +102,12 @@ def loop_reference(q, k, v, lengths, cfg):
                     ok &= cov >= cfg.threshold
                 if ok:
                     break
-            # max_read_fraction: the blocks past the cap (in read order) stay unread.
-            cap = max(len(f), math.ceil(float(torch.tensor(nblk * 1.0) * cfg.max_read_fraction)))
+            # max_read_fraction (heuristic rule, ε < 1): the blocks past the cap (in read
+            # order) stay unread.
+            share = cfg.max_read_fraction
+            if cfg.stop_rule != "heuristic" or cfg.threshold >= 1:
+                share = 1.0
+            cap = max(len(f), math.ceil(float(torch.tensor(nblk * 1.0) * share)))
             read[b, h, (f + ranked)[: min(cap, len(done_blocks))]] = True
     return read
 
@@ -111,8 +115,11 @@ def loop_reference(q, k, v, lengths, cfg):
 @pytest.mark.parametrize("rule", ["heuristic", "certified"])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 2), (6, 1)])
 def test_threshold_one_equals_dense(rule, Hq, Hkv):
+    """ε = 1 reads every block, whatever `max_read_fraction` (the default caps at 0.5)."""
     q, k, v, lengths = make(0, Hq=Hq, Hkv=Hkv, spread=2.0)
-    res = progressive_attention(q, k, v, lengths, PSAConfig(threshold=1.0, stop_rule=rule))
+    cfg = PSAConfig(threshold=1.0, stop_rule=rule)
+    assert cfg.max_read_fraction < 1
+    res = progressive_attention(q, k, v, lengths, cfg)
     torch.testing.assert_close(res.out, dense_attention(q, k, v, lengths), atol=1e-5, rtol=1e-5)
     nblk = (lengths + 31) // 32
     assert torch.equal(res.read.sum(-1), nblk[:, None].expand(-1, Hkv))
@@ -236,7 +243,7 @@ def test_wave_ends_are_verification_points():
     q, k, v, lengths = make(5, T=2000, ragged=False, B=2)
     cfg = PSAConfig(
         threshold=0.9, wave_blocks=4, wave_growth=2.0, max_wave_blocks=16, wave_fraction=0.0
-    )
+    ).replace(max_read_fraction=1.0)  # a cap would end reads between verification points
     res = progressive_attention(q, k, v, lengths, cfg)
     n_forced = cfg.sink_blocks + cfg.recent_blocks
     ends = {n_forced + e for e in torch.tensor(cfg.wave_sizes(63)).cumsum(0).tolist()}
@@ -377,7 +384,7 @@ def test_8_bit_bounds_in_the_config_rank_by_the_read_back_bounds(kind):
     q, k, v, lengths = make(1 if kind == "psa" else 5, T=600, spread=2.0)  # seeds where 8 bits
     # change what is read
     cfg = PSAConfig(threshold=0.9, block_size=8, wave_blocks=2, topk_tokens=24)
-    cfg = cfg.replace(bound_bits=16, wave_fraction=0.0)
+    cfg = cfg.replace(bound_bits=16, wave_fraction=0.0, max_read_fraction=1.0)
     run = progressive_attention if kind == "psa" else topk_attention
     exact = block_metadata(k, lengths, 8)
     want = run(q, k, v, lengths, cfg, meta=quantize_bounds(exact))
@@ -388,7 +395,18 @@ def test_8_bit_bounds_in_the_config_rank_by_the_read_back_bounds(kind):
         torch.testing.assert_close(got.out, want.out)
 
 
-@pytest.mark.parametrize("rule,eps", [("heuristic", 0.98), ("certified", 0.95), ("heuristic", 1.0)])
+def test_the_certified_rule_and_dense_are_never_capped():
+    """A cap would break the certificate (and ε = 1 is dense attention): neither reads
+    less under `max_read_fraction`."""
+    q, k, v, lengths = make(5, B=2, T=400, spread=1.5)
+    for rule, eps in (("certified", 0.95), ("heuristic", 1.0)):
+        cfg = PSAConfig(threshold=eps, stop_rule=rule, block_size=8, wave_blocks=2)
+        free = progressive_attention(q, k, v, lengths, cfg.replace(max_read_fraction=1.0))
+        res = progressive_attention(q, k, v, lengths, cfg.replace(max_read_fraction=0.2))
+        assert torch.equal(res.read, free.read), rule
+
+
+@pytest.mark.parametrize("rule,eps", [("heuristic", 0.98), ("heuristic", 0.9)])
 def test_a_read_fraction_caps_each_head_at_its_requests_share(rule, eps):
     """`max_read_fraction`: a head reads at most ceil(f x its request's blocks) (never fewer
     than the forced blocks), the first of what it would read uncapped; heads under the
