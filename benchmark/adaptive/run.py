@@ -44,7 +44,7 @@ COMPLETION = 64  # tokens compared with dense's
 
 # The suite's first default (ε 0.98, 16-bit bounds, a fixed first wave): the base of its
 # policies, which keep their labels (the current default, `PSAConfig()`, is among them).
-FIRST = PSAConfig(threshold=0.98, bound_bits=16, wave_fraction=0.0)
+FIRST = PSAConfig(threshold=0.98, bound_bits=16, wave_fraction=0.0, max_read_fraction=1.0)
 
 
 def policies(budgets: list[int]) -> list[DecodePolicy]:

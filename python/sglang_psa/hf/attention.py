@@ -63,7 +63,8 @@ class DecodePolicy:
                 suffix += f"-fw{self.cfg.max_first_wave_blocks}"
         if self.kind == "psa" and self.cfg.later_wave_blocks:
             suffix += f"-lw{self.cfg.later_wave_blocks}"
-        if self.kind == "psa" and self.cfg.max_read_fraction < 1:
+        capped = self.cfg.stop_rule == "heuristic" and self.cfg.max_read_fraction < 1
+        if self.kind == "psa" and capped:  # the only rule the cap applies to
             suffix += f"-mr{self.cfg.max_read_fraction:g}"
         suffix += self.tag
         if self.kind == "psa":
