@@ -35,6 +35,8 @@ INVALID = {
     "max_wave_blocks": ["8"],  # below the first wave (16)
     "wave_fraction": ["1.5", "-0.1", "x"],
     "max_first_wave_blocks": ["0", "2.5"],
+    "later_wave_blocks": ["-1", "2.5"],
+    "max_read_fraction": ["0", "1.5", "nan", "x"],
     "topk_tokens": ["16", "0"],
     "bound_bits": ["4", "x"],
     "gpu_cache_gb": ["-1"],
