@@ -100,26 +100,20 @@ SYSTEMS: dict[str, System] = {
             False,
             True,
         ),
-        *(
-            System(
-                f"psa_mr{tag}",
-                f"psa with --psa-max-read-fraction {frac}: a KV head reads at most that "
-                "share of its request's blocks (a candidate default policy)",
-                ("--sparse-mode", "psa", "--psa-max-read-fraction", frac),
-                False,
-                True,
-            )
-            for tag, frac in (("04", "0.4"), ("05", "0.5"))
+        System(
+            "psa_mr04",
+            "psa with --psa-max-read-fraction 0.4: a KV head reads at most 0.4 of its "
+            "request's blocks (the default is 0.5)",
+            ("--sparse-mode", "psa", "--psa-max-read-fraction", "0.4"),
+            False,
+            True,
         ),
-        *(
-            System(
-                f"psa_tiered_mr{tag}",
-                f"psa_tiered_uva with --psa-max-read-fraction {frac} (a candidate default policy)",
-                (*_TIERED, "--psa-writeback", "uva", "--psa-max-read-fraction", frac),
-                False,
-                True,
-            )
-            for tag, frac in (("04", "0.4"), ("05", "0.5"))
+        System(
+            "psa_tiered_mr04",
+            "psa_tiered_uva with --psa-max-read-fraction 0.4 (the default is 0.5)",
+            (*_TIERED, "--psa-writeback", "uva", "--psa-max-read-fraction", "0.4"),
+            False,
+            True,
         ),
         System(
             "topk_tiered",

@@ -485,8 +485,10 @@ class WaveAttention:
         self.wave_fraction, self.max_first_wave = wave_fraction, max_first_wave_blocks
         self.later_wave = later_wave_blocks  # 0: later waves start at the first's size
         # A (request, KV head) reads at most this share of the request's blocks under the
-        # heuristic rule (the certified rule's guarantee would not survive a cap).
-        self.max_read_fraction = float(max_read_fraction) if stop_rule == "heuristic" else 1.0
+        # heuristic rule with ε < 1 (the certified rule's guarantee would not survive a cap;
+        # ε = 1 is dense, top-k's budget is `max_read_blocks`).
+        capped = stop_rule == "heuristic" and threshold < 1.0
+        self.max_read_fraction = float(max_read_fraction) if capped else 1.0
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
         self.tile_tokens, self.num_warps = 64, 4
@@ -828,7 +830,7 @@ class WaveAttention:
                     scale,
                     self.limit,
                     NB if max_read_blocks is None else max_read_blocks,
-                    1.0 if self.one_wave else self.max_read_fraction,  # ε = 1: dense
+                    self.max_read_fraction,
                     Hkv,
                     NB,
                     *(slot_strides or (bs * D, D, 0)),

@@ -124,7 +124,7 @@ class WavePipeline:
     def __init__(self, wave: WaveAttention, spare_slots: torch.Tensor, poll_s: float = 20e-6):
         if wave.wave_fraction:
             raise ValueError("the wave pipeline plans one wave schedule: no wave fraction")
-        if wave.max_read_fraction < 1 and not wave.one_wave:
+        if wave.max_read_fraction < 1:
             raise ValueError("the wave pipeline caps reads by max_read_blocks only")
         self.wave, self.spare, self.poll_s = wave, spare_slots.long(), poll_s
 

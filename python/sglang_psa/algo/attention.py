@@ -229,15 +229,11 @@ def progressive_attention(
     # First verified position that satisfies the rule; the last block always does.
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
-    cap = read_cap(nblk, cfg)
-    # The share cap bounds the heuristic rule only: ε = 1 reads everything (dense), and
-    # the certified rule's guarantee would not survive a cap.
-    if cfg.stop_rule == "certified":
-        cap = torch.full_like(cap, nb)
-    elif threshold is None:
-        cap = cap if cfg.threshold < 1.0 else torch.full_like(cap, nb)
-    else:
-        cap = torch.where(threshold.to(q.device) < 1.0, cap, nb)
+    # The share cap bounds the heuristic rule with ε < 1 only: ε = 1 reads everything
+    # (dense), and the certified rule's guarantee would not survive a cap.
+    eps = torch.as_tensor(cfg.threshold if threshold is None else threshold, device=q.device)
+    capped_rows = (eps < 1.0) & (cfg.stop_rule == "heuristic")
+    cap = torch.where(capped_rows, read_cap(nblk, cfg), nb)
     if cap_tokens is not None:
         cap_tokens = cap_tokens.to(q.device)
         cap = torch.minimum(cap, torch.where(cap_tokens > 0, cap_tokens // bs, nb).clamp(min=1))

@@ -186,8 +186,7 @@ class PSAAttnBackend(AttentionBackend):
 
             serving.metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
         topk = cfg.sparse_mode == "topk"
-        run_cfg = cfg.replace(threshold=1.0, max_read_fraction=1.0) if topk else cfg
-        self._wave = WaveAttention.from_config(run_cfg)
+        self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // bs if topk else None
         self._workspace = Workspace(device)
         self._device = device

@@ -383,8 +383,7 @@ class KernelRows:
         cap = self.max_read(policy)
         plan = self.plans.get(i)
         if plan is None or plan[0] != nb:
-            topk = policy.kind == "topk"
-            run_cfg = cfg.replace(threshold=1.0, max_read_fraction=1.0) if topk else cfg
+            run_cfg = cfg.replace(threshold=1.0) if policy.kind == "topk" else cfg
             wa = WaveAttention.from_config(run_cfg).plan(
                 1, q.shape[1], Hkv, d, nb, q.device, out_dtype=q.dtype, read_blocks=cap
             )
