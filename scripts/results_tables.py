@@ -22,21 +22,20 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 # (file, summary key, what it is, how to read it)
 HEADLINE = [
     ("serving_h100", "decode_step_ratio_psa_vs_plain",
-     "decode step, `--sparse-mode psa` / plain SGLang with graphs (32 x 28K; the policy "
-     "before the read cap)", "lower is better"),
+     "decode step, `--sparse-mode psa` / plain SGLang with graphs (32 x 28K)", "lower is better"),
     ("serving_h100", "decode_step_ratio_topk_vs_plain",
      "decode step, `--sparse-mode topk` / plain (32 x 28K)", "lower is better"),
     ("serving_h100", "throughput_ratio_psa_vs_plain",
-     "output throughput, psa / plain (32 x 28K, 1024 outputs; the policy before the read "
-     "cap)", "higher is better"),
+     "output throughput, psa / plain (32 x 28K, 1024 outputs)", "higher is better"),
     ("serving_h100", "throughput_ratio_host_vs_plain_capped",
      "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
-     "requests (the policy before the read cap)", "higher is better"),
+     "requests", "higher is better"),
+    ("serving_h100", "ttft_p99_ratio_host_vs_plain_capped",
+     "p99 time to first token, the same tiered run / plain's", "lower is better"),
     ("serving_h100", "throughput_ratio_host_vs_plain_capped_topk",
      "the same, `--sparse-mode topk` (2048 tokens) at the tiered home", "higher is better"),
     ("serving_h100", "throughput_ratio_tiered_vs_hbm",
-     "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K, one run; "
-     "the policy before the read cap)",
+     "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K, one run)",
      "higher is better"),
     ("serving_h100", "accuracy_delta_vs_plain",
      "answers correct, psa minus plain (same prompts; each workload's latest run, some at "
