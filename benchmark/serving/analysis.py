@@ -7,11 +7,14 @@ Pure functions of JSON-able data, so the GPU run and the CPU tests share them.
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import re
 import statistics
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 DECODE_RE = re.compile(
     r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})[^\]]*\]\s+Decode batch[^,]*,\s+"
@@ -482,3 +485,69 @@ def markdown_table(doc: dict) -> str:
             f"{f(r['identical'], '.2f')} |"
         )
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Where a decode step's GPU time goes (`stage --profile-decode`)
+# ---------------------------------------------------------------------------------------
+
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+KERNEL_NAME_CHARS = 120  # C++ template names run to kilobytes
+
+
+def kernel_profile(traces: list[Path], steps: int, top: int = 25) -> dict:
+    """GPU time per decode step by kernel, from the Chrome traces SGLang's profiler wrote
+    (`/start_profile` with `num_steps`, GPU activity).
+
+    The step count is the traced `cudaGraphLaunch` calls (one per graph-replayed step)
+    when there are any, else `steps` (eager decoding). Per step: `kernel_us` sums every
+    GPU event (kernels, copies, fills; events on concurrent streams count twice),
+    `busy_us` the time at least one ran, `span_us` first start to last end (`span_us -
+    busy_us`: the GPU idle, waiting for the host). `kernels`: the `top` names by time,
+    each with its µs and launches per step; `other_us` the rest. Raises ValueError when
+    the traces hold no GPU event."""
+    events, graph_launches = [], 0
+    for path in traces:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            doc = json.load(f)
+        for e in doc.get("traceEvents", []):
+            if e.get("ph") != "X":
+                continue
+            if e.get("cat") in GPU_EVENT_CATEGORIES:
+                events.append((float(e["ts"]), float(e["dur"]), e["name"]))
+            elif e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch":
+                graph_launches += 1
+    if not events:
+        raise ValueError(f"no GPU events in {', '.join(str(t) for t in traces) or 'no trace'}")
+    n = graph_launches or steps
+    total: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    for _, dur, name in events:
+        total[name] += dur
+        count[name] += 1
+    busy, end_busy = 0.0, -math.inf
+    for ts, dur, _ in sorted(events):
+        if ts >= end_busy:
+            busy += dur
+        elif ts + dur > end_busy:
+            busy += ts + dur - end_busy
+        end_busy = max(end_busy, ts + dur)
+    span = max(ts + dur for ts, dur, _ in events) - min(ts for ts, _, _ in events)
+    ranked = total.most_common()
+    return {
+        "steps": n,
+        "steps_from": "graph launches" if graph_launches else "requested",
+        "kernel_us": sum(total.values()) / n,
+        "busy_us": busy / n,
+        "span_us": span / n,
+        "kernels": [
+            {
+                "name": name[:KERNEL_NAME_CHARS],
+                "us": us / n,
+                "launches": count[name] / n,
+            }
+            for name, us in ranked[:top]
+        ],
+        "other_us": sum(us for _, us in ranked[top:]) / n,
+    }

@@ -25,6 +25,7 @@ import requests
 HERE = Path(__file__).resolve().parent
 STUBS = HERE / "stubs"
 LOG_TAIL_LINES = 60
+PROFILE_POLL_S = 0.25  # how often `profile_decode` reads the server's new log lines
 
 
 class ServerFailed(RuntimeError):
@@ -195,16 +196,26 @@ def bench_command(
 
 
 def run_bench(
-    cmd: list[str], server: Server, log_path: Path, out_file: Path, timeout: float
+    cmd: list[str],
+    server: Server,
+    log_path: Path,
+    out_file: Path,
+    timeout: float,
+    profile: tuple[int, Path] | None = None,
 ) -> dict:
     """Run `bench_serving`; show progress from the server's decode log lines meanwhile.
-    Returns the JSON line it wrote (with per-request details)."""
+    Returns the JSON line it wrote (with per-request details). `profile` (steps, folder):
+    once decoding runs with no request queued, SGLang's profiler records that many
+    forward passes into the folder (`profile_decode`)."""
     out_file.unlink(missing_ok=True)
     log("$ " + " ".join(cmd))
     with log_path.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=client_env())
         stop = threading.Event()
         threading.Thread(target=_progress, args=(server, stop), daemon=True).start()
+        if profile:
+            args = (server, stop, *profile, server.log_size())
+            threading.Thread(target=profile_decode, args=args, daemon=True).start()
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -236,6 +247,39 @@ def _progress(server: Server, stop: threading.Event, every: float = 20.0) -> Non
             )
         else:
             log("  prefilling (no decode line yet)")
+
+
+def profile_decode(
+    server: Server, stop: threading.Event, steps: int, folder: Path, start: int
+) -> None:
+    """At the first decode log line (after byte `start` of the server's log) with no
+    request queued, every prompt is prefilled: ask SGLang's profiler for `steps` forward
+    passes, GPU activity, traces into `folder` (the server writes them when the passes
+    are done; the export stalls it meanwhile, so the run's own figures are perturbed)."""
+    from analysis import parse_decode_lines  # same folder; imported lazily for the thread
+
+    seen = start
+    while not stop.wait(PROFILE_POLL_S):
+        end = server.log_size()
+        text = server.log_text(seen, end)
+        seen += len(text.encode()) - len(text.rsplit("\n", 1)[-1].encode())  # whole lines
+        if any(line["queue"] == 0 for line in parse_decode_lines(text)):
+            folder.mkdir(parents=True, exist_ok=True)
+            body = {"num_steps": steps, "activities": ["GPU"], "output_dir": str(folder)}
+            try:
+                r = requests.post(server.url + "/start_profile", json=body, timeout=60)
+                log(f"  profiling {steps} decode steps: HTTP {r.status_code} {r.text.strip()}")
+            except requests.RequestException as e:
+                log(f"  profiling did not start: {e}")
+            return
+
+
+def stop_profile(server: Server) -> None:
+    """End a profile that is still recording (the run ended first), so its trace is written."""
+    try:
+        requests.post(server.url + "/stop_profile", timeout=300)
+    except requests.RequestException as e:
+        log(f"  stop_profile failed: {e}")
 
 
 def python() -> str:

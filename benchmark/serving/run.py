@@ -29,6 +29,11 @@ SGLang and one or two other systems of a workload (`--systems`, `--rates` split
 the rest); where even one does not fit beside plain (the 8B workload), the next
 call adds it to the same run (`--continue-run last`: same machine since boot,
 same commit). benchmark/serving/README.md lists what each call takes on the H100.
+
+`stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
+SGLang's profiler records STEPS decode steps of each server, and each system's record
+gets a table of GPU time per step by kernel (`decode_profile`). The profiler's export
+stalls the server, so that run goes to WORK/serving_profile.json and `merge` skips it.
 """
 
 from __future__ import annotations
@@ -267,13 +272,17 @@ def timed_run(
         w.seed,
         out,
     )
+    steps = ctx.get("profile_steps") if math.isinf(rate) else None
+    folder = ctx["work"] / "profiles" / ctx["run_id"] / f"{w.name}-{name}"
     bench = driver.run_bench(
         cmd,
         server,
         logs / f"{w.name}-{name}-{key}.bench.log",
         out,
         timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
+        profile=(steps, folder) if steps else None,
     )
+    profile = decode_profile(server, folder, steps) if steps else None
     lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
     rows = analysis.per_request(
         bench,
@@ -287,6 +296,8 @@ def timed_run(
         "decode_log": lines,
         "rows": rows,
     }
+    if profile is not None:
+        run["decode_profile"] = profile
     m = run["metrics"]
     log(
         f"{w.name}/{name} @ {key}/s: {m['output_tok_s']:.0f} output tok/s, "
@@ -295,6 +306,38 @@ def timed_run(
         f"{m['steady_decode']['batch']}, accuracy {m['accuracy']:.2f}, {m['failed']} failed"
     )
     return run
+
+
+PROFILE_WAIT_S = 60  # for the server to write its trace after the run
+
+
+def decode_profile(server: Server, folder: Path, steps: int) -> dict:
+    """The kernel table of the steps `--profile-decode` recorded in this run (see
+    `analysis.kernel_profile`), or {"error": why} when no trace came."""
+    deadline = time.time() + PROFILE_WAIT_S
+    stopped = False
+    while True:
+        traces = sorted(folder.glob("*.trace.json*")) if folder.exists() else []
+        if traces:
+            time.sleep(2.0)  # the export may still be writing the file
+            try:
+                table = analysis.kernel_profile(traces, steps)
+            except (ValueError, OSError, EOFError) as e:  # EOFError: a truncated gzip
+                return {"error": f"{type(e).__name__}: {e}", "traces": [str(t) for t in traces]}
+            table["traces"] = [str(t) for t in traces]
+            log(
+                f"  decode profile: {table['busy_us'] / 1e3:.2f} ms busy of "
+                f"{table['span_us'] / 1e3:.2f} ms per step over {table['steps']} steps"
+            )
+            for k in table["kernels"][:12]:
+                log(f"    {k['us']:9.1f} us  x{k['launches']:5.1f}  {k['name'][:90]}")
+            return table
+        if time.time() > deadline:
+            if stopped:
+                return {"error": f"no trace in {folder} {PROFILE_WAIT_S} s after the run"}
+            driver.stop_profile(server)  # the run ended before the steps were recorded
+            stopped, deadline = True, time.time() + PROFILE_WAIT_S
+        time.sleep(1.0)
 
 
 def capacity_batch(info: dict, w: workloads_mod.Workload) -> int:
@@ -390,7 +433,10 @@ def stage(args) -> int:
         },
         "systems": {},
     }
+    if args.profile_decode:
+        part["profiled"] = args.profile_decode
     ctx = {
+        "profile_steps": args.profile_decode,
         "work": work,
         "run_id": run_id,
         "model_dir": model_dir,
@@ -436,6 +482,8 @@ def stage(args) -> int:
         save_part(part, part_path, args)
     save_part(part, part_path, args)  # with the systems left unstarted, if any
     out = Path(args.out) if args.out else None
+    if args.profile_decode and out is None:
+        out = Path(args.work) / "serving_profile.json"  # perturbed runs: diagnosis only
     if args.smoke and out is None:
         out = Path(args.work) / "serving_smoke.json"  # never merged into a real result
     merged = merge_into(out, [part], args)
@@ -607,6 +655,12 @@ def plot(merged: dict, path: Path) -> None:
 
 def merge_cmd(args) -> int:
     parts = load_parts([Path(p) for p in args.parts])
+    profiled = [p for p in parts if p.get("profiled")]
+    if profiled:  # their servers stalled for the profiler's export: not measurements
+        log(f"merge: skipping {len(profiled)} part(s) of --profile-decode runs")
+        parts = [p for p in parts if not p.get("profiled")]
+        if not parts:
+            raise SystemExit("merge: only --profile-decode parts given: diagnosis, not results")
     if not parts:
         raise SystemExit("merge: no parts found in " + ", ".join(args.parts))
     merged = merge_into(Path(args.out) if args.out else None, parts, args)
@@ -685,6 +739,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RUN_ID",
         help="add --systems to an earlier run of this stage on this machine (same boot, "
         "commit and workload; `last`: the newest): a stage that does not fit one call",
+    )
+    st.add_argument(
+        "--profile-decode",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="diagnosis: once every prompt is prefilled, record STEPS decode steps of each "
+        "system with SGLang's profiler and keep a table of GPU time by kernel; the "
+        "profiler's export stalls the server, so the run goes to WORK/serving_profile.json, "
+        "never into a real result",
     )
     st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
     st.add_argument(

@@ -5,8 +5,9 @@ client, log parsing, scoring, merging) runs on a CPU machine.
     python fake_sglang.py --model-path DIR --port P [any launch_server flags]
 
 The fake answers `/generate` (streamed like SGLang: cumulative text, `completion_tokens`),
-`/health`, `/get_server_info` and `/server_info`, `/flush_cache`, and prints SGLang-format
-"Decode batch" lines. Its "model" answers with every 7-digit number of the prompt (so
+`/health`, `/get_server_info` and `/server_info`, `/flush_cache`, `/start_profile` (it
+writes a synthetic trace once the steps asked for are done) and `/stop_profile`, and
+prints SGLang-format "Decode batch" lines. Its "model" answers with every 7-digit number of the prompt (so
 single-needle tasks are answered right), then " x" until the requested length. With
 `--sparse-mode` it also reports a `psa` block with a blocks-read fraction.
 """
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
+import os
 import re
 import sys
 import time
 from pathlib import Path
 
 WORD_RE = r"\w+|[^\w\s]+"
-STEP_S = 0.002  # one fake decode step
+STEP_S = float(os.environ.get("FAKE_SGLANG_STEP_S", "0.002"))  # one fake decode step
 
 
 def make_tokenizer(folder: Path, texts: list[str]) -> Path:
@@ -85,6 +88,28 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=1_000_000)
     args, _ = ap.parse_known_args()
     state = {"running": 0, "generated": 0, "steps": 0, "tic": time.perf_counter(), "reads": 0}
+    profile = {}  # a started profile: steps to record, first step, output folder
+
+    def write_trace() -> None:
+        """SGLang's profiler's Chrome trace, GPU activity: per step one graph launch, an
+        attention kernel of 30 us and a GEMM of 50 us, then 20 us of nothing."""
+        events = []
+        for i in range(profile["steps"]):
+            t = 100.0 * i
+            events.append(
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t, "dur": 5.0}
+            )
+            events.append(
+                {"ph": "X", "cat": "kernel", "name": "fake_attention_kernel", "ts": t, "dur": 30.0}
+            )
+            events.append(
+                {"ph": "X", "cat": "kernel", "name": "fake_gemm", "ts": t + 30, "dur": 50.0}
+            )
+        folder = Path(profile["dir"])
+        folder.mkdir(parents=True, exist_ok=True)
+        with gzip.open(folder / "fake-TP-0.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        profile.clear()
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}", flush=True)
@@ -120,6 +145,8 @@ def main() -> None:
                 state["reads"] += 1
                 if state["steps"] % 10 == 0:
                     decode_line()
+                if profile and state["steps"] - profile["from"] >= profile["steps"]:
+                    write_trace()
                 chunk = {"text": " ".join(words[:i]), "meta_info": {"completion_tokens": i}}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
@@ -148,10 +175,22 @@ def main() -> None:
     async def ok(request):
         return web.Response(text="ok")
 
+    async def start_profile(request):
+        body = await request.json()
+        profile.update(steps=body["num_steps"], dir=body["output_dir"], **{"from": state["steps"]})
+        return web.Response(text="Start profiling.\n")
+
+    async def stop_profile(request):
+        if profile:
+            write_trace()
+        return web.Response(text="Stop profiling.\n")
+
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", ok)
     app.router.add_post("/flush_cache", ok)
+    app.router.add_post("/start_profile", start_profile)
+    app.router.add_post("/stop_profile", stop_profile)
     app.router.add_get("/get_server_info", info)
     app.router.add_get("/server_info", info)
     log(f"fake sglang on {args.port} serving {args.model_path}")

@@ -4,6 +4,7 @@ driven by SGLang's real `bench_serving` client."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -637,3 +638,90 @@ def test_a_systems_record_is_handed_over_before_its_server_shuts_down(monkeypatc
     }
     rec = run.run_system("psa", SMOKE_A, ctx, 31999, run.time.time() + 60)
     assert rec["error"] is None and events == ["start", ("psa", 5.0), "stop"]
+
+
+# --- 8. where a decode step's GPU time goes (--profile-decode) -------------------------
+
+
+def _trace(path, events):
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def _ev(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_kernel_profile_divides_by_graph_steps_and_counts_overlap_once(tmp_path):
+    events = []
+    for i in range(4):  # 4 graph-replayed steps of 100 us
+        t = 100.0 * i
+        events += [
+            _ev("cuda_runtime", "cudaGraphLaunch", t, 3.0),
+            _ev("cuda_runtime", "cudaLaunchKernel", t, 3.0),  # not a GPU event
+            _ev("kernel", "gemm" + "<T>" * 100, t, 40.0),
+            _ev("kernel", "attention", t + 40, 20.0),
+            _ev("kernel", "writeback", t + 50, 20.0),  # on a side stream: 10 us overlap
+            _ev("gpu_memcpy", "Memcpy DtoH", t + 70, 5.0),
+            {"ph": "i", "cat": "kernel", "name": "instant", "ts": t},  # not a span
+        ]
+    prof = analysis.kernel_profile([_trace(tmp_path / "t.trace.json.gz", events)], 99, top=2)
+    assert prof["steps"] == 4 and prof["steps_from"] == "graph launches"
+    assert prof["kernel_us"] == pytest.approx(85.0)  # 40 + 20 + 20 + 5
+    assert prof["busy_us"] == pytest.approx(75.0)  # 0-70 and 70-75
+    assert prof["span_us"] == pytest.approx((300 + 75) / 4)
+    names = [k["name"] for k in prof["kernels"]]
+    assert names[0].startswith("gemm") and len(names[0]) == analysis.KERNEL_NAME_CHARS
+    assert [k["us"] for k in prof["kernels"]] == [40.0, 20.0]
+    assert all(k["launches"] == 1.0 for k in prof["kernels"])
+    assert prof["other_us"] == pytest.approx(25.0)  # the other 20 us kernel and the copy
+
+
+def test_kernel_profile_of_eager_steps_uses_the_requested_count_and_needs_gpu_events(tmp_path):
+    events = [_ev("kernel", "k", 10.0 * i, 4.0) for i in range(6)]
+    plain = tmp_path / "t.trace.json"
+    plain.write_text(json.dumps({"traceEvents": events}))
+    prof = analysis.kernel_profile([plain], 3)
+    assert prof["steps"] == 3 and prof["steps_from"] == "requested"
+    assert prof["kernel_us"] == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="no GPU events"):
+        analysis.kernel_profile([_trace(tmp_path / "cpu.json.gz", [_ev("cpu_op", "x", 0, 1)])], 3)
+
+
+@pytest.mark.slow
+def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_results(tmp_path):
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
+    if importlib.util.find_spec("aiohttp") is None:
+        pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
+    rows = workloads.build_rows(SMOKE_A, fake_sglang.WordCounter())
+    tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
+    env = dict(os.environ, FAKE_SGLANG_STEP_S="0.02")  # decoding outlasts the log poll
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
+    )
+    work, out = tmp_path / "work", tmp_path / "out"
+    cmd = [sys.executable, "benchmark/serving/run.py", "stage", "a", "--smoke"]
+    cmd += ["--model-dir", str(tok), "--work", str(work), "--export", str(out)]
+    cmd += ["--launcher", f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"]
+    cmd += ["--systems", "psa", "--profile-decode", "5", "--port", str(_free_port_pair())]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    (part_file,) = (out / "parts").glob("a.*.json")
+    part = json.loads(part_file.read_text())
+    assert part["profiled"] == 5
+    for name in ("plain", "psa"):
+        prof = part["systems"][name]["decode_profile"]
+        assert prof["steps"] == 5 and prof["steps_from"] == "graph launches", name
+        assert [k["name"] for k in prof["kernels"]] == ["fake_gemm", "fake_attention_kernel"]
+        assert prof["busy_us"] == pytest.approx(80.0) and prof["span_us"] == pytest.approx(96.0)
+    assert (work / "serving_profile.json").exists()
+    assert not (work / "serving_smoke.json").exists()
+    # `merge` keeps such a part out of a result
+    merged = subprocess.run(
+        [sys.executable, "benchmark/serving/run.py", "merge", str(part_file)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert merged.returncode != 0 and "diagnosis, not results" in merged.stderr
