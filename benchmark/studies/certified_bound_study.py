@@ -22,7 +22,11 @@ layer, dense decode) it scores, per ε, one block at a time (no waves):
   default waves and first wave);
 - `codes<b>`: the code bound, blocks in descending order of their bounded mass
   (each head's share of the group's bounded mass, max over the group, as
-  `criticality_from_logits`), forced sink/recent blocks first.
+  `criticality_from_logits`), forced sink/recent blocks first;
+- `alloc<b>`: the same with per-channel widths averaging `b` bits, fixed per layer and
+  KV head (`allocate_bits`) from a calibration task of another kind (`--calib-kind`,
+  not scored): the channels whose `|q_i| (kmax_i - kmin_i)` is typically large get
+  the bits. Same bytes as `codes<b>`.
 
 KV fraction = blocks read / blocks, plus every byte the rule reads for all blocks:
 the 8-bit key min/max (136 B a block and KV head: 2 × 64 codes + two float32 scales,
@@ -48,7 +52,12 @@ import sglang_psa.hf.attention as hf_attention
 from sglang_psa.algo.attention import block_lse, forced_blocks, order_blocks, token_scores
 from sglang_psa.algo.criticality import bound_logits, criticality, criticality_from_logits
 from sglang_psa.algo.metadata import as_kept, block_metadata, num_blocks
-from sglang_psa.algo.token_bounds import code_bytes_per_token, encode_keys, token_score_bounds
+from sglang_psa.algo.token_bounds import (
+    allocate_bits,
+    code_bytes_per_token,
+    encode_keys,
+    token_score_bounds,
+)
 from sglang_psa.config import PSAConfig
 from sglang_psa.eval.results import write_result
 from sglang_psa.eval.runner import chat_parts
@@ -103,10 +112,11 @@ def certified_stop(order, true_blse, bound_blse, lengths, cfg: PSAConfig, eps: f
 class Capture:
     """Scores every rule on every decode call of the transformers hook (dense decode)."""
 
-    def __init__(self, eps: list[float], bits: list[int], n_layers: int):
+    def __init__(self, eps: list[float], widths: dict[str, int | list], n_layers: int):
+        """`widths`: code rule -> bits a channel, or per layer `[Hkv, d]` widths."""
         self.cfg = PSAConfig()
-        self.eps, self.bits, self.n_layers = eps, bits, n_layers
-        self.rules = ["oracle", "box", "box_waves"] + [f"codes{b}" for b in bits]
+        self.eps, self.widths, self.n_layers = eps, widths, n_layers
+        self.rules = ["oracle", "box", "box_waves", *widths]
         # (rule, eps) -> layer -> [(blocks fraction per KV head..., min coverage)]
         self.frac: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.cov: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -140,19 +150,18 @@ class Capture:
         orders["box"] = order_blocks(criticality(q, kept, scale, "bound"), lengths, c)
         box = (bound_logits(q, kept, scale) + log_count).masked_fill(empty, -torch.inf)
         bounds["box"] = box.double()
-        for b in self.bits:
+        for rule, w in self.widths.items():
+            b = w if isinstance(w, int) else w[layer]
             codes = encode_keys(k, lengths, kept.kmin, kept.kmax, bs, b)
             ub = token_score_bounds(q, codes, lengths, scale)
             valid = torch.isfinite(s32)
             assert (ub[valid] >= s32[valid]).all(), "a code bound is below a float32 score"
             assert (ub.double()[valid] >= s64[valid]).all(), "a code bound is below a score"
             blse = block_lse(ub.double(), bs)
-            orders[f"codes{b}"] = order_blocks(
-                criticality_from_logits(blse.float(), Hkv), lengths, c
-            )
-            bounds[f"codes{b}"] = blse
+            orders[rule] = order_blocks(criticality_from_logits(blse.float(), Hkv), lengths, c)
+            bounds[rule] = blse
             ratio = torch.logsumexp(blse, -1) - torch.logsumexp(true_blse, -1)
-            self.slack[f"codes{b}"].extend(ratio.flatten().tolist())
+            self.slack[rule].extend(ratio.flatten().tolist())
         ratio = torch.logsumexp(box.double(), -1) - torch.logsumexp(true_blse, -1)
         self.slack["box"].extend(ratio.flatten().tolist())
 
@@ -175,6 +184,42 @@ class Capture:
         return self.original(q, k, v, lengths, cfg, meta=meta, scale=scale, **kwargs)
 
 
+class Calibrate:
+    """Per layer and KV head, a channel's typical `|q_i| (kmax_i - kmin_i)` over decode
+    calls (mean |q| over the group's heads, times the median over blocks of the kept
+    range): the weights `allocate_bits` spends a calibrated width budget by."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers, self.calls = n_layers, 0
+        self.q: dict[int, list] = defaultdict(list)
+        self.r: dict[int, list] = defaultdict(list)
+        self.original = hf_attention.progressive_attention
+
+    def __call__(self, q, k, v, lengths, cfg, meta=None, scale=None, **kwargs):
+        layer = self.calls % self.n_layers
+        self.calls += 1
+        Hkv = k.shape[1]
+        kept = as_kept(block_metadata(k, lengths, PSAConfig().block_size), PSAConfig())
+        self.q[layer].append(q.float().abs().view(q.shape[0], Hkv, -1, q.shape[-1]).mean((0, 2)))
+        self.r[layer].append((kept.kmax - kept.kmin)[0].median(1).values)  # [Hkv, d]
+        return self.original(q, k, v, lengths, cfg, meta=meta, scale=scale, **kwargs)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [
+            torch.stack(self.q[i]).mean(0) * torch.stack(self.r[i]).mean(0)
+            for i in range(self.n_layers)
+        ]
+
+
+def decode_with(hook, session: Session, steps: int) -> None:
+    """`steps` dense decode steps after the session's context, `hook` in PSA's place."""
+    hf_attention.progressive_attention = hook
+    try:
+        session.decode(DecodePolicy("psa", PSAConfig(threshold=1.0)), steps + 1)
+    finally:
+        hf_attention.progressive_attention = hook.original
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -185,6 +230,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="decode steps captured per task")
     ap.add_argument("--eps", default="0.8,0.9,0.95")
     ap.add_argument("--bits", default="2,4,5,6", help="code bits per channel")
+    ap.add_argument(
+        "--alloc-bits",
+        default="3,4,5,6",
+        help="mean bits a channel of calibrated per-channel widths ('': none)",
+    )
+    ap.add_argument("--calib-kind", default="common_words", help="task kind calibrated on")
+    ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="certified_bound_cpu_16k")
     args = ap.parse_args()
@@ -194,37 +246,51 @@ def main() -> None:
     if unknown:
         ap.error(f"--kinds: unknown {', '.join(unknown)} (choose from {', '.join(GENERATORS)})")
     eps_list = [float(e) for e in args.eps.split(",")]
-    bits = [int(b) for b in args.bits.split(",")]
+    bits = [int(b) for b in args.bits.split(",") if b]
+    alloc_bits = [int(b) for b in args.alloc_bits.split(",") if b]
     t0 = time.time()
     model, tok = load_model(ensure_model(args.model))
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     tasks = make_tasks(kinds, args.context_tokens, args.per_kind, args.seed, count)
-    dense = PSAConfig(threshold=1.0)  # reads everything: the decode is dense attention
-    cap = Capture(eps_list, bits, mc.num_hidden_layers)
-    hf_attention.progressive_attention = cap
+    widths: dict[str, int | list] = {f"codes{b}": b for b in bits}
+    allocation = {}
+    if alloc_bits:
+        # Calibrated widths: a task of another kind (and length) than the ones scored.
+        calib = make_tasks([args.calib_kind], args.calib_tokens, 1, args.seed, count)[0]
+        session = Session(model, tok)
+        session.extend(sum(chat_parts(tok, calib.prompt, calib.question), []))
+        cal = Calibrate(mc.num_hidden_layers)
+        decode_with(cal, session, args.steps)
+        weights = cal.weights()
+        for b in alloc_bits:
+            widths[f"alloc{b}"] = [allocate_bits(w, b) for w in weights]
+            allocation[f"alloc{b}"] = [w.tolist() for w in widths[f"alloc{b}"]]
+        print(f"[cert] calibrated on {calib.kind}, {time.time() - t0:.0f} s", flush=True)
+    cap = Capture(eps_list, widths, mc.num_hidden_layers)
     lengths = []
-    try:
-        for i, task in enumerate(tasks, 1):
-            doc, q = chat_parts(tok, task.prompt, task.question)
-            session = Session(model, tok)
-            session.extend(doc + q)
-            lengths.append(session.length)
-            print(
-                f"[cert] task {i}/{len(tasks)} {task.kind}: {session.length} tokens, "
-                f"{time.time() - t0:.0f} s",
-                flush=True,
-            )
-            session.decode(DecodePolicy("psa", dense), args.steps + 1)
-    finally:
-        hf_attention.progressive_attention = cap.original
+    for i, task in enumerate(tasks, 1):
+        doc, q = chat_parts(tok, task.prompt, task.question)
+        session = Session(model, tok)
+        session.extend(doc + q)
+        lengths.append(session.length)
+        print(
+            f"[cert] task {i}/{len(tasks)} {task.kind}: {session.length} tokens, "
+            f"{time.time() - t0:.0f} s",
+            flush=True,
+        )
+        decode_with(cap, session, args.steps)
 
     kv_token = 2 * head_dim * KV_ELEM_BYTES
     meta_frac = meta_bytes_per_block(head_dim) / (PSAConfig().block_size * kv_token)
     sketch = {"oracle": 0.0, "box": meta_frac, "box_waves": meta_frac}
-    for b in bits:
-        sketch[f"codes{b}"] = meta_frac + code_bytes_per_token(b, head_dim) / kv_token
+    for rule, w in widths.items():
+        per_layer_bytes = [
+            code_bytes_per_token(x, head_dim) for x in (w if isinstance(w, list) else [w])
+        ]
+        code_bytes = sum(per_layer_bytes) / len(per_layer_bytes)
+        sketch[rule] = meta_frac + code_bytes / kv_token
     summary: dict = {}
     per_layer = {}
     for eps in eps_list:
@@ -257,12 +323,19 @@ def main() -> None:
     write_result(
         RESULTS / f"{args.name}.json",
         summary,
-        {"per_layer": per_layer, "log_bound_over_true_mass": slack, "lengths": lengths},
+        {
+            "per_layer": per_layer,
+            "log_bound_over_true_mass": slack,
+            "lengths": lengths,
+            "allocated_bits": allocation,
+        },
         model=MODELS[args.model].name,
         context_tokens=args.context_tokens,
         kinds=kinds,
         eps=eps_list,
         bits=bits,
+        alloc_bits=alloc_bits,
+        calibration=f"{args.calib_kind} at {args.calib_tokens} tokens" if alloc_bits else None,
         steps=args.steps,
         stop_granularity="one block at a time (box_waves: the library's waves)",
     )

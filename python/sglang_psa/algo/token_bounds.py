@@ -3,7 +3,9 @@
 A block's per-channel key range `[lo, hi]` (its kept key min/max, `metadata.as_kept`)
 is cut into `2^bits` cells per channel; each token stores, per channel, the index of
 a cell that contains its key (`bits` bits a channel: `bits * d / 8` bytes a token and
-KV head). For a query the interval product gives, per token,
+KV head). `bits` may instead be set per KV head and channel (`[Hkv, d]`, 0 to 8; a
+channel of 0 bits stores nothing and keeps the block's range: `allocate_bits`). For a
+query the interval product gives, per token,
 
     scale * q . k  <=  sum_i max(q'_i a_i, q'_i b_i) + margin
                     =  q' . mid + sum_i |q'_i| (b_i - a_i) / 2 + margin
@@ -45,8 +47,18 @@ class KeyCodes(NamedTuple):
     codes: torch.Tensor  # [B, Hkv, T, d] uint8: cell per token and channel (0 past lengths)
     lo: torch.Tensor  # [B, Hkv, NB, d] float32: per-block per-channel range the cells cut
     hi: torch.Tensor  # [B, Hkv, NB, d] float32
-    bits: int
+    bits: int | torch.Tensor  # one width, or [Hkv, d] int64 per KV head and channel
     block_size: int
+
+
+def _bits_tensor(bits: int | torch.Tensor, device) -> torch.Tensor:
+    """`bits` as an int64 tensor broadcasting over `[B, Hkv, T, d]`."""
+    if isinstance(bits, int):
+        bits = torch.tensor(bits)
+    bits = bits.to(device=device, dtype=torch.int64)
+    if bits.numel() and (bits.min() < 0 or bits.max() > 8):
+        raise ValueError(f"bits must be in [0, 8], got {bits.min()}..{bits.max()}")
+    return bits if bits.dim() == 0 else bits[None, :, None, :]
 
 
 def _per_token(x: torch.Tensor, block_size: int, T: int) -> torch.Tensor:
@@ -54,12 +66,15 @@ def _per_token(x: torch.Tensor, block_size: int, T: int) -> torch.Tensor:
     return x.repeat_interleave(block_size, dim=2)[:, :, :T]
 
 
-def cell_edge(lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, bits: int) -> torch.Tensor:
+def cell_edge(
+    lo: torch.Tensor, hi: torch.Tensor, c: torch.Tensor, bits: int | torch.Tensor
+) -> torch.Tensor:
     """Edge `c` (0..2^bits) of the cells cutting `[lo, hi]`, float32: `lo` at 0, `hi` at
     `2^bits`, else `lo + c * (hi - lo) * 2^-bits` clamped into `[lo, hi]` (non-decreasing
-    in `c`: every float32 step is a monotone rounding)."""
-    n = 2**bits
-    w = (hi - lo) * (1.0 / n)
+    in `c`: every float32 step is a monotone rounding; `2^-bits` is exact). `bits`: an int
+    or an int64 tensor broadcasting with `c`."""
+    n = torch.as_tensor(2**bits) if isinstance(bits, int) else 2**bits
+    w = (hi - lo) * (1.0 / n.to(torch.float32))
     cf = c.to(torch.float32)
     e = torch.minimum(torch.maximum(lo + cf * w, lo), hi)
     return torch.where(c >= n, hi, e)
@@ -71,15 +86,15 @@ def encode_keys(
     lo: torch.Tensor,
     hi: torch.Tensor,
     block_size: int,
-    bits: int,
+    bits: int | torch.Tensor,
 ) -> KeyCodes:
     """Codes of every key `k [B, Hkv, T, d]` in its block's range `lo, hi [B, Hkv, NB, d]`
-    (any range containing the block's keys: the exact or the kept min/max). Raises
-    `ValueError` when a valid key lies outside its block's range or is not finite."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in [1, 8], got {bits}")
+    (any range containing the block's keys: the exact or the kept min/max), `bits` (0 to
+    8) a channel, or `[Hkv, d]` per KV head and channel. Raises `ValueError` when a valid
+    key lies outside its block's range or is not finite."""
     B, H, T, d = k.shape
-    n = 2**bits
+    bt = _bits_tensor(bits, k.device)
+    n = 2**bt
     kf = k.float()
     valid = (torch.arange(T, device=k.device)[None, :] < lengths[:, None])[:, None, :, None]
     lo_t = _per_token(lo.float(), block_size, T)
@@ -91,15 +106,15 @@ def encode_keys(
         raise ValueError("a key lies outside its block's [lo, hi] range")
     w = (hi_t - lo_t) * (1.0 / n)
     guess = torch.where(w > 0, torch.floor((kf - lo_t) / torch.where(w > 0, w, 1.0)), 0.0)
-    c = guess.clamp(0, n - 1).to(torch.int64)
+    c = torch.minimum(guess.clamp(min=0).to(torch.int64), n - 1)
     # The float32 guess can miss the cell whose float32 edges hold the key: walk to it.
-    for _ in range(n):
-        below = kf < cell_edge(lo_t, hi_t, c, bits)
-        above = kf > cell_edge(lo_t, hi_t, c + 1, bits)
+    for _ in range(int(n.max())):
+        below = kf < cell_edge(lo_t, hi_t, c, bt)
+        above = kf > cell_edge(lo_t, hi_t, c + 1, bt)
         if not (below | above).any():
             break
-        c = (c - below.long() + above.long()).clamp(0, n - 1)
-    a, b = cell_edge(lo_t, hi_t, c, bits), cell_edge(lo_t, hi_t, c + 1, bits)
+        c = torch.minimum((c - below.long() + above.long()).clamp(min=0), n - 1)
+    a, b = cell_edge(lo_t, hi_t, c, bt), cell_edge(lo_t, hi_t, c + 1, bt)
     if ((kf < a) | (kf > b)).any():  # cannot happen: edges run from lo to hi monotonically
         raise AssertionError("a key is outside its cell")
     return KeyCodes(c.to(torch.uint8), lo.float(), hi.float(), bits, block_size)
@@ -111,7 +126,8 @@ def decode_cells(codes: KeyCodes) -> tuple[torch.Tensor, torch.Tensor]:
     lo_t = _per_token(codes.lo, codes.block_size, T)
     hi_t = _per_token(codes.hi, codes.block_size, T)
     c = codes.codes.long()
-    return cell_edge(lo_t, hi_t, c, codes.bits), cell_edge(lo_t, hi_t, c + 1, codes.bits)
+    bt = _bits_tensor(codes.bits, c.device)
+    return cell_edge(lo_t, hi_t, c, bt), cell_edge(lo_t, hi_t, c + 1, bt)
 
 
 def token_score_bounds(
@@ -132,6 +148,26 @@ def token_score_bounds(
     return bound.masked_fill(pad[:, None, :], -torch.inf)
 
 
-def code_bytes_per_token(bits: int, head_dim: int) -> float:
-    """Bytes of codes per token and KV head."""
-    return bits * head_dim / 8
+def code_bytes_per_token(bits: int | torch.Tensor, head_dim: int) -> float:
+    """Bytes of codes per token and KV head (mean over KV heads for per-channel `bits`)."""
+    if isinstance(bits, int):
+        return bits * head_dim / 8
+    return float(bits.sum(-1).double().mean()) / 8
+
+
+def allocate_bits(weights: torch.Tensor, mean_bits: int, max_bits: int = 8) -> torch.Tensor:
+    """Per-channel widths `[..., d]` int64 summing to `mean_bits * d` per row, each in
+    `[0, max_bits]`, that minimise `sum_i weights_i * 2^-bits_i`: the bound's slack is
+    `sum_i |q'_i| (hi_i - lo_i) 2^-(bits_i + 1)`, so `weights` should be a channel's
+    typical `|q_i| (hi_i - lo_i)` (e.g. calibrated per layer and KV head). Greedy on the
+    marginal gain `weights_i 2^-(bits_i + 1)`, optimal for this separable convex cost.
+    Any widths keep the bound valid; these only make it tight for the bytes."""
+    w = weights.double().clamp(min=0)
+    d = w.shape[-1]
+    if not 0 <= mean_bits <= max_bits <= 8:
+        raise ValueError(f"need 0 <= mean_bits <= max_bits <= 8, got {mean_bits}, {max_bits}")
+    bits = torch.zeros(w.shape, dtype=torch.int64, device=w.device)
+    for _ in range(mean_bits * d):
+        gain = torch.where(bits < max_bits, w * torch.exp2(-(bits + 1).double()), -1.0)
+        bits.scatter_add_(-1, gain.argmax(-1, keepdim=True), torch.ones_like(bits[..., :1]))
+    return bits

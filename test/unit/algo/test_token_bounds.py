@@ -11,7 +11,9 @@ from sglang_psa.algo.attention import block_lse, token_scores
 from sglang_psa.algo.criticality import bound_logits
 from sglang_psa.algo.metadata import block_metadata, quantize_bounds
 from sglang_psa.algo.token_bounds import (
+    allocate_bits,
     cell_edge,
+    code_bytes_per_token,
     decode_cells,
     encode_keys,
     token_score_bounds,
@@ -33,7 +35,8 @@ def check_valid(q, k, lengths, bs, bits, scale, kept_bits=None):
     if kept_bits:
         meta = quantize_bounds(meta, kept_bits)
     codes = encode_keys(k, lengths, meta.kmin, meta.kmax, bs, bits)
-    assert int(codes.codes.max()) < 2**bits
+    top = 2**bits if isinstance(bits, int) else (2**bits)[None, :, None, :]
+    assert (codes.codes.long() < top).all()
     a, b = decode_cells(codes)
     valid = (torch.arange(k.shape[2])[None, :] < lengths[:, None])[:, None, :, None]
     kf = k.float()
@@ -53,7 +56,7 @@ def check_valid(q, k, lengths, bs, bits, scale, kept_bits=None):
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    bits=st.sampled_from([1, 2, 3, 4, 8]),
+    bits=st.sampled_from([1, 2, 3, 4, 8, "per-channel"]),
     bs=st.sampled_from([4, 8, 32]),
     T=st.integers(1, 80),
     d=st.sampled_from([8, 64, 128]),
@@ -64,6 +67,8 @@ def check_valid(q, k, lengths, bs, bits, scale, kept_bits=None):
 def test_bound_is_valid_on_random_keys(seed, bits, bs, T, d, key_scale, dtype, kept_bits):
     g = torch.Generator().manual_seed(seed)
     B, Hkv, G = 2, 2, 3
+    if bits == "per-channel":
+        bits = torch.randint(0, 9, (Hkv, d), generator=g)
     k = (torch.randn(B, Hkv, T, d, generator=g) * key_scale).to(dtype)
     k[:, :, :, 0] += 50 * key_scale  # an outlier channel, as RoPE'd keys have
     q = (torch.randn(B, Hkv * G, d, generator=g) * 4).to(dtype)
@@ -146,3 +151,31 @@ def test_keys_outside_their_range_are_refused():
         encode_keys(k, lengths, meta.kmin + 1e-3, meta.kmax, 32, 4)
     with pytest.raises(ValueError, match="bits"):
         encode_keys(k, lengths, meta.kmin, meta.kmax, 32, 9)
+
+
+def test_per_channel_bits_are_valid_on_the_bound():
+    """Per-channel widths (0 to 8), keys snapped to their favoured cell edge."""
+    g = torch.Generator().manual_seed(5)
+    B, Hkv, G, T, d, bs = 1, 2, 3, 64, 16, 32
+    bits = torch.randint(0, 9, (Hkv, d), generator=g)
+    q = torch.randn(B, Hkv * G, d, generator=g) * 10
+    base = 1e3 + torch.randn(B, Hkv, T, d, generator=g)
+    lengths = torch.tensor([T])
+    meta = block_metadata(base, lengths, bs)
+    a, b = decode_cells(encode_keys(base, lengths, meta.kmin, meta.kmax, bs, bits))
+    k = torch.where(q.view(B, Hkv, G, d)[:, :, 0, None, :] > 0, b, a)
+    check_valid(q, k, lengths, bs, bits, 0.125)
+
+
+def test_allocate_bits_spends_the_budget_where_the_weight_is():
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [64.0, 16.0, 1.0, 0.0]])
+    bits = allocate_bits(w, 2, max_bits=8)
+    assert bits.sum(-1).tolist() == [8, 8]
+    assert bits[0].tolist() == [2, 2, 2, 2]
+    assert bits[1].tolist() == [5, 3, 0, 0]  # gains tie at 2 > 1/2: ties go to the lower channel
+    assert (allocate_bits(torch.rand(3, 64) * 100, 4, max_bits=6) <= 6).all()
+    assert code_bytes_per_token(bits, 4) == 1.0
+    # A better allocation is never worse than the uniform one on its own cost.
+    w = torch.rand(8, 64).pow(4) * 1e3
+    cost = lambda b: (w * torch.exp2(-b.double())).sum(-1)
+    assert (cost(allocate_bits(w, 4)) <= cost(torch.full_like(w, 4).long()) + 1e-9).all()
