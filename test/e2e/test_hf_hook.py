@@ -113,6 +113,7 @@ def test_policies_batched_as_rows_equal_each_policy_alone(session):
         DecodePolicy("psa", PSAConfig(threshold=0.8, wave_fraction=1.0, max_read_fraction=1.0)),
         DecodePolicy("topk", PSAConfig(topk_tokens=64)),
         DecodePolicy("topk", PSAConfig(topk_tokens=256)),
+        DecodePolicy("psa", PSAConfig(threshold=0.9, stop_rule="certified"), code_bits=5),
     ]
     length = session.length
     rows = session.decode_rows(pols, 10)

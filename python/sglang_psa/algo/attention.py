@@ -19,8 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_psa.algo.criticality import bound_logits, criticality
+from sglang_psa.algo.criticality import bound_logits, criticality, criticality_from_logits
 from sglang_psa.algo.metadata import BlockMeta, as_kept, block_metadata, num_blocks
+from sglang_psa.algo.token_bounds import encode_keys, token_score_bounds
 from sglang_psa.config import PSAConfig
 
 
@@ -163,6 +164,7 @@ def progressive_attention(
     scale: float | None = None,
     threshold: torch.Tensor | None = None,
     cap_tokens: torch.Tensor | None = None,
+    code_bits: int = 0,
 ) -> SparseResult:
     """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
 
@@ -175,6 +177,12 @@ def progressive_attention(
       covered for every query head.
     Stop when uncovered / covered ≤ (1 - ε) / ε, evaluated in log space so that
     ε = 1 reads everything (dense attention).
+
+    `code_bits` > 0 (certified rule only; no kernel yet): the unread mass is bounded
+    token by token from `code_bits`-bit key codes in each block's kept key range
+    (`token_bounds`; their bytes count as read for every block), blocks are ranked by
+    that bounded mass, and the rule is evaluated in float64, so the guarantee holds for
+    the float32 scores the output is computed from.
 
     `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
     bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.
@@ -194,10 +202,18 @@ def progressive_attention(
     nb = meta.count.shape[1]
     nblk = num_blocks(lengths, bs)
     scores = token_scores(q, k, lengths, scale)
-    order, n_forced = read_order(q, meta, lengths, cfg, scale)
+    if code_bits:
+        if cfg.stop_rule != "certified":
+            raise ValueError("code_bits bound the unread mass of the certified rule only")
+        codes = encode_keys(k, lengths, meta.kmin, meta.kmax, bs, code_bits)
+        code_ub = block_lse(token_score_bounds(q, codes, lengths, scale).double(), bs)
+        order, n_forced = order_blocks(criticality_from_logits(code_ub.float(), Hkv), lengths, cfg)
+    else:
+        order, n_forced = read_order(q, meta, lengths, cfg, scale)
     order_q = order.repeat_interleave(G, dim=1)  # [B, Hq, NB]
 
-    lse_o = block_lse(scores, bs).gather(-1, order_q)  # block masses in read order
+    # Block masses in read order (float64 where the rule certifies them).
+    lse_o = block_lse(scores.double() if code_bits else scores, bs).gather(-1, order_q)
     covered = torch.logcumsumexp(lse_o, dim=-1)
     pos = torch.arange(nb, device=q.device)
     if cfg.stop_rule == "heuristic":
@@ -210,8 +226,11 @@ def progressive_attention(
             torch.isinf(smallest) & (n_left[:, None, :] > 0), torch.inf, uncovered
         )
     else:
-        ub = bound_logits(q, meta, scale) + meta.count.clamp(min=1).log()[:, None, :]
-        ub = ub.masked_fill((meta.count == 0)[:, None, :], -torch.inf).gather(-1, order_q)
+        if code_bits:
+            ub = code_ub.gather(-1, order_q)
+        else:
+            ub = bound_logits(q, meta, scale) + meta.count.clamp(min=1).log()[:, None, :]
+            ub = ub.masked_fill((meta.count == 0)[:, None, :], -torch.inf).gather(-1, order_q)
         # Mass bound of the blocks after position p: reverse cumulative logsumexp, shifted.
         tail = torch.logcumsumexp(ub.flip(-1), dim=-1).flip(-1)
         uncovered = torch.cat([tail[..., 1:], torch.full_like(tail[..., :1], -torch.inf)], -1)
@@ -220,7 +239,7 @@ def progressive_attention(
         limit = stop_limit(cfg.threshold)
     else:
         t = threshold.to(device=q.device, dtype=torch.float64)
-        limit = torch.where(t < 1.0, torch.log((1.0 - t) / t), -torch.inf).float()
+        limit = torch.where(t < 1.0, torch.log((1.0 - t) / t), -torch.inf).to(covered.dtype)
         limit = limit[:, None, None]
     ok = (uncovered - covered) <= limit  # -inf - finite = -inf <= -inf holds
     ok_group = ok.view(B, Hkv, G, nb).all(2)

@@ -46,12 +46,19 @@ class DecodePolicy:
     budget_tokens: int | None = None  # top-k only; default cfg.topk_tokens
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
     tag: str = ""  # appended to the label: what else differs from the defaults
+    # psa, certified rule: bound the unread mass from per-token key codes of this many
+    # bits (`progressive_attention(code_bits=)`; the reference only, no kernel yet).
+    code_bits: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "psa", "topk", "oracle"):
             raise ValueError(f"unknown decode policy {self.kind!r} (dense|psa|topk|oracle)")
         if self.cap_tokens is not None and self.kind != "psa":
             raise ValueError("cap_tokens applies to psa policies only")
+        if self.code_bits and (self.kind != "psa" or self.cfg.stop_rule != "certified"):
+            raise ValueError("code_bits apply to psa policies with the certified rule only")
+        if not 0 <= self.code_bits <= 8:
+            raise ValueError(f"code_bits must be in [0, 8], got {self.code_bits}")
 
     @property
     def label(self) -> str:
@@ -66,6 +73,8 @@ class DecodePolicy:
         capped = self.cfg.stop_rule == "heuristic" and self.cfg.max_read_fraction < 1
         if self.kind == "psa" and capped:  # the only rule the cap applies to
             suffix += f"-mr{self.cfg.max_read_fraction:g}"
+        if self.code_bits:
+            suffix += f"-c{self.code_bits}"
         suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
@@ -80,7 +89,7 @@ class DecodePolicy:
         """Policies with equal groups run as one batched call with per-row ε, cap or
         budget (`PSARuntime.use_rows`)."""
         if self.kind == "psa":
-            return ("psa", self.cfg.replace(threshold=1.0))
+            return ("psa", self.cfg.replace(threshold=1.0), self.code_bits)
         if self.kind == "topk":
             return ("topk", self.cfg.replace(topk_tokens=self.cfg.block_size * 64))
         if self.kind == "oracle":
@@ -230,7 +239,15 @@ class PSARuntime:
             if policy.cap_tokens:
                 cap = torch.full((B,), policy.cap_tokens, dtype=torch.int64, device=key.device)
             res = progressive_attention(
-                q, key, value, lengths, cfg, meta=meta, scale=scaling, cap_tokens=cap
+                q,
+                key,
+                value,
+                lengths,
+                cfg,
+                meta=meta,
+                scale=scaling,
+                cap_tokens=cap,
+                code_bits=policy.code_bits,
             )
         elif policy.kind == "oracle":
             res = oracle_attention(q, key, value, lengths, cfg, scale=scaling)
@@ -272,6 +289,10 @@ class PSARuntime:
             if bs not in metas:
                 metas[bs] = self._meta_for(module.layer_idx, key, bs).meta(-(-T // bs))
             meta, nblk = metas[bs], -(-T // bs)
+            if self.kernel_rows is not None and p.code_bits:
+                raise NotImplementedError(
+                    f"{p.label}: the key-code bound has no kernel yet; run it on the reference"
+                )
             if self.kernel_rows is not None and p.kind in ("psa", "topk"):
                 kscale = None
                 if cfg.bound_bits == 8:
@@ -309,6 +330,7 @@ class PSARuntime:
                     scale=scaling,
                     threshold=g.on(q.device, "threshold"),
                     cap_tokens=g.on(q.device, "cap"),
+                    code_bits=p.code_bits,
                 )
             elif p.kind == "topk":
                 res = topk_attention(

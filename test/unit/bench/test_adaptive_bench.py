@@ -30,6 +30,9 @@ def _rows(policy, length, correct, identical, kl, kv, n=10):
     ]  # fmt: skip
 
 
+CODES = DecodePolicy("psa", PSAConfig(stop_rule="certified", threshold=0.9), code_bits=5).label
+
+
 def _suite():
     psa = DecodePolicy("psa", PSAConfig()).label  # the current default
     # certified and top-k as the suite runs them: on its first default's exact bounds
@@ -43,6 +46,8 @@ def _suite():
         rows += _rows("dense", n, 8, 10, 0.0, 1.0)
         rows += _rows(psa, n, 8, 9, 0.01, 0.10)
         rows += _rows(cert, n, 8, 10, 0.001, 0.40 if n == 16384 else 0.6)
+        # a certified policy on key codes: less at 16K, more at 8K (the pick is by 16K+)
+        rows += _rows(CODES, n, 8, 10, 0.001, 0.30 if n == 16384 else 0.9)
         rows += _rows(topk[256], n, 6, 5, 0.5, 0.05)  # too few correct
         rows += _rows(topk[512], n, 8, 8, 0.1, 0.10)  # accurate, too few identical
         rows += _rows(topk[1024], n, 8, 9, 0.05, 0.20)  # the best single budget
@@ -71,7 +76,9 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
     assert s["accuracy_delta_psa_vs_dense"] == pytest.approx(0.0)
     assert s["identical_fraction_psa"] == pytest.approx(0.9)
     assert s["mean_kl_psa"] == pytest.approx(0.01)
-    assert s["kv_fraction_certified_16k"] == pytest.approx(0.4)  # the 16K rows only
+    # the certified policy reading least at 16K+, its 16K rows only
+    assert s["kv_fraction_certified_16k"] == pytest.approx(0.3)
+    assert s["certified_16k_policy"] == CODES and CODES.endswith("-c5")
 
 
 def test_metadata_counts_in_a_sparse_policys_kv_fraction():
@@ -84,6 +91,14 @@ def test_metadata_counts_in_a_sparse_policys_kv_fraction():
     q8 = DecodePolicy("psa", PSAConfig(score="bound", bound_bits=8))
     assert f(q8, 64) == pytest.approx((1 + 2 / 64) / 64)  # a byte a channel + float32 scale
     assert "-q8" in q8.label and q8.group != bound.group
+    # key codes: `code_bits` bits a channel and token against 2 x 16 bits (K and V)
+    codes = DecodePolicy("psa", PSAConfig(stop_rule="certified", bound_bits=8), code_bits=5)
+    assert f(codes, 64) == pytest.approx((1 + 2 / 64) / 64 + 5 / 32)
+    assert codes.group != DecodePolicy("psa", codes.cfg).group  # never batched together
+    with pytest.raises(ValueError, match="certified rule only"):
+        DecodePolicy("psa", PSAConfig(), code_bits=5)
+    with pytest.raises(ValueError, match=r"\[0, 8\]"):
+        DecodePolicy("psa", PSAConfig(stop_rule="certified"), code_bits=9)
 
 
 def test_report_tables_every_policy_overall_and_per_length():
