@@ -500,22 +500,29 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-@pytest.mark.slow
-def test_stage_c_smoke_end_to_end(tmp_path):
+def _fake_stage(tmp_path, smoke_workload, **env_extra) -> tuple[list[str], dict]:
+    """`run.py stage W --smoke` against the fake server (skipped without SGLang's client or
+    aiohttp): the command up to its per-call flags, and its environment."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
     if importlib.util.find_spec("aiohttp") is None:
         pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
-    rows = workloads.build_rows(SMOKE_C, fake_sglang.WordCounter())
+    rows = workloads.build_rows(smoke_workload, fake_sglang.WordCounter())
     tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
     launcher = f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"
-    out = tmp_path / "out"
-    env = dict(os.environ)
+    env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
     )
-    cmd = [sys.executable, "benchmark/serving/run.py", "stage", "c", "--smoke"]
+    cmd = [sys.executable, "benchmark/serving/run.py", "stage", smoke_workload.name, "--smoke"]
     cmd += ["--model-dir", str(tok), "--launcher", launcher, "--work", str(tmp_path / "work")]
+    return cmd, env
+
+
+@pytest.mark.slow
+def test_stage_c_smoke_end_to_end(tmp_path):
+    cmd, env = _fake_stage(tmp_path, SMOKE_C)
+    out = tmp_path / "out"
     cmd += ["--export", str(out), "--port", str(_free_port_pair())]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -531,7 +538,9 @@ def test_stage_c_smoke_end_to_end(tmp_path):
         for run_ in rec["rates"].values():
             got = run_["rows"]
             assert len(got) == SMOKE_C.prompts == 8 and run_["metrics"]["failed"] == 0
-            assert sorted(r["prompt_len"] for r in got) == sorted(r.prompt_len for r in rows)
+            assert sorted(r["prompt_len"] for r in got) == sorted(
+                r.prompt_len for r in workloads.build_rows(SMOKE_C, fake_sglang.WordCounter())
+            )
             # the fake answers every 7-digit number of the prompt: needle tasks are right,
             # doc_qa and variable_tracking are not
             assert [r["correct"] for r in got] == [r["kind"].startswith("niah") for r in got]
@@ -561,20 +570,7 @@ def test_a_stage_continued_in_a_second_call_adds_to_the_same_run(tmp_path):
     """`--continue-run last` adds systems to the newest part of the workload: the same run
     id and part file, plain SGLang measured once, comparisons against that plain; a part
     from another boot of the machine is refused, naming what differs."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
-    if importlib.util.find_spec("aiohttp") is None:
-        pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
-    smoke_a = workloads.smoke(workloads.WORKLOADS["a"])
-    rows = workloads.build_rows(smoke_a, fake_sglang.WordCounter())
-    tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
-    launcher = f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
-    )
-    base = [sys.executable, "benchmark/serving/run.py", "stage", "a", "--smoke"]
-    base += ["--model-dir", str(tok), "--launcher", launcher, "--work", str(tmp_path / "work")]
+    base, env = _fake_stage(tmp_path, SMOKE_A)
 
     def stage(*extra):
         cmd = base + ["--port", str(_free_port_pair()), *extra]
@@ -589,7 +585,7 @@ def test_a_stage_continued_in_a_second_call_adds_to_the_same_run(tmp_path):
     assert list((tmp_path / "work" / "parts").glob("a.*.json")) == [part_file]
     part = json.loads(part_file.read_text())
     assert part["run_id"] == run_id and set(part["systems"]) == {"plain", "psa"}
-    assert part["systems"]["psa"]["identical_to_plain"]["compared"] == smoke_a.prompts
+    assert part["systems"]["psa"]["identical_to_plain"]["compared"] == SMOKE_A.prompts
     assert len(part["continued"]) == 1 and "--continue-run" in part["continued"][0]
     part["boot_id"] = "another-boot"
     part_file.write_text(json.dumps(part))
@@ -691,21 +687,11 @@ def test_kernel_profile_of_eager_steps_uses_the_requested_count_and_needs_gpu_ev
 
 @pytest.mark.slow
 def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_results(tmp_path):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
-    if importlib.util.find_spec("aiohttp") is None:
-        pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
-    rows = workloads.build_rows(SMOKE_A, fake_sglang.WordCounter())
-    tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
-    env = dict(os.environ, FAKE_SGLANG_STEP_S="0.02")  # decoding outlasts the log poll
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
-    )
+    # decoding outlasts the driver's log poll
+    cmd, env = _fake_stage(tmp_path, SMOKE_A, FAKE_SGLANG_STEP_S="0.02")
     work, out = tmp_path / "work", tmp_path / "out"
-    cmd = [sys.executable, "benchmark/serving/run.py", "stage", "a", "--smoke"]
-    cmd += ["--model-dir", str(tok), "--work", str(work), "--export", str(out)]
-    cmd += ["--launcher", f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"]
-    cmd += ["--systems", "psa", "--profile-decode", "5", "--port", str(_free_port_pair())]
+    cmd += ["--export", str(out), "--systems", "psa", "--profile-decode", "5"]
+    cmd += ["--port", str(_free_port_pair())]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
