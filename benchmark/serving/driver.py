@@ -266,11 +266,12 @@ def profile_decode(
         if any(line["queue"] == 0 for line in parse_decode_lines(text)):
             folder.mkdir(parents=True, exist_ok=True)
             body = {"num_steps": steps, "activities": ["GPU"], "output_dir": str(folder)}
+            # With `num_steps` SGLang answers once the steps are recorded.
             try:
-                r = requests.post(server.url + "/start_profile", json=body, timeout=60)
-                log(f"  profiling {steps} decode steps: HTTP {r.status_code} {r.text.strip()}")
+                r = requests.post(server.url + "/start_profile", json=body, timeout=600)
+                log(f"  profiled {steps} decode steps: HTTP {r.status_code} {r.text.strip()}")
             except requests.RequestException as e:
-                log(f"  profiling did not start: {e}")
+                log(f"  profiling failed: {e}")
             return
 
 
