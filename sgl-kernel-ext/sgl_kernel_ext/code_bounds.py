@@ -1,0 +1,164 @@
+"""Upper bounds of each block's softmax log-mass from per-token key codes (the certified
+rule's tight bound; spec: `sglang_psa.algo.token_bounds`).
+
+A full block keeps, per KV head, its keys as `bits`-bit cells of the block's kept key
+range `[lo, hi]` (per channel), stored as `bits` bit planes of `block_size x d / 8`
+bytes (`pack_planes`): `bits * d / 8` bytes a token, read for every block. For a decode
+query, one program per (request, KV head, chunk of blocks) rebuilds each token's cell
+`[a, b]` per channel, bounds `scale * q . k` for every query head of the group by the
+interval product plus a float32 margin, and writes the log-sum-exp over the block's
+tokens: `ub [B, Hq, NB]` float32, `-inf` for blocks past a request's length. The wave
+kernel's certified rule takes `ub` where it takes the min/max bound today.
+
+Not yet on the serving path: nothing writes codes into the KV pool's pages, and the
+plan does not launch this kernel (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MARGIN_ULPS = 16  # + 2 d: the float32 margin of `algo.token_bounds.token_score_bounds`
+
+
+def pack_planes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """`codes [B, Hkv, T, d]` (cells, < 2^bits) -> bit planes `[B, Hkv, NB, bits,
+    block_size, d / 8]` uint8: bit `i` of byte `j` of plane `p` is bit `p` of channel
+    `8 j + i`'s cell. Tokens past `T` (a partial last block) get cell 0."""
+    B, H, T, d = codes.shape
+    if d % 8:
+        raise ValueError(f"head_dim must be a multiple of 8, got {d}")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")
+    nb = -(-T // block_size)
+    c = torch.zeros(B, H, nb * block_size, d, dtype=torch.int64, device=codes.device)
+    c[:, :, :T] = codes.to(torch.int64)
+    c = c.view(B, H, nb, block_size, d // 8, 8)
+    weights = 2 ** torch.arange(8, device=codes.device)
+    planes = [(((c >> p) & 1) * weights).sum(-1) for p in range(bits)]
+    return torch.stack(planes, dim=3).to(torch.uint8).contiguous()
+
+
+@triton.jit
+def _code_bounds_kernel(
+    q_ptr,  # [B, Hq, D] float32
+    planes_ptr,  # [B, Hkv, NB, BITS, BS, D // 8] uint8
+    lo_ptr,  # [B, Hkv, NB, D] float32
+    hi_ptr,
+    len_ptr,  # [B] int
+    out_ptr,  # [B, Hq, NB] float32
+    scale,
+    NB,
+    G: tl.constexpr,
+    GP: tl.constexpr,  # G padded for tl.dot (>= 16)
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCKS: tl.constexpr,  # blocks per program
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    Hkv = tl.num_programs(1)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BS)
+    q = tl.load(
+        q_ptr + (b * Hkv * G + h * G + offs_g)[:, None] * D + offs_d[None, :],
+        mask=(offs_g < G)[:, None],
+        other=0.0,
+    )
+    q = q * scale
+    q_pos = tl.maximum(q, 0.0)
+    q_neg = tl.minimum(q, 0.0)
+    q_abs = tl.abs(q)
+    length = tl.load(len_ptr + b)
+    n_cells = tl.full((1, D), 2**BITS, tl.int32)
+    inv_n = 1.0 / (2**BITS)
+    margin = (2 * D + _MARGIN_ULPS) * 5.9604644775390625e-08  # 2^-24
+    byte_of = offs_d // 8
+    bit_of = offs_d % 8
+    for j in range(BLOCKS):
+        blk = tl.program_id(2) * BLOCKS + j
+        row = (b * Hkv + h) * NB + blk
+        in_range = blk < NB
+        # past the last block every channel is masked (a tensor mask: the interpreter
+        # takes no scalar one)
+        d_ok = offs_d < D * in_range.to(tl.int32)
+        lo = tl.load(lo_ptr + row * D + offs_d, mask=d_ok, other=0.0)[None, :]
+        hi = tl.load(hi_ptr + row * D + offs_d, mask=d_ok, other=0.0)[None, :]
+        base = planes_ptr + row.to(tl.int64) * (BITS * BS * (D // 8))
+        cell = tl.zeros((BS, D), tl.int32)
+        for p in range(BITS):
+            byte = tl.load(
+                base + p * BS * (D // 8) + offs_t[:, None] * (D // 8) + byte_of[None, :],
+                mask=(offs_t[:, None] < BS) & d_ok[None, :],
+                other=0,
+            ).to(tl.int32)
+            cell += ((byte >> bit_of[None, :]) & 1) << p
+        # The cell's edges, as `algo.token_bounds.cell_edge` computes them.
+        w = (hi - lo) * inv_n
+        a = tl.minimum(tl.maximum(lo + cell.to(tl.float32) * w, lo), hi)
+        nxt = cell + 1
+        b_edge = tl.minimum(tl.maximum(lo + nxt.to(tl.float32) * w, lo), hi)
+        b_edge = tl.where(nxt >= n_cells, hi, b_edge)
+        est = tl.dot(q_pos, tl.trans(b_edge), input_precision="ieee")
+        est = tl.dot(q_neg, tl.trans(a), acc=est, input_precision="ieee")
+        big = tl.maximum(tl.abs(a), tl.abs(b_edge))
+        mag = tl.dot(q_abs, tl.trans(big), input_precision="ieee")
+        bound = est + margin * mag  # [GP, BS]
+        tok_ok = (blk * BS + offs_t) < length
+        bound = tl.where(tok_ok[None, :], bound, float("-inf"))
+        m = tl.max(bound, axis=1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.maximum(tl.sum(tl.exp(bound - m_safe[:, None]), axis=1), 1e-38)
+        lse = m_safe + tl.log(total)
+        lse = tl.where(m == float("-inf"), float("-inf"), lse)
+        tl.store(
+            out_ptr + (b * Hkv * G + h * G + offs_g) * NB + blk,
+            lse,
+            mask=offs_g < G * in_range.to(tl.int32),
+        )
+
+
+def code_bounds(
+    q: torch.Tensor,
+    planes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    blocks_per_program: int = 4,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`q [B, Hq, d]`; `planes [B, Hkv, NB, bits, bs, d / 8]` (`pack_planes`); `lo, hi
+    [B, Hkv, NB, d]` float32, the ranges the codes cut; `lengths [B]`. Returns `ub [B, Hq,
+    NB]` float32: per query head, an upper bound of the log of each block's unnormalised
+    softmax mass (at least `block_lse` of the float32 scores, up to the float32 rounding
+    of the log-sum-exp itself), `-inf` past each length. No host sync; `out` reused."""
+    B, Hq, d = q.shape
+    _, Hkv, NB, bits, bs, _ = planes.shape
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
+    grid = (B, Hkv, triton.cdiv(NB, blocks_per_program))
+    _code_bounds_kernel[grid](
+        q.float().contiguous(),
+        planes,
+        lo.contiguous(),
+        hi.contiguous(),
+        lengths,
+        out,
+        scale,
+        NB,
+        G=G,
+        GP=max(16, triton.next_power_of_2(G)),
+        D=d,
+        BS=bs,
+        BITS=bits,
+        BLOCKS=blocks_per_program,
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,95 @@
+"""The key-code bound kernel equals its reference (`algo.token_bounds`: the log-sum-exp of
+the token bounds over each block) and bounds every block's true mass: head_dim 64 and 128,
+groups of 1 to 8 query heads, 4 to 6 bits, requests of different lengths with partial
+last blocks; real shapes (> 512 blocks) compiled on the GPU."""
+
+import math
+
+import pytest
+import torch
+
+from sglang_psa.algo.attention import block_lse, token_scores
+from sglang_psa.algo.metadata import as_kept, block_metadata
+from sglang_psa.algo.token_bounds import encode_keys, token_score_bounds
+from sglang_psa.config import PSAConfig
+
+
+@pytest.fixture
+def device(kernel_device):
+    return kernel_device
+
+
+def _case(seed, B, Hkv, G, d, nb, bs=32):
+    g = torch.Generator().manual_seed(seed)
+    T = nb * bs
+    q = torch.randn(B, Hkv * G, d, generator=g) * 2
+    k = (torch.randn(B, Hkv, T, d, generator=g) + torch.randn(d, generator=g) * 3).to(
+        torch.bfloat16
+    )
+    k[:, :, 5 * bs : 6 * bs] = (q.view(B, Hkv, G, d)[:, :, :1] * 0.8).to(torch.bfloat16)
+    lengths = torch.tensor([T - 7 * i for i in range(B)])
+    kept = as_kept(block_metadata(k, lengths, bs), PSAConfig(bound_bits=8))
+    return q, k, lengths, kept
+
+
+def _run(device, q, k, lengths, kept, bits, bs=32):
+    from sgl_kernel_ext.code_bounds import code_bounds, pack_planes
+
+    codes = encode_keys(k, lengths, kept.kmin, kept.kmax, bs, bits)
+    scale = 1 / math.sqrt(q.shape[-1])
+    want = block_lse(token_score_bounds(q, codes, lengths, scale).double(), bs)
+    planes = pack_planes(codes.codes, bits, bs)
+    got = code_bounds(
+        q.to(device),
+        planes.to(device),
+        kept.kmin.float().to(device),
+        kept.kmax.float().to(device),
+        lengths.to(device),
+        scale,
+    ).cpu()
+    true = block_lse(token_scores(q, k, lengths, scale).double(), bs)
+    return got, want, true
+
+
+@pytest.mark.parametrize(
+    "d, G, bits, nb", [(64, 4, 5, 9), (128, 8, 4, 6), (64, 1, 6, 5), (128, 7, 5, 4)]
+)
+def test_code_bounds_kernel_matches_reference_and_bounds_the_mass(device, d, G, bits, nb):
+    q, k, lengths, kept = _case(d + G + bits, 2, 2, G, d, nb)
+    got, want, true = _run(device, q, k, lengths, kept, bits)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))  # the same blocks past each length
+    assert torch.equal(finite, torch.isfinite(true))
+    torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-5, atol=1e-4)
+    # an upper bound of the true log-mass (to the float32 rounding of the kernel's lse)
+    assert bool((got[finite].double() >= true[finite] - 1e-5).all())
+    # and a tight one: the codes bound within e^3 where the min/max bound is far looser
+    assert float((got[finite].double() - true[finite]).median()) < 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, G, bits", [(64, 7, 5), (128, 4, 4), (128, 8, 6)])
+def test_code_bounds_kernel_at_real_shapes(d, G, bits):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    q, k, lengths, kept = _case(1, 2, 2, G, d, 600)
+    got, want, true = _run("cuda", q, k, lengths, kept, bits)
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-5, atol=1e-4)
+    assert bool((got[finite].double() >= true[finite] - 1e-5).all())
+
+
+def test_pack_planes_round_trip():
+    from sgl_kernel_ext.code_bounds import pack_planes
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 32, (2, 3, 70, 16), generator=g, dtype=torch.uint8)
+    planes = pack_planes(codes, 5, 32)
+    assert planes.shape == (2, 3, 3, 5, 32, 2) and planes.dtype == torch.uint8
+    bits = (planes[..., None].long() >> torch.arange(8)) & 1  # [..., d/8, 8]
+    cells = (bits.flatten(-2) << torch.arange(5).view(5, 1, 1)).sum(3)  # [B, H, NB, bs, d]
+    back = cells.flatten(2, 3)
+    assert torch.equal(back[:, :, :70], codes.long())
+    assert not back[:, :, 70:].any()  # the partial last block's padding: cell 0
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_planes(codes[..., :12], 5, 32)
