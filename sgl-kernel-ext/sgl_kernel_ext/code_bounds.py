@@ -10,8 +10,9 @@ interval product plus a float32 margin, and writes the log-sum-exp over the bloc
 tokens: `ub [B, Hq, NB]` float32, `-inf` for blocks past a request's length. The wave
 kernel's certified rule takes `ub` where it takes the min/max bound today.
 
-Not yet on the serving path: nothing writes codes into the KV pool's pages, and the
-plan does not launch this kernel (docs/design.md).
+`encode_planes` writes the planes of whole blocks on the GPU, the same cells as
+`algo.token_bounds.encode_keys`. Not yet on the serving path: the KV pool's pages keep
+no planes, and the plan launches neither kernel (docs/design.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,77 @@ def pack_planes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor
     weights = 2 ** torch.arange(8, device=codes.device)
     planes = [(((c >> p) & 1) * weights).sum(-1) for p in range(bits)]
     return torch.stack(planes, dim=3).to(torch.uint8).contiguous()
+
+
+@triton.jit
+def _edge(lo, hi, c, n, inv_n):
+    """Edge `c` of the `n` cells cutting `[lo, hi]` (`algo.token_bounds.cell_edge`)."""
+    e = tl.minimum(tl.maximum(lo + c.to(tl.float32) * ((hi - lo) * inv_n), lo), hi)
+    return tl.where(c >= n, hi, e)
+
+
+@triton.jit
+def _encode_kernel(
+    k_ptr,  # [B, Hkv, NB * BS, D] keys (16-bit or float32), whole blocks
+    lo_ptr,  # [B, Hkv, NB, D] float32
+    hi_ptr,
+    planes_ptr,  # [B, Hkv, NB, BITS, BS, D // 8] uint8
+    NB,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    row = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * NB + tl.program_id(2)
+    offs_t = tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    k = tl.load(k_ptr + row.to(tl.int64) * BS * D + offs_t[:, None] * D + offs_d[None, :])
+    k = k.to(tl.float32)
+    lo = tl.load(lo_ptr + row * D + offs_d)[None, :]
+    hi = tl.load(hi_ptr + row * D + offs_d)[None, :]
+    n = tl.full((1, D), 2**BITS, tl.int32)
+    inv_n = 1.0 / (2**BITS)
+    w = (hi - lo) * inv_n
+    guess = tl.where(w > 0, tl.floor((k - lo) / tl.where(w > 0, w, 1.0)), 0.0)
+    c = tl.minimum(tl.maximum(guess, 0.0).to(tl.int32), n - 1)
+    # The float32 guess is at most a cell off: walk to the cell whose edges hold the key.
+    for _ in range(3):
+        below = k < _edge(lo, hi, c, n, inv_n)
+        above = k > _edge(lo, hi, c + 1, n, inv_n)
+        c = tl.minimum(tl.maximum(c - below.to(tl.int32) + above.to(tl.int32), 0), n - 1)
+    bit_w = (1 << (offs_d % 8))[None, :]
+    out = planes_ptr + row.to(tl.int64) * (BITS * BS * (D // 8))
+    offs_b = tl.arange(0, D // 8)
+    for p in range(BITS):
+        bits = ((c >> p) & 1) * bit_w  # [BS, D]
+        byte = tl.sum(tl.reshape(bits, (BS, D // 8, 8)), axis=2)
+        tl.store(
+            out + p * BS * (D // 8) + offs_t[:, None] * (D // 8) + offs_b[None, :],
+            byte.to(tl.uint8),
+        )
+
+
+def encode_planes(
+    k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, block_size: int
+) -> torch.Tensor:
+    """Bit planes (`pack_planes`' layout) of whole blocks of keys `k [B, Hkv, NB *
+    block_size, d]` in their blocks' ranges `lo, hi [B, Hkv, NB, d]` (float32, holding
+    every key): the cells `algo.token_bounds.encode_keys` gives, written on the GPU."""
+    B, H, T, d = k.shape
+    if T % block_size:
+        raise ValueError(f"whole blocks only: {T} tokens, blocks of {block_size}")
+    nb = T // block_size
+    planes = torch.empty(B, H, nb, bits, block_size, d // 8, dtype=torch.uint8, device=k.device)
+    _encode_kernel[(B, H, nb)](
+        k.contiguous(),
+        lo.contiguous(),
+        hi.contiguous(),
+        planes,
+        nb,
+        D=d,
+        BS=block_size,
+        BITS=bits,
+    )
+    return planes
 
 
 @triton.jit

@@ -93,3 +93,53 @@ def test_pack_planes_round_trip():
     assert not back[:, :, 70:].any()  # the partial last block's padding: cell 0
     with pytest.raises(ValueError, match="multiple of 8"):
         pack_planes(codes[..., :12], 5, 32)
+
+
+@pytest.mark.parametrize("d, bits", [(64, 4), (128, 5), (64, 6), (128, 8)])
+def test_encode_kernel_writes_the_reference_cells(device, d, bits):
+    """The GPU encoder gives `encode_keys`' cells exactly (keys on cell edges, constant
+    channels and the range ends included), packed as `pack_planes` packs them."""
+    from sgl_kernel_ext.code_bounds import encode_planes, pack_planes
+
+    g = torch.Generator().manual_seed(d + bits)
+    B, Hkv, nb, bs = 2, 2, 5, 32
+    k = (torch.randn(B, Hkv, nb * bs, d, generator=g) * 3).to(torch.bfloat16)
+    k[:, :, :bs, 0] = 1.5  # a constant channel: zero width
+    lengths = torch.full((B,), nb * bs)
+    kept = as_kept(block_metadata(k, lengths, bs), PSAConfig(bound_bits=8))
+    lo, hi = kept.kmin.float(), kept.kmax.float()
+    # keys exactly on interior cell edges of their block's range
+    edge = lo + 3 * ((hi - lo) * (1.0 / 2**bits))
+    k[:, :, 1::bs, :] = edge.to(torch.bfloat16)  # rounded to bf16: near the edge
+    kept = as_kept(block_metadata(k, lengths, bs), PSAConfig(bound_bits=8))
+    lo, hi = kept.kmin.float(), kept.kmax.float()
+    want = pack_planes(encode_keys(k, lengths, lo, hi, bs, bits).codes, bits, bs)
+    got = encode_planes(k.to(device), lo.to(device), hi.to(device), bits, bs).cpu()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_encode_kernel_places_keys_a_float32_ulp_off_a_cell_edge(device, bits):
+    """Float32 keys one ulp either side of a cell edge, in arbitrary block ranges: the
+    float32 division guesses the wrong cell for some of them, and the encoder must walk to
+    the cell whose float32 edges hold the key, as the reference does."""
+    from sgl_kernel_ext.code_bounds import encode_planes, pack_planes
+    from sglang_psa.algo.token_bounds import cell_edge
+
+    g = torch.Generator().manual_seed(bits)
+    B, Hkv, nb, bs, d = 1, 2, 4, 32, 64
+    lo = torch.randn(B, Hkv, nb, d, generator=g) * 10
+    hi = lo + torch.rand(B, Hkv, nb, d, generator=g) * 7 + 1e-3
+    c = torch.randint(1, 2**bits, (B, Hkv, nb, bs, d), generator=g)
+    e = cell_edge(lo[:, :, :, None], hi[:, :, :, None], c, bits)
+    step = torch.randint(-1, 2, e.shape, generator=g).float()
+    k = torch.nextafter(e, e + step).clamp(lo[:, :, :, None], hi[:, :, :, None])
+    k = k.flatten(2, 3)
+    lengths = torch.full((B,), nb * bs)
+    codes = encode_keys(k, lengths, lo, hi, bs, bits).codes
+    naive = torch.floor(
+        (k - lo.repeat_interleave(bs, 2)) / ((hi - lo) / 2**bits).repeat_interleave(bs, 2)
+    )
+    assert (naive.clamp(0, 2**bits - 1) != codes.float()).any()  # the walk is needed here
+    got = encode_planes(k.to(device), lo.to(device), hi.to(device), bits, bs).cpu()
+    assert torch.equal(got, pack_planes(codes, bits, bs))
