@@ -10,8 +10,8 @@ the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
   until every job is acknowledged: GB/s of KV saved vs the D2H peak. Paths:
   `uva` as served (the default: a gather of the chunk's pages into device staging,
   then per run of host blocks one strided DMA copy of every KV head's K and one of V;
-  the summary's `save_*` keys), `uva` with the save kernel alone (one kernel per layer writes the blocks
-  into the host tier through unified addressing, as decode flushes go;
+  the summary's `save_*` keys), `uva` with the save kernel alone (one kernel per layer
+  writes the blocks into the host tier through unified addressing, as decode flushes go;
   `save_kernel_*`) and `engine` (GPU gather, one D2H copy per layer into the
   staging ring, copy-engine CPU scatter into host blocks; `save_engine_*`).
 - overlap: the same saves issued between per-layer matmuls standing in for the

@@ -169,12 +169,8 @@ def _code_bounds_kernel(
                 other=0,
             ).to(tl.int32)
             cell += ((byte >> bit_of[None, :]) & 1) << p
-        # The cell's edges, as `algo.token_bounds.cell_edge` computes them.
-        w = (hi - lo) * inv_n
-        a = tl.minimum(tl.maximum(lo + cell.to(tl.float32) * w, lo), hi)
-        nxt = cell + 1
-        b_edge = tl.minimum(tl.maximum(lo + nxt.to(tl.float32) * w, lo), hi)
-        b_edge = tl.where(nxt >= n_cells, hi, b_edge)
+        a = _edge(lo, hi, cell, n_cells, inv_n)
+        b_edge = _edge(lo, hi, cell + 1, n_cells, inv_n)
         est = tl.dot(q_pos, tl.trans(b_edge), input_precision="ieee")
         est = tl.dot(q_neg, tl.trans(a), acc=est, input_precision="ieee")
         big = tl.maximum(tl.abs(a), tl.abs(b_edge))

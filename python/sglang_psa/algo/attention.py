@@ -178,11 +178,11 @@ def progressive_attention(
     Stop when uncovered / covered ≤ (1 - ε) / ε, evaluated in log space so that
     ε = 1 reads everything (dense attention).
 
-    `code_bits` > 0 (certified rule only; no kernel yet): the unread mass is bounded
-    token by token from `code_bits`-bit key codes in each block's kept key range
-    (`token_bounds`; their bytes count as read for every block), blocks are ranked by
-    that bounded mass, and the rule is evaluated in float64, so the guarantee holds for
-    the float32 scores the output is computed from.
+    `code_bits` > 0 (certified rule only; not on the serving path yet): the unread mass
+    is bounded token by token from `code_bits`-bit key codes in each block's kept key
+    range (`token_bounds`; their bytes count as read for every block), blocks are ranked
+    by that bounded mass, and the rule is evaluated in float64, so the guarantee holds
+    for the float32 scores the output is computed from.
 
     `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
     bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.

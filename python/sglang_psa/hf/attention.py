@@ -47,7 +47,8 @@ class DecodePolicy:
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
     tag: str = ""  # appended to the label: what else differs from the defaults
     # psa, certified rule: bound the unread mass from per-token key codes of this many
-    # bits (`progressive_attention(code_bits=)`; the reference only, no kernel yet).
+    # bits (`progressive_attention(code_bits=)`; the reference only: the wave kernel's
+    # plan does not launch `sgl_kernel_ext.code_bounds` yet).
     code_bits: int = 0
 
     def __post_init__(self) -> None:
@@ -291,7 +292,8 @@ class PSARuntime:
             meta, nblk = metas[bs], -(-T // bs)
             if self.kernel_rows is not None and p.code_bits:
                 raise NotImplementedError(
-                    f"{p.label}: the key-code bound has no kernel yet; run it on the reference"
+                    f"{p.label}: the wave kernel's plan does not take the key-code bound yet; run it "
+                    "on the reference"
                 )
             if self.kernel_rows is not None and p.kind in ("psa", "topk"):
                 kscale = None

@@ -7,9 +7,9 @@ client, log parsing, scoring, merging) runs on a CPU machine.
 The fake answers `/generate` (streamed like SGLang: cumulative text, `completion_tokens`),
 `/health`, `/get_server_info` and `/server_info`, `/flush_cache`, `/start_profile` (it
 writes a synthetic trace once the steps asked for are done) and `/stop_profile`, and
-prints SGLang-format "Decode batch" lines. Its "model" answers with every 7-digit number of the prompt (so
-single-needle tasks are answered right), then " x" until the requested length. With
-`--sparse-mode` it also reports a `psa` block with a blocks-read fraction.
+prints SGLang-format "Decode batch" lines. Its "model" answers with every 7-digit number
+of the prompt (so single-needle tasks are answered right), then " x" until the requested
+length. With `--sparse-mode` it also reports a `psa` block with a blocks-read fraction.
 """
 
 from __future__ import annotations
