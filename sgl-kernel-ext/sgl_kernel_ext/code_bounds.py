@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-_MARGIN_ULPS = 16  # + 2 d: the float32 margin of `algo.token_bounds.token_score_bounds`
+# + 2 d: the float32 margin of `algo.token_bounds.token_score_bounds` (a constexpr: read
+# inside the kernel)
+_MARGIN_ULPS = tl.constexpr(16)
 
 
 def pack_planes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
@@ -69,14 +71,11 @@ def _encode_kernel(
     hi = tl.load(hi_ptr + row * D + offs_d)[None, :]
     n = tl.full((1, D), 2**BITS, tl.int32)
     inv_n = 1.0 / (2**BITS)
-    w = (hi - lo) * inv_n
-    guess = tl.where(w > 0, tl.floor((k - lo) / tl.where(w > 0, w, 1.0)), 0.0)
-    c = tl.minimum(tl.maximum(guess, 0.0).to(tl.int32), n - 1)
-    # The float32 guess is at most a cell off: walk to the cell whose edges hold the key.
-    for _ in range(3):
-        below = k < _edge(lo, hi, c, n, inv_n)
-        above = k > _edge(lo, hi, c + 1, n, inv_n)
-        c = tl.minimum(tl.maximum(c - below.to(tl.int32) + above.to(tl.int32), 0), n - 1)
+    # The last cell whose lower edge is <= the key, bit by bit (the reference's search).
+    c = tl.zeros((BS, D), tl.int32)
+    for p in tl.static_range(BITS - 1, -1, -1):
+        cand = c + (1 << p)
+        c = tl.where(k >= _edge(lo, hi, cand, n, inv_n), cand, c)
     bit_w = (1 << (offs_d % 8))[None, :]
     out = planes_ptr + row.to(tl.int64) * (BITS * BS * (D // 8))
     offs_b = tl.arange(0, D // 8)
@@ -109,6 +108,7 @@ def encode_planes(
         D=d,
         BS=block_size,
         BITS=bits,
+        enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
     )
     return planes
 
@@ -228,5 +228,6 @@ def code_bounds(
         BITS=bits,
         BLOCKS=blocks_per_program,
         num_warps=num_warps,
+        enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
     )
     return out

@@ -119,10 +119,11 @@ def test_encode_kernel_writes_the_reference_cells(device, d, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 6])
-def test_encode_kernel_places_keys_a_float32_ulp_off_a_cell_edge(device, bits):
-    """Float32 keys one ulp either side of a cell edge, in arbitrary block ranges: the
-    float32 division guesses the wrong cell for some of them, and the encoder must walk to
-    the cell whose float32 edges hold the key, as the reference does."""
+def test_encode_kernel_places_keys_on_and_a_float32_ulp_off_cell_edges(device, bits):
+    """Float32 keys on a cell edge or one ulp either side, in arbitrary block ranges: a
+    float32 division puts some in the wrong cell, and the GPU's division rounds other
+    ties than the CPU's; the encoder must find the reference's cells (a key on an edge
+    takes the upper one) from the edges themselves."""
     from sgl_kernel_ext.code_bounds import encode_planes, pack_planes
     from sglang_psa.algo.token_bounds import cell_edge
 
@@ -140,6 +141,6 @@ def test_encode_kernel_places_keys_a_float32_ulp_off_a_cell_edge(device, bits):
     naive = torch.floor(
         (k - lo.repeat_interleave(bs, 2)) / ((hi - lo) / 2**bits).repeat_interleave(bs, 2)
     )
-    assert (naive.clamp(0, 2**bits - 1) != codes.float()).any()  # the walk is needed here
+    assert (naive.clamp(0, 2**bits - 1) != codes.float()).any()  # a division misses here
     got = encode_planes(k.to(device), lo.to(device), hi.to(device), bits, bs).cpu()
     assert torch.equal(got, pack_planes(codes, bits, bs))

@@ -104,16 +104,14 @@ def encode_keys(
         raise ValueError("keys must be finite")
     if ((kf < lo_t) | (kf > hi_t)).any():
         raise ValueError("a key lies outside its block's [lo, hi] range")
-    w = (hi_t - lo_t) * (1.0 / n)
-    guess = torch.where(w > 0, torch.floor((kf - lo_t) / torch.where(w > 0, w, 1.0)), 0.0)
-    c = torch.minimum(guess.clamp(min=0).to(torch.int64), n - 1)
-    # The float32 guess can miss the cell whose float32 edges hold the key: walk to it.
-    for _ in range(int(n.max())):
-        below = kf < cell_edge(lo_t, hi_t, c, bt)
-        above = kf > cell_edge(lo_t, hi_t, c + 1, bt)
-        if not (below | above).any():
-            break
-        c = torch.minimum((c - below.long() + above.long()).clamp(min=0), n - 1)
+    # The cell is the last whose lower edge is <= the key (a key on an edge takes the
+    # upper cell), found bit by bit from the float32 edges themselves: no division to
+    # round, and nearly empty ranges (many equal edges) come out the same everywhere.
+    c = torch.zeros(kf.shape, dtype=torch.int64, device=k.device)
+    for p in reversed(range(int(bt.max()))):
+        cand = c + 2**p
+        fits = (cand < n) & (kf >= cell_edge(lo_t, hi_t, cand, bt))
+        c = torch.where(fits, cand, c)
     a, b = cell_edge(lo_t, hi_t, c, bt), cell_edge(lo_t, hi_t, c + 1, bt)
     if ((kf < a) | (kf > b)).any():  # cannot happen: edges run from lo to hi monotonically
         raise AssertionError("a key is outside its cell")

@@ -115,6 +115,32 @@ def test_edges_are_monotone_and_span_the_range():
         assert (e[1:] >= e[:-1]).all()
 
 
+def test_each_key_takes_the_last_cell_whose_lower_edge_holds_it():
+    """The canonical cell (the one the GPU encoder must reproduce): the largest `c` with
+    `edge(c) <= k`, so a key on an edge takes the upper cell, also in nearly empty ranges
+    where several float32 edges coincide and a division lands cells away."""
+    g = torch.Generator().manual_seed(1)
+    lo = torch.tensor([-3.0, 1e4, 7.0, 0.5, 2.0]).repeat(8, 1)
+    hi = lo + torch.tensor([5.0, 3 * 1e4 * 2**-23, 0.0, 1e-3, 2.0**-20])
+    lo, hi = lo.view(1, 1, 8, 5), hi.view(1, 1, 8, 5)
+    for bits in (1, 4, 6):
+        n = 2**bits
+        edges = torch.stack([cell_edge(lo, hi, torch.tensor(c), bits) for c in range(n + 1)])
+        pick = torch.randint(0, n + 1, lo.shape, generator=g)
+        on_edge = edges.gather(0, pick[None]).squeeze(0)
+        for k in (on_edge, torch.nextafter(on_edge, on_edge - 1).clamp(lo, hi)):
+            codes = encode_keys(
+                k[:, :, :, None].expand(1, 1, 8, 4, 5).flatten(2, 3),
+                torch.tensor([32]),
+                lo,
+                hi,
+                4,
+                bits,
+            ).codes.long()
+            want = ((edges[:-1] <= k[None]).sum(0) - 1).clamp(max=n - 1)
+            assert torch.equal(codes.view(1, 1, 8, 4, 5)[:, :, :, 0], want), bits
+
+
 def test_code_bound_is_tighter_than_the_box_bound():
     """The cells sit inside the block's [kmin, kmax], so each token's bound is at most the
     block's box bound (up to the margin), and more bits are never looser."""
