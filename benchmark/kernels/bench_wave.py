@@ -6,7 +6,8 @@ forced with a block budget (`max_read_blocks`, threshold 1) rather than by ε.
 Baseline in the same run: dense decode attention over the full context (torch
 SDPA) and the device-to-device copy bandwidth (HBM peak).
 
-    python benchmark/kernels/bench_wave.py      # prints JSON
+    python benchmark/kernels/bench_wave.py                # prints JSON
+    python benchmark/kernels/bench_wave.py --serving-8b   # workload e's step, launch sweep
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 
 import torch
 from timing import cuda_time
@@ -93,13 +95,25 @@ def bench_case(
     splits: int | None = None,
     torch_rank: bool = False,
     layers: int = 1,
+    plan_ctx: int | None = None,
+    codes: bool = False,
 ) -> dict:
     """One step timed as a CUDA-graph replay. With `layers` > 1 the graph holds that many
     steps back to back, as one decode step's graph holds every layer's, and the time is
-    per layer (the graph's launch is then shared, as it is in a model)."""
-    q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, ctx, host_fraction)
-    nb = ctx // BS
-    budget = max(2, round(frac * nb))
+    per layer (the graph's launch is then shared, as it is in a model). `plan_ctx`: the
+    plan (and the buffers) span that many tokens, the requests `ctx` (a server plans for
+    its longest context); `codes`: key bounds as 8-bit codes, as the server keeps them."""
+    q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, plan_ctx or ctx, host_fraction)
+    lengths.fill_(ctx)
+    nb = (plan_ctx or ctx) // BS
+    meta_scale = None
+    if codes:
+        from sglang_psa.algo.metadata import bound_codes
+
+        lo, hi = torch.minimum(meta[1], meta[2]), torch.maximum(meta[1], meta[2])
+        qlo, qhi, meta_scale = bound_codes(lo, hi)
+        meta = (meta[0], qlo.to(torch.int8), qhi.to(torch.int8))
+    budget = max(2, round(frac * (ctx // BS)))
     if splits is None:
         splits = LAUNCH["splits"] if batch == 8 and ctx == 131072 else None
     wa = WaveAttention.from_config(CONFIG)
@@ -121,6 +135,7 @@ def bench_case(
         k_host=kh,
         v_host=vh,
         max_read_blocks=budget,
+        meta_scale=meta_scale,
     )
     t_eager = _time(run)
     # The whole step (scoring, ranking, all waves) captured once and replayed: the
@@ -137,6 +152,10 @@ def bench_case(
     t = _time(graph.replay, reps=20 if layers == 1 else 50, warmup=3 if layers == 1 else 10)
     t /= layers
     read_bytes = batch * HKV * budget * BS * D * 2 * 2
+    if codes:  # the 8-bit bounds and their scale, for every block of the requests
+        meta_read = batch * HKV * (ctx // BS) * (2 * D + 4)
+    else:
+        meta_read = meta_bytes(batch, ctx)
     assert int(res.n_read.min()) == budget == int(res.n_read.max())
     out = {
         "batch": batch,
@@ -152,8 +171,8 @@ def bench_case(
         "gbps_on_bytes_read": read_bytes / t / 1e9,
         "bytes_read": read_bytes,
         # K/V plus the metadata the ranking reads (every block's, whatever the fraction).
-        "meta_bytes_read": meta_bytes(batch, ctx),
-        "gbps_on_all_bytes": (read_bytes + meta_bytes(batch, ctx)) / t / 1e9,
+        "meta_bytes_read": meta_read,
+        "gbps_on_all_bytes": (read_bytes + meta_read) / t / 1e9,
     }
     if profile:
         from torch.profiler import ProfilerActivity
@@ -178,7 +197,7 @@ def bench_pipelined(batch: int, ctx: int, frac: float, host_fraction: float) -> 
 
     q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, ctx, host_fraction)
     nb = ctx // BS
-    budget = max(2, round(frac * nb))
+    budget = max(2, round(frac * (ctx // BS)))
     n = ks.shape[0]
     spare_n = batch * HKV * budget
     ks = torch.cat([ks, torch.empty(spare_n, BS, D, device="cuda", dtype=ks.dtype)])
@@ -368,5 +387,52 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
     }
 
 
+def serving_8b() -> dict:
+    """Workload e's decode step per layer (benchmark/serving, 8B shape): 20 requests of
+    32000 tokens in a plan of 131072 (the model's context: the server plans for it), a
+    top-k budget of 2048 tokens, 8-bit key bounds. The library's launch with its kernel
+    table, the same requests in a plan of their own length, then one launch knob at a
+    time around the default (splits, tile and warps, pipeline depth, scoring launch),
+    each graph-replayed 8 layers deep. Against the HBM peak of the same run."""
+    hbm = hbm_peak_gbps()
+    case = dict(batch=20, ctx=32000, frac=2048 / 32000, codes=True, layers=8)
+    default = bench_case(**case, plan_ctx=131072, profile=True)
+    own = bench_case(**case)
+    sweeps: dict[str, float | str] = {}
+
+    def one(key, splits=None, **launch):
+        LAUNCH.update(launch)
+        try:
+            r = bench_case(**case, plan_ctx=131072, splits=splits)
+            sweeps[key] = r["time_us"]
+        except Exception as e:  # noqa: BLE001 - report and keep measuring
+            sweeps[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+        LAUNCH.clear()
+        LAUNCH.update(DEFAULT_LAUNCH)
+        torch.cuda.empty_cache()
+        print(key, sweeps[key], file=sys.stderr, flush=True)
+
+    for sp in (2, 4, 8, 16, 32):
+        one(f"splits{sp}", splits=sp)
+    for tile, warps in ((32, 4), (64, 8), (128, 4), (128, 8)):
+        for sp in (4, 8, 16):
+            one(f"tile{tile}_warps{warps}_splits{sp}", splits=sp, tile_tokens=tile, num_warps=warps)
+    for stages in (1, 3):
+        one(f"stages{stages}", num_stages=stages)
+    for blocks, warps in ((32, 2), (32, 4), (64, 2), (64, 8), (128, 4), (128, 8), (256, 8)):
+        one(f"score{blocks}_warps{warps}", score_blocks=blocks, score_warps=warps)
+    ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
+    best = min(ok, key=ok.get)
+    return {
+        "hbm_peak_gbps": hbm,
+        "case": {**case, "plan_ctx": 131072},
+        "default": default,
+        "default_plan_of_own_length": own,
+        "sweep_us": sweeps,
+        "best": {"launch": best, "time_us": ok[best], "vs_default": ok[best] / default["time_us"]},
+        "default_hbm_efficiency_all_bytes": default["gbps_on_all_bytes"] / hbm,
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=1))
+    print(json.dumps(serving_8b() if "--serving-8b" in sys.argv else run(), indent=1))

@@ -42,17 +42,24 @@ def _rank_chunk_kernel(
     NPP: tl.constexpr,
     DIRECT: tl.constexpr,
     LOC: tl.constexpr,
+    PB: tl.constexpr,
+    SKIP_PAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
     length = tl.load(lengths_ptr + b)
     nblk = (length + BS - 1) // BS
+    if SKIP_PAST:  # a chunk wholly past the request's blocks: nothing to write
+        if c * C >= nblk:
+            return
     i = tl.arange(0, C)
     j = c * C + i
     inb = j < NB
     p = tl.arange(0, NPP)
     pm = p < NP
+    if PB > 0:  # partials of chunks past the request's blocks were not written
+        pm = pm & (p * PB < nblk)
     crit = tl.full([C], float("-inf"), tl.float32)
     for g in tl.static_range(G):
         row = (b * Hkv + h) * G + g
@@ -61,11 +68,11 @@ def _rank_chunk_kernel(
         psum = tl.load(part_ptr + (row * NP + p) * 2 + 1, mask=pm, other=0.0)
         m = tl.max(pmax, axis=0)
         lse = m + tl.log(tl.sum(tl.where(pmax == float("-inf"), 0.0, psum * tl.exp(pmax - m)), 0))
-        x = tl.load(logit_ptr + row * NB + j, mask=inb, other=float("-inf"))
+        x = tl.load(logit_ptr + row * NB + j, mask=inb & (j < nblk), other=float("-inf"))
         crit = tl.maximum(crit, x - lse)
     forced = (j < nblk) & ((j < sink) | (j >= nblk - recent))
     key = tl.where(forced, float("inf"), crit)
-    key = tl.where(inb, key, float("-inf"))
+    key = tl.where(j < nblk, key, float("-inf"))  # past the request: padding, in block order
     # Float order as signed-int order (flip the magnitude bits of negatives), reversed for
     # an ascending sort to give descending keys, packed above the block index so ties keep
     # block order (and padding, -inf with the largest indices, sorts last).
@@ -99,18 +106,22 @@ def _rank_merge_kernel(
     C: tl.constexpr,
     LOG2C: tl.constexpr,
     LOC: tl.constexpr,
+    SKIP_PAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
     nch = tl.num_programs(2)
     base = sorted_ptr + (b * Hkv + h) * nch * C
-    i = tl.arange(0, C)
-    x = tl.load(base + c * C + i)
     # Only chunks holding the request's blocks are counted: a chunk past them is padding,
     # which sorts after every block and keeps block order (its elements stay in place).
     length = tl.load(lengths_ptr + b)
     nvalid = tl.cdiv((length + BS - 1) // BS, C)
+    if SKIP_PAST:  # ... and with SKIP_PAST it was never sorted nor is it written
+        if c >= nvalid:
+            return
+    i = tl.arange(0, C)
+    x = tl.load(base + c * C + i)
     pos = i + tl.where(c >= nvalid, c * C, 0)
     for c2 in range(0, tl.where(c < nvalid, tl.minimum(nvalid, nch), 0)):
         if c2 != c:
@@ -151,6 +162,8 @@ def rank_blocks(
     loc: torch.Tensor | None = None,
     ranked_loc: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    partial_blocks: int = 0,
+    skip_past_length: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order `[B, Hkv, NB]` int32 and forced counts `[B]` int32 from logits `[B, Hq, NB]`
     (float32, -inf past each request's blocks). `partials [B, Hq, P, 2]` are the rows'
@@ -159,7 +172,13 @@ def rank_blocks(
     `[B, Hkv, NB]` int32, `ranked_loc [B, Hkv, NB]` int32 receives it in read order
     (`loc.gather(-1, order)`), so the wave kernel finds a ranked block's K/V with one
     load fewer on its critical path. `scratch` (int64, `rank_scratch_numel` elements)
-    holds the sorted chunks; without it one is allocated per call."""
+    holds the sorted chunks; without it one is allocated per call.
+    `partial_blocks` > 0: partial `p` covers blocks `[p * partial_blocks, ...)` and those
+    wholly past a request's blocks are ignored (`block_scores(skip_past_length=True)`
+    leaves them unwritten; so are its logits there: keys past a request's blocks are
+    never read). `skip_past_length`: only the chunks of `chunk_blocks` holding a
+    request's blocks are written to `order`/`ranked_loc`; past them the buffers keep
+    what they held (the wave kernel never reads past a request's blocks)."""
     B, Hq, NB = logits.shape
     G = Hq // n_kv_heads
     dev = logits.device
@@ -191,12 +210,14 @@ def rank_blocks(
         logits.contiguous(), partials.contiguous(), lengths32, scratch, order, n_forced,
         *loc_args, n_kv_heads, NB, NP, sink, recent,
         G=G, BS=block_size, C=C, NPP=triton.next_power_of_2(max(NP, 2)), DIRECT=direct,
-        LOC=has_loc, num_warps=4 if C <= 1024 else 8,
+        LOC=has_loc, PB=partial_blocks, SKIP_PAST=skip_past_length,
+        num_warps=4 if C <= 1024 else 8,
     )  # fmt: skip
     if not direct:
         _rank_merge_kernel[(B, n_kv_heads, nch)](
             scratch, order, *loc_args, lengths32, n_kv_heads, NB,
-            BS=block_size, C=C, LOG2C=C.bit_length() - 1, LOC=has_loc, num_warps=4,
+            BS=block_size, C=C, LOG2C=C.bit_length() - 1, LOC=has_loc,
+            SKIP_PAST=skip_past_length, num_warps=4,
         )  # fmt: skip
     return order, n_forced
 

@@ -122,54 +122,35 @@ def _score_kernel(
     WANT_PART: tl.constexpr,
     CODES: tl.constexpr,
     INTERP: tl.constexpr,
+    SKIP_PAST: tl.constexpr,
 ):
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
     j = tl.program_id(1) * NBC + tl.arange(0, NBC)
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
-    g = tl.arange(0, GP)
-    gmask = g < G
-    dd = tl.arange(0, D)
-    hq = h * G + g
-    q = (
-        tl.load(
-            q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0
-        ).to(tl.float32)
-        * scale
-    )
-    base = (b * Hkv + h) * NB * D
-    out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
-    omask = gmask[:, None] & (j < NB)[None, :]
-    args = (pages_ptr, b * NB, h, Hkv)
-    x = _logits(
-        q,
-        mean_ptr,
-        min_ptr,
-        max_ptr,
-        scale_ptr,
-        base,
-        j,
-        dd,
-        nb,
-        length,
-        *args,
-        BS,
-        D,
-        BOUND,
-        PAGED,
-        CODES,
-        INTERP,
-    )
-    tl.store(logit_ptr + out, x, mask=omask)
-    if WANT_PART:  # this chunk's (max, sum of exp) per query head, for the row's lse
-        m = tl.max(x, axis=1)
-        ssum = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m[:, None])), axis=1)
-        pbase = ((b * Hkv * G + hq) * tl.num_programs(1) + tl.program_id(1)) * 2
-        tl.store(part_ptr + pbase, m, mask=gmask)
-        tl.store(part_ptr + pbase + 1, ssum, mask=gmask)
-    if WANT_UB:
-        ub = _logits(
+    # Chunks past the request's blocks: with SKIP_PAST nothing is written there (the
+    # ranking reads no further than the request's blocks), so a short request in a
+    # long-context server costs its own blocks, not the longest allowed.
+    row_end = NB
+    if SKIP_PAST:
+        row_end = nb
+    if tl.program_id(1) * NBC < row_end:
+        g = tl.arange(0, GP)
+        gmask = g < G
+        dd = tl.arange(0, D)
+        hq = h * G + g
+        q = (
+            tl.load(
+                q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0
+            ).to(tl.float32)
+            * scale
+        )
+        base = (b * Hkv + h) * NB * D
+        out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
+        omask = gmask[:, None] & (j < NB)[None, :]
+        args = (pages_ptr, b * NB, h, Hkv)
+        x = _logits(
             q,
             mean_ptr,
             min_ptr,
@@ -183,12 +164,39 @@ def _score_kernel(
             *args,
             BS,
             D,
-            True,
+            BOUND,
             PAGED,
             CODES,
             INTERP,
         )
-        tl.store(ub_ptr + out, ub, mask=omask)
+        tl.store(logit_ptr + out, x, mask=omask)
+        if WANT_PART:  # this chunk's (max, sum of exp) per query head, for the row's lse
+            m = tl.max(x, axis=1)
+            ssum = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m[:, None])), axis=1)
+            pbase = ((b * Hkv * G + hq) * tl.num_programs(1) + tl.program_id(1)) * 2
+            tl.store(part_ptr + pbase, m, mask=gmask)
+            tl.store(part_ptr + pbase + 1, ssum, mask=gmask)
+        if WANT_UB:
+            ub = _logits(
+                q,
+                mean_ptr,
+                min_ptr,
+                max_ptr,
+                scale_ptr,
+                base,
+                j,
+                dd,
+                nb,
+                length,
+                *args,
+                BS,
+                D,
+                True,
+                PAGED,
+                CODES,
+                INTERP,
+            )
+            tl.store(ub_ptr + out, ub, mask=omask)
 
 
 def block_scores(
@@ -208,6 +216,7 @@ def block_scores(
     partials: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     meta_scale: torch.Tensor | None = None,
+    skip_past_length: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
@@ -220,9 +229,15 @@ def block_scores(
     `partials` (`[B, Hq, partial_chunks(NB), 2]` float32, see there) receives each
     chunk's (max, sum of exp) of the raw logits, from which `rank_blocks` gets the lse.
     `out` receives the raw logits (else they are allocated).
+    `skip_past_length`: chunks of `blocks_per_program` blocks wholly past a request's
+    blocks are not scored, and their logits, bounds and partials are left as they were
+    (for `rank_blocks(skip_past_length=True)`; raw logits only). Otherwise every column
+    up to NB is written, `-inf` past each length.
     """
     if method not in ("mean", "bound"):
         raise ValueError(f"unknown criticality method {method!r} (mean|bound)")
+    if skip_past_length and normalize:
+        raise ValueError("skip_past_length leaves columns unwritten: raw logits only")
     B, Hq, D = q.shape
     if pages is None:
         Hkv, NB = meta_mean.shape[1], meta_mean.shape[2]
@@ -255,7 +270,7 @@ def block_scores(
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=nbc,
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
         WANT_PART=partials is not None, CODES=codes,
-        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERP=os.environ.get("TRITON_INTERPRET") == "1", SKIP_PAST=skip_past_length,
         num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)

@@ -413,14 +413,18 @@ def _wave_attention_kernel(
 class WaveResult:
     out: torch.Tensor  # [B, Hq, d] in the plan's output dtype
     lse: torch.Tensor  # [B, Hq] float32
-    order: torch.Tensor  # [B, Hkv, NB] int32: read order
+    order: torch.Tensor  # [B, Hkv, NB] int32: read order (stale past a request's blocks)
     n_read: torch.Tensor  # [B, Hkv] int32: blocks read = order[..., :n_read]
     n_waves: torch.Tensor  # [B, Hkv] int32
 
     def read_mask(self) -> torch.Tensor:
-        pos = torch.arange(self.order.shape[-1], device=self.order.device)
-        sorted_read = pos < self.n_read[..., None]
-        return torch.zeros_like(sorted_read).scatter(-1, self.order.long(), sorted_read)
+        """`[B, Hkv, NB]` bool: the blocks read. Past a request's blocks `order` may hold
+        stale entries (repeats): they add nothing."""
+        NB = self.order.shape[-1]
+        sorted_read = torch.arange(NB, device=self.order.device) < self.n_read[..., None]
+        idx = self.order.long().clamp(0, NB - 1)
+        hits = torch.zeros_like(idx).scatter_add(-1, idx, sorted_read.long())
+        return hits > 0
 
 
 class Workspace:
@@ -687,6 +691,7 @@ class WaveAttention:
             num_warps=self.score_warps,
             out=self.logits,
             meta_scale=meta_scale,
+            skip_past_length=fused,  # the fused ranking reads only each request's blocks
         )
         if fused:  # group criticality, forced blocks first, stable descending chunked sort
             order, n_forced = rank_blocks(
@@ -703,6 +708,8 @@ class WaveAttention:
                 loc=loc,
                 ranked_loc=self.ranked_loc,
                 scratch=self.rank_scratch,
+                partial_blocks=max(self.score_blocks, 16),  # what block_scores launched
+                skip_past_length=True,
             )
         else:  # too many blocks for one program's registers: torch's sort, same result
             crit = criticality_from_logits(logits, Hkv)
@@ -718,8 +725,12 @@ class WaveAttention:
             if loc is not None:
                 torch.gather(loc, -1, order.long(), out=self.ranked_loc)
         if self.rule == "certified":
+            # Past a request's blocks `order` and `ub` hold stale values: masked by rank.
             G = Hq // Hkv
-            ub_o = ub.gather(-1, order.long().repeat_interleave(G, dim=1))
+            ub_o = ub.gather(-1, order.long().clamp(max=self.NB - 1).repeat_interleave(G, 1))
+            nblk = (lengths + bs - 1) // bs
+            past = torch.arange(self.NB, device=q.device) >= nblk[:, None, None]
+            ub_o = ub_o.masked_fill(past, -torch.inf)
             tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
             ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
             ub_suffix = ub_suffix.contiguous()
@@ -778,6 +789,7 @@ class WaveAttention:
             "run() shapes differ from plan()"
         )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
+        q = q.contiguous()  # once for scoring and the wave kernel (SGLang's q is a view)
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
@@ -799,7 +811,7 @@ class WaveAttention:
         while True:
             try:
                 _wave_attention_kernel[(B, Hkv, self.splits)](
-                    q.contiguous(),
+                    q,
                     k_slots,
                     v_slots,
                     k_host,

@@ -288,6 +288,47 @@ def test_wave_attention_with_a_block_budget_is_topk(device):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("rule,eps,budget", [("heuristic", 0.9, None), ("certified", 0.95, None),
+                                             ("heuristic", 1.0, 6)])  # fmt: skip
+def test_a_short_request_in_a_long_plan_is_scored_and_ranked_over_its_own_blocks(
+    device, rule, eps, budget
+):
+    """The server plans for its longest context (NB blocks) whatever the batch holds:
+    score chunks and rank chunks wholly past a request's blocks are skipped and leave
+    the plan's buffers as they were. With those buffers holding another batch's values
+    (NaN logits, stale orders) a short request still reads, and gives, what the
+    reference gives."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+    from sglang_psa.algo import topk_attention
+
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, topk_tokens=16 * 6, **SMALL_WAVES)
+    q, k, v, _ = _case(23, T=1600, d=64, spread=2.0, device=device)
+    lengths = torch.tensor([1600, 250], device=device)  # 100 and 16 of 100 blocks
+    meta = block_metadata(k, lengths, cfg.block_size)
+    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.3, seed=5)
+    wa = WaveAttention.from_config(cfg)
+    wa.score_blocks, wa.rank_chunk_blocks = 16, 16  # 7 score and 7 rank chunks per row
+    wa.plan(*q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device)
+    g = torch.Generator().manual_seed(0)
+    for buf in (wa.logits, wa.partials):
+        buf.copy_(torch.where(torch.rand(buf.shape, generator=g) < 0.5, torch.nan, 1e4))
+    wa.order.copy_(torch.randint(0, loc.shape[-1], wa.order.shape, generator=g))
+    wa.ranked_loc.copy_(torch.randint(0, k_slots.shape[0], wa.ranked_loc.shape, generator=g))
+    wa.rank_scratch.copy_(torch.randint(-(2**62), 2**62, wa.rank_scratch.shape, generator=g))
+    stale = wa.logits[1, :, 16:].clone()
+    kw = {} if budget is None else {"max_read_blocks": budget}
+    res = wa.run(q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax,
+                 k_host=k_host, v_host=v_host, **kw)  # fmt: skip
+    # The short request's blocks past its one score chunk were not scored at all.
+    torch.testing.assert_close(wa.logits[1, :, 16:], stale, rtol=0, atol=0, equal_nan=True)
+    if budget is None:
+        ref = progressive_attention(q, k, v, lengths, cfg)
+    else:
+        ref = topk_attention(q, k, v, lengths, cfg)
+    assert torch.equal(res.read_mask(), ref.read)
+    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("later", [0, 16])
 def test_wave_table_rows_are_the_configs_schedules(later):
     """Each request's row of the kernel's wave table is `PSAConfig.wave_sizes` from its
