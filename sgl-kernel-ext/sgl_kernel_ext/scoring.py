@@ -142,7 +142,9 @@ def _score_kernel(
         hq = h * G + g
         q = (
             tl.load(
-                q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0
+                q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :],
+                mask=gmask[:, None],
+                other=0.0,
             ).to(tl.float32)
             * scale
         )

@@ -332,35 +332,40 @@ def _wave_attention_kernel(
         out = acc / l_i[:, None]
         lse = m_i + tl.log(l_i)
     elif ONE_WAVE:
-        # Publish this program's state; the last of the S to arrive merges them all.
+        # Publish this program's state; the last of the S to arrive merges them, one
+        # program's state at a time (a [S, GP, D] tensor of them spilled from S = 4 on).
         me = bh * S + sid
         tl.store(part_ptr + me * 3 * GP + g, m_i)
         tl.store(part_ptr + me * 3 * GP + GP + g, l_i)
-        tl.store(acc_part_ptr + me * GP * D + g[:, None] * D + dd[None, :], acc)
+        acc_at = g[:, None] * D + dd[None, :]
+        tl.store(acc_part_ptr + me * GP * D + acc_at, acc, mask=gmask[:, None])
         tl.debug_barrier()
         ticket = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
         writer = ticket == S - 1
-        ss = tl.arange(0, S)
-        wm = (ss * 0 + ticket) == S - 1  # [S]: the writer's mask, as a tensor
-        base = (bh * S + ss)[:, None] * 3 * GP + g[None, :]
-        m_all = tl.load(part_ptr + base, mask=wm[:, None], other=float("-inf"), volatile=True)
-        l_all = tl.load(part_ptr + base + GP, mask=wm[:, None], other=0.0, volatile=True)
-        m_top = tl.max(m_all, axis=0)
-        wgt = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_top[None, :]))
-        accs = tl.load(
-            acc_part_ptr
-            + (bh * S + ss)[:, None, None] * GP * D
-            + g[None, :, None] * D
-            + dd[None, None, :],
-            mask=wm[:, None, None],
-            other=0.0,
-            volatile=True,
-        )
-        lsum = tl.sum(wgt * l_all, axis=0)
-        out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
-        lse = m_top + tl.log(lsum)
-        if writer:  # every program has arrived: reset the ticket for the next launch
+        m_top = tl.full([GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        out = tl.zeros([GP, D], tl.float32)
+        if writer:
+            for other in range(S):
+                src = bh * S + other
+                m_s = tl.load(part_ptr + src * 3 * GP + g, volatile=True)
+                l_s = tl.load(part_ptr + src * 3 * GP + GP + g, volatile=True)
+                a_s = tl.load(
+                    acc_part_ptr + src * GP * D + acc_at,
+                    mask=gmask[:, None],
+                    other=0.0,
+                    volatile=True,
+                )
+                m_new = tl.maximum(m_top, m_s)
+                alpha = tl.where(m_top == float("-inf"), 0.0, tl.exp(m_top - m_new))
+                beta = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_new))
+                lsum = lsum * alpha + l_s * beta
+                out = out * alpha[:, None] + a_s * beta[:, None]
+                m_top = m_new
+            # every program has arrived: reset the ticket for the next launch
             tl.atomic_xchg(counter_ptr + bh, 0)
+        out = out / lsum[:, None]
+        lse = m_top + tl.log(lsum)
     else:
         # Every program holds the merged scalars and took the same stop decision; each
         # publishes its accumulator and program 0 merges them.
