@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def load(name: str) -> dict:
 
 
 def fmt(v) -> str:
-    if v is None:
+    if v is None or (isinstance(v, float) and math.isnan(v)):  # NaN: no row to summarise
         return "not measured"
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
