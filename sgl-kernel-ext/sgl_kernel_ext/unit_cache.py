@@ -54,29 +54,36 @@ def _refresh_kernel(
     tok = tl.arange(0, BS)
     dim = tl.arange(0, D)
     n = 0
-    for w in range(WAYS):
-        slot = s * WAYS + w
-        page = tl.load(pages_ptr + slot).to(tl.int64)
-        best = tl.max(score, axis=0)
-        cur = tl.load(sunit_ptr + h * (C + 1) + slot)
-        cur_st = tl.load(stamps_ptr + h * stamp_stride + tl.maximum(cur, 0))
-        free = (cur < 0) | (cur_st <= step - keep)
-        if (page > 0) & (best > 0) & free:
-            # The first candidate at the best stamp, as a min-reduction: defined for ties
-            # (every unit the last step read has the same stamp) and the same in every thread.
-            bi = tl.min(tl.where(score == best, k, CAND), axis=0)
-            new = s + bi * sets
-            score = tl.where(k == bi, -1, score)
-            if cur >= 0:
-                tl.store(uslot_ptr + h * (HB + 1) + cur, -1)
-            tl.store(sunit_ptr + h * (C + 1) + slot, new)
-            tl.store(uslot_ptr + h * (HB + 1) + new, slot)
-            src = h.to(tl.int64) * host_head_stride + (new.to(tl.int64) * BS + tok)[:, None] * D
-            dst = (page * BS + tok)[:, None] * pool_tok_stride + h * pool_head_stride
-            tl.store(pool_k + dst + dim[None, :], tl.load(host_k + src + dim[None, :]))
-            tl.store(pool_v + dst + dim[None, :], tl.load(host_v + src + dim[None, :]))
-            n += 1
-    tl.atomic_add(copied_ptr, n)
+    # Most sets have no new candidate once the cache is warm: such a program stops after
+    # the scan, before the ways' loads and reductions and the shared counter's atomic
+    # (thousands of programs per layer).
+    if tl.max(score, axis=0) > 0:
+        for w in range(WAYS):
+            best = tl.max(score, axis=0)
+            if best > 0:
+                slot = s * WAYS + w
+                page = tl.load(pages_ptr + slot).to(tl.int64)
+                cur = tl.load(sunit_ptr + h * (C + 1) + slot)
+                cur_st = tl.load(stamps_ptr + h * stamp_stride + tl.maximum(cur, 0))
+                free = (cur < 0) | (cur_st <= step - keep)
+                if (page > 0) & free:
+                    # The first candidate at the best stamp, as a min-reduction: defined for
+                    # ties (every unit the last step read has the same stamp) and the same in
+                    # every thread.
+                    bi = tl.min(tl.where(score == best, k, CAND), axis=0)
+                    new = s + bi * sets
+                    score = tl.where(k == bi, -1, score)
+                    if cur >= 0:
+                        tl.store(uslot_ptr + h * (HB + 1) + cur, -1)
+                    tl.store(sunit_ptr + h * (C + 1) + slot, new)
+                    tl.store(uslot_ptr + h * (HB + 1) + new, slot)
+                    src = h.to(tl.int64) * host_head_stride
+                    src += (new.to(tl.int64) * BS + tok)[:, None] * D
+                    dst = (page * BS + tok)[:, None] * pool_tok_stride + h * pool_head_stride
+                    tl.store(pool_k + dst + dim[None, :], tl.load(host_k + src + dim[None, :]))
+                    tl.store(pool_v + dst + dim[None, :], tl.load(host_v + src + dim[None, :]))
+                    n += 1
+        tl.atomic_add(copied_ptr, n)  # one atomic per program that had candidates
 
 
 def refresh_unit_cache(
