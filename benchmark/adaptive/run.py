@@ -117,8 +117,7 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     # After the certified-bound study (benchmark/results/certified_bound_cpu_16k.json: the
     # min/max bound certifies nothing, per-token key codes of 4-6 bits certify ε 0.9 at
     # 0.42-0.50 of the KV at 16K, codes counted): the certified rule on key codes, with a
-    # first wave of 1/8 of the blocks and later waves from 16 (the reference only: run
-    # with --reference on the GPU).
+    # first wave of 1/8 of the blocks and later waves from 16.
     cert = current.replace(stop_rule="certified", wave_fraction=0.125, later_wave_blocks=16)
     for e, bits in ((0.9, 5), (0.9, 4), (0.9, 6), (0.8, 5), (0.95, 5)):
         out.append(DecodePolicy("psa", cert.replace(threshold=e), code_bits=bits))

@@ -8,11 +8,13 @@ query, one program per (request, KV head, chunk of blocks) rebuilds each token's
 `[a, b]` per channel, bounds `scale * q . k` for every query head of the group by the
 interval product plus a float32 margin, and writes the log-sum-exp over the block's
 tokens: `ub [B, Hq, NB]` float32, `-inf` for blocks past a request's length. The wave
-kernel's certified rule takes `ub` where it takes the min/max bound today.
+kernel's certified rule ranks blocks by `ub` and bounds the unread mass with it
+(`WaveAttention.run(code_planes=)`).
 
 `encode_planes` writes the planes of whole blocks on the GPU, the same cells as
-`algo.token_bounds.encode_keys`. Not yet on the serving path: the KV pool's pages keep
-no planes, and the plan launches neither kernel (docs/design.md).
+`algo.token_bounds.encode_keys`. The adaptive suite's kernel rows run both
+(`hf.attention.KernelRows`); not yet on the serving path: the KV pool's pages keep no
+planes (docs/design.md).
 """
 
 from __future__ import annotations

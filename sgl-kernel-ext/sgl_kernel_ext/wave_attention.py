@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel_ext.code_bounds import code_bounds
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
@@ -414,6 +415,13 @@ def _wave_attention_kernel(
         tl.atomic_add(stats_ptr + 2, n_host.to(tl.int64))
 
 
+# With key codes the certified rule compares the float32 mass the kernel sums against a
+# float64 bound: it asks for this much more in log space (a relative 1e-4 of the mass, far
+# above the float32 rounding of a sum over a request's blocks) before it stops, so the
+# guarantee holds for the true mass.
+CODE_LIMIT_MARGIN = 1e-4
+
+
 @dataclass
 class WaveResult:
     out: torch.Tensor  # [B, Hq, d] in the plan's output dtype
@@ -672,12 +680,18 @@ class WaveAttention:
         meta_pages=None,
         loc=None,
         meta_scale=None,
+        codes=None,
     ):
         """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
         counts `[B]` and, for the certified rule, suffix sums of the bound log-mass.
-        With the block table `loc` (int32), `self.ranked_loc` receives it in read order."""
+        With the block table `loc` (int32), `self.ranked_loc` receives it in read order.
+        `codes` (planes, lo, hi; see `run`): blocks are ranked by their key-code bound,
+        which is also the certified rule's bound (spec: `algo.attention.progressive_attention
+        (code_bits=)`)."""
         B, Hq, _ = q.shape
         Hkv, bs = self.Hkv, self.bs
+        if codes is not None:
+            return self._rank_codes(q, codes, lengths, scale, loc)
         fused = self.NB <= self.fused_rank_max_blocks
         logits, ub = block_scores(
             q,
@@ -730,18 +744,48 @@ class WaveAttention:
             if loc is not None:
                 torch.gather(loc, -1, order.long(), out=self.ranked_loc)
         if self.rule == "certified":
-            # Past a request's blocks `order` and `ub` hold stale values: masked by rank.
-            G = Hq // Hkv
-            ub_o = ub.gather(-1, order.long().clamp(max=self.NB - 1).repeat_interleave(G, 1))
-            nblk = (lengths + bs - 1) // bs
-            past = torch.arange(self.NB, device=q.device) >= nblk[:, None, None]
-            ub_o = ub_o.masked_fill(past, -torch.inf)
-            tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
-            ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
-            ub_suffix = ub_suffix.contiguous()
+            ub_suffix = self._suffix(ub, order, lengths)
         else:
             ub_suffix = self.lse  # unused by the heuristic rule
         return order, n_forced, ub_suffix
+
+    def _suffix(self, ub, order, lengths, dtype=torch.float32):
+        """`[B, Hq, NB + 1]` float32: the log of the bound mass from each read position on
+        (summed in `dtype`). Past a request's blocks `order` and `ub` hold stale values:
+        masked by rank."""
+        G = self.Hq // self.Hkv
+        ub_o = ub.gather(-1, order.long().clamp(max=self.NB - 1).repeat_interleave(G, 1))
+        nblk = (lengths + self.bs - 1) // self.bs
+        past = torch.arange(self.NB, device=ub.device) >= nblk[:, None, None]
+        ub_o = ub_o.to(dtype).masked_fill(past, -torch.inf)
+        tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
+        ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
+        return ub_suffix.float().contiguous()
+
+    def _rank_codes(self, q, codes, lengths, scale, loc):
+        """`rank` on the key-code bound: `code_bounds` writes each block's bound log-mass
+        per query head (in the plan's logits buffer), the ranking orders blocks by it, and
+        its suffix sums (in float64; `run` leaves `CODE_LIMIT_MARGIN` for the float32 the
+        rule compares them in) bound the unread mass."""
+        if self.rule != "certified":
+            raise ValueError("key codes bound the unread mass of the certified rule only")
+        planes, lo, hi = codes
+        ub = code_bounds(q, planes, lo, hi, lengths, scale, out=self.logits)
+        order, n_forced = rank_blocks(
+            ub,
+            lengths,
+            self.bs,
+            self.sink,
+            self.recent,
+            self.Hkv,
+            self.order,
+            self.n_forced,
+            chunk_blocks=self.rank_chunk_blocks,
+            loc=loc,
+            ranked_loc=self.ranked_loc,
+            scratch=self.rank_scratch,
+        )
+        return order, n_forced, self._suffix(ub, order, lengths, torch.float64)
 
     def run(
         self,
@@ -766,6 +810,9 @@ class WaveAttention:
         unit_slot: torch.Tensor | None = None,
         cache_pages: torch.Tensor | None = None,
         meta_scale: torch.Tensor | None = None,
+        code_planes: torch.Tensor | None = None,
+        code_lo: torch.Tensor | None = None,
+        code_hi: torch.Tensor | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -787,6 +834,12 @@ class WaveAttention:
         cache of this layer) a cached host unit is read from its slot's page instead.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
+        Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
+        token's key as a cell of its block's range `code_lo/code_hi [B, Hkv, NB, d]`
+        float32; `sgl_kernel_ext.code_bounds`) replace the min/max bound, for the ranking
+        and the stop rule alike; the rule then asks for `CODE_LIMIT_MARGIN` more in log
+        space (the float32 mass the kernel sums may differ from the float64 one by
+        rounding), so every query head covers at least ε of its true mass.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -800,10 +853,13 @@ class WaveAttention:
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
         else:
+            codes = None if code_planes is None else (code_planes, code_lo, code_hi)
             order, n_forced, ub_suffix = self.rank(
-                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale
-            )
+                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale,
+                codes,
+            )  # fmt: skip
             rloc = self.ranked_loc
+        limit = self.limit if code_planes is None else self.limit - CODE_LIMIT_MARGIN
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
@@ -845,7 +901,7 @@ class WaveAttention:
                     unit_slot.stride(0) if cached else 0,
                     self.wave_ends.stride(0),
                     scale,
-                    self.limit,
+                    limit,
                     NB if max_read_blocks is None else max_read_blocks,
                     self.max_read_fraction,
                     Hkv,

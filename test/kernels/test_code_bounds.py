@@ -144,3 +144,98 @@ def test_encode_kernel_places_keys_on_and_a_float32_ulp_off_cell_edges(device, b
     assert (naive.clamp(0, 2**bits - 1) != codes.float()).any()  # a division misses here
     got = encode_planes(k.to(device), lo.to(device), hi.to(device), bits, bs).cpu()
     assert torch.equal(got, pack_planes(codes, bits, bs))
+
+
+def _skewed_case(seed, B, Hkv, G, d, nb, bs=32):
+    """Query heads of a group near one direction, and 4% of the blocks holding keys along
+    it: most of every head's mass in a few blocks, as trained models' heads put it (random
+    keys spread it evenly, and every stop rule reads everything)."""
+    g = torch.Generator().manual_seed(seed)
+    T = nb * bs
+    u = torch.randn(B, Hkv, 1, d, generator=g)
+    q = (u + 0.3 * torch.randn(B, Hkv, G, d, generator=g)).view(B, Hkv * G, d)
+    k = torch.randn(B, Hkv, T, d, generator=g)
+    hot = (torch.rand(B, Hkv, nb, generator=g) < 0.04).repeat_interleave(bs, -1)[..., None]
+    k = torch.where(hot, u * 1.5 + 0.5 * k, k).to(torch.bfloat16)
+    lengths = torch.tensor([T - 7 * i for i in range(B)])
+    kept = as_kept(block_metadata(k, lengths, bs), PSAConfig(bound_bits=8))
+    return q, k, lengths, kept
+
+
+def _certified_on_codes(device, seed, B, Hkv, G, d, nb, bits, eps, dtype=torch.float32):
+    """The certified rule on `bits`-bit key codes: the reference (`progressive_attention(
+    code_bits=)`) and the wave kernel (`WaveAttention.run(code_planes=)`) on one case, with
+    the true log-mass of every block `[B, Hq, NB]` (float64). Keys are bf16 values; q, K
+    and V in `dtype` (Triton's interpreter runs the wave kernel in float32 only)."""
+    from sgl_kernel_ext.code_bounds import encode_planes
+    from sgl_kernel_ext.wave_attention import WaveAttention
+    from sglang_psa.algo import bound_codes, progressive_attention
+
+    bs = 32
+    q, k, lengths, kept = _skewed_case(seed, B, Hkv, G, d, nb, bs)
+    q, k = q.to(dtype), k.to(dtype)
+    v = torch.randn(k.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    cfg = PSAConfig(stop_rule="certified", threshold=eps, bound_bits=8, block_size=bs)
+    scale = 1 / math.sqrt(d)
+    ref = progressive_attention(q, k, v, lengths, cfg, scale=scale, code_bits=bits)
+    exact = block_metadata(k, lengths, bs)
+    lo, hi = kept.kmin.float(), kept.kmax.float()
+    # keys past a request's length take code 0 (`encode_keys`' padding; never read)
+    T = k.shape[2]
+    valid = (torch.arange(T)[None, :] < lengths[:, None])[:, None, :, None]
+    kp = torch.where(valid, k, lo.repeat_interleave(bs, 2).to(k.dtype))
+    planes = encode_planes(kp.to(device), lo.to(device), hi.to(device), bits, bs)
+    qlo, qhi, kscale = bound_codes(exact.kmin, exact.kmax)
+    slots_k = k.view(B * Hkv * nb, bs, d).to(device)
+    slots_v = v.view(B * Hkv * nb, bs, d).to(device)
+    loc = torch.arange(B * Hkv * nb, dtype=torch.int32).view(B, Hkv, nb).to(device)
+    wa = WaveAttention.from_config(cfg).plan(B, Hkv * G, Hkv, d, nb, device, out_dtype=q.dtype)
+    got = wa.run(
+        q.to(device), slots_k, slots_v, loc, lengths.to(device),
+        *(t.to(device) for t in (exact.mean, qlo.to(torch.int8), qhi.to(torch.int8))),
+        meta_scale=kscale.to(device), scale=scale,
+        code_planes=planes, code_lo=lo.to(device), code_hi=hi.to(device),
+    )  # fmt: skip
+    true = block_lse(token_scores(q, k, lengths, scale).double(), bs)
+    return ref, got, true, (q, k, v, lengths, scale)
+
+
+def _check_certified_on_codes(ref, got, true, case, G, eps):
+    q, k, v, lengths, scale = case
+    read = got.read_mask().cpu()
+    # the guarantee: every query head covers at least ε of its true mass
+    covered = true.masked_fill(~read.repeat_interleave(G, 1), -torch.inf).logsumexp(-1)
+    assert bool((covered - true.logsumexp(-1) >= math.log(eps)).all())
+    # and it reads what the reference reads (the float32 bound and mass, and the margin the
+    # kernel keeps for them, may end a rare head one wave later)
+    same = (read == ref.read).all(-1)
+    assert float(same.float().mean()) >= 0.9, (read.sum(-1), ref.read.sum(-1))
+    assert bool((read.sum(-1) >= ref.read.sum(-1))[same.logical_not()].all())
+    assert float(read.float().mean()) < 0.7  # the case stops early: the test can fail
+    # the output is attention over the blocks it read
+    s = token_scores(q, k, lengths, scale)
+    T = k.shape[2]
+    tok = read.repeat_interleave(32, -1)[..., :T].repeat_interleave(G, 1)
+    p = torch.softmax(s.masked_fill(~tok, -torch.inf), -1)
+    want = torch.einsum("bht,bhtd->bhd", p, v.float().repeat_interleave(G, 1))
+    torch.testing.assert_close(got.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("d, G, bits, eps", [(64, 4, 5, 0.9), (128, 8, 4, 0.95)])
+def test_certified_rule_on_key_codes_in_the_wave_kernel(device, d, G, bits, eps):
+    """`WaveAttention.run(code_planes=)` ranks by the key-code bound and stops by it: every
+    query head covers ε of its true mass, reads as the reference does, and its output is
+    attention over what it read."""
+    ref, got, true, case = _certified_on_codes(device, 3 + d, 2, 2, G, d, 40, bits, eps)
+    _check_certified_on_codes(ref, got, true, case, G, eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, G, bits", [(64, 7, 5), (128, 4, 5), (128, 8, 6)])
+def test_certified_rule_on_key_codes_in_the_wave_kernel_at_real_shapes(d, G, bits):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    ref, got, true, case = _certified_on_codes(
+        "cuda", 5 + G, 2, 2, G, d, 600, bits, 0.9, torch.bfloat16
+    )
+    _check_certified_on_codes(ref, got, true, case, G, 0.9)

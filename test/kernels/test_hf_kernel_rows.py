@@ -26,6 +26,11 @@ def device(kernel_device):
         DecodePolicy("psa", PSAConfig(threshold=0.95, bound_bits=8, later_wave_blocks=1, **SMALL)),
         DecodePolicy("psa", PSAConfig(threshold=0.98, max_read_fraction=0.4, **SMALL)),
         DecodePolicy("topk", PSAConfig(**SMALL), 16 * 6),
+        DecodePolicy(
+            "psa",
+            PSAConfig(threshold=0.9, stop_rule="certified", bound_bits=8, **SMALL),
+            code_bits=5,
+        ),
     ],
     ids=lambda p: p.label,
 )
@@ -39,9 +44,16 @@ def test_a_kernel_row_equals_the_reference(device, policy, Hq, Hkv, d):
     lengths = torch.tensor([T])
     cfg = policy.cfg
     meta = block_metadata(k, lengths, cfg.block_size)
+    codes = None
+    if policy.code_bits:  # the key codes of the rows' keys, on the device
+        codes = KernelRows.key_codes(
+            k.to(device), type(meta)(*(t.to(device) for t in meta)), cfg, 5
+        )
     if policy.kind == "psa":
         cap = torch.tensor([policy.cap_tokens or 0])
-        ref = progressive_attention(q, k, v, lengths, cfg, meta=meta, cap_tokens=cap)
+        ref = progressive_attention(
+            q, k, v, lengths, cfg, meta=meta, cap_tokens=cap, code_bits=policy.code_bits
+        )
     else:
         ref = topk_attention(q, k, v, lengths, cfg, policy.budget_tokens, meta=meta)
     rows = KernelRows()
@@ -52,7 +64,7 @@ def test_a_kernel_row_equals_the_reference(device, policy, Hq, Hkv, d):
         kscale = to(kscale)
     for step in range(2):  # the plan is made once and reused
         m = type(meta)(*map(to, meta))
-        out, n_read = rows.run(0, policy, to(q), to(k), to(v), m, None, kscale)
+        out, n_read = rows.run(0, policy, to(q), to(k), to(v), m, None, kscale, codes)
         assert torch.equal(n_read.cpu().long(), ref.read.sum(-1)), step
         torch.testing.assert_close(out.float().cpu(), ref.out.float(), atol=2e-4, rtol=2e-4)
     assert len(rows.plans) == 1

@@ -47,8 +47,8 @@ class DecodePolicy:
     cap_tokens: int | None = None  # psa only: read at most this many tokens' blocks
     tag: str = ""  # appended to the label: what else differs from the defaults
     # psa, certified rule: bound the unread mass from per-token key codes of this many
-    # bits (`progressive_attention(code_bits=)`; the reference only: the wave kernel's
-    # plan does not launch `sgl_kernel_ext.code_bounds` yet).
+    # bits (`progressive_attention(code_bits=)`; kernel rows: `WaveAttention.run(
+    # code_planes=)`).
     code_bits: int = 0
 
     def __post_init__(self) -> None:
@@ -290,13 +290,10 @@ class PSARuntime:
             if bs not in metas:
                 metas[bs] = self._meta_for(module.layer_idx, key, bs).meta(-(-T // bs))
             meta, nblk = metas[bs], -(-T // bs)
-            if self.kernel_rows is not None and p.code_bits:
-                raise NotImplementedError(
-                    f"{p.label}: the wave kernel's plan does not take the key-code bound yet; run it "
-                    "on the reference"
-                )
             if self.kernel_rows is not None and p.kind in ("psa", "topk"):
-                kscale = None
+                kscale = key_codes = None
+                if p.code_bits:  # every row of a group shares its policy's code bits
+                    key_codes = KernelRows.key_codes(key, meta, cfg, p.code_bits)
                 if cfg.bound_bits == 8:
                     if bs not in codes:
                         codes[bs] = KernelRows.codes(meta)
@@ -312,6 +309,7 @@ class PSARuntime:
                         BlockMeta(*(t[one] for t in meta)),
                         scaling,
                         None if kscale is None else kscale[one],
+                        None if key_codes is None else tuple(t[one] for t in key_codes),
                     )
                     out[one, 0] = res
                     fraction[one] = n_read.float().mean(-1) / nblk
@@ -391,13 +389,32 @@ class KernelRows:
         kmin, kmax, kscale = bound_codes(meta.kmin, meta.kmax)
         return meta._replace(kmin=kmin.to(torch.int8), kmax=kmax.to(torch.int8)), kscale
 
+    @staticmethod
+    def key_codes(k, meta: BlockMeta, cfg: PSAConfig, bits: int):
+        """`(planes, lo, hi)` of keys `k [B, Hkv, T, d]` for `WaveAttention.run(code_planes=)`:
+        each key a `bits`-bit cell of its block's kept range (`as_kept(meta)`, float32),
+        written by `sgl_kernel_ext.code_bounds.encode_planes` (a partial last block is
+        padded with its lower bound: code 0, never read)."""
+        from sgl_kernel_ext.code_bounds import encode_planes
+        from sglang_psa.algo.metadata import as_kept
+
+        kept = as_kept(meta, cfg)
+        lo, hi = kept.kmin.float().contiguous(), kept.kmax.float().contiguous()
+        bs, T = cfg.block_size, k.shape[2]
+        pad = -T % bs
+        if pad:
+            k = torch.cat([k, lo[:, :, -1:].to(k.dtype).expand(-1, -1, pad, -1)], dim=2)
+        return encode_planes(k, lo, hi, bits, bs), lo, hi
+
     def run(
-        self, i: int, policy: DecodePolicy, q, k, v, meta: BlockMeta, scale, kscale=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, i: int, policy: DecodePolicy, q, k, v, meta: BlockMeta, scale, kscale=None,
+        key_codes=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Row `i`: q `[1, Hq, d]`, k and v `[1, Hkv, T, d]`, its block summaries: exact, or
         for `cfg.bound_bits` 8 with the bounds as `codes` gives them and their scale
-        `kscale` (the kernel reads the codes, as the server does). Returns the output
-        `[1, Hq, d]` and the blocks read per KV head `[1, Hkv]`."""
+        `kscale` (the kernel reads the codes, as the server does); `key_codes` (`key_codes`'
+        tuple) for a policy with `code_bits`. Returns the output `[1, Hq, d]` and the blocks
+        read per KV head `[1, Hkv]`."""
         from sgl_kernel_ext.wave_attention import WaveAttention
 
         bs = policy.cfg.block_size
@@ -433,6 +450,7 @@ class KernelRows:
             scale=scale,
             max_read_blocks=cap,
             slot_strides=(bs * kr.stride(1), kr.stride(1), kr.stride(0)),
+            **dict(zip(("code_planes", "code_lo", "code_hi"), key_codes or ())),
         )
         return res.out, res.n_read
 
