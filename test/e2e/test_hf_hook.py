@@ -159,6 +159,9 @@ def test_kernel_rows_decode_as_the_reference_rows_on_the_gpu():
         DecodePolicy("psa", PSAConfig(threshold=0.9, bound_bits=8)),
         DecodePolicy("psa", PSAConfig(threshold=0.9, wave_blocks=4, wave_growth=1.5), tag="-w4"),
         DecodePolicy("topk", PSAConfig(topk_tokens=128), 128),
+        DecodePolicy(
+            "psa", PSAConfig(threshold=0.9, stop_rule="certified", bound_bits=8), code_bits=5
+        ),
     ]
     ref = s.decode_rows(pols, 8)
     ker = s.decode_rows(pols, 8, kernels=True)

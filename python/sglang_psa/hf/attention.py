@@ -293,7 +293,8 @@ class PSARuntime:
             if self.kernel_rows is not None and p.kind in ("psa", "topk"):
                 kscale = key_codes = None
                 if p.code_bits:  # every row of a group shares its policy's code bits
-                    key_codes = KernelRows.key_codes(key, meta, cfg, p.code_bits)
+                    group_meta = BlockMeta(*(t[rows] for t in meta))
+                    key_codes = KernelRows.key_codes(key[rows], group_meta, cfg, p.code_bits)
                 if cfg.bound_bits == 8:
                     if bs not in codes:
                         codes[bs] = KernelRows.codes(meta)
@@ -309,7 +310,9 @@ class PSARuntime:
                         BlockMeta(*(t[one] for t in meta)),
                         scaling,
                         None if kscale is None else kscale[one],
-                        None if key_codes is None else tuple(t[one] for t in key_codes),
+                        None
+                        if key_codes is None
+                        else tuple(t[i - g.start : i - g.start + 1] for t in key_codes),
                     )
                     out[one, 0] = res
                     fraction[one] = n_read.float().mean(-1) / nblk
