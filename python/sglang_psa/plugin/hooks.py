@@ -132,6 +132,13 @@ HOOKS: tuple[Hook, ...] = (
         "--psa-kv-home tiered: the token budget leaves HBM for the host blocks' metadata",
     ),
     Hook(
+        "sglang.srt.layers.attention.hybrid_attn_backend.HybridAttnBackend.__init__",
+        "after",
+        "extend:after_hybrid_init",
+        ("self", "model_runner", "prefill_backend", "decode_backend"),
+        "the Triton prefill kernels' token addressing on SGLang's token-major pool",
+    ),
+    Hook(
         "sglang.srt.layers.attention.hybrid_attn_backend.HybridAttnBackend.forward",
         "after",
         "extend:after_hybrid_forward",
