@@ -194,4 +194,8 @@ def launch_command(
         cmd += ["--load-format", load_format]
     if system.graphs:
         cmd += ["--cuda-graph-max-bs-decode", str(max(max_batch, 1))]
-    return cmd + list(system.flags) + list(extra or [])
+    flags, extra = list(system.flags), list(extra or [])
+    for i in range(len(flags) - 2, -1, -1):  # a flag `extra` sets again: extra's value only
+        if flags[i].startswith("--") and flags[i] in extra and not flags[i + 1].startswith("--"):
+            del flags[i : i + 2]
+    return cmd + flags + extra

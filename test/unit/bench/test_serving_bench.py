@@ -479,6 +479,13 @@ def test_launch_command():
         assert "--cuda-graph-max-bs-decode" in c
         assert "--sparse-mode" in c and c[c.index("--load-format") + 1] == "dummy"
     assert cmd("psa_eps1")[-2:] == ["--psa-threshold", "1.0"]
+    # a flag the caps set again (the host pool) appears once, with the caps' value
+    capped = cmd("topk_tiered", extra=["--max-total-tokens", "9", "--psa-host-pool-gb", "82.25"])
+    assert capped.count("--psa-host-pool-gb") == 1 and capped[-2:] == [
+        "--psa-host-pool-gb",
+        "82.25",
+    ]
+    assert capped[capped.index("--psa-kv-home") + 1] == "tiered"
     fake = cmd("psa", launcher=["/py", "fake.py"])
     assert fake[:3] == ["/py", "fake.py", "--model-path"] and "sglang.launch_server" not in fake
 
