@@ -151,26 +151,10 @@ def _score_kernel(
         base = (b * Hkv + h) * NB * D
         out = (b * Hkv * G + hq)[:, None] * NB + j[None, :]
         omask = gmask[:, None] & (j < NB)[None, :]
-        args = (pages_ptr, b * NB, h, Hkv)
-        x = _logits(
-            q,
-            mean_ptr,
-            min_ptr,
-            max_ptr,
-            scale_ptr,
-            base,
-            j,
-            dd,
-            nb,
-            length,
-            *args,
-            BS,
-            D,
-            BOUND,
-            PAGED,
-            CODES,
-            INTERP,
-        )
+        # the block's metadata and where to find it: the same for the score and the bound
+        at = (q, mean_ptr, min_ptr, max_ptr, scale_ptr, base, j, dd, nb, length)
+        at = at + (pages_ptr, b * NB, h, Hkv)
+        x = _logits(*at, BS, D, BOUND, PAGED, CODES, INTERP)
         tl.store(logit_ptr + out, x, mask=omask)
         if WANT_PART:  # this chunk's (max, sum of exp) per query head, for the row's lse
             m = tl.max(x, axis=1)
@@ -179,25 +163,10 @@ def _score_kernel(
             tl.store(part_ptr + pbase, m, mask=gmask)
             tl.store(part_ptr + pbase + 1, ssum, mask=gmask)
         if WANT_UB:
-            ub = _logits(
-                q,
-                mean_ptr,
-                min_ptr,
-                max_ptr,
-                scale_ptr,
-                base,
-                j,
-                dd,
-                nb,
-                length,
-                *args,
-                BS,
-                D,
-                True,
-                PAGED,
-                CODES,
-                INTERP,
-            )
+            if BOUND:  # the score is the bound
+                ub = x
+            else:
+                ub = _logits(*at, BS, D, True, PAGED, CODES, INTERP)
             tl.store(ub_ptr + out, ub, mask=omask)
 
 
