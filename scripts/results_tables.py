@@ -61,6 +61,9 @@ HEADLINE = [
     ("adaptive_budget", "kv_ratio_psa_vs_best_topk",
      "KV read, psa / the best single top-k budget at dense's answers (8192 tokens: dense's "
      "accuracy, >= 0.9 identical)", "lower is better"),
+    ("adaptive_budget", "kv_fraction_certified_16k",
+     "KV read at 16K-32K, certified rule on 5-bit key codes (ε 0.9 of every head's mass "
+     "guaranteed; codes counted; kernels, not yet in the server)", "lower is better"),
     ("store_h100", "save_ratio_to_d2h_peak",
      "write-back to the host tier / D2H memcpy peak", "higher is better"),
     ("store_h100", "prefill_slowdown_with_save",
