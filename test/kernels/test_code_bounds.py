@@ -239,3 +239,63 @@ def test_certified_rule_on_key_codes_in_the_wave_kernel_at_real_shapes(d, G, bit
         "cuda", 5 + G, 2, 2, G, d, 600, bits, 0.9, torch.bfloat16
     )
     _check_certified_on_codes(ref, got, true, case, G, 0.9)
+
+
+@pytest.mark.gpu
+def test_certified_rule_on_key_codes_replays_in_a_cuda_graph_without_a_sync():
+    """The code-bound path of `WaveAttention.run` (bound kernel, ranking, float64 suffix,
+    wave kernel) is captured in a CUDA graph with sync debugging on, and a replay on new
+    queries gives the eager run's reads and output."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    from sgl_kernel_ext.code_bounds import encode_planes
+    from sgl_kernel_ext.wave_attention import WaveAttention
+    from sglang_psa.algo import bound_codes
+
+    B, Hkv, G, d, nb, bs, bits = 2, 2, 4, 128, 600, 32, 5
+    q, k, lengths, kept = _skewed_case(11, B, Hkv, G, d, nb, bs)
+    dev = "cuda"
+    k = k.to(dev)
+    v = torch.randn(k.shape, device=dev).to(k.dtype)
+    exact = block_metadata(k.cpu(), lengths, bs)
+    lo, hi = kept.kmin.float().to(dev), kept.kmax.float().to(dev)
+    T = k.shape[2]
+    valid = (torch.arange(T, device=dev)[None, :] < lengths.to(dev)[:, None])[:, None, :, None]
+    planes = encode_planes(
+        torch.where(valid, k, lo.repeat_interleave(bs, 2).to(k.dtype)), lo, hi, bits, bs
+    )
+    qlo, qhi, kscale = (t.to(dev) for t in bound_codes(exact.kmin, exact.kmax))
+    cfg = PSAConfig(stop_rule="certified", threshold=0.9, bound_bits=8, block_size=bs)
+    wa = WaveAttention.from_config(cfg).plan(B, Hkv * G, Hkv, d, nb, dev, out_dtype=k.dtype)
+    loc = torch.arange(B * Hkv * nb, dtype=torch.int32, device=dev).view(B, Hkv, nb)
+    lens = lengths.to(dev, torch.int32)
+    static_q = q.to(dev, k.dtype)
+
+    def step():
+        return wa.run(
+            static_q, k.view(-1, bs, d), v.view(-1, bs, d), loc, lens,
+            exact.mean.to(dev), qlo.to(torch.int8), qhi.to(torch.int8), meta_scale=kscale,
+            scale=1 / math.sqrt(d), code_planes=planes, code_lo=lo, code_hi=hi,
+        )  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up: compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            res = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    new_q = (q * 0.8 + 0.2 * torch.randn(q.shape)).to(dev, k.dtype)
+    static_q.copy_(new_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    got_out, got_read = res.out.clone(), res.read_mask()
+    eager = step()
+    assert torch.equal(got_read, eager.read_mask())
+    assert float(got_read.float().mean()) < 0.7  # it stopped early
+    torch.testing.assert_close(got_out, eager.out, rtol=0, atol=0)
