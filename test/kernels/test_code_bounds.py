@@ -270,11 +270,12 @@ def test_certified_rule_on_key_codes_replays_in_a_cuda_graph_without_a_sync():
     loc = torch.arange(B * Hkv * nb, dtype=torch.int32, device=dev).view(B, Hkv, nb)
     lens = lengths.to(dev, torch.int32)
     static_q = q.to(dev, k.dtype)
+    meta = (exact.mean.to(dev), qlo.to(torch.int8), qhi.to(torch.int8))  # on the device
 
     def step():
         return wa.run(
             static_q, k.view(-1, bs, d), v.view(-1, bs, d), loc, lens,
-            exact.mean.to(dev), qlo.to(torch.int8), qhi.to(torch.int8), meta_scale=kscale,
+            *meta, meta_scale=kscale,
             scale=1 / math.sqrt(d), code_planes=planes, code_lo=lo, code_hi=hi,
         )  # fmt: skip
 
