@@ -162,14 +162,15 @@ def _skewed_case(seed, B, Hkv, G, d, nb, bs=32):
     return q, k, lengths, kept
 
 
-def _certified_on_codes(device, seed, B, Hkv, G, d, nb, bits, eps, dtype=torch.float32):
-    """The certified rule on `bits`-bit key codes: the reference (`progressive_attention(
-    code_bits=)`) and the wave kernel (`WaveAttention.run(code_planes=)`) on one case, with
-    the true log-mass of every block `[B, Hq, NB]` (float64). Keys are bf16 values; q, K
-    and V in `dtype` (Triton's interpreter runs the wave kernel in float32 only)."""
+def _code_plan(device, seed, B, Hkv, G, d, nb, bits, eps, dtype=torch.float32):
+    """A skewed case laid out for `WaveAttention.run(code_planes=)` on `device`: the
+    planned object, the run's arguments and keywords (every tensor already on the device,
+    so a CUDA graph can capture the run), and the case `(q, k, v, lengths, scale, cfg)` on
+    the CPU. Keys are bf16 values; q, K and V in `dtype` (Triton's interpreter runs the
+    wave kernel in float32 only)."""
     from sgl_kernel_ext.code_bounds import encode_planes
     from sgl_kernel_ext.wave_attention import WaveAttention
-    from sglang_psa.algo import bound_codes, progressive_attention
+    from sglang_psa.algo import bound_codes
 
     bs = 32
     q, k, lengths, kept = _skewed_case(seed, B, Hkv, G, d, nb, bs)
@@ -177,26 +178,39 @@ def _certified_on_codes(device, seed, B, Hkv, G, d, nb, bits, eps, dtype=torch.f
     v = torch.randn(k.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     cfg = PSAConfig(stop_rule="certified", threshold=eps, bound_bits=8, block_size=bs)
     scale = 1 / math.sqrt(d)
-    ref = progressive_attention(q, k, v, lengths, cfg, scale=scale, code_bits=bits)
     exact = block_metadata(k, lengths, bs)
     lo, hi = kept.kmin.float(), kept.kmax.float()
     # keys past a request's length take code 0 (`encode_keys`' padding; never read)
     T = k.shape[2]
     valid = (torch.arange(T)[None, :] < lengths[:, None])[:, None, :, None]
     kp = torch.where(valid, k, lo.repeat_interleave(bs, 2).to(k.dtype))
-    planes = encode_planes(kp.to(device), lo.to(device), hi.to(device), bits, bs)
+    to = lambda t: t.to(device)  # noqa: E731
+    planes = encode_planes(to(kp), to(lo), to(hi), bits, bs)
     qlo, qhi, kscale = bound_codes(exact.kmin, exact.kmax)
-    slots_k = k.view(B * Hkv * nb, bs, d).to(device)
-    slots_v = v.view(B * Hkv * nb, bs, d).to(device)
-    loc = torch.arange(B * Hkv * nb, dtype=torch.int32).view(B, Hkv, nb).to(device)
+    loc = torch.arange(B * Hkv * nb, dtype=torch.int32).view(B, Hkv, nb)
     wa = WaveAttention.from_config(cfg).plan(B, Hkv * G, Hkv, d, nb, device, out_dtype=q.dtype)
-    got = wa.run(
-        q.to(device), slots_k, slots_v, loc, lengths.to(device),
-        *(t.to(device) for t in (exact.mean, qlo.to(torch.int8), qhi.to(torch.int8))),
-        meta_scale=kscale.to(device), scale=scale,
-        code_planes=planes, code_lo=lo.to(device), code_hi=hi.to(device),
+    args = (
+        to(q), to(k.view(B * Hkv * nb, bs, d)), to(v.view(B * Hkv * nb, bs, d)), to(loc),
+        to(lengths), to(exact.mean), to(qlo.to(torch.int8)), to(qhi.to(torch.int8)),
     )  # fmt: skip
-    true = block_lse(token_scores(q, k, lengths, scale).double(), bs)
+    kwargs = dict(
+        meta_scale=to(kscale), scale=scale, code_planes=planes, code_lo=to(lo), code_hi=to(hi)
+    )
+    return wa, args, kwargs, (q, k, v, lengths, scale, cfg)
+
+
+def _certified_on_codes(device, seed, B, Hkv, G, d, nb, bits, eps, dtype=torch.float32):
+    """The certified rule on `bits`-bit key codes: the reference (`progressive_attention(
+    code_bits=)`) and the wave kernel (`WaveAttention.run(code_planes=)`) on one case
+    (`_code_plan`), with the true log-mass of every block `[B, Hq, NB]` (float64)."""
+    from sglang_psa.algo import progressive_attention
+
+    wa, args, kwargs, (q, k, v, lengths, scale, cfg) = _code_plan(
+        device, seed, B, Hkv, G, d, nb, bits, eps, dtype
+    )
+    ref = progressive_attention(q, k, v, lengths, cfg, scale=scale, code_bits=bits)
+    got = wa.run(*args, **kwargs)
+    true = block_lse(token_scores(q, k, lengths, scale).double(), 32)
     return ref, got, true, (q, k, v, lengths, scale)
 
 
@@ -248,36 +262,11 @@ def test_certified_rule_on_key_codes_replays_in_a_cuda_graph_without_a_sync():
     queries gives the eager run's reads and output."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run on the GPU machine)")
-    from sgl_kernel_ext.code_bounds import encode_planes
-    from sgl_kernel_ext.wave_attention import WaveAttention
-    from sglang_psa.algo import bound_codes
-
-    B, Hkv, G, d, nb, bs, bits = 2, 2, 4, 128, 600, 32, 5
-    q, k, lengths, kept = _skewed_case(11, B, Hkv, G, d, nb, bs)
-    dev = "cuda"
-    k = k.to(dev)
-    v = torch.randn(k.shape, device=dev).to(k.dtype)
-    exact = block_metadata(k.cpu(), lengths, bs)
-    lo, hi = kept.kmin.float().to(dev), kept.kmax.float().to(dev)
-    T = k.shape[2]
-    valid = (torch.arange(T, device=dev)[None, :] < lengths.to(dev)[:, None])[:, None, :, None]
-    planes = encode_planes(
-        torch.where(valid, k, lo.repeat_interleave(bs, 2).to(k.dtype)), lo, hi, bits, bs
-    )
-    qlo, qhi, kscale = (t.to(dev) for t in bound_codes(exact.kmin, exact.kmax))
-    cfg = PSAConfig(stop_rule="certified", threshold=0.9, bound_bits=8, block_size=bs)
-    wa = WaveAttention.from_config(cfg).plan(B, Hkv * G, Hkv, d, nb, dev, out_dtype=k.dtype)
-    loc = torch.arange(B * Hkv * nb, dtype=torch.int32, device=dev).view(B, Hkv, nb)
-    lens = lengths.to(dev, torch.int32)
-    static_q = q.to(dev, k.dtype)
-    meta = (exact.mean.to(dev), qlo.to(torch.int8), qhi.to(torch.int8))  # on the device
+    wa, args, kwargs, (q, *_) = _code_plan("cuda", 11, 2, 2, 4, 128, 600, 5, 0.9, torch.bfloat16)
+    static_q = args[0]
 
     def step():
-        return wa.run(
-            static_q, k.view(-1, bs, d), v.view(-1, bs, d), loc, lens,
-            *meta, meta_scale=kscale,
-            scale=1 / math.sqrt(d), code_planes=planes, code_lo=lo, code_hi=hi,
-        )  # fmt: skip
+        return wa.run(*args, **kwargs)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -291,8 +280,7 @@ def test_certified_rule_on_key_codes_replays_in_a_cuda_graph_without_a_sync():
             res = step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    new_q = (q * 0.8 + 0.2 * torch.randn(q.shape)).to(dev, k.dtype)
-    static_q.copy_(new_q)
+    static_q.copy_(q * 0.8 + 0.2 * torch.randn(q.shape))
     graph.replay()
     torch.cuda.synchronize()
     got_out, got_read = res.out.clone(), res.read_mask()
