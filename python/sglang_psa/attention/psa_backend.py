@@ -171,6 +171,7 @@ class PSAAttnBackend(AttentionBackend):
             )
             self.residency.unit_reads = self.unit_reads
         serving = current()
+        serving.hbm_tokens = int(pool.size)
         # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
         serving.agreement = RankAgreement.from_sglang()
         if self.residency is not None:
@@ -272,6 +273,9 @@ class PSAAttnBackend(AttentionBackend):
             ),
             "workspace": self._workspace.nbytes,
             "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
+            "prefill_staging": self.residency.stage.nbytes
+            if self.residency and self.residency.stage
+            else 0,
         }
 
     # -- graph state and per-step metadata ------------------------------------------

@@ -102,6 +102,10 @@ class Residency:
             self.block_size,
             req_to_token.device,
         )
+        # Prefill over a prefix that left HBM (`mem_cache.prefill_stage`); set when the
+        # prefill backend can read a staged prefix (SGLang's Triton backend), else None
+        # and a chunked prompt's blocks stay in HBM.
+        self.stage = None
         self.freeing = False  # inside our own free (no page 0 to drop)
         # A request with evicted blocks ended: its free, which SGLang may defer to the end
         # of a free group, still holds page-0 entries for the allocator hook to drop.
@@ -123,6 +127,16 @@ class Residency:
             self.cache.forget(to_device(hbs, self.req_to_token.device))
         if not self.evicted:
             self._free(self.cache.shrink(self.cache.pages))
+
+    def sync_prefix(self, req) -> None:
+        """A chunked prompt's blocks may have left HBM after SGLang copied its request-table
+        row into `req.prefix_indices` (which the next chunk writes back into the row):
+        copy the row again, so that it keeps the page-0 entries of the given-back blocks
+        and never names a page that went back to the allocator."""
+        n = len(getattr(req, "prefix_indices", ()))
+        if n and req.rid in self.evicted:
+            row = self.req_to_token[req.req_pool_idx, :n]
+            req.prefix_indices = row.to(dtype=torch.int64, copy=True)
 
     @property
     def evicted_blocks(self) -> int:
@@ -293,6 +307,10 @@ class Residency:
             "units_cached": int(self.cache.copied_host[0]),  # host units brought in
             "units_read_hbm": hbm,  # (layer, KV head, block) reads decode served from HBM
             "units_read_host": host,  # ... and from the host tier, across PCIe
+            # extend batches whose prefix was staged from the host tier (a prompt larger
+            # than HBM), and the host tokens they staged (per layer)
+            "staged_batches": self.stage.batches if self.stage else 0,
+            "staged_host_tokens": self.stage.host_tokens if self.stage else 0,
         }
 
 

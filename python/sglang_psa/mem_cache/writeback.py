@@ -552,11 +552,14 @@ class WriteBack:
             return
         self._retire(job_id)
 
-    def drain(self) -> None:
-        """Issue every pending decode save and wait until all are acknowledged (tests,
-        shutdown). Blocks the host; never called on the serving path."""
+    def drain(self) -> bool:
+        """Wait until every issued save is acknowledged; returns whether any was
+        outstanding. Blocks the host: tests, shutdown, and the next chunk of a prompt
+        larger than HBM when nothing else can give its pages back (`sched.serving`)."""
+        waited = bool(self._jobs)
         while self._jobs:
             self._wait(min(self._jobs))
+        return waited
 
     def _recover(self, err: EngineDied) -> None:
         """Restart the engine without waiting for it and resubmit every unacknowledged

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from sglang_psa.sched.serving import current
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,7 +30,34 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     if bufs and all(b.dim() == 3 and b.is_contiguous() for b in bufs):
         logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
         prefill.page_size = 1
+        _enable_staging(backend.decode_backend, pool)
     return result
+
+
+def _enable_staging(decode, pool) -> None:
+    """Tiered home: the Triton prefill backend, at page size 1, can read a prefix staged
+    from HBM and the host tier (`mem_cache.prefill_stage`), so a prompt larger than HBM is
+    served in chunks whose saved blocks leave HBM."""
+    res = getattr(decode, "residency", None)
+    if res is None:
+        return
+    from sglang_psa.mem_cache.prefill_stage import PrefillStage
+
+    res.stage = PrefillStage(res.wb, pool, decode.cfg.block_size, decode.first_layer)
+
+
+def around_triton_forward_extend(original, backend, q, k, v, layer, forward_batch,
+                                 *args, **kwargs):  # fmt: skip
+    """SGLang's Triton `forward_extend` of one layer: for a batch whose prefix has blocks
+    off HBM (tiered home, a prompt larger than HBM), its prefix reads come from a staging
+    filled from HBM and the host tier (`PrefillStage.staged`); otherwise untouched."""
+    serving = current()
+    res = None if serving is None else serving.residency
+    stage = None if res is None else res.stage
+    if stage is None or stage.plan is None or layer is None:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    with stage.staged(backend, layer.layer_id, forward_batch):
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
 
 
 def _is_triton(prefill) -> bool:

@@ -61,6 +61,20 @@ HOOKS: tuple[Hook, ...] = (
         "admit new requests by HBM working set",
     ),
     Hook(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+        "around",
+        "scheduling:around_add_chunked_req",
+        ("self", "req"),
+        "tiered: the next chunk of a prompt larger than HBM gets room and fits the pages free",
+    ),
+    Hook(
+        "sglang.srt.managers.tp_worker.TpModelWorker.get_worker_info",
+        "after",
+        "scheduling:after_get_worker_info",
+        ("self",),
+        "tiered: the longest prompt is bounded by the context and host tier, not HBM",
+    ),
+    Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
         "around",
         "scheduling:around_check_decode_mem",
@@ -137,6 +151,13 @@ HOOKS: tuple[Hook, ...] = (
         "extend:after_hybrid_init",
         ("self", "model_runner", "prefill_backend", "decode_backend"),
         "the Triton prefill kernels' token addressing on SGLang's token-major pool",
+    ),
+    Hook(
+        "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend",
+        "around",
+        "extend:around_triton_forward_extend",
+        ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
+        "tiered: a prefill chunk reads a prefix whose blocks left HBM from a staging",
     ),
     Hook(
         "sglang.srt.layers.attention.hybrid_attn_backend.HybridAttnBackend.forward",

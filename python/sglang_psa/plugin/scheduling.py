@@ -47,6 +47,15 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     was_paused = req.rid in serving.controller.paused
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
+    slack = 2 * serving.cfg.block_size
+    staged = serving.stages_prefill and adder.rem_chunk_tokens is not None
+    if staged and serving.oversize(_holds(req) + slack):
+        result = _add_oversize(original, adder, req, running, serving, slack,
+                               has_chunked_req, truncation_align_size)  # fmt: skip
+        if req not in adder.can_run_list:
+            serving.undo_admit(req.rid, was_paused)
+            serving.waited("kv_pages", lambda: "a prompt larger than HBM waits for its first chunk")
+        return result
     short = freed = 0
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
         short, reserve = _budget_short(adder, req, running, 2 * serving.cfg.block_size)
@@ -69,6 +78,107 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
 
         serving.waited("kv_pages", detail)
     return result
+
+
+def _add_oversize(original, adder, req, running, serving, slack, *args):
+    """A prompt larger than SGLang's KV pool in HBM, at the tiered home: SGLang's adder
+    would never find the budget for it. Its first chunk gets room (saved blocks of the
+    running requests leave HBM) and is sized to the pages free; the adder's budget is
+    credited for the call, so that it admits the prompt as a chunked one; its later
+    chunks get room in `around_add_chunked_req`."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    alloc = adder.token_to_kv_pool_allocator
+    page = serving.cfg.block_size
+    want = min(int(adder.rem_chunk_tokens), len(req.origin_input_ids)) + slack
+    free = serving.room_for_chunk(None, running, alloc, want)
+    with _chunk_cap(adder, (free - slack) // page * page, credit=True) as fits:
+        if not fits:
+            return AddReqResult.OTHER
+        original(adder, req, *args)
+    return adder.budget_state()
+
+
+def _holds(req) -> int:
+    """The tokens SGLang's adder charges a request against HBM: what its prefill stores
+    and its (clipped) output to come."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    done = len(getattr(req, "output_ids", None) or ())
+    max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
+    return len(req.origin_input_ids) + done + min(max(max_new - done, 0), CLIP_MAX_NEW_TOKENS)
+
+
+class _chunk_cap:
+    """Inside: the adder's chunk is at most `cap` tokens (the pages free), and with
+    `credit` its token budgets are credited beyond any prompt, so that its checks against
+    HBM pass; afterwards the budgets are SGLang's again, less what the adder charged."""
+
+    CREDIT = 1 << 50
+
+    def __init__(self, adder, cap: int, credit: bool = False):
+        self.adder, self.cap, self.credit = adder, cap, credit
+
+    def __enter__(self) -> bool:
+        a = self.adder
+        self.orig = a.rem_chunk_tokens
+        if self.cap <= 0:
+            return False
+        self.set = min(self.orig, self.cap)
+        a.rem_chunk_tokens = self.set
+        if self.credit:
+            a.rem_total_token_offset -= self.CREDIT
+            a.cur_rem_token_offset -= self.CREDIT
+        return True
+
+    def __exit__(self, *exc) -> None:
+        a = self.adder
+        if self.cap <= 0:
+            return
+        a.rem_chunk_tokens = self.orig - (self.set - a.rem_chunk_tokens)
+        if self.credit:
+            a.rem_total_token_offset += self.CREDIT
+            a.cur_rem_token_offset += self.CREDIT
+
+
+def around_add_chunked_req(original, adder, req):
+    """The next chunk of a prompt larger than HBM (tiered home): give back pages of saved
+    blocks, its own first, until the chunk fits, and size it to the pages free (SGLang
+    adds a chunked request's next chunk whatever its budget says, a whole chunk when that
+    budget is spent)."""
+    serving = current()
+    if serving is None or not serving.stages_prefill or adder.rem_chunk_tokens is None:
+        return original(adder, req)
+    slack = 2 * serving.cfg.block_size
+    if not serving.oversize(_holds(req) + slack):
+        return original(adder, req)
+    running = getattr(adder.running_batch, "reqs", None) or []
+    left = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+    want = min(int(adder.rem_chunk_tokens), left) + slack
+    alloc = adder.token_to_kv_pool_allocator
+    free = serving.room_for_chunk(req, running, alloc, want)
+    page = serving.cfg.block_size
+    cap = max((free - slack) // page * page, page)  # SGLang adds it regardless
+    if free - slack < cap:
+        raise RuntimeError(
+            f"sglang-psa: the next chunk of request {req.rid} finds {free} free KV tokens "
+            "after every saved block left HBM; raise --max-total-tokens or lower "
+            "--chunked-prefill-size"
+        )
+    with _chunk_cap(adder, cap):
+        return original(adder, req)
+
+
+def after_get_worker_info(result, worker):
+    """Tiered home with staged prefill: the longest request is bounded by the model's
+    context and the host tier, not by SGLang's KV pool in HBM (SGLang's scheduler and
+    tokenizer check prompts against these two fields)."""
+    serving = current()
+    if serving is None or not serving.stages_prefill or not serving.host_tokens:
+        return result
+    context = int(worker.model_config.context_len)
+    longest = max(result[4], min(context - 1, serving.host_tokens - 1))
+    return (*result[:4], longest, longest - 5, *result[6:])
 
 
 def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
@@ -156,6 +266,9 @@ def after_prepare_for_extend(result, batch):
     serving = current()
     if serving is not None and serving.writeback is not None and batch.reqs:
         serving.writeback.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist())
+        if serving.stages_prefill:  # a prefix with blocks off HBM is staged per layer
+            res = serving.residency
+            res.stage.plan_batch(batch.reqs, batch.prefix_lens, res.evicted)
     return result
 
 

@@ -58,6 +58,7 @@ class PSAServing:
         self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
         self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
         self.residency = None  # mem_cache.residency.Residency, the same home
+        self.hbm_tokens = 0  # SGLang's KV pool in HBM, tokens (the backend sets it)
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
         self._wait_logged = -float("inf")
@@ -234,6 +235,39 @@ class PSAServing:
         if self.residency is None or tokens <= 0:
             return 0
         return self.residency.make_room(reqs, tokens, allocator, cache_first)
+
+    @property
+    def stages_prefill(self) -> bool:
+        """Tiered home with a prefill backend that reads a staged prefix: a prompt larger
+        than HBM is served (`mem_cache.prefill_stage`)."""
+        return self.residency is not None and self.residency.stage is not None
+
+    def oversize(self, tokens: int) -> bool:
+        """Whether a request holding `tokens` at once outgrows SGLang's KV pool in HBM, so
+        that SGLang's own budget would never admit it: at the tiered home it is prefilled
+        in chunks whose saved blocks leave HBM (`stages_prefill`)."""
+        return self.stages_prefill and tokens >= self.hbm_tokens
+
+    def room_for_chunk(self, req, running, allocator, tokens: int) -> int:
+        """Tiered home, a prompt larger than HBM: give back pages of saved blocks (the
+        prompt's own and the running requests') until `tokens` (its next chunk and some
+        slack) are free; returns the tokens free. When too few blocks are saved yet (the
+        last chunks' saves still in flight) it waits for the saves, a host sync on this
+        path only, and tries again. `req` is None for a prompt's first chunk."""
+        res = self.residency
+        own = [] if req is None else [req]
+        for attempt in range(2):
+            short = tokens - int(allocator.available_size())
+            if short <= 0:
+                break
+            res.make_room([*own, *running], short, allocator)
+            if attempt == 0 and int(allocator.available_size()) < tokens:
+                if not self.writeback.drain():
+                    break
+                self.writeback.poll()
+        if req is not None:
+            res.sync_prefix(req)
+        return int(allocator.available_size())
 
     def refresh(self, reqs, allocator) -> int:
         """Tiered home: the unit cache takes spare pages and brings in the host units the

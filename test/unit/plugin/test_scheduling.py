@@ -361,7 +361,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
-        evicted_blocks, cache, cut = 0, SimpleNamespace(pages=0), 0
+        evicted_blocks, cache, cut, stage = 0, SimpleNamespace(pages=0), 0, None
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             frees.append(tokens)
@@ -412,3 +412,107 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
         assert serving.waits["kv_pages"] == 1 and "c" not in serving.controller.running
     else:  # a resumed request stores its output so far too
         assert frees[-1] == old_rule + done and firsts[-1] == 0
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
+    serving, monkeypatch, ignore_eos
+):
+    """Tiered home with staged prefill: SGLang's real `PrefillAdder` never admits a prompt
+    larger than its KV pool; through the hooks it is admitted as a chunked prompt whose
+    first chunk fits the pages made free, and each later chunk gets room (its own saved
+    blocks leave HBM, its prefix indices are copied from the row again) and fits too.
+    The adder's budgets are SGLang's again afterwards, less what it charged."""
+    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
+    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        monkeypatch.setattr(policy, name, lambda: False)
+
+    class Alloc:
+        free = 1000
+
+        def available_size(self):
+            return self.free
+
+    alloc = Alloc()
+    tree = SimpleNamespace(
+        disable=True, evictable_size=lambda: 0, supports_mamba=lambda: False,
+        is_tree_cache=lambda: False, inc_lock_ref=lambda node: None,
+        dec_lock_ref=lambda node, *params: None,
+    )  # fmt: skip
+    made, synced = [], []
+
+    class Residency:  # saved blocks give back up to 3000 tokens of pages
+        evicted_blocks, cache, stage, give = 0, SimpleNamespace(pages=0), object(), 3000
+
+        def make_room(self, reqs, tokens, allocator, cache_first=0):
+            n = min(tokens, self.give)
+            made.append(([r.rid for r in reqs], tokens))
+            self.give -= n
+            allocator.free += n
+            return n
+
+        def sync_prefix(self, req):
+            synced.append(req.rid)
+
+        def release(self, rid):
+            pass
+
+    wb = SimpleNamespace(
+        reserve=lambda rid, n: True, release=lambda rid: None, drain=lambda: False,
+        poll=lambda: None,
+    )  # fmt: skip
+    serving.cfg = serving.cfg.replace(kv_home="tiered")
+    serving.controller.capacity_units = 10**9
+    serving.writeback, serving.hbm_tokens = wb, 4096
+    serving.residency = Residency()
+    running = [_SGLangReq("a", 1000, 900, out=10, ignore_eos=ignore_eos)]
+    big = _SGLangReq("big", 10_000, 64, ignore_eos=ignore_eos)
+
+    def adder():
+        return policy.PrefillAdder(BS, tree, alloc, SimpleNamespace(reqs=running), 0.4, 16384, 2048)
+
+    serving.residency.stage = None  # without staged prefill: SGLang never admits it
+    a = adder()
+    res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, big, False, None)
+    assert res == policy.AddReqResult.NO_TOKEN and big not in a.can_run_list
+    assert "big" not in serving.controller.running
+    serving.residency.stage = object()
+    alloc.free, serving.residency.give = 1000, 3000  # as before the refused attempt
+    a = adder()
+    budgets = (a.rem_total_token_offset, a.cur_rem_token_offset)
+    res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, big, False, None)
+    assert big in a.can_run_list and a.new_chunked_req is big, res
+    assert made[-1] == (["a"], 2048 + 2 * BS - 1000)  # room for a whole chunk
+    assert big.extend_range.length == 2048 <= alloc.free - 2 * BS
+    assert a.rem_chunk_tokens == 0  # SGLang's 2048, less the chunk
+    charged = (a.rem_total_token_offset - budgets[0], a.cur_rem_token_offset - budgets[1])
+    assert 0 < charged[0] < 4096 and 0 < charged[1] < 4096, charged  # no credit left behind
+    # the next chunk: 1500 tokens free, saved blocks give back at most 1000 more
+    alloc.free, serving.residency.give = 1500, 1000
+    big.prefix_indices = [0] * 2048
+    a = adder()
+    left = scheduling.around_add_chunked_req(policy.PrefillAdder.add_chunked_req, a, big)
+    assert left is big and synced == ["big"]
+    assert made[-1] == (["big", "a"], 2048 + 2 * BS - 1500)  # its own blocks first
+    assert 0 < big.extend_range.length <= 2500 - 2 * BS
+    assert a.rem_chunk_tokens == 2048 - -(-big.extend_range.length // BS) * BS  # paged
+    # running requests' reserved output leaves SGLang's budget at nothing: it would add a
+    # whole chunk (2048) with 1800 tokens free; the chunk is what the free pages hold
+    running.append(_SGLangReq("b", 100, 4000, ignore_eos=ignore_eos))
+    alloc.free, serving.residency.give = 1500, 300
+    a = adder()
+    assert a.rem_total_tokens <= 0
+    scheduling.around_add_chunked_req(policy.PrefillAdder.add_chunked_req, a, big)
+    assert big.extend_range.length == (1800 - 2 * BS) // BS * BS
+
+
+def test_the_longest_prompt_is_bounded_by_the_host_tier_with_staged_prefill(serving):
+    info = (8192, 16384, 64, 100, 8191, 8186, 0, "cuda", None, 64, 32768, 8192)
+    worker = SimpleNamespace(model_config=SimpleNamespace(context_len=32768))
+    assert scheduling.after_get_worker_info(info, worker) == info  # KV in HBM: SGLang's
+    serving.residency = SimpleNamespace(stage=object())
+    serving.host_tokens = 20_000
+    out = scheduling.after_get_worker_info(info, worker)
+    assert out[4:6] == (19_999, 19_994) and out[:4] == info[:4] and out[6:] == info[6:]
+    serving.host_tokens = 10**6
+    assert scheduling.after_get_worker_info(info, worker)[4] == 32767  # the context
