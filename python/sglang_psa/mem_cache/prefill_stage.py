@@ -71,6 +71,11 @@ class PrefillStage:
         off HBM (`evicted`: rid -> bool by block); returns whether it has."""
         self.plan = None
         bs = self.block_size
+        if not any(
+            n and (gone := evicted.get(req.rid)) is not None and gone[: -(-n // bs)].any()
+            for req, n in zip(reqs, prefix_lens)
+        ):
+            return False  # the common case: every prefix is in HBM
         parts, on_host = [], 0
         for req, n in zip(reqs, prefix_lens):
             gone = evicted.get(req.rid)
@@ -83,8 +88,6 @@ class PrefillStage:
             block = pos // bs
             parts.append(np.where(gone[block], host[block] * bs + pos % bs, -1))
             on_host += int(gone[:nb].sum()) * bs
-        if not on_host:
-            return False
         rows = np.concatenate(parts)
         dev = self.pool.k_buffer[0].device
         self.plan = _Plan(
