@@ -75,6 +75,13 @@ HOOKS: tuple[Hook, ...] = (
         "tiered: the longest prompt is bounded by the context and host tier, not HBM",
     ),
     Hook(
+        "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
+        "around",
+        "scheduling:around_init_req_max_new_tokens",
+        ("self", "req"),
+        "tiered: a request's output is capped by the host tier, not by the pool in HBM",
+    ),
+    Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
         "around",
         "scheduling:around_check_decode_mem",

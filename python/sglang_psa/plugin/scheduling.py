@@ -181,6 +181,23 @@ def after_get_worker_info(result, worker):
     return (*result[:4], longest, longest - 5, *result[6:])
 
 
+def around_init_req_max_new_tokens(original, scheduler, req):
+    """SGLang caps a request's output so that its prompt and output fit its KV pool in
+    HBM (a prompt larger than the pool gets no output at all). With staged prefill the
+    tiered home holds a request's KV in the host tier, so the cap is the host tier's
+    instead (the model's context and the host tier's size still bound it:
+    `after_get_worker_info`, `after_validate_input_length`)."""
+    serving = current()
+    if serving is None or not serving.stages_prefill or not serving.host_tokens:
+        return original(scheduler, req)
+    hbm = scheduler.max_total_num_tokens
+    scheduler.max_total_num_tokens = max(hbm, serving.host_tokens)
+    try:
+        return original(scheduler, req)
+    finally:
+        scheduler.max_total_num_tokens = hbm
+
+
 def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
     """`(short, reserve)`: the tokens SGLang's prefill budget lacks now to take `req`
     (`slack` spare for page alignment), for `make_room` to free at the tiered home, and

@@ -516,3 +516,24 @@ def test_the_longest_prompt_is_bounded_by_the_host_tier_with_staged_prefill(serv
     assert out[4:6] == (19_999, 19_994) and out[:4] == info[:4] and out[6:] == info[6:]
     serving.host_tokens = 10**6
     assert scheduling.after_get_worker_info(info, worker)[4] == 32767  # the context
+
+
+def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
+    """SGLang's own cap (prompt and output within the pool in HBM) gives a prompt larger
+    than the pool no output at all; with staged prefill the host tier bounds it."""
+    sched_mod = pytest.importorskip("sglang.srt.managers.scheduler")
+    sched = SimpleNamespace(
+        max_total_num_tokens=8192, max_req_len=32767, page_size=BS, max_new_tokens_limit=None,
+        server_args=SimpleNamespace(dcp_size=1),
+    )  # fmt: skip
+    req = SimpleNamespace(
+        rid="big", origin_input_ids=[0] * 20_000,
+        sampling_params=SimpleNamespace(max_new_tokens=32, min_new_tokens=0),
+    )  # fmt: skip
+    run = sched_mod.Scheduler.init_req_max_new_tokens
+    scheduling.around_init_req_max_new_tokens(run, sched, req)
+    assert req.sampling_params.max_new_tokens == 0  # SGLang's cap, KV in HBM
+    serving.residency, serving.host_tokens = SimpleNamespace(stage=object()), 100_000
+    req.sampling_params.max_new_tokens = 32
+    scheduling.around_init_req_max_new_tokens(run, sched, req)
+    assert req.sampling_params.max_new_tokens == 32 and sched.max_total_num_tokens == 8192
