@@ -30,11 +30,9 @@ BASE = [
 def _serve(args, port, log):
     ids = probes.prompt(PROMPT, seed=7)
     with probes.live_server(args, port, log) as (s, proc):
-        outs, took = [], 0.0
-        for _ in range(2):  # the second time with every kernel compiled: the one timed
-            t0 = time.perf_counter()
+        outs = []
+        for _ in range(2):  # twice: the same answer once every kernel is compiled
             r = s.generate(ids, NEW)
-            took = time.perf_counter() - t0
             assert r.status_code == 200, r.text[:500]
             outs.append(r.json()["output_ids"])
         assert outs[0] == outs[1]
@@ -45,22 +43,20 @@ def _serve(args, port, log):
         held = s.leaks()
         after = s.psa_state()
         assert proc.poll() is None, "the server died"
-    return out, st, held, after, took
+    return out, st, held, after
 
 
 def test_a_prompt_larger_than_hbm_completes_as_with_the_prompt_in_hbm(tmp_path):
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
     capped = [*BASE, "--max-total-tokens", str(POOL)]
-    out, st, held, after, took = _serve(capped, 30171, tmp_path / "capped.log")
-    print(f"capped at {POOL} tokens: {took:.3f} s; residency {st['residency']}")
+    out, st, held, after = _serve(capped, 30171, tmp_path / "capped.log")
     assert st["kv_total_tokens"] < PROMPT  # the prompt is larger than the pool
     assert st["residency"]["staged_batches"] >= 2, st["residency"]  # later chunks staged
     print("server info:", {k: st[k] for k in ("blocks_read_fraction", "writeback", "residency")})
     assert st["residency"]["evictions"] > 0 and st["residency"]["units_read_host"] > 0
     assert not any(held.values()), held
     assert after["residency"]["blocks_evicted"] == 0 and after["writeback"]["host_blocks_used"] == 0
-    want, st2, _, _, took2 = _serve(BASE, 30172, tmp_path / "whole.log")
-    print(f"whole prompt in HBM: {took2:.3f} s")
+    want, st2, _, _ = _serve(BASE, 30172, tmp_path / "whole.log")
     assert st2["residency"]["staged_batches"] == 0  # the reference never staged
     assert len(out) == NEW and out == want
 
