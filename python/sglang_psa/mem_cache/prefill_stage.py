@@ -48,7 +48,6 @@ class _Plan:
     prefix_lens: tuple[int, ...]  # the batch's, in its order (the plan's identity)
     host_rows: torch.Tensor  # [P] int32: row in the host layer, -1 where in HBM
     indices: torch.Tensor  # [P] int64: 0..P-1, the staging rows
-    host_tokens: int
 
 
 class PrefillStage:
@@ -71,18 +70,18 @@ class PrefillStage:
         off HBM (`evicted`: rid -> bool by block); returns whether it has."""
         self.plan = None
         bs = self.block_size
-        if not any(
-            n and (gone := evicted.get(req.rid)) is not None and gone[: -(-n // bs)].any()
+        hits = [
+            bool(n) and (gone := evicted.get(req.rid)) is not None and gone[: -(-n // bs)].any()
             for req, n in zip(reqs, prefix_lens)
-        ):
+        ]
+        if not any(hits):
             return False  # the common case: every prefix is in HBM
         parts, on_host = [], 0
-        for req, n in zip(reqs, prefix_lens):
-            gone = evicted.get(req.rid)
-            nb = -(-n // bs)
-            if n == 0 or gone is None or not gone[:nb].any():
+        for req, n, hit in zip(reqs, prefix_lens, hits):
+            if not hit:
                 parts.append(np.full(n, -1, dtype=np.int64))
                 continue
+            gone, nb = evicted[req.rid], -(-n // bs)
             host = np.asarray(self.wb.request(req.rid).host[:nb], dtype=np.int64)
             pos = np.arange(n)
             block = pos // bs
@@ -94,7 +93,6 @@ class PrefillStage:
             tuple(int(n) for n in prefix_lens),
             to_device(rows.tolist(), dev, torch.int32),
             torch.arange(rows.size, dtype=torch.int64, device=dev),
-            on_host,
         )
         self.batches += 1
         self.host_tokens += on_host

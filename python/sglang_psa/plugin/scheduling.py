@@ -58,7 +58,7 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         return result
     short = freed = 0
     if serving.residency is not None and running:  # tiered: pages of saved blocks make room
-        short, reserve = _budget_short(adder, req, running, 2 * serving.cfg.block_size)
+        short, reserve = _budget_short(adder, req, running, slack)
         alloc = adder.token_to_kv_pool_allocator
         freed = serving.make_room(running, short, alloc, cache_first=reserve)
     result = original(adder, req, has_chunked_req, truncation_align_size)
@@ -158,8 +158,8 @@ def around_add_chunked_req(original, adder, req):
     alloc = adder.token_to_kv_pool_allocator
     free = serving.room_for_chunk(req, running, alloc, want)
     page = serving.cfg.block_size
-    cap = max((free - slack) // page * page, page)  # SGLang adds it regardless
-    if free - slack < cap:
+    cap = (free - slack) // page * page
+    if cap <= 0:  # SGLang adds the chunk regardless: it would not fit
         raise RuntimeError(
             f"sglang-psa: the next chunk of request {req.rid} finds {free} free KV tokens "
             "after every saved block left HBM; raise --max-total-tokens or lower "
@@ -174,7 +174,7 @@ def after_get_worker_info(result, worker):
     context and the host tier, not by SGLang's KV pool in HBM (SGLang's scheduler and
     tokenizer check prompts against these two fields)."""
     serving = current()
-    if serving is None or not serving.stages_prefill or not serving.host_tokens:
+    if serving is None or not serving.stages_prefill:  # a tiered home: it has a host tier
         return result
     context = int(worker.model_config.context_len)
     longest = max(result[4], min(context - 1, serving.host_tokens - 1))
@@ -188,7 +188,7 @@ def around_init_req_max_new_tokens(original, scheduler, req):
     instead (the model's context and the host tier's size still bound it:
     `after_get_worker_info`, `after_validate_input_length`)."""
     serving = current()
-    if serving is None or not serving.stages_prefill or not serving.host_tokens:
+    if serving is None or not serving.stages_prefill:
         return original(scheduler, req)
     hbm = scheduler.max_total_num_tokens
     scheduler.max_total_num_tokens = max(hbm, serving.host_tokens)

@@ -255,16 +255,11 @@ class PSAServing:
         last chunks' saves still in flight) it waits for the saves, a host sync on this
         path only, and tries again. `req` is None for a prompt's first chunk."""
         res = self.residency
-        own = [] if req is None else [req]
-        for attempt in range(2):
-            short = tokens - int(allocator.available_size())
-            if short <= 0:
-                break
-            res.make_room([*own, *running], short, allocator)
-            if attempt == 0 and int(allocator.available_size()) < tokens:
-                if not self.writeback.drain():
-                    break
-                self.writeback.poll()
+        reqs = [*([] if req is None else [req]), *running]
+        if tokens > allocator.available_size():
+            res.make_room(reqs, tokens - int(allocator.available_size()), allocator)
+        if tokens > allocator.available_size() and self.writeback.drain():
+            res.make_room(reqs, tokens - int(allocator.available_size()), allocator)
         if req is not None:
             res.sync_prefix(req)
         return int(allocator.available_size())
