@@ -88,6 +88,11 @@ class Residency:
         if not self.max_blocks:
             raise ValueError("residency needs the working sets to publish block heat")
         self.evicted: dict[object, np.ndarray] = {}  # rid -> bool by block: left HBM
+        # Retracted requests whose saved blocks stay in the host tier: rid -> the prefix
+        # tokens they resume with (`park`); and the resumptions so far, with the tokens
+        # they read from the host tier and the tokens they computed again.
+        self.parked: dict[object, int] = {}
+        self.resumed = self.resumed_host_tokens = self.resumed_recomputed_tokens = 0
         self.evictions = 0  # blocks given back to the allocator, ever
         self.allocator = allocator
         # (units decode read from HBM, from the host tier) as last published without a
@@ -113,10 +118,76 @@ class Residency:
         dev = req_to_token.device
         self._offsets = torch.arange(self.block_size, device=dev)
 
+    # -- retraction: the KV stays in the host tier ---------------------------------------
+    def park(self, req, allocator) -> int:
+        """SGLang retracts `req` (a decoding request): its saved blocks leave HBM like
+        evicted ones but stay its own in the host tier, with their metadata, so that it
+        resumes with them as an evicted prefix instead of prefilling it again
+        (`resume_prefix`); SGLang then frees the rest of its KV (the blocks not saved, whose
+        pages are all it gives back) and its row. Returns the prefix tokens kept (0: none
+        saved, nothing parked). Waits for every issued save first (a host sync: retraction
+        is not on the decode step, and SGLang's own retraction syncs too)."""
+        self.wb.drain()
+        r = self.wb.request(req.rid)
+        if r is None or not r.saved or getattr(req, "input_embeds", None) is not None:
+            return 0  # (a request of input embeddings restarts from its prompt: SGLang's rule)
+        gone = self.evicted.get(req.rid)
+        here = [b for b in range(r.saved) if gone is None or not gone[b]]
+        self.evict(req.rid, here, allocator)
+        kept = self.wb.park(req.rid) * self.block_size
+        self.parked[req.rid] = kept
+        return kept
+
+    def resume_prefix(self, req) -> bool:
+        """Parked `req` is considered for a prefill (SGLang found no prefix for it): its
+        prefix is the kept tokens, every one at page 0 in the request table (their KV is
+        read from the host tier: `mem_cache.prefill_stage`), so that the prefill computes
+        only the tokens after them. False, and the request unparked (prefilled whole, as
+        SGLang would), where SGLang needs more of it computed (input log-probabilities
+        from an earlier position)."""
+        kept = self.parked.get(req.rid)
+        if kept is None or getattr(req, "req_pool_idx", None) is not None:
+            return False
+        fill = len(req.full_untruncated_fill_ids)
+        limit = fill - 1  # SGLang computes at least the last token (its logits)
+        if getattr(req, "return_logprob", False) and req.logprob_start_len >= 0:
+            limit = min(limit, req.logprob_start_len)
+        if kept > limit:
+            self.unpark(req)
+            return False
+        dev = self.req_to_token.device
+        req.prefix_indices = torch.arange(kept, dtype=torch.int64, device=dev) % self.block_size
+        return True
+
+    def unpark(self, req) -> None:
+        """Parked `req` is prefilled whole after all (SGLang's way): its host copy goes."""
+        self.parked.pop(req.rid)
+        self.release(req.rid)
+        self.wb.release(req.rid)
+        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+
+    def resume(self, reqs) -> None:
+        """An extend batch is set up: its parked requests have their rows; decode reads
+        their kept blocks from the host tier from now on."""
+        for req in reqs:
+            kept = self.parked.pop(req.rid, None)
+            if kept is None:
+                continue
+            if len(req.prefix_indices) != kept:
+                raise RuntimeError(
+                    f"sglang-psa: parked request {req.rid} resumes with a prefix of "
+                    f"{len(req.prefix_indices)} tokens, {kept} were kept in the host tier"
+                )
+            self.wb.resume(req.rid, int(req.req_pool_idx))
+            self.resumed += 1
+            self.resumed_host_tokens += kept
+            self.resumed_recomputed_tokens += len(req.full_untruncated_fill_ids) - kept
+
     def release(self, rid) -> None:
         """`rid` ended: its evicted set goes (its entries point at page 0, which the
         allocator hook keeps out of the free), its units leave the unit cache, and with
         the last evicted block gone the cache gives its pages back."""
+        self.parked.pop(rid, None)
         gone = self.evicted.pop(rid, None)
         if gone is None:
             return
@@ -140,7 +211,7 @@ class Residency:
 
     @property
     def evicted_blocks(self) -> int:
-        """Blocks of running requests out of HBM now."""
+        """Blocks of admitted requests out of HBM now (parked ones' included)."""
         return sum(int(gone.sum()) for gone in self.evicted.values())
 
     @property
@@ -311,6 +382,12 @@ class Residency:
             # than HBM), and the host tokens they staged (per layer)
             "staged_batches": self.stage.batches if self.stage else 0,
             "staged_host_tokens": self.stage.host_tokens if self.stage else 0,
+            # retracted requests waiting with their KV in the host tier; resumptions, the
+            # prefix tokens they read from there and the tokens they computed again
+            "parked_requests": len(self.parked),
+            "resumed": self.resumed,
+            "resumed_host_tokens": self.resumed_host_tokens,
+            "resumed_recomputed_tokens": self.resumed_recomputed_tokens,
         }
 
 

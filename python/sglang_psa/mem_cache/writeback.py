@@ -110,11 +110,27 @@ class HostBlocks:
         return self.num_blocks - len(self._free)
 
     def reserve(self, rid, n: int) -> bool:
-        """Promise `n` more ids to `rid` if they are free."""
-        if n > self.available:
+        """Promise `rid` `n` ids in all (those it owns and holds reserved count) if the
+        missing ones are free."""
+        extra = n - len(self._owned.get(rid, ())) - self._reserved.get(rid, 0)
+        if extra <= 0:
+            return True
+        if extra > self.available:
             return False
-        self._reserved[rid] = self._reserved.get(rid, 0) + n
+        self._reserved[rid] = self._reserved.get(rid, 0) + extra
         return True
+
+    def give_back(self, rid, ids: list[int]) -> None:
+        """`rid` no longer uses `ids` (blocks whose saves were dropped): they return to the
+        free list and stay promised to `rid`."""
+        if not ids:
+            return
+        owned = self._owned[rid]
+        drop = set(ids)
+        owned[:] = [i for i in owned if i not in drop]
+        self._free.extend(ids)
+        self._free.sort(reverse=True)
+        self._reserved[rid] = self._reserved.get(rid, 0) + len(ids)
 
     def take(self, rid, n: int) -> list[int]:
         """`n` ids for `rid`, from its reservation first."""
@@ -147,9 +163,12 @@ class HostBlocks:
         assert all(v >= 0 for v in self._reserved.values())
 
 
+PARKED = -1  # the row of a retracted request whose saved blocks stay in the host tier
+
+
 @dataclass
 class _Req:
-    row: int  # SGLang's request-table row
+    row: int  # SGLang's request-table row (PARKED: none, retracted)
     planned: int = 0  # blocks planned for a save, in order
     saved: int = 0  # blocks acknowledged
     host: list[int] = field(default_factory=list)  # host block of each planned block
@@ -270,19 +289,59 @@ class WriteBack:
         Saves already issued complete in order before any later save to the same blocks
         (the engine is FIFO)."""
         r = self._reqs.pop(rid, None)
-        if r is not None and r.on_host:
+        if r is not None:
+            self._leave_row(r)
+        self._drop_plans(rid)
+        self.blocks.release(rid)
+
+    def park(self, rid) -> int:
+        """`rid` was retracted and keeps its saved blocks in the host tier: its unissued
+        saves are dropped (SGLang frees their pages), the host blocks of every block not
+        saved go back to the free list (still reserved for it), and its request-table row
+        reads HBM again (SGLang gives the row to another request). Returns the blocks
+        kept. The caller drains the saves first (`drain`): every issued one is then
+        acknowledged, so the kept blocks are exactly the saved ones."""
+        r = self._reqs.get(rid)
+        if r is None:
+            return 0
+        if self._jobs:
+            raise RuntimeError("WriteBack.park needs every issued save acknowledged (drain)")
+        self._drop_plans(rid)
+        self._leave_row(r)
+        self.blocks.give_back(rid, r.host[r.saved :])
+        del r.host[r.saved :]
+        r.planned, r.row = r.saved, PARKED
+        return r.saved
+
+    def resume(self, rid, row: int) -> None:
+        """Parked `rid` got request-table row `row`: decode reads its kept blocks from the
+        host tier, and the blocks after them are planned as before."""
+        r = self._reqs[rid]
+        if r.row != PARKED:
+            raise RuntimeError(f"request {rid} is not parked")
+        r.row = row
+        if r.saved:
+            val = to_device([-h - 1 for h in r.host[: r.saved]], self.device, torch.int32)
+            self.host_loc[row, : r.saved] = val
+            r.on_host = True
+
+    def _leave_row(self, r: _Req) -> None:
+        """`r` leaves its request-table row: the row reads HBM again."""
+        if r.on_host and r.row != PARKED:
             self.host_loc[r.row, : len(r.host)] = 0
+        r.on_host = False
+
+    def _drop_plans(self, rid) -> None:
         for plan in (self._decode, self._extend):
             keep = [e for e in plan if e.rid != rid]
             self.stats.dropped_blocks += len(plan) - len(keep)
             plan[:] = keep
-        self.blocks.release(rid)
 
     # -- planning (scheduler, host only) ---------------------------------------------
     def _plan(self, rid, row: int, full_blocks: int, out: list[_Entry]) -> None:
         r = self._reqs.get(rid)
         if r is None or r.row != row:
-            if r is not None:  # the request moved rows (resumed): its blocks start over
+            if r is not None:  # the request moved rows (re-prefilled): its blocks start over
                 self.release(rid)
             r = self._reqs[rid] = _Req(row)
         n = full_blocks - r.planned

@@ -119,10 +119,19 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "sglang.srt.mem_cache.common.release_kv_cache",
-        "after",
-        "scheduling:after_release_kv_cache",
+        "around",
+        "scheduling:around_release_kv_cache",
         ("req", "tree_cache", "is_insert"),
-        "forget finished requests, pause retracted ones",
+        "forget finished requests, pause retracted ones; tiered: a retracted request's "
+        "saved blocks stay in the host tier",
+    ),
+    Hook(
+        "sglang.srt.managers.schedule_batch.Req.init_next_round_input",
+        "after",
+        "scheduling:after_init_next_round_input",
+        ("self", "tree_cache", "cow_mamba"),
+        "tiered: a retracted request resumes with its saved blocks as a prefix in the "
+        "host tier, not prefilled again",
     ),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.abort_request",

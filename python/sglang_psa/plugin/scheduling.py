@@ -45,11 +45,15 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     alone = not running and not adder.can_run_list
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
     was_paused = req.rid in serving.controller.paused
+    if _resumes_chunked_strict(adder, req):
+        if adder.can_run_list:  # the next round has a whole chunk
+            return AddReqResult.OTHER
+        serving.residency.unpark(req)  # more than a chunk to compute: prefilled whole
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     slack = 2 * serving.cfg.block_size
     staged = serving.stages_prefill and adder.rem_chunk_tokens is not None
-    if staged and serving.oversize(_holds(req) + slack):
+    if staged and serving.oversize(_holds(req, prefix=len(req.prefix_indices)) + slack):
         result = _add_oversize(original, adder, req, running, serving, slack,
                                has_chunked_req, truncation_align_size)  # fmt: skip
         if req not in adder.can_run_list:
@@ -99,14 +103,30 @@ def _add_oversize(original, adder, req, running, serving, slack, *args):
     return adder.budget_state()
 
 
-def _holds(req) -> int:
+def _holds(req, prefix: int = 0) -> int:
     """The tokens SGLang's adder charges a request against HBM: what its prefill stores
-    and its (clipped) output to come."""
+    (less a `prefix` it does not store: a resumed request's, in the host tier) and its
+    (clipped) output to come."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     done = len(getattr(req, "output_ids", None) or ())
     max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
-    return len(req.origin_input_ids) + done + min(max(max_new - done, 0), CLIP_MAX_NEW_TOKENS)
+    fill = len(req.origin_input_ids) + done - prefix
+    return fill + min(max(max_new - done, 0), CLIP_MAX_NEW_TOKENS)
+
+
+def _resumes_chunked_strict(adder, req) -> bool:
+    """Whether a request resuming with a prefix (`Residency.resume_prefix`) would be
+    chunked by SGLang's `ignore_eos` path, which chunks only prompts without a prefix (it
+    asserts so). Its few tokens wait a round for a whole chunk; more than a chunk are
+    prefilled whole."""
+    prefix = len(getattr(req, "prefix_indices", ()))
+    if not prefix or getattr(req, "req_pool_idx", None) is not None:
+        return False
+    if not (req.sampling_params.ignore_eos and getattr(adder.tree_cache, "disable", True)):
+        return False
+    left = len(req.full_untruncated_fill_ids) - prefix
+    return adder.rem_chunk_tokens is not None and left > adder.rem_chunk_tokens
 
 
 class _chunk_cap:
@@ -219,7 +239,8 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
 
     params = req.sampling_params
     done = len(getattr(req, "output_ids", None) or ())  # a retracted request's output so far
-    fill = len(req.origin_input_ids) + done  # what its prefill stores
+    # what its prefill stores (a resumed request's prefix stays in the host tier)
+    fill = len(req.origin_input_ids) + done - len(getattr(req, "prefix_indices", ()))
     # once added, SGLang charges its whole (clipped) max_new_tokens, whatever is done
     max_new = getattr(params, "max_new_tokens", None) or 0
     short = fill + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
@@ -282,6 +303,8 @@ def after_prepare_for_extend(result, batch):
     the write-back plans the blocks it completes."""
     serving = current()
     if serving is not None and serving.writeback is not None and batch.reqs:
+        if serving.stages_prefill and serving.residency.parked:
+            serving.residency.resume(batch.reqs)  # parked requests have their rows
         serving.writeback.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist())
         if serving.stages_prefill:  # a prefix with blocks off HBM is staged per layer
             res = serving.residency
@@ -313,10 +336,29 @@ def around_release_page_ids(original, allocator, *page_ids):
     return original(allocator, *page_ids)
 
 
-def after_release_kv_cache(result, req, tree_cache, is_insert=True):
+def around_release_kv_cache(original, req, tree_cache, is_insert=True):
+    """A finished request is forgotten; a retracted one (SGLang releases it uninserted,
+    unfinished) keeps its history for when it resumes, and at the tiered home with
+    staged prefill its saved blocks, which leave HBM before SGLang frees the rest of its
+    KV (`Residency.park`)."""
     serving = current()
-    if serving is not None:
-        serving.release(req.rid, retracted=not is_insert and not req.finished())
+    if serving is None:
+        return original(req, tree_cache, is_insert)
+    retracted = not is_insert and not req.finished()
+    if retracted and serving.stages_prefill:  # elsewhere it is prefilled again
+        serving.residency.park(req, tree_cache.token_to_kv_pool_allocator)
+    result = original(req, tree_cache, is_insert)
+    serving.release(req.rid, retracted=retracted)
+    return result
+
+
+def after_init_next_round_input(result, req, tree_cache=None, cow_mamba=None):
+    """A queued request is considered for a prefill: a parked one (retracted, its saved
+    blocks in the host tier) gets them as its prefix, so that only the tokens after them
+    are computed again (`Residency.resume_prefix`)."""
+    serving = current()
+    if serving is not None and tree_cache is not None and serving.parked(req.rid):
+        serving.residency.resume_prefix(req)
     return result
 
 

@@ -162,7 +162,7 @@ class PSAServing:
         """SGLang's own checks refused a request this controller had admitted."""
         if rid not in self.controller.running:
             return
-        if self.writeback is not None:
+        if self.writeback is not None and not self.parked(rid):  # (a parked one keeps its)
             self.writeback.release(rid)
         stats = self.controller.stats
         if was_paused:
@@ -269,11 +269,16 @@ class PSAServing:
         last step read; returns the pages it took."""
         return 0 if self.residency is None else self.residency.refresh(reqs, allocator)
 
+    def parked(self, rid: Hashable) -> bool:
+        """Whether retracted `rid` waits with its saved KV in the host tier (`park`)."""
+        return self.residency is not None and rid in self.residency.parked
+
     def release(self, rid: Hashable, retracted: bool) -> None:
-        if self.residency is not None:
-            self.residency.release(rid)
-        if self.writeback is not None:  # a retracted request is prefilled and saved again
-            self.writeback.release(rid)
+        if not (retracted and self.parked(rid)):  # a parked request keeps its host copy
+            if self.residency is not None:
+                self.residency.release(rid)
+            if self.writeback is not None:  # it is prefilled and saved again
+                self.writeback.release(rid)
         ctl = self.controller
         if retracted and rid in ctl.running:
             ctl.pause(rid)

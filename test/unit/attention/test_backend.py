@@ -30,6 +30,10 @@ BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _noop(*args, **kwargs):
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_serving():
     yield
@@ -522,7 +526,7 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
         assert info["blocks_saved_total"] == sum((n - 1) // BS for n in lens)
         assert info["save_jobs_in_flight"] == 0 and info["copy_engine_restarts_total"] == 0
         for r in reqs:
-            scheduling.after_release_kv_cache(None, SimpleNamespace(rid=r.rid), None)
+            scheduling.around_release_kv_cache(_noop, SimpleNamespace(rid=r.rid), None)
         assert wb.blocks.used == 0
         wb.blocks.check_integrity()
     finally:
@@ -699,10 +703,10 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         # group, as SGLang batches frees: both still hold page-0 entries.
         alloc.free(new)
         alloc.free(req.req_to_token[1, : lengths[0]])
-        scheduling.after_release_kv_cache(None, SimpleNamespace(rid="r1"), None)
+        scheduling.around_release_kv_cache(_noop, SimpleNamespace(rid="r1"), None)
         alloc.free_group_begin()
         alloc.free(req.req_to_token[2, : lengths[1]])
-        scheduling.after_release_kv_cache(None, SimpleNamespace(rid="r2"), None)
+        scheduling.around_release_kv_cache(_noop, SimpleNamespace(rid="r2"), None)
         alloc.free_group_end()
         free = sorted(int(p) for p in alloc.free_pages)
         assert free == list(range(1, n_pages))

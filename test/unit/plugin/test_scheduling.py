@@ -33,6 +33,10 @@ def serving(monkeypatch):
     install(None)
 
 
+def _noop(*args, **kwargs):
+    return None
+
+
 def _req(rid, tokens, pool_idx=None, finished=False):
     return SimpleNamespace(
         rid=rid,
@@ -113,14 +117,14 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert serving.controller.tracker.size("a") == 60
     sizes[1], lengths[1] = 60, 639
     # SGLang retracts "b" (release without insert, not finished): paused, history kept.
-    scheduling.after_release_kv_cache(None, reqs[1], None, is_insert=False)
+    scheduling.around_release_kv_cache(_noop, reqs[1], None, is_insert=False)
     assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60
     assert (
         scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs[:1])) is True
     )
     # "a" finishes: everything is returned.
     done = _req("a", 640, pool_idx=1, finished=True)
-    scheduling.after_release_kv_cache(None, done, None, is_insert=True)
+    scheduling.around_release_kv_cache(_noop, done, None, is_insert=True)
     assert "a" not in serving.controller.running and serving.controller.used_units == 0
     # The retracted request resumes through admission with its measured set.
     assert scheduling.around_add_one_req(_orig_admits, _adder(), reqs[1], False, None) == (
@@ -159,7 +163,7 @@ def test_tiered_home_holds_back_by_working_set_but_never_retracts(serving):
     assert host.controller.tracker.size("a") == 80  # measured: 160 > 100, none retracted
     assert scheduling.around_check_decode_mem(lambda *a: False, SimpleNamespace(reqs=two)) is False
     for r in two:
-        scheduling.after_release_kv_cache(None, _req(r.rid, 640, finished=True), None)
+        scheduling.around_release_kv_cache(_noop, _req(r.rid, 640, finished=True), None)
     assert not host.controller.running and host.controller.used_units == 0
     host.controller.check_integrity()
 
@@ -195,7 +199,7 @@ def test_without_sparse_mode_every_hook_passes_through():
     assert calls == [("a", True, 64)]
     assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[])) is True
     assert scheduling.after_validate_input_length(None, _req("a", 10**7), 1, False) is None
-    assert scheduling.after_release_kv_cache("r", _req("a", 1), None) == "r"
+    assert scheduling.around_release_kv_cache(lambda *a: "r", _req("a", 1), None, False) == "r"
 
 
 def test_server_info_reports_counters_and_held_kv(serving):
@@ -220,7 +224,7 @@ def test_a_retracted_request_aborted_while_waiting_is_forgotten(serving):
     for r in reqs:
         scheduling.around_add_one_req(_orig_admits, adder, r, False, None)
     for r in reqs[1:]:  # both retracted: back in SGLang's waiting queue, paused here
-        scheduling.after_release_kv_cache(None, r, None, is_insert=False)
+        scheduling.around_release_kv_cache(_noop, r, None, is_insert=False)
     assert serving.controller.paused == {"b", "c"}
     sched = SimpleNamespace(
         waiting_queue=[reqs[2]], running_batch=SimpleNamespace(reqs=[reqs[0]]), chunked_req=None
@@ -361,7 +365,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
-        evicted_blocks, cache, cut, stage = 0, SimpleNamespace(pages=0), 0, None
+        evicted_blocks, cache, cut, stage, parked = 0, SimpleNamespace(pages=0), 0, None, {}
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             frees.append(tokens)
@@ -443,6 +447,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
 
     class Residency:  # saved blocks give back up to 3000 tokens of pages
         evicted_blocks, cache, stage, give = 0, SimpleNamespace(pages=0), object(), 3000
+        parked: dict = {}
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             n = min(tokens, self.give)
