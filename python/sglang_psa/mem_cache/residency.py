@@ -125,8 +125,11 @@ class Residency:
         resumes with them as an evicted prefix instead of prefilling it again
         (`resume_prefix`); SGLang then frees the rest of its KV (the blocks not saved, whose
         pages are all it gives back) and its row. Returns the prefix tokens kept (0: none
-        saved, nothing parked). Waits for every issued save first (a host sync: retraction
-        is not on the decode step, and SGLang's own retraction syncs too)."""
+        saved, nothing parked). The decode blocks waiting for a save are saved now, and it
+        waits for every issued save (a host sync: retraction is not on the decode step,
+        and SGLang's own retraction syncs too); what it resumes without is its last
+        partial block and the blocks the last step or two completed."""
+        self.wb.issue_decode(self.pool.k_buffer, self.pool.v_buffer, self.req_to_token, True)
         self.wb.drain()
         r = self.wb.request(req.rid)
         if r is None or not r.saved or getattr(req, "input_embeds", None) is not None:

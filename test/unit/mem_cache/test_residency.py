@@ -168,3 +168,93 @@ def test_shrink_uncaches_the_units_of_the_slots_it_drops():
             assert int(c.unit_slot[lh, c.slot_unit[lh, s]]) == s
     assert sorted((dropped[::BS] // BS).tolist()) == last_pages
     assert not c.cache_pages[slots[-5:]].any()
+
+
+def _parking(saved: int):
+    """A residency whose request "a" (row ROW) has `saved` saved blocks, with a recording
+    write-back: what `park` asked of it, in order."""
+    res, r = _residency([9] * 10)
+    r.saved = saved
+    calls = []
+
+    def park(rid):
+        calls.append(("park", rid))
+        r.row = -1
+        return r.saved
+
+    res.wb.issue_decode = lambda k, v, table, force: calls.append(("flush", force))
+    res.wb.drain = lambda: calls.append(("drain",)) or True
+    res.wb.park = park
+    res.wb.resume = lambda rid, row: calls.append(("resume", rid, row))
+    res.wb.release = lambda rid: calls.append(("release", rid))
+    res.pool = SimpleNamespace(k_buffer=[], v_buffer=[])
+    return res, calls
+
+
+def _retracted(out: int, **kw):
+    fill = list(range(10 * BS + out))
+    return SimpleNamespace(
+        rid="a", req_pool_idx=None, full_untruncated_fill_ids=fill, input_embeds=None,
+        return_logprob=False, logprob_start_len=-1, prefix_indices=torch.empty(0), **kw,
+    )  # fmt: skip
+
+
+def test_a_retracted_request_parks_its_saved_blocks_and_resumes_with_them_as_a_prefix():
+    """`park`: pending decode saves are flushed and every save drained first, then every
+    saved block still in HBM leaves it (the sink and recent ones too: the whole kept
+    prefix is read from the host tier); `resume_prefix` makes them the prefix, every entry
+    at page 0; `resume` hands the request's new row to the write-back and counts."""
+    res, calls = _parking(saved=8)
+    gone_order = _recording_evict(res, alloc_pages_from=50)
+    res.evicted = {"a": np.zeros(16, dtype=bool)}
+    res.evicted["a"][[3, 4]] = True  # evicted while it ran
+    alloc = _Alloc([])
+    req = SimpleNamespace(rid="a", input_embeds=None)
+    assert res.park(req, alloc) == 8 * BS
+    assert calls == [("flush", True), ("drain",), ("park", "a")]
+    assert sorted(gone_order) == [0, 1, 2, 5, 6, 7]
+    assert res.parked == {"a": 8 * BS} and res.report()["parked_requests"] == 1
+    # SGLang resets it and asks the prefix cache (none); the hook gives it the kept prefix
+    q = _retracted(out=5)
+    assert res.resume_prefix(q)
+    assert torch.equal(q.prefix_indices, torch.arange(8 * BS) % BS)
+    q.req_pool_idx = 3
+    res.resume([SimpleNamespace(rid="b"), q])
+    assert calls[-1] == ("resume", "a", 3) and not res.parked
+    rep = res.report()
+    assert rep["resumed"] == 1 and rep["resumed_host_tokens"] == 8 * BS
+    assert rep["resumed_recomputed_tokens"] == 2 * BS + 5
+    assert res.evicted["a"][:8].all()  # staged prefill reads them from the host tier
+
+
+def test_a_request_without_saved_blocks_or_of_input_embeddings_is_not_parked():
+    res, calls = _parking(saved=0)
+    assert res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([])) == 0
+    res, calls = _parking(saved=4)
+    assert res.park(SimpleNamespace(rid="a", input_embeds=torch.zeros(1)), _Alloc([])) == 0
+    assert not res.parked and ("park", "a") not in calls
+
+
+def test_a_resume_that_must_compute_earlier_tokens_is_unparked():
+    """Input log-probabilities from a position inside the kept prefix: SGLang computes
+    from there, so the host copy goes and the request is prefilled whole."""
+    res, calls = _parking(saved=8)
+    _recording_evict(res, alloc_pages_from=50)
+    res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
+    q = _retracted(out=5)
+    q.return_logprob, q.logprob_start_len = True, 3 * BS
+    assert not res.resume_prefix(q)
+    assert not res.parked and "a" not in res.evicted and ("release", "a") in calls
+    assert len(q.prefix_indices) == 0
+    res.resume([q])  # nothing to resume
+    assert res.report()["resumed"] == 0
+
+
+def test_a_resumed_prefix_that_does_not_match_the_kept_one_is_refused():
+    res, _ = _parking(saved=2)
+    _recording_evict(res, alloc_pages_from=50)
+    res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
+    q = _retracted(out=0)
+    q.req_pool_idx = 1
+    with pytest.raises(RuntimeError, match="resumes with a prefix of 0 tokens, 8 were"):
+        res.resume([q])

@@ -188,6 +188,19 @@ def test_host_blocks_reserve_take_release():
     assert hb.take("c", 3) == [0, 1, 2]
 
 
+def test_host_blocks_reservation_is_a_total_and_given_back_ids_stay_promised():
+    hb = HostBlocks(10)
+    assert hb.reserve("a", 4) and hb.take("a", 3) == [0, 1, 2]
+    assert hb.reserve("a", 4) and hb.available == 6  # it owns 3 and holds 1: nothing more
+    assert hb.reserve("a", 6) and hb.available == 4
+    hb.give_back("a", [1, 2])
+    assert hb.used == 1 and hb.available == 4  # free again, promised to "a"
+    assert not hb.reserve("b", 5) and hb.reserve("b", 4)
+    assert hb.take("a", 5) == [1, 2, 3, 4, 5]  # within its promise, smallest first
+    assert hb.take("b", 4) == [6, 7, 8, 9] and hb.available == 0
+    hb.check_integrity()
+
+
 def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
     """A job of few runs of host blocks moves by DMA; one of scattered blocks (more than
     `DMA_MAX_COPIES` copies) through the save kernel; both land in their host blocks."""
@@ -298,3 +311,65 @@ def test_strided_copy_moves_every_row_and_nothing_else(device, api):
     assert torch.equal(host, want)
     with pytest.raises(ValueError, match="strided copy"):
         copy(host[:, 5:9].view(heads, -1), stage[:, :BS].view(heads, -1), stream)
+
+
+def test_a_parked_request_keeps_its_saved_blocks_and_resumes_in_another_row(device):
+    """Retraction at the tiered home: after a drain, `park` keeps exactly the saved blocks
+    (an unissued decode save is dropped, its host block back on the free list but still
+    promised to the request), the old row reads HBM again, and `resume` points the new
+    row's location table at the kept host blocks; the blocks after them are planned and
+    saved from the new row."""
+    wb = make(device, decode_flush_blocks=100, table_shape=(ROWS, CTX // BS))
+    pool = FakePool(device)
+    a = FakeReq("a", 0)
+    try:
+        assert wb.reserve("a", 8 * BS)
+        extend(wb, pool, [(a, 3 * BS + 4)])  # 3 full blocks, saved by the prefill
+        for _ in range(BS):
+            pool.write(0, 1)
+            wb.plan_decode([a], [pool.lens[0]])
+        assert wb.report()["blocks_pending"] == 1  # block 3 planned, not issued
+        wb.read_from_host("a", [])  # nothing saved yet: nothing switched
+        wb.drain()
+        assert wb.read_from_host("a", [1, 2]) == [1, 2]
+        assert wb.host_loc[0, :3].tolist() == [0] + [-h - 1 for h in wb.saved_blocks("a")[1:]]
+        free_before = wb.blocks.available
+        assert wb.park("a") == 3
+        assert wb.stats.dropped_blocks == 1 and wb.report()["blocks_pending"] == 0
+        assert not wb.host_loc[0].any()  # the old row reads HBM (SGLang reuses it)
+        assert wb.blocks.used == 3 and wb.blocks.available == free_before  # still promised
+        assert wb.reserve("a", 8 * BS) and wb.blocks.available == free_before  # no double
+        kept = wb.saved_blocks("a")
+        wb.resume("a", 3)
+        assert wb.host_loc[3, :3].tolist() == [-h - 1 for h in kept]
+        assert not wb.host_loc[3, 3:].any()
+        # The resumed prefill computes the tokens after the kept blocks into row 3.
+        pool.req_to_token[3, : 3 * BS] = pool.req_to_token[0, : 3 * BS]
+        pool.lens[3] = 3 * BS
+        b = FakeReq("a", 3)
+        extend(wb, pool, [(b, BS + 6)])
+        wait_saved(wb)
+        assert wb.saved_blocks("a")[:3] == kept and len(wb.saved_blocks("a")) == 4
+        check_saved(wb, pool, "a", 3, 4)
+        with pytest.raises(RuntimeError, match="not parked"):
+            wb.resume("a", 1)
+        wb.release("a")
+        assert not wb.host_loc.any() and wb.blocks.used == 0
+        wb.blocks.check_integrity()
+    finally:
+        wb.close()
+
+
+def test_park_refuses_unacknowledged_saves(device):
+    wb = make(device, engine_slow_ms=50)
+    pool = FakePool(device)
+    a = FakeReq("a", 0)
+    try:
+        assert wb.reserve("a", 8 * BS)
+        extend(wb, pool, [(a, 2 * BS)])
+        with pytest.raises(RuntimeError, match="drain"):
+            wb.park("a")
+        wb.drain()
+        assert wb.park("a") == 2
+    finally:
+        wb.close()
