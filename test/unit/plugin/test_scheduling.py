@@ -10,6 +10,7 @@ import pytest
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.plugin import scheduling
+from sglang_psa.sched.admission import Candidate
 from sglang_psa.sched.serving import PSAServing, install
 
 try:  # the real enum when SGLang is installed; the hook imports it lazily
@@ -542,3 +543,135 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
     req.sampling_params.max_new_tokens = 32
     scheduling.around_init_req_max_new_tokens(run, sched, req)
     assert req.sampling_params.max_new_tokens == 32 and sched.max_total_num_tokens == 8192
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
+    serving, monkeypatch, ignore_eos
+):
+    """A retracted request parked at the tiered home resumes with its kept blocks as its
+    prefix: SGLang's real `PrefillAdder` charges and extends only the tokens after them.
+    On SGLang's `ignore_eos` path, which cannot chunk a request with a prefix, it waits
+    for a round with a whole chunk, and is prefilled whole when even that is too small."""
+    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
+    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        monkeypatch.setattr(policy, name, lambda: False)
+
+    class Alloc:
+        free = 100_000
+
+        def available_size(self):
+            return self.free
+
+    tree = SimpleNamespace(
+        disable=True, evictable_size=lambda: 0, supports_mamba=lambda: False,
+        is_tree_cache=lambda: False, inc_lock_ref=lambda node: None,
+        dec_lock_ref=lambda node, *params: None,
+    )  # fmt: skip
+    kept = 94 * BS
+
+    class Residency:
+        evicted_blocks, cache, stage = 0, SimpleNamespace(pages=0), object()
+        parked = {"c": kept}
+
+        def make_room(self, reqs, tokens, allocator, cache_first=0):
+            return 0
+
+        def unpark(self, req):
+            self.parked.pop(req.rid)
+            req.prefix_indices = []
+
+        def release(self, rid):
+            pass
+
+    wb = SimpleNamespace(reserve=lambda rid, n: True, release=lambda rid: None)
+    serving.cfg = serving.cfg.replace(kv_home="tiered")
+    serving.controller.capacity_units = 10**9
+    serving.writeback, serving.hbm_tokens = wb, 50_000
+    serving.residency = Residency()
+    serving.controller.admit_alone(Candidate("c", 3000, 1))
+    serving.controller.pause("c")  # retracted
+
+    def resumed():
+        r = _SGLangReq("c", 3000, 200, out=50, ignore_eos=ignore_eos)
+        r.prefix_indices = [0] * kept  # `Residency.resume_prefix` (page-0 entries)
+        return r
+
+    def adder(chunk=2048, running=()):
+        return policy.PrefillAdder(
+            BS, tree, Alloc(), SimpleNamespace(reqs=list(running)), 0.4, 16384, chunk
+        )
+
+    a, c = adder(), resumed()
+    res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, c, False, None)
+    assert c in a.can_run_list, res
+    assert (c.extend_range.start, c.extend_range.length) == (kept, 3050 - kept)
+    assert 16384 - a.rem_input_tokens == -(-(3050 - kept) // BS) * BS  # only the tail
+    assert serving.parked("c") and "c" in serving.controller.running
+    if not ignore_eos:
+        return
+    serving.release("c", retracted=True)
+    # a chunk smaller than its tail, after another request: it waits, still parked
+    a, c = adder(chunk=40), resumed()
+    a.can_run_list.append(_SGLangReq("x", 10, 10))
+    res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, c, False, None)
+    assert res == policy.AddReqResult.OTHER and c not in a.can_run_list
+    assert serving.parked("c") and "c" in serving.controller.paused
+    # the same chunk in a fresh round: prefilled whole, chunked from its first token
+    a, c = adder(chunk=40), resumed()
+    res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, c, False, None)
+    assert c in a.can_run_list and a.new_chunked_req is c
+    assert (c.extend_range.start, c.extend_range.length) == (0, 40)
+    assert not serving.parked("c")
+
+
+def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning(serving):
+    """The hooks' order: a retracted request's saved blocks leave HBM (parked) before
+    SGLang frees its KV, and it stays paused; a finished one is released after; a parked
+    request gets its prefix when SGLang asks its prefix cache (not for a chunk's next
+    round), and its row before the write-back plans the batch."""
+    calls = []
+
+    class Residency:
+        stage, parked, evicted = object(), {}, {}
+
+        def park(self, req, allocator):
+            calls.append(("park", req.rid, allocator))
+            self.parked[req.rid] = 64
+
+        def resume_prefix(self, req):
+            calls.append(("prefix", req.rid))
+
+        def resume(self, reqs):
+            calls.append(("resume", [r.rid for r in reqs]))
+            self.parked.clear()
+
+        def release(self, rid):
+            calls.append(("release", rid))
+
+    wb = SimpleNamespace(
+        release=lambda rid: calls.append(("wb.release", rid)),
+        plan_extend=lambda reqs, lens: calls.append(("plan", lens)),
+    )
+    serving.residency, serving.writeback = Residency(), wb
+    serving.residency.stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
+    serving.controller.admit_alone(Candidate("a", 100, 1))
+    tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
+    a = _req("a", 100, pool_idx=1)
+    sglang_frees = lambda *args: calls.append(("sglang frees",))  # noqa: E731
+    scheduling.around_release_kv_cache(sglang_frees, a, tree, is_insert=False)
+    assert calls == [("park", "a", "alloc"), ("sglang frees",)]
+    assert "a" in serving.controller.paused and serving.parked("a")
+    calls.clear()
+    scheduling.after_init_next_round_input(None, a)  # a chunk's next round: no prefix cache
+    scheduling.after_init_next_round_input(None, a, tree)
+    assert calls == [("prefix", "a")]
+    calls.clear()
+    batch = SimpleNamespace(reqs=[a], seq_lens_cpu=SimpleNamespace(tolist=lambda: [130]),
+                            prefix_lens=[64])  # fmt: skip
+    scheduling.after_prepare_for_extend(None, batch)
+    assert calls == [("resume", ["a"]), ("plan", [130]), ("stage",)]
+    calls.clear()
+    done = _req("a", 100, pool_idx=1, finished=True)
+    scheduling.around_release_kv_cache(sglang_frees, done, tree, is_insert=False)
+    assert calls == [("sglang frees",), ("release", "a"), ("wb.release", "a")]
