@@ -27,6 +27,8 @@ cover KV token usage, queue lengths and latencies.
 | `unit_cache_pages` | tiered home: HBM pages the unit cache holds (one slot per (layer, KV head) each) |
 | `units_cached_total` | tiered home: host units the unit cache brought into HBM because decode read them |
 | `units_read_hbm_total`, `units_read_host_total` | tiered home: (layer, KV head, block) units decode read from HBM and from the host tier (the HBM hit rate) |
+| `parked_requests`, `resumed_total` | tiered home: retracted requests waiting with their KV in the host tier; resumptions from it |
+| `resumed_host_tokens_total`, `resumed_recomputed_tokens_total` | tiered home: prefix tokens resumptions read from the host tier; tokens they computed again |
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ GAUGES = {
     "units_cached_total": "tiered home: host units brought into the unit cache, ever",
     "units_read_hbm_total": "tiered home: (layer, KV head, block) units decode read from HBM",
     "units_read_host_total": "tiered home: units decode read from the host tier",
+    "parked_requests": "tiered home: retracted requests waiting with their KV in the host tier",
+    "resumed_total": "tiered home: retracted requests resumed from the host tier",
+    "resumed_host_tokens_total": "tiered home: prefix tokens resumptions read from the host tier",
+    "resumed_recomputed_tokens_total": "tiered home: tokens resumptions computed again",
 }
 PREFIX = "sglang_psa:"
 

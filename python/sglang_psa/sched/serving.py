@@ -294,6 +294,10 @@ def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
         "units_cached_total": rep["units_cached"],
         "units_read_hbm_total": rep["units_read_hbm"],
         "units_read_host_total": rep["units_read_host"],
+        "parked_requests": rep["parked_requests"],
+        "resumed_total": rep["resumed"],
+        "resumed_host_tokens_total": rep["resumed_host_tokens"],
+        "resumed_recomputed_tokens_total": rep["resumed_recomputed_tokens"],
     }
 
 
