@@ -118,6 +118,16 @@ class Server:
         body = {"abort_all": True} if rid is None else {"rid": rid}
         return self.post("/abort_request", body, timeout=60).status_code
 
+    def settled(self) -> tuple[dict, dict, dict]:
+        """After a load: (the counters, once the device counters were copied to the host,
+        which asking for server info does; what is still held, `leaks`; the counters once
+        nothing runs)."""
+        self.psa_state()
+        time.sleep(1)
+        st = self.psa_state()
+        held = self.leaks()
+        return st, held, self.psa_state()
+
     def leaks(self, timeout: float = 120) -> dict:
         """Wait until nothing runs; what is still held then compared with the idle server
         (all zero when nothing leaked)."""

@@ -7,7 +7,6 @@ nothing is held. Without the tiered home SGLang refuses the prompt (HTTP 400).""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,11 +36,7 @@ def _serve(args, port, log):
             outs.append(r.json()["output_ids"])
         assert outs[0] == outs[1]
         out = outs[0]
-        s.psa_state()  # the device counters are copied when server info is asked
-        time.sleep(1)
-        st = s.psa_state()
-        held = s.leaks()
-        after = s.psa_state()
+        st, held, after = s.settled()
         assert proc.poll() is None, "the server died"
     return out, st, held, after
 

@@ -40,11 +40,7 @@ def _serve(port, log):
         for b in bg:
             assert "r" in b and b["r"].status_code == 200, b.get("e") or b["r"].text[:300]
         outs = [b["r"].json()["output_ids"] for b in bg]
-        s.psa_state()  # the device counters are copied when server info is asked
-        time.sleep(1)
-        st = s.psa_state()
-        held = s.leaks()
-        after = s.psa_state()
+        st, held, after = s.settled()
         assert proc.poll() is None, "the server died"
     return outs, st, held, after, wall
 

@@ -338,6 +338,30 @@ class _SGLangReq(SimpleNamespace):
         return False
 
 
+class _Alloc:
+    """SGLang's allocator as its `PrefillAdder` reads it: tokens free."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def available_size(self):
+        return self.free
+
+
+def _real_adder(monkeypatch):
+    """SGLang's real `schedule_policy` (skipped without SGLang) and a prefix cache that is
+    off, as the tiered home has it."""
+    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
+    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        monkeypatch.setattr(policy, name, lambda: False)  # parallel state is not published
+    tree = SimpleNamespace(
+        disable=True, evictable_size=lambda: 0, supports_mamba=lambda: False,
+        is_tree_cache=lambda: False, inc_lock_ref=lambda node: None,
+        dec_lock_ref=lambda node, *params: None,
+    )  # fmt: skip
+    return policy, tree
+
+
 @pytest.mark.parametrize("done", [0, 50], ids=["new", "retracted"])
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignore_eos, done):
@@ -345,24 +369,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     if every running request's whole remaining output fits the free pages now; the room
     made for a queued prompt is what SGLang's real `PrefillAdder` then accepts, where the
     prompt plus its own output (enough on SGLang's other path) is refused."""
-    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
-    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
-        monkeypatch.setattr(policy, name, lambda: False)  # parallel state is not published
-
-    class Alloc:
-        free = 0
-
-        def available_size(self):
-            return self.free
-
-    tree = SimpleNamespace(  # prefix caching off, as the tiered home has it
-        disable=True,
-        evictable_size=lambda: 0,
-        supports_mamba=lambda: False,
-        is_tree_cache=lambda: False,
-        inc_lock_ref=lambda node: None,
-        dec_lock_ref=lambda node, *params: None,
-    )
+    policy, tree = _real_adder(monkeypatch)
     frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
@@ -387,7 +394,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
             _SGLangReq("b", 1000, 900, out=20, ignore_eos=ignore_eos),
         ]
         adder = policy.PrefillAdder(
-            BS, tree, Alloc(), SimpleNamespace(reqs=running), 0.4, 16384, 8192
+            BS, tree, _Alloc(0), SimpleNamespace(reqs=running), 0.4, 16384, 8192
         )
         new = _SGLangReq("c", 1000, 900, out=done, ignore_eos=ignore_eos)  # done: resumed
         old_rule = 1000 + 900 + 2 * BS - int(adder.rem_total_tokens)  # prompt and output
@@ -428,22 +435,8 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     first chunk fits the pages made free, and each later chunk gets room (its own saved
     blocks leave HBM, its prefix indices are copied from the row again) and fits too.
     The adder's budgets are SGLang's again afterwards, less what it charged."""
-    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
-    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
-        monkeypatch.setattr(policy, name, lambda: False)
-
-    class Alloc:
-        free = 1000
-
-        def available_size(self):
-            return self.free
-
-    alloc = Alloc()
-    tree = SimpleNamespace(
-        disable=True, evictable_size=lambda: 0, supports_mamba=lambda: False,
-        is_tree_cache=lambda: False, inc_lock_ref=lambda node: None,
-        dec_lock_ref=lambda node, *params: None,
-    )  # fmt: skip
+    policy, tree = _real_adder(monkeypatch)
+    alloc = _Alloc(1000)
     made, synced = [], []
 
     class Residency:  # saved blocks give back up to 3000 tokens of pages
@@ -553,21 +546,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     prefix: SGLang's real `PrefillAdder` charges and extends only the tokens after them.
     On SGLang's `ignore_eos` path, which cannot chunk a request with a prefix, it waits
     for a round with a whole chunk, and is prefilled whole when even that is too small."""
-    policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
-    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
-        monkeypatch.setattr(policy, name, lambda: False)
-
-    class Alloc:
-        free = 100_000
-
-        def available_size(self):
-            return self.free
-
-    tree = SimpleNamespace(
-        disable=True, evictable_size=lambda: 0, supports_mamba=lambda: False,
-        is_tree_cache=lambda: False, inc_lock_ref=lambda node: None,
-        dec_lock_ref=lambda node, *params: None,
-    )  # fmt: skip
+    policy, tree = _real_adder(monkeypatch)
     kept = 94 * BS
 
     class Residency:
@@ -599,7 +578,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
 
     def adder(chunk=2048, running=()):
         return policy.PrefillAdder(
-            BS, tree, Alloc(), SimpleNamespace(reqs=list(running)), 0.4, 16384, chunk
+            BS, tree, _Alloc(100_000), SimpleNamespace(reqs=list(running)), 0.4, 16384, chunk
         )
 
     a, c = adder(), resumed()
