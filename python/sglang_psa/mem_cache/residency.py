@@ -145,22 +145,36 @@ class Residency:
         """Parked `req` is considered for a prefill (SGLang found no prefix for it): its
         prefix is the kept tokens, every one at page 0 in the request table (their KV is
         read from the host tier: `mem_cache.prefill_stage`), so that the prefill computes
-        only the tokens after them. False, and the request unparked (prefilled whole, as
-        SGLang would), where SGLang needs more of it computed (input log-probabilities
-        from an earlier position)."""
+        only the tokens after them. Where SGLang needs more of it computed (input
+        log-probabilities, by default from the end of the prompt on) the prefix ends at
+        the last whole block before that; False, and the request unparked (prefilled
+        whole, as SGLang would), when no whole block is left."""
         kept = self.parked.get(req.rid)
         if kept is None or getattr(req, "req_pool_idx", None) is not None:
             return False
         fill = len(req.full_untruncated_fill_ids)
         limit = fill - 1  # SGLang computes at least the last token (its logits)
         if getattr(req, "return_logprob", False) and req.logprob_start_len >= 0:
-            limit = min(limit, req.logprob_start_len)
-        if kept > limit:
-            self.unpark(req)
-            return False
+            limit = min(limit, req.logprob_start_len)  # (the prompt's length by default)
+        if kept > limit:  # the blocks from there on are computed again
+            kept = limit // self.block_size * self.block_size
+            if not kept:
+                self.unpark(req)
+                return False
+            self._trim(req.rid, kept // self.block_size)
         dev = self.req_to_token.device
         req.prefix_indices = torch.arange(kept, dtype=torch.int64, device=dev) % self.block_size
         return True
+
+    def _trim(self, rid, blocks: int) -> None:
+        """Parked `rid` keeps only its first `blocks` blocks: the others' units leave the
+        unit cache and their host blocks go back (still reserved for it)."""
+        r = self.wb.request(rid)
+        dropped = r.host[blocks : r.saved]
+        self.cache.forget(to_device(dropped, self.req_to_token.device))
+        self.evicted[rid][blocks:] = False
+        self.wb.trim(rid, blocks)
+        self.parked[rid] = blocks * self.block_size
 
     def unpark(self, req) -> None:
         """Parked `req` is prefilled whole after all (SGLang's way): its host copy goes."""

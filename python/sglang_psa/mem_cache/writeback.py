@@ -313,6 +313,16 @@ class WriteBack:
         r.planned, r.row = r.saved, PARKED
         return r.saved
 
+    def trim(self, rid, blocks: int) -> None:
+        """Parked `rid` keeps only its first `blocks` saved blocks; the host blocks of the
+        others go back to the free list, still reserved for it."""
+        r = self._reqs[rid]
+        if r.row != PARKED or blocks > r.saved:
+            raise RuntimeError(f"request {rid} is not parked with {blocks} saved blocks")
+        self.blocks.give_back(rid, r.host[blocks:])
+        del r.host[blocks:]
+        r.saved = r.planned = blocks
+
     def resume(self, rid, row: int) -> None:
         """Parked `rid` got request-table row `row`: decode reads its kept blocks from the
         host tier, and the blocks after them are planned as before."""

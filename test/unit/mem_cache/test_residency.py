@@ -235,14 +235,28 @@ def test_a_request_without_saved_blocks_or_of_input_embeddings_is_not_parked():
     assert not res.parked and ("park", "a") not in calls
 
 
-def test_a_resume_that_must_compute_earlier_tokens_is_unparked():
-    """Input log-probabilities from a position inside the kept prefix: SGLang computes
-    from there, so the host copy goes and the request is prefilled whole."""
+def test_a_resume_that_must_compute_earlier_tokens_keeps_the_whole_blocks_before_them():
+    """Input log-probabilities from a position inside the kept prefix (SGLang's default
+    with log-probabilities: the prompt's end): the prefix ends at the last whole block
+    before it, the later kept blocks leave the unit cache and go back; with no whole
+    block before it the host copy goes and the request is prefilled whole."""
+    res, calls = _parking(saved=8)
+    _recording_evict(res, alloc_pages_from=50)
+    res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
+    forgot = []
+    res.cache.forget = lambda hbs: forgot.extend(hbs.tolist())
+    res.wb.trim = lambda rid, n: calls.append(("trim", rid, n))
+    q = _retracted(out=5)
+    q.return_logprob, q.logprob_start_len = True, 3 * BS + 2
+    assert res.resume_prefix(q)
+    assert torch.equal(q.prefix_indices, torch.arange(3 * BS) % BS)
+    assert calls[-1] == ("trim", "a", 3) and forgot == [13, 14, 15, 16, 17]
+    assert res.parked == {"a": 3 * BS} and res.evicted["a"].tolist()[:9] == [True] * 3 + [False] * 6
     res, calls = _parking(saved=8)
     _recording_evict(res, alloc_pages_from=50)
     res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
     q = _retracted(out=5)
-    q.return_logprob, q.logprob_start_len = True, 3 * BS
+    q.return_logprob, q.logprob_start_len = True, BS - 1
     assert not res.resume_prefix(q)
     assert not res.parked and "a" not in res.evicted and ("release", "a") in calls
     assert len(q.prefix_indices) == 0

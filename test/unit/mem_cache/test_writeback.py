@@ -339,6 +339,9 @@ def test_a_parked_request_keeps_its_saved_blocks_and_resumes_in_another_row(devi
         assert not wb.host_loc[0].any()  # the old row reads HBM (SGLang reuses it)
         assert wb.blocks.used == 3 and wb.blocks.available == free_before  # still promised
         assert wb.reserve("a", 8 * BS) and wb.blocks.available == free_before  # no double
+        with pytest.raises(RuntimeError, match="not parked with 4"):
+            wb.trim("a", 4)
+        wb.trim("a", 3)  # (no-op: it keeps all three)
         kept = wb.saved_blocks("a")
         wb.resume("a", 3)
         assert wb.host_loc[3, :3].tolist() == [-h - 1 for h in kept]
@@ -371,5 +374,9 @@ def test_park_refuses_unacknowledged_saves(device):
             wb.park("a")
         wb.drain()
         assert wb.park("a") == 2
+        free = wb.blocks.available
+        wb.trim("a", 1)  # the second block is computed again: its host block goes back
+        assert len(wb.saved_blocks("a")) == 1 and wb.blocks.used == 1
+        assert wb.blocks.available == free and wb.request("a").planned == 1
     finally:
         wb.close()
