@@ -113,6 +113,31 @@ def test_threshold_1_matches_plain_sglang_and_bad_requests_are_refused(model_dir
         eng.shutdown()
 
 
+def test_tp2_at_threshold_1_matches_plain_sglang_at_tp2(model_dir):
+    """`--tp 2` (the test model's 2 KV heads, one per rank; each rank its own host tier
+    and copy engine): at the tiered home and threshold 1, answers agree with plain
+    SGLang at `--tp 2`. Needs two GPUs (`nvidia-h200-x2`)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs for --tp 2 (nvidia-h200-x2)")
+    ref = _engine(
+        model_dir, tp_size=2, page_size=BLOCK,
+        cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled",
+    )  # fmt: skip
+    try:
+        want = _greedy(ref)
+    finally:
+        ref.shutdown()
+    eng = _engine(
+        model_dir, tp_size=2, sparse_mode="psa", psa_threshold=1.0, psa_kv_home="tiered",
+        psa_host_pool_gb=1.0,
+    )  # fmt: skip
+    try:
+        _assert_agrees_with_plain(want, _greedy(eng))
+    finally:
+        eng.shutdown()
+
+
 def test_sparse_decode_and_64_concurrent_requests_complete(model_dir):
     eng = _engine(model_dir, sparse_mode="psa", psa_threshold=0.95)
     try:
