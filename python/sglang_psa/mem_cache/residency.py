@@ -178,7 +178,6 @@ class Residency:
 
     def unpark(self, req) -> None:
         """Parked `req` is prefilled whole after all (SGLang's way): its host copy goes."""
-        self.parked.pop(req.rid)
         self.release(req.rid)
         self.wb.release(req.rid)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64)

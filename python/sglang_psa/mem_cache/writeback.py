@@ -308,9 +308,8 @@ class WriteBack:
             raise RuntimeError("WriteBack.park needs every issued save acknowledged (drain)")
         self._drop_plans(rid)
         self._leave_row(r)
-        self.blocks.give_back(rid, r.host[r.saved :])
-        del r.host[r.saved :]
-        r.planned, r.row = r.saved, PARKED
+        r.row = PARKED
+        self.trim(rid, r.saved)
         return r.saved
 
     def trim(self, rid, blocks: int) -> None:
@@ -330,10 +329,7 @@ class WriteBack:
         if r.row != PARKED:
             raise RuntimeError(f"request {rid} is not parked")
         r.row = row
-        if r.saved:
-            val = to_device([-h - 1 for h in r.host[: r.saved]], self.device, torch.int32)
-            self.host_loc[row, : r.saved] = val
-            r.on_host = True
+        self.read_from_host(rid, list(range(r.saved)))
 
     def _leave_row(self, r: _Req) -> None:
         """`r` leaves its request-table row: the row reads HBM again."""
