@@ -47,15 +47,15 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _rig(mode: str, threshold: float, device: str):
+def _rig(mode: str, threshold: float, device: str, prompt: int = PROMPT, interval: int = 1):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     from sglang_psa.attention.psa_backend import PSAAttnBackend
     from sglang_psa.config import PSAConfig
 
-    cfg = PSAConfig(sparse_mode=mode, threshold=threshold)
-    lengths = [PROMPT + 37 * i for i in range(BATCH)]
+    cfg = PSAConfig(sparse_mode=mode, threshold=threshold, rerank_interval=interval)
+    lengths = [prompt + 37 * i for i in range(BATCH)]
     pages_per = [-(-n // BS) + 1 for n in lengths]
     n_pages = sum(pages_per) + 8
     kv = MHATokenToKVPool(
@@ -82,6 +82,7 @@ def _rig(mode: str, threshold: float, device: str):
         sliding_window_size=None,
     )
     backend = PSAAttnBackend(runner)
+    backend.init_cuda_graph_state(BATCH, BATCH)  # the decode graphs' state (kept selections)
     rows = torch.arange(1, BATCH + 1, device=device)
     seq = torch.tensor([n + 1 for n in lengths], device=device)
     mode_ns = SimpleNamespace(is_decode_or_idle=lambda: True, is_extend=lambda: True)
@@ -115,11 +116,28 @@ def _syncs(messages) -> list[str]:
     return [m for m in messages if "synchroniz" in m.lower() and "prototype feature" not in m]
 
 
-def _profile_mode(mode: str, threshold: float) -> dict:
+def _kernel_times(fn, steps: int) -> dict[str, float]:
+    """GPU microseconds per step by kernel name over `steps` eager calls of `fn`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    backend, fb, layers, q, k = _rig(mode, threshold, "cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            name = e.name.split("(")[0][:60]
+            times[name] = times.get(name, 0.0) + e.device_time / steps
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def _profile_mode(mode: str, threshold: float, prompt: int = PROMPT, interval: int = 1) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    backend, fb, layers, q, k = _rig(mode, threshold, "cuda", prompt, interval)
 
     def prep():
         backend.init_forward_metadata(fb)
@@ -145,6 +163,13 @@ def _profile_mode(mode: str, threshold: float) -> dict:
 
     per_step = launches(prep)
     per_layer = launches(attend) / len(layers)
+
+    def step():
+        prep()
+        attend()
+
+    # Over a whole number of rerank intervals: the steps that rank and those that reuse.
+    kernels_us = _kernel_times(step, max(interval, 1) * 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -163,7 +188,7 @@ def _profile_mode(mode: str, threshold: float) -> dict:
         graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 20
+    reps = 24 * max(interval, 1)  # whole intervals (the graph advances the step counter)
     start.record()
     for _ in range(reps):
         graph.replay()
@@ -172,6 +197,9 @@ def _profile_mode(mode: str, threshold: float) -> dict:
     return {
         "mode": mode,
         "threshold": threshold,
+        "prompt_tokens": prompt,
+        "rerank_interval": interval,
+        "kernel_us_per_step": kernels_us,
         "launches_per_layer": per_layer,
         "launches_per_step_prep": per_step,
         "syncs_per_step": len(syncs),
@@ -186,7 +214,7 @@ def profile_cmd(args) -> None:
 
     out = {
         "machine": torch.cuda.get_device_name(),
-        "command": "python benchmark/decode_step/run.py profile",
+        "command": "python benchmark/decode_step/run.py profile " + " ".join(sys.argv[2:]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
         "shape": {
@@ -198,7 +226,13 @@ def profile_cmd(args) -> None:
             "batch": BATCH,
             "prompt_tokens": PROMPT,
         },  # fmt: skip
-        "modes": [_profile_mode(m, t) for m, t in (("psa", 0.98), ("topk", 0.98), ("psa", 1.0))],
+        "modes": [
+            _profile_mode(m, t, n, r)
+            for n in args.prompts
+            for m, t, r in (("psa", 0.98, 1), ("topk", 0.98, 1), ("psa", 1.0, 1))
+            + tuple(("psa", 0.98, r) for r in args.intervals)
+            + tuple(("topk", 0.98, r) for r in args.intervals)
+        ],
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
@@ -265,6 +299,10 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("profile", help="launches, syncs and graph time of the step (GPU)")
     p.add_argument("--out", default="decode_step_profile.json")
+    p.add_argument("--prompts", type=int, nargs="+", default=[PROMPT], help="prompt lengths")
+    p.add_argument(
+        "--intervals", type=int, nargs="*", default=[], help="--psa-rerank-interval values > 1"
+    )
     p.set_defaults(fn=profile_cmd)
     s = sub.add_parser("summarize", help="join the profile with the serving benchmark")
     s.add_argument("--profile", required=True)

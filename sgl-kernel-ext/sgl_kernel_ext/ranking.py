@@ -31,6 +31,8 @@ def _rank_chunk_kernel(
     nforced_ptr,
     loc_ptr,
     rloc_ptr,
+    fresh_ptr,
+    orow_ptr,
     Hkv,
     NB,
     NP,
@@ -44,10 +46,16 @@ def _rank_chunk_kernel(
     LOC: tl.constexpr,
     PB: tl.constexpr,
     SKIP_PAST: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
+    orow = b
+    if MAPPED:  # a kept selection: rank only fresh rows, into their slot's order row
+        if tl.load(fresh_ptr + b) == 0:
+            return
+        orow = tl.load(orow_ptr + b)
     length = tl.load(lengths_ptr + b)
     nblk = (length + BS - 1) // BS
     if SKIP_PAST:  # a chunk wholly past the request's blocks: nothing to write
@@ -83,7 +91,7 @@ def _rank_chunk_kernel(
         packed = tl.sort(packed, dim=0)
     if DIRECT:  # the row is one chunk: its sorted order is the answer
         idx = (packed & 0xFFFFFFFF).to(tl.int32)
-        tl.store(order_ptr + (b * Hkv + h) * NB + i, idx, mask=inb)
+        tl.store(order_ptr + (orow * Hkv + h) * NB + i, idx, mask=inb)
         if LOC:
             where = tl.load(loc_ptr + (b * Hkv + h) * NB + idx, mask=inb)
             tl.store(rloc_ptr + (b * Hkv + h) * NB + i, where, mask=inb)
@@ -100,6 +108,8 @@ def _rank_merge_kernel(
     loc_ptr,
     rloc_ptr,
     lengths_ptr,
+    fresh_ptr,
+    orow_ptr,
     Hkv,
     NB,
     BS: tl.constexpr,
@@ -107,10 +117,16 @@ def _rank_merge_kernel(
     LOG2C: tl.constexpr,
     LOC: tl.constexpr,
     SKIP_PAST: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
+    orow = b
+    if MAPPED:
+        if tl.load(fresh_ptr + b) == 0:
+            return
+        orow = tl.load(orow_ptr + b)
     nch = tl.num_programs(2)
     base = sorted_ptr + (b * Hkv + h) * nch * C
     # Only chunks holding the request's blocks are counted: a chunk past them is padding,
@@ -134,7 +150,7 @@ def _rank_merge_kernel(
             lo += (tl.load(other + lo) < x).to(tl.int32)
             pos += lo
     idx = (x & 0xFFFFFFFF).to(tl.int32)
-    tl.store(order_ptr + (b * Hkv + h) * NB + pos, idx, mask=idx < NB)
+    tl.store(order_ptr + (orow * Hkv + h) * NB + pos, idx, mask=idx < NB)
     if LOC:
         where = tl.load(loc_ptr + (b * Hkv + h) * NB + idx, mask=idx < NB)
         tl.store(rloc_ptr + (b * Hkv + h) * NB + pos, where, mask=idx < NB)
@@ -164,6 +180,8 @@ def rank_blocks(
     scratch: torch.Tensor | None = None,
     partial_blocks: int = 0,
     skip_past_length: bool = False,
+    fresh: torch.Tensor | None = None,
+    order_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order `[B, Hkv, NB]` int32 and forced counts `[B]` int32 from logits `[B, Hq, NB]`
     (float32, -inf past each request's blocks). `partials [B, Hq, P, 2]` are the rows'
@@ -178,10 +196,16 @@ def rank_blocks(
     leaves them unwritten; so are its logits there: keys past a request's blocks are
     never read). `skip_past_length`: only the chunks of `chunk_blocks` holding a
     request's blocks are written to `order`/`ranked_loc`; past them the buffers keep
-    what they held (the wave kernel never reads past a request's blocks)."""
+    what they held (the wave kernel never reads past a request's blocks).
+    A kept selection (`sgl_kernel_ext.selection`): with `fresh [B]` and `order_rows [B]`
+    (int32) only rows with `fresh` rank, writing row `order_rows[b]` of `order`
+    (`[slots, Hkv, NB]`); the others are left as they were (no `loc`)."""
     B, Hq, NB = logits.shape
     G = Hq // n_kv_heads
     dev = logits.device
+    mapped = fresh is not None
+    if mapped and (order is None or order_rows is None or loc is not None):
+        raise ValueError("a kept selection ranks into `order` rows `order_rows`, without loc")
     if order is None:
         order = torch.empty(B, n_kv_heads, NB, dtype=torch.int32, device=dev)
     if n_forced is None:
@@ -206,18 +230,19 @@ def rank_blocks(
             raise ValueError(f"with loc, pass ranked_loc [{B}, {n_kv_heads}, {NB}] int32 to fill")
         loc = loc.contiguous()
     loc_args = (loc, ranked_loc) if has_loc else (order, order)
+    map_args = (fresh, order_rows) if mapped else (n_forced, n_forced)
     _rank_chunk_kernel[(B, n_kv_heads, nch)](
         logits.contiguous(), partials.contiguous(), lengths32, scratch, order, n_forced,
-        *loc_args, n_kv_heads, NB, NP, sink, recent,
+        *loc_args, *map_args, n_kv_heads, NB, NP, sink, recent,
         G=G, BS=block_size, C=C, NPP=triton.next_power_of_2(max(NP, 2)), DIRECT=direct,
-        LOC=has_loc, PB=partial_blocks, SKIP_PAST=skip_past_length,
+        LOC=has_loc, PB=partial_blocks, SKIP_PAST=skip_past_length, MAPPED=mapped,
         num_warps=4 if C <= 1024 else 8,
     )  # fmt: skip
     if not direct:
         _rank_merge_kernel[(B, n_kv_heads, nch)](
-            scratch, order, *loc_args, lengths32, n_kv_heads, NB,
+            scratch, order, *loc_args, lengths32, *map_args, n_kv_heads, NB,
             BS=block_size, C=C, LOG2C=C.bit_length() - 1, LOC=has_loc,
-            SKIP_PAST=skip_past_length, num_warps=4,
+            SKIP_PAST=skip_past_length, MAPPED=mapped, num_warps=4,
         )  # fmt: skip
     return order, n_forced
 

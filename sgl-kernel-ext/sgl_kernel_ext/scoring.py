@@ -108,6 +108,7 @@ def _score_kernel(
     logit_ptr,
     ub_ptr,
     part_ptr,
+    fresh_ptr,
     scale,
     Hkv,
     NB,
@@ -123,6 +124,7 @@ def _score_kernel(
     CODES: tl.constexpr,
     INTERP: tl.constexpr,
     SKIP_PAST: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
@@ -135,6 +137,8 @@ def _score_kernel(
     row_end = NB
     if SKIP_PAST:
         row_end = nb
+    if GATED:  # a kept selection: only rows that rank this step are scored
+        row_end = row_end * tl.load(fresh_ptr + b)
     if tl.program_id(1) * NBC < row_end:
         g = tl.arange(0, GP)
         gmask = g < G
@@ -188,6 +192,7 @@ def block_scores(
     out: torch.Tensor | None = None,
     meta_scale: torch.Tensor | None = None,
     skip_past_length: bool = False,
+    fresh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
@@ -237,12 +242,13 @@ def block_scores(
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
         meta_scale.contiguous() if codes else lengths32,  # unread without codes
-        lengths32, pages_arg, logits, ub, logits if partials is None else partials, scale, Hkv, NB,
+        lengths32, pages_arg, logits, ub, logits if partials is None else partials,
+        lengths32 if fresh is None else fresh, scale, Hkv, NB,
         G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=block_size, NBC=nbc,
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
         WANT_PART=partials is not None, CODES=codes,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1", SKIP_PAST=skip_past_length,
-        num_warps=num_warps,
+        GATED=fresh is not None, num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
     return out, (ub if want_bound else None)

@@ -69,6 +69,38 @@ def _tile_index(
 
 
 @triton.jit
+def _tile_index_kept(
+    order_ptr,
+    loc_ptr,
+    orow,
+    row,
+    first,
+    end,
+    length,
+    n_sink,
+    tail0,
+    nf,
+    kept0,
+    BS: tl.constexpr,
+    NBLK: tl.constexpr,
+):
+    """`_tile_index` over a kept selection (`sgl_kernel_ext.selection`; spec:
+    `algo.attention.reuse_order`): read positions below `nf` are the forced blocks, the
+    sink ones then every block from `tail0` on, computed here; later positions are the
+    kept order's ranked blocks (row `orow`, from position `kept0`). Locations by block."""
+    r = tl.arange(0, NBLK * BS)
+    pidx = first + r // BS
+    pm = pidx < end
+    forced = pidx < nf
+    fblk = tl.where(pidx < n_sink, pidx, tail0 + pidx - n_sink)
+    kblk = tl.load(order_ptr + orow + kept0 + pidx - nf, mask=pm & (~forced), other=0)
+    blk = tl.where(forced, fblk, kblk)
+    where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
+    tok = r % BS
+    return where, tok, pm & (blk * BS + tok < length), blk
+
+
+@triton.jit
 def _merge_tile(
     q,
     k,
@@ -169,6 +201,10 @@ def _wave_attention_kernel(
     stats_ptr,
     uslot_ptr,
     cpages_ptr,
+    sel_slot_ptr,
+    sel_nbr_ptr,
+    sink,
+    recent,
     stamp_stride,
     uslot_stride,
     wave_stride,
@@ -198,6 +234,7 @@ def _wave_attention_kernel(
     STAMP: tl.constexpr,
     STATS: tl.constexpr,
     ONE_WAVE: tl.constexpr,
+    KEPT: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -221,6 +258,11 @@ def _wave_attention_kernel(
     parity) and a counter barrier, so all S take the same stop decision; their
     accumulators meet once, in `acc_part_ptr`, after the last wave. S > 1 needs
     every program resident at once (cooperative launch).
+
+    KEPT: the read order is a kept selection (`sgl_kernel_ext.selection`): row
+    `sel_slot_ptr[b]` of `order_ptr [slots, Hkv, NB]`, ranked when the request had
+    `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
+    the tail block at ranking time on, `recent` of them then) come first.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -228,7 +270,15 @@ def _wave_attention_kernel(
     bh = b * Hkv + h
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
-    nf = tl.load(nforced_ptr + b)
+    if KEPT:
+        nbr = tl.load(sel_nbr_ptr + b)
+        n_sink = tl.minimum(sink, nbr)
+        tail0 = tl.maximum(n_sink, nbr - recent)
+        nf = n_sink + nb - tail0
+        kept0 = n_sink + nbr - tail0
+        orow = (tl.load(sel_slot_ptr + b) * Hkv + h) * NB
+    else:
+        nf = tl.load(nforced_ptr + b)
     # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
     # (the ceiling of the float32 product; never below the forced blocks).
     mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
@@ -259,9 +309,15 @@ def _wave_attention_kernel(
         n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
         for i in tl.range(0, n_tiles, num_stages=STAGES):
             first = wstart + (sid + i * S) * NBLK
-            where, tok, valid, blk = _tile_index(
-                order_ptr, rloc_ptr, row, first, end, length, BS, NBLK, True
-            )
+            if KEPT:
+                where, tok, valid, blk = _tile_index_kept(
+                    order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
+                    kept0, BS, NBLK,
+                )  # fmt: skip
+            else:
+                where, tok, valid, blk = _tile_index(
+                    order_ptr, rloc_ptr, row, first, end, length, BS, NBLK, True
+                )
             # Each block is read from its HBM slot or, through UVA, from the host pool: one
             # load through a pointer chosen per row. HBM slots may be strided (SGLang's
             # token-major pages: a slot is a page, the head an offset within each token);
@@ -681,18 +737,25 @@ class WaveAttention:
         loc=None,
         meta_scale=None,
         codes=None,
+        kept=None,
     ):
         """Read order `[B, Hkv, NB]` (forced blocks first, then by criticality), forced
         counts `[B]` and, for the certified rule, suffix sums of the bound log-mass.
         With the block table `loc` (int32), `self.ranked_loc` receives it in read order.
         `codes` (planes, lo, hi; see `run`): blocks are ranked by their key-code bound,
         which is also the certified rule's bound (spec: `algo.attention.progressive_attention
-        (code_bits=)`)."""
+        (code_bits=)`). `kept = (order, slot, fresh)` (see `run`): only fresh rows are
+        scored and ranked, into their slot's row of `order` (no `loc`)."""
         B, Hq, _ = q.shape
         Hkv, bs = self.Hkv, self.bs
         if codes is not None:
             return self._rank_codes(q, codes, lengths, scale, loc)
         fused = self.NB <= self.fused_rank_max_blocks
+        if kept is not None and not fused:
+            raise ValueError(
+                f"a kept selection needs the fused ranking (<= {self.fused_rank_max_blocks} blocks)"
+            )
+        fresh = None if kept is None else kept[2]
         logits, ub = block_scores(
             q,
             meta_mean,
@@ -711,6 +774,7 @@ class WaveAttention:
             out=self.logits,
             meta_scale=meta_scale,
             skip_past_length=fused,  # the fused ranking reads only each request's blocks
+            fresh=fresh,
         )
         if fused:  # group criticality, forced blocks first, stable descending chunked sort
             order, n_forced = rank_blocks(
@@ -720,15 +784,17 @@ class WaveAttention:
                 self.sink,
                 self.recent,
                 Hkv,
-                self.order,
+                self.order if kept is None else kept[0],
                 self.n_forced,
                 partials=self.partials,
                 chunk_blocks=self.rank_chunk_blocks,
-                loc=loc,
-                ranked_loc=self.ranked_loc,
+                loc=loc if kept is None else None,
+                ranked_loc=self.ranked_loc if kept is None else None,
                 scratch=self.rank_scratch,
                 partial_blocks=max(self.score_blocks, 16),  # what block_scores launched
                 skip_past_length=True,
+                fresh=fresh,
+                order_rows=None if kept is None else kept[1],
             )
         else:  # too many blocks for one program's registers: torch's sort, same result
             crit = criticality_from_logits(logits, Hkv)
@@ -813,6 +879,7 @@ class WaveAttention:
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
         code_hi: torch.Tensor | None = None,
+        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -850,8 +917,17 @@ class WaveAttention:
         q = q.contiguous()  # once for scoring and the wave kernel (SGLang's q is a view)
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
+        if kept is not None and (code_planes is not None or self.rule != "heuristic"):
+            raise ValueError("a kept selection serves the heuristic rule and top-k only")
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
+            kept = None
+        elif kept is not None:
+            order, n_forced, ub_suffix = self.rank(
+                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, None, meta_scale,
+                kept=kept[:3],
+            )  # fmt: skip
+            rloc = loc
         else:
             codes = None if code_planes is None else (code_planes, code_lo, code_hi)
             order, n_forced, ub_suffix = self.rank(
@@ -897,6 +973,10 @@ class WaveAttention:
                     stats if stats is not None else self.n_read,
                     unit_slot if cached else self.n_read,
                     cache_pages if cached else self.n_read,
+                    kept[1] if kept is not None else self.n_read,
+                    kept[3] if kept is not None else self.n_read,
+                    self.sink,
+                    self.recent,
                     stamps.stride(0) if stamps is not None else 0,
                     unit_slot.stride(0) if cached else 0,
                     self.wave_ends.stride(0),
@@ -923,6 +1003,7 @@ class WaveAttention:
                     STAMP=stamps is not None,
                     STATS=stats is not None,
                     ONE_WAVE=self.one_wave,
+                    KEPT=kept is not None,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break

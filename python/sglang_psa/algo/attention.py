@@ -124,6 +124,36 @@ def order_blocks(
     return order, forced.sum(-1)
 
 
+def reuse_order(
+    order: torch.Tensor, ranked_blocks: torch.Tensor, lengths: torch.Tensor, cfg: PSAConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The read order of a selection kept across decode steps (`--psa-rerank-interval`).
+
+    `order [B, Hkv, NB]` was ranked (`order_blocks`) when each request had
+    `ranked_blocks [B]` blocks; it has `lengths` tokens now. Forced: the sink blocks and
+    every block from the tail block at ranking time on (so blocks gained since are
+    read); then the kept order's ranked blocks; then the empty blocks. Returns the
+    order and the forced counts `[B]`, as `order_blocks` does (equal to it when no
+    block was gained and the order is fresh).
+    """
+    B, Hkv, NB = order.shape
+    nblk = num_blocks(lengths, cfg.block_size).tolist()
+    out = torch.empty_like(order)
+    n_forced = torch.empty(B, dtype=torch.long, device=order.device)
+    for b, (nb, nbr) in enumerate(zip(nblk, ranked_blocks.tolist())):
+        if not 0 <= nbr <= nb:
+            raise ValueError(f"request {b}: ranked at {nbr} blocks, has {nb}")
+        n_sink = min(cfg.sink_blocks, nbr)
+        tail0 = max(n_sink, nbr - cfg.recent_blocks)
+        forced = torch.cat([torch.arange(n_sink), torch.arange(tail0, nb)]).to(order.device)
+        rest = torch.arange(nb, NB, device=order.device)
+        n_forced[b] = forced.numel()
+        for h in range(Hkv):
+            kept = order[b, h, n_sink + nbr - tail0 : nbr]
+            out[b, h] = torch.cat([forced, kept, rest])
+    return out, n_forced
+
+
 def _wave_checkpoints(
     nblk: torch.Tensor, n_forced: torch.Tensor, nb: int, cfg: PSAConfig
 ) -> torch.Tensor:
@@ -165,6 +195,7 @@ def progressive_attention(
     threshold: torch.Tensor | None = None,
     cap_tokens: torch.Tensor | None = None,
     code_bits: int = 0,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SparseResult:
     """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
 
@@ -183,6 +214,9 @@ def progressive_attention(
     range (`token_bounds`; their bytes count as read for every block), blocks are ranked
     by that bounded mass, and the rule is evaluated in float64, so the guarantee holds
     for the float32 scores the output is computed from.
+
+    `prior = (order, ranked_blocks)`: read in the order kept from an earlier step
+    (`reuse_order`) instead of ranking now.
 
     `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
     bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.
@@ -208,6 +242,8 @@ def progressive_attention(
         codes = encode_keys(k, lengths, meta.kmin, meta.kmax, bs, code_bits)
         code_ub = block_lse(token_score_bounds(q, codes, lengths, scale).double(), bs)
         order, n_forced = order_blocks(criticality_from_logits(code_ub.float(), Hkv), lengths, cfg)
+    elif prior is not None:
+        order, n_forced = reuse_order(*prior, lengths, cfg)
     else:
         order, n_forced = read_order(q, meta, lengths, cfg, scale)
     order_q = order.repeat_interleave(G, dim=1)  # [B, Hq, NB]
@@ -278,19 +314,23 @@ def topk_attention(
     budget_tokens: int | torch.Tensor | None = None,
     meta: BlockMeta | None = None,
     scale: float | None = None,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SparseResult:
     """Quest-style baseline: read a fixed budget of blocks (forced ones included).
 
     `cfg.score` picks the ranking: `bound` is Quest's key min/max bound, `mean`
     the cuboid mean. `budget_tokens` (default `cfg.topk_tokens`) may be a `[B]`
-    tensor: one budget per request.
+    tensor: one budget per request. `prior`: a kept order, as `progressive_attention`.
     """
     scale = _default_scale(q, scale)
     bs = cfg.block_size
     budget = cfg.topk_tokens if budget_tokens is None else budget_tokens
     meta = as_kept(block_metadata(k, lengths, bs) if meta is None else meta, cfg)
     nb = meta.count.shape[1]
-    order, n_forced = read_order(q, meta, lengths, cfg, scale)
+    if prior is not None:
+        order, n_forced = reuse_order(*prior, lengths, cfg)
+    else:
+        order, n_forced = read_order(q, meta, lengths, cfg, scale)
     budget = torch.as_tensor(budget, device=q.device).expand(n_forced.shape)
     k_blocks = torch.maximum((budget // bs).clamp(min=1), n_forced)
     pos = torch.arange(nb, device=q.device)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sgl_kernel_ext.selection import SelectionCache
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.config import PSAConfig, PSAConfigError
@@ -83,6 +84,7 @@ class _Batch:
     loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
     host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
     plan: WaveAttention | None = None
+    kept: bool = False  # reads a selection kept across steps (`--psa-rerank-interval`)
 
 
 class PSAAttnBackend(AttentionBackend):
@@ -193,6 +195,7 @@ class PSAAttnBackend(AttentionBackend):
         self._device = device
         self._graph_bs = 0
         self._graph_pages = self._graph_lengths = self._graph_loc = self._graph_host = None
+        self._selection: SelectionCache | None = None  # by init_cuda_graph_state
         self._batches: dict[int, _Batch] = {}
         self._step: _Batch | None = None
 
@@ -272,6 +275,7 @@ class PSAAttnBackend(AttentionBackend):
                 self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host
             ),
             "workspace": self._workspace.nbytes,
+            "selection_cache": self._selection.nbytes if self._selection else 0,
             "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
             "prefill_staging": self.residency.stage.nbytes
             if self.residency and self.residency.stage
@@ -289,6 +293,12 @@ class PSAAttnBackend(AttentionBackend):
         tables = self._tables(max_bs)
         self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host = tables
         self._batches.clear()
+        cfg, pool = self.cfg, self.token_to_kv_pool
+        if cfg.rerank_interval > 1 and self.use_kernel:  # read orders kept across steps
+            self._selection = SelectionCache(
+                pool.layer_num, max_bs, pool.head_num, self.max_blocks, cfg.rerank_interval,
+                cfg.block_size, cfg.sink_blocks + cfg.recent_blocks, self._device,
+            )  # fmt: skip
 
     def _tables(self, n: int):
         """A step's tables for `n` requests: page table, lengths (1: SGLang's padding
@@ -309,6 +319,13 @@ class PSAAttnBackend(AttentionBackend):
                 got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc, host)
             else:  # eager only (larger than any captured batch, or graphs off)
                 got = _Batch(*self._tables(B))
+                if self.cfg.rerank_interval > 1:
+                    logger.warning(
+                        "sglang-psa: decode batch %d runs outside the decode CUDA graphs "
+                        "(largest captured: %d); --psa-rerank-interval keeps selections "
+                        "for captured batches only, so this one ranks every step",
+                        B, self._graph_bs,
+                    )  # fmt: skip
             self._batches[B] = got
         return got
 
@@ -347,11 +364,19 @@ class PSAAttnBackend(AttentionBackend):
         else:  # the block table of every head, once per step
             st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
         self.ws.begin_step(rows, st.pages, st.lengths)
+        # Graph batches keep their selection between steps; a larger (eager) batch ranks.
+        sel = self._selection
+        st.kept = sel is not None and st.lengths.shape[0] <= sel.max_batch
+        if st.kept:
+            sel.assign(rows, st.lengths, self.ws.step)
 
     def on_after_cuda_graph_warmup(self) -> None:
-        """Warmup ran decode steps on dummy batches: forget their stamps and counts."""
+        """Warmup ran decode steps on dummy batches: forget their stamps, counts and kept
+        selections."""
         self.ws.reset()
         self.stats.zero_()
+        if self._selection is not None:
+            self._selection.reset()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -370,6 +395,9 @@ class PSAAttnBackend(AttentionBackend):
         lid = layer.layer_id
         kbuf = self.token_to_kv_pool.get_key_buffer(lid)
         req_to_token = self.req_to_token_pool.req_to_token
+        if lid == self.first_layer and self._selection is not None:
+            # A prefilled request (new, resumed, or in a reused row) ranks at its next step.
+            self._selection.invalidate(forward_batch.req_pool_indices[:B])
         self.meta.on_extend(
             lid - self.first_layer,
             kbuf,
@@ -431,6 +459,9 @@ class PSAAttnBackend(AttentionBackend):
             host_strides = self.writeback.host_strides()
             unit_slot, cache_pages = self.residency.cache.layer(lid)  # cache's copies
         mean, kmin, kmax, kscale = self.meta.layer(lid)  # per page, read via the table
+        kept = None
+        if step.kept:
+            kept = (self._selection.order[lid], *self._selection.rows(q.shape[0]))
         res = plan.run(
             q,
             kbuf,
@@ -453,11 +484,13 @@ class PSAAttnBackend(AttentionBackend):
             unit_slot=unit_slot,
             cache_pages=cache_pages,
             meta_scale=kscale,
+            kept=kept,
         )
         return res.out
 
     def _decode_reference(self, q, layer, forward_batch):
-        """`sglang_psa.algo` on the gathered keys: exact semantics, dense cost (eager)."""
+        """`sglang_psa.algo` on the gathered keys: exact semantics, dense cost (eager). It
+        ranks every step (`--psa-rerank-interval` is the kernel path's)."""
         pool, bs = self.token_to_kv_pool, self.cfg.block_size
         lengths = forward_batch.seq_lens.long()
         T = int(lengths.max())

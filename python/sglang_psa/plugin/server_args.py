@@ -6,7 +6,9 @@ flags, `from_cli_args` reads them) and `sgl.Engine(sparse_mode="psa", ...)`
 depends on are set *before* SGLang resolves its defaults:
 
 - decode attention runs on the `psa` backend, prefill on `--prefill-attention-backend`
-  (or `--attention-backend`, default `triton`);
+  (or `--attention-backend`; by default SGLang's fastest dense backend here, as SGLang
+  picks it for plain serving: FA3 on a Hopper GPU with SGLang's FA3 kernels,
+  else FlashInfer, else triton; `default_prefill_backend`);
 - `--page-size` equals `--psa-block-size` (one SGLang page = one PSA block);
 - CUDA graphs stay SGLang's: the sparse decode step has fixed shapes and no host
   sync, so it runs inside SGLang's decode graphs at every KV home; prefill is dense;
@@ -25,6 +27,8 @@ scheduler process) and in the environment for processes that do not get it.
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import logging
 import os
 import sys
@@ -36,7 +40,42 @@ from sglang_psa.plugin import flags
 logger = logging.getLogger(__name__)
 
 BACKEND = "psa"
-DEFAULT_PREFILL_BACKEND = "triton"
+
+
+def _has_fa3() -> bool:
+    """SGLang's FA3 kernels are installed (sgl_kernel's `flash_ops` library; a slim
+    sgl-kernel without them would fail at the first prefill)."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(glob.glob(os.path.join(d, "flash_ops*.so")) for d in spec.submodule_search_locations)
+
+
+def default_prefill_backend(cfg: PSAConfig) -> tuple[str, str]:
+    """(backend, why): the dense prefill backend when none is given. SGLang's fastest on
+    this machine for a dense GQA model, as SGLang itself defaults: FA3 on a Hopper GPU
+    (compute capability 9.x) with SGLang's FA3 kernels, else FlashInfer where installed,
+    else triton. The tiered home prefills on triton: its staged prefill (a prompt larger
+    than HBM, resumption from the host tier) reads a staged prefix through SGLang's
+    Triton extend kernel only."""
+    if cfg.kv_home == "tiered":
+        return "triton", "--psa-kv-home tiered stages prefixes through the Triton extend kernel"
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        major = torch.cuda.get_device_capability()[0] if cuda else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA: SGLang's CPU default
+        cuda, major = False, 0
+    if not cuda:
+        return "triton", "no CUDA device"
+    if major == 9 and _has_fa3():
+        return "fa3", "Hopper GPU with SGLang's FA3 kernels"
+    if importlib.util.find_spec("flashinfer") is not None:
+        why = "FA3 kernels not installed" if major == 9 else f"compute capability {major}.x"
+        return "flashinfer", why
+    return "triton", "neither FA3 (Hopper) nor FlashInfer available"
+
 
 # SGLang options PSA cannot serve: (field, its flag, why).
 _INCOMPATIBLE = (
@@ -95,11 +134,10 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
             f"sets the decode attention backend to {BACKEND!r}; "
             f"--decode-attention-backend {decode} conflicts",
         )
-    prefill = (
-        fields.get("prefill_attention_backend")
-        or fields.get("attention_backend")
-        or DEFAULT_PREFILL_BACKEND
-    )
+    prefill = fields.get("prefill_attention_backend") or fields.get("attention_backend")
+    if not prefill:
+        prefill, why = default_prefill_backend(cfg)
+        logger.info("sglang-psa: prefill attention on %s (%s)", prefill, why)
     if prefill == BACKEND:
         raise PSAConfigError(
             "sparse_mode", "prefill is dense: choose a dense --prefill-attention-backend"

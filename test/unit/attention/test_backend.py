@@ -341,6 +341,85 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
                 _assert_page_meta(backend.meta, layer_id, page, keys)
 
 
+@pytest.mark.parametrize("mode", ["psa", "topk"])
+def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mode):
+    """`--psa-rerank-interval 4`, kernel path, 12 decode steps of two requests (tails
+    filling into new pages; the batch order flips at step 6): on the steps that rank,
+    every layer equals the reference ranking now; between them, the reference reading
+    the order kept at the last ranking (`prior=`), blocks gained since included."""
+    from sglang_psa.algo.attention import read_order
+
+    cfg = PSAConfig(
+        sparse_mode=mode, threshold=0.9, wave_blocks=1, max_wave_blocks=2, topk_tokens=96,
+        rerank_interval=4, bound_bits=16,
+    )  # fmt: skip
+    lengths = [95, 300]
+    runner, fb, g = _rig(cfg, lengths)
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    backend.init_cuda_graph_state(4, 4)
+    req = runner.req_to_token_pool
+    fb.seq_lens = fb.seq_lens + 1
+    _prefill(backend, fb)
+    used = set(req.req_to_token[1:3, :320].flatten().div(BS, rounding_mode="floor").tolist())
+    free_pages = [p for p in range(1, 64) if p not in used]
+    lens, rows = list(lengths), [1, 2]
+    kept: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (layer, row) -> order, nb
+    fresh_steps = []
+    for t in range(12):
+        if t == 6:
+            rows, lens = rows[::-1], lens[::-1]
+        slots = []
+        for r, n in zip(rows, lens):
+            if n % BS == 0:
+                slot = free_pages.pop(0) * BS
+            else:
+                slot = int(req.req_to_token[r, n - 1]) + 1
+            req.req_to_token[r, n] = slot
+            slots.append(slot)
+        lens = [n + 1 for n in lens]
+        fb.seq_lens = torch.tensor(lens, device=DEV)
+        fb.req_pool_indices = torch.tensor(rows, device=DEV)
+        fb.out_cache_loc = torch.tensor(slots, device=DEV)
+        q = torch.randn(2, HQ * D, generator=g).to(DEV)
+        backend.init_forward_metadata(fb)
+        slot_of, fresh, _ = (x.tolist() for x in backend._selection.rows(2))
+        fresh_steps.append(fresh)
+        nbs = [-(-n // BS) for n in lens]
+        for layer_id in range(LAYERS):
+            k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
+            v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
+            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+            kc, vc = _dense_kv(runner, fb, layer_id)
+            qb = q.view(2, HQ, D)
+            if fresh[0]:  # ranked now: the kept order is this step's ranking
+                order = backend._selection.order[layer_id][torch.tensor(slot_of)].cpu()
+                for i, r in enumerate(rows):
+                    kept[(layer_id, r)] = (order[i], nbs[i])
+                ref_order, _ = read_order(
+                    qb.cpu(), _meta_of(kc.cpu(), fb.seq_lens.cpu(), cfg), fb.seq_lens.cpu(),
+                    cfg, D**-0.5,
+                )  # fmt: skip
+                for i in range(2):
+                    assert torch.equal(order[i, :, : nbs[i]], ref_order[i, :, : nbs[i]])
+                prior = None
+            else:
+                prior = (
+                    torch.stack([kept[(layer_id, r)][0] for r in rows]).to(DEV),
+                    torch.tensor([kept[(layer_id, r)][1] for r in rows], device=DEV),
+                )
+            fn = topk_attention if mode == "topk" else progressive_attention
+            want = fn(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
+            torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
+    # The step counter starts at 1 after prefill: steps 4 and 8 (t = 3, 7, 11) rank all.
+    assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def _meta_of(k, lengths, cfg):
+    from sglang_psa.algo import as_kept, block_metadata
+
+    return as_kept(block_metadata(k, lengths, cfg.block_size), cfg)
+
+
 # --- on the GPU: the step inside a CUDA graph, at real shapes, with no host sync ---------
 
 

@@ -1,0 +1,159 @@
+"""A selection kept across decode steps: the slot map kernel and the wave kernel reading a
+kept order, against the PyTorch reference (`algo.selection`, `algo.attention.reuse_order`)."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_psa.algo import block_metadata, progressive_attention, topk_attention
+from sglang_psa.algo import selection as ref_sel
+from sglang_psa.algo.attention import read_order, reuse_order
+from sglang_psa.config import PSAConfig
+
+
+@pytest.fixture
+def device(kernel_device):
+    return kernel_device
+
+
+def test_reuse_order_fresh_is_the_ranked_order():
+    """With no block gained, the kept order is the order ranked now; a gained block is
+    read among the forced ones, and every block is read exactly once."""
+    cfg = PSAConfig(block_size=16, sink_blocks=1, recent_blocks=2)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 340, 16, generator=g)
+    lengths = torch.tensor([300, 170, 40])
+    meta = block_metadata(k, lengths, 16)
+    order, n_forced = read_order(q, meta, lengths, cfg, 0.25)
+    nb = (lengths + 15) // 16
+    same, nf = reuse_order(order, nb, lengths, cfg)
+    assert torch.equal(same, order) and torch.equal(nf, n_forced)
+    grown = lengths + torch.tensor([20, 1, 0])  # 300 -> 320 (+1 block), 170 -> 171 (+1)
+    kept, nf2 = reuse_order(order, nb, grown, cfg)
+    nb2 = (grown + 15) // 16
+    for b in range(3):
+        row = kept[b, 0, : int(nb2[b])]
+        assert sorted(row.tolist()) == list(range(int(nb2[b])))
+        f = int(nf2[b])
+        assert set(row[:f].tolist()) == {0} | set(range(int(nb[b]) - 2, int(nb2[b])))
+        assert row[f:].tolist() == order[b, 0, int(n_forced[b]) : int(nb[b])].tolist()
+
+
+def _kernel_state(cache):
+    return cache.tag.tolist(), cache.ranked.tolist()
+
+
+def test_assign_matches_reference(device):
+    """Batches that gain, lose and reorder requests over 60 steps: slot, fresh and nbr of
+    every row, and the slots' tags and ranked sizes, equal the reference's."""
+    from sgl_kernel_ext.selection import MAX_NEW_BLOCKS, SelectionCache
+
+    assert MAX_NEW_BLOCKS == ref_sel.MAX_NEW_BLOCKS
+    bs, max_batch, interval, short = 16, 12, 4, 2
+    cache = SelectionCache(1, max_batch, 1, 64, interval, bs, short, device)
+    state = ref_sel.SlotState([-1] * (max_batch + 1), [0] * (max_batch + 1))
+    rnd = random.Random(1)
+    live = {r: rnd.randint(1, 200) for r in rnd.sample(range(1, 40), 6)}
+    step = torch.zeros(1, dtype=torch.int32, device=device)
+    for t in range(1, 61):
+        if rnd.random() < 0.3 and len(live) < max_batch:  # a request joins (prefilled)
+            r = rnd.choice([x for x in range(1, 40) if x not in live])
+            live[r] = rnd.randint(1, 200)
+            cache.invalidate(torch.tensor([r], device=device))
+            ref_sel.invalidate(state, [r])
+        if rnd.random() < 0.2 and len(live) > 1:  # one finishes
+            live.pop(rnd.choice(list(live)))
+        if rnd.random() < 0.05:  # a request jumps ahead by many blocks (e.g. resumed)
+            r = rnd.choice(list(live))
+            live[r] += 5 * bs
+        for r in live:
+            live[r] += 1
+        rows = list(live)
+        rnd.shuffle(rows)
+        lengths = [live[r] for r in rows]
+        pad = rnd.randint(
+            0, min(2, max_batch - len(rows))
+        )  # padding rows: row 0, length 1 (SGLang's fill value)
+        rows, lengths = rows + [0] * pad, lengths + [1] * pad
+        step.fill_(t)
+        cache.assign(torch.tensor(rows, device=device), torch.tensor(lengths, device=device), step)
+        want = ref_sel.assign_slots(state, rows, lengths, t, interval, short, bs)
+        got = tuple(x.tolist() for x in cache.rows(len(rows)))
+        assert got == want, f"step {t}"
+        assert _kernel_state(cache) == (state.tag, state.ranked), f"step {t}"
+
+
+CFG = dict(
+    block_size=16, wave_blocks=2, wave_growth=1.5, max_wave_blocks=8, bound_bits=16,
+    wave_fraction=0.0, max_read_fraction=1.0, sink_blocks=1, recent_blocks=1,
+)  # fmt: skip
+
+
+def _paged(k, v, bs, device):
+    """k, v `[B, Hkv, T, d]` as slots `[B * nb, bs, d]` per head, and the table `loc`."""
+    B, Hkv, T, d = k.shape
+    nb = -(-T // bs)
+    pad = nb * bs - T
+    kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(B * Hkv * nb, bs, d)
+    vb = torch.nn.functional.pad(v, (0, 0, 0, pad)).reshape(B * Hkv * nb, bs, d)
+    loc = torch.arange(B * Hkv * nb, dtype=torch.int32).view(B, Hkv, nb)
+    return kb.to(device), vb.to(device), loc.to(device)
+
+
+@pytest.mark.parametrize("mode", ["psa", "topk"])
+def test_wave_reads_kept_order(device, mode):
+    """Step 1 ranks (fresh) into the slots; step 2, longer by a block and with new
+    queries, reads the kept order: blocks, output and log-mass equal the reference given
+    the same kept order (`progressive_attention`/`topk_attention(prior=...)`)."""
+    from sgl_kernel_ext.selection import SelectionCache
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    cfg = PSAConfig(sparse_mode=mode, threshold=0.9, topk_tokens=96, **CFG)
+    B, Hq, Hkv, T, d, bs = 3, 8, 2, 400, 16, 16
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(B, Hkv, T, d, generator=g) * 1.5
+    v = torch.randn(B, Hkv, T, d, generator=g)
+    len1 = torch.tensor([380, 250, 300])
+    len2 = len1 + torch.tensor([5, 17, 1])  # 380 -> 385 (+1 block), 250 -> 267 (+1)
+    nb_max = -(-T // bs)
+    topk = mode == "topk"
+    wa = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
+    wa = wa.plan(B, Hq, Hkv, d, nb_max, device, read_blocks=cfg.topk_tokens // bs if topk else None)
+    cache = SelectionCache(1, B, Hkv, nb_max, 1000, bs, 2, device)
+    rows = torch.tensor([5, 2, 9], device=device)
+    k_slots, v_slots, loc = _paged(k, v, bs, device)
+    max_read = cfg.topk_tokens // bs if topk else None
+    orders = []
+    for step, lengths in ((0, len1), (1, len2)):
+        q = torch.randn(B, Hq, d, generator=g) * 1.5
+        meta = block_metadata(k, lengths, bs)
+        cache.assign(rows, lengths.to(device), torch.tensor([step], device=device))
+        slot, fresh, nbr = cache.rows(B)
+        assert fresh.tolist() == ([1, 1, 1] if step == 0 else [0, 0, 0])
+        res = wa.run(
+            q.to(device), k_slots, v_slots, loc, lengths.to(device),
+            meta.mean.to(device), meta.kmin.to(device), meta.kmax.to(device),
+            max_read_blocks=max_read, kept=(cache.order[0], slot, fresh, nbr),
+        )  # fmt: skip
+        if step == 0:
+            kept = cache.order[0][slot.long()].cpu()
+            ref_order, _ = read_order(q, meta, lengths, cfg, d**-0.5)
+            nbs = (lengths + bs - 1) // bs
+            for b in range(B):  # the kernel's ranking is the reference's
+                n = int(nbs[b])
+                assert torch.equal(kept[b, :, :n], ref_order[b, :, :n])
+            orders.append((kept, nbs))
+            fn = (lambda *a, **kw: topk_attention(*a, **kw)) if topk else progressive_attention
+            ref = fn(q, k, v, lengths, cfg)
+        else:
+            assert nbr.tolist() == orders[0][1].tolist()
+            kept, nbs = orders[0]
+            if topk:
+                ref = topk_attention(q, k, v, lengths, cfg, prior=(kept, nbs))
+            else:
+                ref = progressive_attention(q, k, v, lengths, cfg, prior=(kept, nbs))
+        n_read = res.n_read.cpu()
+        assert torch.equal(n_read.long(), ref.read.sum(-1)), f"step {step}"
+        torch.testing.assert_close(res.out.cpu(), ref.out.float(), atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(res.lse.cpu(), ref.lse, atol=2e-4, rtol=2e-4)
