@@ -101,21 +101,34 @@ def _paged(k, v, bs, device):
     return kb.to(device), vb.to(device), loc.to(device)
 
 
+# (B, Hq, Hkv, T, d, block size, first lengths): a small case for the interpreter, and the
+# GPU test model's and an 8B model's attention at 16K-20K tokens (> 512 blocks) on the GPU.
+SHAPES = {
+    "small": (3, 8, 2, 400, 16, 16, [380, 250, 300]),
+    "qwen05b": (2, 14, 2, 20_512, 64, 32, [20_478, 16_384]),
+    "llama8b": (2, 32, 8, 17_000, 128, 32, [16_990, 16_400]),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("mode", ["psa", "topk"])
-def test_wave_reads_kept_order(device, mode):
+def test_wave_reads_kept_order(device, mode, shape):
     """Step 1 ranks (fresh) into the slots; step 2, longer by a block and with new
     queries, reads the kept order: blocks, output and log-mass equal the reference given
     the same kept order (`progressive_attention`/`topk_attention(prior=...)`)."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
-    cfg = PSAConfig(sparse_mode=mode, threshold=0.9, topk_tokens=96, **CFG)
-    B, Hq, Hkv, T, d, bs = 3, 8, 2, 400, 16, 16
+    B, Hq, Hkv, T, d, bs, first = SHAPES[shape]
+    if shape != "small" and device == "cpu":
+        pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
+    small = dict(CFG, block_size=bs) if shape == "small" else dict(bound_bits=16)
+    cfg = PSAConfig(sparse_mode=mode, threshold=0.9, topk_tokens=6 * bs, **small)
     g = torch.Generator().manual_seed(3)
     k = torch.randn(B, Hkv, T, d, generator=g) * 1.5
     v = torch.randn(B, Hkv, T, d, generator=g)
-    len1 = torch.tensor([380, 250, 300])
-    len2 = len1 + torch.tensor([5, 17, 1])  # 380 -> 385 (+1 block), 250 -> 267 (+1)
+    len1 = torch.tensor(first)
+    len2 = len1 + torch.tensor([5, 17, 1][:B])  # +1 block for the first two
     nb_max = -(-T // bs)
     topk = mode == "topk"
     wa = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
