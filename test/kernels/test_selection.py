@@ -144,10 +144,11 @@ def test_wave_reads_kept_order(device, mode, shape):
         cache.assign(rows, lengths.to(device), torch.tensor([step], device=device))
         slot, fresh, nbr = cache.rows(B)
         assert fresh.tolist() == ([1, 1, 1] if step == 0 else [0, 0, 0])
+        first_reads = cache.reads[0][slot.long()].cpu()  # the prediction this step reads
         res = wa.run(
             q.to(device), k_slots, v_slots, loc, lengths.to(device),
             meta.mean.to(device), meta.kmin.to(device), meta.kmax.to(device),
-            max_read_blocks=max_read, kept=(cache.order[0], slot, fresh, nbr),
+            max_read_blocks=max_read, kept=cache.layer(0, B),
         )  # fmt: skip
         if step == 0:
             kept = cache.order[0][slot.long()].cpu()
@@ -156,17 +157,24 @@ def test_wave_reads_kept_order(device, mode, shape):
             for b in range(B):  # the kernel's ranking is the reference's
                 n = int(nbs[b])
                 assert torch.equal(kept[b, :, :n], ref_order[b, :, :n])
-            orders.append((kept, nbs))
+            assert not first_reads.any()  # new slots: no prediction
             fn = (lambda *a, **kw: topk_attention(*a, **kw)) if topk else progressive_attention
             ref = fn(q, k, v, lengths, cfg)
+            orders.append((kept, nbs, res.n_read.cpu().clone()))
         else:
             assert nbr.tolist() == orders[0][1].tolist()
-            kept, nbs = orders[0]
+            kept, nbs = orders[0][:2]
             if topk:
                 ref = topk_attention(q, k, v, lengths, cfg, prior=(kept, nbs))
-            else:
-                ref = progressive_attention(q, k, v, lengths, cfg, prior=(kept, nbs))
+            else:  # the first wave reads at least what step 1 read
+                assert torch.equal(first_reads, orders[0][2])
+                ref = progressive_attention(
+                    q, k, v, lengths, cfg, prior=(kept, nbs), first_reads=first_reads
+                )
         n_read = res.n_read.cpu()
         assert torch.equal(n_read.long(), ref.read.sum(-1)), f"step {step}"
         torch.testing.assert_close(res.out.cpu(), ref.out.float(), atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(res.lse.cpu(), ref.lse, atol=2e-4, rtol=2e-4)
+        if not topk:
+            assert torch.equal(res.n_waves.cpu().long(), ref.n_waves), f"step {step}"
+            assert torch.equal(cache.reads[0][slot.long()].cpu(), n_read)  # next prediction
