@@ -14,7 +14,13 @@ import re
 import statistics
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    from systems import PLAIN_RACE  # benchmark/serving on sys.path (run.py, the tests)
+except ImportError:  # imported as benchmark.serving.analysis (benchmark/decode_step)
+    from .systems import PLAIN_RACE
 
 DECODE_RE = re.compile(
     r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})[^\]]*\]\s+Decode batch[^,]*,\s+"
@@ -258,7 +264,26 @@ SUMMARY_KEYS = (
     "decode_step_ratio_topk_vs_plain_8b",
     "throughput_ratio_tiered_vs_plain_8b",
     "max_concurrent_ratio_tiered_vs_plain_8b",
+    # Against the fastest plain SGLang backend of the same stage run (`fastest_plain`).
+    "plain_backend",
+    "plain_backend_a16",
+    "plain_backend_8b",
+    "decode_step_ratio_psa_vs_fastest",
+    "decode_step_ratio_topk_vs_fastest",
+    "decode_step_ratio_eps1_vs_fastest",
+    "decode_step_ratio_psa_vs_fastest_a16",
+    "decode_step_ratio_topk_vs_fastest_a16",
+    "decode_step_ratio_topk_vs_fastest_8b",
+    "throughput_ratio_psa_vs_fastest",
+    "throughput_ratio_psa_vs_fastest_a16",
+    "ttft_ratio_psa_vs_fastest",
+    "accuracy_delta_vs_fastest",
 )
+
+STEP = ("metrics", "steady_decode", "step_ms")
+TOK_S = ("metrics", "output_tok_s")
+TTFT_P99 = ("metrics", "ttft_s", "p99")
+PEAK = ("metrics", "peak_running")
 
 
 def _runs(rec: dict) -> dict[str, dict]:
@@ -279,115 +304,279 @@ def latest_runs(parts: list[dict]) -> dict[tuple[str, str, str], dict]:
     return best
 
 
-def _ratio(num, den) -> float | None:
-    return num / den if num is not None and den not in (None, 0) else None
+@dataclass(frozen=True)
+class Measured:
+    """One system's timed run at one rate, with the stage run (part) that measured it."""
+
+    part: dict
+    system: str
+    rate: str
+
+    @property
+    def run(self) -> dict:
+        return _runs(self.part["systems"][self.system])[self.rate]
+
+    @property
+    def stage_run(self) -> tuple[str, str]:
+        return (self.part["workload"], self.part["run_id"])
+
+    def metric(self, path: tuple[str, ...]):
+        value = self.run
+        for k in path:
+            if value is None:
+                return None
+            value = value[k]
+        return value
 
 
-def _pair(best, workload: str, system: str, rate: str = "inf") -> tuple[dict | None, dict | None]:
-    """The system's newest run at `rate`, and plain SGLang's run at that rate in the same
-    part (the same stage run), or None."""
-    p = best.get((workload, system, rate))
-    if p is None:
+def measured(part: dict | None, system: str, rate: str = "inf") -> Measured | None:
+    """`system`'s run at `rate` in `part`, or None when the part did not measure it."""
+    if part is None or rate not in _runs(part["systems"].get(system)):
+        return None
+    return Measured(part, system, rate)
+
+
+def provenance_of(*runs: Measured, **extra) -> dict:
+    """Where a summary value comes from: its stage run (workload, run id, commit, date) and
+    the systems it compares, numerator first."""
+    p = runs[0].part
+    return {
+        "workload": p["workload"],
+        "run_id": p["run_id"],
+        "git_commit": p["git_commit"],
+        "date": p["date"],
+        "systems": [m.system for m in runs],
+        "rate": runs[0].rate,
+    } | extra
+
+
+def same_run_ratio(
+    num: Measured | None, den: Measured | None, path: tuple[str, ...]
+) -> tuple[float | None, dict | None]:
+    """num / den of the metric at `path`, and its provenance; (None, None) unless both were
+    measured in one stage run (the same part: workload and run id) at the same rate. This
+    is the only way a summary ratio is made: two systems from different runs, or at
+    different rates, give no value."""
+    if num is None or den is None:
         return None, None
-    return _runs(p["systems"][system])[rate], _runs(p["systems"].get("plain")).get(rate)
+    if num.stage_run != den.stage_run or num.part is not den.part or num.rate != den.rate:
+        return None, None
+    a, b = num.metric(path), den.metric(path)
+    if a is None or b in (None, 0):
+        return None, None
+    metric = ".".join(path[1:] if path[0] == "metrics" else path)
+    return a / b, provenance_of(num, den, metric=metric)
 
 
-def _metric(run, *path):
-    for k in path:
-        if run is None:
-            return None
-        run = run[k]
-    return run
+def _pair_measured(best, workload: str, system: str, rate: str = "inf"):
+    """The system's newest run at `rate`, and plain SGLang's (triton) run at that rate in
+    the same part (the same stage run), each a Measured or None."""
+    p = best.get((workload, system, rate))
+    return measured(p, system, rate), measured(p, "plain", rate)
+
+
+def _pair(best, workload: str, system: str, rate: str = "inf") -> tuple[dict | None, ...]:
+    """`_pair_measured` as the timed runs themselves (benchmark/decode_step reads these)."""
+    return tuple(m.run if m else None for m in _pair_measured(best, workload, system, rate))
+
+
+def newest_with(parts: list[dict], workload: str, *systems: str, rate: str = "inf"):
+    """The newest part of `workload` that measured every one of `systems` at `rate`."""
+    found = [
+        p for p in parts if p["workload"] == workload and all(measured(p, s, rate) for s in systems)
+    ]
+    return max(found, key=lambda p: p["date"], default=None)
+
+
+def plain_race(part: dict, rate: str = "inf") -> dict | None:
+    """The plain SGLang backends a stage run raced (`systems.PLAIN_RACE`), each with its
+    output throughput, steady decode step and p99 TTFT (or its error), and the fastest:
+    the highest output throughput. None unless the run tried every backend of the race and
+    one of them completed: a stage that ran plain triton alone names no fastest."""
+    if not all(name in part["systems"] for name in PLAIN_RACE):
+        return None
+    backends, fastest = {}, None
+    for name in PLAIN_RACE:
+        m = measured(part, name, rate)
+        if m is None:
+            backends[name] = {"error": (part["systems"][name].get("error") or "not at this rate")}
+            continue
+        backends[name] = {
+            "output_tok_s": m.metric(TOK_S),
+            "step_ms": m.metric(STEP),
+            "ttft_p99_s": m.metric(TTFT_P99),
+        }
+        tok_s = m.metric(TOK_S)
+        if tok_s is not None and (fastest is None or tok_s > fastest.metric(TOK_S)):
+            fastest = m
+    if fastest is None:
+        return None
+    return {
+        "workload": part["workload"],
+        "run_id": part["run_id"],
+        "rule": "highest output tok/s",
+        "fastest": fastest.system,
+        "backends": backends,
+    }
+
+
+def fastest_plain(part: dict | None, rate: str = "inf") -> Measured | None:
+    """The fastest plain SGLang backend of a stage run (`plain_race`), or None."""
+    race = plain_race(part, rate) if part is not None else None
+    return measured(part, race["fastest"], rate) if race else None
+
+
+def vs_fastest(parts: list[dict], workload: str, system: str) -> tuple[Measured | None, ...]:
+    """`system`'s run and the fastest plain backend's, both from the newest stage run of
+    `workload` that raced the plain backends and measured `system`."""
+    raced = [p for p in parts if p["workload"] == workload and fastest_plain(p)]
+    part = newest_with(raced, workload, system)
+    return measured(part, system), fastest_plain(part)
 
 
 TIERED = ("psa_tiered_uva", "psa_tiered")  # sglang-psa with a host tier, default first
+FASTEST_KEYS = (  # (key, workload, system, metric)
+    ("decode_step_ratio_psa_vs_fastest", "a", "psa", STEP),
+    ("decode_step_ratio_topk_vs_fastest", "a", "topk", STEP),
+    ("decode_step_ratio_eps1_vs_fastest", "a", "psa_eps1", STEP),
+    ("decode_step_ratio_psa_vs_fastest_a16", "a16", "psa", STEP),
+    ("decode_step_ratio_topk_vs_fastest_a16", "a16", "topk", STEP),
+    ("decode_step_ratio_topk_vs_fastest_8b", "d", "topk", STEP),
+    ("throughput_ratio_psa_vs_fastest", "a", "psa", TOK_S),
+    ("throughput_ratio_psa_vs_fastest_a16", "a16", "psa", TOK_S),
+    ("ttft_ratio_psa_vs_fastest", "a", "psa", TTFT_P99),
+)
+PLAIN_BACKEND_KEYS = {"plain_backend": "a", "plain_backend_a16": "a16", "plain_backend_8b": "d"}
 
 
-def summarize(parts: list[dict]) -> dict:
-    """The issue's summary keys; each ratio compares a system with plain SGLang measured in
-    the same part (stage run), except `ttft_p99_ratio_host_vs_hbm` and
-    `throughput_ratio_tiered_vs_hbm`, which compare the two sglang-psa homes, the tiered
-    one and HBM only (from one part when a stage ran both). A
-    key whose systems were not measured is None."""
+def summarize(parts: list[dict]) -> tuple[dict, dict]:
+    """The issue's summary keys and, for each key with a value, where it comes from.
+
+    Every ratio is `same_run_ratio`: two systems of one stage run (part) at one rate; a
+    key whose systems were not measured in one run is None. The *_vs_plain keys compare
+    with plain SGLang at triton (`plain`), the *_vs_fastest keys with the fastest plain
+    backend of the newest stage run that raced them all (`plain_race`; `plain_backend*`
+    name it). `ttft_p99_ratio_host_vs_hbm` and `throughput_ratio_tiered_vs_hbm` compare
+    the two sglang-psa homes (tiered, HBM only) in the newest run that measured both.
+    """
     best = latest_runs(parts)
-    step = ("metrics", "steady_decode", "step_ms")
-    tok_s = ("metrics", "output_tok_s")
-    s: dict[str, float | None] = {}
+    s: dict[str, float | str | None] = {}
+    prov: dict[str, dict] = {}
+
+    def put(key: str, value_prov: tuple) -> None:
+        s[key], where = value_prov
+        if where is not None:
+            prov[key] = where
+
     for mode in ("psa", "topk"):
-        run, plain = _pair(best, "a", mode)
-        s[f"decode_step_ratio_{mode}_vs_plain"] = _ratio(_metric(run, *step), _metric(plain, *step))
-    run, plain = _pair(best, "a", "psa")
-    s["throughput_ratio_psa_vs_plain"] = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
+        put(
+            f"decode_step_ratio_{mode}_vs_plain",
+            same_run_ratio(*_pair_measured(best, "a", mode), STEP),
+        )
+    put("throughput_ratio_psa_vs_plain", same_run_ratio(*_pair_measured(best, "a", "psa"), TOK_S))
     # The host tier under capped HBM: the tiered home, by its default write-back first.
     for home in TIERED:
-        run, plain = _pair(best, "b", home)
-        ratio = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
-        if ratio is not None:
+        run, plain = _pair_measured(best, "b", home)
+        ratio = same_run_ratio(run, plain, TOK_S)
+        if ratio[0] is not None:
             break
-    s["throughput_ratio_host_vs_plain_capped"] = ratio
-    s["throughput_ratio_host_vs_plain_capped_system"] = home if ratio is not None else None
+    put("throughput_ratio_host_vs_plain_capped", ratio)
+    s["throughput_ratio_host_vs_plain_capped_system"] = home if ratio[0] is not None else None
     # Its p99 TTFT against plain's in the same run: the throughput must not come from
     # making the queue wait longer.
-    p99 = ("metrics", "ttft_s", "p99")
-    s["ttft_p99_ratio_host_vs_plain_capped"] = _ratio(_metric(run, *p99), _metric(plain, *p99))
+    put("ttft_p99_ratio_host_vs_plain_capped", same_run_ratio(run, plain, TTFT_P99))
     # The same store under the fixed top-k budget: what the store gives a policy that reads
     # less (a reference beside the default psa policy's figure above, not a replacement).
-    run, plain = _pair(best, "b", "topk_tiered")
-    s["throughput_ratio_host_vs_plain_capped_topk"] = _ratio(
-        _metric(run, *tok_s), _metric(plain, *tok_s)
+    put(
+        "throughput_ratio_host_vs_plain_capped_topk",
+        same_run_ratio(*_pair_measured(best, "b", "topk_tiered"), TOK_S),
     )
     for which in ("strict", "relaxed"):
-        s[f"goodput_ratio_vs_plain_{which}"] = sweep_ratio(best, "psa", f"goodput_{which}")
-    host = next((r for r in (_pair(best, "a", h)[0] for h in TIERED) if r), None)
-    hbm, _ = _pair(best, "a", "psa")
-    s["ttft_p99_ratio_host_vs_hbm"] = _ratio(_metric(host, *p99), _metric(hbm, *p99))
-    s["throughput_ratio_tiered_vs_hbm"] = _ratio(_metric(host, *tok_s), _metric(hbm, *tok_s))
-    s["accuracy_delta_vs_plain"] = accuracy_delta(best, "psa")
-    run, plain = _pair(best, "d", "topk")
-    s["decode_step_ratio_topk_vs_plain_8b"] = _ratio(_metric(run, *step), _metric(plain, *step))
-    run, plain = _pair(best, "e", "topk_tiered")
-    s["throughput_ratio_tiered_vs_plain_8b"] = _ratio(_metric(run, *tok_s), _metric(plain, *tok_s))
-    peak = ("metrics", "peak_running")
-    s["max_concurrent_ratio_tiered_vs_plain_8b"] = _ratio(
-        _metric(run, *peak), _metric(plain, *peak)
+        put(f"goodput_ratio_vs_plain_{which}", sweep_ratio(parts, "psa", f"goodput_{which}"))
+    both = next((p for h in TIERED if (p := newest_with(parts, "a", h, "psa"))), None)
+    home = next((h for h in TIERED if measured(both, h)), None)
+    host, hbm = (measured(both, home), measured(both, "psa")) if home else (None, None)
+    put("ttft_p99_ratio_host_vs_hbm", same_run_ratio(host, hbm, TTFT_P99))
+    put("throughput_ratio_tiered_vs_hbm", same_run_ratio(host, hbm, TOK_S))
+    put("accuracy_delta_vs_plain", accuracy_delta(list(best.items()), "psa"))
+    put(
+        "decode_step_ratio_topk_vs_plain_8b",
+        same_run_ratio(*_pair_measured(best, "d", "topk"), STEP),
     )
-    return s
+    run, plain = _pair_measured(best, "e", "topk_tiered")
+    put("throughput_ratio_tiered_vs_plain_8b", same_run_ratio(run, plain, TOK_S))
+    put("max_concurrent_ratio_tiered_vs_plain_8b", same_run_ratio(run, plain, PEAK))
+
+    for key, workload in PLAIN_BACKEND_KEYS.items():
+        raced = [p for p in parts if p["workload"] == workload and fastest_plain(p)]
+        newest = max(raced, key=lambda p: p["date"], default=None)
+        race = plain_race(newest) if newest else None
+        s[key] = race["fastest"] if race else None
+        if race:
+            prov[key] = provenance_of(fastest_plain(newest), **race)
+    for key, workload, system, path in FASTEST_KEYS:
+        put(key, same_run_ratio(*vs_fastest(parts, workload, system), path))
+    pairs = []
+    for workload in ("a", "a16"):
+        run, fastest = vs_fastest(parts, workload, "psa")
+        if run and fastest:
+            pairs.append(((workload, "psa", "inf"), run.part))
+    put("accuracy_delta_vs_fastest", accuracy_delta(pairs, "psa", fastest=True))
+    return {k: s.get(k) for k in SUMMARY_KEYS}, prov
 
 
-def sweep_ratio(best, system: str, key: str) -> float | None:
-    """`system`'s best `key` (a goodput) over the rates of workload c it was measured at,
-    over plain SGLang's best at the same rates, each rate paired within one part."""
-    mine, theirs = [], []
-    for workload, name, rate in best:
-        if workload != "c" or name != system:
+def sweep_ratio(parts: list[dict], system: str, key: str) -> tuple[float | None, dict | None]:
+    """`system`'s `key` (a goodput) over plain SGLang's at the rate where plain's is
+    highest (plain at its best), both from the newest stage run of workload c that measured
+    the two at some common rate with `key`."""
+    found = []
+    for p in parts:
+        if p["workload"] != "c":
             continue
-        run, plain = _pair(best, "c", system, rate)
-        if plain is not None and key in run and key in plain:
-            mine.append(run[key])
-            theirs.append(plain[key])
-    return _ratio(max(mine, default=None), max(theirs, default=None))
+        rates = [
+            r
+            for r in _runs(p["systems"].get("plain"))
+            if (m := measured(p, system, r)) and key in m.run and key in measured(p, "plain", r).run
+        ]
+        if rates:
+            found.append((p, rates))
+    if not found:
+        return None, None
+    part, rates = max(found, key=lambda f: f[0]["date"])
+    rate = max(rates, key=lambda r: measured(part, "plain", r).run[key])
+    return same_run_ratio(measured(part, system, rate), measured(part, "plain", rate), (key,))
 
 
-def accuracy_delta(best, system: str) -> float | None:
+def accuracy_delta(pairs, system: str, fastest: bool = False) -> tuple[float | None, dict | None]:
     """`system`'s accuracy minus plain's over every scored prompt both answered in the same
-    runs (workloads with real-model tasks; those with random weights are left out)."""
+    stage run, summed over `pairs` ((workload, system, rate), part) of `system`
+    (workloads with real-model tasks; those with random weights are left out). Plain is
+    `plain` (triton), or with `fastest` the fastest plain backend of each run."""
     ours = theirs = n = 0
-    for (workload, name, rate), part in best.items():
+    used = []
+    for (_, name, rate), part in pairs:
         model = part.get("config", {}).get("workload", {}).get("model", "")
         if name != system or model.endswith("-dummy"):  # workloads.LLAMA_8B_DUMMY
             continue
-        run, plain = _pair(best, workload, system, rate)
-        if plain is None:
+        run = measured(part, system, rate)
+        ref = fastest_plain(part, rate) if fastest else measured(part, "plain", rate)
+        if run is None or ref is None or run.stage_run != ref.stage_run:
             continue
-        ref = {r["prompt_len"]: r for r in plain["rows"]}
-        for r in run["rows"]:
-            q = ref.get(r["prompt_len"])
+        by_len = {r["prompt_len"]: r for r in ref.run["rows"]}
+        k = 0
+        for r in run.run["rows"]:
+            q = by_len.get(r["prompt_len"])
             if q is None or r["error"] or q["error"]:
                 continue
             ours += r["correct"]
             theirs += q["correct"]
-            n += 1
-    return (ours - theirs) / n if n else None
+            k += 1
+        if k:
+            n += k
+            used.append(provenance_of(run, ref, prompts=k))
+    if not n:
+        return None, None
+    return (ours - theirs) / n, {"runs": used, "prompts": n}
 
 
 def restate_steady(parts: list[dict]) -> None:
@@ -402,12 +591,20 @@ def restate_steady(parts: list[dict]) -> None:
 
 
 def merge(parts: list[dict]) -> dict:
-    """One document from stage parts: provenance of each part, the newest measurement of
-    every (workload, system, rate) with plain from its own run, the summary."""
+    """One document from stage parts: the summary and where each of its values comes from,
+    the plain backend races, provenance of each part kept. A part is kept when it holds
+    the newest measurement of some (workload, system, rate) or a summary value."""
     restate_steady(parts)
-    best = latest_runs(parts)
-    used = {id(p) for p in best.values()}
-    kept = [p for p in sorted(parts, key=lambda p: p["date"]) if id(p) in used]
+    summary, where = summarize(parts)
+    used = {id(p) for p in latest_runs(parts).values()}
+    runs = set()
+    for w in where.values():
+        runs |= {(r["workload"], r["run_id"]) for r in w.get("runs", [w])}
+    kept = [
+        p
+        for p in sorted(parts, key=lambda p: p["date"])
+        if id(p) in used or (p["workload"], p["run_id"]) in runs
+    ]
     prov = [
         {
             k: p[k]
@@ -416,8 +613,11 @@ def merge(parts: list[dict]) -> dict:
         | {"systems": sorted(p["systems"])}
         for p in kept
     ]
+    races = [r for p in kept if (r := plain_race(p))]
     return {
-        "summary": summarize(kept),
+        "summary": summary,
+        "summary_provenance": where,
+        "plain_races": races,
         "provenance": prov,
         "mixed": {
             "machines": sorted({p["device"] for p in kept}),

@@ -8,16 +8,26 @@
     python benchmark/serving/run.py missing                     # stages the result still lacks
     python benchmark/serving/run.py list                        # workloads and systems
 
-A stage is one workload (see `list`) against some systems, plain SGLang (triton
-attention, decode CUDA graphs) always among them and always first, so every
-ratio compares two servers of the same run. Each system is a real
-`python -m sglang.launch_server` process: started, waited on until healthy,
-warmed up with prompts outside the dataset (kernel compilation stays outside the
-timed window), then driven by SGLang's own client, `python -m sglang.bench_serving
---dataset-name custom`, with a seeded dataset of long-context tasks from
-`sglang_psa.eval.tasks` so that every answer is scored. `/get_server_info` is
-read before and after, the server's own "Decode batch" log lines give the
-steady decode step, and the server is shut down before the next one starts.
+A stage is one workload (see `list`) against some systems, plain SGLang at triton
+(`plain`, decode CUDA graphs) always among them and always first, then the other
+plain backends named (`plain_fa3`, `plain_flashinfer`: systems.PLAIN_RACE), then
+the rest. Each system is a real
+`python -m sglang.launch_server` process: started, waited on until healthy
+(FlashInfer's JIT compile happens before `/health` answers; its system needs
+`jit_s` more of the budget to start), warmed up with prompts outside the dataset
+(kernel compilation stays outside the timed window), then driven by SGLang's own
+client, `python -m sglang.bench_serving --dataset-name custom`, with a seeded
+dataset of long-context tasks from `sglang_psa.eval.tasks` so that every answer
+is scored. `/get_server_info` is read before and after, the server's own "Decode
+batch" log lines give the steady decode step, and the server is shut down before
+the next one starts.
+
+Every summary ratio pairs two systems of one stage run (one part: one run id, at
+one rate; analysis.same_run_ratio), and the result says where each comes from
+(`summary_provenance`: run id, commit, date, systems). A stage run that tried all
+three plain backends names the fastest (highest output tok/s) and the *_vs_fastest
+keys are taken against it (`plain_backend`; `plain_races` keeps each backend's
+throughput, step and p99 TTFT).
 
 A stage writes its part (`WORK/parts/WORKLOAD.RUN_ID.json`: measurements plus
 machine, command, date and commit) after every system, so a stage cut short
@@ -26,9 +36,30 @@ keeps what finished; `--export DIR` mirrors parts and the merged result there
 part that measured it, and takes plain SGLang from that same part: re-running
 one stage re-measures only what it names. A 10-minute device call holds plain
 SGLang and one or two other systems of a workload (`--systems`, `--rates` split
-the rest); where even one does not fit beside plain (the 8B workload), the next
-call adds it to the same run (`--continue-run last`: same machine since boot,
-same commit). benchmark/serving/README.md lists what each call takes on the H100.
+the rest); a stage that does not fit one call runs as back-to-back calls into one
+run (`--continue-run last`: same machine since boot, same commit and workload; the
+part, run id and dataset are the first call's, so its ratios still pair within one
+stage run). benchmark/serving/README.md lists what each call takes on the H100.
+
+The plain backend race on the H100 (each line one device call, back to back on one
+machine, the bundle installed with FA3 and `source /tmp/psa-site/psa-env.sh`,
+`export HF_HUB_OFFLINE=1 GIT_COMMIT=<commit>` the same in every call; `S=`
+`python3 benchmark/serving/run.py stage`, `E=--budget-s 560 --export $OUT`).
+Estimated from earlier runs (plain's first start on a fresh machine 130-170 s,
+later ~65 s; psa ~60-95 s; FlashInfer's first start per model shape +~100 s of JIT;
+a16's timed run 5 s, a's 18 s, d's 33 s; ~15-25 s of warm-up and shutdown each):
+
+    $S a16 --systems plain,plain_fa3 $E                                     # ~260 s (~410 s with the install)
+    $S a16 --systems plain_flashinfer,psa,topk --continue-run last $E       # ~370 s
+    $S a --systems plain,plain_fa3,plain_flashinfer,psa $E                  # ~450 s
+    $S a --systems topk,psa_eps1 --continue-run last $E                     # ~220 s
+    $S d --systems plain,plain_fa3 $E                                       # ~300 s (8B shapes)
+    $S d --systems plain_flashinfer,topk --continue-run last $E             # ~330 s
+
+Five systems of a16 in one call (~615 s on a fresh machine) overrun the 560 s
+budget, hence two calls. The budget stops what does not fit: a system is not
+started with less than 90 s (FlashInfer: 210 s) left, and its name lands in the
+part's `not_run`, to be added with `--continue-run last`.
 
 `stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
 SGLang's profiler records STEPS decode steps of each server, and each system's record
@@ -129,9 +160,10 @@ def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
     return workloads_mod.chat_text(tok, task.prompt, task.question)
 
 
-def warm_up(server: Server, tok, w: workloads_mod.Workload) -> None:
+def warm_up(server: Server, tok, w: workloads_mod.Workload) -> float:
     """A prompt of the workload's longest length and a few short ones at once, none of them
-    in the dataset; then the prefix cache is flushed."""
+    in the dataset; then the prefix cache is flushed. Kernels compiled at first use (triton,
+    FlashInfer's JIT for prefill) compile here, outside the timed window. Returns seconds."""
     import concurrent.futures as cf
 
     long_prompt = side_prompt(tok, w, "warmup")
@@ -144,6 +176,7 @@ def warm_up(server: Server, tok, w: workloads_mod.Workload) -> None:
             j.result()
     server.flush_cache()
     log(f"warmed up in {time.time() - t0:.0f} s")
+    return time.time() - t0
 
 
 def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
@@ -205,7 +238,7 @@ def run_system(
         with server:
             server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
             rec["startup_s"] = server.startup_s
-            warm_up(server, ctx["tok"], w)
+            rec["warmup_s"] = warm_up(server, ctx["tok"], w)
             info = server.get("/get_server_info")
             rec["server_info_before"] = analysis.server_info_digest(info)
             num_prompts = w.prompts
@@ -380,6 +413,13 @@ def finish_part(part: dict, w: workloads_mod.Workload, ctx: dict) -> None:
             rec["identical_to_plain"] = analysis.identical_fraction(rec["rows"], plain["rows"])
 
 
+def stage_order(names: list[str]) -> list[str]:
+    """The order a stage starts its systems in: plain (triton) always and first, then the
+    other plain backends named (in `systems.PLAIN_RACE` order), then the rest as named."""
+    race = [s for s in systems_mod.PLAIN_RACE[1:] if s in names]
+    return ["plain", *race] + [s for s in names if s != "plain" and s not in race]
+
+
 def stage(args) -> int:
     from transformers import AutoTokenizer
 
@@ -395,7 +435,7 @@ def stage(args) -> int:
     unknown = [s for s in names if s not in systems_mod.SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; known: {', '.join(systems_mod.SYSTEMS)}")
-    names = ["plain"] + [s for s in names if s != "plain"]  # plain always, and first
+    names = stage_order(names)
     t0 = time.time()
     deadline = t0 + args.budget_s
     work = Path(args.work)
@@ -469,7 +509,7 @@ def stage(args) -> int:
     ctx["measured"] = measured
     for i, name in enumerate(names):
         left = deadline - time.time()
-        if left < MIN_SYSTEM_BUDGET_S:
+        if left < MIN_SYSTEM_BUDGET_S + systems_mod.SYSTEMS[name].jit_s:
             log(f"{w.name}/{name}: not started, {left:.0f} s of the stage budget left")
             part.setdefault("not_run", []).append(name)
             continue
@@ -572,6 +612,8 @@ def write_result(path: Path, merged: dict) -> None:
         "date": max(p["date"] for p in prov),
         "git_commit": "; ".join(merged["mixed"]["git_commits"]),
         "summary": merged["summary"],
+        "summary_provenance": merged["summary_provenance"],
+        "plain_races": merged["plain_races"],
         "provenance": prov,
         "data": {"parts": merged["parts"]},
     }

@@ -1,11 +1,17 @@
 """The systems the serving benchmark races: plain SGLang and sglang-psa, as server flags.
 
 Every system is `python -m sglang.launch_server` with the same common flags
-(model, triton attention, pytorch sampling, `--mem-fraction-static`, prefill
-CUDA graphs off, a decode log line every `DECODE_LOG_INTERVAL` steps) plus its
-own. Plain SGLang's strongest configuration that runs on the air-gapped GPU
-host is the triton attention backend with decode CUDA graphs: FA3 is not in the
-slim kernel bundle and flashinfer would JIT-compile its kernels at start-up.
+(model, pytorch sampling, `--mem-fraction-static`, prefill CUDA graphs off, a
+decode log line every `DECODE_LOG_INTERVAL` steps) plus its own, the attention
+backend among them. Plain SGLang runs at each attention backend the H100 host
+has (`PLAIN_RACE`): FA3 (SGLang's default on an H100; the offline bundle keeps
+it), FlashInfer (JIT-compiles its kernels at start-up, ~100 s on a fresh
+machine, all before `/health` answers) and triton (`plain`, kept for
+continuity with earlier results). A stage that runs several of them compares
+the sparse systems with the fastest of them in that run (analysis.py,
+`fastest_plain`). sglang-psa systems name no backend: the plugin picks the
+dense prefill backend and decodes on its own.
+
 Prefill CUDA graphs are off for every system: they serve short extends, the
 workloads here prefill 4K-32K-token prompts, and capturing them costs minutes.
 """
@@ -26,6 +32,17 @@ class System:
     flags: tuple[str, ...]
     plain: bool  # plain SGLang (no --sparse-mode)
     graphs: bool  # decode runs in CUDA graphs (captured up to the workload's batch)
+    # `--attention-backend`; None: not passed (sglang-psa: the plugin's dense prefill
+    # backend, decode on its own backend)
+    attention_backend: str | None = None
+    jit_s: int = 0  # extra start-up seconds compiling kernels (FlashInfer's JIT)
+
+
+# Plain SGLang at each attention backend the H100 host runs, the one a stage's ratios are
+# taken against being the fastest of those it ran (analysis.fastest_plain). `plain` (triton)
+# comes first: it is the reference of `identical_to_plain` and of the older *_vs_plain keys.
+PLAIN_RACE = ("plain", "plain_fa3", "plain_flashinfer")
+FLASHINFER_JIT_S = 120  # FlashInfer's kernels compiled at start-up on a fresh machine
 
 
 # The tiered home with a 16 GiB host tier (workload b sets its own size).
@@ -34,21 +51,48 @@ _TIERED = ("--sparse-mode", "psa", "--psa-kv-home", "tiered", "--psa-host-pool-g
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
-        System("plain", "plain SGLang, triton attention, decode CUDA graphs", (), True, True),
+        System(
+            "plain",
+            "plain SGLang, triton attention, decode CUDA graphs",
+            (),
+            True,
+            True,
+            attention_backend="triton",
+        ),
+        System(
+            "plain_fa3",
+            "plain SGLang, FA3 attention (SGLang's default on an H100), decode CUDA graphs",
+            (),
+            True,
+            True,
+            attention_backend="fa3",
+        ),
+        System(
+            "plain_flashinfer",
+            "plain SGLang, FlashInfer attention (kernels JIT-compiled at start-up), decode "
+            "CUDA graphs",
+            (),
+            True,
+            True,
+            attention_backend="flashinfer",
+            jit_s=FLASHINFER_JIT_S,
+        ),
         System(
             "plain_eager",
             "plain SGLang, triton attention, no CUDA graphs",
             ("--cuda-graph-backend-decode", "disabled"),
             True,
             False,
+            attention_backend="triton",
         ),
         System(
             "plain_hicache",
             f"plain SGLang with --enable-hierarchical-cache ({HICACHE_HOST_GB} GB host pool), "
-            "decode CUDA graphs",
+            "triton attention, decode CUDA graphs",
             ("--enable-hierarchical-cache", "--hicache-size", str(HICACHE_HOST_GB)),
             True,
             True,
+            attention_backend="triton",
         ),
         System(
             "psa",
@@ -183,13 +227,14 @@ def launch_command(
         *(launcher or [python, "-m", "sglang.launch_server"]),
         "--model-path", model_dir,
         "--host", "127.0.0.1", "--port", str(port),
-        "--attention-backend", "triton",
         "--sampling-backend", "pytorch",
         "--mem-fraction-static", f"{MEM_FRACTION_STATIC:g}",
         "--cuda-graph-backend-prefill", "disabled",
         "--decode-log-interval", str(DECODE_LOG_INTERVAL),
         "--random-seed", "0",
     ]  # fmt: skip
+    if system.attention_backend:
+        cmd += ["--attention-backend", system.attention_backend]
     if load_format:
         cmd += ["--load-format", load_format]
     if system.graphs:

@@ -86,6 +86,8 @@ WORKLOADS: dict[str, Workload] = {
             (1024,),
             (
                 "plain",
+                "plain_fa3",
+                "plain_flashinfer",
                 "psa",
                 "topk",
                 "psa_eps1",
@@ -102,7 +104,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (16_000,),
             (256,),
-            ("plain", "psa", "topk"),
+            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk"),
         ),
         Workload(
             "b",
@@ -137,7 +139,7 @@ WORKLOADS: dict[str, Workload] = {
             24,
             (32_000,),
             (256,),
-            ("plain", "topk"),
+            ("plain", "plain_fa3", "plain_flashinfer", "topk"),
             batch_from_capacity=True,
         ),
         Workload(

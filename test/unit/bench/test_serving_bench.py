@@ -305,11 +305,31 @@ def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     assert s["decode_step_ratio_psa_vs_plain"] == 0.5  # 5 / 10, not 5 / 30
     assert s["decode_step_ratio_topk_vs_plain"] == 0.2  # 4 / 20
     assert s["throughput_ratio_psa_vs_plain"] == 1.5
-    assert s["ttft_p99_ratio_host_vs_hbm"] == 1.5
-    assert s["throughput_ratio_tiered_vs_hbm"] == 0.8  # 120 / 150, the two homes
+    # the two homes were measured in different runs (psa 02-01, psa_tiered_uva 03-01): no
+    # ratio pairs them
+    assert s["ttft_p99_ratio_host_vs_hbm"] is None
+    assert s["throughput_ratio_tiered_vs_hbm"] is None
     assert s["throughput_ratio_host_vs_plain_capped_topk"] is None  # no topk_tiered in b
-    assert s["goodput_ratio_vs_plain_strict"] == 0.6  # best over all rates: 6 / 10
-    assert s["goodput_ratio_vs_plain_relaxed"] == 2.0  # 20 / 10
+    # the newest run of c with both (05-01), at plain's best rate there (32): 6 / 10, 20 / 10
+    assert s["goodput_ratio_vs_plain_strict"] == 0.6
+    assert s["goodput_ratio_vs_plain_relaxed"] == 2.0
+    where = merged["summary_provenance"]
+    assert where["goodput_ratio_vs_plain_strict"] == {
+        "workload": "c",
+        "run_id": "c-05-01",
+        "git_commit": "c4",
+        "date": "2026-05-01T00:00:00+00:00",
+        "systems": ["psa", "plain"],
+        "rate": "32",
+        "metric": "goodput_strict",
+    }
+    assert where["decode_step_ratio_psa_vs_plain"]["run_id"] == "a-02-01"
+    assert where["decode_step_ratio_topk_vs_plain"]["run_id"] == "a-03-01"
+    # every value says where it comes from; a key without a value has no provenance
+    assert {k for k, v in s.items() if v is not None} == set(where)
+    # no plain backend race in these runs: nothing against the fastest
+    assert all(s[k] is None for k in analysis.SUMMARY_KEYS if "fastest" in k)
+    assert s["plain_backend"] is None and merged["plain_races"] == []
     # a: 3 prompts compared (psa's errored one left out), psa 1 right, plain 2;
     # c: 2 prompts at each of 2 rates, psa 2 right, plain 1 (per rate); 1 at rate 32, both right
     assert s["accuracy_delta_vs_plain"] == pytest.approx(((1 + 4 + 1) - (2 + 2 + 1)) / (3 + 4 + 1))
@@ -350,6 +370,138 @@ def test_result_file_round_trip(tmp_path):
     args = SimpleNamespace(fresh=False, export=None)
     again = run.merge_into(out, [newer], args)
     assert [p["git_commit"] for p in again["parts"]] == ["c1", "c1", "c2", "c2", "c3", "c5"]
+
+
+def test_a_summary_ratio_never_pairs_two_stage_runs():
+    """`same_run_ratio` is how every summary ratio is made: two systems of one part at one
+    rate, or no value."""
+    one = _part("a", "02-01", "c1", plain=_rec(10, 100, p99=4.0), psa=_rec(5, 150, p99=2.0))
+    other = _part("a", "03-01", "c2", plain=_rec(20, 1), psa_tiered_uva=_rec(tok_s=120))
+    step = analysis.STEP
+    ratio, where = analysis.same_run_ratio(
+        analysis.measured(one, "psa"), analysis.measured(one, "plain"), step
+    )
+    assert ratio == 0.5 and where["run_id"] == "a-02-01" and where["systems"] == ["psa", "plain"]
+    assert where["metric"] == "steady_decode.step_ms" and where["git_commit"] == "c1"
+    cross = analysis.same_run_ratio(
+        analysis.measured(other, "psa_tiered_uva"), analysis.measured(one, "psa"), analysis.TOK_S
+    )
+    assert cross == (None, None)
+    # the same run id in another workload is another stage run
+    twin = dict(one, workload="a16")
+    cross = analysis.same_run_ratio(
+        analysis.measured(twin, "psa"), analysis.measured(one, "plain"), step
+    )
+    assert cross == (None, None)
+    c = _part(
+        "c", "02-15", "c1", plain=_rec(rates={"8": (2.0, 3.0)}), psa=_rec(rates={"16": (1.0, 1.0)})
+    )
+    at8, at16 = analysis.measured(c, "plain", "8"), analysis.measured(c, "psa", "16")
+    assert analysis.same_run_ratio(at16, at8, ("goodput_strict",)) == (None, None)
+    assert analysis.measured(one, "topk") is None
+    assert analysis.same_run_ratio(None, analysis.measured(one, "plain"), step) == (None, None)
+
+    # through the summary: the two sglang-psa homes only from a run that measured both
+    s, where = analysis.summarize([one, other])
+    assert (
+        s["throughput_ratio_tiered_vs_hbm"] is None
+        and "throughput_ratio_tiered_vs_hbm" not in where
+    )
+    both = _part("a", "01-15", "c0", plain=_rec(9, 9), psa=_rec(tok_s=100, p99=2.0),
+                 psa_tiered_uva=_rec(tok_s=90, p99=3.0))  # fmt: skip
+    s, where = analysis.summarize([one, other, both])
+    assert s["throughput_ratio_tiered_vs_hbm"] == 0.9 and s["ttft_p99_ratio_host_vs_hbm"] == 1.5
+    assert where["throughput_ratio_tiered_vs_hbm"]["run_id"] == "a-01-15"
+    assert analysis.merge([one, other, both])["parts"][0]["run_id"] == "a-01-15"  # kept for it
+
+
+def test_goodput_ratio_is_taken_at_one_rate_of_one_run():
+    """psa's goodput at plain's best rate, not psa's best over plain's best."""
+    c = _part(
+        "c",
+        "02-15",
+        "c1",
+        plain=_rec(rates={"1": (1.0, 1.0), "2": (1.8, 2.0), "4": (1.5, 3.0)}),
+        psa=_rec(rates={"1": (1.0, 1.0), "2": (1.9, 2.0), "4": (3.6, 3.9)}),
+    )
+    s, where = analysis.summarize([c])
+    assert s["goodput_ratio_vs_plain_strict"] == pytest.approx(1.9 / 1.8)  # rate 2, not 3.6 / 1.8
+    assert where["goodput_ratio_vs_plain_strict"]["rate"] == "2"
+    assert s["goodput_ratio_vs_plain_relaxed"] == pytest.approx(3.9 / 3.0)  # rate 4
+    assert where["goodput_ratio_vs_plain_relaxed"]["rate"] == "4"
+
+
+def _raced(workload, date, commit, flashinfer=None, **others):
+    """A stage run that raced the three plain backends: fa3 has the highest throughput,
+    triton the lowest; flashinfer the shortest decode step (the rule is throughput)."""
+    return _part(
+        workload,
+        date,
+        commit,
+        plain=_rec(8, 1000, p99=10.0, correct=(True, True, False, False)),
+        plain_fa3=_rec(7, 2000, p99=5.0, correct=(True, True, True, False)),
+        plain_flashinfer=flashinfer or _rec(6, 1500),
+        **others,
+    )
+
+
+def test_ratios_against_the_fastest_plain_backend_of_the_same_run():
+    a = _raced(
+        "a",
+        "02-01",
+        "c1",
+        psa=_rec(3.5, 2500, p99=4.0, correct=(True, True, False, True)),
+        topk=_rec(2.1, 3000),
+        psa_eps1=_rec(10.5, 900),
+    )
+    a16 = _raced(
+        "a16",
+        "02-02",
+        "c1",
+        flashinfer=_rec(error="ServerFailed: no nvcc"),  # a failed backend stays in the race
+        psa=_rec(1.4, 2200, correct=(True, False, True, False)),
+    )
+    d = _raced("d", "02-03", "c1", model="llama3.1-8b-dummy", topk=_rec(3.5, 2400))
+    # newer runs: plain triton alone (no race) and a race that lacks flashinfer
+    a_new = _part("a", "03-01", "c2", plain=_rec(10, 1000), psa=_rec(5, 1200), topk=_rec(1, 1))
+    a16_two = _part("a16", "03-02", "c2", plain=_rec(4, 10), plain_fa3=_rec(4, 20), psa=_rec(1, 1))
+    merged = analysis.merge([a, a16, d, a_new, a16_two])
+    s, where = merged["summary"], merged["summary_provenance"]
+    assert (s["plain_backend"], s["plain_backend_a16"], s["plain_backend_8b"]) == ("plain_fa3",) * 3
+    assert s["decode_step_ratio_psa_vs_fastest"] == 0.5  # 3.5 / 7 in run a-02-01
+    assert s["decode_step_ratio_topk_vs_fastest"] == pytest.approx(0.3)
+    assert s["decode_step_ratio_eps1_vs_fastest"] == 1.5
+    assert s["throughput_ratio_psa_vs_fastest"] == 1.25
+    assert s["ttft_ratio_psa_vs_fastest"] == 0.8
+    assert s["decode_step_ratio_psa_vs_fastest_a16"] == pytest.approx(0.2)
+    assert s["throughput_ratio_psa_vs_fastest_a16"] == pytest.approx(1.1)
+    assert s["decode_step_ratio_topk_vs_fastest_a16"] is None  # no topk in a raced a16 run
+    assert s["decode_step_ratio_topk_vs_fastest_8b"] == 0.5
+    # a: psa 3 of 4 against fa3's 3; a16: psa 2 of 4 against fa3's 3; d is not scored
+    assert s["accuracy_delta_vs_fastest"] == pytest.approx((5 - 6) / 8)
+    # the *_vs_plain keys take plain triton from the newest run of each system
+    assert (
+        s["decode_step_ratio_psa_vs_plain"] == 0.5
+        and where["decode_step_ratio_psa_vs_plain"]["run_id"] == "a-03-01"
+    )
+    w = where["decode_step_ratio_psa_vs_fastest"]
+    assert (w["run_id"], w["git_commit"], w["systems"]) == ("a-02-01", "c1", ["psa", "plain_fa3"])
+    assert w["date"] == "2026-02-01T00:00:00+00:00"
+    assert where["plain_backend"]["backends"]["plain_flashinfer"]["step_ms"] == 6
+    assert where["plain_backend"]["rule"] == "highest output tok/s"
+    race16 = next(r for r in merged["plain_races"] if r["workload"] == "a16")
+    assert race16["backends"]["plain_flashinfer"] == {"error": "ServerFailed: no nvcc"}
+    assert [r["run_id"] for r in where["accuracy_delta_vs_fastest"]["runs"]] == [
+        "a-02-01",
+        "a16-02-02",
+    ]
+    # the raced runs stay in the result although newer runs measured the same systems
+    assert {p["run_id"] for p in merged["parts"]} >= {"a-02-01", "a16-02-02", "d-02-03"}
+    # a race where every backend failed, or a run without a race, names no fastest
+    assert analysis.plain_race(a_new) is None and analysis.plain_race(a16_two) is None
+    dead = _raced("a", "04-01", "c3", flashinfer=_rec(error="x"))
+    dead["systems"]["plain"] = dead["systems"]["plain_fa3"] = _rec(error="y")
+    assert analysis.fastest_plain(dead) is None
 
 
 # --- 5. datasets ----------------------------------------------------------------------
@@ -486,8 +638,43 @@ def test_launch_command():
         "82.25",
     ]
     assert capped[capped.index("--psa-kv-home") + 1] == "tiered"
+    # plain SGLang names its attention backend; sglang-psa leaves prefill to the plugin
+    for name, backend in (
+        ("plain", "triton"),
+        ("plain_fa3", "fa3"),
+        ("plain_flashinfer", "flashinfer"),
+        ("plain_eager", "triton"),
+        ("plain_hicache", "triton"),
+    ):
+        c = cmd(name)
+        assert c.count("--attention-backend") == 1, name
+        assert c[c.index("--attention-backend") + 1] == backend, name
+    for name in ("psa", "topk", "psa_eps1", "psa_tiered_uva", "topk_tiered"):
+        assert "--attention-backend" not in cmd(name), name
+    for name in systems.PLAIN_RACE:  # the race: plain SGLang, decode graphs, one backend each
+        assert S[name].plain and S[name].graphs and S[name].flags == ()
+    assert len({S[n].attention_backend for n in systems.PLAIN_RACE}) == len(systems.PLAIN_RACE)
+    assert S["plain_flashinfer"].jit_s > 0 and S["plain_fa3"].jit_s == 0
     fake = cmd("psa", launcher=["/py", "fake.py"])
     assert fake[:3] == ["/py", "fake.py", "--model-path"] and "sglang.launch_server" not in fake
+
+
+def test_stage_order_runs_the_plain_backends_first():
+    assert run.stage_order(["psa", "plain_flashinfer", "topk", "plain_fa3"]) == [
+        "plain",
+        "plain_fa3",
+        "plain_flashinfer",
+        "psa",
+        "topk",
+    ]
+    assert run.stage_order(["topk"]) == ["plain", "topk"]
+    assert run.stage_order(["plain", "psa", "plain_eager"]) == ["plain", "psa", "plain_eager"]
+    for key in ("a", "a16", "d"):  # the default plans race every plain backend
+        w = workloads.WORKLOADS[key]
+        assert set(systems.PLAIN_RACE) <= set(w.systems) and w.systems[0] == "plain"
+    a16 = workloads.WORKLOADS["a16"]
+    assert (a16.prompts, a16.prompt_tokens, a16.output_tokens) == (32, (16_000,), (256,))
+    assert not a16.is_sweep  # all sent at once
 
 
 # --- 7. the whole stage against the fake server ---------------------------------------
