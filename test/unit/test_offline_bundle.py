@@ -11,6 +11,7 @@ import base64
 import hashlib
 import importlib.util
 import json
+import lzma
 import os
 import random
 import shutil
@@ -39,6 +40,10 @@ ob = _load()
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _sha_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @pytest.fixture
@@ -174,6 +179,11 @@ def _toy_bundle(
     src = tmp_path / "src"
     (src / "kernel" / "sgl_kernel").mkdir(parents=True)
     (src / "kernel" / "sgl_kernel" / "__init__.py").write_text("SLIM = True\n")
+    fa3 = _payload("fa3", 3000)  # FA3's library travels xz-compressed
+    (src / "kernel" / "sgl_kernel" / "flash_ops.abi3.so.xz").write_bytes(lzma.compress(fa3))
+    kernel_xz = [
+        {"path": "sgl_kernel/flash_ops.abi3.so", "size": len(fa3), "sha256": _sha_bytes(fa3)}
+    ]
     wheel = _handmade_wheel(src)
     items = [
         ob.Item(wheel, f"wheels/{wheel.name}", "wheel", "psa_toy", "1.0"),
@@ -199,7 +209,7 @@ def _toy_bundle(
         assert len(models) <= 1
         info = {"format": 1, "model": models[0] if models else None}
     else:
-        info = {"format": 1, "models": models}
+        info = {"format": 1, "models": models, "kernel_xz": kernel_xz}
     tar_path = tmp_path / "bundle.tar"
     ob.write_tar(items, info, tar_path)
     parts_dir = tmp_path / "parts"
@@ -398,6 +408,8 @@ def test_stage_then_install_end_to_end(tmp_path: Path):
     assert (site / "psa_toy.py").read_text() == "VALUE = 42\n"
     assert (site / "psa_toy-1.0.dist-info").is_dir()
     assert (site / "sgl_kernel" / "__init__.py").read_text() == "SLIM = True\n"
+    assert (site / "sgl_kernel" / "flash_ops.abi3.so").read_bytes() == _payload("fa3", 3000)
+    assert not (site / "sgl_kernel" / "flash_ops.abi3.so.xz").exists()
     assert (cache / "gguf" / "toy.gguf").stat().st_size == 900
     assert (cache / "gguf" / "toy2.gguf").stat().st_size == 1000
     for key in ("toy", "toy2"):
@@ -418,3 +430,130 @@ def test_device_stage_rejects_corrupt_copy(tmp_path: Path):
     res = _run(str(SCRIPTS / "device_stage.sh"), str(parts_dir / name), str(stage))
     assert res.returncode != 0 and name in res.stderr
     assert not (stage / name).exists()
+
+
+# --- sglang-kernel: FA3 and the sm90 kernels kept, what an H100 never loads dropped ---
+
+# The shared libraries of sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl.
+KERNEL_045_LIBS = (
+    "sgl_kernel/flash_ops.abi3.so",  # FA3 (sm80, sm86, sm90 cubins), 1.07 GB
+    "sgl_kernel/flashmla_ops.abi3.so",
+    "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so",
+    "sgl_kernel/sm100/common_ops.abi3.so",
+    "sgl_kernel/sm90/common_ops.abi3.so",
+    "sgl_kernel/spatial_ops.abi3.so",
+)
+
+
+def test_kernel_keeps_fa3_and_sm90_and_drops_what_an_h100_never_loads():
+    kept = [m for m in KERNEL_045_LIBS if not ob.kernel_dropped(m)]
+    assert kept == [
+        "sgl_kernel/flash_ops.abi3.so",
+        "sgl_kernel/flashmla_ops.abi3.so",
+        "sgl_kernel/sm90/common_ops.abi3.so",
+        "sgl_kernel/spatial_ops.abi3.so",
+    ]
+    # sm100/: load_utils loads it at every compute capability but 9.0; infllm: CPython 3.10
+    assert ob.kernel_dropped("sgl_kernel/sm100/anything.py")
+    assert not ob.kernel_dropped("sgl_kernel/flash_attn.py")
+    assert ob.KERNEL_XZ == ("sgl_kernel/flash_ops.abi3.so",)
+
+
+def _kernel_wheel(dest: Path) -> tuple[Path, dict[str, bytes]]:
+    """A small sglang-kernel-like wheel with the real wheel's library names; RECORD lists
+    every file."""
+    rng = random.Random("kernel")
+    files = {m: rng.randbytes(2000) * 20 for m in KERNEL_045_LIBS}  # compressible, like cubins
+    files["sgl_kernel/__init__.py"] = b"KERNEL = 1\n"
+    files["sgl_kernel/flash_attn.py"] = b"from sgl_kernel import flash_ops\n"
+    files["triton_kernels/__init__.py"] = b""
+    dist = "sglang_kernel-0.4.5.dist-info"
+    files[f"{dist}/METADATA"] = b"Metadata-Version: 2.1\nName: sglang-kernel\nVersion: 0.4.5\n"
+    record = [f"{m},sha256=x,{len(d)}" for m, d in files.items()] + [f"{dist}/RECORD,,"]
+    path = dest / "sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for arc, data in files.items():
+            info = zipfile.ZipInfo(arc)
+            info.external_attr = (0o755 if arc.endswith(".so") else 0o644) << 16
+            zf.writestr(info, data)
+        zf.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    return path, files
+
+
+def test_slim_kernel_ships_fa3_compressed_and_the_host_restores_it(tmp_path: Path):
+    wheel, files = _kernel_wheel(tmp_path)
+    out = tmp_path / "kernel"
+    tops, name, version = ob.slim_kernel(wheel, out)
+    assert [t.name for t in tops] == [
+        "sgl_kernel",
+        "sglang_kernel-0.4.5.dist-info",
+        "triton_kernels",
+    ]
+    assert (name, version) == ("sglang-kernel", "0.4.5")
+    shipped = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert shipped == sorted(
+        [
+            ".kernel_xz.json",
+            ".source",
+            "sgl_kernel/__init__.py",
+            "sgl_kernel/flash_attn.py",
+            "sgl_kernel/flash_ops.abi3.so.xz",
+            "sgl_kernel/flashmla_ops.abi3.so",
+            "sgl_kernel/sm90/common_ops.abi3.so",
+            "sgl_kernel/spatial_ops.abi3.so",
+            "sglang_kernel-0.4.5.dist-info/METADATA",
+            "sglang_kernel-0.4.5.dist-info/RECORD",
+            "triton_kernels/__init__.py",
+        ]
+    )
+    fa3 = files["sgl_kernel/flash_ops.abi3.so"]
+    xz = out / "sgl_kernel" / "flash_ops.abi3.so.xz"
+    assert lzma.decompress(xz.read_bytes()) == fa3 and xz.stat().st_size < len(fa3) // 4
+    assert (out / "sgl_kernel/sm90/common_ops.abi3.so").read_bytes() == files[
+        "sgl_kernel/sm90/common_ops.abi3.so"
+    ]
+    info = ob.kernel_xz_info(out)
+    assert info == [
+        {
+            "path": "sgl_kernel/flash_ops.abi3.so",
+            "size": len(fa3),
+            "sha256": _sha_bytes(fa3),
+            "mode": 0o755,
+        }
+    ]
+    record = (out / "sglang_kernel-0.4.5.dist-info/RECORD").read_text().splitlines()
+    listed = {ln.split(",", 1)[0] for ln in record}
+    assert "sgl_kernel/flash_ops.abi3.so" in listed  # as installed once restored
+    assert not any("sm100" in m or "infllm" in m for m in listed)
+    # cached: a second call with the same wheel and recipe does not unpack again
+    xz.write_bytes(xz.read_bytes())
+    mtime = xz.stat().st_mtime_ns
+    ob.slim_kernel(wheel, out)
+    assert xz.stat().st_mtime_ns == mtime
+
+    # through the bundle: tar, parts, unpack, restore on the host
+    items = [ob.Item(t, f"kernel/{t.name}", "kernel", name, version) for t in tops]
+    ob.write_tar(items, {"format": 1, "kernel_xz": info}, tmp_path / "bundle.tar")
+    bundle = _unpack(_toy_split(tmp_path), tmp_path)
+    restored = bundle / "kernel" / "sgl_kernel" / "flash_ops.abi3.so"
+    assert ob.main(["unxz-kernel", str(bundle)]) == 0
+    assert restored.read_bytes() == fa3 and os.access(restored, os.X_OK)
+    assert not restored.with_name("flash_ops.abi3.so.xz").exists()
+    assert ob.unxz_kernel(bundle) == [restored]  # restored already: left as it is
+
+    # a corrupt archive, or one restoring other bytes, is named
+    restored.unlink()
+    restored.with_name("flash_ops.abi3.so.xz").write_bytes(lzma.compress(fa3[:-1]))
+    with pytest.raises(ob.BundleError, match="flash_ops.abi3.so: restored"):
+        ob.unxz_kernel(bundle)
+    restored.with_name("flash_ops.abi3.so.xz").write_bytes(b"not xz")
+    with pytest.raises(ob.BundleError, match="flash_ops.abi3.so.xz is corrupt"):
+        ob.unxz_kernel(bundle)
+    assert not restored.exists()
+
+
+def _toy_split(tmp_path: Path) -> Path:
+    tar_path = tmp_path / "bundle.tar"
+    parts_dir = tmp_path / "parts"
+    _split(tar_path, parts_dir, 1 << 20)
+    return parts_dir
