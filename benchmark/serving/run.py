@@ -749,7 +749,7 @@ def list_cmd(args) -> int:
         print(f"{w.name:4} {w.what}\n     systems: {', '.join(w.systems)}")
     print()
     for s in systems_mod.SYSTEMS.values():
-        print(f"{s.name:14} {s.what}")
+        print(f"{s.name:17} {s.what}")
     return 0
 
 
