@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if at_cap:
         cap = next(c for c in caps.values() if c is not None)
         print(
-            f"  * p99 at the read cap: on those steps some KV heads stopped at {cap:.0%} of the "
-            "blocks (--psa-max-read-fraction) before the stop rule held"
+            f"  * p99 at the read cap: 1% or more of that layer's (step, KV head) reads stopped "
+            f"at {cap:.0%} of the blocks (--psa-max-read-fraction) before the stop rule held"
         )
     print()
     for p in policies:
