@@ -35,12 +35,23 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_psa import serve_demo  # a GPU and SGLang: the server is the main job
 
         return serve_demo.main(argv)
-    argv = [a for a in argv if a != "--cpu"]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    ap.add_argument("--context-tokens", type=int, default=8192)
-    ap.add_argument("--thresholds", default="0.95,0.98", help="comma-separated PSA ε values")
-    ap.add_argument("--stop-rule", default="heuristic", choices=STOP_RULES)
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="this demo (transformers on the CPU) even where a GPU and SGLang would run the "
+        "server demo",
+    )
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS), help="%(default)s")
+    ap.add_argument(
+        "--context-tokens", type=int, default=8192, help="document length (%(default)s)"
+    )
+    ap.add_argument(
+        "--thresholds", default="0.95,0.98", help="comma-separated PSA ε values (%(default)s)"
+    )
+    ap.add_argument(
+        "--stop-rule", default="heuristic", choices=STOP_RULES, help="PSA's (%(default)s)"
+    )
     ap.add_argument(
         "--questions",
         type=int,
@@ -49,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="{1..4}",
         help="how many of the 4 hidden facts to ask about",
     )
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="of the document and its facts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     spec = MODELS[args.model]
@@ -62,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     except ValueError as e:
         ap.error(f"--thresholds: {e}")
+    names = {p.label: short_name(p) for p in policies}
 
     t0 = time.time()
     print(f"[1/3] model {spec.name}", flush=True)
@@ -106,39 +118,89 @@ def main(argv: list[str] | None = None) -> int:
             for layer, f in d.layer_fractions.items():
                 if p.kind != "dense":
                     fractions[p.label].setdefault(layer, []).append(f)
-            print(f"      q{i} {p.label:20s} -> {d.text.strip()[:40]!r}", flush=True)
+            print(f"      q{i} {names[p.label]:9s} -> {d.text.strip()[:40]!r}", flush=True)
         session.rewind(doc_len)
 
     print(f"\nAnswers ({doc_len}-token document, {args.model}, {args.device})")
-    print(f"{'#':>2} {'policy':20s} {'answer':24s} {'correct':>7s} {'=dense':>6s} {'KV read':>8s}")
+    print(legend(policies))
+    print(f"{'#':>2} {'policy':9s} {'answer':24s} {'correct':>7s} {'=dense':>6s} {'KV read':>8s}")
     for i, _, label, ans, ok, same, frac in rows:
         print(
-            f"{i:>2} {label:20s} {ans[:24]:24s} {'yes' if ok else 'NO':>7s} "
+            f"{i:>2} {names[label]:9s} {ans[:24]:24s} {'yes' if ok else 'NO':>7s} "
             f"{'yes' if same else 'no':>6s} {frac:8.1%}"
         )
     labels = list(fractions)
     summ = {
         lab: layer_summary({k: torch.cat(v) for k, v in fractions[lab].items()}) for lab in labels
     }
+    caps = {p.label: read_cap_of(p) for p in policies[1:]}
     print("\nFraction of KV blocks read per layer (mean / p99 over steps and KV heads)")
-    print(f"{'layer':>5} " + " ".join(f"{lab:>22s}" for lab in labels))
+    print(f"{'layer':>5} " + " ".join(f"{names[lab]:>17s}" for lab in labels))
     n_layers = len(next(iter(summ.values()))[0]) if summ else 0
+    at_cap = 0
     for layer in range(n_layers):
-        cells = [f"{summ[lab][0][layer]:9.1%} / {summ[lab][1][layer]:6.1%}   " for lab in labels]
-        print(f"{layer:>5} " + " ".join(f"{c:>22s}" for c in cells))
-    for lab in labels:
-        sel = [r for r in rows if r[2] == lab]
+        cells = []
+        for lab in labels:
+            mean, p99 = summ[lab][0][layer], summ[lab][1][layer]
+            mark = "*" if caps[lab] is not None and p99 >= caps[lab] - 1e-6 else " "
+            at_cap += mark == "*"
+            cells.append(f"{mean:6.1%} / {p99:6.1%}{mark}")
+        print(f"{layer:>5} " + " ".join(f"{c:>17s}" for c in cells))
+    if at_cap:
+        cap = next(c for c in caps.values() if c is not None)
         print(
-            f"{lab}: {sum(r[4] for r in sel)}/{len(sel)} correct, "
+            f"  * p99 at the read cap: 1% or more of that layer's (step, KV head) reads stopped "
+            f"at {cap:.0%} of the blocks (--psa-max-read-fraction) before the stop rule held"
+        )
+    print()
+    for p in policies:
+        sel = [r for r in rows if r[2] == p.label]
+        print(
+            f"{names[p.label]:9s} {sum(r[4] for r in sel)}/{len(sel)} correct, "
             f"{sum(r[5] for r in sel)}/{len(sel)} identical to dense, "
             f"mean KV read {sum(r[6] for r in sel) / len(sel):.1%}"
         )
-    dense_rows = [r for r in rows if r[2] == "dense"]
-    print(
-        f"dense: {sum(r[4] for r in dense_rows)}/{len(dense_rows)} correct; "
-        f"total {time.time() - t0:.0f}s"
-    )
+    print(f"total {time.time() - t0:.0f}s")
     return 0
+
+
+def short_name(p: DecodePolicy) -> str:
+    """`dense`, or `psa-<ε>` (`legend` gives the policy's full label once)."""
+    return "dense" if p.kind == "dense" else f"psa-{p.cfg.threshold:g}"
+
+
+def read_cap_of(p: DecodePolicy) -> float | None:
+    """The most blocks a KV head reads (a fraction), where the cap applies to `p`."""
+    capped = p.kind == "psa" and p.cfg.stop_rule == "heuristic" and p.cfg.threshold < 1
+    return p.cfg.max_read_fraction if capped and p.cfg.max_read_fraction < 1 else None
+
+
+def legend(policies: list[DecodePolicy]) -> str:
+    """What each short name stands for, and the settings the PSA policies share."""
+    lines = ["  dense     reads every KV block"]
+    for p in policies:
+        if p.kind == "psa":
+            lines.append(
+                f"  {short_name(p):9s} PSA: stops once {p.cfg.threshold:g} of the softmax mass "
+                f"is covered ({p.label})"
+            )
+    psa = next((p.cfg for p in policies if p.kind == "psa"), None)
+    if psa is not None:
+        parts = [f"{psa.stop_rule} stop rule"]
+        if psa.bound_bits == 8:
+            parts.append("8-bit key bounds (q8)")
+        if psa.wave_fraction:
+            parts.append(
+                f"first wave 1/{1 / psa.wave_fraction:g} of the blocks (wf{1 / psa.wave_fraction:g}),"
+                f" at most {psa.max_first_wave_blocks} (fw{psa.max_first_wave_blocks})"
+            )
+        if psa.stop_rule == "heuristic" and psa.max_read_fraction < 1:
+            parts.append(
+                f"a KV head reads at most {psa.max_read_fraction:g} of the blocks "
+                f"(mr{psa.max_read_fraction:g}, the read cap)"
+            )
+        lines.append("  PSA settings (the server's defaults): " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

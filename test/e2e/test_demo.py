@@ -35,11 +35,34 @@ def test_demo_prints_answers_and_per_layer_reads(capsys):
         if ln.strip()[:2].strip().isdigit() and "%" in ln and "/" in ln
     ]
     assert len(rows) == 30
-    # ε = 1 reads every block and reproduces dense greedy decoding exactly.
-    label = DecodePolicy("psa", PSAConfig(threshold=1.0)).label + ": "
-    assert label.startswith("psa-heuristic-1-") and label in out
-    line = next(ln for ln in out.splitlines() if ln.startswith(label))
-    assert "2/2 identical to dense" in line and "mean KV read 100.0%" in line
+    # Short names, each explained once by its full label.
+    label = DecodePolicy("psa", PSAConfig(threshold=1.0)).label
+    assert label.startswith("psa-heuristic-1-") and out.count(label) == 1
+    assert "  psa-1     PSA: stops once 1 of the softmax mass" in out
+    # The summary counts every policy's answers, dense's included.
+    summary = {ln.split()[0]: ln for ln in out.splitlines() if " correct, " in ln}
+    assert set(summary) == {"dense", "psa-1"}
+    assert "/2 correct, 2/2 identical to dense, mean KV read 100.0%" in summary["dense"]
+    # ε = 1 reads every block and reproduces dense greedy decoding exactly; the read cap
+    # does not apply to it, so no p99 is marked as capped.
+    assert "2/2 identical to dense" in summary["psa-1"] and "100.0%" in summary["psa-1"]
+    assert "read cap:" not in out and not any(ln.endswith("*") for ln in rows)
+
+
+def test_the_legend_explains_the_label_and_a_capped_p99_is_marked():
+    policies = [DecodePolicy("dense"), DecodePolicy("psa", PSAConfig(threshold=0.95))]
+    text = demo.legend(policies)
+    assert "psa-0.95" in text and policies[1].label in text
+    assert "mr0.5, the read cap" in text and "(wf4)" in text and "(q8)" in text
+    assert demo.read_cap_of(policies[1]) == 0.5
+    assert demo.read_cap_of(DecodePolicy("psa", PSAConfig(threshold=1.0))) is None
+    assert demo.read_cap_of(DecodePolicy("psa", PSAConfig(stop_rule="certified"))) is None
+
+
+def test_help_lists_cpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--cpu", "--help"])
+    assert e.value.code == 0 and "--cpu" in capsys.readouterr().out
 
 
 def test_demo_rejects_a_bad_threshold():

@@ -1,6 +1,7 @@
 """Bad-flag catalogue: every `--sparse-mode`/`--psa-*` flag with an invalid value, through
 SGLang 0.5.17's own argument parsing (`prepare_server_args`, as `launch_server` runs it),
-fails as argparse does: exit status 2 and one error line naming the flag, nothing started.
+fails as argparse does: exit status 2 and one error line naming the flag (not SGLang's
+whole usage), nothing started; so does a flag given without the flag it acts with.
 The catalogue must cover every `PSAConfig` field, so a new knob cannot skip it."""
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import textwrap
 import pytest
 
 from sglang_psa.config import PSAConfig, flag_name
+from sglang_psa.plugin import flags
 
 pytest.importorskip(
     "sglang.srt.server_args",
-    reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
+    reason="SGLang is not installed (README's first command installs it)",
 )
 
 # field -> invalid CLI values (type errors argparse catches, and values PSAConfig refuses)
@@ -71,10 +73,29 @@ print(json.dumps(out))
 def _cases():
     for name, values in INVALID.items():
         for v in values:
-            argv = ["--sparse-mode", "psa", flag_name(name), v]
+            mode, home = "psa", []
+            if name in flags.ONLY_WITH:  # its value is what is wrong, not its partner
+                other, value = flags.ONLY_WITH[name]
+                mode = value if other == "sparse_mode" else mode
+                home = [flag_name(other), value] if other != "sparse_mode" else []
+            argv = ["--sparse-mode", mode, *home, flag_name(name), v]
             if name == "sparse_mode":
                 argv = ["--sparse-mode", v]
-            yield name, argv
+            yield name, argv, ""
+    # A flag that acts only with another flag's value, given (with a valid value) without it.
+    valid = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.5"}
+    for name, (other, value) in flags.ONLY_WITH.items():
+        mode = "topk" if other == "kv_home" else "psa"
+        argv = ["--sparse-mode", mode, flag_name(name), valid.get(name, "1024")]
+        yield name, argv, f"acts only with {flag_name(other)} {value}"
+
+
+def _one_error_line(got: str, name: str, says: str) -> bool:
+    """`exit 2: ` and exactly one stderr line, argparse's `prog: error: <flag> ...`."""
+    if not got.startswith("exit 2: ") or "Traceback" in got:
+        return False
+    lines = got.split(": ", 1)[1].strip().splitlines()
+    return len(lines) == 1 and ": error: " + flag_name(name) in lines[0] and says in lines[0]
 
 
 def test_the_catalogue_covers_every_knob():
@@ -85,17 +106,15 @@ def test_the_catalogue_covers_every_knob():
 def test_every_invalid_flag_value_fails_at_startup_naming_the_flag():
     cases = list(_cases())
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), json.dumps([a for _, a in cases])],
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), json.dumps([a for _, a, _ in cases])],
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    bad = []
-    for (name, argv), got in zip(cases, results):
-        ok = got.startswith("exit 2: ") and "Traceback" not in got
-        lines = got.split(": ", 1)[-1].strip().splitlines()
-        ok = ok and ": error: " in lines[-1] and flag_name(name) in lines[-1]
-        if not ok:
-            bad.append((argv, got[-300:]))
+    bad = [
+        (argv, got[-300:])
+        for (name, argv, says), got in zip(cases, results)
+        if not _one_error_line(got, name, says)
+    ]
     assert not bad, "\n".join(map(str, bad))
     assert len(cases) >= 30

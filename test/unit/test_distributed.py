@@ -180,10 +180,16 @@ def test_server_info_reports_agreed_entries_once_and_sums_per_rank_ones(tmp_path
 def test_the_sglang_internals_the_agreement_relies_on_are_there():
     """`from_sglang` and `kv_ranks` read SGLang's TP group (its gloo CPU group and
     size) and its attention TP size; outside a running server they mean one rank."""
-    from sglang.srt.distributed.parallel_state import GroupCoordinator
-    from sglang.srt.runtime_context import ParallelContext
-
     from sglang_psa.distributed import kv_ranks
+
+    # Outside a running server: one rank, whether or not SGLang is installed.
+    assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1
+    parallel_state = pytest.importorskip(
+        "sglang.srt.distributed.parallel_state",
+        reason="SGLang is not installed (README's first command installs it)",
+    )
+    GroupCoordinator = parallel_state.GroupCoordinator
+    from sglang.srt.runtime_context import ParallelContext
 
     fields = GroupCoordinator.__annotations__
     missing = [f for f in ("cpu_group", "world_size") if f not in fields]

