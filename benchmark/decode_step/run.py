@@ -133,11 +133,17 @@ def _kernel_times(fn, steps: int) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-def _profile_mode(mode: str, threshold: float, prompt: int = PROMPT, interval: int = 1) -> dict:
+def _profile_mode(
+    mode: str, threshold: float, prompt: int = PROMPT, interval: int = 1, predict: bool = True
+) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     backend, fb, layers, q, k = _rig(mode, threshold, "cuda", prompt, interval)
+    sel = backend._selection
+    if sel is not None and not predict:  # the kept order only: no first-wave prediction
+        layer_of = sel.layer
+        sel.layer = lambda lid, B: layer_of(lid, B)[:4]
 
     def prep():
         backend.init_forward_metadata(fb)
@@ -199,6 +205,7 @@ def _profile_mode(mode: str, threshold: float, prompt: int = PROMPT, interval: i
         "threshold": threshold,
         "prompt_tokens": prompt,
         "rerank_interval": interval,
+        "first_wave_predicted": bool(sel is not None and predict and mode == "psa"),
         "kernel_us_per_step": kernels_us,
         "launches_per_layer": per_layer,
         "launches_per_step_prep": per_step,
@@ -227,11 +234,16 @@ def profile_cmd(args) -> None:
             "prompt_tokens": PROMPT,
         },  # fmt: skip
         "modes": [
-            _profile_mode(m, t, n, r)
+            _profile_mode(m, t, n, r, p)
             for n in args.prompts
-            for m, t, r in (("psa", 0.98, 1), ("topk", 0.98, 1), ("psa", 1.0, 1))
-            + tuple(("psa", 0.98, r) for r in args.intervals)
-            + tuple(("topk", 0.98, r) for r in args.intervals)
+            for m, t, r, p in (
+                ("psa", 0.98, 1, True),
+                ("topk", 0.98, 1, True),
+                ("psa", 1.0, 1, True),
+            )
+            + tuple(("psa", 0.98, r, True) for r in args.intervals)
+            + tuple(("psa", 0.98, r, False) for r in args.intervals[:1])
+            + tuple(("topk", 0.98, r, True) for r in args.intervals)
         ],
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
@@ -239,34 +251,33 @@ def profile_cmd(args) -> None:
 
 
 def summarize_cmd(args) -> None:
+    """Join the profile with the serving benchmark's steady decode steps: each sparse mode
+    against the fastest plain SGLang backend of the same stage run (workloads a and a16)."""
     sys.path.insert(0, str(ROOT))
-    from benchmark.serving.analysis import _pair, latest_runs
+    from benchmark.serving.analysis import STEP, same_run_ratio, vs_fastest
 
     serving = json.loads(Path(args.serving).read_text())
     prof = json.loads(Path(args.profile).read_text())
-    best = latest_runs(serving["data"]["parts"])
-
-    commits = {}
-
-    def ms(system):
-        run, plain = _pair(best, "a", system)
-        part = best.get(("a", system, "inf"))
-        commits[system] = None if part is None else part["git_commit"]
-        get = lambda r: None if r is None else r["metrics"]["steady_decode"]["step_ms"]  # noqa: E731
-        return get(run), get(plain)
-
-    psa, plain_psa = ms("psa")
-    topk, plain_topk = ms("topk")
-    eps1, plain_eps1 = ms("psa_eps1")
-    by = {(m["mode"], m["threshold"]): m for m in prof["modes"]}
-    main = by[("psa", 0.98)]
+    parts = serving["data"]["parts"]
+    steps, ratios = {}, {}
+    for workload in ("a", "a16"):
+        for system in ("psa", "topk", "psa_eps1", "psa_r8", "topk_r8"):
+            run, plain = vs_fastest(parts, workload, system)
+            ratio, prov = same_run_ratio(run, plain, STEP)
+            if ratio is None:
+                continue
+            key = f"{system}_{workload}"
+            steps[key] = {"ms": run.metric(STEP), "plain_ms": plain.metric(STEP)}
+            ratios[key] = {"ratio": ratio, "plain_backend": plain.system, "provenance": prov}
     summary = {
-        "launches_per_layer": main["launches_per_layer"],
         "syncs_per_step": max(len(_syncs(m["sync_messages"])) for m in prof["modes"]),
-        "step_ms_plain": plain_psa,
-        "step_ms_psa": psa,
-        "step_ms_topk": topk,
-        "step_ms_psa_eps1": eps1,
+        "launches_per_layer": {
+            f"{m['mode']}_t{m['threshold']}_r{m['rerank_interval']}_{m['prompt_tokens']}": m[
+                "launches_per_layer"
+            ]
+            for m in prof["modes"]
+        },
+        "step_ms_vs_fastest_plain": ratios,
     }
     out = {
         "machine": prof["machine"],
@@ -274,21 +285,12 @@ def summarize_cmd(args) -> None:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
         "summary": summary,
-        "ratios_vs_plain_same_stage": {
-            "psa": psa / plain_psa if psa and plain_psa else None,
-            "topk": topk / plain_topk if topk and plain_topk else None,
-            "psa_eps1": eps1 / plain_eps1 if eps1 and plain_eps1 else None,
-        },
-        "plain_step_ms_per_stage": {"psa": plain_psa, "topk": plain_topk, "psa_eps1": plain_eps1},
-        "serving_git_commit_per_system": commits,
+        "serving_steps": steps,
         "profile_git_commit": prof["git_commit"],
         "profile": prof,
-        "serving_source": str(Path(args.serving).relative_to(ROOT))
-        if Path(args.serving).resolve().is_relative_to(ROOT)
-        else args.serving,
-        "note": "step_ms_* are the steady decode steps of workload a (32 x 28K prompts, "
-        "batch 32) parsed from each server's own log; launches and syncs come from the "
-        "backend run eagerly over SGLang's KV pool at the same shape.",
+        "note": "serving steps are the steady decode steps parsed from each real server's log, "
+        "each sparse system paired with the fastest plain backend of its own stage run; the "
+        "profile runs the backend over SGLang's KV pool at the stated lengths (attention only).",
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))

@@ -283,6 +283,7 @@ SUMMARY_KEYS = (
 STEP = ("metrics", "steady_decode", "step_ms")
 TOK_S = ("metrics", "output_tok_s")
 TTFT_P99 = ("metrics", "ttft_s", "p99")
+TTFT_MEAN = ("metrics", "ttft_s", "mean")
 PEAK = ("metrics", "peak_running")
 
 
@@ -322,10 +323,10 @@ class Measured:
 
     def metric(self, path: tuple[str, ...]):
         value = self.run
-        for k in path:
-            if value is None:
+        for k in path:  # a metric the run did not record is None
+            if not isinstance(value, dict):
                 return None
-            value = value[k]
+            value = value.get(k)
         return value
 
 
@@ -404,6 +405,7 @@ def plain_race(part: dict, rate: str = "inf") -> dict | None:
         backends[name] = {
             "output_tok_s": m.metric(TOK_S),
             "step_ms": m.metric(STEP),
+            "ttft_mean_s": m.metric(TTFT_MEAN),
             "ttft_p99_s": m.metric(TTFT_P99),
         }
         tok_s = m.metric(TOK_S)
@@ -444,7 +446,7 @@ FASTEST_KEYS = (  # (key, workload, system, metric)
     ("decode_step_ratio_topk_vs_fastest_8b", "d", "topk", STEP),
     ("throughput_ratio_psa_vs_fastest", "a", "psa", TOK_S),
     ("throughput_ratio_psa_vs_fastest_a16", "a16", "psa", TOK_S),
-    ("ttft_ratio_psa_vs_fastest", "a", "psa", TTFT_P99),
+    ("ttft_ratio_psa_vs_fastest", "a", "psa", TTFT_MEAN),  # the target: mean TTFT
 )
 PLAIN_BACKEND_KEYS = {"plain_backend": "a", "plain_backend_a16": "a16", "plain_backend_8b": "d"}
 

@@ -118,6 +118,22 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_r8",
+            "sglang-psa --sparse-mode psa --psa-rerank-interval 8 (blocks scored and ranked "
+            "every 8th step, the kept order read between), decode CUDA graphs",
+            ("--sparse-mode", "psa", "--psa-rerank-interval", "8"),
+            False,
+            True,
+        ),
+        System(
+            "topk_r8",
+            "sglang-psa --sparse-mode topk --psa-rerank-interval 8 (the top-k selection kept "
+            "8 steps), decode CUDA graphs",
+            ("--sparse-mode", "topk", "--psa-rerank-interval", "8"),
+            False,
+            True,
+        ),
+        System(
             "psa_tiered",
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback engine (KV in "
             "HBM, every full block written back to a 16 GiB host tier by the copy engine), "

@@ -41,6 +41,7 @@ INVALID = {
     "max_read_fraction": ["0", "1.5", "nan", "x"],
     "topk_tokens": ["16", "0"],
     "bound_bits": ["4", "x"],
+    "rerank_interval": ["0", "1.5", "x"],
     "gpu_cache_gb": ["-1"],
     "host_pool_gb": ["0", "-4"],
     "kv_home": ["disk", "HBM", "host"],  # host: the removed home
