@@ -219,11 +219,14 @@ def _profile_mode(
 def profile_cmd(args) -> None:
     import torch
 
+    from sglang_psa.eval.results import source_digest
+
     out = {
         "machine": torch.cuda.get_device_name(),
         "command": "python benchmark/decode_step/run.py profile " + " ".join(sys.argv[2:]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
+        "source_sha256": source_digest(ROOT),
         "shape": {
             "layers": LAYERS,
             "q_heads": HQ,
@@ -256,6 +259,8 @@ def summarize_cmd(args) -> None:
     sys.path.insert(0, str(ROOT))
     from benchmark.serving.analysis import STEP, same_run_ratio, vs_fastest
 
+    from sglang_psa.eval.results import tree_verified
+
     serving = json.loads(Path(args.serving).read_text())
     prof = json.loads(Path(args.profile).read_text())
     parts = serving["data"]["parts"]
@@ -287,6 +292,7 @@ def summarize_cmd(args) -> None:
         "summary": summary,
         "serving_steps": steps,
         "profile_git_commit": prof["git_commit"],
+        "profile_tree_verified": tree_verified(ROOT, prof["git_commit"], prof.get("source_sha256")),
         "profile": prof,
         "note": "serving steps are the steady decode steps parsed from each real server's log, "
         "each sparse system paired with the fastest plain backend of its own stage run; the "

@@ -612,7 +612,7 @@ def merge(parts: list[dict]) -> dict:
             k: p[k]
             for k in ("workload", "run_id", "machine", "device", "command", "date", "git_commit")
         }
-        | {"systems": sorted(p["systems"])}
+        | {"systems": sorted(p["systems"]), "source_sha256": p.get("source_sha256")}
         for p in kept
     ]
     races = [r for p in kept if (r := plain_race(p))]

@@ -133,7 +133,7 @@ def result_name(device: str) -> str:
 
 
 def provenance() -> dict:
-    from sglang_psa.eval.results import git_commit, machine
+    from sglang_psa.eval.results import git_commit, machine, source_digest
 
     return {
         "machine": machine(),
@@ -141,6 +141,7 @@ def provenance() -> dict:
         "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(REPO),
+        "source_sha256": source_digest(REPO),  # the tree that ran (checked at write_result)
     }
 
 
@@ -604,7 +605,11 @@ def load_parts(paths: list[Path]) -> list[dict]:
 def write_result(path: Path, merged: dict) -> None:
     """The result contract: machine, command, date, git_commit, summary, data. Provenance
     of a merged result is per part; the top level names every machine and commit used."""
+    from sglang_psa.eval.results import tree_verified
+
     prov = merged["provenance"]
+    for p in prov:  # is each part's commit the tree that ran? (None: not recorded)
+        p["tree_verified"] = tree_verified(REPO, p["git_commit"], p.get("source_sha256"))
     doc = {
         "machine": "; ".join(sorted({p["machine"] for p in prov})),
         "device": "; ".join(merged["mixed"]["machines"]),
@@ -619,6 +624,9 @@ def write_result(path: Path, merged: dict) -> None:
     }
     if len(merged["mixed"]["git_commits"]) > 1 or len(merged["mixed"]["machines"]) > 1:
         doc["warning"] = "parts come from different commits or devices; see provenance"
+    if any(p["tree_verified"] is False for p in prov):
+        doc["tree_warning"] = "a part ran a tree that is not its git_commit (tree_verified)"
+        log(f"warning: {doc['tree_warning']}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_result(doc))
     log(f"wrote {path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -54,6 +55,58 @@ def git_commit(repo: Path | None = None) -> str:
         return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("GIT_COMMIT", "unknown")
+
+
+# The code a measurement ran: the package, the kernels and the benchmarks' Python files.
+SOURCE_DIRS = ("python/sglang_psa", "sgl-kernel-ext/sgl_kernel_ext", "benchmark")
+
+
+def _digest(files: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for rel, data in sorted(files):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def source_digest(repo: Path) -> str:
+    """sha256 of the Python sources under `SOURCE_DIRS` in the tree at `repo`, as the
+    tree is (the GPU machine's copy has no trustworthy git): with `commit_digest`, a
+    result's `git_commit` is checked to be the tree that ran."""
+    files = [
+        (f.relative_to(repo).as_posix(), f.read_bytes())
+        for d in SOURCE_DIRS
+        for f in (repo / d).rglob("*.py")
+        if "__pycache__" not in f.parts
+    ]
+    return _digest(files)
+
+
+def commit_digest(repo: Path, commit: str) -> str | None:
+    """`source_digest` of the tracked Python sources at `commit` (None if git cannot
+    read it)."""
+    try:
+        names = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", commit, "--", *SOURCE_DIRS],
+            capture_output=True, text=True, cwd=repo, check=True,
+        ).stdout.split()  # fmt: skip
+        files = [
+            (n, subprocess.run(
+                ["git", "show", f"{commit}:{n}"], capture_output=True, cwd=repo, check=True
+            ).stdout)
+            for n in names
+            if n.endswith(".py")
+        ]  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return _digest(files)
+
+
+def tree_verified(repo: Path, commit: str, digest: str | None) -> bool | None:
+    """Whether the tree that ran (`digest`) is `commit`'s; None when either is unknown."""
+    if not digest or not commit or commit == "unknown" or "+dirty" in commit:
+        return None if not digest else False
+    want = commit_digest(repo, commit)
+    return None if want is None else want == digest
 
 
 def write_result(path: Path, summary: dict[str, Any], data: Any, **extra: Any) -> Path:

@@ -525,6 +525,82 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(
     assert kv.k_buffer[0].dtype == torch.bfloat16
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["psa", "topk"])
+def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync(mode):
+    """`--psa-rerank-interval 4` at qwen05b's shape: nine decode steps (three requests
+    growing a token a step, padded to the captured batch 4) replayed from one CUDA graph
+    equal, bit for bit, a second backend stepping the same batches eagerly; the kept
+    selection ranks at the first step and every 4th after, and no step syncs the host."""
+    cfg = PSAConfig(sparse_mode=mode, threshold=0.95, topk_tokens=2048, rerank_interval=4)
+    hq, hkv, d = 14, 2, 64
+    runner, fb, g = _rig(cfg, [20011, 300, 9000, 33], hkv=hkv, d=d, dtype=torch.bfloat16)
+    graphed, eager = PSAAttnBackend(runner), PSAAttnBackend(runner)
+    layers = [_layer(i, hq, hkv, d) for i in range(LAYERS)]
+
+    def step(backend, batch, q):
+        return torch.stack(
+            [backend.forward_decode(q, None, None, ly, batch, False).clone() for ly in layers]
+        )
+
+    for b in (graphed, eager):
+        _prefill(b, fb)
+        b.init_cuda_graph_state(4, 4)
+    static = SimpleNamespace(**vars(fb))
+    q_static = torch.zeros(4, hq * d, dtype=torch.bfloat16, device=DEV)
+    graphed.init_forward_metadata_out_graph(static, in_capture=True)
+    for _ in range(2):
+        graphed.init_forward_metadata_in_graph(static)
+        step(graphed, static, q_static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.init_forward_metadata_in_graph(static)
+        out_graph = step(graphed, static, q_static)
+    first = SimpleNamespace(**{k: v[:3] if torch.is_tensor(v) else v for k, v in vars(fb).items()})
+    first.batch_size = 3
+    eager.init_forward_metadata(first)  # batch 3's eager plan (may copy to the device once)
+    for b in (graphed, eager):
+        b.on_after_cuda_graph_warmup()  # both start with no kept selection ...
+    eager.ws.step.copy_(graphed.ws.step)  # ... at the same step (the rerank phase)
+    s0 = int(graphed.ws.step)
+    req = runner.req_to_token_pool.req_to_token
+    rows, lens = [1, 2, 3], [20011, 300, 9000]
+    fresh = []
+    for t in range(9):
+        for r, n in zip(rows, lens):  # the new token's slot: the next one of its page
+            req[r, n] = req[r, n - 1] + 1
+        lens = [n + 1 for n in lens]
+        locs = [int(req[r, n - 1]) for r, n in zip(rows, lens)]
+        static.seq_lens.copy_(torch.tensor(lens + [1], device=DEV))
+        static.req_pool_indices.copy_(torch.tensor(rows + [0], device=DEV))
+        static.out_cache_loc.copy_(torch.tensor(locs + [0], device=DEV))
+        q = torch.randn(4, hq * d, generator=g).to(DEV, torch.bfloat16)
+        q_static.copy_(q)
+        batch = SimpleNamespace(
+            forward_mode=_Mode(),
+            batch_size=3,
+            seq_lens=static.seq_lens[:3].clone(),
+            req_pool_indices=static.req_pool_indices[:3].clone(),
+            out_cache_loc=static.out_cache_loc[:3].clone(),
+        )
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphed.init_forward_metadata_out_graph(static)
+            graph.replay()
+            replayed = out_graph.clone()
+            fresh.append(graphed._selection.rows(4)[1][:3].clone())
+            eager.init_forward_metadata(batch)
+            want = step(eager, batch, q[:3].contiguous())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(replayed[:, :3], want), t
+    # The first step ranks (new slots), then every step whose counter is a multiple of 4.
+    assert [int(f[0]) for f in fresh] == [int(t == 0 or (s0 + t + 1) % 4 == 0) for t in range(9)]
+    assert all(bool((f == f[0]).all()) for f in fresh)
+    assert 0 < graphed.read_fraction() < 1.0
+
+
 def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
     """Batches up to the largest captured one use views of one static page table (what
     the captured graphs read); asking again for no larger a batch keeps it."""

@@ -905,3 +905,34 @@ def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_resu
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert merged.returncode != 0 and "diagnosis, not results" in merged.stderr
+
+
+def test_a_results_commit_is_checked_to_be_the_tree_that_ran(tmp_path):
+    """`source_digest` of a tree equals `commit_digest` of the commit it was checked out
+    from, and differs once a source file changes: a part that ran an edited tree is not
+    verified against its commit."""
+    import subprocess
+
+    from sglang_psa.eval.results import commit_digest, source_digest, tree_verified
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    (tmp_path / "benchmark").mkdir()
+    (tmp_path / "python/sglang_psa").mkdir(parents=True)
+    (tmp_path / "benchmark/run.py").write_text("x = 1\n")
+    (tmp_path / "python/sglang_psa/a.py").write_text("y = 2\n")
+    (tmp_path / "README.md").write_text("not a source\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "HEAD")
+    ran = source_digest(tmp_path)
+    assert commit_digest(tmp_path, head) == ran
+    assert tree_verified(tmp_path, head, ran) is True
+    (tmp_path / "README.md").write_text("docs change nothing\n")
+    assert source_digest(tmp_path) == ran
+    (tmp_path / "python/sglang_psa/a.py").write_text("y = 3\n")
+    assert tree_verified(tmp_path, head, source_digest(tmp_path)) is False
+    assert tree_verified(tmp_path, head, None) is None
