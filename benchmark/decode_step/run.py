@@ -236,20 +236,24 @@ def profile_cmd(args) -> None:
             "batch": BATCH,
             "prompt_tokens": PROMPT,
         },  # fmt: skip
-        "modes": [
-            _profile_mode(m, t, n, r, p)
-            for n in args.prompts
-            for m, t, r, p in (
-                ("psa", 0.98, 1, True),
-                ("topk", 0.98, 1, True),
-                ("psa", 1.0, 1, True),
-            )
-            + tuple(("psa", 0.98, r, True) for r in args.intervals)
-            + tuple(("psa", 0.98, r, False) for r in args.intervals[:1])
-            + tuple(("topk", 0.98, r, True) for r in args.intervals)
-        ],
+        "modes": [],
     }
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    plan = [
+        (m, t, n, r, p)
+        for n in args.prompts
+        for m, t, r, p in (
+            ("psa", 0.98, 1, True),
+            ("topk", 0.98, 1, True),
+            ("psa", 1.0, 1, True),
+        )
+        + tuple(("psa", 0.98, r, True) for r in args.intervals)
+        + tuple(("psa", 0.98, r, False) for r in args.intervals[:1])
+        + tuple(("topk", 0.98, r, True) for r in args.intervals)
+    ]
+    for k, spec in enumerate(plan, 1):  # written after each mode: a cut-short run keeps them
+        out["modes"].append(_profile_mode(*spec))
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"profile: {k}/{len(plan)} {spec}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
 
 
