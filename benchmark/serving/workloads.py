@@ -90,6 +90,8 @@ WORKLOADS: dict[str, Workload] = {
                 "plain_flashinfer",
                 "psa",
                 "topk",
+                "psa_r8",
+                "topk_r8",
                 "psa_eps1",
                 "psa_tiered",
                 "psa_tiered_uva",
@@ -104,7 +106,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (16_000,),
             (256,),
-            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk"),
+            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk", "psa_r8", "topk_r8"),
         ),
         Workload(
             "b",

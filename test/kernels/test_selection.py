@@ -134,7 +134,7 @@ def test_wave_reads_kept_order(device, mode, shape):
     wa = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
     wa = wa.plan(B, Hq, Hkv, d, nb_max, device, read_blocks=cfg.topk_tokens // bs if topk else None)
     cache = SelectionCache(1, B, Hkv, nb_max, 1000, bs, 2, device)
-    rows = torch.tensor([5, 2, 9], device=device)
+    rows = torch.tensor([5, 2, 9][:B], device=device)
     k_slots, v_slots, loc = _paged(k, v, bs, device)
     max_read = cfg.topk_tokens // bs if topk else None
     orders = []
@@ -143,7 +143,7 @@ def test_wave_reads_kept_order(device, mode, shape):
         meta = block_metadata(k, lengths, bs)
         cache.assign(rows, lengths.to(device), torch.tensor([step], device=device))
         slot, fresh, nbr = cache.rows(B)
-        assert fresh.tolist() == ([1, 1, 1] if step == 0 else [0, 0, 0])
+        assert fresh.tolist() == [int(step == 0)] * B
         first_reads = cache.reads[0][slot.long()].cpu()  # the prediction this step reads
         res = wa.run(
             q.to(device), k_slots, v_slots, loc, lengths.to(device),

@@ -558,7 +558,8 @@ def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync(mo
         out_graph = step(graphed, static, q_static)
     first = SimpleNamespace(**{k: v[:3] if torch.is_tensor(v) else v for k, v in vars(fb).items()})
     first.batch_size = 3
-    eager.init_forward_metadata(first)  # batch 3's eager plan (may copy to the device once)
+    eager.init_forward_metadata(first)  # batch 3's eager plan: made at its first step, ...
+    step(eager, first, torch.zeros(3, hq * d, dtype=torch.bfloat16, device=DEV))  # ... a copy
     for b in (graphed, eager):
         b.on_after_cuda_graph_warmup()  # both start with no kept selection ...
     eager.ws.step.copy_(graphed.ws.step)  # ... at the same step (the rerank phase)
