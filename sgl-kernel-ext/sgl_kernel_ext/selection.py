@@ -42,19 +42,14 @@ def _assign_kernel(
     slot_ptr,
     fresh_ptr,
     nbr_ptr,
-    reads_ptr,
     B,
     C,
     interval,
     short_blocks,
-    reads_per_slot,
-    layer_stride,
-    layers,
     BS: tl.constexpr,
     RB: tl.constexpr,
     CP: tl.constexpr,
     MAXNEW: tl.constexpr,
-    HP: tl.constexpr,
 ):
     """One program. Slots `[0, C - 1)` hold requests (tag: request-table row, -1 free);
     slot `C - 1` is scratch. Pass 1 finds the slots the batch's requests hold; pass 2
@@ -105,16 +100,6 @@ def _assign_kernel(
         mine = bm & (fresh > 0)
         tl.store(tag_ptr + slot, row, mask=mine)
         tl.store(ranked_ptr + slot, nb, mask=mine)
-        # A slot's new request has read nothing yet: no first-wave prediction.
-        hh = tl.arange(0, HP)
-        new = need & (slot < C - 1)
-        at = slot[:, None] * reads_per_slot + hh[None, :]
-        for lay in range(layers):
-            tl.store(
-                reads_ptr + lay * layer_stride + at,
-                tl.zeros([RB, HP], tl.int32),
-                mask=new[:, None] & (hh[None, :] < reads_per_slot),
-            )
 
 
 class SelectionCache:
@@ -143,9 +128,6 @@ class SelectionCache:
         self.max_batch = max_batch
         C = max_batch + 1
         self.order = torch.zeros(layers, C, kv_heads, max_blocks, dtype=torch.int32, device=dev)
-        # Blocks each (layer, slot, KV head) read at its last step: the first wave's
-        # prediction (`WaveAttention.run(kept=...)`; 0: none).
-        self.reads = torch.zeros(layers, C, kv_heads, dtype=torch.int32, device=dev)
         self.tag = torch.full((C,), -1, dtype=torch.int32, device=dev)
         self.ranked = torch.zeros(C, dtype=torch.int32, device=dev)
         self._slot = torch.full((max_batch,), C - 1, dtype=torch.int32, device=dev)
@@ -154,7 +136,7 @@ class SelectionCache:
 
     @property
     def nbytes(self) -> int:
-        ts = (self.order, self.reads, self.tag, self.ranked, self._slot, self._fresh, self._nbr)
+        ts = (self.order, self.tag, self.ranked, self._slot, self._fresh, self._nbr)
         return sum(t.numel() * t.element_size() for t in ts)
 
     def rows(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,12 +151,11 @@ class SelectionCache:
             raise ValueError(f"batch {B} exceeds the selection cache's {self.max_batch}")
         C = self.tag.shape[0]
         slot, fresh, nbr = self.rows(B)
-        L, _, H = self.reads.shape
         _assign_kernel[(1,)](
-            rows, lengths, step, self.tag, self.ranked, slot, fresh, nbr, self.reads,
-            B, C, self.interval, self.short_blocks, H, C * H, L,
+            rows, lengths, step, self.tag, self.ranked, slot, fresh, nbr,
+            B, C, self.interval, self.short_blocks,
             BS=self.block_size, RB=16, CP=triton.next_power_of_2(max(C, 2)),
-            MAXNEW=MAX_NEW_BLOCKS, HP=triton.next_power_of_2(max(H, 2)), num_warps=4,
+            MAXNEW=MAX_NEW_BLOCKS, num_warps=4,
         )  # fmt: skip
 
     def invalidate(self, rows: torch.Tensor) -> None:
@@ -183,13 +164,7 @@ class SelectionCache:
         hit = torch.isin(self.tag, rows.to(self.tag.dtype))
         self.tag.masked_fill_(hit, -1)
 
-    def layer(self, layer: int, B: int) -> tuple[torch.Tensor, ...]:
-        """What `WaveAttention.run(kept=...)` takes for `layer`: its kept orders, the map
-        of the first `B` rows and its first-wave predictions."""
-        return (self.order[layer], *self.rows(B), self.reads[layer])
-
     def reset(self) -> None:
         """Forget every slot (after CUDA-graph warmup on dummy batches)."""
         self.tag.fill_(-1)
         self.ranked.zero_()
-        self.reads.zero_()

@@ -203,7 +203,6 @@ def _wave_attention_kernel(
     cpages_ptr,
     sel_slot_ptr,
     sel_nbr_ptr,
-    pred_ptr,
     sink,
     recent,
     stamp_stride,
@@ -236,7 +235,6 @@ def _wave_attention_kernel(
     STATS: tl.constexpr,
     ONE_WAVE: tl.constexpr,
     KEPT: tl.constexpr,
-    PREDICT: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -265,11 +263,6 @@ def _wave_attention_kernel(
     `sel_slot_ptr[b]` of `order_ptr [slots, Hkv, NB]`, ranked when the request had
     `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
     the tail block at ranking time on, `recent` of them then) come first.
-
-    PREDICT (with KEPT and a stop rule): the first wave reads at least the blocks this
-    (layer, slot, KV head) read at its last step (`pred_ptr [slots, Hkv]`, 0: none), so
-    a head whose need barely moves stops after one wave; later waves end where the
-    schedule's ends pass it. The blocks read are written back there.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -283,10 +276,7 @@ def _wave_attention_kernel(
         tail0 = tl.maximum(n_sink, nbr - recent)
         nf = n_sink + nb - tail0
         kept0 = n_sink + nbr - tail0
-        slot = tl.load(sel_slot_ptr + b)
-        orow = (slot * Hkv + h) * NB
-        if PREDICT:
-            pred = tl.load(pred_ptr + slot * Hkv + h)
+        orow = (tl.load(sel_slot_ptr + b) * Hkv + h) * NB
     else:
         nf = tl.load(nforced_ptr + b)
     # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
@@ -309,18 +299,10 @@ def _wave_attention_kernel(
         step = tl.load(step_ptr)
     wstart = 0
     w = 0
-    wi = 0  # the schedule's wave (PREDICT may skip ends the first wave passed)
     n_host = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
-        sched = nf + tl.load(ends_row + wi)
-        if PREDICT:
-            if w == 0:
-                sched = tl.maximum(sched, pred)
-            while sched <= wstart:  # ends inside the first wave: passed
-                wi += 1
-                sched = nf + tl.load(ends_row + wi)
-        end = tl.minimum(tl.minimum(sched, nb), mr)
+        end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
         # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
@@ -398,7 +380,6 @@ def _wave_attention_kernel(
             )
             covered = m_top + tl.log(l_top)
         w += 1
-        wi += 1
         done = _stop(
             covered, low, ub_suffix_ptr, b * Hkv * G + hq, wstart, nb, mr, limit, gmask,
             NB, RULE,
@@ -483,8 +464,6 @@ def _wave_attention_kernel(
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
-        if PREDICT:  # every program of (b, h) read it at the start
-            tl.store(pred_ptr + slot * Hkv + h, wstart)
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
@@ -900,7 +879,7 @@ class WaveAttention:
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
         code_hi: torch.Tensor | None = None,
-        kept: tuple[torch.Tensor, ...] | None = None,
+        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -938,15 +917,12 @@ class WaveAttention:
         q = q.contiguous()  # once for scoring and the wave kernel (SGLang's q is a view)
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
-        predict = None
         if kept is not None and (code_planes is not None or self.rule != "heuristic"):
             raise ValueError("a kept selection serves the heuristic rule and top-k only")
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
             kept = None
         elif kept is not None:
-            if len(kept) > 4 and not self.one_wave:
-                predict = kept[4]
             order, n_forced, ub_suffix = self.rank(
                 q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, None, meta_scale,
                 kept=kept[:3],
@@ -999,7 +975,6 @@ class WaveAttention:
                     cache_pages if cached else self.n_read,
                     kept[1] if kept is not None else self.n_read,
                     kept[3] if kept is not None else self.n_read,
-                    predict if predict is not None else self.n_read,
                     self.sink,
                     self.recent,
                     stamps.stride(0) if stamps is not None else 0,
@@ -1029,7 +1004,6 @@ class WaveAttention:
                     STATS=stats is not None,
                     ONE_WAVE=self.one_wave,
                     KEPT=kept is not None,
-                    PREDICT=predict is not None,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break

@@ -170,22 +170,6 @@ def _wave_checkpoints(
     return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
 
 
-def predicted_checkpoints(
-    checks: torch.Tensor, first_reads: torch.Tensor, nblk: torch.Tensor
-) -> torch.Tensor:
-    """`[B, Hkv, NB]` wave ends when each head's first wave reads at least
-    `first_reads [B, Hkv]` blocks (the blocks it read at its last step; 0: none): the
-    first wave ends at the later of the schedule's first end and that, later waves at
-    the schedule's ends past it (`checks [B, NB]`, `_wave_checkpoints`)."""
-    B, NB = checks.shape
-    pos = torch.arange(NB, device=checks.device)
-    first = torch.where(checks, pos, NB).amin(-1) + 1  # [B] the schedule's first end
-    e0 = torch.maximum(first[:, None], first_reads.to(first.device).long())
-    e0 = torch.minimum(e0, nblk[:, None])
-    after = checks[:, None, :] & (pos[None, None, :] + 1 > e0[..., None])
-    return after | (pos[None, None, :] + 1 == e0[..., None])
-
-
 def read_cap(nblk: torch.Tensor, cfg: PSAConfig) -> torch.Tensor:
     """`[B]` most blocks each request's KV heads read under `cfg.max_read_fraction` (the
     heuristic rule only): the ceiling of the float32 product, as the kernel computes it
@@ -212,7 +196,6 @@ def progressive_attention(
     cap_tokens: torch.Tensor | None = None,
     code_bits: int = 0,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-    first_reads: torch.Tensor | None = None,
 ) -> SparseResult:
     """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
 
@@ -233,8 +216,7 @@ def progressive_attention(
     for the float32 scores the output is computed from.
 
     `prior = (order, ranked_blocks)`: read in the order kept from an earlier step
-    (`reuse_order`) instead of ranking now. `first_reads [B, Hkv]`: each head's first
-    wave reads at least that many blocks (`predicted_checkpoints`).
+    (`reuse_order`) instead of ranking now.
 
     `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
     bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.
@@ -297,10 +279,8 @@ def progressive_attention(
         limit = limit[:, None, None]
     ok = (uncovered - covered) <= limit  # -inf - finite = -inf <= -inf holds
     ok_group = ok.view(B, Hkv, G, nb).all(2)
-    checks = _wave_checkpoints(nblk, n_forced, nb, cfg)[:, None, :]
-    if first_reads is not None:
-        checks = predicted_checkpoints(checks[:, 0], first_reads, nblk)
-    stop = ok_group & checks
+    checks = _wave_checkpoints(nblk, n_forced, nb, cfg)
+    stop = ok_group & checks[:, None, :]
     # First verified position that satisfies the rule; the last block always does.
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
@@ -317,9 +297,9 @@ def progressive_attention(
         n_read = torch.minimum(n_read, torch.maximum(cap, n_forced)[:, None])
     read_sorted = pos[None, None, :] < n_read[..., None]
     read = _unsort(order, read_sorted, meta.count > 0)
-    n_waves = (checks & read_sorted).sum(-1)
+    n_waves = (checks[:, None, :] & read_sorted).sum(-1)
     if capped:  # a wave the cap cut short counts too
-        last = checks.expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
+        last = checks[:, None, :].expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
         n_waves = n_waves + (~last[..., 0]).long()
     out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, n_waves)

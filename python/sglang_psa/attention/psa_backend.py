@@ -461,7 +461,7 @@ class PSAAttnBackend(AttentionBackend):
         mean, kmin, kmax, kscale = self.meta.layer(lid)  # per page, read via the table
         kept = None
         if step.kept:
-            kept = self._selection.layer(lid, q.shape[0])
+            kept = (self._selection.order[lid], *self._selection.rows(q.shape[0]))
         res = plan.run(
             q,
             kbuf,

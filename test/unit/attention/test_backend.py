@@ -388,12 +388,9 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mo
         for layer_id in range(LAYERS):
             k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
             v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
-            first_reads = backend._selection.reads[layer_id][torch.tensor(slot_of)].clone()
             out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
             kc, vc = _dense_kv(runner, fb, layer_id)
             qb = q.view(2, HQ, D)
-            if t == 0:
-                assert not first_reads.any()
             if fresh[0]:  # ranked now: the kept order is this step's ranking
                 order = backend._selection.order[layer_id][torch.tensor(slot_of)].cpu()
                 for i, r in enumerate(rows):
@@ -411,13 +408,8 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mo
                     torch.stack([kept[(layer_id, r)][0][:, :nb_ref] for r in rows]).to(DEV),
                     torch.tensor([kept[(layer_id, r)][1] for r in rows], device=DEV),
                 )
-            if mode == "topk":
-                want = topk_attention(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
-            else:  # ... and each head's first wave reads at least what it read last step
-                want = progressive_attention(
-                    qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior,
-                    first_reads=first_reads,
-                )  # fmt: skip
+            fn = topk_attention if mode == "topk" else progressive_attention
+            want = fn(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
     # The step counter starts at 1 after prefill: steps 4 and 8 (t = 3, 7, 11) rank all.
     assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
