@@ -22,12 +22,31 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 # (file, summary key, what it is, how to read it)
 HEADLINE = [
-    ("serving_h100", "decode_step_ratio_psa_vs_plain",
-     "decode step, `--sparse-mode psa` / plain SGLang with graphs (32 x 28K)", "lower is better"),
-    ("serving_h100", "decode_step_ratio_topk_vs_plain",
-     "decode step, `--sparse-mode topk` / plain (32 x 28K)", "lower is better"),
-    ("serving_h100", "throughput_ratio_psa_vs_plain",
+    ("serving_h100", "decode_step_ratio_psa_vs_fastest",
+     "decode step, `--sparse-mode psa` / plain SGLang (32 x 28K, decode CUDA graphs)",
+     "lower is better"),
+    ("serving_h100", "decode_step_ratio_topk_r8_vs_fastest",
+     "decode step, `--sparse-mode topk` (2048 tokens, selection kept 8 steps: the default)",
+     "lower is better"),
+    ("serving_h100", "decode_step_ratio_topk_vs_fastest",
+     "decode step, `--sparse-mode topk --psa-rerank-interval 1` (ranked every step)",
+     "lower is better"),
+    ("serving_h100", "throughput_ratio_psa_vs_fastest",
      "output throughput, psa / plain (32 x 28K, 1024 outputs)", "higher is better"),
+    ("serving_h100", "throughput_ratio_topk_r8_vs_fastest",
+     "output throughput, topk (default) / plain (32 x 28K, 1024 outputs)", "higher is better"),
+    ("serving_h100", "ttft_ratio_psa_vs_fastest",
+     "mean time to first token, psa / plain (32 x 28K)", "lower is better"),
+    ("serving_h100", "decode_step_ratio_eps1_vs_fastest",
+     "decode step, psa at `--psa-threshold 1` (reads every block) / plain", "lower is better"),
+    ("serving_h100", "decode_step_ratio_psa_vs_fastest_a16",
+     "decode step, psa / plain (32 x 16K, 256 outputs)", "lower is better"),
+    ("serving_h100", "decode_step_ratio_topk_vs_fastest_a16",
+     "decode step, topk ranked every step / plain (32 x 16K)", "lower is better"),
+    ("serving_h100", "throughput_ratio_psa_vs_fastest_a16",
+     "output throughput, psa / plain (32 x 16K, 256 outputs)", "higher is better"),
+    ("serving_h100", "accuracy_delta_vs_fastest",
+     "answers correct, psa minus plain (32 x 28K and 32 x 16K, same prompts)", "0 = same"),
     ("serving_h100", "throughput_ratio_host_vs_plain_capped",
      "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
      "requests", "higher is better"),
@@ -38,9 +57,6 @@ HEADLINE = [
     ("serving_h100", "throughput_ratio_tiered_vs_hbm",
      "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K, one run)",
      "higher is better"),
-    ("serving_h100", "accuracy_delta_vs_plain",
-     "answers correct, psa minus plain (same prompts; each workload's latest run, some at "
-     "earlier default policies)", "0 = same"),
     ("serving_h100", "decode_step_ratio_topk_vs_plain_8b",
      "decode step, topk / plain at Llama-3.1-8B shapes (dummy weights)", "lower is better"),
     ("serving_h100", "max_concurrent_ratio_tiered_vs_plain_8b",
@@ -71,7 +87,7 @@ HEADLINE = [
     ("store_h100", "hbm_hit_rate",
      "tiered home, capped HBM: share of KV units decode read from HBM", "higher is better"),
     ("decode_step_h100", "syncs_per_step", "host syncs per decode step", "0 required"),
-    ("decode_step_h100", "launches_per_layer", "kernel launches per layer and step", ""),
+    ("decode_step_h100", "launches_per_layer_psa", "kernel launches per layer and step, psa", ""),
     ("reliability", "faults_survived", "faults survived (of `faults_tried`)", ""),
     ("reliability", "requests_lost", "requests lost under 500-request overload", ""),
     ("reliability", "leaked_pages_after_load", "KV pages held after aborts and load", ""),
@@ -104,13 +120,34 @@ def device(doc: dict) -> str:
     return "CPU" if "no GPU" in m or "2 cpus" in m else m.split(",")[0]
 
 
+def against(doc: dict, key: str) -> str:
+    """The baseline a serving ratio is taken against: the fastest plain SGLang backend of
+    its stage run (`*_vs_fastest`, named in `plain_backend*`), plain SGLang at triton
+    (the other `*_vs_plain*` keys), or another sglang-psa system."""
+    summary = doc.get("summary", {})
+    if "_vs_fastest" in key:
+        which = "_a16" if key.endswith("_a16") else "_8b" if key.endswith("_8b") else ""
+        backend = summary.get(f"plain_backend{which}")
+        return f"SGLang {backend.removeprefix('plain_')}" if backend else "not raced"
+    if "vs_plain" in key:
+        return "SGLang triton"
+    if "_vs_hbm" in key:
+        return "psa, HBM home"
+    return ""
+
+
 def headline() -> str:
-    rows = ["| measure | value | how to read | machine, date | file |", "|---|---|---|---|---|"]
+    rows = [
+        "| measure | value | how to read | against | machine, run date | file |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, key, what, read in HEADLINE:
         doc = load(name)
-        when = f"{device(doc)}, {str(doc.get('date', '?'))[:10]}"
+        where = (doc.get("summary_provenance") or {}).get(key) or {}
+        when = f"{device(doc)}, {str(where.get('date') or doc.get('date', '?'))[:10]}"
         val = fmt(doc["summary"].get(key))
-        rows.append(f"| {what} | {val} | {read} | {when} | `{name}.json` |")
+        vs = against(doc, key) if name.startswith("serving_") else ""
+        rows.append(f"| {what} | {val} | {read} | {vs} | {when} | `{name}.json` |")
     return "\n".join(rows) + "\n"
 
 

@@ -133,17 +133,11 @@ def _kernel_times(fn, steps: int) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-def _profile_mode(
-    mode: str, threshold: float, prompt: int = PROMPT, interval: int = 1, predict: bool = True
-) -> dict:
+def _profile_mode(mode: str, threshold: float, prompt: int = PROMPT, interval: int = 1) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     backend, fb, layers, q, k = _rig(mode, threshold, "cuda", prompt, interval)
-    sel = backend._selection
-    if sel is not None and not predict:  # the kept order only: no first-wave prediction
-        layer_of = sel.layer
-        sel.layer = lambda lid, B: layer_of(lid, B)[:4]
 
     def prep():
         backend.init_forward_metadata(fb)
@@ -205,7 +199,6 @@ def _profile_mode(
         "threshold": threshold,
         "prompt_tokens": prompt,
         "rerank_interval": interval,
-        "first_wave_predicted": bool(sel is not None and predict and mode == "psa"),
         "kernel_us_per_step": kernels_us,
         "launches_per_layer": per_layer,
         "launches_per_step_prep": per_step,
@@ -239,22 +232,35 @@ def profile_cmd(args) -> None:
         "modes": [],
     }
     plan = [
-        (m, t, n, r, p)
+        (m, t, n, r)
         for n in args.prompts
-        for m, t, r, p in (
-            ("psa", 0.98, 1, True),
-            ("topk", 0.98, 1, True),
-            ("psa", 1.0, 1, True),
-        )
-        + tuple(("psa", 0.98, r, True) for r in args.intervals)
-        + tuple(("psa", 0.98, r, False) for r in args.intervals[:1])
-        + tuple(("topk", 0.98, r, True) for r in args.intervals)
+        for m, t, r in (("psa", 0.98, 1), ("topk", 0.98, 1), ("psa", 1.0, 1))
+        + tuple(("topk", 0.98, r) for r in args.intervals)
     ]
     for k, spec in enumerate(plan, 1):  # written after each mode: a cut-short run keeps them
         out["modes"].append(_profile_mode(*spec))
         Path(args.out).write_text(json.dumps(out, indent=1))
         print(f"profile: {k}/{len(plan)} {spec}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
+
+
+def _label(m: dict) -> str:
+    """A profiled mode's name: mode, threshold, rerank interval, prompt length (and
+    `_predicted` for the first-wave prediction psa once had with a kept order)."""
+    pred = "_predicted" if m.get("first_wave_predicted") else ""
+    return f"{m['mode']}_t{m['threshold']}_r{m['rerank_interval']}{pred}_{m['prompt_tokens']}"
+
+
+def _wave_gbps(m: dict) -> float | None:
+    """K+V bytes of the blocks a profiled step read (the rig's lengths: prompt + 37 i,
+    bf16) over the wave kernel's time per step."""
+    us = m.get("kernel_us_per_step", {}).get("_wave_attention_kernel")
+    frac = m.get("blocks_read_fraction")
+    if not us or frac is None:
+        return None
+    tokens = sum(m["prompt_tokens"] + 37 * i for i in range(BATCH))
+    kv_bytes = tokens * LAYERS * HKV * D * 2 * 2  # K and V, 2 bytes each
+    return kv_bytes * frac / (us * 1e-6) / 1e9
 
 
 def summarize_cmd(args) -> None:
@@ -270,7 +276,7 @@ def summarize_cmd(args) -> None:
     parts = serving["data"]["parts"]
     steps, ratios = {}, {}
     for workload in ("a", "a16"):
-        for system in ("psa", "topk", "psa_eps1", "psa_r8", "topk_r8"):
+        for system in ("psa", "topk", "psa_eps1", "psa_r8", "topk_r8"):  # psa_r8: measured once
             run, plain = vs_fastest(parts, workload, system)
             ratio, prov = same_run_ratio(run, plain, STEP)
             if ratio is None:
@@ -278,15 +284,32 @@ def summarize_cmd(args) -> None:
             key = f"{system}_{workload}"
             steps[key] = {"ms": run.metric(STEP), "plain_ms": plain.metric(STEP)}
             ratios[key] = {"ratio": ratio, "plain_backend": plain.system, "provenance": prov}
+    main = [m for m in prof["modes"] if (m["mode"], m["threshold"], m["rerank_interval"]) == (
+        "psa", 0.98, 1)]  # fmt: skip
     summary = {
         "syncs_per_step": max(len(_syncs(m["sync_messages"])) for m in prof["modes"]),
-        "launches_per_layer": {
-            f"{m['mode']}_t{m['threshold']}_r{m['rerank_interval']}_{m['prompt_tokens']}": m[
-                "launches_per_layer"
-            ]
+        "launches_per_layer_psa": max((m["launches_per_layer"] for m in main), default=None),
+        "launches_per_layer": {_label(m): m["launches_per_layer"] for m in prof["modes"]},
+        "step_ms_vs_fastest_plain": ratios,
+        "attention_graph_ms_per_step": {
+            _label(m): m.get("attention_graph_ms_per_step") for m in prof["modes"]
+        },
+        "selection_us_per_step": {  # scoring and ranking, summed over the layers
+            _label(m): sum(
+                us
+                for k, us in m.get("kernel_us_per_step", {}).items()
+                if k.startswith(("_score_kernel", "_rank_"))
+            )
+            for m in prof["modes"]
+        },  # fmt: skip
+        "wave_kernel_us_per_step": {
+            _label(m): m.get("kernel_us_per_step", {}).get("_wave_attention_kernel")
             for m in prof["modes"]
         },
-        "step_ms_vs_fastest_plain": ratios,
+        "blocks_read_fraction": {_label(m): m.get("blocks_read_fraction") for m in prof["modes"]},
+        # The wave kernel's bandwidth: the K and V bytes of the blocks it read over its time.
+        "wave_kernel_gbps": {_label(m): _wave_gbps(m) for m in prof["modes"]},
+        "hbm_copy_peak_gbps": args.hbm_peak_gbps,
     }
     out = {
         "machine": prof["machine"],
@@ -320,6 +343,10 @@ def main(argv=None) -> None:
     s.add_argument("--profile", required=True)
     s.add_argument("--serving", default=str(RESULTS / "serving_h100.json"))
     s.add_argument("--out", default=str(RESULTS / "decode_step_h100.json"))
+    s.add_argument(
+        "--hbm-peak-gbps", type=float, default=None,
+        help="device-to-device copy bandwidth measured on the GPU (bench_wave.hbm_peak_gbps)",
+    )  # fmt: skip
     s.set_defaults(fn=summarize_cmd)
     args = ap.parse_args(argv)
     args.fn(args)

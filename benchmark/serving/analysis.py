@@ -270,6 +270,8 @@ SUMMARY_KEYS = (
     "plain_backend_8b",
     "decode_step_ratio_psa_vs_fastest",
     "decode_step_ratio_topk_vs_fastest",
+    "decode_step_ratio_topk_r8_vs_fastest",
+    "throughput_ratio_topk_r8_vs_fastest",
     "decode_step_ratio_eps1_vs_fastest",
     "decode_step_ratio_psa_vs_fastest_a16",
     "decode_step_ratio_topk_vs_fastest_a16",
@@ -440,6 +442,9 @@ TIERED = ("psa_tiered_uva", "psa_tiered")  # sglang-psa with a host tier, defaul
 FASTEST_KEYS = (  # (key, workload, system, metric)
     ("decode_step_ratio_psa_vs_fastest", "a", "psa", STEP),
     ("decode_step_ratio_topk_vs_fastest", "a", "topk", STEP),
+    # topk's default since --psa-rerank-interval 8 (topk above: ranked every step)
+    ("decode_step_ratio_topk_r8_vs_fastest", "a", "topk_r8", STEP),
+    ("throughput_ratio_topk_r8_vs_fastest", "a", "topk_r8", TOK_S),
     ("decode_step_ratio_eps1_vs_fastest", "a", "psa_eps1", STEP),
     ("decode_step_ratio_psa_vs_fastest_a16", "a16", "psa", STEP),
     ("decode_step_ratio_topk_vs_fastest_a16", "a16", "topk", STEP),

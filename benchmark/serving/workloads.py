@@ -90,7 +90,6 @@ WORKLOADS: dict[str, Workload] = {
                 "plain_flashinfer",
                 "psa",
                 "topk",
-                "psa_r8",
                 "topk_r8",
                 "psa_eps1",
                 "psa_tiered",
@@ -106,7 +105,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (16_000,),
             (256,),
-            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk", "psa_r8", "topk_r8"),
+            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk", "topk_r8"),
         ),
         Workload(
             "b",

@@ -294,7 +294,8 @@ class PSAAttnBackend(AttentionBackend):
         self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host = tables
         self._batches.clear()
         cfg, pool = self.cfg, self.token_to_kv_pool
-        if cfg.rerank_interval > 1 and self.use_kernel:  # read orders kept across steps
+        keep = cfg.sparse_mode == "topk" and cfg.rerank_interval > 1
+        if keep and self.use_kernel:  # top-k's read orders kept across steps
             self._selection = SelectionCache(
                 pool.layer_num, max_bs, pool.head_num, self.max_blocks, cfg.rerank_interval,
                 cfg.block_size, cfg.sink_blocks + cfg.recent_blocks, self._device,

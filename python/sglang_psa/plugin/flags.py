@@ -54,9 +54,9 @@ _HELP = {
     "by --psa-wave-growth up to --psa-max-wave-blocks (0: as large as the first wave); the "
     "stop rule is checked after each wave",
     "topk_tokens": "topk mode: tokens attended per step",
-    "rerank_interval": "decode scores and ranks the blocks every this many steps and reads "
-    "in the kept order between them (blocks a request gained since are always read); "
-    "1: every step. Heuristic rule and topk only",
+    "rerank_interval": "topk mode: decode scores and ranks the blocks every this many steps "
+    "and reads in the kept order between them (blocks a request gained since are always "
+    "read); 1: every step (psa ranks every step)",
     "bound_bits": "bits per channel of the per-block key bounds: 16 (the KV dtype) or 8 "
     "(codes with a float32 scale per block and KV head, rounded outward so they still "
     "bound every key: half the metadata bytes read per step)",
@@ -98,6 +98,7 @@ ONLY_WITH = {
     "host_pool_gb": ("kv_home", "tiered"),
     "cold_fraction": ("kv_home", "tiered"),
     "topk_tokens": ("sparse_mode", "topk"),
+    "rerank_interval": ("sparse_mode", "topk"),
 }
 
 

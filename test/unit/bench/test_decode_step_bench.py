@@ -59,6 +59,7 @@ def test_summary_pairs_each_mode_with_the_fastest_plain_of_its_own_run(tmp_path)
     s = got["summary"]
     assert s["syncs_per_step"] == 1
     assert s["launches_per_layer"] == {"psa_t0.98_r1_28000": 6.0, "psa_t1.0_r1_28000": 3.0}
+    assert s["launches_per_layer_psa"] == 6.0
     r = s["step_ms_vs_fastest_plain"]
     assert set(r) == {"psa_a", "topk_a16"}
     assert r["psa_a"]["ratio"] == 0.5 and r["psa_a"]["plain_backend"] == "plain_fa3"
