@@ -341,18 +341,27 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
                 _assert_page_meta(backend.meta, layer_id, page, keys)
 
 
-@pytest.mark.parametrize("mode", ["psa", "topk"])
-def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mode):
-    """`--psa-rerank-interval 4`, kernel path, 12 decode steps of two requests (tails
-    filling into new pages; the batch order flips at step 6): on the steps that rank,
-    every layer equals the reference ranking now; between them, the reference reading
-    the order kept at the last ranking (`prior=`), blocks gained since included."""
+def test_psa_ranks_every_step_whatever_the_rerank_interval():
+    """The kept selection is top-k's: psa's stop rule reads twice the blocks from a kept
+    order (benchmark/results/serving_h100.json, psa_r8), so its backend keeps none."""
+    runner, _, _ = _rig(PSAConfig(sparse_mode="psa", rerank_interval=8), [95, 300])
+    psa = PSAAttnBackend(runner, use_kernel=True)
+    psa.init_cuda_graph_state(4, 4)
+    assert psa._selection is None
+    runner, _, _ = _rig(PSAConfig(sparse_mode="topk", topk_tokens=96), [95, 300])
+    topk = PSAAttnBackend(runner, use_kernel=True)
+    topk.init_cuda_graph_state(4, 4)
+    assert topk._selection is not None and topk._selection.interval == 8  # the default
+
+
+def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
+    """topk, `--psa-rerank-interval 4`, kernel path, 12 decode steps of two requests
+    (tails filling into new pages; the batch order flips at step 6): on the steps that
+    rank, every layer equals the reference ranking now; between them, the reference
+    reading the order kept at the last ranking (`prior=`), blocks gained since included."""
     from sglang_psa.algo.attention import read_order
 
-    cfg = PSAConfig(
-        sparse_mode=mode, threshold=0.9, wave_blocks=1, max_wave_blocks=2, topk_tokens=96,
-        rerank_interval=4, bound_bits=16,
-    )  # fmt: skip
+    cfg = PSAConfig(sparse_mode="topk", topk_tokens=96, rerank_interval=4, bound_bits=16)
     lengths = [95, 300]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
@@ -408,8 +417,7 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mo
                     torch.stack([kept[(layer_id, r)][0][:, :nb_ref] for r in rows]).to(DEV),
                     torch.tensor([kept[(layer_id, r)][1] for r in rows], device=DEV),
                 )
-            fn = topk_attention if mode == "topk" else progressive_attention
-            want = fn(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
+            want = topk_attention(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
     # The step counter starts at 1 after prefill: steps 4 and 8 (t = 3, 7, 11) rank all.
     assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
@@ -422,6 +430,42 @@ def _meta_of(k, lengths, cfg):
 
 
 # --- on the GPU: the step inside a CUDA graph, at real shapes, with no host sync ---------
+
+
+def _capture(backend, fb, run, hq, d):
+    """Capture a decode step as SGLang captures it, with its static buffers at `fb`'s
+    batch: out-of-graph prep, two eager warmups, the warmup hook, then the in-graph prep
+    and every layer (`run(batch, q)`). Returns (graph, static batch, static query,
+    static output)."""
+    static = SimpleNamespace(**vars(fb))
+    q_static = torch.zeros(fb.batch_size, hq * d, dtype=torch.bfloat16, device=DEV)
+    backend.init_forward_metadata_out_graph(static, in_capture=True)
+    for _ in range(2):
+        backend.init_forward_metadata_in_graph(static)
+        run(static, q_static)
+    backend.on_after_cuda_graph_warmup()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_in_graph(static)
+        out = run(static, q_static)
+    return graph, static, q_static, out
+
+
+def _replay_batch(static, rows, lens, locs):
+    """Put real requests (request-table `rows`, `lens`, new-token `locs`) in the static
+    buffers, padded as SGLang pads; return the same batch unpadded, for an eager step."""
+    pad = static.seq_lens.shape[0] - len(rows)
+    static.seq_lens.copy_(torch.tensor(lens + [1] * pad, device=DEV))
+    static.req_pool_indices.copy_(torch.tensor(rows + [0] * pad, device=DEV))
+    static.out_cache_loc.copy_(torch.tensor(locs + [0] * pad, device=DEV))
+    n = len(rows)
+    return SimpleNamespace(
+        forward_mode=_Mode(),
+        batch_size=n,
+        seq_lens=static.seq_lens[:n].clone(),
+        req_pool_indices=static.req_pool_indices[:n].clone(),
+        out_cache_loc=static.out_cache_loc[:n].clone(),
+    )
 
 
 @pytest.mark.gpu
@@ -456,37 +500,18 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(
 
     # Capture with SGLang's static buffers: batch size 4.
     backend.init_cuda_graph_state(4, 4)
-    static = SimpleNamespace(**vars(fb))
-    q_static = torch.zeros(4, hq * d, dtype=torch.bfloat16, device=DEV)
-    backend.init_forward_metadata_out_graph(static, in_capture=True)
-    for _ in range(2):
-        backend.init_forward_metadata_in_graph(static)
-        step(static, q_static)
-    backend.on_after_cuda_graph_warmup()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.init_forward_metadata_in_graph(static)
-        out_graph = step(static, q_static)
+    graph, static, q_static, out_graph = _capture(backend, fb, step, hq, d)
     # Replay: three real requests (rows 1..3, the first one longer by a token) + padding.
     real = [20012, 300, 9000]
     rows = [1, 2, 3]
     req = runner.req_to_token_pool.req_to_token
     req[1, 20011] = req[1, 20010] + 1 if (20011 % BS) else 0
     locs = [int(req[r, n - 1]) for r, n in zip(rows, real)]
-    static.seq_lens.copy_(torch.tensor(real + [1], device=DEV))
-    static.req_pool_indices.copy_(torch.tensor(rows + [0], device=DEV))
-    static.out_cache_loc.copy_(torch.tensor(locs + [0], device=DEV))
-    q = torch.randn(4, hq * d, generator=g).to(DEV, torch.bfloat16)
-    q_static.copy_(q)
     # The same batch eagerly (no padding row: batch 3 has its own plan, made at its first
     # step, which may copy the wave schedule to the device: once per batch size).
-    eager_fb = SimpleNamespace(
-        forward_mode=_Mode(),
-        batch_size=3,
-        seq_lens=static.seq_lens[:3].clone(),
-        req_pool_indices=static.req_pool_indices[:3].clone(),
-        out_cache_loc=static.out_cache_loc[:3].clone(),
-    )
+    eager_fb = _replay_batch(static, rows, real, locs)
+    q = torch.randn(4, hq * d, generator=g).to(DEV, torch.bfloat16)
+    q_static.copy_(q)
     backend.init_forward_metadata(eager_fb)
     step(eager_fb, q[:3].contiguous())
     torch.cuda.synchronize()
@@ -518,13 +543,12 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["psa", "topk"])
-def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync(mode):
-    """`--psa-rerank-interval 4` at qwen05b's shape: nine decode steps (three requests
-    growing a token a step, padded to the captured batch 4) replayed from one CUDA graph
-    equal, bit for bit, a second backend stepping the same batches eagerly; the kept
-    selection ranks at the first step and every 4th after, and no step syncs the host."""
-    cfg = PSAConfig(sparse_mode=mode, threshold=0.95, topk_tokens=2048, rerank_interval=4)
+def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync():
+    """topk, `--psa-rerank-interval 4`, at qwen05b's shape: nine decode steps (three
+    requests growing a token a step, padded to the captured batch 4) replayed from one
+    CUDA graph equal, bit for bit, a second backend stepping the same batches eagerly; the
+    kept selection ranks at the first step and every 4th after, and no step syncs."""
+    cfg = PSAConfig(sparse_mode="topk", topk_tokens=2048, rerank_interval=4)
     hq, hkv, d = 14, 2, 64
     runner, fb, g = _rig(cfg, [20011, 300, 9000, 33], hkv=hkv, d=d, dtype=torch.bfloat16)
     graphed, eager = PSAAttnBackend(runner), PSAAttnBackend(runner)
@@ -538,16 +562,9 @@ def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync(mo
     for b in (graphed, eager):
         _prefill(b, fb)
         b.init_cuda_graph_state(4, 4)
-    static = SimpleNamespace(**vars(fb))
-    q_static = torch.zeros(4, hq * d, dtype=torch.bfloat16, device=DEV)
-    graphed.init_forward_metadata_out_graph(static, in_capture=True)
-    for _ in range(2):
-        graphed.init_forward_metadata_in_graph(static)
-        step(graphed, static, q_static)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed.init_forward_metadata_in_graph(static)
-        out_graph = step(graphed, static, q_static)
+    graph, static, q_static, out_graph = _capture(
+        graphed, fb, lambda batch, q: step(graphed, batch, q), hq, d
+    )
     first = SimpleNamespace(**{k: v[:3] if torch.is_tensor(v) else v for k, v in vars(fb).items()})
     first.batch_size = 3
     eager.init_forward_metadata(first)  # batch 3's eager plan: made at its first step, ...
@@ -564,18 +581,9 @@ def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync(mo
             req[r, n] = req[r, n - 1] + 1
         lens = [n + 1 for n in lens]
         locs = [int(req[r, n - 1]) for r, n in zip(rows, lens)]
-        static.seq_lens.copy_(torch.tensor(lens + [1], device=DEV))
-        static.req_pool_indices.copy_(torch.tensor(rows + [0], device=DEV))
-        static.out_cache_loc.copy_(torch.tensor(locs + [0], device=DEV))
+        batch = _replay_batch(static, rows, lens, locs)
         q = torch.randn(4, hq * d, generator=g).to(DEV, torch.bfloat16)
         q_static.copy_(q)
-        batch = SimpleNamespace(
-            forward_mode=_Mode(),
-            batch_size=3,
-            seq_lens=static.seq_lens[:3].clone(),
-            req_pool_indices=static.req_pool_indices[:3].clone(),
-            out_cache_loc=static.out_cache_loc[:3].clone(),
-        )
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
