@@ -8,6 +8,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
 
     python benchmark/kernels/bench_wave.py                # prints JSON
     python benchmark/kernels/bench_wave.py --serving-8b   # workload e's step, launch sweep
+    python benchmark/kernels/bench_wave.py --serving-a    # workload a's (Qwen 0.5B heads)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from sgl_kernel_ext.wave_attention import WaveAttention
 from sglang_psa.config import PSAConfig
 
 HQ, HKV, D, BS = 32, 8, 128, 32
+# Head layouts a sweep can take (`use_shape`): query heads, KV heads, head dim.
+SHAPES = {"llama8b": (32, 8, 128), "qwen05b": (14, 2, 64)}
 # The server's defaults (ranking score, wave sizes), at ε = 1: a budget forces the fraction.
 CONFIG = PSAConfig(block_size=BS, threshold=1.0)
 # Launch shape; None: the library's default (what the server runs). The sweeps in run()
@@ -387,23 +390,42 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
     }
 
 
+def use_shape(name: str) -> None:
+    """Set the head layout every later case uses (`SHAPES`)."""
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[name]
+
+
 def serving_8b() -> dict:
     """Workload e's decode step per layer (benchmark/serving, 8B shape): 20 requests of
     32000 tokens in a plan of 131072 (the model's context: the server plans for it), a
-    top-k budget of 2048 tokens, 8-bit key bounds. The library's launch with its kernel
-    table, the same requests in a plan of their own length, then one launch knob at a
-    time around the default (splits, tile and warps, pipeline depth, scoring launch),
-    each graph-replayed 8 layers deep. Against the HBM peak of the same run."""
+    top-k budget of 2048 tokens, 8-bit key bounds."""
+    use_shape("llama8b")
+    return launch_sweep(dict(batch=20, ctx=32000, frac=2048 / 32000, codes=True, layers=8), 131072)
+
+
+def serving_a() -> dict:
+    """Workload a's decode step per layer (Qwen2.5-0.5B heads: 14 query, 2 KV, d 64): 32
+    requests of 28000 tokens in a plan of 32768, reading 20% of the blocks (psa's share
+    there, as one wave: the bytes, without the stop rule's barriers), 8-bit key bounds."""
+    use_shape("qwen05b")
+    return launch_sweep(dict(batch=32, ctx=28000, frac=0.2, codes=True, layers=8), 32768)
+
+
+def launch_sweep(case: dict, plan_ctx: int) -> dict:
+    """The library's launch with its kernel table at `case`, the same requests in a plan
+    of their own length, then one launch knob at a time around the default (splits, tile
+    and warps, pipeline depth, scoring launch), each graph-replayed `layers` deep.
+    Against the HBM peak of the same run."""
     hbm = hbm_peak_gbps()
-    case = dict(batch=20, ctx=32000, frac=2048 / 32000, codes=True, layers=8)
-    default = bench_case(**case, plan_ctx=131072, profile=True)
+    default = bench_case(**case, plan_ctx=plan_ctx, profile=True)
     own = bench_case(**case)
     sweeps: dict[str, float | str] = {}
 
     def one(key, splits=None, **launch):
         LAUNCH.update(launch)
         try:
-            r = bench_case(**case, plan_ctx=131072, splits=splits)
+            r = bench_case(**case, plan_ctx=plan_ctx, splits=splits)
             sweeps[key] = r["time_us"]
         except Exception as e:  # noqa: BLE001 - report and keep measuring
             sweeps[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
@@ -425,7 +447,7 @@ def serving_8b() -> dict:
     best = min(ok, key=ok.get)
     return {
         "hbm_peak_gbps": hbm,
-        "case": {**case, "plan_ctx": 131072},
+        "case": {**case, "plan_ctx": plan_ctx, "heads": {"q": HQ, "kv": HKV, "d": D}},
         "default": default,
         "default_plan_of_own_length": own,
         "sweep_us": sweeps,
@@ -435,4 +457,9 @@ def serving_8b() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(serving_8b() if "--serving-8b" in sys.argv else run(), indent=1))
+    if "--serving-8b" in sys.argv:
+        print(json.dumps(serving_8b(), indent=1))
+    elif "--serving-a" in sys.argv:
+        print(json.dumps(serving_a(), indent=1))
+    else:
+        print(json.dumps(run(), indent=1))
