@@ -33,6 +33,21 @@ MAX_NEW_BLOCKS = 4
 
 
 @triton.jit
+def _rows_vs_slots(
+    rows_ptr, lengths_ptr, tags, r0, B, short_blocks, BS: tl.constexpr, RB: tl.constexpr
+):
+    """Batch rows `[r0, r0 + RB)`: index, in-batch mask, request-table row, blocks, whether
+    long enough to keep a selection, and `hit [RB, CP]`: which slot's tag is the row's."""
+    b = r0 + tl.arange(0, RB)
+    bm = b < B
+    row = tl.load(rows_ptr + b, mask=bm, other=-3).to(tl.int32)
+    nb = (tl.load(lengths_ptr + b, mask=bm, other=0) + BS - 1) // BS
+    long = bm & (nb > short_blocks)
+    hit = long[:, None] & (row[:, None] == tags[None, :])
+    return b, bm, row, nb, long, hit
+
+
+@triton.jit
 def _assign_kernel(
     rows_ptr,
     lengths_ptr,
@@ -59,24 +74,18 @@ def _assign_kernel(
     tags = tl.load(tag_ptr + s, mask=sm, other=-2)
     used = tl.zeros([CP], tl.int32)
     for r0 in range(0, B, RB):
-        b = r0 + tl.arange(0, RB)
-        bm = b < B
-        row = tl.load(rows_ptr + b, mask=bm, other=-3).to(tl.int32)
-        nb = (tl.load(lengths_ptr + b, mask=bm, other=0) + BS - 1) // BS
-        long = bm & (nb > short_blocks)
-        hit = long[:, None] & (row[:, None] == tags[None, :])
+        b, bm, row, nb, long, hit = _rows_vs_slots(
+            rows_ptr, lengths_ptr, tags, r0, B, short_blocks, BS, RB
+        )
         used = tl.maximum(used, tl.max(hit.to(tl.int32), axis=0))
     free = sm & (used == 0)
     free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
     every = (tl.load(step_ptr) % interval) == 0
     k0 = 0
     for r0 in range(0, B, RB):
-        b = r0 + tl.arange(0, RB)
-        bm = b < B
-        row = tl.load(rows_ptr + b, mask=bm, other=-3).to(tl.int32)
-        nb = (tl.load(lengths_ptr + b, mask=bm, other=0) + BS - 1) // BS
-        long = bm & (nb > short_blocks)
-        hit = long[:, None] & (row[:, None] == tags[None, :])
+        b, bm, row, nb, long, hit = _rows_vs_slots(
+            rows_ptr, lengths_ptr, tags, r0, B, short_blocks, BS, RB
+        )
         has = tl.max(hit.to(tl.int32), axis=1) > 0
         held = tl.min(tl.where(hit, s[None, :], CP), axis=1)
         # Requests without a slot, numbered in batch order, take the free slots in order.
