@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import os
@@ -81,9 +82,10 @@ def source_digest(repo: Path) -> str:
     return _digest(files)
 
 
+@functools.cache
 def commit_digest(repo: Path, commit: str) -> str | None:
     """`source_digest` of the tracked Python sources at `commit` (None if git cannot
-    read it)."""
+    read it); cached: a result's parts often share a commit."""
     try:
         names = subprocess.run(
             ["git", "ls-tree", "-r", "--name-only", commit, "--", *SOURCE_DIRS],

@@ -292,6 +292,18 @@ def test_page_metadata_is_written_by_prefill_and_decode_and_follows_reused_pages
     _assert_page_meta(backend.meta, 0, page, keys[page])
 
 
+def _append_tokens(req, rows, lens, free_pages):
+    """Each request (request-table `rows`, `lens` tokens) gets its next token's slot as
+    SGLang's allocator gives it: the next slot of its tail page, or a new page from
+    `free_pages` when the tail is full. Returns the slots and the new lengths."""
+    slots = []
+    for r, n in zip(rows, lens):
+        slot = free_pages.pop(0) * BS if n % BS == 0 else int(req.req_to_token[r, n - 1]) + 1
+        req.req_to_token[r, n] = slot
+        slots.append(slot)
+    return slots, [n + 1 for n in lens]
+
+
 def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
     """Decode 40 steps for two requests through the kernel path, appending each step's K/V
     as SGLang does (a new page from the allocator whenever the tail fills): every step
@@ -311,16 +323,7 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
     ]
     lens = list(lengths)
     for _ in range(40):
-        slots = []
-        for r, n in zip((1, 2), lens):
-            if n % BS == 0:  # the tail is full: the allocator hands out a new page
-                page = free_pages.pop(0)
-                slot = page * BS
-            else:
-                slot = int(req.req_to_token[r, n - 1]) + 1
-            req.req_to_token[r, n] = slot
-            slots.append(slot)
-        lens = [n + 1 for n in lens]
+        slots, lens = _append_tokens(req, (1, 2), lens, free_pages)
         fb.seq_lens = torch.tensor(lens, device=DEV)
         fb.out_cache_loc = torch.tensor(slots, device=DEV)
         q = torch.randn(2, HQ * D, generator=g).to(DEV)
@@ -377,15 +380,7 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
     for t in range(12):
         if t == 6:
             rows, lens = rows[::-1], lens[::-1]
-        slots = []
-        for r, n in zip(rows, lens):
-            if n % BS == 0:
-                slot = free_pages.pop(0) * BS
-            else:
-                slot = int(req.req_to_token[r, n - 1]) + 1
-            req.req_to_token[r, n] = slot
-            slots.append(slot)
-        lens = [n + 1 for n in lens]
+        slots, lens = _append_tokens(req, rows, lens, free_pages)
         fb.seq_lens = torch.tensor(lens, device=DEV)
         fb.req_pool_indices = torch.tensor(rows, device=DEV)
         fb.out_cache_loc = torch.tensor(slots, device=DEV)
@@ -656,14 +651,7 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
         free_pages = [p for p in range(1, 64) if p not in used]
         lens = list(lengths)
         for _ in range(70):
-            slots = []
-            for r, n in zip((1, 2), lens):
-                slot = (
-                    free_pages.pop(0) * BS if n % BS == 0 else int(req.req_to_token[r, n - 1]) + 1
-                )
-                req.req_to_token[r, n] = slot
-                slots.append(slot)
-            lens = [n + 1 for n in lens]
+            slots, lens = _append_tokens(req, (1, 2), lens, free_pages)
             fb.seq_lens = torch.tensor(lens, device=DEV)
             fb.out_cache_loc = torch.tensor(slots, device=DEV)
             scheduling.after_prepare_for_decode(
