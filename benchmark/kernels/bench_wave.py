@@ -404,12 +404,169 @@ def serving_8b() -> dict:
     return launch_sweep(dict(batch=20, ctx=32000, frac=2048 / 32000, codes=True, layers=8), 131072)
 
 
+_SERVER_DATA: dict = {}
+
+
+def _server_data(batch: int, nb: int, device: str = "cuda") -> tuple:
+    """SGLang-layout K/V pages, a shuffled page table and per-page key metadata, made once
+    per shape (`server_case` sweeps launches over the same data)."""
+    from sglang_psa.algo.metadata import bound_codes
+
+    key = (batch, nb, HQ, HKV, D, device)
+    if key not in _SERVER_DATA:
+        _SERVER_DATA.clear()
+        g = torch.Generator(device=device).manual_seed(0)
+        n_pages = batch * nb + 1  # page 0: SGLang's padding page
+        kbuf = torch.randn(n_pages * BS, HKV, D, device=device, generator=g).to(torch.bfloat16)
+        vbuf = torch.randn(n_pages * BS, HKV, D, device=device, generator=g).to(torch.bfloat16)
+        pages = torch.randperm(n_pages - 1, device=device, generator=g) + 1
+        pages = pages.to(torch.int32).view(batch, nb).contiguous()
+        loc = pages[:, None, :].expand(batch, HKV, nb).contiguous()
+        blocks = kbuf.view(n_pages, BS, HKV, D).float()
+        mean = blocks.mean(1).to(torch.bfloat16)
+        qlo, qhi, mscale = bound_codes(blocks.amin(1), blocks.amax(1))
+        q = torch.randn(batch, HQ, D, device=device, generator=g).to(torch.bfloat16)
+        _SERVER_DATA[key] = (
+            q, kbuf, vbuf, pages, loc, mean, qlo.to(torch.int8), qhi.to(torch.int8), mscale,
+        )  # fmt: skip
+    return _SERVER_DATA[key]
+
+
+def server_case(
+    mode: str,
+    batch: int,
+    ctx: int,
+    plan_ctx: int,
+    frac: float,
+    layers: int = 8,
+    splits: int | None = None,
+    profile: bool = False,
+) -> dict:
+    """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
+    heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
+    `BS` tokens is a slot, the head an offset), per-page 8-bit key bounds and means read
+    through the page table, last-use stamps and read counters written, a plan spanning
+    `plan_ctx` tokens. `mode`: "psa" (ε 0.98, heuristic rule, waves with their barriers;
+    random data gives near-uniform attention, so the read cap is set to `frac` to read
+    that share) or "topk" (ε 1, a budget of `frac` of the blocks: one wave). Graph-replayed
+    `layers` deep, time per layer."""
+    nb = plan_ctx // BS
+    q, kbuf, vbuf, pages, loc, mean, qlo, qhi, mscale = _server_data(batch, nb)
+    lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    stamps = torch.zeros(HKV, kbuf.shape[0] // BS, device="cuda", dtype=torch.int32)
+    step = torch.zeros(1, device="cuda", dtype=torch.int32)
+    stats = torch.zeros(3, device="cuda", dtype=torch.int64)
+    cfg = PSAConfig(block_size=BS, threshold=0.98 if mode == "psa" else 1.0)
+    wa = WaveAttention.from_config(cfg)
+    budget = None
+    if mode == "psa":
+        wa.max_read_fraction = frac
+    else:
+        budget = max(2, round(frac * (ctx // BS)))
+    for attr, value in LAUNCH.items():
+        if attr != "splits" and value is not None:
+            setattr(wa, attr, value)
+    wa.plan(batch, HQ, HKV, D, nb, "cuda", splits=splits, out_dtype=torch.bfloat16,
+            read_blocks=budget)  # fmt: skip
+    run = lambda: wa.run(
+        q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
+        slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
+        stats=stats, meta_scale=mscale,
+    )  # fmt: skip
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        res = run()
+    torch.cuda.current_stream().wait_stream(side)
+    n_read = res.n_read.float().mean().item()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            run()
+    t = _time(graph.replay, reps=30, warmup=5) / layers
+    read_bytes = batch * HKV * n_read * BS * D * 2 * 2
+    out = {
+        "mode": mode,
+        "time_us": t * 1e6,
+        "splits": wa.splits,
+        "blocks_read_per_head": n_read,
+        "waves_per_head": res.n_waves.float().mean().item(),
+        "gbps_on_bytes_read": read_bytes / t / 1e9,
+    }
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            graph.replay()
+            torch.cuda.synchronize()
+        out["kernels_us_per_layer"] = {
+            e.key[:40]: e.device_time_total / layers
+            for e in p.key_averages()
+            if e.device_time_total > 0
+        }
+    return out
+
+
+def _sweep_one(sweeps: dict, label: str, key: str, case: dict, splits, launch: dict) -> None:
+    """Time `server_case(**case)` with one launch change into `sweeps[key]`."""
+    LAUNCH.update(launch)
+    try:
+        sweeps[key] = server_case(**case, splits=splits)["time_us"]
+    except Exception as e:  # noqa: BLE001 - report and keep measuring
+        sweeps[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+    LAUNCH.clear()
+    LAUNCH.update(DEFAULT_LAUNCH)
+    torch.cuda.empty_cache()
+    print(label, sweeps[key], file=sys.stderr, flush=True)
+
+
 def serving_a() -> dict:
-    """Workload a's decode step per layer (Qwen2.5-0.5B heads: 14 query, 2 KV, d 64): 32
-    requests of 28000 tokens in a plan of 32768, reading 20% of the blocks (psa's share
-    there, as one wave: the bytes, without the stop rule's barriers), 8-bit key bounds."""
+    """Workload a's decode attention per layer, in the server's layout (`server_case`): 32
+    requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
+    (its share there), topk its 2048-token budget in one; a launch sweep of each (splits,
+    tile and warps, pipeline depth, scoring launch, ranking chunk), against the HBM peak
+    of the same run."""
     use_shape("qwen05b")
-    return launch_sweep(dict(batch=32, ctx=28000, frac=0.2, codes=True, layers=8), 32768)
+    hbm = hbm_peak_gbps()
+    result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
+    for mode, frac in (("psa", 0.2), ("topk", 2048 / 28000), ("dense", 1.0)):
+        m = "topk" if mode == "dense" else mode
+        case = dict(mode=m, batch=32, ctx=28000, plan_ctx=32768, frac=frac)
+        default = server_case(**case, profile=True)
+        sweeps: dict[str, float | str] = {}
+
+        def one(key, splits=None, _ctx=(sweeps, mode, case), **launch):
+            _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, _ctx[2], splits, launch)
+
+        split_set = (1, 2, 4, 8) if m == "psa" else (8, 16, 32)
+        for sp in split_set:
+            one(f"splits{sp}", splits=sp)
+        for stages in (3, 4):
+            for sp in split_set[-2:]:
+                one(f"stages{stages}_splits{sp}", splits=sp, num_stages=stages)
+        if mode != "dense":
+            for tile, warps in ((32, 2), (64, 2), (64, 8), (128, 4)):
+                for sp in split_set[-2:]:
+                    one(f"tile{tile}_warps{warps}_splits{sp}", splits=sp, tile_tokens=tile,
+                        num_warps=warps)  # fmt: skip
+            one("score128_warps4", score_blocks=128, score_warps=4)
+            one("rank_chunk1024", rank_chunk_blocks=1024)
+        ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
+        best = min(ok, key=ok.get)
+        result[mode] = {
+            "case": case,
+            "default": default,
+            "default_hbm_efficiency": default["gbps_on_bytes_read"] / hbm,
+            "sweep_us": sweeps,
+            "best": {
+                "launch": best,
+                "time_us": ok[best],
+                "vs_default": ok[best] / default["time_us"],
+            },
+        }
+        print(json.dumps({mode: result[mode]["best"]}), flush=True)
+    return result
 
 
 def launch_sweep(case: dict, plan_ctx: int) -> dict:
