@@ -40,6 +40,7 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "score_blocks",
         "score_warps",
         "rank_chunk_blocks",
+        "prefetch",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -448,7 +449,8 @@ def server_case(
     through the page table, last-use stamps and read counters written, a plan spanning
     `plan_ctx` tokens. `mode`: "psa" (ε 0.98, heuristic rule, waves with their barriers;
     random data gives near-uniform attention, so the read cap is set to `frac` to read
-    that share) or "topk" (ε 1, a budget of `frac` of the blocks: one wave). Graph-replayed
+    that share), "topk" (ε 1, a budget of `frac` of the blocks: one wave) or "dense" (ε 1,
+    every block: `--psa-threshold 1`). Graph-replayed
     `layers` deep, time per layer."""
     nb = plan_ctx // BS
     q, kbuf, vbuf, pages, loc, mean, qlo, qhi, mscale = _server_data(batch, nb)
@@ -461,7 +463,7 @@ def server_case(
     budget = None
     if mode == "psa":
         wa.max_read_fraction = frac
-    else:
+    elif mode == "topk":
         budget = max(2, round(frac * (ctx // BS)))
     for attr, value in LAUNCH.items():
         if attr != "splits" and value is not None:
@@ -531,27 +533,25 @@ def serving_a() -> dict:
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
     for mode, frac in (("psa", 0.2), ("topk", 2048 / 28000), ("dense", 1.0)):
-        m = "topk" if mode == "dense" else mode
-        case = dict(mode=m, batch=32, ctx=28000, plan_ctx=32768, frac=frac)
+        case = dict(mode=mode, batch=32, ctx=28000, plan_ctx=32768, frac=frac)
         default = server_case(**case, profile=True)
-        sweeps: dict[str, float | str] = {}
+        sweeps: dict[str, float | str] = {"default": default["time_us"]}
 
         def one(key, splits=None, _ctx=(sweeps, mode, case), **launch):
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, _ctx[2], splits, launch)
 
-        split_set = (1, 2, 4, 8) if m == "psa" else (8, 16, 32)
-        for sp in split_set:
+        default_splits = default["splits"]
+        for sp in {max(1, default_splits // 2), default_splits * 2}:
             one(f"splits{sp}", splits=sp)
-        for stages in (3, 4):
-            for sp in split_set[-2:]:
-                one(f"stages{stages}_splits{sp}", splits=sp, num_stages=stages)
+        one("no_prefetch", prefetch=False)
+        for stages in (1, 3):
+            one(f"stages{stages}", num_stages=stages)
         if mode != "dense":
-            for tile, warps in ((32, 2), (64, 2), (64, 8), (128, 4)):
-                for sp in split_set[-2:]:
-                    one(f"tile{tile}_warps{warps}_splits{sp}", splits=sp, tile_tokens=tile,
-                        num_warps=warps)  # fmt: skip
-            one("score128_warps4", score_blocks=128, score_warps=4)
-            one("rank_chunk1024", rank_chunk_blocks=1024)
+            one("warps4", num_warps=4)
+            one("no_prefetch_warps4", prefetch=False, num_warps=4)
+            one("tile128_warps4", tile_tokens=128, num_warps=4)
+        else:
+            one("warps2", num_warps=2)
         ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
         result[mode] = {

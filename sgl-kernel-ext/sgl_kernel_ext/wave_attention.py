@@ -101,6 +101,33 @@ def _tile_index_kept(
 
 
 @triton.jit
+def _tile_at(
+    order_ptr,
+    loc_ptr,
+    orow,
+    row,
+    first,
+    end,
+    length,
+    n_sink,
+    tail0,
+    nf,
+    kept0,
+    BS: tl.constexpr,
+    NBLK: tl.constexpr,
+    KEPT: tl.constexpr,
+):
+    """The tile of read positions from `first`: `_tile_index_kept` over a kept selection,
+    else `_tile_index` over the ranked block table."""
+    if KEPT:
+        return _tile_index_kept(
+            order_ptr, loc_ptr, orow, row, first, end, length, n_sink, tail0, nf, kept0, BS,
+            NBLK,
+        )  # fmt: skip
+    return _tile_index(order_ptr, loc_ptr, row, first, end, length, BS, NBLK, True)
+
+
+@triton.jit
 def _merge_tile(
     q,
     k,
@@ -235,6 +262,7 @@ def _wave_attention_kernel(
     STATS: tl.constexpr,
     ONE_WAVE: tl.constexpr,
     KEPT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -279,6 +307,7 @@ def _wave_attention_kernel(
         orow = (tl.load(sel_slot_ptr + b) * Hkv + h) * NB
     else:
         nf = tl.load(nforced_ptr + b)
+        n_sink, tail0, kept0, orow = 0, 0, 0, 0  # a kept selection's only
     # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
     # (the ceiling of the float32 product; never below the forced blocks).
     mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
@@ -307,17 +336,26 @@ def _wave_attention_kernel(
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
         n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
+        if PREFETCH:  # the first tile's ids; each iteration then loads the next one's
+            n_where, n_tok, n_valid, n_blk = _tile_at(
+                order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
+                tail0, nf, kept0, BS, NBLK, KEPT,
+            )  # fmt: skip
         for i in tl.range(0, n_tiles, num_stages=STAGES):
             first = wstart + (sid + i * S) * NBLK
-            if KEPT:
-                where, tok, valid, blk = _tile_index_kept(
-                    order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
-                    kept0, BS, NBLK,
+            if PREFETCH:
+                # This tile's ids were loaded an iteration ago: its K/V addresses wait on no
+                # load, and the next tile's ids are in flight while this one is merged.
+                where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
+                n_where, n_tok, n_valid, n_blk = _tile_at(
+                    order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
+                    tail0, nf, kept0, BS, NBLK, KEPT,
                 )  # fmt: skip
             else:
-                where, tok, valid, blk = _tile_index(
-                    order_ptr, rloc_ptr, row, first, end, length, BS, NBLK, True
-                )
+                where, tok, valid, blk = _tile_at(
+                    order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
+                    kept0, BS, NBLK, KEPT,
+                )  # fmt: skip
             # Each block is read from its HBM slot or, through UVA, from the host pool: one
             # load through a pointer chosen per row. HBM slots may be strided (SGLang's
             # token-major pages: a slot is a page, the head an offset within each token);
@@ -563,10 +601,14 @@ class WaveAttention:
         capped = stop_rule == "heuristic" and threshold < 1.0
         self.max_read_fraction = float(max_read_fraction) if capped else 1.0
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
-        # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweep).
-        self.tile_tokens, self.num_warps = 64, 4
+        # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweeps).
+        # Warps per program: None picks by what a run reads, 2 for sparse reads (psa's
+        # waves, a top-k budget) and 4 for dense ones (`plan` sets `warps`).
+        self.tile_tokens, self.num_warps = 64, None
         # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
         self.num_stages = 2
+        # Load the next tile's block ids while this tile is merged (bench_wave --serving-a).
+        self.prefetch = True
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
@@ -651,15 +693,19 @@ class WaveAttention:
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
+        dense = self.one_wave and read_blocks is None
+        self.warps = self.num_warps or (4 if dense else 2)
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 programs = batch * n_kv_heads
                 if self.one_wave:
-                    # Programs never wait for each other: ~8 per SM, at least 8 blocks each.
+                    # Programs never wait for each other: ~32 warps per SM, at least 2
+                    # blocks a warp in each program (16 and 4 at 2 warps: bench_wave).
                     read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
-                    splits = max(1, min(32, -(-8 * sms // programs), read // 8))
+                    per_sm = 32 // self.warps
+                    splits = max(1, min(32, -(-per_sm * sms // programs), read // (2 * self.warps)))
                 else:
                     # As many programs as the register file holds per SM, at ~160 registers
                     # a thread (H100; capping them with maxnreg spilled and ran slower);
@@ -667,7 +713,7 @@ class WaveAttention:
                     # every wave ends in a barrier of all the splits (and a split launch is
                     # cooperative), which costs more than it saves below ~64 blocks per
                     # split (bench_wave: overhead_by_splits_us).
-                    per_sm = max(1, 65536 // (160 * 32 * self.num_warps))
+                    per_sm = max(1, 65536 // (160 * 32 * self.warps))
                     splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
@@ -995,7 +1041,7 @@ class WaveAttention:
                     NBLK=max(1, self.tile_tokens // bs),
                     HAS_HOST=has_host,
                     CACHED=cached,
-                    num_warps=self.num_warps,
+                    num_warps=self.warps,
                     RULE=0 if self.rule == "heuristic" else 1,
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
                     S=self.splits,
@@ -1004,6 +1050,7 @@ class WaveAttention:
                     STATS=stats is not None,
                     ONE_WAVE=self.one_wave,
                     KEPT=kept is not None,
+                    PREFETCH=self.prefetch,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break

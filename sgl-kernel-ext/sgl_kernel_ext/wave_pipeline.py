@@ -229,7 +229,7 @@ class WavePipeline:
                 state["done"], flags, state["waves"], w, scale, wa.limit, cap, Hkv, NB,
                 G=G, GP=max(triton.next_power_of_2(G), 16), D=D, BS=bs,
                 NBLK=max(1, wa.tile_tokens // bs), RULE=0 if wa.rule == "heuristic" else 1,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=wa.num_warps,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=wa.warps,
             )  # fmt: skip
 
         n_waves = len(ends_h) - 1
