@@ -694,7 +694,7 @@ class WaveAttention:
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
         dense = self.one_wave and read_blocks is None
-        self.warps = self.num_warps or (4 if dense else 2)
+        self.warps = self.num_warps or 2
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
