@@ -325,8 +325,28 @@ def summarize_cmd(args) -> None:
         "each sparse system paired with the fastest plain backend of its own stage run; the "
         "profile runs the backend over SGLang's KV pool at the stated lengths (attention only).",
     }
+    if args.launch_sweep:
+        out["launch_sweeps_a"] = [_launch_sweep(spec) for spec in args.launch_sweep]
+        summary["wave_launch_a_us_per_layer"] = {
+            f"{sw['git_commit'][:9]}_{mode}": sw["result"][mode]["default"]["time_us"]
+            for sw in out["launch_sweeps_a"]
+            for mode in ("psa", "topk", "dense")
+        }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))
+
+
+def _launch_sweep(spec: str) -> dict:
+    """`COMMIT=FILE`: the output of `bench_wave.py --serving-a` run at COMMIT (its last
+    JSON object; progress lines may precede it)."""
+    commit, _, path = spec.partition("=")
+    text = Path(path).read_text()
+    start = text.rindex("\n{\n") + 1 if "\n{\n" in text else 0
+    return {
+        "git_commit": commit,
+        "command": "python benchmark/kernels/bench_wave.py --serving-a",
+        "result": json.loads(text[start:]),
+    }
 
 
 def main(argv=None) -> None:
@@ -346,6 +366,11 @@ def main(argv=None) -> None:
     s.add_argument(
         "--hbm-peak-gbps", type=float, default=None,
         help="device-to-device copy bandwidth measured on the GPU (bench_wave.hbm_peak_gbps)",
+    )  # fmt: skip
+    s.add_argument(
+        "--launch-sweep", nargs="*", default=[], metavar="COMMIT=FILE",
+        help="bench_wave.py --serving-a outputs (per-layer kernel times and launch sweeps at "
+        "workload a's shape), each with the commit it ran",
     )  # fmt: skip
     s.set_defaults(fn=summarize_cmd)
     args = ap.parse_args(argv)

@@ -512,10 +512,13 @@ def stage(args) -> int:
         left = deadline - time.time()
         if left < MIN_SYSTEM_BUDGET_S + systems_mod.SYSTEMS[name].jit_s:
             log(f"{w.name}/{name}: not started, {left:.0f} s of the stage budget left")
-            part.setdefault("not_run", []).append(name)
+            if name not in part.setdefault("not_run", []):
+                part["not_run"].append(name)
             continue
         log(f"[{i + 1}/{len(names)}] {w.name}/{name} ({left:.0f} s of the budget left)")
         part["systems"][name] = run_system(name, w, ctx, args.port + i, deadline)
+        if name in part.get("not_run", []):  # left out earlier, measured now
+            part["not_run"].remove(name)
         if name == "plain" and part["systems"][name]["error"]:
             log("plain SGLang failed: the other systems would have nothing to compare with")
             break

@@ -602,13 +602,15 @@ class WaveAttention:
         self.max_read_fraction = float(max_read_fraction) if capped else 1.0
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweeps).
-        # Warps per program: None picks by what a run reads, 2 for sparse reads (psa's
-        # waves, a top-k budget) and 4 for dense ones (`plan` sets `warps`).
+        # Warps per program (None: 2, the best for psa's waves, top-k and dense reads at
+        # workload a's shape, bench_wave --serving-a; `plan` sets `warps`).
         self.tile_tokens, self.num_warps = 64, None
         # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
         self.num_stages = 2
-        # Load the next tile's block ids while this tile is merged (bench_wave --serving-a).
-        self.prefetch = True
+        # Load the next tile's block ids while this tile is merged: None does it for runs in
+        # waves only (bench_wave --serving-a: 2.5% faster for psa's waves, 2.5% and 7% slower
+        # for one-wave top-k and dense reads).
+        self.prefetch = None
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
@@ -693,7 +695,6 @@ class WaveAttention:
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
-        dense = self.one_wave and read_blocks is None
         self.warps = self.num_warps or 2
         if splits is None:
             splits = 1
@@ -701,11 +702,11 @@ class WaveAttention:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 programs = batch * n_kv_heads
                 if self.one_wave:
-                    # Programs never wait for each other: ~32 warps per SM, at least 2
-                    # blocks a warp in each program (16 and 4 at 2 warps: bench_wave).
+                    # Programs never wait for each other: ~32 warps per SM, at least 8
+                    # blocks each (bench_wave --serving-a: 32 splits dense, 8 for top-k).
                     read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
                     per_sm = 32 // self.warps
-                    splits = max(1, min(32, -(-per_sm * sms // programs), read // (2 * self.warps)))
+                    splits = max(1, min(32, -(-per_sm * sms // programs), read // 8))
                 else:
                     # As many programs as the register file holds per SM, at ~160 registers
                     # a thread (H100; capping them with maxnreg spilled and ran slower);
@@ -1050,7 +1051,7 @@ class WaveAttention:
                     STATS=stats is not None,
                     ONE_WAVE=self.one_wave,
                     KEPT=kept is not None,
-                    PREFETCH=self.prefetch,
+                    PREFETCH=not self.one_wave if self.prefetch is None else self.prefetch,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break
