@@ -34,18 +34,27 @@ class RankAgreement:
         self.group, self.world_size = group, world_size
 
     @classmethod
-    def from_sglang(cls) -> RankAgreement:
+    def from_sglang(cls, tp_size: int = 1) -> RankAgreement:
         """The agreement of this scheduler process: SGLang's TP group's CPU (gloo) group,
         or a single rank when there is no tensor parallelism (or no SGLang running in this
-        process: one that runs has imported its parallel state)."""
+        process: one that runs has imported its parallel state). With `tp_size` > 1 (the
+        server's `--tp`) a missing or smaller TP group raises: ranks that decided alone
+        would run different batches and hang in the next collective."""
         parallel_state = sys.modules.get("sglang.srt.distributed.parallel_state")
-        if parallel_state is None:
-            return cls()
-        try:
-            tp = parallel_state.get_tp_group()
-        except AssertionError:  # SGLang's distributed state is not set up: one rank
-            return cls()
-        if tp.world_size <= 1:
+        tp = None
+        if parallel_state is not None:
+            try:
+                tp = parallel_state.get_tp_group()
+            except AssertionError:  # SGLang's distributed state is not set up
+                tp = None
+        world = 1 if tp is None else tp.world_size
+        if tp_size > 1 and world != tp_size:
+            raise RuntimeError(
+                f"sglang-psa: --tp {tp_size}, but SGLang's TP group "
+                f"{'is not set up' if tp is None else f'has {world} ranks'} in this process: "
+                "the ranks could not agree on scheduling decisions"
+            )
+        if world <= 1:
             return cls()
         return cls(tp.cpu_group, tp.world_size)
 

@@ -17,6 +17,7 @@ one load, not two.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
 HEURISTIC, CERTIFIED = 0, 1
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -1060,5 +1062,10 @@ class WaveAttention:
                 # resident): halve the split and try again; the plan keeps the result.
                 if self.splits == 1 or "cooperative" not in str(e):
                     raise
+                logger.warning(
+                    "wave attention: %d programs a (request, KV head) do not fit one "
+                    "cooperative launch at batch %d; this plan runs %d (slower reads)",
+                    self.splits, B, self.splits // 2,
+                )  # fmt: skip
                 self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)

@@ -184,6 +184,10 @@ def test_the_sglang_internals_the_agreement_relies_on_are_there():
 
     # Outside a running server: one rank, whether or not SGLang is installed.
     assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1
+    # ... but a server started with --tp 2 must find its TP group, or fail loudly: ranks
+    # that decided alone would hang in the next collective.
+    with pytest.raises(RuntimeError, match="--tp 2"):
+        RankAgreement.from_sglang(tp_size=2)
     parallel_state = pytest.importorskip(
         "sglang.srt.distributed.parallel_state",
         reason="SGLang is not installed (README's first command installs it)",

@@ -175,7 +175,7 @@ class PSAAttnBackend(AttentionBackend):
         serving = current()
         serving.hbm_tokens = int(pool.size)
         # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
-        serving.agreement = RankAgreement.from_sglang()
+        serving.agreement = RankAgreement.from_sglang(getattr(model_runner, "tp_size", 1))
         if self.residency is not None:
             self.residency.agreement = serving.agreement
         serving.writeback = self.writeback

@@ -52,6 +52,7 @@ class StridedCopy:
     def __init__(self, device: torch.device):
         self._fn = None
         self.api = "per-row"
+        self._warned_pitch = False
         if device.type != "cuda":
             return
         path = _loaded_cudart()
@@ -75,6 +76,13 @@ class StridedCopy:
         es = dst.element_size()
         dpitch, spitch = dst.stride(0) * es, src.stride(0) * es
         if self._fn is None or max(dpitch, spitch) > MAX_PITCH:
+            if self._fn is not None and not self._warned_pitch:
+                self._warned_pitch = True
+                logger.warning(
+                    "sglang-psa: a host-tier row pitch of %d bytes exceeds cudaMemcpy2DAsync's "
+                    "%d: such runs move with one copy per KV head (slower)",
+                    max(dpitch, spitch), MAX_PITCH,
+                )  # fmt: skip
             for i in range(dst.shape[0]):
                 dst[i].copy_(src[i], non_blocking=True)
             return

@@ -21,16 +21,27 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     from sglang_psa.attention.psa_backend import PSAAttnBackend
 
     prefill = getattr(backend, "prefill_backend", None)
-    if not isinstance(getattr(backend, "decode_backend", None), PSAAttnBackend):
-        return result
-    if getattr(prefill, "page_size", 1) == 1 or not _is_triton(prefill):
+    decode = getattr(backend, "decode_backend", None)
+    if not isinstance(decode, PSAAttnBackend):
         return result
     pool = backend.token_to_kv_pool
     bufs = [*getattr(pool, "k_buffer", ()), *getattr(pool, "v_buffer", ())]
-    if bufs and all(b.dim() == 3 and b.is_contiguous() for b in bufs):
-        logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
-        prefill.page_size = 1
-        _enable_staging(backend.decode_backend, pool)
+    token_major = bool(bufs) and all(b.dim() == 3 and b.is_contiguous() for b in bufs)
+    if _is_triton(prefill) and token_major:
+        if getattr(prefill, "page_size", 1) != 1:
+            logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
+            prefill.page_size = 1
+        _enable_staging(decode, pool)
+    elif getattr(decode, "residency", None) is not None:
+        # The tiered home without staged prefill: a prefix off HBM cannot be read back by
+        # the prefill, so SGLang's own limit (a prompt must fit its pool) stays (said once,
+        # at startup).
+        logger.warning(
+            "sglang-psa: staged prefill is off (it needs SGLang's Triton prefill over a "
+            "contiguous token-major pool; prefill is %s): prompts larger than HBM are "
+            "refused by SGLang's own length check",
+            type(prefill).__name__,
+        )
     return result
 
 

@@ -42,6 +42,28 @@ def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
     assert theirs.prefill_backend.page_size == 32
 
 
+def test_the_tiered_home_stages_prefill_on_triton_or_says_why_not(caplog):
+    """Staged prefill (prompts larger than HBM) is enabled on the Triton prefill over the
+    token-major pool, also when it already runs at page size 1; with another prefill the
+    startup log says it is off."""
+    from sglang_psa.mem_cache.prefill_stage import PrefillStage
+
+    ours = object.__new__(PSAAttnBackend)
+    ours.residency = types.SimpleNamespace(wb=object(), stage=None)
+    ours.cfg = types.SimpleNamespace(block_size=32)
+    ours.first_layer = 0
+    h = _hybrid(ours, torch.zeros(96, 2, 8), page_size=1)
+    after_hybrid_init(None, h)
+    assert isinstance(ours.residency.stage, PrefillStage)
+    ours.residency.stage = None
+    other = _hybrid(ours, torch.zeros(96, 2, 8))
+    other.prefill_backend = object()  # not SGLang's Triton backend (FA3, FlashInfer)
+    with caplog.at_level("WARNING", logger="sglang_psa.plugin.extend"):
+        after_hybrid_init(None, other)
+    assert ours.residency.stage is None
+    assert "staged prefill is off" in caplog.text and "object" in caplog.text
+
+
 def test_the_extend_kernel_at_page_size_one_equals_page_size_32(kernel_device):
     """SGLang's extend kernel with a prefix in the pool on pages of 32 tokens: page-aware
     and per-token addressing give the same output."""
