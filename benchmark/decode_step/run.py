@@ -349,6 +349,74 @@ def _launch_sweep(spec: str) -> dict:
     }
 
 
+def balance_cmd(args) -> None:
+    """How evenly psa's reads fall on the (request, KV head) programs of one launch, on the
+    real test model's keys: each task prefilled by transformers, then decoded greedily
+    under the default psa policy (the reference algorithm), its per-(layer, step, KV head)
+    share of blocks read recorded. The tasks form one batch: per layer and step, a launch
+    whose programs per head are fixed ends with its largest head, so the sum over layers
+    and steps of the largest share against the sum of the mean is what that costs over a
+    perfectly balanced launch of the same bytes."""
+    import torch
+
+    from sglang_psa.config import PSAConfig
+    from sglang_psa.eval.runner import chat_parts
+    from sglang_psa.eval.tasks import make_tasks
+    from sglang_psa.hf.attention import DecodePolicy
+    from sglang_psa.hf.decode import Session, load_model
+    from sglang_psa.models import DEFAULT_MODEL, ensure_model
+
+    model, tok = load_model(ensure_model(DEFAULT_MODEL), device=args.device)
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    kinds = ["doc_qa", "niah_1key", "niah_multivalue", "variable_tracking"]
+    tasks = make_tasks(kinds, args.prompt, args.per_kind, 0, count)
+    cfg = PSAConfig()
+    per_task = []  # [layers, steps, Hkv] shares read
+    for i, task in enumerate(tasks):
+        session = Session(model, tok)
+        head, tail = chat_parts(tok, task.prompt, task.question)
+        session.extend(head + tail)
+        dec = session.decode(DecodePolicy("psa", cfg), args.steps)  # no early stop
+        shares = torch.stack([f.view(-1, HKV) for _, f in sorted(dec.layer_fractions.items())])
+        per_task.append(shares.float())
+        print(f"task {i + 1}/{len(tasks)} {task.kind}: mean share {shares.mean():.3f}", flush=True)
+        del session
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    steps = min(t.shape[1] for t in per_task)
+    x = torch.stack([t[:, :steps] for t in per_task], 2)  # [layers, steps, tasks, Hkv]
+    flat = x.flatten(2)  # [layers, steps, tasks * Hkv]: one launch's programs per layer/step
+    nb = -(-args.prompt // cfg.block_size)
+    first = min(max(int(nb * cfg.wave_fraction), cfg.wave_blocks), cfg.max_first_wave_blocks)
+    first_share = (first + cfg.sink_blocks + cfg.recent_blocks) / nb
+    out = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "command": f"python benchmark/decode_step/run.py balance --prompt {args.prompt} "
+        f"--per-kind {args.per_kind} --steps {args.steps} --device {args.device}",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "summary": {
+            "tasks": len(tasks),
+            "prompt_tokens": args.prompt,
+            "steps": steps,
+            "mean_share_read": float(flat.mean()),
+            "largest_over_mean_time": float(flat.amax(-1).sum() / flat.mean(-1).sum()),
+            "share_of_heads_within_first_wave": float((flat <= first_share + 1e-6).float().mean()),
+            "share_of_heads_at_read_cap": float(
+                (flat >= cfg.max_read_fraction - 1e-6).float().mean()
+            ),
+            "head_share_quantiles": {
+                str(q): float(torch.quantile(flat.flatten(), q)) for q in (0.5, 0.9, 0.99)
+            },
+            "first_wave_share": first_share,
+        },
+        "per_layer_mean": flat.mean((1, 2)).tolist(),
+        "per_layer_largest": flat.amax(-1).mean(1).tolist(),
+        "tasks": [t.kind for t in tasks],
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["summary"], indent=1))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -373,6 +441,13 @@ def main(argv=None) -> None:
         "workload a's shape), each with the commit it ran",
     )  # fmt: skip
     s.set_defaults(fn=summarize_cmd)
+    b = sub.add_parser("balance", help="psa's reads per (request, KV head) on the real model")
+    b.add_argument("--out", default="decode_step_balance.json")
+    b.add_argument("--prompt", type=int, default=PROMPT)
+    b.add_argument("--per-kind", type=int, default=2, help="tasks of each of 4 kinds")
+    b.add_argument("--steps", type=int, default=16, help="decode steps a task")
+    b.add_argument("--device", default="cuda")
+    b.set_defaults(fn=balance_cmd)
     args = ap.parse_args(argv)
     args.fn(args)
 
