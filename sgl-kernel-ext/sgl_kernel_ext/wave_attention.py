@@ -603,15 +603,14 @@ class WaveAttention:
         capped = stop_rule == "heuristic" and threshold < 1.0
         self.max_read_fraction = float(max_read_fraction) if capped else 1.0
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
-        # Launch shape measured best on the H100 (benchmark/kernels/bench_wave.py sweeps).
-        # Warps per program (None: 2, the best for psa's waves, top-k and dense reads at
-        # workload a's shape, bench_wave --serving-a; `plan` sets `warps`).
+        # Launch shape: the best of `benchmark/kernels/bench_wave.py`'s sweeps (the
+        # launch sweeps kept in benchmark/results/decode_step_h100.json). Warps per
+        # program: None means 2 (`plan` sets `warps`).
         self.tile_tokens, self.num_warps = 64, None
-        # Software-pipeline depth of the tile loop (1: none), swept by bench_wave.
+        # Software-pipeline depth of the tile loop (1: none).
         self.num_stages = 2
-        # Load the next tile's block ids while this tile is merged: None does it for runs in
-        # waves only (bench_wave --serving-a: 2.5% faster for psa's waves, 2.5% and 7% slower
-        # for one-wave top-k and dense reads).
+        # Load the next tile's block ids while this tile is merged; None: for runs in waves
+        # only (it lost on one-wave reads).
         self.prefetch = None
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
