@@ -9,6 +9,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py                # prints JSON
     python benchmark/kernels/bench_wave.py --serving-8b   # workload e's step, launch sweep
     python benchmark/kernels/bench_wave.py --serving-a    # workload a's (Qwen 0.5B heads)
+    python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
 """
 
 from __future__ import annotations
@@ -523,7 +524,7 @@ def _sweep_one(sweeps: dict, label: str, key: str, case: dict, splits, launch: d
     print(label, sweeps[key], file=sys.stderr, flush=True)
 
 
-def serving_a() -> dict:
+def serving_a(sweep: bool = True) -> dict:
     """Workload a's decode attention per layer, in the server's layout (`server_case`): 32
     requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
     (its share there), topk its 2048-token budget in one; a launch sweep of each (splits,
@@ -540,6 +541,9 @@ def serving_a() -> dict:
         def one(key, splits=None, _ctx=(sweeps, mode, case), **launch):
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, _ctx[2], splits, launch)
 
+        if not sweep:  # the library's launch only
+            result[mode] = {"case": case, "default": default}
+            continue
         default_splits = default["splits"]
         for sp in {max(1, default_splits // 2), default_splits * 2}:
             one(f"splits{sp}", splits=sp)
@@ -617,6 +621,6 @@ if __name__ == "__main__":
     if "--serving-8b" in sys.argv:
         print(json.dumps(serving_8b(), indent=1))
     elif "--serving-a" in sys.argv:
-        print(json.dumps(serving_a(), indent=1))
+        print(json.dumps(serving_a(sweep="--defaults-only" not in sys.argv), indent=1))
     else:
         print(json.dumps(run(), indent=1))
