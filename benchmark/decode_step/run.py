@@ -332,6 +332,12 @@ def summarize_cmd(args) -> None:
             for sw in out["launch_sweeps_a"]
             for mode in ("psa", "topk", "dense")
         }
+    if args.balance:
+        bal = json.loads(Path(args.balance).read_text())
+        out["balance"] = bal
+        summary["psa_largest_head_over_mean_time"] = bal["summary"]["largest_over_mean_time"]
+        summary["psa_heads_within_first_wave"] = bal["summary"]["share_of_heads_within_first_wave"]
+        summary["psa_heads_at_read_cap"] = bal["summary"]["share_of_heads_at_read_cap"]
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))
 
@@ -440,6 +446,7 @@ def main(argv=None) -> None:
         help="bench_wave.py --serving-a outputs (per-layer kernel times and launch sweeps at "
         "workload a's shape), each with the commit it ran",
     )  # fmt: skip
+    s.add_argument("--balance", help="a `balance` output (psa's reads per KV head)")
     s.set_defaults(fn=summarize_cmd)
     b = sub.add_parser("balance", help="psa's reads per (request, KV head) on the real model")
     b.add_argument("--out", default="decode_step_balance.json")
