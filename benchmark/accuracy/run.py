@@ -24,7 +24,7 @@ from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 
 
 def policies(context: int, topk_fracs: list[float]) -> list[DecodePolicy]:

@@ -114,7 +114,7 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     for later, frac in ((0, 0.5), (0, 0.4), (0, 0.3), (32, 0.4)):
         capped = current.replace(later_wave_blocks=later, max_read_fraction=frac)
         out.append(DecodePolicy("psa", capped))
-    # After the certified-bound study (benchmark/results/certified_bound_cpu_16k.json: the
+    # After the certified-bound study (benchmark/results/archive/certified_bound_cpu_16k.json: the
     # min/max bound certifies nothing, per-token key codes of 4-6 bits certify ε 0.9 at
     # 0.42-0.50 of the KV at 16K, codes counted): the certified rule on key codes, with a
     # first wave of 1/8 of the blocks and later waves from 16.

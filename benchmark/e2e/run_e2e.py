@@ -42,7 +42,7 @@ from sglang_psa.eval.tasks import make_tasks
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model, kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmark" / "results"
+RESULTS = REPO / "benchmark" / "results" / "archive"
 RAW_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",

@@ -1,4 +1,4 @@
-"""All kernel benchmarks on the GPU -> benchmark/results/kernels_h100.json and a plot.
+"""All kernel benchmarks on the GPU -> benchmark/results/archive/kernels_h100.json and a plot.
 
 PYTHONPATH=python:sgl-kernel-ext python benchmark/kernels/run_all.py [--name kernels_h100]
 """
@@ -16,7 +16,7 @@ import bench_wave  # noqa: E402
 
 from sglang_psa.eval.results import write_result  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 KEYS = (
     "h2d_memcpy_peak_gbps",
     "gather_ratio_8k",

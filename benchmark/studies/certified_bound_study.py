@@ -66,7 +66,7 @@ from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import Session, load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 KV_ELEM_BYTES = 2  # bf16
 
 

@@ -29,7 +29,7 @@ from sglang_psa.hf.decode import load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 from sglang_psa.plugin.flags import add_psa_args, config_from_namespace
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 POLICIES = {
     "dense": DecodePolicy("dense"),
     # Spelled out: PSAConfig's defaults became the candidate's after this comparison.

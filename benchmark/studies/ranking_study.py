@@ -41,7 +41,7 @@ from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import Session, load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 ESTIMATES = ("oracle", "mean", "bound", "sub4")
 
 

@@ -6,7 +6,7 @@ For a few generated tasks, decode greedily with dense attention, PSA at the
 default settings, PSA with one-block waves (no wave rounding), PSA ranked by
 Quest's bound, and the oracle (blocks by their true mass: the fewest any
 ranking could read for the same ε). Reports the mean fraction of KV blocks read
-and agreement with dense per policy -> benchmark/results/sparsity_cpu.json.
+and agreement with dense per policy -> benchmark/results/archive/sparsity_cpu.json.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sglang_psa.hf.attention import DecodePolicy
 from sglang_psa.hf.decode import load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ first diverging token (PSA in one layer only, or everywhere but one layer).
 Everything is composed from `sglang_psa.algo` inside this script: the union
 policy and the diagnostics wrap `progressive_attention` as the transformers hook
 sees it, and a per-layer switch wraps `PSARuntime.__call__`; library code is
-unchanged. Writes benchmark/results/stop_rule_cpu.json (+ .png).
+unchanged. Writes benchmark/results/archive/stop_rule_cpu.json (+ .png).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from sglang_psa.hf.attention import DecodePolicy, PSARuntime, runtime
 from sglang_psa.hf.decode import Session, load_model
 from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 
 # ---------------------------------------------------------------------------
 # Script-local plumbing: a union-with-top-k PSA variant, diagnostics, layer switch.

@@ -58,7 +58,7 @@ class PSAConfig:
     threshold: float = 0.98
     stop_rule: str = "heuristic"
     # Quest's bound ranks long-context answers well where mean keys do not, and a first
-    # wave of 16 blocks acts as a floor (benchmark/results/defaults_cpu_{8k,16k}.json).
+    # wave of 16 blocks acts as a floor (benchmark/results/archive/defaults_cpu_{8k,16k}.json).
     score: str = "bound"
     block_size: int = 32
     sink_blocks: int = 1
@@ -69,7 +69,7 @@ class PSAConfig:
     # A first wave that grows with the context: this fraction of a request's blocks (0:
     # always `wave_blocks`), between `wave_blocks` and `max_first_wave_blocks`. A fixed
     # first wave is 12% of a 4K context but 1.6% of a 32K one, where heads then stop too
-    # early (benchmark/results/adaptive_probe_long.json); a cap of 64 blocks left the
+    # early (benchmark/results/archive/adaptive_probe_long.json); a cap of 64 blocks left the
     # misses at 16K-32K that a 4096-token top-k did not have.
     wave_fraction: float = 0.25
     max_first_wave_blocks: int = 128
