@@ -192,49 +192,6 @@ def bench_case(
     return out
 
 
-def bench_pipelined(batch: int, ctx: int, frac: float, host_fraction: float) -> dict:
-    """The paper's alternative (`WavePipeline`: a launch per wave, a host loader filling
-    spare slots, zero-copy progress flags) against the one-launch UVA kernel, same data.
-    Wall time per step including the host loop (it cannot be captured in a graph)."""
-    import time
-
-    from sgl_kernel_ext.wave_pipeline import WavePipeline
-
-    q, ks, vs, kh, vh, loc, lengths, meta = setup(batch, ctx, host_fraction)
-    nb = ctx // BS
-    budget = max(2, round(frac * (ctx // BS)))
-    n = ks.shape[0]
-    spare_n = batch * HKV * budget
-    ks = torch.cat([ks, torch.empty(spare_n, BS, D, device="cuda", dtype=ks.dtype)])
-    vs = torch.cat([vs, torch.empty_like(ks[n:])])
-    if kh is None:
-        kh, vh = ks[:n].cpu().pin_memory(), vs[:n].cpu().pin_memory()
-    spare = torch.arange(n, n + spare_n, device="cuda")
-    wa = WaveAttention.from_config(CONFIG).plan(batch, HQ, HKV, D, nb, "cuda")
-    pipe = WavePipeline(wa, spare)
-
-    def step():
-        pipe.run(q, ks, vs, loc, lengths, *meta, kh, vh, max_read_blocks=budget)
-        torch.cuda.synchronize()
-
-    step()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    one = bench_case(batch, ctx, frac, host_fraction)
-    return {
-        "batch": batch,
-        "ctx": ctx,
-        "fraction": frac,
-        "host_fraction": host_fraction,
-        "pipelined_wall_us": sorted(times)[2] * 1e6,
-        "one_launch_graph_us": one["time_us"],
-        "one_launch_eager_us": one["eager_time_us"],
-    }
-
-
 def dense_sdpa_us(batch: int, ctx: int) -> float:
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)
@@ -340,9 +297,6 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
         r["pcie_time_us"] = host_bytes / (h2d * 1e9) * 1e6
         host_rows.append(r)
         print(json.dumps(r), flush=True)
-    pipelined = [bench_pipelined(8, 131072, 0.05, hf) for hf in (0.0, 0.5, 1.0)]
-    for r in pipelined:
-        print(json.dumps(r), flush=True)
     # Fixed cost per layer: the smallest step (2 blocks per head, batch 1, 1K context).
     # Per layer in a 32-layer graph (a decode step's graph holds every layer); the step
     # replayed alone, graph launch included, is kept beside it.
@@ -376,7 +330,6 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
         else math.nan,
         "rows": rows,
         "host_rows": host_rows,
-        "pipelined_alternative": pipelined,
         "dense_sdpa_us": dense,
         "overhead_case": small,
         "overhead_one_step_per_graph_us": overhead_one_graph,

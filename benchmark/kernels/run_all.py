@@ -1,4 +1,4 @@
-"""All kernel benchmarks on the GPU -> benchmark/results/archive/kernels_h100.json and a plot.
+"""The wave kernel's benchmark on the GPU -> benchmark/results/archive/kernels_h100.json, a plot.
 
 PYTHONPATH=python:sgl-kernel-ext python benchmark/kernels/run_all.py [--name kernels_h100]
 """
@@ -11,18 +11,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_gather  # noqa: E402
 import bench_wave  # noqa: E402
 
 from sglang_psa.eval.results import write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 KEYS = (
-    "h2d_memcpy_peak_gbps",
-    "gather_ratio_8k",
-    "gather_ratio_16k",
-    "gather_ratio_16k_under_attention",
-    "scatter_ratio_16k",
+    "h2d_memcpy_peak_gbps_for_host_ratio",
     "wave_attention_hbm_efficiency",
     "wave_fixed_overhead_us",
     "host_block_cost_ratio",
@@ -67,11 +62,8 @@ def main() -> None:
     ap.add_argument("--name", default="kernels_h100")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    gather = bench_gather.run()
-    print(gather, flush=True)
-    wave = bench_wave.run(h2d_floor_gbps=gather["h2d_memcpy_peak_gbps"])
-    merged = {**gather, **{k: v for k, v in wave.items() if not isinstance(v, (list, dict))}}
-    summary = {k: merged[k] for k in KEYS}
+    wave = bench_wave.run()
+    summary = {k: wave[k] for k in KEYS}
     # Not contract keys: the step on every byte it reads (K/V plus the ranking's metadata),
     # the most the contract ratio can reach, the wave kernel alone, and the headline with
     # the sweeps' best launch shape (the contract keys use the library's defaults).
@@ -86,7 +78,7 @@ def main() -> None:
     write_result(
         out / f"{args.name}.json",
         summary,
-        {"gather": gather, "wave": wave},
+        {"wave": wave},
         note="wave attention timed as CUDA-graph replay; random bf16 data, block "
         "budget forced (threshold 1 + max_read_blocks), Llama-3.1-8B head layout",
     )

@@ -616,34 +616,3 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device):
     read = ref.read[..., :nb].cpu()
     assert int(stats[0]) == int(read.sum())
     assert int(stats[2]) == int((read & on_host).sum()) > 0
-
-
-@pytest.mark.parametrize(
-    "rule,eps,host", [("heuristic", 0.9, 0.0), ("heuristic", 0.95, 0.5), ("certified", 0.95, 0.4)]
-)
-def test_pipelined_waves_with_host_flags_match_reference(device, rule, eps, host):
-    """The paper's alternative: one launch per wave, a loader copying host blocks into
-    spare slots, per-head progress flags in host memory. Same result as the reference."""
-    from sgl_kernel_ext.wave_attention import WaveAttention
-    from sgl_kernel_ext.wave_pipeline import WavePipeline
-
-    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
-    q, k, v, lengths = _case(11, device=device)
-    ref = progressive_attention(q, k, v, lengths, cfg)
-    bs = cfg.block_size
-    meta = block_metadata(k, lengths, bs)
-    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, bs, host, seed=3)
-    n = k_slots.shape[0]
-    spare = torch.arange(n, 2 * n, device=device)  # room for every host block
-    k_slots = torch.cat([k_slots, torch.zeros_like(k_slots)])
-    v_slots = torch.cat([v_slots, torch.zeros_like(v_slots)])
-    wa = WaveAttention.from_config(cfg).plan(
-        *q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device
-    )
-    res = WavePipeline(wa, spare).run(
-        q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax, k_host, v_host
-    )
-    assert torch.equal(res.read_mask(), ref.read)
-    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
-    assert torch.equal(res.n_waves.long(), ref.n_waves)
