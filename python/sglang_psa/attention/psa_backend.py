@@ -11,7 +11,7 @@ batch size; graph state comes from `init_cuda_graph_state`):
 - once per step (`init_forward_metadata_in_graph`): the page table `[B, NB]`
   (NB = blocks of the longest context SGLang allows) gathered from SGLang's
   request table, the lengths, the working-set measurement of the batch
-  (`mem_cache.working_sets`), the step counter;
+  (`mem_cache.read_stamps`), the step counter;
 - per layer (`forward_decode`): SGLang stores the new K/V; the page of each new
   token gets its metadata (`mem_cache.page_meta`); scoring, ranking and the wave
   kernel read SGLang's KV buffers in place (slot = page), writing the output in
@@ -43,8 +43,8 @@ from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.distributed import RankAgreement, kv_ranks
 from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.page_meta import PageMeta
+from sglang_psa.mem_cache.read_stamps import ReadStamps
 from sglang_psa.mem_cache.residency import Residency
-from sglang_psa.mem_cache.working_sets import WorkingSets
 from sglang_psa.sched.serving import PSAServing, current, install
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class PSAAttnBackend(AttentionBackend):
             host_rows=host_rows,
             bound_bits=cfg.bound_bits,
         )
-        self.ws = WorkingSets(
+        self.ws = ReadStamps(
             pool.layer_num,
             pool.head_num,
             num_pages + host_rows,

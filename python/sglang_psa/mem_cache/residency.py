@@ -12,7 +12,7 @@ forward, which waits for that stream), with no host sync:
 1. the request's location table (`WriteBack.host_loc`) sends the wave kernel to
    the host copy of each block (only acknowledged saves qualify);
 2. the block's metadata and last-read stamps move from its page row to the
-   host block's row (`PageMeta`/`WorkingSets` keep `pages + host blocks` rows:
+   host block's row (`PageMeta`/`ReadStamps` keep `pages + host blocks` rows:
    a block is scored and stamped wherever its KV lives);
 3. its request-table entries point at page 0 (SGLang's padding page, never
    allocated): nothing reads them, and the allocator hook
@@ -23,7 +23,7 @@ A forward already launched reads either copy: both hold the same KV until a
 later forward, ordered after these writes, writes the page again.
 
 Victims: the saved blocks of the running requests that the fewest (layer, KV
-head) units read lately, by the heat the step publishes (`WorkingSets.heat`:
+head) units read lately, by the heat the step publishes (`ReadStamps.heat`:
 units that read the block within the last few steps, a step or two old, never
 waited for): a page's cost on the host is the units decode reads there. Among
 equally read blocks the oldest first. Never the sink blocks or the last

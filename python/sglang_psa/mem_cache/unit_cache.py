@@ -133,7 +133,7 @@ class UnitCache:
 
     def refresh(self, stamps: torch.Tensor, page_rows: int, step: torch.Tensor, host, pool):
         """Bring in the host units the last step read, one launch per layer. `stamps
-        [L * Hkv, page_rows + HB]` (`WorkingSets.stamps`), `host.k/v[l]` the host tier's
+        [L * Hkv, page_rows + HB]` (`ReadStamps.stamps`), `host.k/v[l]` the host tier's
         layer `l` `[Hkv, HB, bs, d]`, `pool.k_buffer/v_buffer[l]` SGLang's."""
         if not self.pages:
             return

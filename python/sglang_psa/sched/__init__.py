@@ -10,7 +10,7 @@ from sglang_psa.sched.admission import (
     Candidate,
     CannotFit,
 )
-from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
+from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
 __all__ = [
     "AdmissionController",

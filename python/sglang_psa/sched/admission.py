@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sglang_psa.sched.working_set import WorkingSetTracker
+from sglang_psa.sched.estimates import WorkingSetTracker
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.sched.admission import AdmissionController, Candidate
-from sglang_psa.sched.working_set import WorkingSetTracker, always_attended_units
+from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
 logger = logging.getLogger(__name__)
 

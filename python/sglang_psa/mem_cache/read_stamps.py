@@ -28,7 +28,7 @@ from sgl_kernel_ext.working_set import block_readers, working_set_parts
 HEAT_WINDOW = 4  # steps over which a block's readers are counted
 
 
-class WorkingSets:
+class ReadStamps:
     def __init__(
         self,
         layers: int,

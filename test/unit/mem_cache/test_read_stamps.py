@@ -10,7 +10,7 @@ from sgl_kernel_ext.working_set import (
     working_set_parts,
     working_set_ref,
 )
-from sglang_psa.mem_cache.working_sets import WorkingSets
+from sglang_psa.mem_cache.read_stamps import ReadStamps
 from sglang_psa.sched import WorkingSetTracker
 
 
@@ -19,7 +19,7 @@ def test_published_sizes_equal_the_union_of_the_last_window_steps(kernel_device,
     device = kernel_device
     g = torch.Generator().manual_seed(window)
     L, H, P, BS = 2, 2, 40, 4
-    ws = WorkingSets(L, H, P, window, rows=8, block_size=BS, device=device)
+    ws = ReadStamps(L, H, P, window, rows=8, block_size=BS, device=device)
     tracker = WorkingSetTracker(window)
     # Two requests with their own pages (no sharing), of 7 and 5 blocks.
     pages = torch.tensor([[3, 9, 1, 22, 7, 30, 11], [5, 6, 8, 14, 2, 0, 0]], device=device)
