@@ -50,11 +50,9 @@ class PSAConfig:
 
     sparse_mode: str = "psa"
     # The default policy (ε 0.98, 8-bit key bounds, a first wave of 1/4 of the blocks up
-    # to 128, a KV head reading at most half its request's blocks) reads 0.30 of the KV at
-    # dense's accuracy with 0.93 of 64-token completions identical to dense's on the H100's
-    # 70-task suite at 4K-32K; the smallest top-k budget at that quality reads 0.64 (8192
-    # tokens). Caps of 0.4 and 0.3 read 0.28 and 0.25 at exactly 0.90 identical; without
-    # a cap the same policy read 0.35 at 0.91 (benchmark/results/adaptive_budget.json).
+    # to 128, a KV head reading at most half its request's blocks): the policy suite's
+    # choice at dense's accuracy, against the smallest top-k budget of the same quality
+    # and tighter caps (benchmark/results/adaptive_budget.json).
     threshold: float = 0.98
     stop_rule: str = "heuristic"
     # Quest's bound ranks long-context answers well where mean keys do not, and a first
@@ -68,9 +66,9 @@ class PSAConfig:
     max_wave_blocks: int = 128
     # A first wave that grows with the context: this fraction of a request's blocks (0:
     # always `wave_blocks`), between `wave_blocks` and `max_first_wave_blocks`. A fixed
-    # first wave is 12% of a 4K context but 1.6% of a 32K one, where heads then stop too
-    # early (benchmark/results/archive/adaptive_probe_long.json); a cap of 64 blocks left the
-    # misses at 16K-32K that a 4096-token top-k did not have.
+    # first wave is a large share of a 4K context but a small one of a 32K one, where heads
+    # stop too early (benchmark/results/archive/adaptive_probe_long.json); a cap of 64
+    # blocks left misses at 16K-32K that a 4096-token top-k did not have.
     wave_fraction: float = 0.25
     max_first_wave_blocks: int = 128
     # The waves after the first start at this many blocks (0: as large as the first wave).

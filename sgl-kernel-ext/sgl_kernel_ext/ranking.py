@@ -4,8 +4,8 @@ The spec is `WaveAttention.rank`'s torch path: criticality = max over the GQA gr
 of (logit - logsumexp over the request's blocks); sink and tail blocks first, in
 block order; then by criticality, descending, ties by block.
 
-One program per (request, KV head) sorting a whole row left most SMs idle and took
-91 us at 4096 blocks (H100, batch 8). Instead each row is cut into chunks of `C`
+One program per (request, KV head) sorting a whole row leaves most SMs idle. Instead
+each row is cut into chunks of `C`
 blocks: one program per (request, KV head, chunk) sorts its chunk in registers,
 and a second launch places every element at its global rank = its rank in its own
 chunk + its count of smaller elements in each other chunk (binary searches). Keys

@@ -184,7 +184,7 @@ def block_scores(
     scale: float,
     method: str = "mean",
     want_bound: bool = False,
-    blocks_per_program: int = 32,  # measured best on the H100 (128K ctx, batch 8)
+    blocks_per_program: int = 32,  # the plan passes its swept launch (bench_wave)
     num_warps: int = 2,
     pages: torch.Tensor | None = None,
     normalize: bool = True,

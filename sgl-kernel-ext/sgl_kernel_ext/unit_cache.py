@@ -125,9 +125,8 @@ def refresh_unit_cache(
         step, copied, stamps.stride(0), HB, C, sets, keep,
         pool_k.stride(0), pool_k.stride(1), host_k.stride(0),
         # One warp: with several, Triton 3.6 let warps of one program see different
-        # choices from the reductions in the ways loop (at 2 and 4 ways on the H100) and
-        # copy parts of different units; one warp per (KV head, set) is still hundreds
-        # of programs per layer.
+        # choices from the reductions in the ways loop and copy parts of different units;
+        # one warp per (KV head, set) is still hundreds of programs per layer.
         WAYS=ways, CAND=cand, BS=host_k.shape[2], D=host_k.shape[3], num_warps=1,
     )  # fmt: skip
     return

@@ -704,13 +704,13 @@ class WaveAttention:
                 programs = batch * n_kv_heads
                 if self.one_wave:
                     # Programs never wait for each other: ~32 warps per SM, at least 8
-                    # blocks each (bench_wave --serving-a: 32 splits dense, 8 for top-k).
+                    # blocks each (the best of bench_wave --serving-a's sweeps).
                     read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
                     per_sm = 32 // self.warps
                     splits = max(1, min(32, -(-per_sm * sms // programs), read // 8))
                 else:
                     # As many programs as the register file holds per SM, at ~160 registers
-                    # a thread (H100; capping them with maxnreg spilled and ran slower);
+                    # a thread (capping them with maxnreg spilled and ran slower);
                     # run() halves this if a launch does not fit. Short contexts get fewer:
                     # every wave ends in a barrier of all the splits (and a split launch is
                     # cooperative), which costs more than it saves below ~64 blocks per
