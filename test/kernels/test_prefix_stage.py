@@ -49,15 +49,24 @@ def test_stage_matches_reference(kernel_device, heads, d, blocks):
 
 
 def test_reference_reads_each_home(kernel_device):
-    """The reference itself: a pool row where the slot is real, the host row elsewhere."""
-    pool_k, pool_v, host_k, host_v, slots, rows, P = _case(2, 64, 8, "cpu", 1)
-    k, _ = stage_prefix_ref(pool_k, pool_v, host_k, host_v, slots, rows)
-    for j in (0, 40, 100, P - 1):
-        if rows[j] >= 0:
-            hb, off = divmod(int(rows[j]), 32)
-            assert torch.equal(k[j], host_k[:, hb, off])
+    """The reference itself, on the case's device (the pool in GPU memory and the host tier
+    pinned, on the GPU): every row from the pool at its slot where the slot is real, else
+    from the host tier's row, both homes used."""
+    pool_k, pool_v, host_k, host_v, slots, rows, P = _case(2, 64, 8, kernel_device, 1)
+    assert pool_k.device.type == kernel_device and host_k.device.type == "cpu"
+    k, v = stage_prefix_ref(pool_k, pool_v, host_k, host_v, slots, rows)
+    assert k.device == v.device == pool_k.device and k.shape == v.shape == (P, 2, 64)
+    k, v, pool_k, pool_v = (t.cpu() for t in (k, v, pool_k, pool_v))
+    on_host = 0
+    for j, (slot, row) in enumerate(zip(slots.tolist(), rows.tolist())):
+        if row >= 0:
+            hb, off = divmod(row, 32)
+            want_k, want_v = host_k[:, hb, off], host_v[:, hb, off]
+            on_host += 1
         else:
-            assert torch.equal(k[j], pool_k[int(slots[j])])
+            want_k, want_v = pool_k[slot], pool_v[slot]
+        assert torch.equal(k[j], want_k) and torch.equal(v[j], want_v), j
+    assert 0 < on_host < P
 
 
 def test_bad_shapes_are_refused():
