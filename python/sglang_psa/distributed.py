@@ -37,13 +37,15 @@ class RankAgreement:
     def from_sglang(cls) -> RankAgreement:
         """The agreement of this scheduler process: SGLang's TP group's CPU (gloo) group,
         or a single rank when there is no tensor parallelism (or no SGLang running in this
-        process: one that runs has imported its parallel state)."""
-        parallel_state = sys.modules.get("sglang.srt.distributed.parallel_state")
-        if parallel_state is None:
+        process: one that runs has imported its runtime context and set up its groups)."""
+        runtime_context = sys.modules.get("sglang.srt.runtime_context")
+        if runtime_context is None:
             return cls()
-        try:
-            tp = parallel_state.get_tp_group()
-        except AssertionError:  # SGLang's distributed state is not set up: one rank
+        try:  # (`parallel_state.get_tp_group()` is deprecated from 0.5.23 on)
+            tp = runtime_context.get_parallel().tp_group
+        # SGLang's distributed state is not set up: one rank (0.5.17 asserts; 0.5.23 raises
+        # RuntimeError, or ValueError before any parallel config is published)
+        except (AssertionError, RuntimeError, ValueError):
             return cls()
         if tp.world_size <= 1:
             return cls()
@@ -87,5 +89,7 @@ def kv_ranks() -> int:
         return 1
     try:
         return max(1, int(runtime_context.get_parallel().attn_tp_size))
-    except AssertionError:  # SGLang's distributed state is not set up: one rank
+    # SGLang's distributed state is not set up: one rank (0.5.17 asserts; 0.5.23 raises
+    # RuntimeError, or ValueError before any parallel config is published)
+    except (AssertionError, RuntimeError, ValueError):
         return 1
