@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # README's first command on a CPU-only machine (the install half; CI runs it as written):
-# torch's CPU build, this project with its research, test and bench extras, and SGLang for the
-# plugin tests (scripts/install_sglang_cpu.sh). A torch already installed is kept.
+# torch's CPU build, this project with its research, test and bench extras, and SGLang for
+# the plugin tests (scripts/install_sglang_cpu.sh; SGLANG_VERSION=0.5.23 for that release).
+# A torch already installed is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH="torch==2.13.0"  # the build CI tests
+# SGLANG_VERSION: the SGLang release the plugin tests run against (0.5.17, what CI tests,
+# or 0.5.23), with the torch its wheel pins.
+case "${SGLANG_VERSION:=0.5.17}" in
+  0.5.17) TORCH="torch==2.13.0" ;;  # the build CI tests (SGLang 0.5.17 pins 2.11.0)
+  0.5.23) TORCH="torch==2.14.1" ;;
+  *) echo "install_cpu: SGLANG_VERSION is 0.5.17 or 0.5.23, not $SGLANG_VERSION" >&2; exit 2 ;;
+esac
+export SGLANG_VERSION
 CPU_INDEX="https://download.pytorch.org/whl/cpu"
 if python -c "import torch" 2>/dev/null; then
   echo "install_cpu: keeping torch $(python -c 'import torch; print(torch.__version__)')" >&2

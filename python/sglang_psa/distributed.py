@@ -37,15 +37,18 @@ class RankAgreement:
     def from_sglang(cls, tp_size: int = 1) -> RankAgreement:
         """The agreement of this scheduler process: SGLang's TP group's CPU (gloo) group,
         or a single rank when there is no tensor parallelism (or no SGLang running in this
-        process: one that runs has imported its parallel state). With `tp_size` > 1 (the
-        server's `--tp`) a missing or smaller TP group raises: ranks that decided alone
-        would run different batches and hang in the next collective."""
-        parallel_state = sys.modules.get("sglang.srt.distributed.parallel_state")
+        process: one that runs has imported its runtime context and set up its groups).
+        With `tp_size` > 1 (the server's `--tp`) a missing or smaller TP group raises:
+        ranks that decided alone would run different batches and hang in the next
+        collective."""
+        runtime_context = sys.modules.get("sglang.srt.runtime_context")
         tp = None
-        if parallel_state is not None:
-            try:
-                tp = parallel_state.get_tp_group()
-            except AssertionError:  # SGLang's distributed state is not set up
+        if runtime_context is not None:
+            try:  # (`parallel_state.get_tp_group()` is deprecated from 0.5.23 on)
+                tp = runtime_context.get_parallel().tp_group
+            # SGLang's distributed state is not set up: one rank (0.5.17 asserts; 0.5.23
+            # raises RuntimeError, or ValueError before any parallel config is published)
+            except (AssertionError, RuntimeError, ValueError):
                 tp = None
         world = 1 if tp is None else tp.world_size
         if tp_size > 1 and world != tp_size:
@@ -96,5 +99,7 @@ def kv_ranks() -> int:
         return 1
     try:
         return max(1, int(runtime_context.get_parallel().attn_tp_size))
-    except AssertionError:  # SGLang's distributed state is not set up: one rank
+    # SGLang's distributed state is not set up: one rank (0.5.17 asserts; 0.5.23 raises
+    # RuntimeError, or ValueError before any parallel config is published)
+    except (AssertionError, RuntimeError, ValueError):
         return 1

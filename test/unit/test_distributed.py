@@ -201,4 +201,7 @@ def test_the_sglang_internals_the_agreement_relies_on_are_there():
     assert isinstance(getattr(ParallelContext, "attn_tp_size", None), property), (
         "SGLang's ParallelContext.attn_tp_size is gone: update sglang_psa.distributed.kv_ranks"
     )
+    assert isinstance(getattr(ParallelContext, "tp_group", None), property), (
+        "SGLang's ParallelContext.tp_group is gone: update RankAgreement.from_sglang"
+    )
     assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1

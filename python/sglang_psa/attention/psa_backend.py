@@ -382,6 +382,18 @@ class PSAAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
+    def shared_read_ends(self, fm):
+        """SGLang 0.5.23's write-after-read contract (0.5.17: the `_apply_war_barrier`
+        hook): at the tiered home the decode graph reads the request and location tables
+        during its whole replay (eviction and the unit cache rewrite them on the
+        scheduler's stream), so the scheduler waits for the replay's end; elsewhere the
+        reads end with the in-graph metadata, as SGLang assumes."""
+        from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+
+        if self.writeback is not None and fm.is_decode():
+            return SharedReadEnds.POST_REPLAY
+        return super().shared_read_ends(fm)
+
     # -- prefill: metadata of the pages an extend wrote -------------------------------
     def on_extend(self, layer, forward_batch) -> None:
         """After the dense prefill backend ran `layer` of an extend batch (its K/V are in

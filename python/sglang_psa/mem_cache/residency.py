@@ -61,6 +61,7 @@ import torch
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
+from sglang_psa.plugin.hooks import req_row
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -150,7 +151,7 @@ class Residency:
         the last whole block before that; False, and the request unparked (prefilled
         whole, as SGLang would), when no whole block is left."""
         kept = self.parked.get(req.rid)
-        if kept is None or getattr(req, "req_pool_idx", None) is not None:
+        if kept is None or req_row(req) is not None:
             return False
         fill = len(req.full_untruncated_fill_ids)
         limit = fill - 1  # SGLang computes at least the last token (its logits)
@@ -194,7 +195,7 @@ class Residency:
                     f"sglang-psa: parked request {req.rid} resumes with a prefix of "
                     f"{len(req.prefix_indices)} tokens, {kept} were kept in the host tier"
                 )
-            self.wb.resume(req.rid, int(req.req_pool_idx))
+            self.wb.resume(req.rid, int(req_row(req)))
             self.resumed += 1
             self.resumed_host_tokens += kept
             self.resumed_recomputed_tokens += len(req.full_untruncated_fill_ids) - kept
@@ -222,7 +223,7 @@ class Residency:
         and never names a page that went back to the allocator."""
         n = len(getattr(req, "prefix_indices", ()))
         if n and req.rid in self.evicted:
-            row = self.req_to_token[req.req_pool_idx, :n]
+            row = self.req_to_token[req_row(req), :n]
             req.prefix_indices = row.to(dtype=torch.int64, copy=True)
 
     @property
@@ -409,4 +410,4 @@ class Residency:
 
 def _live(reqs):
     """Requests holding a request-table row and not finished."""
-    return (r for r in reqs if getattr(r, "req_pool_idx", None) is not None and not r.finished())
+    return (r for r in reqs if req_row(r) is not None and not r.finished())

@@ -47,6 +47,7 @@ from sgl_kernel_ext.writeback import copy_pages_to_units, gather_pages_head_majo
 from sglang_psa.mem_cache.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
 from sglang_psa.mem_cache.host_pool import HostKVPool
 from sglang_psa.mem_cache.strided_copy import StridedCopy
+from sglang_psa.plugin.hooks import req_row
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +368,7 @@ class WriteBack:
         bs = self.block_size
         self._extend = []
         for req, n in zip(reqs, seq_lens):
-            self._plan(req.rid, int(req.req_pool_idx), int(n) // bs, self._extend)
+            self._plan(req.rid, int(req_row(req)), int(n) // bs, self._extend)
 
     def plan_decode(self, reqs, seq_lens) -> None:
         """A decode batch is about to run with lengths `seq_lens` (its new tokens
@@ -376,7 +377,7 @@ class WriteBack:
         self.poll()
         bs = self.block_size
         for req, n in zip(reqs, seq_lens):
-            self._plan(req.rid, int(req.req_pool_idx), (int(n) - 1) // bs, self._decode)
+            self._plan(req.rid, int(req_row(req)), (int(n) - 1) // bs, self._decode)
 
     # -- issuing (attention backend, on the forward's stream) -------------------------
     def _tables(self, entries: list[_Entry], req_to_token: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 
+from sglang_psa.plugin import hooks
+from sglang_psa.plugin.hooks import req_prefix_len, req_row
 from sglang_psa.sched.serving import combine_ranks, current
 
 
@@ -53,7 +55,7 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     slack = 2 * serving.cfg.block_size
     staged = serving.stages_prefill and adder.rem_chunk_tokens is not None
-    if staged and serving.oversize(_holds(req, prefix=len(req.prefix_indices)) + slack):
+    if staged and serving.oversize(_holds(req, prefix=req_prefix_len(req)) + slack):
         result = _add_oversize(original, adder, req, running, serving, slack,
                                has_chunked_req, truncation_align_size)  # fmt: skip
         if req not in adder.can_run_list:
@@ -120,8 +122,8 @@ def _resumes_chunked_strict(adder, req) -> bool:
     chunked by SGLang's `ignore_eos` path, which chunks only prompts without a prefix (it
     asserts so). Its few tokens wait a round for a whole chunk; more than a chunk are
     prefilled whole."""
-    prefix = len(getattr(req, "prefix_indices", ()))
-    if not prefix or getattr(req, "req_pool_idx", None) is not None:
+    prefix = req_prefix_len(req)
+    if not prefix or req_row(req) is not None:
         return False
     if not (req.sampling_params.ignore_eos and getattr(adder.tree_cache, "disable", True)):
         return False
@@ -147,8 +149,7 @@ class _chunk_cap:
         self.set = min(self.orig, self.cap)
         a.rem_chunk_tokens = self.set
         if self.credit:
-            a.rem_total_token_offset -= self.CREDIT
-            a.cur_rem_token_offset -= self.CREDIT
+            _shift_offsets(a, -self.CREDIT)
         return True
 
     def __exit__(self, *exc) -> None:
@@ -157,8 +158,14 @@ class _chunk_cap:
             return
         a.rem_chunk_tokens = self.orig - (self.set - a.rem_chunk_tokens)
         if self.credit:
-            a.rem_total_token_offset += self.CREDIT
-            a.cur_rem_token_offset += self.CREDIT
+            _shift_offsets(a, self.CREDIT)
+
+
+def _shift_offsets(adder, tokens: int) -> None:
+    """Add `tokens` to the adder's token budget offsets, what its budget holds back (its
+    own in 0.5.17, its `PrefillBudget`'s from 0.5.23 on: `hooks.READS`)."""
+    for key in ("adder.total_offset", "adder.current_offset"):
+        hooks.write(adder, key, hooks.read(adder, key) + tokens)
 
 
 def around_add_chunked_req(original, adder, req):
@@ -173,7 +180,7 @@ def around_add_chunked_req(original, adder, req):
     if not serving.oversize(_holds(req) + slack):
         return original(adder, req)
     running = getattr(adder.running_batch, "reqs", None) or []
-    left = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+    left = len(req.full_untruncated_fill_ids) - req_prefix_len(req)
     want = min(int(adder.rem_chunk_tokens), left) + slack
     alloc = adder.token_to_kv_pool_allocator
     free = serving.room_for_chunk(req, running, alloc, want)
@@ -240,7 +247,7 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
     params = req.sampling_params
     done = len(getattr(req, "output_ids", None) or ())  # a retracted request's output so far
     # what its prefill stores (a resumed request's prefix stays in the host tier)
-    fill = len(req.origin_input_ids) + done - len(getattr(req, "prefix_indices", ()))
+    fill = len(req.origin_input_ids) + done - req_prefix_len(req)
     # once added, SGLang charges its whole (clipped) max_new_tokens, whatever is done
     max_new = getattr(params, "max_new_tokens", None) or 0
     short = fill + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
@@ -293,8 +300,8 @@ def around_apply_war_barrier(original, scheduler):
     during its replay, and eviction and the unit cache rewrite them on that stream."""
     serving = current()
     if serving is not None and serving.residency is not None:
-        runner = scheduler.model_worker.war_fastpath_runner
-        runner.war_fastpath_read_done_event = None  # SGLang's whole-forward wait instead
+        runner = hooks.read(scheduler.model_worker, "worker.war_runner")
+        hooks.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
     return original(scheduler)
 
 
@@ -336,18 +343,20 @@ def around_release_page_ids(original, allocator, *page_ids):
     return original(allocator, *page_ids)
 
 
-def around_release_kv_cache(original, req, tree_cache, is_insert=True):
+def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     """A finished request is forgotten; a retracted one (SGLang releases it uninserted,
-    unfinished) keeps its history for when it resumes, and at the tiered home with
-    staged prefill its saved blocks, which leave HBM before SGLang frees the rest of its
-    KV (`Residency.park`)."""
+    unfinished: `is_insert`, from 0.5.23 on `checkpoint`, false) keeps its history for
+    when it resumes, and at the tiered home with staged prefill its saved blocks, which
+    leave HBM before SGLang frees the rest of its KV (`Residency.park`; where the release
+    has `prefix_slots`)."""
     serving = current()
     if serving is None:
-        return original(req, tree_cache, is_insert)
-    retracted = not is_insert and not req.finished()
-    if retracted and serving.stages_prefill:  # elsewhere it is prefilled again
-        serving.residency.park(req, tree_cache.token_to_kv_pool_allocator)
-    result = original(req, tree_cache, is_insert)
+        return original(req, tree_cache, *args, **kwargs)
+    insert = args[0] if args else kwargs.get(hooks.path("release.insert"), True)
+    retracted = not insert and not req.finished()
+    if retracted and serving.stages_prefill and hooks.has("prefix_slots"):
+        serving.residency.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
+    result = original(req, tree_cache, *args, **kwargs)
     serving.release(req.rid, retracted=retracted)
     return result
 

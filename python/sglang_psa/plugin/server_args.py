@@ -114,6 +114,13 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     for name, flag, why in _INCOMPATIBLE:
         if fields.get(name):
             raise PSAConfigError("sparse_mode", f"cannot be combined with {flag}: {why}")
+    if (fields.get("attn_dp_size") or 1) > 1:  # 0.5.23's spelling of DP attention
+        raise PSAConfigError(
+            "sparse_mode",
+            "cannot be combined with --attn-dp-size above 1: the plugin agrees its scheduling "
+            "over the tensor-parallel group that shards the KV heads; attention data "
+            "parallelism splits that group (use --tp, or several servers behind sglang-router)",
+        )
     if (fields.get("pp_size") or 1) > 1:
         raise PSAConfigError(
             "sparse_mode",
@@ -200,9 +207,19 @@ def around_from_cli_args(original, cls, args: argparse.Namespace):
         flags.export(None)
         return original(cls, args)
     server_args = original(cls, args)
-    object.__setattr__(server_args, "_psa_config", cfg)
+    _attach(server_args, cfg)
     flags.export(cfg)
     return server_args
+
+
+def _attach(server_args, cfg: PSAConfig) -> None:
+    """`server_args._psa_config = cfg`, past SGLang's write guard: 0.5.17's dataclass
+    takes it through `object.__setattr__`; 0.5.23's msgspec Struct keeps underscore names
+    that are not fields as bookkeeping, pickled with it into every process."""
+    try:
+        object.__setattr__(server_args, "_psa_config", cfg)
+    except TypeError:  # "can't apply this __setattr__": not a plain object
+        server_args._psa_config = cfg
 
 
 def around_init(original, self, *args, **kwargs):
@@ -214,9 +231,35 @@ def around_init(original, self, *args, **kwargs):
         apply(cfg, kwargs)
     result = original(self, *args, **kwargs)
     if cfg is not None:
-        object.__setattr__(self, "_psa_config", cfg)
+        _attach(self, cfg)
         flags.export(cfg)
     return result
+
+
+def around_engine_init(original, engine, *args, **kwargs):
+    """`sgl.Engine(sparse_mode="psa", ...)` from SGLang 0.5.23 on, whose `ServerArgs` is a
+    msgspec Struct (no hook reaches its constructor): the PSA keyword arguments leave
+    before SGLang builds its `ServerArgs` from the rest, adjusted as `apply` says, and
+    the config rides on it (`Engine.server_args_class` builds it) into every process."""
+    cfg = _pop_psa_kwargs(kwargs)
+    if cfg is None:
+        return original(engine, *args, **kwargs)
+    if args or "server_args" in kwargs:
+        raise TypeError("Engine takes keyword arguments only, not server_args, with sparse_mode")
+    apply(cfg, kwargs)
+    flags.export(cfg)
+    build = engine.server_args_class
+
+    def build_with_config(**fields):
+        server_args = build(**fields)
+        _attach(server_args, cfg)
+        return server_args
+
+    engine.server_args_class = build_with_config  # this engine's only
+    try:
+        return original(engine, *args, **kwargs)
+    finally:
+        del engine.server_args_class
 
 
 def config_of(server_args) -> PSAConfig | None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
+from sglang_psa.plugin.hooks import has, req_row
 from sglang_psa.sched.admission import AdmissionController, Candidate
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
@@ -182,14 +183,10 @@ class PSAServing:
         size and length are the largest any rank measured (`agreement`)."""
         if self.measure is None:
             return
-        running = [
-            r
-            for r in reqs
-            if getattr(r, "req_pool_idx", None) is not None and r.rid in self.controller.running
-        ]
+        running = [r for r in reqs if req_row(r) is not None and r.rid in self.controller.running]
         if running:
             sizes, lengths = self.measure()
-            rows = np.array([r.req_pool_idx for r in running], dtype=np.int64)
+            rows = np.array([req_row(r) for r in running], dtype=np.int64)
             sizes, lengths = self.agreement.max(np.asarray(sizes)[rows], np.asarray(lengths)[rows])
             window = self.cfg.ws_window
             for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
@@ -260,7 +257,7 @@ class PSAServing:
             res.make_room(reqs, tokens - int(allocator.available_size()), allocator)
         if tokens > allocator.available_size() and self.writeback.drain():
             res.make_room(reqs, tokens - int(allocator.available_size()), allocator)
-        if req is not None:
+        if req is not None and has("prefix_slots"):
             res.sync_prefix(req)
         return int(allocator.available_size())
 

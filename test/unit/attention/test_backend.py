@@ -774,6 +774,24 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
         assert torch.equal(backend._step.pages[b, :nb], want)
 
 
+def test_the_tiered_decode_graph_holds_table_rewrites_until_its_replay_ends():
+    """SGLang 0.5.23's write-after-read contract (0.5.17: the `_apply_war_barrier` hook,
+    test_scheduling.py): at the tiered home decode reads the request and location tables,
+    which eviction and the unit cache rewrite on the scheduler's stream, during its whole
+    replay, so the scheduler waits for the replay's end; elsewhere SGLang's default."""
+    base = pytest.importorskip("sglang.srt.layers.attention.base_attn_backend")
+    if not hasattr(base, "SharedReadEnds"):
+        pytest.skip("SGLang 0.5.17 has no shared_read_ends: the barrier hook covers it")
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    backend = object.__new__(PSAAttnBackend)  # the answer depends on the host tier alone
+    backend.writeback = None
+    assert backend.shared_read_ends(ForwardMode.DECODE) is base.SharedReadEnds.IN_REPLAY
+    backend.writeback = object()
+    assert backend.shared_read_ends(ForwardMode.DECODE) is base.SharedReadEnds.POST_REPLAY
+    assert backend.shared_read_ends(ForwardMode.EXTEND) is base.SharedReadEnds.UNKNOWN
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("writeback", ["engine", "uva"])
 def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(writeback):

@@ -56,6 +56,8 @@ def _backend(pool, md):
     b.use_verify_splitkv, b._translate_kv_loc = False, None
     b.extend_attention_fwd = extend_attention_fwd
     b.token_to_kv_pool, b.forward_metadata = pool, md
+    # read from 0.5.23 on (its FP8 and verify paths, off here)
+    b.use_dense_fp8_chunked_prefill = b.use_verify_shared_kv = b.use_mla = False
     return b
 
 
@@ -129,7 +131,11 @@ def test_staged_prefix_gives_the_resident_output(kernel_device, H, Hkv, d):
             qo_indptr=to(torch.tensor([0, extend[0], T])), max_extend_len=max(extend),
         )  # fmt: skip
         backend = _backend(pool, md)
-        fb = types.SimpleNamespace(out_cache_loc=to(out_loc), extend_prefix_lens_cpu=prefix)
+        fb = types.SimpleNamespace(
+            out_cache_loc=to(out_loc), extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=extend, mha_one_shot=False, attn_attend_prefix_cache=None,
+            out_cache_loc_is_physical=False,  # (the last four: read from 0.5.23 on)
+        )  # fmt: skip
         stage = None
         if staged:
             reqs = {rid: types.SimpleNamespace(host=host[rid]) for rid in "ab"}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.plugin import scheduling
+from sglang_psa.plugin import hooks, scheduling
 from sglang_psa.sched.admission import Candidate
 from sglang_psa.sched.serving import PSAServing, install
 
@@ -36,6 +36,12 @@ def serving(monkeypatch):
 
 def _noop(*args, **kwargs):
     return None
+
+
+def _insert(flag: bool) -> dict:
+    """`release_kv_cache`'s insert flag as the installed SGLang names it (`is_insert` in
+    0.5.17, keyword-only `checkpoint` from 0.5.23 on)."""
+    return {hooks.path("release.insert"): flag}
 
 
 def _req(rid, tokens, pool_idx=None, finished=False):
@@ -118,14 +124,14 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert serving.controller.tracker.size("a") == 60
     sizes[1], lengths[1] = 60, 639
     # SGLang retracts "b" (release without insert, not finished): paused, history kept.
-    scheduling.around_release_kv_cache(_noop, reqs[1], None, is_insert=False)
+    scheduling.around_release_kv_cache(_noop, reqs[1], None, **_insert(False))
     assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60
     assert (
         scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=reqs[:1])) is True
     )
     # "a" finishes: everything is returned.
     done = _req("a", 640, pool_idx=1, finished=True)
-    scheduling.around_release_kv_cache(_noop, done, None, is_insert=True)
+    scheduling.around_release_kv_cache(_noop, done, None, **_insert(True))
     assert "a" not in serving.controller.running and serving.controller.used_units == 0
     # The retracted request resumes through admission with its measured set.
     assert scheduling.around_add_one_req(_orig_admits, _adder(), reqs[1], False, None) == (
@@ -200,7 +206,7 @@ def test_without_sparse_mode_every_hook_passes_through():
     assert calls == [("a", True, 64)]
     assert scheduling.around_check_decode_mem(lambda *a: True, SimpleNamespace(reqs=[])) is True
     assert scheduling.after_validate_input_length(None, _req("a", 10**7), 1, False) is None
-    assert scheduling.around_release_kv_cache(lambda *a: "r", _req("a", 1), None, False) == "r"
+    assert scheduling.around_release_kv_cache(lambda *a, **k: "r", _req("a", 1), None) == "r"
 
 
 def test_server_info_reports_counters_and_held_kv(serving):
@@ -225,7 +231,7 @@ def test_a_retracted_request_aborted_while_waiting_is_forgotten(serving):
     for r in reqs:
         scheduling.around_add_one_req(_orig_admits, adder, r, False, None)
     for r in reqs[1:]:  # both retracted: back in SGLang's waiting queue, paused here
-        scheduling.around_release_kv_cache(_noop, r, None, is_insert=False)
+        scheduling.around_release_kv_cache(_noop, r, None, **_insert(False))
     assert serving.controller.paused == {"b", "c"}
     sched = SimpleNamespace(
         waiting_queue=[reqs[2]], running_batch=SimpleNamespace(reqs=[reqs[0]]), chunked_req=None
@@ -255,6 +261,10 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
     )
 
 
+@pytest.mark.skipif(
+    not hooks.applies(("0.5.17",)),
+    reason="SGLang 0.5.17's barrier hook; later releases ask the backend (test_backend.py)",
+)
 @pytest.mark.parametrize("tiered", [False, True])
 def test_tiered_table_rewrites_wait_for_the_whole_forward(serving, tiered):
     """SGLang's write-after-read barrier waits only for a decode graph's pre-replay snapshot
@@ -321,31 +331,72 @@ class _SGLangReq(SimpleNamespace):
             origin_input_ids=[0] * prompt,
             output_ids=[0] * out,
             full_untruncated_fill_ids=[0] * (prompt + out),
-            prefix_indices=[],
             seqlen=prompt + out,
-            req_pool_idx=None,
             last_node=None,
             host_hit_length=0,
             retracted_stain=False,
             sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
             finished=lambda: False,
         )
+        if hooks.has("prefix_slots"):  # 0.5.17: the prefix's slots, a row of its own
+            self.prefix_indices, self.req_pool_idx = [], None
+        else:  # from 0.5.23 on: the prefix's length, the row in the KV record
+            self.prefix_len, self.kv = 0, SimpleNamespace(req_pool_idx=None)
+            self.swa_host_hit_length, self.best_match_node = 0, None
+            self.auxiliary_swa_host_hit_length = self.mamba_host_hit_length = 0
+            self.storage_hit_start, self.storage_hit_length, self.host_loaded_length = None, 0, 0
+            self.cache_request_handle = None
 
-    def set_extend_range(self, start, end):
+    def set_extend_range(self, start, end):  # 0.5.17
         self.extend_range = SimpleNamespace(start=start, end=end, length=end - start)
+
+    @property
+    def extend_len(self):  # from 0.5.23 on: the extend runs [prefix_len, extend_end)
+        return self.extend_end - self.prefix_len
+
+    @property
+    def extended(self) -> tuple[int, int]:
+        """(first token, tokens) of the extend SGLang's adder set up, in either release."""
+        if "extend_range" in vars(self):
+            return self.extend_range.start, self.extend_range.length
+        return self.prefix_len, self.extend_len
 
     def needs_host_load_back(self):
         return False
 
+    def __getattr__(self, name):  # from 0.5.23 on the adder asks more of `Req`: its own code
+        from sglang.srt.managers.schedule_batch import Req
+
+        attr = getattr(Req, name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        if not callable(attr):
+            raise AttributeError(name)
+        return attr.__get__(self)
+
+
+def _set_prefix(req, tokens: int) -> None:
+    """`req`'s prefix is its first `tokens` tokens, where the installed SGLang keeps it
+    (0.5.17: a slot list, here page-0 entries as `Residency.resume_prefix` sets them)."""
+    hooks.write(req, "req.prefix", [0] * tokens if hooks.has("prefix_slots") else tokens)
+
 
 class _Alloc:
-    """SGLang's allocator as its `PrefillAdder` reads it: tokens free."""
+    """SGLang's allocator as its `PrefillAdder` reads it: tokens free (and from 0.5.23 on,
+    which asks the allocator for its prefill budget and more, its base class's methods)."""
+
+    page_size, shard_spec = BS, None
 
     def __init__(self, free: int):
         self.free = free
 
     def available_size(self):
         return self.free
+
+    def __getattr__(self, name):
+        from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+        return getattr(BaseTokenToKVPoolAllocator, name).__get__(self)
 
 
 def _real_adder(monkeypatch):
@@ -355,13 +406,31 @@ def _real_adder(monkeypatch):
         pytest.skip("SGLang is not installed (README's first command installs it)")
     policy = pytest.importorskip("sglang.srt.managers.schedule_policy")
     for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
-        monkeypatch.setattr(policy, name, lambda: False)  # parallel state is not published
-    tree = SimpleNamespace(
+        # parallel state is not published (0.5.17 asks; later releases may not)
+        monkeypatch.setattr(policy, name, lambda: False, raising=False)
+    if hasattr(policy, "get_exec"):  # 0.5.23 reads the published config: SGLang's defaults
+        features = SimpleNamespace(enable_encoder_swa_bounded_replay=False)
+        monkeypatch.setattr(policy, "get_exec", lambda: SimpleNamespace(features=features))
+    tree = _Tree(
         disable=True, evictable_size=lambda: 0, supports_mamba=lambda: False,
         is_tree_cache=lambda: False, inc_lock_ref=lambda node: None,
         dec_lock_ref=lambda node, *params: None,
+        lock=lambda node: None, unlock=lambda lock: None,  # 0.5.23's
     )  # fmt: skip
     return policy, tree
+
+
+class _Tree(SimpleNamespace):
+    """A prefix cache that is off; from 0.5.23 on the adder asks it more: those answers
+    are SGLang's base prefix cache's own."""
+
+    def __getattr__(self, name):
+        from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+        attr = getattr(BasePrefixCache, name, None)
+        if not callable(attr):
+            raise AttributeError(name)
+        return attr.__get__(self)
 
 
 @pytest.mark.parametrize("done", [0, 50], ids=["new", "retracted"])
@@ -417,9 +486,15 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     assert "c" in serving.controller.running
     if ignore_eos:  # the shortest remaining output (880) counts for all three in full
         shortest = min(880, 900 - done)  # of the outputs still to come
-        assert frees[-1] == 1000 + done + 2 * BS + (shortest + 1) * 3 + 1 > old_rule + 900
+        strict = 1000 + done + 2 * BS + (shortest + 1) * 3 + 1
+        assert frees[-1] == max(strict, old_rule + done)
         # what only the strict path's reservation asks comes from the unit cache first
         assert firsts[-1] == frees[-1] - (old_rule + done)
+        if hooks.applies(("0.5.17",)):  # running outputs were charged at new_token_ratio
+            assert strict > old_rule + 900
+        else:  # from 0.5.23 on an ignore_eos request's output is charged in full there too
+            assert old_rule + done >= strict
+            return
         serving.release("c", retracted=False)
         res, added, _ = attempt(True)
         assert res == policy.AddReqResult.NO_TOKEN and not added
@@ -480,23 +555,26 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     serving.residency.stage = object()
     alloc.free, serving.residency.give = 1000, 3000  # as before the refused attempt
     a = adder()
-    budgets = (a.rem_total_token_offset, a.cur_rem_token_offset)
+    budgets = (hooks.read(a, "adder.total_offset"), hooks.read(a, "adder.current_offset"))
     res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, big, False, None)
     assert big in a.can_run_list and a.new_chunked_req is big, res
     assert made[-1] == (["a"], 2048 + 2 * BS - 1000)  # room for a whole chunk
-    assert big.extend_range.length == 2048 <= alloc.free - 2 * BS
+    assert big.extended[1] == 2048 <= alloc.free - 2 * BS
     assert a.rem_chunk_tokens == 0  # SGLang's 2048, less the chunk
-    charged = (a.rem_total_token_offset - budgets[0], a.cur_rem_token_offset - budgets[1])
+    charged = (
+        hooks.read(a, "adder.total_offset") - budgets[0],
+        hooks.read(a, "adder.current_offset") - budgets[1],
+    )
     assert 0 < charged[0] < 4096 and 0 < charged[1] < 4096, charged  # no credit left behind
     # the next chunk: 1500 tokens free, saved blocks give back at most 1000 more
     alloc.free, serving.residency.give = 1500, 1000
-    big.prefix_indices = [0] * 2048
+    _set_prefix(big, 2048)
     a = adder()
     left = scheduling.around_add_chunked_req(policy.PrefillAdder.add_chunked_req, a, big)
-    assert left is big and synced == ["big"]
+    assert left is big and synced == (["big"] if hooks.has("prefix_slots") else [])  # 0.5.17
     assert made[-1] == (["big", "a"], 2048 + 2 * BS - 1500)  # its own blocks first
-    assert 0 < big.extend_range.length <= 2500 - 2 * BS
-    assert a.rem_chunk_tokens == 2048 - -(-big.extend_range.length // BS) * BS  # paged
+    assert 0 < big.extended[1] <= 2500 - 2 * BS
+    assert a.rem_chunk_tokens == 2048 - -(-big.extended[1] // BS) * BS  # paged
     # running requests' reserved output leaves SGLang's budget at nothing: it would add a
     # whole chunk (2048) with 1800 tokens free; the chunk is what the free pages hold
     running.append(_SGLangReq("b", 100, 4000, ignore_eos=ignore_eos))
@@ -504,7 +582,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     a = adder()
     assert a.rem_total_tokens <= 0
     scheduling.around_add_chunked_req(policy.PrefillAdder.add_chunked_req, a, big)
-    assert big.extend_range.length == (1800 - 2 * BS) // BS * BS
+    assert big.extended[1] == (1800 - 2 * BS) // BS * BS
 
 
 def test_the_longest_prompt_is_bounded_by_the_host_tier_with_staged_prefill(serving):
@@ -519,6 +597,18 @@ def test_the_longest_prompt_is_bounded_by_the_host_tier_with_staged_prefill(serv
     assert scheduling.after_get_worker_info(info, worker)[4] == 32767  # the context
 
 
+class _ClipAlloc:
+    """SGLang's paged allocator as `init_req_max_new_tokens` asks it (0.5.23 on): its own
+    clipping of a request's output to the pool, run as SGLang has it."""
+
+    page_size = BS
+
+    def max_new_tokens_for_memory(self, *args, **kwargs):
+        from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+        return BaseTokenToKVPoolAllocator.max_new_tokens_for_memory(self, *args, **kwargs)
+
+
 def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
     """SGLang's own cap (prompt and output within the pool in HBM) gives a prompt larger
     than the pool no output at all; with staged prefill the host tier bounds it."""
@@ -526,6 +616,9 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
     sched = SimpleNamespace(
         max_total_num_tokens=8192, max_req_len=32767, page_size=BS, max_new_tokens_limit=None,
         server_args=SimpleNamespace(dcp_size=1),
+        # from 0.5.23 on: the allocator clips the output (`max_new_tokens_for_memory`)
+        kv_shard_widening=1, sliding_window_size=None, chunked_prefill_size=None,
+        token_to_kv_pool_allocator=_ClipAlloc(),
     )  # fmt: skip
     req = SimpleNamespace(
         rid="big", origin_input_ids=[0] * 20_000,
@@ -540,6 +633,9 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
     assert req.sampling_params.max_new_tokens == 32 and sched.max_total_num_tokens == 8192
 
 
+@pytest.mark.skipif(
+    not hooks.has("prefix_slots"), reason="resumption from the host tier is SGLang 0.5.17's"
+)
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     serving, monkeypatch, ignore_eos
@@ -575,7 +671,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
 
     def resumed():
         r = _SGLangReq("c", 3000, 200, out=50, ignore_eos=ignore_eos)
-        r.prefix_indices = [0] * kept  # `Residency.resume_prefix` (page-0 entries)
+        _set_prefix(r, kept)  # `Residency.resume_prefix`
         return r
 
     def adder(chunk=2048, running=()):
@@ -586,7 +682,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     a, c = adder(), resumed()
     res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, c, False, None)
     assert c in a.can_run_list, res
-    assert (c.extend_range.start, c.extend_range.length) == (kept, 3050 - kept)
+    assert c.extended == (kept, 3050 - kept)
     assert 16384 - a.rem_input_tokens == -(-(3050 - kept) // BS) * BS  # only the tail
     assert serving.parked("c") and "c" in serving.controller.running
     if not ignore_eos:
@@ -602,7 +698,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     a, c = adder(chunk=40), resumed()
     res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, c, False, None)
     assert c in a.can_run_list and a.new_chunked_req is c
-    assert (c.extend_range.start, c.extend_range.length) == (0, 40)
+    assert c.extended == (0, 40)
     assert not serving.parked("c")
 
 
@@ -639,10 +735,15 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     serving.controller.admit_alone(Candidate("a", 100, 1))
     tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
     a = _req("a", 100, pool_idx=1)
-    sglang_frees = lambda *args: calls.append(("sglang frees",))  # noqa: E731
-    scheduling.around_release_kv_cache(sglang_frees, a, tree, is_insert=False)
+    sglang_frees = lambda *args, **kwargs: calls.append(("sglang frees",))  # noqa: E731
+    scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
+    assert "a" in serving.controller.paused
+    if not hooks.has("prefix_slots"):  # 0.5.23 on: the row is the prefix; prefilled again
+        assert calls[0] == ("sglang frees",) and not any(c[0] == "park" for c in calls)
+        assert not serving.parked("a")
+        return
     assert calls == [("park", "a", "alloc"), ("sglang frees",)]
-    assert "a" in serving.controller.paused and serving.parked("a")
+    assert serving.parked("a")
     calls.clear()
     scheduling.after_init_next_round_input(None, a)  # a chunk's next round: no prefix cache
     scheduling.after_init_next_round_input(None, a, tree)
@@ -654,5 +755,5 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     assert calls == [("resume", ["a"]), ("plan", [130]), ("stage",)]
     calls.clear()
     done = _req("a", 100, pool_idx=1, finished=True)
-    scheduling.around_release_kv_cache(sglang_frees, done, tree, is_insert=False)
+    scheduling.around_release_kv_cache(sglang_frees, done, tree, **_insert(False))
     assert calls == [("sglang frees",), ("release", "a"), ("wb.release", "a")]

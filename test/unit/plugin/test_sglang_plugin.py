@@ -1,4 +1,4 @@
-"""The plugin against the real SGLang 0.5.17 source, on CPU: entry-point discovery,
+"""The plugin against the real SGLang source (0.5.17 or 0.5.23), on CPU: entry-point discovery,
 flags in --help, ServerArgs adjustments, incompatible flags named, every hook target
 present with the expected signature, and no change at all without --sparse-mode.
 
@@ -43,7 +43,7 @@ def test_every_hook_target_exists_with_its_signature():
 def test_a_changed_sglang_fails_with_a_clear_message(monkeypatch):
     gone = hooks.Hook("sglang.srt.server_args.ServerArgs.no_such_method", "after", "x:y", (), "")
     monkeypatch.setattr(hooks, "HOOKS", (gone,))
-    with pytest.raises(hooks.SGLangChanged, match="no_such_method.*sglang==0.5.17"):
+    with pytest.raises(hooks.SGLangChanged, match=f"no_such_method.*sglang=={hooks.release()}"):
         hooks.check_targets()
     moved = hooks.Hook(
         "sglang.srt.server_args.ServerArgs.add_cli_args", "after", "x:y", ("parser", "extra"), ""
@@ -51,16 +51,81 @@ def test_a_changed_sglang_fails_with_a_clear_message(monkeypatch):
     monkeypatch.setattr(hooks, "HOOKS", (moved,))
     with pytest.raises(hooks.SGLangChanged, match=r"expects \['parser', 'extra'\]"):
         hooks.check_targets()
+    monkeypatch.setattr(hooks, "HOOKS", ())
+    renamed = hooks.Read(
+        "req.row", "sglang.srt.managers.schedule_batch.Req", "no_such_field", hooks.SUPPORTED
+    )
+    monkeypatch.setattr(hooks, "READS", (renamed,))
+    with pytest.raises(hooks.SGLangChanged, match="'no_such_field' of .*Req \\(req.row\\)"):
+        hooks.check_targets()
 
 
-SCENARIOS = """
-import dataclasses, json
-from sglang.srt.plugins import load_plugins
-load_plugins()
-from sglang.srt.server_args import ServerArgs, prepare_server_args
+@pytest.mark.parametrize("other", hooks.SUPPORTED)
+def test_each_supported_release_has_its_table_and_only_its_own_passes(monkeypatch, other):
+    """The table of every supported release is complete (every hook function exists, every
+    moved attribute is named), and the table of another release fails here, naming what
+    moved: the checks tell the releases apart."""
+    for hook in hooks.HOOKS:
+        assert callable(hooks.hook_function(hook)), hook.fn
+    monkeypatch.setattr(hooks, "release", lambda version=None: other)
+    hooks.path.cache_clear()
+    try:
+        for key in ("req.row", "req.prefix", "adder.total_offset", "adder.current_offset",
+                    "release.insert"):  # fmt: skip
+            hooks.path(key)  # read by code every release runs: each release says where
+        if other == hooks.installed_version():
+            hooks.check_targets()
+        else:
+            with pytest.raises(hooks.SGLangChanged, match=f"table of sglang=={other}"):
+                hooks.check_targets()
+    finally:
+        hooks.path.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "version, table",
+    [("0.5.17", "0.5.17"), ("0.5.20", "0.5.17"), ("0.5.23", "0.5.23"), ("0.5.24", "0.5.23"),
+     ("0.5.9", "0.5.17"), ("0.6.0", "0.5.23")],
+)  # fmt: skip
+def test_an_unlisted_release_uses_the_newest_supported_table_before_it(version, table):
+    assert hooks.release(version) == table
+
+
+# ServerArgs' fields: a dataclass's (0.5.17), a msgspec Struct's (0.5.23).
+FIELDS = """
+def field_names(sa):
+    import dataclasses
+    if dataclasses.is_dataclass(sa):
+        return [f.name for f in dataclasses.fields(sa)]
+    import msgspec
+    return [f.name for f in msgspec.structs.fields(sa)]
 
 def fields(sa):
-    return {f.name: repr(getattr(sa, f.name)) for f in dataclasses.fields(sa)}
+    return {name: repr(getattr(sa, name)) for name in field_names(sa)}
+"""
+
+SCENARIOS = (
+    FIELDS
+    + """
+import json
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+class Launched(Exception):
+    pass
+
+def launch(*args, server_args=None, **kwargs):
+    raise Launched(server_args)
+
+def engine_args(**kwargs):
+    \"\"\"The ServerArgs `sgl.Engine(**kwargs)` would hand its processes (none started).\"\"\"
+    Engine._launch_subprocesses = staticmethod(launch)
+    try:
+        Engine(**kwargs)
+    except Launched as e:
+        return e.args[0]
 
 def err(argv):
     import contextlib, io
@@ -76,8 +141,8 @@ def err(argv):
 
 sa = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
                           "--psa-threshold", "0.9", "--psa-ws-window", "4"])
-eng = ServerArgs(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
-                 attention_backend="torch_native")
+eng = engine_args(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
+                  attention_backend="torch_native")
 plain = prepare_server_args(["--model-path", "dummy"])
 tiered = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
                               "--psa-kv-home", "tiered"])
@@ -95,6 +160,8 @@ print(json.dumps({
         "mixed": err(["--sparse-mode", "psa", "--enable-mixed-chunk"]),
         "dp_attention": err(["--sparse-mode", "psa", "--tp", "2", "--dp", "2",
                              "--enable-dp-attention"]),
+        "attn_dp": err(["--sparse-mode", "psa", "--tp", "2", "--attn-dp-size", "2"])
+        if "attn_dp_size" in field_names(plain) else None,
         "pp": err(["--sparse-mode", "psa", "--pp-size", "2"]),
         "page": err(["--sparse-mode", "psa", "--page-size", "16"]),
         "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
@@ -103,6 +170,7 @@ print(json.dumps({
     },
 }))
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +198,13 @@ def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(s
         ("spec", ["--sparse-mode", "--speculative-algorithm"]),
         ("mixed", ["--sparse-mode", "--enable-mixed-chunk"]),
         ("dp_attention", ["--sparse-mode", "--enable-dp-attention"]),
+        pytest.param(
+            "attn_dp",
+            ["--sparse-mode", "--attn-dp-size"],
+            marks=pytest.mark.skipif(
+                hooks.release() == "0.5.17", reason="--attn-dp-size is SGLang 0.5.23's"
+            ),
+        ),
         ("pp", ["--sparse-mode", "--pp-size"]),
         ("page", ["--psa-block-size", "--page-size 16"]),
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
@@ -149,11 +224,11 @@ def test_incompatible_or_invalid_flags_fail_naming_them(scenarios, case, flags):
 
 def test_without_sparse_mode_sglang_is_unchanged(scenarios):
     """Every ServerArgs field equals what SGLang produces with no plugin loaded."""
-    code = (
-        "import dataclasses, json\n"
+    code = FIELDS + (
+        "import json\n"
         "from sglang.srt.server_args import prepare_server_args\n"
         "sa = prepare_server_args(['--model-path', 'dummy'])\n"
-        "print(json.dumps({f.name: repr(getattr(sa, f.name)) for f in dataclasses.fields(sa)}))\n"
+        "print(json.dumps(fields(sa)))\n"
     )
     bare = _run(code, env={"SGLANG_PLUGINS": "no-plugin-at-all"})
     assert scenarios["plain"] == bare
