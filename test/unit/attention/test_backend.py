@@ -79,7 +79,8 @@ def _rig(
         kv.k_buffer[layer].copy_(3 * torch.randn(kv.k_buffer[layer].shape, generator=g))
         if spread is not None:
             keys = kv.k_buffer[layer].view(-1, BS, hkv, d)
-            keys.copy_(keys[:, :1] + spread * torch.randn(keys.shape, generator=g).to(dtype))
+            noise = torch.randn(keys.shape, generator=g).to(keys.device, dtype)
+            keys.copy_(keys[:, :1] + spread * noise)  # on the GPU too (a CPU generator)
         kv.v_buffer[layer].copy_(torch.randn(kv.v_buffer[layer].shape, generator=g))
     kv.k_buffer[0][:BS] = 0  # the padding page, as SGLang leaves it
     kv.v_buffer[0][:BS] = 0
