@@ -387,7 +387,8 @@ def balance_cmd(args) -> None:
         per_task.append(shares.float())
         print(f"task {i + 1}/{len(tasks)} {task.kind}: mean share {shares.mean():.3f}", flush=True)
         del session
-        torch.cuda.empty_cache() if args.device == "cuda" else None
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     steps = min(t.shape[1] for t in per_task)
     x = torch.stack([t[:, :steps] for t in per_task], 2)  # [layers, steps, tasks, Hkv]
     flat = x.flatten(2)  # [layers, steps, tasks * Hkv]: one launch's programs per layer/step

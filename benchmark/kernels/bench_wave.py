@@ -14,6 +14,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -464,11 +465,12 @@ def server_case(
     return out
 
 
-def _sweep_one(sweeps: dict, label: str, key: str, case: dict, splits, launch: dict) -> None:
-    """Time `server_case(**case)` with one launch change into `sweeps[key]`."""
+def _sweep_one(sweeps: dict, label: str, key: str, bench, splits, launch: dict) -> None:
+    """Time `bench(splits=splits)` (a case's `time_us`) with one launch change into
+    `sweeps[key]`; a failure is recorded and the sweep goes on."""
     LAUNCH.update(launch)
     try:
-        sweeps[key] = server_case(**case, splits=splits)["time_us"]
+        sweeps[key] = bench(splits=splits)["time_us"]
     except Exception as e:  # noqa: BLE001 - report and keep measuring
         sweeps[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
     LAUNCH.clear()
@@ -492,7 +494,8 @@ def serving_a(sweep: bool = True) -> dict:
         sweeps: dict[str, float | str] = {"default": default["time_us"]}
 
         def one(key, splits=None, _ctx=(sweeps, mode, case), **launch):
-            _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, _ctx[2], splits, launch)
+            bench = functools.partial(server_case, **_ctx[2])
+            _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, bench, splits, launch)
 
         if not sweep:  # the library's launch only
             result[mode] = {"case": case, "default": default}
@@ -536,17 +539,10 @@ def launch_sweep(case: dict, plan_ctx: int) -> dict:
     own = bench_case(**case)
     sweeps: dict[str, float | str] = {}
 
+    bench = functools.partial(bench_case, **case, plan_ctx=plan_ctx)
+
     def one(key, splits=None, **launch):
-        LAUNCH.update(launch)
-        try:
-            r = bench_case(**case, plan_ctx=plan_ctx, splits=splits)
-            sweeps[key] = r["time_us"]
-        except Exception as e:  # noqa: BLE001 - report and keep measuring
-            sweeps[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
-        LAUNCH.clear()
-        LAUNCH.update(DEFAULT_LAUNCH)
-        torch.cuda.empty_cache()
-        print(key, sweeps[key], file=sys.stderr, flush=True)
+        _sweep_one(sweeps, key, key, bench, splits, launch)
 
     for sp in (2, 4, 8, 16, 32):
         one(f"splits{sp}", splits=sp)

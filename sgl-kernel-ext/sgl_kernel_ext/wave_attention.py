@@ -51,21 +51,18 @@ def _tile_index(
     length,
     BS: tl.constexpr,
     NBLK: tl.constexpr,
-    RANKED: tl.constexpr,
 ):
     """One row per token of a tile of NBLK ranked blocks starting at rank `first`: its
     location (slot >= 0, host unit < 0), its token within the block, whether it
-    holds a token, and its block index. `loc_ptr` is the block table in read order (RANKED) or by block.
-    The rows of a block load the same ids (one L1 line), so the K/V tile is a plain 2-D
-    gather that Triton pipelines straight into shared memory."""
+    holds a token, and its block index. `loc_ptr` is the block table in read order, so
+    the location does not wait on the block id: one dependent load fewer before the K/V
+    gather. The rows of a block load the same ids (one L1 line), so the K/V tile is a
+    plain 2-D gather that Triton pipelines straight into shared memory."""
     r = tl.arange(0, NBLK * BS)
     pidx = first + r // BS
     pm = pidx < end
     blk = tl.load(order_ptr + row + pidx, mask=pm, other=0)
-    if RANKED:  # independent of `blk`: one dependent load fewer before the K/V gather
-        where = tl.load(loc_ptr + row + pidx, mask=pm, other=0).to(tl.int64)
-    else:
-        where = tl.load(loc_ptr + row + blk, mask=pm, other=0).to(tl.int64)
+    where = tl.load(loc_ptr + row + pidx, mask=pm, other=0).to(tl.int64)
     tok = r % BS
     return where, tok, pm & (blk * BS + tok < length), blk
 
@@ -126,7 +123,7 @@ def _tile_at(
             order_ptr, loc_ptr, orow, row, first, end, length, n_sink, tail0, nf, kept0, BS,
             NBLK,
         )  # fmt: skip
-    return _tile_index(order_ptr, loc_ptr, row, first, end, length, BS, NBLK, True)
+    return _tile_index(order_ptr, loc_ptr, row, first, end, length, BS, NBLK)
 
 
 @triton.jit
