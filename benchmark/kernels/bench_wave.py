@@ -15,6 +15,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import re
@@ -43,6 +44,8 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "score_warps",
         "rank_chunk_blocks",
         "prefetch",
+        "split_blocks",
+        "wave_prediction",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -173,7 +176,7 @@ def bench_case(
         "layers_per_graph": layers,
         "eager_time_us": t_eager * 1e6,
         "score": wa.score,
-        "splits": wa.splits,  # after any halving for the cooperative launch
+        "programs": wa.programs,  # after any fewer for the cooperative launch
         "gbps_on_bytes_read": read_bytes / t / 1e9,
         "bytes_read": read_bytes,
         # K/V plus the metadata the ranking reads (every block's, whatever the fraction).
@@ -256,8 +259,8 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
             key = f"tile{tile}_warps{warps}_splits{sp}"
             try:
                 r = bench_case(8, 131072, 0.05)
-                if r["splits"] != sp:  # halved to fit: the same as a smaller entry
-                    split_sweep[key] = f"did not fit; ran with {r['splits']}"
+                if r["programs"] != sp * 8 * HKV:  # fewer to fit: another entry's launch
+                    split_sweep[key] = f"did not fit; ran {r['programs']} programs"
                 else:
                     split_sweep[key] = r["time_us"]
             except Exception as e:  # noqa: BLE001 - report and keep measuring
@@ -363,12 +366,16 @@ def serving_8b() -> dict:
 _SERVER_DATA: dict = {}
 
 
-def _server_data(batch: int, nb: int, device: str = "cuda") -> tuple:
+def _server_data(batch: int, nb: int, device: str = "cuda", mixed: bool = False) -> tuple:
     """SGLang-layout K/V pages, a shuffled page table and per-page key metadata, made once
-    per shape (`server_case` sweeps launches over the same data)."""
+    per shape (`server_case` sweeps launches over the same data). Random keys give every
+    KV head near-uniform attention; `mixed`: half the (request, KV head) pairs, at random,
+    focus instead, their group's queries meeting 8 blocks of keys along their mean (a
+    logit ~12 above the rest), so they stop after one wave while the others read to the
+    cap, as psa's heads spread on a real model (`benchmark/decode_step/run.py balance`)."""
     from sglang_psa.algo.metadata import bound_codes
 
-    key = (batch, nb, HQ, HKV, D, device)
+    key = (batch, nb, HQ, HKV, D, device, mixed)
     if key not in _SERVER_DATA:
         _SERVER_DATA.clear()
         g = torch.Generator(device=device).manual_seed(0)
@@ -378,10 +385,20 @@ def _server_data(batch: int, nb: int, device: str = "cuda") -> tuple:
         pages = torch.randperm(n_pages - 1, device=device, generator=g) + 1
         pages = pages.to(torch.int32).view(batch, nb).contiguous()
         loc = pages[:, None, :].expand(batch, HKV, nb).contiguous()
+        q = torch.randn(batch, HQ, D, device=device, generator=g).to(torch.bfloat16)
+        if mixed:
+            G = HQ // HKV
+            focus = torch.rand(batch, HKV, device=device, generator=g) < 0.5
+            for b, h in focus.nonzero().tolist():
+                u = q[b, h * G : (h + 1) * G].float().mean(0)
+                u = u / u.norm()
+                gain = 12.0 * D**0.5 / (q[b, h * G : (h + 1) * G].float() @ u).mean()
+                for blk in torch.randperm(nb, device=device, generator=g)[:8].tolist():
+                    p = int(pages[b, blk])
+                    kbuf[p * BS : (p + 1) * BS, h] = (u * gain).to(torch.bfloat16)
         blocks = kbuf.view(n_pages, BS, HKV, D).float()
         mean = blocks.mean(1).to(torch.bfloat16)
         qlo, qhi, mscale = bound_codes(blocks.amin(1), blocks.amax(1))
-        q = torch.randn(batch, HQ, D, device=device, generator=g).to(torch.bfloat16)
         _SERVER_DATA[key] = (
             q, kbuf, vbuf, pages, loc, mean, qlo.to(torch.int8), qhi.to(torch.int8), mscale,
         )  # fmt: skip
@@ -397,6 +414,7 @@ def server_case(
     layers: int = 8,
     splits: int | None = None,
     profile: bool = False,
+    hint: bool = True,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -404,16 +422,21 @@ def server_case(
     through the page table, last-use stamps and read counters written, a plan spanning
     `plan_ctx` tokens. `mode`: "psa" (ε 0.98, heuristic rule, waves with their barriers;
     random data gives near-uniform attention, so the read cap is set to `frac` to read
-    that share), "topk" (ε 1, a budget of `frac` of the blocks: one wave) or "dense" (ε 1,
-    every block: `--psa-threshold 1`). Graph-replayed
-    `layers` deep, time per layer."""
+    that share), "psa_mixed" (the same over `_server_data(mixed=True)`: half the heads
+    stop after one wave, the others read to the default cap of half the blocks; with
+    `hint` each layer's first waves and deal are predicted from its last replay's reads,
+    as the server's are), "topk" (ε 1, a budget of `frac` of the blocks: one wave) or
+    "dense" (ε 1, every block: `--psa-threshold 1`). Graph-replayed `layers` deep (a
+    replay is a step: the step counter advances first), time per layer."""
     nb = plan_ctx // BS
-    q, kbuf, vbuf, pages, loc, mean, qlo, qhi, mscale = _server_data(batch, nb)
+    mixed = mode == "psa_mixed"
+    q, kbuf, vbuf, pages, loc, mean, qlo, qhi, mscale = _server_data(batch, nb, mixed=mixed)
     lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     stamps = torch.zeros(HKV, kbuf.shape[0] // BS, device="cuda", dtype=torch.int32)
     step = torch.zeros(1, device="cuda", dtype=torch.int32)
     stats = torch.zeros(3, device="cuda", dtype=torch.int64)
-    cfg = PSAConfig(block_size=BS, threshold=0.98 if mode == "psa" else 1.0)
+    psa = mode.startswith("psa")
+    cfg = PSAConfig(block_size=BS, threshold=0.98 if psa else 1.0)
     wa = WaveAttention.from_config(cfg)
     budget = None
     if mode == "psa":
@@ -425,28 +448,45 @@ def server_case(
             setattr(wa, attr, value)
     wa.plan(batch, HQ, HKV, D, nb, "cuda", splits=splits, out_dtype=torch.bfloat16,
             read_blocks=budget)  # fmt: skip
-    run = lambda: wa.run(
-        q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
-        slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
-        stats=stats, meta_scale=mscale,
-    )  # fmt: skip
+    hints = torch.zeros(layers, 2, batch, HKV, device="cuda", dtype=torch.int32)
+    rows = torch.arange(batch, device="cuda")
+    # A kernel without the hint (an older tree timed beside this one) runs without it.
+    takes_hint = psa and hint and "read_hint" in inspect.signature(wa.run).parameters
+    if not takes_hint and hasattr(wa, "wave_prediction"):
+        wa.wave_prediction = 0.0
+
+    def run(layer: int = 0):
+        kw = {"read_hint": (hints[layer], rows)} if takes_hint else {}
+        return wa.run(
+            q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
+            slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
+            stats=stats, meta_scale=mscale, **kw,
+        )  # fmt: skip
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        res = run()
+        for _ in range(3):  # steps enough for the hints to settle
+            step.add_(1)
+            for layer in range(layers):
+                res = run(layer)
     torch.cuda.current_stream().wait_stream(side)
-    n_read = res.n_read.float().mean().item()
+    n_read = res.n_read.float()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(layers):
-            run()
+        step.add_(1)
+        for layer in range(layers):
+            res = run(layer)
     t = _time(graph.replay, reps=30, warmup=5) / layers
-    read_bytes = batch * HKV * n_read * BS * D * 2 * 2
+    n_read = res.n_read.float()
+    read_bytes = batch * HKV * n_read.mean().item() * BS * D * 2 * 2
     out = {
         "mode": mode,
+        "hint": takes_hint,
         "time_us": t * 1e6,
-        "splits": wa.splits,
-        "blocks_read_per_head": n_read,
+        "programs": getattr(wa, "programs", None) or batch * HKV * getattr(wa, "splits", 1),
+        "blocks_read_per_head": n_read.mean().item(),
+        "largest_head_over_mean": (n_read.max() / n_read.mean()).item(),
         "waves_per_head": res.n_waves.float().mean().item(),
         "gbps_on_bytes_read": read_bytes / t / 1e9,
     }
@@ -482,13 +522,15 @@ def _sweep_one(sweeps: dict, label: str, key: str, bench, splits, launch: dict) 
 def serving_a(sweep: bool = True) -> dict:
     """Workload a's decode attention per layer, in the server's layout (`server_case`): 32
     requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
-    (its share there), topk its 2048-token budget in one; a launch sweep of each (splits,
-    tile and warps, pipeline depth, scoring launch, ranking chunk), against the HBM peak
-    of the same run."""
+    (its share there), and over heads that spread as a real model's do (`psa_mixed`:
+    half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
+    launch sweep of each (programs, the deal's blocks a program, the predicted first wave,
+    tile and warps, pipeline depth), against the HBM peak of the same run."""
     use_shape("qwen05b")
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
-    for mode, frac in (("psa", 0.2), ("topk", 2048 / 28000), ("dense", 1.0)):
+    modes = (("psa", 0.2), ("psa_mixed", 0.5), ("topk", 2048 / 28000), ("dense", 1.0))
+    for mode, frac in modes:
         case = dict(mode=mode, batch=32, ctx=28000, plan_ctx=32768, frac=frac)
         default = server_case(**case, profile=True)
         sweeps: dict[str, float | str] = {"default": default["time_us"]}
@@ -497,12 +539,19 @@ def serving_a(sweep: bool = True) -> dict:
             bench = functools.partial(server_case, **_ctx[2])
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, bench, splits, launch)
 
-        if not sweep:  # the library's launch only
+        if not sweep:  # the library's launch only (and psa_mixed without its prediction)
             result[mode] = {"case": case, "default": default}
+            if mode == "psa_mixed":
+                result[mode]["no_prediction"] = server_case(**case, hint=False)
             continue
-        default_splits = default["splits"]
-        for sp in {max(1, default_splits // 2), default_splits * 2}:
+        per_pair = max(1, round(default["programs"] / (32 * HKV)))
+        for sp in {max(1, per_pair // 2), per_pair * 2}:
             one(f"splits{sp}", splits=sp)
+        for blocks in (4, 32):
+            one(f"split_blocks{blocks}", split_blocks=blocks)
+        if mode == "psa_mixed":
+            one("no_prediction", wave_prediction=0.0)
+            one("prediction0.75", wave_prediction=0.75)
         one("no_prefetch", prefetch=False)
         for stages in (1, 3):
             one(f"stages{stages}", num_stages=stages)
