@@ -370,9 +370,9 @@ def _server_data(batch: int, nb: int, device: str = "cuda", mixed: bool = False)
     """SGLang-layout K/V pages, a shuffled page table and per-page key metadata, made once
     per shape (`server_case` sweeps launches over the same data). Random keys give every
     KV head near-uniform attention; `mixed`: half the (request, KV head) pairs, at random,
-    focus instead, their group's queries meeting 8 blocks of keys along their mean (a
-    logit ~12 above the rest), so they stop after one wave while the others read to the
-    cap, as psa's heads spread on a real model (`benchmark/decode_step/run.py balance`)."""
+    focus instead, every query of their group meeting 8 blocks of keys at a logit of 12
+    (the rest near 0), so they stop after one wave while the others read to the cap, as
+    psa's heads spread on a real model (`benchmark/decode_step/run.py balance`)."""
     from sglang_psa.algo.metadata import bound_codes
 
     key = (batch, nb, HQ, HKV, D, device, mixed)
@@ -390,12 +390,14 @@ def _server_data(batch: int, nb: int, device: str = "cuda", mixed: bool = False)
             G = HQ // HKV
             focus = torch.rand(batch, HKV, device=device, generator=g) < 0.5
             for b, h in focus.nonzero().tolist():
-                u = q[b, h * G : (h + 1) * G].float().mean(0)
-                u = u / u.norm()
-                gain = 12.0 * D**0.5 / (q[b, h * G : (h + 1) * G].float() @ u).mean()
+                # The smallest key that every query of the group meets at logit 12.
+                qg = q[b, h * G : (h + 1) * G].float()
+                want = torch.full((G, 1), 12.0 * D**0.5, device=device)
+                key_vec = torch.linalg.lstsq(qg, want, driver="gelsd" if device == "cpu" else None)
+                key_vec = key_vec.solution[:, 0].to(torch.bfloat16)
                 for blk in torch.randperm(nb, device=device, generator=g)[:8].tolist():
                     p = int(pages[b, blk])
-                    kbuf[p * BS : (p + 1) * BS, h] = (u * gain).to(torch.bfloat16)
+                    kbuf[p * BS : (p + 1) * BS, h] = key_vec
         blocks = kbuf.view(n_pages, BS, HKV, D).float()
         mean = blocks.mean(1).to(torch.bfloat16)
         qlo, qhi, mscale = bound_codes(blocks.amin(1), blocks.amax(1))
@@ -519,18 +521,19 @@ def _sweep_one(sweeps: dict, label: str, key: str, bench, splits, launch: dict) 
     print(label, sweeps[key], file=sys.stderr, flush=True)
 
 
-def serving_a(sweep: bool = True) -> dict:
+def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
     """Workload a's decode attention per layer, in the server's layout (`server_case`): 32
     requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
     (its share there), and over heads that spread as a real model's do (`psa_mixed`:
     half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
     launch sweep of each (programs, the deal's blocks a program, the predicted first wave,
-    tile and warps, pipeline depth), against the HBM peak of the same run."""
+    tile and warps, pipeline depth), against the HBM peak of the same run. `only`: these
+    modes alone."""
     use_shape("qwen05b")
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
     modes = (("psa", 0.2), ("psa_mixed", 0.5), ("topk", 2048 / 28000), ("dense", 1.0))
-    for mode, frac in modes:
+    for mode, frac in (m for m in modes if not only or m[0] in only):
         case = dict(mode=mode, batch=32, ctx=28000, plan_ctx=32768, frac=frac)
         default = server_case(**case, profile=True)
         sweeps: dict[str, float | str] = {"default": default["time_us"]}
@@ -557,6 +560,7 @@ def serving_a(sweep: bool = True) -> dict:
             one(f"stages{stages}", num_stages=stages)
         if mode != "dense":
             one("warps4", num_warps=4)
+            one("tile32", tile_tokens=32)
             one("no_prefetch_warps4", prefetch=False, num_warps=4)
             one("tile128_warps4", tile_tokens=128, num_warps=4)
         else:
@@ -619,6 +623,9 @@ if __name__ == "__main__":
     if "--serving-8b" in sys.argv:
         print(json.dumps(serving_8b(), indent=1))
     elif "--serving-a" in sys.argv:
-        print(json.dumps(serving_a(sweep="--defaults-only" not in sys.argv), indent=1))
+        only = next(
+            (a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--modes=")), ()
+        )
+        print(json.dumps(serving_a("--defaults-only" not in sys.argv, tuple(only)), indent=1))
     else:
         print(json.dumps(run(), indent=1))
