@@ -370,7 +370,7 @@ def _server_data(batch: int, nb: int, device: str = "cuda", mixed: bool = False)
     """SGLang-layout K/V pages, a shuffled page table and per-page key metadata, made once
     per shape (`server_case` sweeps launches over the same data). Random keys give every
     KV head near-uniform attention; `mixed`: half the (request, KV head) pairs, at random,
-    focus instead, every query of their group meeting 8 blocks of keys at a logit of 12
+    focus instead, every query of their group meeting 8 blocks of keys at a logit of 30
     (the rest near 0), so they stop after one wave while the others read to the cap, as
     psa's heads spread on a real model (`benchmark/decode_step/run.py balance`)."""
     from sglang_psa.algo.metadata import bound_codes
@@ -390,9 +390,10 @@ def _server_data(batch: int, nb: int, device: str = "cuda", mixed: bool = False)
             G = HQ // HKV
             focus = torch.rand(batch, HKV, device=device, generator=g) < 0.5
             for b, h in focus.nonzero().tolist():
-                # The smallest key that every query of the group meets at logit 12.
+                # The smallest key that every query of the group meets at logit 30 (its bound then
+                # ranks it above every random block, whose bound is loose).
                 qg = q[b, h * G : (h + 1) * G].float()
-                want = torch.full((G, 1), 12.0 * D**0.5, device=device)
+                want = torch.full((G, 1), 30.0 * D**0.5, device=device)
                 key_vec = torch.linalg.lstsq(qg, want, driver="gelsd" if device == "cpu" else None)
                 key_vec = key_vec.solution[:, 0].to(torch.bfloat16)
                 for blk in torch.randperm(nb, device=device, generator=g)[:8].tolist():
