@@ -45,7 +45,6 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "rank_chunk_blocks",
         "prefetch",
         "split_blocks",
-        "wave_prediction",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -427,7 +426,7 @@ def server_case(
     random data gives near-uniform attention, so the read cap is set to `frac` to read
     that share), "psa_mixed" (the same over `_server_data(mixed=True)`: half the heads
     stop after one wave, the others read to the default cap of half the blocks; with
-    `hint` each layer's first waves and deal are predicted from its last replay's reads,
+    `hint` each layer's deal of programs follows its last replay's reads,
     as the server's are), "topk" (ε 1, a budget of `frac` of the blocks: one wave) or
     "dense" (ε 1, every block: `--psa-threshold 1`). Graph-replayed `layers` deep (a
     replay is a step: the step counter advances first), time per layer."""
@@ -455,8 +454,6 @@ def server_case(
     rows = torch.arange(batch, device="cuda")
     # A kernel without the hint (an older tree timed beside this one) runs without it.
     takes_hint = psa and hint and "read_hint" in inspect.signature(wa.run).parameters
-    if not takes_hint and hasattr(wa, "wave_prediction"):
-        wa.wave_prediction = 0.0
 
     def run(layer: int = 0):
         kw = {"read_hint": (hints[layer], rows)} if takes_hint else {}
@@ -527,7 +524,7 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
     requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
     (its share there), and over heads that spread as a real model's do (`psa_mixed`:
     half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
-    launch sweep of each (programs, the deal's blocks a program, the predicted first wave,
+    launch sweep of each (programs, the deal's blocks a program, the deal without hints,
     tile and warps, pipeline depth), against the HBM peak of the same run. `only`: these
     modes alone."""
     use_shape("qwen05b")
@@ -543,10 +540,10 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
             bench = functools.partial(server_case, **_ctx[2])
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, bench, splits, launch)
 
-        if not sweep:  # the library's launch only (and psa_mixed without its prediction)
+        if not sweep:  # the library's launch only (and psa_mixed's without the hint)
             result[mode] = {"case": case, "default": default}
             if mode == "psa_mixed":
-                result[mode]["no_prediction"] = server_case(**case, hint=False)
+                result[mode]["no_hint"] = server_case(**case, hint=False)
             continue
         per_pair = max(1, round(default["programs"] / (32 * HKV)))
         for sp in {max(1, per_pair // 2), per_pair * 2}:
@@ -554,8 +551,7 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
         for blocks in (4, 32):
             one(f"split_blocks{blocks}", split_blocks=blocks)
         if mode == "psa_mixed":
-            one("no_prediction", wave_prediction=0.0)
-            one("prediction0.75", wave_prediction=0.75)
+            sweeps["no_hint"] = server_case(**case, hint=False)["time_us"]
         one("no_prefetch", prefetch=False)
         for stages in (1, 3):
             one(f"stages{stages}", num_stages=stages)

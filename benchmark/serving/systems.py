@@ -102,14 +102,6 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
-            "psa_nopred",
-            "sglang-psa --sparse-mode psa --psa-wave-prediction 0 (first waves from the "
-            "schedule alone, not from the last step's reads), decode CUDA graphs",
-            ("--sparse-mode", "psa", "--psa-wave-prediction", "0"),
-            False,
-            True,
-        ),
-        System(
             "psa_eps1",
             "sglang-psa --sparse-mode psa --psa-threshold 1.0 (reads every block: the "
             "sparse path's overhead over plain), decode CUDA graphs",

@@ -75,12 +75,6 @@ class PSAConfig:
     # The stop rule is checked after every wave, so smaller later waves read less past
     # the point where it holds.
     later_wave_blocks: int = 0
-    # The decode kernel's first wave of a (request, KV head) reaches this fraction of the
-    # blocks the pair read at the previous step (LFPS-style prediction from past steps; 0:
-    # the schedule alone): a pair that needs many blocks reads them in one wave instead of
-    # several separated by barriers, and the launch's programs are dealt to the pairs by
-    # it. Below 1, so a pair whose need shrank reads fewer at the next step.
-    wave_prediction: float = 0.9
     # PSA, heuristic rule, ε < 1: a (request, KV head) reads at most this fraction of the
     # request's blocks (never fewer than the forced ones), whatever the rule says (1: no
     # cap; the certified rule is never capped, ε = 1 is dense). A diffuse head
@@ -175,11 +169,6 @@ class PSAConfig:
             isinstance(self.wave_fraction, (int, float)) and 0.0 <= self.wave_fraction <= 1.0,
             "wave_fraction",
             "must be in [0, 1]",
-        )
-        need(
-            isinstance(self.wave_prediction, (int, float)) and 0.0 <= self.wave_prediction < 1.0,
-            "wave_prediction",
-            "must be in [0, 1)",
         )
         need(
             not self.wave_fraction or self.max_first_wave_blocks >= self.wave_blocks,

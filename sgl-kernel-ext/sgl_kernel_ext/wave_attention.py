@@ -212,7 +212,6 @@ def _deal_kernel(
     hint_rows_ptr,
     step_ptr,
     hint_stride,
-    alpha,
     max_read,
     cap_frac,
     split_blocks,
@@ -231,11 +230,13 @@ def _deal_kernel(
     `pair << 16 | index << 8 | count` (program p's pair, its index among the pair's
     programs, their count), or -1 past the deal.
 
-    A pair's weight is its blocks in one wave; with waves its first wave, predicted from
-    the last step's reads with HINT (the half `*step_ptr % 2` of `hint_ptr [2, rows,
-    Hkv]`); each pair gets one program and a share of the others in proportion to its
-    weight, at most one a `split_blocks` blocks and SMAX in all, so a pair that reads much
-    ends about when one that reads little does. One program."""
+    A pair's weight is the blocks it will read: all it reads in one wave; with waves its
+    first wave, or with HINT the blocks it read at the last step if more (the half
+    `*step_ptr % 2` of `hint_ptr [2, rows, Hkv]`: a head's need changes little from one
+    step to the next). Each pair gets one program and a share of the others in proportion
+    to its weight, at most one a `split_blocks` blocks and SMAX in all, so a pair that
+    reads much ends about when one that reads little does. The deal changes which
+    program reads what, never what is read. One program."""
     i = tl.arange(0, BHP)
     live = i < BH
     bi = i // Hkv
@@ -252,7 +253,7 @@ def _deal_kernel(
             half = (tl.load(step_ptr) % 2) * hint_stride
             row = tl.load(hint_rows_ptr + bi, mask=live, other=0)
             last = tl.load(hint_ptr + half + row * Hkv + i % Hkv, mask=live, other=0)
-            weight = tl.maximum(weight, tl.ceil(alpha * last.to(tl.float32)).to(tl.int32))
+            weight = tl.maximum(weight, last)
         weight = tl.minimum(tl.minimum(weight, nb), mr)
     weight = tl.where(live, tl.maximum(weight, 1), 0).to(tl.int64)
     n = 1 + weight * (P - BH) // tl.maximum(tl.sum(weight, axis=0), 1)
@@ -351,7 +352,6 @@ def _wave_attention_kernel(
     limit,
     max_read,
     cap_frac,
-    alpha,
     B,
     Hkv,
     NB,
@@ -394,11 +394,9 @@ def _wave_attention_kernel(
     from page `cpages_ptr[s]` where `s = uslot_ptr[h * uslot_stride + host block]` >= 0
     (`sglang_psa.mem_cache.unit_cache`).
 
-    HINT (waves): the blocks each pair read at the last step, `hint_ptr [2, rows, Hkv]`
-    by request row `hint_rows_ptr[b]`, double-buffered by the parity of `*step_ptr` (this
-    launch reads one half and writes the other): the pair's first wave reaches at least
-    `ceil(alpha * last)` read positions (later waves keep their sizes after it), and the
-    deal weighs it so.
+    HINT (waves): the blocks each pair reads are written to `hint_ptr [2, rows, Hkv]` at
+    request row `hint_rows_ptr[b]`, in the half `*step_ptr % 2` does not name (the next
+    step's deal reads it; this step's read the other half).
 
     ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
     the programs of a pair never wait for each other, the last to finish merges their
@@ -454,19 +452,14 @@ def _wave_attention_kernel(
     smallest = tl.full([GP], float("inf"), tl.float32)
     row = bh * NB
     # This request's wave schedule: a row of the table, chosen by its block count (the
-    # first wave may grow with the context), moved on by a predicted first wave.
+    # first wave may grow with the context).
     ends_row = wave_ends_ptr + tl.load(wave_row_ptr + tl.minimum(nb, NB)) * wave_stride
-    extra = 0
-    if HINT:
-        last = tl.load(hint_ptr + hint_in + tl.load(hint_rows_ptr + b) * Hkv + h)
-        first_end = tl.ceil(alpha * last.to(tl.float32)).to(tl.int32)
-        extra = tl.maximum(first_end - nf - tl.load(ends_row), 0)
     wstart = 0
     w = 0
     n_host = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
-        end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w) + extra, nb), mr)
+        end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
         # This program's tiles of the wave: wstart + (sid + i * s) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
@@ -690,7 +683,6 @@ class WaveAttention:
         max_first_wave_blocks: int = 64,
         later_wave_blocks: int = 0,
         max_read_fraction: float = 1.0,
-        wave_prediction: float = 0.0,
     ):
         if stop_rule not in ("heuristic", "certified"):
             raise ValueError(f"stop_rule must be heuristic|certified, got {stop_rule!r}")
@@ -704,9 +696,6 @@ class WaveAttention:
         # ε = 1 is dense, top-k's budget is `max_read_blocks`).
         capped = stop_rule == "heuristic" and threshold < 1.0
         self.max_read_fraction = float(max_read_fraction) if capped else 1.0
-        # Waves: a (request, KV head)'s first wave reaches this share of the blocks it read
-        # at the last step, when `run` gets the last step's reads (0: the schedule alone).
-        self.wave_prediction = float(wave_prediction)
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape: the best of `benchmark/kernels/bench_wave.py`'s sweeps (the
         # launch sweeps kept in benchmark/results/decode_step_h100.json). Warps per
@@ -745,7 +734,6 @@ class WaveAttention:
             max_first_wave_blocks=cfg.max_first_wave_blocks,
             later_wave_blocks=cfg.later_wave_blocks,
             max_read_fraction=cfg.max_read_fraction,
-            wave_prediction=cfg.wave_prediction,
         )
 
     def first_wave(self, n_blocks: int) -> int:
@@ -1078,9 +1066,9 @@ class WaveAttention:
         rounding), so every query head covers at least ε of its true mass.
         `read_hint = (last [2, R, Hkv] int32, rows [B])` (waves, with `step`): the blocks
         each (request, KV head) read at the last step, by request row `rows[b]` of `last`,
-        in the half `step % 2` (the kernel writes this step's into the other half): a
-        pair's first wave reaches `ceil(wave_prediction * last)` read positions and the
-        launch's programs are dealt by it (spec: `progressive_attention(first_ends=)`).
+        in the half `step % 2` (the kernel writes this step's into the other half): the
+        launch's programs are dealt to the pairs by it (`_deal_kernel`), so a pair that
+        read many blocks gets more programs. What is read and the output do not change.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -1118,7 +1106,7 @@ class WaveAttention:
             raise ValueError("the unit cache needs the host tier and its cache pages")
         if stamps is not None and (meta_pages is None or step is None):
             raise ValueError("stamps need the page table (meta_pages) and the step counter")
-        hint = read_hint is not None and not self.one_wave and self.wave_prediction > 0
+        hint = read_hint is not None and not self.one_wave
         if hint and step is None:
             raise ValueError("a read hint is double-buffered by the step counter: pass step")
         if hint and (read_hint[0].dim() != 3 or read_hint[0].shape[0] != 2):
@@ -1136,7 +1124,6 @@ class WaveAttention:
                 read_hint[1] if hint else self.n_read,
                 step if hint else self.n_read,
                 read_hint[0].stride(0) if hint else 0,
-                self.wave_prediction,
                 NB if max_read_blocks is None else max_read_blocks,
                 self.max_read_fraction,
                 self.min_split,
@@ -1193,7 +1180,6 @@ class WaveAttention:
                     limit,
                     NB if max_read_blocks is None else max_read_blocks,
                     self.max_read_fraction,
-                    self.wave_prediction,
                     B,
                     Hkv,
                     NB,

@@ -39,7 +39,6 @@ INVALID = {
     "max_first_wave_blocks": ["0", "2.5"],
     "later_wave_blocks": ["-1", "2.5"],
     "max_read_fraction": ["0", "1.5", "nan", "x"],
-    "wave_prediction": ["-0.1", "1", "nan", "x"],
     "topk_tokens": ["16", "0"],
     "bound_bits": ["4", "x"],
     "rerank_interval": ["0", "1.5", "x"],

@@ -155,37 +155,19 @@ def reuse_order(
 
 
 def _wave_checkpoints(
-    nblk: torch.Tensor,
-    n_forced: torch.Tensor,
-    nb: int,
-    cfg: PSAConfig,
-    first_ends: torch.Tensor | None = None,
+    nblk: torch.Tensor, n_forced: torch.Tensor, nb: int, cfg: PSAConfig
 ) -> torch.Tensor:
-    """`[B, Hkv or 1, NB]` bool: read-order positions after which a wave ends and is
-    verified (each request's first wave is `cfg.first_wave` of its own blocks; with
-    `first_ends [B, Hkv]` a head's first wave reaches at least that read position and
-    every later end moves by as much)."""
-    pos = torch.arange(nb, device=nblk.device)[None, None, :]
-    ranked_done = pos + 1 - n_forced[:, None, None]  # [B, 1, NB]
+    """`[B, NB]` bool: read-order positions after which a wave ends and is verified
+    (each request's first wave is `cfg.first_wave` of its own blocks)."""
+    pos = torch.arange(nb, device=nblk.device)[None, :]
+    ranked_done = pos + 1 - n_forced[:, None]
     firsts = [cfg.first_wave(int(n)) for n in nblk.tolist()]
     ends = {f: torch.tensor(cfg.wave_sizes(nb, f), device=nblk.device).cumsum(0) for f in firsts}
-    if first_ends is not None:
-        e0 = torch.tensor([int(ends[f][0]) for f in firsts], device=nblk.device)
-        extra = (first_ends.to(nblk.device) - n_forced[:, None] - e0[:, None]).clamp(min=0)
-        ranked_done = ranked_done - extra[..., None]  # [B, Hkv, NB]
     at_end = torch.zeros_like(ranked_done, dtype=torch.bool)
     for i, f in enumerate(firsts):
         at_end[i] = torch.isin(ranked_done[i], ends[f])
     at_end &= ranked_done > 0
-    return (at_end | (pos + 1 == nblk[:, None, None])) & (pos < nblk[:, None, None])
-
-
-def predicted_first_ends(last_read: torch.Tensor, fraction: float) -> torch.Tensor:
-    """A head's first-wave end predicted from the blocks it read at the last step: the
-    ceiling of `fraction` of them, in float32 as the kernel computes it (0: no
-    prediction)."""
-    f = torch.tensor(fraction, dtype=torch.float32, device=last_read.device)
-    return torch.ceil(f * last_read.to(torch.float32)).long()
+    return (at_end | (pos + 1 == nblk[:, None])) & (pos < nblk[:, None])
 
 
 def read_cap(nblk: torch.Tensor, cfg: PSAConfig) -> torch.Tensor:
@@ -214,7 +196,6 @@ def progressive_attention(
     cap_tokens: torch.Tensor | None = None,
     code_bits: int = 0,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-    first_ends: torch.Tensor | None = None,
 ) -> SparseResult:
     """PSA: read blocks wave by wave in criticality order until the covered mass passes ε.
 
@@ -236,11 +217,6 @@ def progressive_attention(
 
     `prior = (order, ranked_blocks)`: read in the order kept from an earlier step
     (`reuse_order`) instead of ranking now.
-
-    `first_ends [B, Hkv]`: each (request, KV head)'s first wave reads at least up to that
-    read position (forced blocks included), the later waves keeping their sizes after it:
-    the kernel's first wave predicted from the blocks the head read at the previous step
-    (`predicted_first_ends`), so a head that needs many blocks reads them in one wave.
 
     `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
     bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.
@@ -303,8 +279,8 @@ def progressive_attention(
         limit = limit[:, None, None]
     ok = (uncovered - covered) <= limit  # -inf - finite = -inf <= -inf holds
     ok_group = ok.view(B, Hkv, G, nb).all(2)
-    checks = _wave_checkpoints(nblk, n_forced, nb, cfg, first_ends)  # [B, Hkv or 1, NB]
-    stop = ok_group & checks
+    checks = _wave_checkpoints(nblk, n_forced, nb, cfg)
+    stop = ok_group & checks[:, None, :]
     # First verified position that satisfies the rule; the last block always does.
     first = torch.where(stop, pos, nb).amin(-1)
     n_read = (first + 1).clamp(max=nb)
@@ -321,9 +297,9 @@ def progressive_attention(
         n_read = torch.minimum(n_read, torch.maximum(cap, n_forced)[:, None])
     read_sorted = pos[None, None, :] < n_read[..., None]
     read = _unsort(order, read_sorted, meta.count > 0)
-    n_waves = (checks & read_sorted).sum(-1)
+    n_waves = (checks[:, None, :] & read_sorted).sum(-1)
     if capped:  # a wave the cap cut short counts too
-        last = checks.expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
+        last = checks[:, None, :].expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
         n_waves = n_waves + (~last[..., 0]).long()
     out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, n_waves)

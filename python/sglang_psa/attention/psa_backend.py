@@ -234,9 +234,9 @@ class PSAAttnBackend(AttentionBackend):
         self.stats = torch.zeros(pool.layer_num, 3, dtype=torch.int64, device=device)
         # psa's waves: the blocks each (layer, request row, KV head) read at the last step,
         # in two halves by step parity (`WaveAttention.run(read_hint=)`): the next step's
-        # first wave and the kernel's deal of programs are predicted from them.
+        # programs are dealt to the heads by them (what is read does not change).
         self.read_hint = None
-        if cfg.sparse_mode == "psa" and cfg.wave_prediction > 0 and cfg.threshold < 1:
+        if cfg.sparse_mode == "psa" and cfg.threshold < 1:
             shape = (pool.layer_num, 2, req_to_token.shape[0], pool.head_num)
             self.read_hint = torch.zeros(shape, dtype=torch.int32, device=device)
         self._stats_host = torch.zeros(3, dtype=torch.int64, pin_memory=device.type == "cuda")

@@ -53,9 +53,6 @@ _HELP = {
     "later_wave_blocks": "PSA: the waves after the first start at this many blocks and grow "
     "by --psa-wave-growth up to --psa-max-wave-blocks (0: as large as the first wave); the "
     "stop rule is checked after each wave",
-    "wave_prediction": "PSA: a KV head's first wave reaches this fraction of the blocks it "
-    "read at the previous decode step, and the decode kernel's programs are shared out by "
-    "it (0: the wave schedule alone)",
     "topk_tokens": "topk mode: tokens attended per step",
     "rerank_interval": "topk mode: decode scores and ranks the blocks every this many steps "
     "and reads in the kept order between them (blocks a request gained since are always "

@@ -574,17 +574,15 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
     assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
 
 
-def test_psa_predicts_each_first_wave_from_the_last_step_of_its_request():
+def test_psa_keeps_each_requests_last_reads_by_row_for_the_next_deal():
     """psa, kernel path, 8 decode steps of two requests (the batch order flips at step 4;
-    a prefill of the first request at step 6): every layer's output and reads equal the
-    reference whose first waves reach `wave_prediction` of what that (layer, request, KV
-    head) read at its last step (`first_ends=`; none after a prefill), and the kernel
-    keeps those reads by request row."""
-    from sglang_psa.algo import predicted_first_ends
-
+    a prefill of the first request at step 6): every layer's output equals the reference
+    (the deal of the kernel's programs by the last reads changes no result), and after
+    each step the read hint holds, at each request's row, the blocks its KV heads read;
+    a prefill zeroes its row."""
     cfg = PSAConfig(
         sparse_mode="psa", threshold=0.9, wave_blocks=1, wave_growth=1.5, max_wave_blocks=3,
-        wave_fraction=0.0, bound_bits=16, max_read_fraction=1.0, wave_prediction=0.75,
+        wave_fraction=0.0, bound_bits=16, max_read_fraction=1.0,
     )  # fmt: skip
     lengths = [200, 300]
     runner, fb, g = _rig(cfg, lengths, spread=0.3)
@@ -596,8 +594,6 @@ def test_psa_predicts_each_first_wave_from_the_last_step_of_its_request():
     used = set(req.req_to_token[1:3, :320].flatten().div(BS, rounding_mode="floor").tolist())
     free_pages = [p for p in range(1, 64) if p not in used]
     lens, rows = list(lengths), [1, 2]
-    last: dict[tuple[int, int], torch.Tensor] = {}  # (layer, row) -> blocks read [Hkv]
-    changed = 0
     for t in range(8):
         if t == 4:
             rows, lens = rows[::-1], lens[::-1]
@@ -605,13 +601,13 @@ def test_psa_predicts_each_first_wave_from_the_last_step_of_its_request():
         fb.seq_lens = torch.tensor(lens, device=DEV)
         fb.req_pool_indices = torch.tensor(rows, device=DEV)
         fb.out_cache_loc = torch.tensor(slots, device=DEV)
-        if t == 6:  # request row `rows[0]` prefilled again: no last step
+        if t == 6:  # request row `rows[0]` prefilled again: its last reads are forgotten
             one = SimpleNamespace(**vars(fb))
             one.batch_size, one.req_pool_indices = 1, fb.req_pool_indices[:1]
             one.seq_lens = fb.seq_lens[:1] - 1
             _prefill(backend, one)
-            for layer_id in range(LAYERS):
-                last.pop((layer_id, rows[0]), None)
+            assert (backend.read_hint[:, :, rows[0]] == 0).all()
+            assert (backend.read_hint[:, (t + 1) % 2, rows[1]] > 0).all()
         q = torch.randn(2, HQ * D, generator=g).to(DEV)
         backend.init_forward_metadata(fb)
         for layer_id in range(LAYERS):
@@ -619,22 +615,11 @@ def test_psa_predicts_each_first_wave_from_the_last_step_of_its_request():
             v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
             out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
             kc, vc = _dense_kv(runner, fb, layer_id)
-            qb = q.view(2, HQ, D)
-            prev = torch.stack(
-                [last.get((layer_id, r), torch.zeros(HKV, dtype=torch.long)) for r in rows]
-            )
-            ends = predicted_first_ends(prev, cfg.wave_prediction).to(DEV)
-            want = progressive_attention(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5,
-                                         first_ends=ends)  # fmt: skip
-            plain = progressive_attention(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
-            changed += int(not torch.equal(want.n_waves, plain.n_waves))
+            want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
-            n_read = want.read.sum(-1).cpu()
             half = backend.read_hint[layer_id, (t + 2) % 2]  # the step counter starts at 1
             for i, r in enumerate(rows):
-                assert torch.equal(half[r].cpu().long(), n_read[i]), (t, layer_id, r)
-                last[(layer_id, r)] = n_read[i]
-    assert changed >= 4  # the prediction changed the waves of most (step, layer)s
+                assert torch.equal(half[r].cpu().long(), want.read.sum(-1)[i].cpu()), (t, r)
 
 
 def _meta_of(k, lengths, cfg):
