@@ -30,10 +30,9 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 
 from __future__ import annotations
 
-import math
-
 from sglang_psa.plugin import hooks
 from sglang_psa.plugin.hooks import req_prefix_len, req_row
+from sglang_psa.sched import prefill_budget
 from sglang_psa.sched.serving import combine_ranks, current
 
 
@@ -106,15 +105,15 @@ def _add_oversize(original, adder, req, running, serving, slack, *args):
 
 
 def _holds(req, prefix: int = 0) -> int:
-    """The tokens SGLang's adder charges a request against HBM: what its prefill stores
-    (less a `prefix` it does not store: a resumed request's, in the host tier) and its
-    (clipped) output to come."""
+    """The tokens SGLang's adder charges a request against HBM (`held_tokens`), less a
+    `prefix` it does not store (a resumed request's, in the host tier)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     done = len(getattr(req, "output_ids", None) or ())
     max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
-    fill = len(req.origin_input_ids) + done - prefix
-    return fill + min(max(max_new - done, 0), CLIP_MAX_NEW_TOKENS)
+    return prefill_budget.held_tokens(
+        len(req.origin_input_ids), done, prefix, max_new, CLIP_MAX_NEW_TOKENS
+    )
 
 
 def _resumes_chunked_strict(adder, req) -> bool:
@@ -226,47 +225,39 @@ def around_init_req_max_new_tokens(original, scheduler, req):
 
 
 def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
-    """`(short, reserve)`: the tokens SGLang's prefill budget lacks now to take `req`
-    (`slack` spare for page alignment), for `make_room` to free at the tiered home, and
-    how many of them only feed its strict path's reservation for the running requests'
-    future output (pages nothing takes before the next round: `make_room` takes them
-    from the unit cache first, which grows back into them).
+    """`(short, reserve)` (`prefill_budget.room_needed`): the tokens SGLang's prefill
+    budget lacks now to take `req` (`slack` spare for page alignment), for `make_room` to
+    free at the tiered home, and how many of them only feed the strict path's reservation
+    for the running requests' output to come.
 
     SGLang's adder asks for the prompt plus the clipped output beside the running
-    requests' expected growth (`rem_total_tokens`). A request with `ignore_eos`, with
-    prefix caching off (as the tiered home has it), takes a stricter path: the adder plays
-    every request (the running ones, those added this round and the new one) forward to
-    the end of its `max_new_tokens`, shortest first, each freeing its KV as it ends, and
-    admits only if the free tokens never run out on the way. Every running request's
-    whole remaining output counts against today's free pages there, not a decayed
-    share; room made for less is refused again and again (the H100's workload b sat at
-    two running with 13-30 queued for 1.5-4.5 s at a time) until the running requests'
-    remaining outputs shrink enough. `short` is the larger of the two shortfalls."""
+    requests' expected growth (`rem_total_tokens`: `budget_shortfall`). A request with
+    `ignore_eos`, with prefix caching off (as the tiered home has it), takes a stricter
+    path (`strict_shortfall`): every running request's whole remaining output counts
+    against today's free pages (`cur_rem_tokens`), not a decayed share, so room made for
+    less is refused again and again until their remaining outputs shrink."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
     done = len(getattr(req, "output_ids", None) or ())  # a retracted request's output so far
     # what its prefill stores (a resumed request's prefix stays in the host tier)
     fill = len(req.origin_input_ids) + done - req_prefix_len(req)
-    # once added, SGLang charges its whole (clipped) max_new_tokens, whatever is done
     max_new = getattr(params, "max_new_tokens", None) or 0
-    short = fill + min(max_new, CLIP_MAX_NEW_TOKENS) + slack - int(adder.rem_total_tokens)
+    short = prefill_budget.budget_shortfall(
+        fill, max_new, slack, int(adder.rem_total_tokens), CLIP_MAX_NEW_TOKENS
+    )
     if not (getattr(params, "ignore_eos", False) and getattr(adder.tree_cache, "disable", True)):
-        return short, 0
-    states = []  # (output tokens still to come, tokens held), as the adder counts them
+        return prefill_budget.room_needed(short, None)
+    demands = []  # as the adder counts them: the new request, the running, those added
     for r in [req, *running, *adder.can_run_list]:
         p = r.sampling_params
         ratio = 1.0 if p.ignore_eos else adder.new_token_ratio
         left = (p.max_new_tokens or 0) * ratio - len(r.output_ids)
-        if left > 0:
-            states.append((left, len(r.origin_input_ids) + len(r.output_ids)))
-    states.sort(key=lambda st: st[0])
-    need, ended, n = 0, 0, len(states)
-    for i, (left, held) in enumerate(states):  # the i shortest have ended, freeing theirs
-        need = max(need, fill + slack - ended + (left + IGNORE_EOS_RESERVE_TOKENS) * (n - i))
-        ended += held
-    strict = math.ceil(need) + 1 - int(adder.cur_rem_tokens)
-    return max(short, strict), max(strict - max(short, 0), 0)
+        demands.append(prefill_budget.Demand(left, len(r.origin_input_ids) + len(r.output_ids)))
+    strict = prefill_budget.strict_shortfall(
+        fill, slack, demands, int(adder.cur_rem_tokens), IGNORE_EOS_RESERVE_TOKENS
+    )
+    return prefill_budget.room_needed(short, strict)
 
 
 def around_check_decode_mem(original, batch, selected_indices=None):
