@@ -365,6 +365,27 @@ def _launch_sweep(spec: str) -> dict:
     }
 
 
+def deal_time(flat, first_share: float, by: str, per_pair: int = 8) -> float:
+    """Summed over `flat [layers, steps, pairs]` (shares read), the time of a launch of
+    `per_pair` programs a pair on average, dealt as the wave kernel deals them (one each,
+    the rest in proportion to a weight: the first wave's share, or a pair's share at the
+    last step or at this one, never below the first wave's), its slowest pair setting the
+    time (share / programs), over the time of the same bytes spread evenly."""
+    import torch
+
+    layers, steps, pairs = flat.shape
+    spare = (per_pair - 1) * pairs
+    total = balanced = 0.0
+    for t in range(1 if by == "last_step" else 0, steps):
+        now = flat[:, t]
+        weight = {"first_wave": torch.zeros_like(now), "last_step": flat[:, t - 1]}.get(by, now)
+        weight = weight.clamp(min=first_share)
+        n = 1 + torch.floor(weight * spare / weight.sum(-1, keepdim=True))
+        total += float((now / n).amax(-1).sum())
+        balanced += float(now.sum(-1).sum() / (per_pair * pairs))
+    return total / balanced
+
+
 def balance_cmd(args) -> None:
     """How evenly psa's reads fall on the (request, KV head) programs of one launch, on the
     real test model's keys: each task prefilled by transformers, then decoded greedily
@@ -425,6 +446,16 @@ def balance_cmd(args) -> None:
                 str(q): float(torch.quantile(flat.flatten(), q)) for q in (0.5, 0.9, 0.99)
             },
             "first_wave_share": first_share,
+            # The same launches with their programs dealt by weight (`deal_time`): by the
+            # first wave alone, by the pair's reads at the last step (what the wave kernel
+            # deals by), and by this step's (a bound), over a perfectly balanced launch.
+            **{
+                f"deal_by_{by}_over_mean_time": deal_time(flat, first_share, by)
+                for by in ("first_wave", "last_step", "this_step")
+            },
+            "step_to_step_share_correlation": float(
+                torch.corrcoef(torch.stack([flat[:, 1:].flatten(), flat[:, :-1].flatten()]))[0, 1]
+            ),
         },
         "per_layer_mean": flat.mean((1, 2)).tolist(),
         "per_layer_largest": flat.amax(-1).mean(1).tolist(),
