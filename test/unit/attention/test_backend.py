@@ -448,6 +448,24 @@ def test_page_metadata_is_written_by_prefill_and_decode_and_follows_reused_pages
     _assert_page_meta(backend.meta, 0, page, keys[page])
 
 
+def _step_equals_reference(backend, runner, fb, cfg, g) -> list:
+    """One decode step of `fb`'s two requests through every layer (a random query and new
+    K/V from `g`): each layer's output equals `progressive_attention` over the pool's keys.
+    Returns each layer's reference result."""
+    q = torch.randn(2, HQ * D, generator=g).to(DEV)
+    backend.init_forward_metadata(fb)
+    wants = []
+    for layer_id in range(LAYERS):
+        k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
+        v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
+        out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+        kc, vc = _dense_kv(runner, fb, layer_id)
+        want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
+        torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
+        wants.append(want)
+    return wants
+
+
 def _append_tokens(req, rows, lens, free_pages):
     """Each request (request-table `rows`, `lens` tokens) gets its next token's slot as
     SGLang's allocator gives it: the next slot of its tail page, or a new page from
@@ -482,15 +500,7 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
         slots, lens = _append_tokens(req, (1, 2), lens, free_pages)
         fb.seq_lens = torch.tensor(lens, device=DEV)
         fb.out_cache_loc = torch.tensor(slots, device=DEV)
-        q = torch.randn(2, HQ * D, generator=g).to(DEV)
-        backend.init_forward_metadata(fb)
-        for layer_id in range(LAYERS):
-            k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
-            v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
-            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
-            kc, vc = _dense_kv(runner, fb, layer_id)
-            want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
-            torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
+        _step_equals_reference(backend, runner, fb, cfg, g)
     # Every full page of both requests has valid, exact metadata at the end.
     for r, n in zip((1, 2), lens):
         for j in range(n // BS):
@@ -608,15 +618,8 @@ def test_psa_keeps_each_requests_last_reads_by_row_for_the_next_deal():
             _prefill(backend, one)
             assert (backend.read_hint[:, :, rows[0]] == 0).all()
             assert (backend.read_hint[:, (t + 1) % 2, rows[1]] > 0).all()
-        q = torch.randn(2, HQ * D, generator=g).to(DEV)
-        backend.init_forward_metadata(fb)
-        for layer_id in range(LAYERS):
-            k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
-            v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
-            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
-            kc, vc = _dense_kv(runner, fb, layer_id)
-            want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
-            torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
+        wants = _step_equals_reference(backend, runner, fb, cfg, g)
+        for layer_id, want in enumerate(wants):
             half = backend.read_hint[layer_id, (t + 2) % 2]  # the step counter starts at 1
             for i, r in enumerate(rows):
                 assert torch.equal(half[r].cpu().long(), want.read.sum(-1)[i].cpu()), (t, r)
