@@ -15,7 +15,6 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import math
 import re
@@ -44,7 +43,6 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "score_warps",
         "rank_chunk_blocks",
         "prefetch",
-        "split_blocks",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -175,7 +173,7 @@ def bench_case(
         "layers_per_graph": layers,
         "eager_time_us": t_eager * 1e6,
         "score": wa.score,
-        "programs": wa.programs,  # after any fewer for the cooperative launch
+        "splits": wa.splits,  # after any halving for the cooperative launch
         "gbps_on_bytes_read": read_bytes / t / 1e9,
         "bytes_read": read_bytes,
         # K/V plus the metadata the ranking reads (every block's, whatever the fraction).
@@ -258,8 +256,8 @@ def run(h2d_floor_gbps: float = 0.0) -> dict:
             key = f"tile{tile}_warps{warps}_splits{sp}"
             try:
                 r = bench_case(8, 131072, 0.05)
-                if r["programs"] != sp * 8 * HKV:  # fewer to fit: another entry's launch
-                    split_sweep[key] = f"did not fit; ran {r['programs']} programs"
+                if r["splits"] != sp:  # halved to fit: the same as a smaller entry
+                    split_sweep[key] = f"did not fit; ran with {r['splits']}"
                 else:
                     split_sweep[key] = r["time_us"]
             except Exception as e:  # noqa: BLE001 - report and keep measuring
@@ -416,7 +414,6 @@ def server_case(
     layers: int = 8,
     splits: int | None = None,
     profile: bool = False,
-    hint: bool = True,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -425,11 +422,10 @@ def server_case(
     `plan_ctx` tokens. `mode`: "psa" (ε 0.98, heuristic rule, waves with their barriers;
     random data gives near-uniform attention, so the read cap is set to `frac` to read
     that share), "psa_mixed" (the same over `_server_data(mixed=True)`: half the heads
-    stop after one wave, the others read to the default cap of half the blocks; with
-    `hint` each layer's deal of programs follows its last replay's reads,
-    as the server's are), "topk" (ε 1, a budget of `frac` of the blocks: one wave) or
-    "dense" (ε 1, every block: `--psa-threshold 1`). Graph-replayed `layers` deep (a
-    replay is a step: the step counter advances first), time per layer."""
+    stop after one wave, the others read to the default cap of half the blocks, as psa's
+    heads spread on the real model), "topk" (ε 1, a budget of `frac` of the blocks: one
+    wave) or "dense" (ε 1, every block: `--psa-threshold 1`). Graph-replayed `layers`
+    deep, time per layer."""
     nb = plan_ctx // BS
     mixed = mode == "psa_mixed"
     q, kbuf, vbuf, pages, loc, mean, qlo, qhi, mscale = _server_data(batch, nb, mixed=mixed)
@@ -450,41 +446,27 @@ def server_case(
             setattr(wa, attr, value)
     wa.plan(batch, HQ, HKV, D, nb, "cuda", splits=splits, out_dtype=torch.bfloat16,
             read_blocks=budget)  # fmt: skip
-    hints = torch.zeros(layers, 2, batch, HKV, device="cuda", dtype=torch.int32)
-    rows = torch.arange(batch, device="cuda")
-    # A kernel without the hint (an older tree timed beside this one) runs without it.
-    takes_hint = psa and hint and "read_hint" in inspect.signature(wa.run).parameters
-
-    def run(layer: int = 0):
-        kw = {"read_hint": (hints[layer], rows)} if takes_hint else {}
-        return wa.run(
-            q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
-            slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
-            stats=stats, meta_scale=mscale, **kw,
-        )  # fmt: skip
-
+    run = lambda: wa.run(
+        q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
+        slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
+        stats=stats, meta_scale=mscale,
+    )  # fmt: skip
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):  # steps enough for the hints to settle
-            step.add_(1)
-            for layer in range(layers):
-                res = run(layer)
+        res = run()
     torch.cuda.current_stream().wait_stream(side)
-    n_read = res.n_read.float()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step.add_(1)
-        for layer in range(layers):
-            res = run(layer)
+        for _ in range(layers):
+            res = run()
     t = _time(graph.replay, reps=30, warmup=5) / layers
     n_read = res.n_read.float()
     read_bytes = batch * HKV * n_read.mean().item() * BS * D * 2 * 2
     out = {
         "mode": mode,
-        "hint": takes_hint,
         "time_us": t * 1e6,
-        "programs": getattr(wa, "programs", None) or batch * HKV * getattr(wa, "splits", 1),
+        "splits": wa.splits,
         "blocks_read_per_head": n_read.mean().item(),
         "largest_head_over_mean": (n_read.max() / n_read.mean()).item(),
         "waves_per_head": res.n_waves.float().mean().item(),
@@ -524,9 +506,8 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
     requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
     (its share there), and over heads that spread as a real model's do (`psa_mixed`:
     half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
-    launch sweep of each (programs, the deal's blocks a program, the deal without hints,
-    tile and warps, pipeline depth), against the HBM peak of the same run. `only`: these
-    modes alone."""
+    launch sweep of each (splits, tile and warps, pipeline depth), against the HBM peak of
+    the same run. `only`: these modes alone."""
     use_shape("qwen05b")
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
@@ -540,18 +521,12 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
             bench = functools.partial(server_case, **_ctx[2])
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, bench, splits, launch)
 
-        if not sweep:  # the library's launch only (and psa_mixed's without the hint)
+        if not sweep:  # the library's launch only
             result[mode] = {"case": case, "default": default}
-            if mode == "psa_mixed":
-                result[mode]["no_hint"] = server_case(**case, hint=False)
             continue
-        per_pair = max(1, round(default["programs"] / (32 * HKV)))
-        for sp in {max(1, per_pair // 2), per_pair * 2}:
+        default_splits = default["splits"]
+        for sp in {max(1, default_splits // 2), default_splits * 2}:
             one(f"splits{sp}", splits=sp)
-        for blocks in (4, 32):
-            one(f"split_blocks{blocks}", split_blocks=blocks)
-        if mode == "psa_mixed":
-            sweeps["no_hint"] = server_case(**case, hint=False)["time_us"]
         one("no_prefetch", prefetch=False)
         for stages in (1, 3):
             one(f"stages{stages}", num_stages=stages)

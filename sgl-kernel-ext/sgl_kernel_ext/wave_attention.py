@@ -201,116 +201,6 @@ def _stop(
 
 
 @triton.jit
-def _deal_kernel(
-    deal_ptr,
-    lengths_ptr,
-    nforced_ptr,
-    wave_ends_ptr,
-    wave_row_ptr,
-    wave_stride,
-    hint_ptr,
-    hint_rows_ptr,
-    step_ptr,
-    hint_stride,
-    max_read,
-    cap_frac,
-    split_blocks,
-    P,
-    BH,
-    Hkv,
-    NB,
-    BS: tl.constexpr,
-    BHP: tl.constexpr,
-    SMAX: tl.constexpr,
-    HINT: tl.constexpr,
-    ONE_WAVE: tl.constexpr,
-):
-    """Deal the wave kernel's P programs to the BH (request, KV head) pairs by what each
-    will read (spec: `sglang_psa.algo.attention.deal_programs`): `deal_ptr[p]` is
-    `pair << 16 | index << 8 | count` (program p's pair, its index among the pair's
-    programs, their count), or -1 past the deal.
-
-    A pair's weight is the blocks it will read: all it reads in one wave; with waves its
-    first wave, or with HINT the blocks it read at the last step if more (the half
-    `*step_ptr % 2` of `hint_ptr [2, rows, Hkv]`: a head's need changes little from one
-    step to the next). Each pair gets one program and a share of the others in proportion
-    to its weight, at most one a `split_blocks` blocks and SMAX in all, so a pair that
-    reads much ends about when one that reads little does. The deal changes which
-    program reads what, never what is read. One program."""
-    i = tl.arange(0, BHP)
-    live = i < BH
-    bi = i // Hkv
-    length = tl.load(lengths_ptr + bi, mask=live, other=0)
-    nb = (length + BS - 1) // BS
-    nf = tl.load(nforced_ptr + bi, mask=live, other=0)
-    mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
-    if ONE_WAVE:
-        weight = tl.minimum(nb, mr)
-    else:
-        wrow = tl.load(wave_row_ptr + tl.minimum(nb, NB), mask=live, other=0)
-        weight = nf + tl.load(wave_ends_ptr + wrow * wave_stride, mask=live, other=0)
-        if HINT:
-            half = (tl.load(step_ptr) % 2) * hint_stride
-            row = tl.load(hint_rows_ptr + bi, mask=live, other=0)
-            last = tl.load(hint_ptr + half + row * Hkv + i % Hkv, mask=live, other=0)
-            weight = tl.maximum(weight, last)
-        weight = tl.minimum(tl.minimum(weight, nb), mr)
-    weight = tl.where(live, tl.maximum(weight, 1), 0).to(tl.int64)
-    n = 1 + weight * (P - BH) // tl.maximum(tl.sum(weight, axis=0), 1)
-    n = tl.minimum(tl.minimum(n, tl.maximum(1, tl.cdiv(weight, split_blocks))), SMAX)
-    n = tl.where(live, n, 0).to(tl.int32)
-    ends = tl.cumsum(n, axis=0)
-    for j in range(SMAX):
-        tl.store(deal_ptr + ends - n + j, (i << 16) | (j << 8) | n, mask=live & (j < n))
-    total = tl.sum(n, axis=0)
-    for c0 in range(0, P, BHP):
-        p = c0 + i
-        tl.store(deal_ptr + p, -1, mask=(p >= total) & (p < P))
-
-
-@triton.jit
-def _merge_parts(
-    part_ptr,
-    acc_part_ptr,
-    scalars,
-    first,
-    n,
-    g,
-    dd,
-    gmask,
-    GP: tl.constexpr,
-    D: tl.constexpr,
-    CH: tl.constexpr,
-):
-    """Merge the (max, sum, acc) states of programs `first .. first + n` (their scalars
-    from `part_ptr` row `scalars + k`, their accumulators from `acc_part_ptr` row
-    `first + k`), CH programs a load; returns (max, sum, acc) of the whole."""
-    m_top = tl.full([GP], float("-inf"), tl.float32)
-    lsum = tl.zeros([GP], tl.float32)
-    out = tl.zeros([GP, D], tl.float32)
-    for c0 in range(0, n, CH):
-        cc = c0 + tl.arange(0, CH)
-        cm = cc < n
-        at = (scalars + cc)[:, None] * 3 * GP + g[None, :]
-        m_s = tl.load(part_ptr + at, mask=cm[:, None], other=float("-inf"), volatile=True)
-        l_s = tl.load(part_ptr + at + GP, mask=cm[:, None], other=0.0, volatile=True)
-        a_s = tl.load(
-            acc_part_ptr + (first + cc)[:, None, None] * GP * D + g[None, :, None] * D
-            + dd[None, None, :],
-            mask=cm[:, None, None] & gmask[None, :, None],
-            other=0.0,
-            volatile=True,
-        )  # fmt: skip
-        m_new = tl.maximum(m_top, tl.max(m_s, axis=0))
-        alpha = tl.where(m_top == float("-inf"), 0.0, tl.exp(m_top - m_new))
-        beta = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_new[None, :]))  # [CH, GP]
-        lsum = lsum * alpha + tl.sum(l_s * beta, axis=0)
-        out = out * alpha[:, None] + tl.sum(a_s * beta[:, :, None], axis=0)
-        m_top = m_new
-    return m_top, lsum, out
-
-
-@triton.jit
 def _wave_attention_kernel(
     q_ptr,
     k_slots,
@@ -339,20 +229,15 @@ def _wave_attention_kernel(
     cpages_ptr,
     sel_slot_ptr,
     sel_nbr_ptr,
-    hint_ptr,
-    hint_rows_ptr,
-    deal_ptr,
     sink,
     recent,
     stamp_stride,
     uslot_stride,
     wave_stride,
-    hint_stride,
     scale,
     limit,
     max_read,
     cap_frac,
-    B,
     Hkv,
     NB,
     slot_stride,
@@ -370,19 +255,15 @@ def _wave_attention_kernel(
     PREC: tl.constexpr,
     HAS_HOST: tl.constexpr,
     CACHED: tl.constexpr,
-    SMAX: tl.constexpr,
-    CH: tl.constexpr,
+    S: tl.constexpr,
     STAGES: tl.constexpr,
     STAMP: tl.constexpr,
     STATS: tl.constexpr,
     ONE_WAVE: tl.constexpr,
     KEPT: tl.constexpr,
     PREFETCH: tl.constexpr,
-    HINT: tl.constexpr,
 ):
-    """Grid (P,): the P programs are dealt to the B x Hkv (request, KV head) pairs by what
-    each will read (`deal_ptr`, from `_deal_kernel`); the `s` programs of a pair split
-    each of its waves by tiles.
+    """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
     Bookkeeping is written here, not by later launches: with STAMP every block read
     gets `*step_ptr` in `stamp_ptr[h * stamp_stride + page]` (its page from the page
@@ -394,38 +275,26 @@ def _wave_attention_kernel(
     from page `cpages_ptr[s]` where `s = uslot_ptr[h * uslot_stride + host block]` >= 0
     (`sglang_psa.mem_cache.unit_cache`).
 
-    HINT (waves): the blocks each pair reads are written to `hint_ptr [2, rows, Hkv]` at
-    request row `hint_rows_ptr[b]`, in the half `*step_ptr % 2` does not name (the next
-    step's deal reads it; this step's read the other half).
-
     ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
-    the programs of a pair never wait for each other, the last to finish merges their
-    states (a ticket counter), so the launch needs no co-residency (not cooperative).
+    the S programs never wait for each other, the last to finish merges their states
+    (a ticket counter), so the launch needs no co-residency (not cooperative) and S can
+    fill the GPU.
 
-    With waves and s > 1 the programs of a pair exchange their (max, sum, smallest) after
-    every wave through `part_ptr` (double-buffered by wave parity) and a counter barrier,
-    so all take the same stop decision; their accumulators meet once, in `acc_part_ptr`,
-    after the last wave. This needs every program resident at once (cooperative launch).
+    With S > 1 the programs of a (request, KV head) exchange their (max, sum,
+    smallest) after every wave through `part_ptr` (double-buffered by wave
+    parity) and a counter barrier, so all S take the same stop decision; their
+    accumulators meet once, in `acc_part_ptr`, after the last wave. S > 1 needs
+    every program resident at once (cooperative launch).
 
     KEPT: the read order is a kept selection (`sgl_kernel_ext.selection`): row
     `sel_slot_ptr[b]` of `order_ptr [slots, Hkv, NB]`, ranked when the request had
     `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
     the tail block at ranking time on, `recent` of them then) come first.
     """
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    hint_in = 0
-    if STAMP or HINT:
-        step = tl.load(step_ptr)
-        hint_in = (step % 2) * hint_stride
-    dealt = tl.load(deal_ptr + pid)
-    if dealt < 0:  # past the deal
-        return
-    bh = dealt >> 16
-    sid = (dealt >> 8) & 255
-    s = dealt & 255
-    b = bh // Hkv
-    h = bh % Hkv
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sid = tl.program_id(2)
+    bh = b * Hkv + h
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
     if KEPT:
@@ -454,29 +323,31 @@ def _wave_attention_kernel(
     # This request's wave schedule: a row of the table, chosen by its block count (the
     # first wave may grow with the context).
     ends_row = wave_ends_ptr + tl.load(wave_row_ptr + tl.minimum(nb, NB)) * wave_stride
+    if STAMP:
+        step = tl.load(step_ptr)
     wstart = 0
     w = 0
     n_host = 0
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
-        # This program's tiles of the wave: wstart + (sid + i * s) * NBLK. A counted loop
+        # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
-        n_tiles = tl.cdiv(end - wstart - sid * NBLK, s * NBLK)
+        n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
         if PREFETCH:  # the first tile's ids; each iteration then loads the next one's
             n_where, n_tok, n_valid, n_blk = _tile_at(
                 order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
                 tail0, nf, kept0, BS, NBLK, KEPT,
             )  # fmt: skip
         for i in tl.range(0, n_tiles, num_stages=STAGES):
-            first = wstart + (sid + i * s) * NBLK
+            first = wstart + (sid + i * S) * NBLK
             if PREFETCH:
                 # This tile's ids were loaded an iteration ago: its K/V addresses wait on no
                 # load, and the next tile's ids are in flight while this one is merged.
                 where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
                 n_where, n_tok, n_valid, n_blk = _tile_at(
-                    order_ptr, rloc_ptr, orow, row, first + s * NBLK, end, length, n_sink,
+                    order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
                     tail0, nf, kept0, BS, NBLK, KEPT,
                 )  # fmt: skip
             else:
@@ -517,87 +388,119 @@ def _wave_attention_kernel(
                 page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
                 tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
         wstart = end
-        covered = m_i + tl.log(l_i)
-        low = smallest
-        if not ONE_WAVE:
-            if s > 1:
-                # Publish this program's (max, sum, smallest), wait for the pair's other
-                # programs, merge. The accumulators are exchanged once, after the last wave.
-                buf = (w % 2) * P + pid
-                tl.store(part_ptr + buf * 3 * GP + g, m_i)
-                tl.store(part_ptr + buf * 3 * GP + GP + g, l_i)
-                tl.store(part_ptr + buf * 3 * GP + 2 * GP + g, smallest)
-                tl.debug_barrier()
-                target = (w + 1) * s
-                seen = tl.atomic_add(counter_ptr + bh, 1, sem="release") + 1
-                while seen < target:
-                    seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
-                tl.debug_barrier()
-                ss = tl.arange(0, SMAX)
-                sm = (ss < s)[:, None]
-                base = ((w % 2) * P + pid - sid + ss)[:, None] * 3 * GP + g[None, :]
-                m_all = tl.load(part_ptr + base, mask=sm, other=float("-inf"), volatile=True)
-                l_all = tl.load(part_ptr + base + GP, mask=sm, other=0.0, volatile=True)
-                small = tl.load(
-                    part_ptr + base + 2 * GP, mask=sm, other=float("inf"), volatile=True
-                )
-                low = tl.min(small, axis=0)
-                m_top = tl.max(m_all, axis=0)
-                l_top = tl.sum(
-                    tl.where(m_all == float("-inf"), 0.0, l_all * tl.exp(m_all - m_top[None, :])),
-                    axis=0,
-                )
-                covered = m_top + tl.log(l_top)
+        if S == 1 or ONE_WAVE:  # nothing to agree on: one wave reads every block
+            covered = m_i + tl.log(l_i)
+            low = smallest
+        else:
+            # Publish this program's (max, sum, smallest), wait for the S programs of this
+            # (b, h), merge. The accumulators are exchanged once, after the last wave.
+            buf = (w % 2) * (tl.num_programs(0) * Hkv * S) + bh * S + sid
+            tl.store(part_ptr + buf * 3 * GP + g, m_i)
+            tl.store(part_ptr + buf * 3 * GP + GP + g, l_i)
+            tl.store(part_ptr + buf * 3 * GP + 2 * GP + g, smallest)
+            tl.debug_barrier()
+            target = (w + 1) * S
+            seen = tl.atomic_add(counter_ptr + bh, 1, sem="release") + 1
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+            tl.debug_barrier()
+            first = (w % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
+            ss = tl.arange(0, S)
+            base = (first + ss)[:, None] * 3 * GP + g[None, :]
+            m_all = tl.load(part_ptr + base, volatile=True)  # [S, GP]
+            l_all = tl.load(part_ptr + base + GP, volatile=True)
+            low = tl.min(tl.load(part_ptr + base + 2 * GP, volatile=True), axis=0)
+            m_top = tl.max(m_all, axis=0)
+            l_top = tl.sum(
+                tl.where(m_all == float("-inf"), 0.0, l_all * tl.exp(m_all - m_top[None, :])),
+                axis=0,
+            )
+            covered = m_top + tl.log(l_top)
         w += 1
         done = _stop(
             covered, low, ub_suffix_ptr, b * Hkv * G + hq, wstart, nb, mr, limit, gmask,
             NB, RULE,
         )  # fmt: skip
     writer = sid == 0
-    out = acc / l_i[:, None]
-    lse = m_i + tl.log(l_i)
-    if s > 1:
-        # Publish this program's accumulator; one program merges the pair's states. One
-        # wave: its (max, sum) too, and the last to arrive merges. Waves: the last wave's
-        # exchange holds every (max, sum) already; program 0 waits for the others.
-        tl.store(
-            acc_part_ptr + pid * GP * D + g[:, None] * D + dd[None, :], acc, mask=gmask[:, None]
-        )
-        scalars = pid - sid
-        if ONE_WAVE:
-            tl.store(part_ptr + pid * 3 * GP + g, m_i)
-            tl.store(part_ptr + pid * 3 * GP + GP + g, l_i)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
-            writer = ticket == s - 1
-        else:
-            scalars += ((w - 1) % 2) * P
-            tl.debug_barrier()
-            if sid != 0:
-                tl.atomic_add(counter_ptr + bh, 1, sem="release")
-            else:
-                target = w * s + s - 1
-                seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
-                while seen < target:
-                    seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+    if S == 1:
+        out = acc / l_i[:, None]
+        lse = m_i + tl.log(l_i)
+    elif ONE_WAVE:
+        # Publish this program's state; the last of the S to arrive merges them, one
+        # program's state at a time (a [S, GP, D] tensor of them spilled from S = 4 on).
+        me = bh * S + sid
+        tl.store(part_ptr + me * 3 * GP + g, m_i)
+        tl.store(part_ptr + me * 3 * GP + GP + g, l_i)
+        acc_at = g[:, None] * D + dd[None, :]
+        tl.store(acc_part_ptr + me * GP * D + acc_at, acc, mask=gmask[:, None])
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
+        writer = ticket == S - 1
+        m_top = tl.full([GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        out = tl.zeros([GP, D], tl.float32)
         if writer:
-            # Every program of the pair has arrived for the last time: reset the counter
-            # for the next launch (no zeroing launch per layer), then merge.
+            for other in range(S):
+                src = bh * S + other
+                m_s = tl.load(part_ptr + src * 3 * GP + g, volatile=True)
+                l_s = tl.load(part_ptr + src * 3 * GP + GP + g, volatile=True)
+                a_s = tl.load(
+                    acc_part_ptr + src * GP * D + acc_at,
+                    mask=gmask[:, None],
+                    other=0.0,
+                    volatile=True,
+                )
+                m_new = tl.maximum(m_top, m_s)
+                alpha = tl.where(m_top == float("-inf"), 0.0, tl.exp(m_top - m_new))
+                beta = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_new))
+                lsum = lsum * alpha + l_s * beta
+                out = out * alpha[:, None] + a_s * beta[:, None]
+                m_top = m_new
+            # every program has arrived: reset the ticket for the next launch
             tl.atomic_xchg(counter_ptr + bh, 0)
-            m_top, lsum, merged = _merge_parts(
-                part_ptr, acc_part_ptr, scalars, pid - sid, s, g, dd, gmask, GP, D, CH
-            )
-            out = merged / lsum[:, None]
-            lse = m_top + tl.log(lsum)
+        out = out / lsum[:, None]
+        lse = m_top + tl.log(lsum)
+    else:
+        # Every program holds the merged scalars and took the same stop decision; each
+        # publishes its accumulator and program 0 merges them.
+        tl.store(acc_part_ptr + (bh * S + sid) * GP * D + g[:, None] * D + dd[None, :], acc)
+        tl.debug_barrier()
+        if sid != 0:
+            tl.atomic_add(counter_ptr + bh, 1, sem="release")
+        else:
+            target = w * S + S - 1
+            seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr + bh, 0, sem="acquire")
+            # Every other program has arrived for the last time: the barrier's counter is
+            # reset here for the next launch (no zeroing launch per layer).
+            tl.atomic_xchg(counter_ptr + bh, 0)
+        tl.debug_barrier()
+        last = ((w - 1) % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
+        ss = tl.arange(0, S)
+        base = (last + ss)[:, None] * 3 * GP + g[None, :]
+        m_all = tl.load(part_ptr + base, volatile=True)
+        l_all = tl.load(part_ptr + base + GP, volatile=True)
+        m_top = tl.max(m_all, axis=0)
+        wgt = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_top[None, :]))  # [S, GP]
+        accs = tl.load(
+            acc_part_ptr
+            + (bh * S + ss)[:, None, None] * GP * D
+            + g[None, :, None] * D
+            + dd[None, None, :],
+            mask=(sid == 0),
+            other=0.0,
+            volatile=True,
+        )
+        lsum = tl.sum(wgt * l_all, axis=0)
+        out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
+        lse = m_top + tl.log(lsum)
     if writer:
         res = out.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :], res, mask=gmask[:, None])
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
-        if HINT:
-            out_half = hint_stride - hint_in  # the other half of the double buffer
-            tl.store(hint_ptr + out_half + tl.load(hint_rows_ptr + b) * Hkv + h, wstart)
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
@@ -703,12 +606,6 @@ class WaveAttention:
         self.tile_tokens, self.num_warps = 64, None
         # Software-pipeline depth of the tile loop (1: none).
         self.num_stages = 2
-        # The deal of programs to (request, KV head) pairs (`_deal_kernel`): at most one program
-        # a `split_blocks` blocks of a pair's weight (None: 8 in one wave, 16 with waves,
-        # whose every wave ends in a barrier of the pair's programs), `max_split` a pair.
-        self.split_blocks, self.max_split = None, 32
-        # Programs of one merge load (`_merge_parts`).
-        self.merge_chunk = 4
         # Load the next tile's block ids while this tile is merged; None: for runs in waves
         # only (it lost on one-wave reads).
         self.prefetch = None
@@ -787,37 +684,38 @@ class WaveAttention:
         read_blocks: int | None = None,
     ) -> WaveAttention:
         """Fix shapes, the wave schedule and buffers, on this object (plan a copy, see
-        `planned`, to keep several). A launch runs `splits` programs per (request, KV head)
-        on average, dealt to the pairs by what each reads (`_deal_kernel`); by default as many as
-        the GPU holds at once (with waves, whose programs wait for each other) or about 32
-        warps an SM (one wave), and one per pair in Triton's interpreter (it runs programs
-        one after another). The output is written in `out_dtype` (the model's, so no
-        conversion follows). `read_blocks` is the most a run reads per (request, KV head)
-        (a top-k budget)."""
+        `planned`, to keep several). `splits` programs share each (request, KV head); by
+        default as many as keep two programs per SM resident (always 1 in Triton's
+        interpreter, which runs programs one after another). The output is written in
+        `out_dtype` (the model's, so no conversion follows). `read_blocks` is the most a
+        run reads per (request, KV head) (a top-k budget), for choosing the split."""
         dev = torch.device(device)
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
         self.warps = self.num_warps or 2
-        self.min_split = self.split_blocks or (8 if self.one_wave else 16)
-        pairs = batch * n_kv_heads
-        if splits is not None:
-            programs = splits * pairs
-        elif dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            if self.one_wave:  # programs never wait for each other: ~32 warps an SM
-                programs = 32 // self.warps * sms
-            else:
-                # As many programs as the register file holds per SM, at ~160 registers a
-                # thread (capping them with maxnreg spilled and ran slower); run() takes
-                # fewer if a launch does not fit.
-                programs = max(1, 65536 // (160 * 32 * self.warps)) * sms
-        else:
-            programs = pairs
-        if read_blocks is not None:  # a budget: no pair needs more than one a min_split
-            programs = min(
-                programs, pairs * max(1, -(-min(read_blocks, max_blocks) // self.min_split))
-            )
+        if splits is None:
+            splits = 1
+            if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                programs = batch * n_kv_heads
+                if self.one_wave:
+                    # Programs never wait for each other: ~32 warps per SM, at least 8
+                    # blocks each (the best of bench_wave --serving-a's sweeps).
+                    read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
+                    per_sm = 32 // self.warps
+                    splits = max(1, min(32, -(-per_sm * sms // programs), read // 8))
+                else:
+                    # As many programs as the register file holds per SM, at ~160 registers
+                    # a thread (capping them with maxnreg spilled and ran slower);
+                    # run() halves this if a launch does not fit. Short contexts get fewer:
+                    # every wave ends in a barrier of all the splits (and a split launch is
+                    # cooperative), which costs more than it saves below ~64 blocks per
+                    # split (bench_wave: overhead_by_splits_us).
+                    per_sm = max(1, 65536 // (160 * 32 * self.warps))
+                    splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
+        if splits & (splits - 1):
+            splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
         self.B, self.Hq, self.Hkv, self.D, self.NB = (
             batch,
             n_q_heads,
@@ -825,7 +723,7 @@ class WaveAttention:
             head_dim,
             max_blocks,
         )
-        self._alloc_programs(max(programs, pairs), batch, n_q_heads, n_kv_heads, head_dim, dev)
+        self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
         key = (max_blocks, self.one_wave, str(dev))
         if key not in self._tables:
             self._tables[key] = tuple(t.to(dev) for t in self._wave_table(max_blocks))
@@ -855,31 +753,22 @@ class WaveAttention:
         other = copy.copy(self)
         return other.plan(*args, **kwargs)
 
-    def _alloc_programs(
+    def _alloc_splits(
         self,
-        programs: int,
+        splits: int,
         batch: int,
         n_q_heads: int,
         n_kv_heads: int,
         head_dim: int,
         dev: torch.device,
     ) -> None:
-        pairs = batch * n_kv_heads
-        self.programs = programs
-        self.smax = triton.next_power_of_2(max(1, min(self.max_split, programs - pairs + 1)))
+        self.splits = splits
         gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
         take, f32 = self._ws.take, torch.float32
-        self.part = take("part", (2, programs, 3, gp), f32)  # wave parity
-        self.acc_part = take("acc_part", (programs, gp, head_dim), f32)
-        # The pairs' arrival counters: zero between launches (each resets its own).
-        self.counters = take("counters", (pairs,), torch.int32)
-        self.deal = take("deal", (programs,), torch.int32)  # `_deal_kernel`'s, per launch
-
-    @property
-    def cooperative(self) -> bool:
-        """Waves with a pair of several programs: they wait for each other, so every
-        program must be resident at once."""
-        return not self.one_wave and self.programs > self.B * self.Hkv
+        self.part = take("part", (2, batch, n_kv_heads, splits, 3, gp), f32)  # wave parity
+        self.acc_part = take("acc_part", (batch, n_kv_heads, splits, gp, head_dim), f32)
+        # The split barrier's arrival counters: zero between launches (each resets its own).
+        self.counters = take("counters", (batch * n_kv_heads,), torch.int32)
 
     def rank(
         self,
@@ -1036,7 +925,6 @@ class WaveAttention:
         code_lo: torch.Tensor | None = None,
         code_hi: torch.Tensor | None = None,
         kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        read_hint: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -1064,11 +952,6 @@ class WaveAttention:
         and the stop rule alike; the rule then asks for `CODE_LIMIT_MARGIN` more in log
         space (the float32 mass the kernel sums may differ from the float64 one by
         rounding), so every query head covers at least ε of its true mass.
-        `read_hint = (last [2, R, Hkv] int32, rows [B])` (waves, with `step`): the blocks
-        each (request, KV head) read at the last step, by request row `rows[b]` of `last`,
-        in the half `step % 2` (the kernel writes this step's into the other half): the
-        launch's programs are dealt to the pairs by it (`_deal_kernel`), so a pair that
-        read many blocks gets more programs. What is read and the output do not change.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -1106,40 +989,10 @@ class WaveAttention:
             raise ValueError("the unit cache needs the host tier and its cache pages")
         if stamps is not None and (meta_pages is None or step is None):
             raise ValueError("stamps need the page table (meta_pages) and the step counter")
-        hint = read_hint is not None and not self.one_wave
-        if hint and step is None:
-            raise ValueError("a read hint is double-buffered by the step counter: pass step")
-        if hint and (read_hint[0].dim() != 3 or read_hint[0].shape[0] != 2):
-            raise ValueError("read_hint[0] must be [2, rows, Hkv] (two halves by step parity)")
         G = Hq // Hkv
         while True:
-            _deal_kernel[(1,)](
-                self.deal,
-                lengths,
-                n_forced,
-                self.wave_ends,
-                self.wave_row,
-                self.wave_ends.stride(0),
-                read_hint[0] if hint else self.n_read,
-                read_hint[1] if hint else self.n_read,
-                step if hint else self.n_read,
-                read_hint[0].stride(0) if hint else 0,
-                NB if max_read_blocks is None else max_read_blocks,
-                self.max_read_fraction,
-                self.min_split,
-                self.programs,
-                B * Hkv,
-                Hkv,
-                NB,
-                BS=bs,
-                BHP=triton.next_power_of_2(B * Hkv),
-                SMAX=self.smax,
-                HINT=hint,
-                ONE_WAVE=self.one_wave,
-                num_warps=4,
-            )
             try:
-                _wave_attention_kernel[(self.programs,)](
+                _wave_attention_kernel[(B, Hkv, self.splits)](
                     q,
                     k_slots,
                     v_slots,
@@ -1161,26 +1014,21 @@ class WaveAttention:
                     self.counters,
                     meta_pages if stamps is not None else self.n_read,
                     stamps if stamps is not None else self.n_read,
-                    step if (stamps is not None or hint) else self.n_read,
+                    step if stamps is not None else self.n_read,
                     stats if stats is not None else self.n_read,
                     unit_slot if cached else self.n_read,
                     cache_pages if cached else self.n_read,
                     kept[1] if kept is not None else self.n_read,
                     kept[3] if kept is not None else self.n_read,
-                    read_hint[0] if hint else self.n_read,
-                    read_hint[1] if hint else self.n_read,
-                    self.deal,
                     self.sink,
                     self.recent,
                     stamps.stride(0) if stamps is not None else 0,
                     unit_slot.stride(0) if cached else 0,
                     self.wave_ends.stride(0),
-                    read_hint[0].stride(0) if hint else 0,
                     scale,
                     limit,
                     NB if max_read_blocks is None else max_read_blocks,
                     self.max_read_fraction,
-                    B,
                     Hkv,
                     NB,
                     *(slot_strides or (bs * D, D, 0)),
@@ -1195,28 +1043,25 @@ class WaveAttention:
                     num_warps=self.warps,
                     RULE=0 if self.rule == "heuristic" else 1,
                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                    SMAX=self.smax,
-                    CH=self.merge_chunk,
+                    S=self.splits,
                     STAGES=self.num_stages,
                     STAMP=stamps is not None,
                     STATS=stats is not None,
                     ONE_WAVE=self.one_wave,
                     KEPT=kept is not None,
                     PREFETCH=not self.one_wave if self.prefetch is None else self.prefetch,
-                    HINT=hint,
-                    launch_cooperative_grid=self.cooperative,
+                    launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break
             except RuntimeError as e:
                 # Too many programs for one cooperative launch (they must all be
-                # resident): one fewer an SM, and try again; the plan keeps the result.
-                if not self.cooperative or "cooperative" not in str(e):
+                # resident): halve the split and try again; the plan keeps the result.
+                if self.splits == 1 or "cooperative" not in str(e):
                     raise
-                sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-                fewer = max(B * Hkv, self.programs - sms)
                 logger.warning(
-                    "wave attention: %d programs do not fit one cooperative launch at "
-                    "batch %d; this plan runs %d (slower reads)", self.programs, B, fewer,
+                    "wave attention: %d programs a (request, KV head) do not fit one "
+                    "cooperative launch at batch %d; this plan runs %d (slower reads)",
+                    self.splits, B, self.splits // 2,
                 )  # fmt: skip
-                self._alloc_programs(fewer, B, Hq, Hkv, D, q.device)
+                self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)

@@ -427,84 +427,6 @@ def test_a_read_fraction_caps_psa_where_the_reference_does(device, rule, eps, sp
     _assert_matches_psa(cfg, case, 0.3, 6, device, splits=splits)
 
 
-def _hint_case(B, Hkv, nb, rows_total, seed, device):
-    """Last-step reads per (request, KV head) over a table of `rows_total` request rows
-    (both halves), the batch's rows in it, and a step counter: some pairs unseen (0),
-    some that read little, some much."""
-    g = torch.Generator().manual_seed(seed)
-    last = torch.randint(0, nb + 1, (2, rows_total, Hkv), generator=g, dtype=torch.int32)
-    last[:, 0] = 0  # a new request: no prediction
-    rows = torch.randperm(rows_total, generator=g)[:B]
-    rows[0] = 0
-    return last.to(device), rows.to(device)
-
-
-@pytest.mark.parametrize("rule,eps", [("heuristic", 0.9), ("certified", 0.95)])
-@pytest.mark.parametrize("parity", [0, 1])
-@pytest.mark.parametrize(
-    "splits", [1, pytest.param(4, marks=pytest.mark.gpu), pytest.param(None, marks=pytest.mark.gpu)]
-)
-def test_programs_dealt_by_the_last_reads_read_what_the_reference_reads(
-    device, rule, eps, parity, splits
-):
-    """`read_hint`: the launch's programs are dealt to the (request, KV head) pairs by what
-    each read at the last step (its request's row, the half of the step's parity), several
-    a pair on the GPU: whatever the deal, the same blocks, output and waves as
-    `progressive_attention`. The kernel writes this step's reads into the other half only
-    (at each request's row), and its counters end at zero."""
-    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
-    case = _case(31, B=4, T=700, spread=2.0, device=device)
-    q, k, v, lengths = case
-    lengths[1:] = torch.tensor([100, 300, 520], device=lengths.device)
-    B, Hkv = q.shape[0], k.shape[1]
-    last, rows = _hint_case(B, Hkv, 44, 9, 4, device)
-    before = last.clone()
-    ref = progressive_attention(*case, cfg)
-    step = torch.tensor([parity], dtype=torch.int32, device=device)
-    from sgl_kernel_ext.wave_attention import WaveAttention
-
-    meta = block_metadata(k, lengths, 16)
-    k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.3, seed=5)
-    wa = WaveAttention.from_config(cfg)
-    wa.split_blocks = 1  # deals of several programs to pairs of few blocks too
-    wa.plan(B, q.shape[1], Hkv, q.shape[2], loc.shape[-1], device, splits=splits)
-    for _ in range(2):  # counters are reset by each launch
-        res = wa.run(q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax,
-                     k_host=k_host, v_host=v_host, step=step, read_hint=(last, rows))  # fmt: skip
-        assert torch.equal(res.read_mask(), ref.read)
-        torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
-        assert torch.equal(res.n_waves.long(), ref.n_waves)
-        assert torch.equal(last[parity], before[parity])  # the half read is left as it was
-        assert torch.equal(last[1 - parity, rows.long()].long(), ref.read.sum(-1))
-        others = torch.ones(last.shape[1], dtype=torch.bool, device=device)
-        others[rows.long()] = False
-        assert torch.equal(last[1 - parity, others], before[1 - parity, others])
-        assert int(wa.counters.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("G,d", [(7, 64), (4, 128)])
-def test_programs_dealt_by_the_last_reads_at_real_shapes(G, d):
-    """The server's policy and launch at real shapes (32-token blocks, over 512 of them,
-    8-bit bounds, the default deal over the whole GPU), last reads of every size: the
-    reference's blocks, waves and output."""
-    cfg = PSAConfig()
-    g = torch.Generator().manual_seed(5)
-    B, Hkv, T = 4, 2, 20000
-    q = (torch.randn(B, Hkv * G, d, generator=g) * 2).cuda().bfloat16().float()
-    k = (torch.randn(B, Hkv, T, d, generator=g) * 2).cuda().bfloat16().float()
-    v = torch.randn(B, Hkv, T, d, generator=g).cuda().bfloat16().float()
-    lengths = torch.tensor([T, 17000, 9000, 3000], device="cuda")
-    last, rows = _hint_case(B, Hkv, 625, 6, 6, "cuda")
-    ref = progressive_attention(q, k, v, lengths, cfg)
-    step = torch.ones(1, dtype=torch.int32, device="cuda")
-    res = _run_tiered(cfg, q, k, v, lengths, 0.2, 3, "cuda", step=step, read_hint=(last, rows))
-    assert torch.equal(res.read_mask(), ref.read)
-    assert torch.equal(res.n_waves.long(), ref.n_waves)
-    torch.testing.assert_close(res.out, ref.out.float(), atol=2e-3, rtol=2e-3)
-
-
 @pytest.mark.parametrize("budget", [None, 5], ids=["dense", "topk"])
 def test_one_wave_splits_are_merged_by_the_last_program(device, budget):
     """No stop rule (threshold 1, or a fixed budget): one wave, several programs per
@@ -523,10 +445,10 @@ def test_one_wave_splits_are_merged_by_the_last_program(device, budget):
 
     meta = block_metadata(k, lengths, 16)
     k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.3, seed=2)
-    wa = WaveAttention.from_config(cfg)
-    wa.split_blocks = 1  # every pair gets programs of its own, however few blocks it reads
-    wa.plan(*q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device, splits=4)
-    assert wa.one_wave and wa.programs == 4 * q.shape[0] * k.shape[1]
+    wa = WaveAttention.from_config(cfg).plan(
+        *q.shape[:2], k.shape[1], q.shape[2], loc.shape[-1], device, splits=4
+    )
+    assert wa.one_wave and wa.splits == 4
     for _ in range(2):  # the ticket counters are reset by each launch
         res = wa.run(q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax,
                      k_host=k_host, v_host=v_host, **kw)  # fmt: skip
@@ -557,11 +479,9 @@ def test_split_too_large_for_one_cooperative_launch_is_halved():
     meta = block_metadata(k, lengths, 16)
     k_slots, v_slots, k_host, v_host, loc = _tiered_layout(k, v, lengths, 16, 0.0, seed=8)
     # 8 x 4 x 64 programs cannot all be resident on any current GPU.
-    wa = WaveAttention.from_config(cfg)
-    wa.split_blocks = 1
-    wa.plan(8, 8, 4, 16, loc.shape[-1], "cuda", splits=64)
+    wa = WaveAttention.from_config(cfg).plan(8, 8, 4, 16, loc.shape[-1], "cuda", splits=64)
     res = wa.run(q, k_slots, v_slots, loc, lengths, meta.mean, meta.kmin, meta.kmax)
-    assert 8 * 4 < wa.programs < 8 * 4 * 64
+    assert wa.splits < 64
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 

@@ -83,7 +83,6 @@ class _Batch:
     lengths: torch.Tensor  # [B] int32
     loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
     host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
-    rows: torch.Tensor | None = None  # [B] int64: the requests' rows (their read hints)
     plan: WaveAttention | None = None
     kept: bool = False  # reads a selection kept across steps (`--psa-rerank-interval`)
 
@@ -232,13 +231,6 @@ class PSAAttnBackend(AttentionBackend):
         # Per layer: KV blocks read, available and read from the host tier (device counters
         # the kernel adds to; a block of one KV head is one unit).
         self.stats = torch.zeros(pool.layer_num, 3, dtype=torch.int64, device=device)
-        # psa's waves: the blocks each (layer, request row, KV head) read at the last step,
-        # in two halves by step parity (`WaveAttention.run(read_hint=)`): the next step's
-        # programs are dealt to the heads by them (what is read does not change).
-        self.read_hint = None
-        if cfg.sparse_mode == "psa" and cfg.threshold < 1:
-            shape = (pool.layer_num, 2, req_to_token.shape[0], pool.head_num)
-            self.read_hint = torch.zeros(shape, dtype=torch.int32, device=device)
         self._stats_host = torch.zeros(3, dtype=torch.int64, pin_memory=device.type == "cuda")
 
     @staticmethod
@@ -299,13 +291,7 @@ class PSAAttnBackend(AttentionBackend):
             return
         self._graph_bs = max_bs
         tables = self._tables(max_bs)
-        (
-            self._graph_pages,
-            self._graph_lengths,
-            self._graph_loc,
-            self._graph_host,
-            self._graph_rows,
-        ) = tables
+        self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host = tables
         self._batches.clear()
         cfg, pool = self.cfg, self.token_to_kv_pool
         keep = cfg.sparse_mode == "topk" and cfg.rerank_interval > 1
@@ -323,8 +309,7 @@ class PSAAttnBackend(AttentionBackend):
         Hkv = self.token_to_kv_pool.head_num
         loc = torch.zeros(n, Hkv, self.max_blocks, **kw)
         host = None if self.writeback is None else torch.zeros(n, self.max_blocks, **kw)
-        rows = torch.zeros(n, dtype=torch.int64, device=self._device)
-        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host, rows
+        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
@@ -332,10 +317,7 @@ class PSAAttnBackend(AttentionBackend):
             if B <= self._graph_bs:  # views of the tables the captured graphs read
                 loc = self._graph_loc[:B]
                 host = None if self._graph_host is None else self._graph_host[:B]
-                got = _Batch(
-                    self._graph_pages[:B], self._graph_lengths[:B], loc, host,
-                    self._graph_rows[:B],
-                )  # fmt: skip
+                got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc, host)
             else:  # eager only (larger than any captured batch, or graphs off)
                 got = _Batch(*self._tables(B))
                 if self.cfg.rerank_interval > 1:
@@ -373,7 +355,6 @@ class PSAAttnBackend(AttentionBackend):
         torch.index_select(self._page_cols, 0, rows, out=st.pages)
         st.pages.floor_divide_(self.cfg.block_size)
         st.lengths.copy_(forward_batch.seq_lens)
-        st.rows.copy_(rows)
         if self.writeback is not None:  # tiered: evicted blocks are read from the host tier
             torch.index_select(self.writeback.host_loc, 0, rows, out=st.host)
             on_host = st.host < 0
@@ -430,9 +411,6 @@ class PSAAttnBackend(AttentionBackend):
         if lid == self.first_layer and self._selection is not None:
             # A prefilled request (new, resumed, or in a reused row) ranks at its next step.
             self._selection.invalidate(forward_batch.req_pool_indices[:B])
-        if lid == self.first_layer and self.read_hint is not None:
-            # A prefilled request (new, resumed, or in a reused row) has no last step yet.
-            self.read_hint.index_fill_(2, forward_batch.req_pool_indices[:B], 0)
         self.meta.on_extend(
             lid - self.first_layer,
             kbuf,
@@ -520,7 +498,6 @@ class PSAAttnBackend(AttentionBackend):
             cache_pages=cache_pages,
             meta_scale=kscale,
             kept=kept,
-            read_hint=None if self.read_hint is None else (self.read_hint[lid], step.rows),
         )
         return res.out
 

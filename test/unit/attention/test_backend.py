@@ -448,24 +448,6 @@ def test_page_metadata_is_written_by_prefill_and_decode_and_follows_reused_pages
     _assert_page_meta(backend.meta, 0, page, keys[page])
 
 
-def _step_equals_reference(backend, runner, fb, cfg, g) -> list:
-    """One decode step of `fb`'s two requests through every layer (a random query and new
-    K/V from `g`): each layer's output equals `progressive_attention` over the pool's keys.
-    Returns each layer's reference result."""
-    q = torch.randn(2, HQ * D, generator=g).to(DEV)
-    backend.init_forward_metadata(fb)
-    wants = []
-    for layer_id in range(LAYERS):
-        k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
-        v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
-        out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
-        kc, vc = _dense_kv(runner, fb, layer_id)
-        want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
-        torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
-        wants.append(want)
-    return wants
-
-
 def _append_tokens(req, rows, lens, free_pages):
     """Each request (request-table `rows`, `lens` tokens) gets its next token's slot as
     SGLang's allocator gives it: the next slot of its tail page, or a new page from
@@ -500,7 +482,15 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
         slots, lens = _append_tokens(req, (1, 2), lens, free_pages)
         fb.seq_lens = torch.tensor(lens, device=DEV)
         fb.out_cache_loc = torch.tensor(slots, device=DEV)
-        _step_equals_reference(backend, runner, fb, cfg, g)
+        q = torch.randn(2, HQ * D, generator=g).to(DEV)
+        backend.init_forward_metadata(fb)
+        for layer_id in range(LAYERS):
+            k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
+            v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
+            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+            kc, vc = _dense_kv(runner, fb, layer_id)
+            want = progressive_attention(q.view(2, HQ, D), kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
+            torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
     # Every full page of both requests has valid, exact metadata at the end.
     for r, n in zip((1, 2), lens):
         for j in range(n // BS):
@@ -582,47 +572,6 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
     # The step counter starts at 1 after prefill: steps 4 and 8 (t = 3, 7, 11) rank all.
     assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
-
-
-def test_psa_keeps_each_requests_last_reads_by_row_for_the_next_deal():
-    """psa, kernel path, 8 decode steps of two requests (the batch order flips at step 4;
-    a prefill of the first request at step 6): every layer's output equals the reference
-    (the deal of the kernel's programs by the last reads changes no result), and after
-    each step the read hint holds, at each request's row, the blocks its KV heads read;
-    a prefill zeroes its row."""
-    cfg = PSAConfig(
-        sparse_mode="psa", threshold=0.9, wave_blocks=1, wave_growth=1.5, max_wave_blocks=3,
-        wave_fraction=0.0, bound_bits=16, max_read_fraction=1.0,
-    )  # fmt: skip
-    lengths = [200, 300]
-    runner, fb, g = _rig(cfg, lengths, spread=0.3)
-    backend = PSAAttnBackend(runner, use_kernel=True)
-    backend.init_cuda_graph_state(4, 4)
-    req = runner.req_to_token_pool
-    fb.seq_lens = fb.seq_lens + 1
-    _prefill(backend, fb)
-    used = set(req.req_to_token[1:3, :320].flatten().div(BS, rounding_mode="floor").tolist())
-    free_pages = [p for p in range(1, 64) if p not in used]
-    lens, rows = list(lengths), [1, 2]
-    for t in range(8):
-        if t == 4:
-            rows, lens = rows[::-1], lens[::-1]
-        slots, lens = _append_tokens(req, rows, lens, free_pages)
-        fb.seq_lens = torch.tensor(lens, device=DEV)
-        fb.req_pool_indices = torch.tensor(rows, device=DEV)
-        fb.out_cache_loc = torch.tensor(slots, device=DEV)
-        if t == 6:  # request row `rows[0]` prefilled again: its last reads are forgotten
-            one = SimpleNamespace(**vars(fb))
-            one.batch_size, one.req_pool_indices = 1, fb.req_pool_indices[:1]
-            one.seq_lens = fb.seq_lens[:1] - 1
-            _prefill(backend, one)
-            assert (backend.read_hint[:, :, rows[0]] == 0).all()
-            assert (backend.read_hint[:, (t + 1) % 2, rows[1]] > 0).all()
-        wants = _step_equals_reference(backend, runner, fb, cfg, g)
-        for layer_id, want in enumerate(wants):
-            half = backend.read_hint[layer_id, (t + 2) % 2]  # the step counter starts at 1
-            for i, r in enumerate(rows):
-                assert torch.equal(half[r].cpu().long(), want.read.sum(-1)[i].cpu()), (t, r)
 
 
 def _meta_of(k, lengths, cfg):
