@@ -45,7 +45,7 @@ from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.page_meta import PageMeta
 from sglang_psa.mem_cache.read_stamps import ReadStamps
 from sglang_psa.mem_cache.residency import Residency
-from sglang_psa.sched.serving import PSAServing, current, install
+from sglang_psa.sched.serving import BackendReadouts, PSAServing, install
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +133,6 @@ class PSAAttnBackend(AttentionBackend):
             host_blocks = kv_budget.host_blocks(cfg, _kv_bytes_per_token(pool), ranks)
             if host_blocks < 1:
                 raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
-        install(
-            PSAServing(
-                cfg,
-                layers=pool.layer_num,
-                kv_heads=pool.head_num,
-                hbm_units=hbm_units(cfg, pool),
-                host_tokens=host_blocks * bs if cfg.kv_home == "tiered" else None,
-            )
-        )
         device = pool.k_buffer[0].device
         if use_kernel is None:
             use_kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -162,6 +153,8 @@ class PSAAttnBackend(AttentionBackend):
                 "not enough GPU memory for the block metadata and working-set buffers: lower "
                 f"--mem-fraction-static or --max-total-tokens ({e})",
             ) from e
+        # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
+        agreement = RankAgreement.from_sglang(getattr(model_runner, "tp_size", 1))
         self.writeback = self.residency = None
         if cfg.kv_home == "tiered":
             self.writeback = self._writeback(
@@ -169,25 +162,33 @@ class PSAAttnBackend(AttentionBackend):
             )
             allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
             self.residency = Residency(
-                self.writeback, self.meta, self.ws, req_to_token, cfg, pool, allocator
-            )
-            self.residency.unit_reads = self.unit_reads
-        serving = current()
-        serving.hbm_tokens = int(pool.size)
-        # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
-        serving.agreement = RankAgreement.from_sglang(getattr(model_runner, "tp_size", 1))
-        if self.residency is not None:
-            self.residency.agreement = serving.agreement
-        serving.writeback = self.writeback
-        serving.residency = self.residency
-        serving.measure = self.ws.read
-        serving.read_fraction = self.read_fraction
-        serving.read_counts = self.read_counts
-        serving.hbm_bytes = self.hbm_bytes
+                self.writeback, self.meta, self.ws, req_to_token, cfg, pool, allocator,
+                unit_reads=self.unit_reads, agreement=agreement,
+            )  # fmt: skip
+        metrics = None
         if getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_psa.sched.metrics import PSAMetrics
 
-            serving.metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
+            metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
+        # What this scheduler process owns under --sparse-mode, whole: the hooks find it
+        # through `current()`.
+        install(
+            PSAServing(
+                cfg,
+                layers=pool.layer_num,
+                kv_heads=pool.head_num,
+                hbm_units=hbm_units(cfg, pool),
+                host_tokens=host_blocks * bs if cfg.kv_home == "tiered" else None,
+                hbm_tokens=int(pool.size),
+                readouts=BackendReadouts(
+                    self.ws.read, self.read_fraction, self.read_counts, self.hbm_bytes
+                ),
+                writeback=self.writeback,
+                residency=self.residency,
+                agreement=agreement,
+                metrics=metrics,
+            )
+        )
         topk = cfg.sparse_mode == "topk"
         self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // bs if topk else None

@@ -70,11 +70,23 @@ _STALE_TOKENS = 8
 
 class Residency:
     def __init__(
-        self, writeback, meta, working_sets, req_to_token: torch.Tensor, cfg, pool, allocator
+        self,
+        writeback,
+        meta,
+        working_sets,
+        req_to_token: torch.Tensor,
+        cfg,
+        pool,
+        allocator,
+        unit_reads=None,
+        agreement: RankAgreement | None = None,
     ):
         """`pool`: SGLang's KV pool (`k_buffer`/`v_buffer` by layer), where the unit cache
         lives; `allocator`: SGLang's page allocator, which the cache takes pages from and
-        gives them back to (the one the scheduler hooks pass in, once they have)."""
+        gives them back to (the one the scheduler hooks pass in, once they have);
+        `unit_reads()`: (units decode read from HBM, from the host tier) as the backend
+        last published them without a sync (default: none); `agreement`: the TP ranks'
+        (`sglang_psa.distributed`; default: one rank)."""
         self.wb, self.meta, self.ws = writeback, meta, working_sets
         self.pool = pool
         self.req_to_token = req_to_token
@@ -96,10 +108,8 @@ class Residency:
         self.resumed = self.resumed_host_tokens = self.resumed_recomputed_tokens = 0
         self.evictions = 0  # blocks given back to the allocator, ever
         self.allocator = allocator
-        # (units decode read from HBM, from the host tier) as last published without a
-        # sync: the backend's counters (the wave kernel counts them)
-        self.unit_reads = lambda: (0, 0)
-        self.agreement = RankAgreement()  # the TP ranks' (the backend sets SGLang's)
+        self.unit_reads = unit_reads or (lambda: (0, 0))
+        self.agreement = agreement or RankAgreement()
         self.cache = UnitCache(
             working_sets.layers,
             working_sets.kv_heads,

@@ -1,11 +1,11 @@
 """The admission state of one scheduler process under `--sparse-mode`.
 
-One `PSAServing` per scheduler process (created with the `psa` backend, found
-by the scheduler hooks of `plugin.scheduling` through `current()`) owns an
-`AdmissionController` whose capacity is HBM for working sets in units of one
-(layer, KV head, block), and holds the backend's tiered-home parts (write-back,
-residency) and read-outs (working sets, read fractions, buffer sizes) that the
-hooks, server info and metrics read.
+One `PSAServing` per scheduler process, assembled whole by the `psa` backend (its
+constructor names everything the process owns: the `AdmissionController` whose capacity
+is HBM for working sets in units of one (layer, KV head, block), the backend's tiered-home
+parts (write-back, residency) and read-outs (working sets, read fractions, buffer sizes),
+the TP agreement, the metrics) and installed once; the scheduler hooks of
+`plugin.scheduling` find it through `current()`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,18 @@ WAIT_REASONS = (
 WAIT_LOG_INTERVAL_S = 10.0
 
 
+@dataclass(frozen=True)
+class BackendReadouts:
+    """What the decode backend publishes for the scheduler, each read without a sync."""
+
+    # Working sets by request-table row as the GPU last published them: (sizes, lengths
+    # measured at).
+    measure: Callable[[], tuple[Any, Any]] | None = None
+    read_fraction: Callable[[], float] | None = None  # blocks read / readable, server info
+    read_counts: Callable[[], tuple[int, int]] | None = None  # (blocks read, readable)
+    hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's GPU buffers
+
+
 class PSAServing:
     def __init__(
         self,
@@ -43,29 +56,36 @@ class PSAServing:
         kv_heads: int,
         hbm_units: int,
         host_tokens: int | None = None,
+        *,
+        hbm_tokens: int = 0,
+        readouts: BackendReadouts | None = None,
+        writeback=None,
+        residency=None,
+        agreement: RankAgreement | None = None,
+        metrics=None,
     ):
-        """`host_tokens`: what the tiered home's host tier holds (None: no host tier)."""
+        """Everything one scheduler process owns under `--sparse-mode`, given here (the
+        backend assembles it): `host_tokens`, what the tiered home's host tier holds (None:
+        no host tier); `hbm_tokens`, SGLang's KV pool in HBM; the backend's `readouts`;
+        at the tiered home its `writeback` (`mem_cache.writeback.WriteBack`) and
+        `residency` (`mem_cache.residency.Residency`); the TP ranks' `agreement`, through
+        which every GPU measurement passes before a decision reads it, so that all ranks
+        decide alike (`sglang_psa.distributed`; default: one rank); `metrics`
+        (`PSAMetrics`, with `--enable-metrics`)."""
         self.cfg = cfg
         self.layer_heads = layers * kv_heads
         self.host_tokens = host_tokens
+        self.hbm_tokens = hbm_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
-        # The backend's working sets by request-table row, as the GPU last published them
-        # (host memory, read without a sync): (sizes, lengths measured at).
-        self.measure: Callable[[], tuple[Any, Any]] | None = None
-        self.read_fraction: Callable[[], float] | None = None  # the backend's, for server info
-        # The backend's (blocks read, blocks readable) as last copied to the host, no sync.
-        self.read_counts: Callable[[], tuple[int, int]] | None = None
-        self.metrics = None  # PSAMetrics with --enable-metrics
-        self.hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's buffers
-        self.writeback = None  # mem_cache.writeback.WriteBack with --psa-kv-home tiered
-        self.residency = None  # mem_cache.residency.Residency, the same home
-        self.hbm_tokens = 0  # SGLang's KV pool in HBM, tokens (the backend sets it)
+        r = readouts or BackendReadouts()
+        self.measure, self.read_fraction = r.measure, r.read_fraction
+        self.read_counts, self.hbm_bytes = r.read_counts, r.hbm_bytes
+        self.writeback, self.residency = writeback, residency
+        self.agreement = agreement or RankAgreement()
+        self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
         self._wait_logged = -float("inf")
-        # With tensor parallelism every GPU measurement passes through this before a
-        # decision reads it, so that all ranks decide alike (`sglang_psa.distributed`).
-        self.agreement = RankAgreement()
 
     @property
     def retracts_by_working_set(self) -> bool:
