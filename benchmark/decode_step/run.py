@@ -327,8 +327,9 @@ def summarize_cmd(args) -> None:
     }
     if args.launch_sweep:
         out["launch_sweeps_a"] = [_launch_sweep(spec) for spec in args.launch_sweep]
-        # Per mode (psa_mixed: heads that spread as a real model's, `no_hint`: its deal
-        # without the last step's reads), each tree's library launch.
+        # Per mode (psa_mixed: heads that spread as a real model's; `no_hint`, in sweeps of
+        # a tree that dealt programs by the last step's reads: that deal turned off), each
+        # tree's library launch.
         summary["wave_launch_a_us_per_layer"] = {
             f"{sw['git_commit'][:9]}_{mode}{'' if run == 'default' else '_' + run}": r[run][
                 "time_us"
@@ -367,10 +368,11 @@ def _launch_sweep(spec: str) -> dict:
 
 def deal_time(flat, first_share: float, by: str, per_pair: int = 8) -> float:
     """Summed over `flat [layers, steps, pairs]` (shares read), the time of a launch of
-    `per_pair` programs a pair on average, dealt as the wave kernel deals them (one each,
-    the rest in proportion to a weight: the first wave's share, or a pair's share at the
-    last step or at this one, never below the first wave's), its slowest pair setting the
-    time (share / programs), over the time of the same bytes spread evenly."""
+    `per_pair` programs a pair on average, dealt one each and the rest in proportion to a
+    weight (the first wave's share: equal programs, as the wave kernel runs them; or a
+    pair's share at the last step or at this one, never below the first wave's), its
+    slowest pair setting the time (share / programs), over the time of the same bytes
+    spread evenly."""
     import torch
 
     layers, steps, pairs = flat.shape
@@ -447,8 +449,9 @@ def balance_cmd(args) -> None:
             },
             "first_wave_share": first_share,
             # The same launches with their programs dealt by weight (`deal_time`): by the
-            # first wave alone, by the pair's reads at the last step (what the wave kernel
-            # deals by), and by this step's (a bound), over a perfectly balanced launch.
+            # first wave alone (equal programs, the wave kernel's launch), by the pair's
+            # reads at the last step (a launch could know them), and by this step's (a
+            # bound), over a perfectly balanced launch.
             **{
                 f"deal_by_{by}_over_mean_time": deal_time(flat, first_share, by)
                 for by in ("first_wave", "last_step", "this_step")
