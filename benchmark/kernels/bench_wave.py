@@ -43,6 +43,7 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "score_warps",
         "rank_chunk_blocks",
         "prefetch",
+        "tma",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -527,16 +528,15 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
         default_splits = default["splits"]
         for sp in {max(1, default_splits // 2), default_splits * 2}:
             one(f"splits{sp}", splits=sp)
-        one("no_prefetch", prefetch=False)
-        for stages in (1, 3):
+        one("gather", tma=False)  # blocks read by the per-row gather, not descriptors
+        for stages in (1, 3, 4):
             one(f"stages{stages}", num_stages=stages)
+        one("warps4", num_warps=4)
+        one("warps4_stages3", num_warps=4, num_stages=3)
         if mode != "dense":
-            one("warps4", num_warps=4)
-            one("tile32", tile_tokens=32)
-            one("no_prefetch_warps4", prefetch=False, num_warps=4)
-            one("tile128_warps4", tile_tokens=128, num_warps=4)
+            one("no_prefetch", prefetch=False)
         else:
-            one("warps2", num_warps=2)
+            one("prefetch", prefetch=True)
         ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
         result[mode] = {

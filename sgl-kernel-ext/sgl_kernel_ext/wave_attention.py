@@ -26,6 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the per-row gather reads every block
+    TensorDescriptor = None
+
 from sgl_kernel_ext.code_bounds import code_bounds
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
@@ -127,6 +132,25 @@ def _tile_at(
 
 
 @triton.jit
+def _block_at(
+    order_ptr, loc_ptr, orow, row, pos, end, n_sink, tail0, nf, kept0, KEPT: tl.constexpr
+):
+    """The block at read position `pos` (< `end`, else 0) and its location (a slot, >= 0):
+    scalars, for tiles of one block read through a tensor descriptor (`_tile_at`'s rules
+    for one block)."""
+    ok = pos < end
+    if KEPT:
+        forced = pos < nf
+        kblk = tl.load(order_ptr + orow + kept0 + pos - nf, mask=ok & (~forced), other=0)
+        blk = tl.where(forced, tl.where(pos < n_sink, pos, tail0 + pos - n_sink), kblk)
+        where = tl.load(loc_ptr + row + blk, mask=ok, other=0)
+    else:
+        blk = tl.load(order_ptr + row + pos, mask=ok, other=0)
+        where = tl.load(loc_ptr + row + pos, mask=ok, other=0)
+    return where, blk
+
+
+@triton.jit
 def _merge_tile(
     q,
     k,
@@ -205,6 +229,10 @@ def _wave_attention_kernel(
     q_ptr,
     k_slots,
     v_slots,
+    k_desc,
+    v_desc,
+    desc_head_rows,
+    desc_head_cols,
     k_host,
     v_host,
     rloc_ptr,
@@ -262,6 +290,7 @@ def _wave_attention_kernel(
     ONE_WAVE: tl.constexpr,
     KEPT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -336,57 +365,94 @@ def _wave_attention_kernel(
         # K/V tiles of later iterations are in flight while this one is merged.
         n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
         if PREFETCH:  # the first tile's ids; each iteration then loads the next one's
-            n_where, n_tok, n_valid, n_blk = _tile_at(
-                order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
-                tail0, nf, kept0, BS, NBLK, KEPT,
-            )  # fmt: skip
-        for i in tl.range(0, n_tiles, num_stages=STAGES):
-            first = wstart + (sid + i * S) * NBLK
-            if PREFETCH:
-                # This tile's ids were loaded an iteration ago: its K/V addresses wait on no
-                # load, and the next tile's ids are in flight while this one is merged.
-                where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
+            if TMA:
+                n_where, n_blk = _block_at(
+                    order_ptr, rloc_ptr, orow, row, wstart + sid, end, n_sink, tail0, nf,
+                    kept0, KEPT,
+                )  # fmt: skip
+            else:
                 n_where, n_tok, n_valid, n_blk = _tile_at(
-                    order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
+                    order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
                     tail0, nf, kept0, BS, NBLK, KEPT,
                 )  # fmt: skip
+        for i in tl.range(0, n_tiles, num_stages=STAGES):
+            first = wstart + (sid + i * S) * NBLK
+            if TMA:
+                # One block a tile, copied by the tensor memory accelerator from its slot
+                # into shared memory: no per-element addresses, and the pipeline keeps
+                # STAGES blocks in flight. Rows past the request's length hold stale
+                # values: masked (their keys to -inf, their values to 0).
+                if PREFETCH:
+                    where, blk = n_where, n_blk
+                    n_where, n_blk = _block_at(
+                        order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
+                        kept0, KEPT,
+                    )  # fmt: skip
+                else:
+                    where, blk = _block_at(
+                        order_ptr, rloc_ptr, orow, row, first, end, n_sink, tail0, nf, kept0,
+                        KEPT,
+                    )  # fmt: skip
+                tok = tl.arange(0, BS)
+                valid = blk * BS + tok < length
+                at = [where * BS + h * desc_head_rows, h * desc_head_cols]
+                k = k_desc.load(at)
+                v = v_desc.load(at)
+                v = tl.where(valid[:, None], v, 0.0)
             else:
-                where, tok, valid, blk = _tile_at(
-                    order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
-                    kept0, BS, NBLK, KEPT,
-                )  # fmt: skip
-            # Each block is read from its HBM slot or, through UVA, from the host pool: one
-            # load through a pointer chosen per row. HBM slots may be strided (SGLang's
-            # token-major pages: a slot is a page, the head an offset within each token);
-            # host units are [bs, d] runs unless `host_*_stride` say otherwise.
-            if CACHED:  # a cached host unit: its slot's page (0 while the slot is torn down)
-                on_host = valid & (where < 0)
-                slot = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
-                cpage = tl.load(cpages_ptr + slot, mask=slot >= 0, other=0).to(tl.int64)
-                where = tl.where(cpage > 0, cpage, where)
-            in_hbm = where >= 0
-            if STATS:
-                n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
-            unit = tl.where(in_hbm, where, -where - 1)
-            offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[None, :]
-            if HAS_HOST:
-                offs_h = (unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride)[
-                    :, None
-                ] + dd[None, :]
-                kp = tl.where(in_hbm[:, None], k_slots + offs, k_host + offs_h)
-                vp = tl.where(in_hbm[:, None], v_slots + offs, v_host + offs_h)
-            else:
-                kp, vp = k_slots + offs, v_slots + offs
-            k = tl.load(kp, mask=valid[:, None], other=0.0)
-            v = tl.load(vp, mask=valid[:, None], other=0.0)
+                if PREFETCH:
+                    # This tile's ids were loaded an iteration ago: its K/V addresses wait
+                    # on no load, and the next tile's ids are in flight while this one is
+                    # merged.
+                    where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
+                    n_where, n_tok, n_valid, n_blk = _tile_at(
+                        order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
+                        tail0, nf, kept0, BS, NBLK, KEPT,
+                    )  # fmt: skip
+                else:
+                    where, tok, valid, blk = _tile_at(
+                        order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
+                        kept0, BS, NBLK, KEPT,
+                    )  # fmt: skip
+                # Each block is read from its HBM slot or, through UVA, from the host pool:
+                # one load through a pointer chosen per row. HBM slots may be strided
+                # (SGLang's token-major pages: a slot is a page, the head an offset within
+                # each token); host units are [bs, d] runs unless `host_*_stride` say
+                # otherwise.
+                if CACHED:  # a cached host unit: its slot's page (0 while the slot is torn down)
+                    on_host = valid & (where < 0)
+                    slot = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
+                    cpage = tl.load(cpages_ptr + slot, mask=slot >= 0, other=0).to(tl.int64)
+                    where = tl.where(cpage > 0, cpage, where)
+                in_hbm = where >= 0
+                if STATS:
+                    n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
+                unit = tl.where(in_hbm, where, -where - 1)
+                offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[
+                    None, :
+                ]
+                if HAS_HOST:
+                    offs_h = (
+                        unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride
+                    )[:, None] + dd[None, :]
+                    kp = tl.where(in_hbm[:, None], k_slots + offs, k_host + offs_h)
+                    vp = tl.where(in_hbm[:, None], v_slots + offs, v_host + offs_h)
+                else:
+                    kp, vp = k_slots + offs, v_slots + offs
+                k = tl.load(kp, mask=valid[:, None], other=0.0)
+                v = tl.load(vp, mask=valid[:, None], other=0.0)
             m_i, l_i, acc, smallest = _merge_tile(
                 q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
                 GP, NBLK, BS, D, PREC, RULE == 0,
             )  # fmt: skip
-            if STAMP:  # one store per block: its first token's row
-                lead = valid & (tok == 0)
-                page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
-                tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
+            if STAMP:  # one store per block
+                if TMA:
+                    page = tl.load(pages_ptr + b * NB + blk)
+                    tl.store(stamp_ptr + h * stamp_stride + page, step)
+                else:  # its first token's row
+                    lead = valid & (tok == 0)
+                    page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
+                    tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
         wstart = end
         if S == 1 or ONE_WAVE:  # nothing to agree on: one wave reads every block
             covered = m_i + tl.log(l_i)
@@ -609,6 +675,10 @@ class WaveAttention:
         # Load the next tile's block ids while this tile is merged; None: for runs in waves
         # only (it lost on one-wave reads).
         self.prefetch = None
+        # Read HBM blocks through tensor descriptors (one block a tile, copied into shared
+        # memory by the TMA) where the GPU has them (sm_90 on); None: wherever they apply
+        # (`_descriptors`). A host tier is always read by the per-row gather.
+        self.tma = None
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
@@ -747,6 +817,34 @@ class WaveAttention:
             self.identity.copy_(torch.arange(NB, dtype=i32, device=dev).expand(B, Hkv, NB))
             self.no_forced = take("no_forced", (B,), i32)  # zeroed once, never written
         return self
+
+    def _descriptors(self, k_slots, v_slots, strides, on_host: bool):
+        """`(k, v, head rows, head columns)`: tensor descriptors of the K and V slots as
+        2-D `[rows, tok_stride]` (a slot is `bs` consecutive rows; a KV head starts that
+        many rows or columns further), or None where they do not apply: a host tier, a GPU
+        without a TMA (before sm_90), a layout of another shape, rows not 16-byte aligned."""
+        if self.tma is False or on_host or TensorDescriptor is None:
+            return None
+        slot_stride, tok_stride, head_stride = strides
+        dev = k_slots.device
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if not interp and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
+            return None
+        if slot_stride != self.bs * tok_stride or (tok_stride * k_slots.element_size()) % 16:
+            return None
+        if head_stride % tok_stride == 0:  # head-major: a head is rows further
+            head_rows, head_cols = head_stride // tok_stride, 0
+        elif (self.Hkv - 1) * head_stride + self.D <= tok_stride:  # token-major: columns
+            head_rows, head_cols = 0, head_stride
+        else:
+            return None
+        descs = []
+        for t in (k_slots, v_slots):
+            if t.data_ptr() % 16 or not t.is_contiguous() or t.numel() % tok_stride:
+                return None
+            rows = t.numel() // tok_stride
+            descs.append(TensorDescriptor(t, [rows, tok_stride], [tok_stride, 1], [self.bs, self.D]))
+        return (*descs, head_rows, head_cols)
 
     def planned(self, *args, **kwargs) -> WaveAttention:
         """A copy of this (unplanned or planned) object, planned with these arguments."""
@@ -990,12 +1088,15 @@ class WaveAttention:
         if stamps is not None and (meta_pages is None or step is None):
             raise ValueError("stamps need the page table (meta_pages) and the step counter")
         G = Hq // Hkv
+        slot_strides = slot_strides or (bs * D, D, 0)
+        descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
         while True:
             try:
                 _wave_attention_kernel[(B, Hkv, self.splits)](
                     q,
                     k_slots,
                     v_slots,
+                    *(descs or (k_slots, v_slots, 0, 0)),
                     k_host,
                     v_host,
                     rloc,
@@ -1031,13 +1132,13 @@ class WaveAttention:
                     self.max_read_fraction,
                     Hkv,
                     NB,
-                    *(slot_strides or (bs * D, D, 0)),
+                    *slot_strides,
                     *(host_strides or (bs * D, D, 0)),
                     G=G,
                     GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
                     D=D,
                     BS=bs,
-                    NBLK=max(1, self.tile_tokens // bs),
+                    NBLK=1 if descs else max(1, self.tile_tokens // bs),
                     HAS_HOST=has_host,
                     CACHED=cached,
                     num_warps=self.warps,
@@ -1050,6 +1151,7 @@ class WaveAttention:
                     ONE_WAVE=self.one_wave,
                     KEPT=kept is not None,
                     PREFETCH=not self.one_wave if self.prefetch is None else self.prefetch,
+                    TMA=descs is not None,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break

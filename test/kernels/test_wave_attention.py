@@ -616,3 +616,75 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device):
     read = ref.read[..., :nb].cpu()
     assert int(stats[0]) == int(read.sum())
     assert int(stats[2]) == int((read & on_host).sum()) > 0
+
+
+# (B, G, Hkv, T, d, block size): a small case for the interpreter, and the GPU test model's
+# and an 8B model's attention at 16K-20K tokens (> 512 blocks) on the GPU.
+READER_SHAPES = {
+    "small": (2, 7, 2, 300, 64, 16),
+    "qwen05b": (2, 7, 2, 20_000, 64, 32),
+    "llama8b": (2, 4, 8, 17_000, 128, 32),
+}
+
+
+@pytest.mark.parametrize("shape", list(READER_SHAPES))
+@pytest.mark.parametrize("mode", ["psa", "topk", "dense"])
+def test_descriptor_reads_equal_gather_reads(device, mode, shape):
+    """Blocks read through tensor descriptors (one block a tile, copied whole from the slot)
+    give what the per-row gather gives over SGLang's token-major pool: the reference's
+    blocks, output and log-mass, and the same last-use stamps and read counters. The rows
+    past each request's length hold NaN: both readers must mask them."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    B, G, Hkv, T, d, bs = READER_SHAPES[shape]
+    if shape != "small" and device == "cpu":
+        pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
+    small = SMALL_WAVES if shape == "small" else dict(bound_bits=16)
+    cfg = PSAConfig(threshold=1.0 if mode != "psa" else 0.9, **{**small, "block_size": bs})
+    q, k, v, lengths = _case(12, B=B, Hq=G * Hkv, Hkv=Hkv, T=T, d=d, spread=2.0, device=device)
+    lengths[1] = T - bs - 3  # a partial last block
+    nb = -(-T // bs)
+    pages, kbuf, vbuf = _paged_pool(k, v, bs, torch.Generator().manual_seed(4), device)
+    for b in range(B):  # stale rows of each request's last page
+        tail = int(lengths[b]) % bs
+        if tail:
+            p = int(pages[b, (int(lengths[b]) - 1) // bs])
+            kbuf[p * bs + tail : (p + 1) * bs] = float("nan")
+            vbuf[p * bs + tail : (p + 1) * bs] = float("nan")
+    loc = pages[:, None, :].expand(B, Hkv, nb).to(torch.int32).contiguous().to(device)
+    meta = block_metadata(k, lengths, bs)
+    per_page = []  # the server's metadata: per page, read through the page table
+    for src in (meta.mean, meta.kmin, meta.kmax):
+        dst = torch.zeros(kbuf.shape[0] // bs, Hkv, d, dtype=src.dtype, device=device)
+        dst[pages.long()] = src.transpose(1, 2)
+        per_page.append(dst)
+    budget = 9 if mode == "topk" else None
+    if mode == "topk":
+        from sglang_psa.algo import topk_attention
+
+        ref = topk_attention(q, k, v, lengths, cfg.replace(topk_tokens=bs * budget))
+    else:
+        ref = progressive_attention(q, k, v, lengths, cfg)
+    results = {}
+    for tma in (None, False):
+        wa = WaveAttention.from_config(cfg)
+        wa.tma = tma
+        wa.plan(B, G * Hkv, Hkv, d, nb, device, read_blocks=budget)
+        strides = (bs * Hkv * d, Hkv * d, d)
+        if tma is None:
+            assert wa._descriptors(kbuf, vbuf, strides, False) is not None, "no TMA here"
+        stamps = torch.zeros(Hkv, kbuf.shape[0] // bs, dtype=torch.int32, device=device)
+        stats = torch.zeros(3, dtype=torch.int64, device=device)
+        step = torch.full((1,), 7, dtype=torch.int32, device=device)
+        res = wa.run(
+            q, kbuf, vbuf, loc, lengths, *per_page,
+            max_read_blocks=budget, slot_strides=strides, meta_pages=pages.to(device),
+            stamps=stamps, step=step, stats=stats,
+        )  # fmt: skip
+        assert torch.equal(res.read_mask(), ref.read), f"tma={tma}"
+        torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
+        results[tma] = (stamps.clone(), stats.clone())
+    assert torch.equal(results[None][0], results[False][0])
+    assert torch.equal(results[None][1], results[False][1])
+    assert int(results[None][1][0]) == int(ref.read.sum())
