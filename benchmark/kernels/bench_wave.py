@@ -423,8 +423,8 @@ def server_case(
     `plan_ctx` tokens. `mode`: "psa" (ε 0.98, heuristic rule, waves with their barriers;
     random data gives near-uniform attention, so the read cap is set to `frac` to read
     that share), "psa_mixed" (the same over `_server_data(mixed=True)`: half the heads
-    stop after one wave, the others read to the default cap of half the blocks, as psa's
-    heads spread on the real model), "topk" (ε 1, a budget of `frac` of the blocks: one
+    stop after one wave, the others read to the cap `frac`, as psa's heads spread on the
+    real model), "topk" (ε 1, a budget of `frac` of the blocks: one
     wave) or "dense" (ε 1, every block: `--psa-threshold 1`). Graph-replayed `layers`
     deep, time per layer."""
     nb = plan_ctx // BS
@@ -438,7 +438,7 @@ def server_case(
     cfg = PSAConfig(block_size=BS, threshold=0.98 if psa else 1.0)
     wa = WaveAttention.from_config(cfg)
     budget = None
-    if mode == "psa":
+    if psa:  # the read cap (psa_mixed: the share its unfocused heads read)
         wa.max_read_fraction = frac
     elif mode == "topk":
         budget = max(2, round(frac * (ctx // BS)))
@@ -528,15 +528,17 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
         default_splits = default["splits"]
         for sp in {max(1, default_splits // 2), default_splits * 2}:
             one(f"splits{sp}", splits=sp)
-        one("gather", tma=False)  # blocks read by the per-row gather, not descriptors
-        for stages in (1, 3, 4):
-            one(f"stages{stages}", num_stages=stages)
-        one("warps4", num_warps=4)
-        one("warps4_stages3", num_warps=4, num_stages=3)
-        if mode != "dense":
-            one("no_prefetch", prefetch=False)
+        # The other block reader at its best launch: the per-row gather (waves read
+        # through tensor descriptors by default), or descriptors (one-wave runs gather).
+        if mode == "dense" or mode == "topk":
+            one("descriptors", tma=True, tile_tokens=32)
         else:
-            one("prefetch", prefetch=True)
+            one("gather", tma=False, num_warps=2, tile_tokens=64)
+        for tile in (32, 64, 128):
+            one(f"tile{tile}", tile_tokens=tile)
+        one("stages3", num_stages=3)
+        for warps in (1, 2, 4):
+            one(f"warps{warps}", num_warps=warps)
         ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
         result[mode] = {

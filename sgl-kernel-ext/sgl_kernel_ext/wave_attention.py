@@ -378,27 +378,35 @@ def _wave_attention_kernel(
         for i in tl.range(0, n_tiles, num_stages=STAGES):
             first = wstart + (sid + i * S) * NBLK
             if TMA:
-                # One block a tile, copied by the tensor memory accelerator from its slot
-                # into shared memory: no per-element addresses, and the pipeline keeps
-                # STAGES blocks in flight. Rows past the request's length hold stale
-                # values: masked (their keys to -inf, their values to 0).
-                if PREFETCH:
-                    where, blk = n_where, n_blk
-                    n_where, n_blk = _block_at(
-                        order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
-                        kept0, KEPT,
+                # NBLK blocks a tile, each copied by the tensor memory accelerator from its
+                # slot into shared memory and merged on its own: no per-element addresses.
+                # Rows past the request's length hold stale values: masked (their keys to
+                # -inf, their values to 0).
+                for j in tl.static_range(NBLK):
+                    if PREFETCH:  # NBLK == 1: this block's ids were loaded an iteration ago
+                        where, blk = n_where, n_blk
+                        n_where, n_blk = _block_at(
+                            order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
+                            kept0, KEPT,
+                        )  # fmt: skip
+                    else:
+                        where, blk = _block_at(
+                            order_ptr, rloc_ptr, orow, row, first + j, end, n_sink, tail0, nf,
+                            kept0, KEPT,
+                        )  # fmt: skip
+                    tok = tl.arange(0, BS)
+                    valid = (first + j < end) & (blk * BS + tok < length)
+                    at = [where * BS + h * desc_head_rows, h * desc_head_cols]
+                    k = k_desc.load(at)
+                    v = tl.where(valid[:, None], v_desc.load(at), 0.0)
+                    m_i, l_i, acc, smallest = _merge_tile(
+                        q, k, v, valid, first + j, end, nf, scale, m_i, l_i, acc, smallest,
+                        GP, 1, BS, D, PREC, RULE == 0,
                     )  # fmt: skip
-                else:
-                    where, blk = _block_at(
-                        order_ptr, rloc_ptr, orow, row, first, end, n_sink, tail0, nf, kept0,
-                        KEPT,
-                    )  # fmt: skip
-                tok = tl.arange(0, BS)
-                valid = blk * BS + tok < length
-                at = [where * BS + h * desc_head_rows, h * desc_head_cols]
-                k = k_desc.load(at)
-                v = v_desc.load(at)
-                v = tl.where(valid[:, None], v, 0.0)
+                    if STAMP:  # one store per block
+                        if first + j < end:
+                            page = tl.load(pages_ptr + b * NB + blk)
+                            tl.store(stamp_ptr + h * stamp_stride + page, step)
             else:
                 if PREFETCH:
                     # This tile's ids were loaded an iteration ago: its K/V addresses wait
@@ -441,15 +449,11 @@ def _wave_attention_kernel(
                     kp, vp = k_slots + offs, v_slots + offs
                 k = tl.load(kp, mask=valid[:, None], other=0.0)
                 v = tl.load(vp, mask=valid[:, None], other=0.0)
-            m_i, l_i, acc, smallest = _merge_tile(
-                q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
-                GP, NBLK, BS, D, PREC, RULE == 0,
-            )  # fmt: skip
-            if STAMP:  # one store per block
-                if TMA:
-                    page = tl.load(pages_ptr + b * NB + blk)
-                    tl.store(stamp_ptr + h * stamp_stride + page, step)
-                else:  # its first token's row
+                m_i, l_i, acc, smallest = _merge_tile(
+                    q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
+                    GP, NBLK, BS, D, PREC, RULE == 0,
+                )  # fmt: skip
+                if STAMP:  # one store per block: its first token's row
                     lead = valid & (tok == 0)
                     page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
                     tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
@@ -542,24 +546,25 @@ def _wave_attention_kernel(
             # reset here for the next launch (no zeroing launch per layer).
             tl.atomic_xchg(counter_ptr + bh, 0)
         tl.debug_barrier()
+        # Program 0 merges the S accumulators one at a time (all S at once would set the
+        # registers of the whole kernel, and so how many programs an SM holds).
         last = ((w - 1) % 2) * (tl.num_programs(0) * Hkv * S) + bh * S
         ss = tl.arange(0, S)
-        base = (last + ss)[:, None] * 3 * GP + g[None, :]
-        m_all = tl.load(part_ptr + base, volatile=True)
-        l_all = tl.load(part_ptr + base + GP, volatile=True)
-        m_top = tl.max(m_all, axis=0)
-        wgt = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_top[None, :]))  # [S, GP]
-        accs = tl.load(
-            acc_part_ptr
-            + (bh * S + ss)[:, None, None] * GP * D
-            + g[None, :, None] * D
-            + dd[None, None, :],
-            mask=(sid == 0),
-            other=0.0,
-            volatile=True,
-        )
-        lsum = tl.sum(wgt * l_all, axis=0)
-        out = tl.sum(wgt[:, :, None] * accs, axis=0) / lsum[:, None]
+        m_top = tl.max(tl.load(part_ptr + (last + ss)[:, None] * 3 * GP + g[None, :], volatile=True), axis=0)
+        lsum = tl.zeros([GP], tl.float32)
+        out = tl.zeros([GP, D], tl.float32)
+        if writer:
+            for other in range(S):
+                m_s = tl.load(part_ptr + (last + other) * 3 * GP + g, volatile=True)
+                l_s = tl.load(part_ptr + (last + other) * 3 * GP + GP + g, volatile=True)
+                a_s = tl.load(
+                    acc_part_ptr + (bh * S + other) * GP * D + g[:, None] * D + dd[None, :],
+                    volatile=True,
+                )
+                wgt = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_top))
+                lsum += wgt * l_s
+                out += wgt[:, None] * a_s
+        out = out / lsum[:, None]
         lse = m_top + tl.log(lsum)
     if writer:
         res = out.to(out_ptr.dtype.element_ty)
@@ -667,17 +672,19 @@ class WaveAttention:
         self.max_read_fraction = float(max_read_fraction) if capped else 1.0
         self._tables: dict = {}  # wave tables by (blocks, one wave, device), shared by copies
         # Launch shape: the best of `benchmark/kernels/bench_wave.py`'s sweeps (the
-        # launch sweeps kept in benchmark/results/decode_step_h100.json). Warps per
-        # program: None means 2 (`plan` sets `warps`).
-        self.tile_tokens, self.num_warps = 64, None
+        # launch sweeps kept in benchmark/results/decode_step_h100.json). None: by the
+        # run's kind (`plan` sets `warps`, `run` the tile): runs in waves read one block a
+        # tile through tensor descriptors with one warp a program (more programs share a
+        # heavy head); one-wave runs gather 64-token tiles with two.
+        self.tile_tokens, self.num_warps = None, None
         # Software-pipeline depth of the tile loop (1: none).
         self.num_stages = 2
         # Load the next tile's block ids while this tile is merged; None: for runs in waves
         # only (it lost on one-wave reads).
         self.prefetch = None
-        # Read HBM blocks through tensor descriptors (one block a tile, copied into shared
-        # memory by the TMA) where the GPU has them (sm_90 on); None: wherever they apply
-        # (`_descriptors`). A host tier is always read by the per-row gather.
+        # Read HBM blocks through tensor descriptors (copied into shared memory by the TMA)
+        # where the GPU has them (sm_90 on); None: for runs in waves only (one-wave runs
+        # gather faster). A host tier is always read by the per-row gather.
         self.tma = None
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
@@ -752,18 +759,21 @@ class WaveAttention:
         out_dtype: torch.dtype = torch.float32,
         workspace: Workspace | None = None,
         read_blocks: int | None = None,
+        host_tier: bool = False,
     ) -> WaveAttention:
         """Fix shapes, the wave schedule and buffers, on this object (plan a copy, see
         `planned`, to keep several). `splits` programs share each (request, KV head); by
         default as many as keep two programs per SM resident (always 1 in Triton's
         interpreter, which runs programs one after another). The output is written in
         `out_dtype` (the model's, so no conversion follows). `read_blocks` is the most a
-        run reads per (request, KV head) (a top-k budget), for choosing the split."""
+        run reads per (request, KV head) (a top-k budget), for choosing the split.
+        `host_tier`: runs will read blocks from a host tier (the per-row gather's launch)."""
         dev = torch.device(device)
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
-        self.warps = self.num_warps or 2
+        described = not (self.one_wave or host_tier or self.tma is False)
+        self.warps = self.num_warps or (1 if described else 2)
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -776,13 +786,13 @@ class WaveAttention:
                     per_sm = 32 // self.warps
                     splits = max(1, min(32, -(-per_sm * sms // programs), read // 8))
                 else:
-                    # As many programs as the register file holds per SM, at ~160 registers
+                    # As many programs as the register file holds per SM, at ~240 registers
                     # a thread (capping them with maxnreg spilled and ran slower);
                     # run() halves this if a launch does not fit. Short contexts get fewer:
                     # every wave ends in a barrier of all the splits (and a split launch is
                     # cooperative), which costs more than it saves below ~64 blocks per
                     # split (bench_wave: overhead_by_splits_us).
-                    per_sm = max(1, 65536 // (160 * 32 * self.warps))
+                    per_sm = max(1, 65536 // (240 * 32 * self.warps))
                     splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
@@ -823,7 +833,9 @@ class WaveAttention:
         2-D `[rows, tok_stride]` (a slot is `bs` consecutive rows; a KV head starts that
         many rows or columns further), or None where they do not apply: a host tier, a GPU
         without a TMA (before sm_90), a layout of another shape, rows not 16-byte aligned."""
-        if self.tma is False or on_host or TensorDescriptor is None:
+        if self.tma is False or (self.tma is None and self.one_wave):
+            return None
+        if on_host or TensorDescriptor is None:
             return None
         slot_stride, tok_stride, head_stride = strides
         dev = k_slots.device
@@ -1090,6 +1102,7 @@ class WaveAttention:
         G = Hq // Hkv
         slot_strides = slot_strides or (bs * D, D, 0)
         descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
+        tile = self.tile_tokens or (bs if descs else 64)
         while True:
             try:
                 _wave_attention_kernel[(B, Hkv, self.splits)](
@@ -1138,7 +1151,7 @@ class WaveAttention:
                     GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
                     D=D,
                     BS=bs,
-                    NBLK=1 if descs else max(1, self.tile_tokens // bs),
+                    NBLK=max(1, tile // bs),
                     HAS_HOST=has_host,
                     CACHED=cached,
                     num_warps=self.warps,
@@ -1150,7 +1163,8 @@ class WaveAttention:
                     STATS=stats is not None,
                     ONE_WAVE=self.one_wave,
                     KEPT=kept is not None,
-                    PREFETCH=not self.one_wave if self.prefetch is None else self.prefetch,
+                    PREFETCH=(not self.one_wave if self.prefetch is None else self.prefetch)
+                    and not (descs and tile > bs),  # with descriptors: one block a tile only
                     TMA=descs is not None,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
