@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("zmq", reason="pyzmq is not installed here (pip install sglang-psa)")
 pytest.importorskip("orjson", reason="orjson is not installed here (pip install sglang-psa)")
 
-from sglang_psa.mem_cache.writeback import HostBlocks, HostTierFull, WriteBack, wait_saved  # noqa: E402
+from sglang_psa.mem_cache.host_blocks import HostBlocks, HostTierFull  # noqa: E402
+from sglang_psa.mem_cache.writeback import WriteBack, wait_saved  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -204,10 +205,10 @@ def test_host_blocks_reservation_is_a_total_and_given_back_ids_stay_promised():
 def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
     """A job of few runs of host blocks moves by DMA; one of scattered blocks (more than
     `DMA_MAX_COPIES` copies) through the save kernel; both land in their host blocks."""
-    from sglang_psa.mem_cache import writeback
+    from sglang_psa.mem_cache.transports import dma
 
     # 12 runs take 24 strided copies (CUDA) or 48 per-head ones: over this limit either way.
-    monkeypatch.setattr(writeback, "DMA_MAX_COPIES", 23)
+    monkeypatch.setattr(dma, "DMA_MAX_COPIES", 23)
     wb = make(device, path="uva", dma_blocks=16)
     pool = FakePool(device)
     a = FakeReq("a", 0)
@@ -217,7 +218,7 @@ def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
         assert wb.reserve("a", CTX)
         extend(wb, pool, [(a, 12 * BS)])
         host = wb.request("a").host
-        assert len(writeback.host_runs([type("E", (), {"host": h}) for h in host])) == 12
+        assert len(dma.host_runs([type("E", (), {"host": h}) for h in host])) == 12
         wait_saved(wb)
         check_saved(wb, pool, "a", 0, 12)
         assert wb.stats.dma_jobs == 0
