@@ -18,7 +18,7 @@ class Transport(ABC):
       `tables` is `[2, n]` on the device (each entry's page, then its host block),
       `entries` the `n` planned blocks (`rid`, `row`, `block`, `host`) in order, and
       `plan` what `plan(entries)` returned for the batch (prefill chunks; None for
-      decode flushes). The copies run on `stream` behind the compute stream; `issue`
+      decode flushes). On CUDA the copies run on `stream` behind the compute stream; `issue`
       only waits on the host for back pressure (staging rows still in use).
     - A job's blocks count as saved only once its copy completed: the transport then
       calls `saved(layer, entries)`, from `poll`, `drain` or a back-pressure wait.
