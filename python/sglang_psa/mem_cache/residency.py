@@ -61,7 +61,7 @@ import torch
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
-from sglang_psa.plugin.hooks import req_row
+from sglang_psa.releases import req_row
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).

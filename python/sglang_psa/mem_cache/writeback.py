@@ -40,7 +40,7 @@ from sglang_psa.mem_cache.transports.base import Transport
 from sglang_psa.mem_cache.transports.dma import DmaTransport
 from sglang_psa.mem_cache.transports.engine import EngineTransport
 from sglang_psa.mem_cache.transports.uva import UvaTransport
-from sglang_psa.plugin.hooks import req_row
+from sglang_psa.releases import req_row
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -30,8 +30,8 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 
 from __future__ import annotations
 
-from sglang_psa.plugin import hooks
-from sglang_psa.plugin.hooks import req_prefix_len, req_row
+from sglang_psa import releases
+from sglang_psa.releases import req_prefix_len, req_row
 from sglang_psa.sched import prefill_budget
 from sglang_psa.sched.serving import combine_ranks, current
 
@@ -162,9 +162,9 @@ class _chunk_cap:
 
 def _shift_offsets(adder, tokens: int) -> None:
     """Add `tokens` to the adder's token budget offsets, what its budget holds back (its
-    own in 0.5.17, its `PrefillBudget`'s from 0.5.23 on: `hooks.READS`)."""
+    own in 0.5.17, its `PrefillBudget`'s from 0.5.23 on: `releases.READS`)."""
     for key in ("adder.total_offset", "adder.current_offset"):
-        hooks.write(adder, key, hooks.read(adder, key) + tokens)
+        releases.write(adder, key, releases.read(adder, key) + tokens)
 
 
 def around_add_chunked_req(original, adder, req):
@@ -291,8 +291,8 @@ def around_apply_war_barrier(original, scheduler):
     during its replay, and eviction and the unit cache rewrite them on that stream."""
     serving = current()
     if serving is not None and serving.residency is not None:
-        runner = hooks.read(scheduler.model_worker, "worker.war_runner")
-        hooks.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
+        runner = releases.read(scheduler.model_worker, "worker.war_runner")
+        releases.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
     return original(scheduler)
 
 
@@ -343,9 +343,9 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     serving = current()
     if serving is None:
         return original(req, tree_cache, *args, **kwargs)
-    insert = args[0] if args else kwargs.get(hooks.path("release.insert"), True)
+    insert = args[0] if args else kwargs.get(releases.path("release.insert"), True)
     retracted = not insert and not req.finished()
-    if retracted and serving.stages_prefill and hooks.has("prefix_slots"):
+    if retracted and serving.stages_prefill and releases.has("prefix_slots"):
         serving.residency.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
     result = original(req, tree_cache, *args, **kwargs)
     serving.release(req.rid, retracted=retracted)

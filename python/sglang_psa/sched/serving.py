@@ -21,7 +21,7 @@ import numpy as np
 
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
-from sglang_psa.plugin.hooks import has, req_row
+from sglang_psa.releases import has, req_row
 from sglang_psa.sched.admission import AdmissionController, Candidate
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_psa import releases
 from sglang_psa.config import PSAConfig
-from sglang_psa.plugin import hooks, scheduling
+from sglang_psa.plugin import scheduling
 from sglang_psa.sched.admission import Candidate
 from sglang_psa.sched.serving import PSAServing, install
 
@@ -41,7 +42,7 @@ def _noop(*args, **kwargs):
 def _insert(flag: bool) -> dict:
     """`release_kv_cache`'s insert flag as the installed SGLang names it (`is_insert` in
     0.5.17, keyword-only `checkpoint` from 0.5.23 on)."""
-    return {hooks.path("release.insert"): flag}
+    return {releases.path("release.insert"): flag}
 
 
 def _req(rid, tokens, pool_idx=None, finished=False):
@@ -262,7 +263,7 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
 
 
 @pytest.mark.skipif(
-    not hooks.applies(("0.5.17",)),
+    not releases.applies(("0.5.17",)),
     reason="SGLang 0.5.17's barrier hook; later releases ask the backend (test_backend.py)",
 )
 @pytest.mark.parametrize("tiered", [False, True])
@@ -338,7 +339,7 @@ class _SGLangReq(SimpleNamespace):
             sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
             finished=lambda: False,
         )
-        if hooks.has("prefix_slots"):  # 0.5.17: the prefix's slots, a row of its own
+        if releases.has("prefix_slots"):  # 0.5.17: the prefix's slots, a row of its own
             self.prefix_indices, self.req_pool_idx = [], None
         else:  # from 0.5.23 on: the prefix's length, the row in the KV record
             self.prefix_len, self.kv = 0, SimpleNamespace(req_pool_idx=None)
@@ -378,7 +379,7 @@ class _SGLangReq(SimpleNamespace):
 def _set_prefix(req, tokens: int) -> None:
     """`req`'s prefix is its first `tokens` tokens, where the installed SGLang keeps it
     (0.5.17: a slot list, here page-0 entries as `Residency.resume_prefix` sets them)."""
-    hooks.write(req, "req.prefix", [0] * tokens if hooks.has("prefix_slots") else tokens)
+    releases.write(req, "req.prefix", [0] * tokens if releases.has("prefix_slots") else tokens)
 
 
 class _Alloc:
@@ -490,7 +491,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
         assert frees[-1] == max(strict, old_rule + done)
         # what only the strict path's reservation asks comes from the unit cache first
         assert firsts[-1] == frees[-1] - (old_rule + done)
-        if hooks.applies(("0.5.17",)):  # running outputs were charged at new_token_ratio
+        if releases.applies(("0.5.17",)):  # running outputs were charged at new_token_ratio
             assert strict > old_rule + 900
         else:  # from 0.5.23 on an ignore_eos request's output is charged in full there too
             assert old_rule + done >= strict
@@ -555,15 +556,15 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     serving.residency.stage = object()
     alloc.free, serving.residency.give = 1000, 3000  # as before the refused attempt
     a = adder()
-    budgets = (hooks.read(a, "adder.total_offset"), hooks.read(a, "adder.current_offset"))
+    budgets = (releases.read(a, "adder.total_offset"), releases.read(a, "adder.current_offset"))
     res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, big, False, None)
     assert big in a.can_run_list and a.new_chunked_req is big, res
     assert made[-1] == (["a"], 2048 + 2 * BS - 1000)  # room for a whole chunk
     assert big.extended[1] == 2048 <= alloc.free - 2 * BS
     assert a.rem_chunk_tokens == 0  # SGLang's 2048, less the chunk
     charged = (
-        hooks.read(a, "adder.total_offset") - budgets[0],
-        hooks.read(a, "adder.current_offset") - budgets[1],
+        releases.read(a, "adder.total_offset") - budgets[0],
+        releases.read(a, "adder.current_offset") - budgets[1],
     )
     assert 0 < charged[0] < 4096 and 0 < charged[1] < 4096, charged  # no credit left behind
     # the next chunk: 1500 tokens free, saved blocks give back at most 1000 more
@@ -571,7 +572,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     _set_prefix(big, 2048)
     a = adder()
     left = scheduling.around_add_chunked_req(policy.PrefillAdder.add_chunked_req, a, big)
-    assert left is big and synced == (["big"] if hooks.has("prefix_slots") else [])  # 0.5.17
+    assert left is big and synced == (["big"] if releases.has("prefix_slots") else [])  # 0.5.17
     assert made[-1] == (["big", "a"], 2048 + 2 * BS - 1500)  # its own blocks first
     assert 0 < big.extended[1] <= 2500 - 2 * BS
     assert a.rem_chunk_tokens == 2048 - -(-big.extended[1] // BS) * BS  # paged
@@ -634,7 +635,7 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
 
 
 @pytest.mark.skipif(
-    not hooks.has("prefix_slots"), reason="resumption from the host tier is SGLang 0.5.17's"
+    not releases.has("prefix_slots"), reason="resumption from the host tier is SGLang 0.5.17's"
 )
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
@@ -738,7 +739,7 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     sglang_frees = lambda *args, **kwargs: calls.append(("sglang frees",))  # noqa: E731
     scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
     assert "a" in serving.controller.paused
-    if not hooks.has("prefix_slots"):  # 0.5.23 on: the row is the prefix; prefilled again
+    if not releases.has("prefix_slots"):  # 0.5.23 on: the row is the prefix; prefilled again
         assert calls[0] == ("sglang frees",) and not any(c[0] == "park" for c in calls)
         assert not serving.parked("a")
         return
