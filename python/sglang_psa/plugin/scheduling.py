@@ -109,11 +109,15 @@ def _holds(req, prefix: int = 0) -> int:
     `prefix` it does not store (a resumed request's, in the host tier)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    done = len(getattr(req, "output_ids", None) or ())
     max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
     return prefill_budget.held_tokens(
-        len(req.origin_input_ids), done, prefix, max_new, CLIP_MAX_NEW_TOKENS
+        len(req.origin_input_ids), _done(req), prefix, max_new, CLIP_MAX_NEW_TOKENS
     )
+
+
+def _done(req) -> int:
+    """The output a request holds already (a retracted request's, so far)."""
+    return len(getattr(req, "output_ids", None) or ())
 
 
 def _resumes_chunked_strict(adder, req) -> bool:
@@ -239,9 +243,7 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
-    done = len(getattr(req, "output_ids", None) or ())  # a retracted request's output so far
-    # what its prefill stores (a resumed request's prefix stays in the host tier)
-    fill = len(req.origin_input_ids) + done - req_prefix_len(req)
+    fill = prefill_budget.stored_tokens(len(req.origin_input_ids), _done(req), req_prefix_len(req))
     max_new = getattr(params, "max_new_tokens", None) or 0
     short = prefill_budget.budget_shortfall(
         fill, max_new, slack, int(adder.rem_total_tokens), CLIP_MAX_NEW_TOKENS
