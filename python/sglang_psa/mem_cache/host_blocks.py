@@ -1,6 +1,10 @@
-"""Host-tier block ids: a free list with per-request reservations (`HostBlocks`)."""
+"""Host-tier block ids: the free list and the reservations against it (`HostBlocks`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sglang_psa.mem_cache.request_kv import RequestKV
 
 
 class HostTierFull(RuntimeError):
@@ -8,78 +12,89 @@ class HostTierFull(RuntimeError):
 
 
 class HostBlocks:
-    """Host-tier block ids: a free list with per-request reservations (CPU only).
+    """Host-tier block ids: a free list, and requests' reservations against it (CPU only).
 
-    A request reserves the blocks its whole length can fill when admitted, so a
-    running request never finds the host tier full; it takes ids as its blocks
-    fill and returns all of them when it ends. Ids come out smallest first (the free
+    A request's ids and its reservation live in its record (`RequestKV.host`, `.reserved`);
+    this class keeps the free list and the sum of the reservations. A request reserves the
+    blocks its whole length can fill when admitted, so a running request never finds the
+    host tier full; it takes ids as its blocks fill (appended to `host`, in block order)
+    and returns all of them when it ends (`free`). Ids come out smallest first (the free
     list stays sorted), so a prefill's blocks are runs that one strided copy moves.
     """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, 2, ...
-        self._reserved: dict[object, int] = {}  # rid -> ids reserved, not yet taken
-        self._owned: dict[object, list[int]] = {}
+        self.reserved = 0  # ids promised to requests, not yet taken (their `reserved`, summed)
 
     @property
     def available(self) -> int:
         """Free ids not promised to a reservation."""
-        return len(self._free) - sum(self._reserved.values())
+        return len(self._free) - self.reserved
 
     @property
     def used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def reserve(self, rid, n: int) -> bool:
-        """Promise `rid` `n` ids in all (those it owns and holds reserved count) if the
-        missing ones are free."""
-        extra = n - len(self._owned.get(rid, ())) - self._reserved.get(rid, 0)
+    def reserve(self, rec: RequestKV, n: int) -> bool:
+        """Promise `rec` `n` ids in all (those it holds and those already promised count)
+        if the missing ones are free."""
+        extra = n - len(rec.host) - rec.reserved
         if extra <= 0:
             return True
         if extra > self.available:
             return False
-        self._reserved[rid] = self._reserved.get(rid, 0) + extra
+        self._promise(rec, extra)
         return True
 
-    def give_back(self, rid, ids: list[int]) -> None:
-        """`rid` no longer uses `ids` (blocks whose saves were dropped): they return to the
-        free list and stay promised to `rid`."""
-        if not ids:
-            return
-        owned = self._owned[rid]
-        drop = set(ids)
-        owned[:] = [i for i in owned if i not in drop]
-        self._free.extend(ids)
-        self._free.sort(reverse=True)
-        self._reserved[rid] = self._reserved.get(rid, 0) + len(ids)
-
-    def take(self, rid, n: int) -> list[int]:
-        """`n` ids for `rid`, from its reservation first."""
+    def take(self, rec: RequestKV, n: int) -> list[int]:
+        """`n` ids for `rec`, from its reservation first, appended to `rec.host`."""
         if n == 0:
             return []
-        from_res = min(n, self._reserved.get(rid, 0))
+        from_res = min(n, rec.reserved)
         if n - from_res > self.available:
             raise HostTierFull(
-                f"request {rid} needs {n} host blocks beyond its reservation; {self.available} free"
+                f"request {rec.rid} needs {n} host blocks beyond its reservation; "
+                f"{self.available} free"
             )
-        if from_res:
-            self._reserved[rid] -= from_res
+        self._promise(rec, -from_res)
         ids = [self._free.pop() for _ in range(n)]
-        self._owned.setdefault(rid, []).extend(ids)
+        rec.host.extend(ids)
         return ids
 
-    def release(self, rid) -> int:
-        """Return every id and reservation of `rid`; the number of ids returned."""
-        self._reserved.pop(rid, None)
-        ids = self._owned.pop(rid, [])
+    def give_back(self, rec: RequestKV, keep: int) -> None:
+        """`rec` keeps only its first `keep` ids (the saves of the others were dropped):
+        the others return to the free list and stay promised to it."""
+        ids = rec.host[keep:]
+        if not ids:
+            return
+        del rec.host[keep:]
+        self._put(ids)
+        self._promise(rec, len(ids))
+
+    def free(self, rec: RequestKV) -> int:
+        """Every id and the reservation of `rec` return (it ended); the number of ids
+        returned. A second call returns nothing."""
+        self._promise(rec, -rec.reserved)
+        ids, rec.host = rec.host, []
+        self._put(ids)
+        return len(ids)
+
+    def _promise(self, rec: RequestKV, n: int) -> None:
+        rec.reserved += n
+        self.reserved += n
+
+    def _put(self, ids: list[int]) -> None:
         if ids:
             self._free.extend(ids)
             self._free.sort(reverse=True)  # pop() gives the smallest: freed space re-forms runs
-        return len(ids)
 
-    def check_integrity(self) -> None:
-        owned = [i for ids in self._owned.values() for i in ids]
+    def check_integrity(self, records: Iterable[RequestKV]) -> None:
+        """Against every live request's record: each id is free or held by exactly one
+        request, and the reservations sum to what the free list keeps back."""
+        records = list(records)
+        owned = [i for rec in records for i in rec.host]
         every = sorted(owned + self._free)
         assert every == list(range(self.num_blocks)), "a host block is lost or owned twice"
-        assert all(v >= 0 for v in self._reserved.values())
+        assert all(rec.reserved >= 0 for rec in records)
+        assert self.reserved == sum(rec.reserved for rec in records), "reservations drifted"

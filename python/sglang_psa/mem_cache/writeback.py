@@ -10,7 +10,9 @@ prepares batch t+1 after launching forward t, then launches forward t+1):
 - the scheduler hooks *plan*, on the host, from request lengths only (no GPU
   reads): `plan_extend` names the blocks an extend batch completes,
   `plan_decode` the blocks earlier decode steps completed; each planned block
-  gets a host block id from the request's reservation (`HostBlocks`);
+  gets a host block id from the request's reservation (`HostBlocks`), recorded in
+  the request's `RequestKV` (the table `records`: `mem_cache.request_kv`, whose
+  `TieredRequests` parks, resumes and releases requests);
 - the attention backend *issues*: after each prefill layer wrote its KV
   (`issue_extend_layer`), and, for decode, before a step's graph replay once
   enough blocks are pending (`issue_decode`), through the transport `path`
@@ -30,12 +32,13 @@ full of unacknowledged rows.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from sglang_psa.mem_cache.host_blocks import HostBlocks
 from sglang_psa.mem_cache.host_pool import HostKVPool
+from sglang_psa.mem_cache.request_kv import RequestKV
 from sglang_psa.mem_cache.transports.base import Transport
 from sglang_psa.mem_cache.transports.dma import DmaTransport
 from sglang_psa.mem_cache.transports.engine import EngineTransport
@@ -48,18 +51,6 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
     memory on CUDA: one small H2D copy, no sync."""
     t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return t.to(device, non_blocking=True)
-
-
-PARKED = -1  # the row of a retracted request whose saved blocks stay in the host tier
-
-
-@dataclass
-class _Req:
-    row: int  # SGLang's request-table row (PARKED: none, retracted)
-    planned: int = 0  # blocks planned for a save, in order
-    saved: int = 0  # blocks acknowledged
-    host: list[int] = field(default_factory=list)  # host block of each planned block
-    on_host: bool = False  # some blocks are read from the host tier (`read_from_host`)
 
 
 @dataclass
@@ -147,7 +138,8 @@ class WriteBack:
         self.stream = self.transport.stream  # the copy stream (None on CPU)
         self.blocks = HostBlocks(host_blocks)
         self.decode_flush_blocks = decode_flush_blocks
-        self._reqs: dict[object, _Req] = {}
+        # One record per request the tiered store knows (`mem_cache.request_kv`).
+        self.records: dict[object, RequestKV] = {}
         self._decode: list[_Entry] = []  # planned by decode, not issued yet
         self._extend: list[_Entry] = []  # planned for the next extend forward
         self._extend_tables: tuple[torch.Tensor, list[_Entry], list | None] | None = None
@@ -158,66 +150,32 @@ class WriteBack:
         rows, blocks = table_shape or (1, 1)
         self.host_loc = torch.zeros(rows, blocks, dtype=torch.int32, device=self.device)
 
-    # -- reservations (admission) ---------------------------------------------------
+    # -- reservations (admission) and the write-back's share of a request -------------
     def reserve(self, rid, tokens: int) -> bool:
-        """Reserve the host blocks a request of `tokens` tokens can fill."""
-        return self.blocks.reserve(rid, tokens // self.block_size)
+        """Reserve the host blocks a request of `tokens` tokens can fill; its record is
+        created here (kept only if the reservation holds)."""
+        rec = self.records.get(rid) or RequestKV(rid)
+        if not self.blocks.reserve(rec, tokens // self.block_size):
+            return False
+        self.records[rid] = rec
+        return True
 
-    def release(self, rid) -> None:
-        """`rid` ended (finished, aborted or retracted): its planned, unissued saves are
-        dropped, its row reads HBM again and its host blocks return to the free list.
-        Saves already issued complete in order before any later save to the same blocks
-        (the engine is FIFO)."""
-        r = self._reqs.pop(rid, None)
-        if r is not None:
-            self._leave_row(r)
-        self._drop_plans(rid)
-        self.blocks.release(rid)
+    def forget(self, rec: RequestKV) -> None:
+        """`rec` leaves the tiered store (`TieredRequests.release`; the caller takes it out
+        of `records`): its planned, unissued saves are dropped, its row reads HBM again and
+        its host blocks and reservation return to the free list."""
+        self.leave_row(rec)
+        self.drop_plans(rec.rid)
+        self.blocks.free(rec)
 
-    def park(self, rid) -> int:
-        """`rid` was retracted and keeps its saved blocks in the host tier: its unissued
-        saves are dropped (SGLang frees their pages), the host blocks of every block not
-        saved go back to the free list (still reserved for it), and its request-table row
-        reads HBM again (SGLang gives the row to another request). Returns the blocks
-        kept. The caller drains the saves first (`drain`): every issued one is then
-        acknowledged, so the kept blocks are exactly the saved ones."""
-        r = self._reqs.get(rid)
-        if r is None:
-            return 0
-        if self.transport.jobs:
-            raise RuntimeError("WriteBack.park needs every issued save acknowledged (drain)")
-        self._drop_plans(rid)
-        self._leave_row(r)
-        r.row = PARKED
-        self.trim(rid, r.saved)
-        return r.saved
+    def leave_row(self, rec: RequestKV) -> None:
+        """`rec` leaves its request-table row: the row's location table reads HBM again."""
+        if rec.on_host and rec.row is not None:
+            self.host_loc[rec.row, : len(rec.host)] = 0
+        rec.on_host = False
 
-    def trim(self, rid, blocks: int) -> None:
-        """Parked `rid` keeps only its first `blocks` saved blocks; the host blocks of the
-        others go back to the free list, still reserved for it."""
-        r = self._reqs[rid]
-        if r.row != PARKED or blocks > r.saved:
-            raise RuntimeError(f"request {rid} is not parked with {blocks} saved blocks")
-        self.blocks.give_back(rid, r.host[blocks:])
-        del r.host[blocks:]
-        r.saved = r.planned = blocks
-
-    def resume(self, rid, row: int) -> None:
-        """Parked `rid` got request-table row `row`: decode reads its kept blocks from the
-        host tier, and the blocks after them are planned as before."""
-        r = self._reqs[rid]
-        if r.row != PARKED:
-            raise RuntimeError(f"request {rid} is not parked")
-        r.row = row
-        self.read_from_host(rid, list(range(r.saved)))
-
-    def _leave_row(self, r: _Req) -> None:
-        """`r` leaves its request-table row: the row reads HBM again."""
-        if r.on_host and r.row != PARKED:
-            self.host_loc[r.row, : len(r.host)] = 0
-        r.on_host = False
-
-    def _drop_plans(self, rid) -> None:
+    def drop_plans(self, rid) -> None:
+        """Planned, unissued saves of `rid` are dropped (SGLang frees their pages)."""
         for plan in (self._decode, self._extend):
             keep = [e for e in plan if e.rid != rid]
             self.stats.dropped_blocks += len(plan) - len(keep)
@@ -225,19 +183,19 @@ class WriteBack:
 
     # -- planning (scheduler, host only) ---------------------------------------------
     def _plan(self, rid, row: int, full_blocks: int, out: list[_Entry]) -> None:
-        r = self._reqs.get(rid)
-        if r is None or r.row != row:
-            if r is not None:  # the request moved rows (re-prefilled): its blocks start over
-                self.release(rid)
-            r = self._reqs[rid] = _Req(row)
-        n = full_blocks - r.planned
+        rec = self.records.get(rid)
+        if rec is not None and rec.row != row and (rec.row is not None or rec.parked):
+            self.forget(rec)  # the request moved rows (re-prefilled): its blocks start over
+            rec = None
+        if rec is None:
+            rec = self.records[rid] = RequestKV(rid)
+        rec.row = row
+        start = rec.planned
+        n = full_blocks - start
         if n <= 0:
             return
-        ids = self.blocks.take(rid, n)
-        for i, h in enumerate(ids):
-            out.append(_Entry(rid, row, r.planned + i, h))
-        r.host.extend(ids)
-        r.planned = full_blocks
+        for i, h in enumerate(self.blocks.take(rec, n)):
+            out.append(_Entry(rid, row, start + i, h))
         self.stats.blocks_planned += n
 
     def plan_extend(self, reqs, seq_lens) -> None:
@@ -309,9 +267,9 @@ class WriteBack:
         is."""
         if layer == self.layers - 1:
             for e in entries:
-                r = self._reqs.get(e.rid)
-                if r is not None and r.row == e.row:
-                    r.saved = max(r.saved, e.block + 1)
+                rec = self.records.get(e.rid)
+                if rec is not None and rec.row == e.row:
+                    rec.saved = max(rec.saved, e.block + 1)
             self.stats.blocks_saved += len(entries)
             self.stats.bytes_saved += len(entries) * self._block_bytes * self.layers
 
@@ -329,27 +287,23 @@ class WriteBack:
     # -- reads and reports -------------------------------------------------------------
     def read_from_host(self, rid, blocks: list[int]) -> list[int]:
         """Decode reads `rid`'s `blocks` (indices within the request) from the host tier
-        from the next step on; only acknowledged blocks qualify. Returns those switched.
-        (`residency.Residency` builds eviction on this: it also moves the blocks'
-        metadata rows and gives their pages back.)"""
-        r = self._reqs.get(rid)
-        if r is None:
+        from the next step on; only acknowledged blocks of a request holding a row
+        qualify. Returns those switched. (`residency.Residency` builds eviction on this:
+        it also moves the blocks' metadata rows and gives their pages back.)"""
+        rec = self.records.get(rid)
+        if rec is None or rec.row is None:
             return []
-        ok = [b for b in blocks if b < r.saved]
+        ok = [b for b in blocks if b < rec.saved]
         if ok:
-            val = to_device([-r.host[b] - 1 for b in ok], self.device, torch.int32)
-            self.host_loc[r.row].index_copy_(0, to_device(ok, self.device), val)
-            r.on_host = True
+            val = to_device([-rec.host[b] - 1 for b in ok], self.device, torch.int32)
+            self.host_loc[rec.row].index_copy_(0, to_device(ok, self.device), val)
+            rec.on_host = True
         return ok
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block's KV over all layers and heads (what a save moves)."""
         return self._block_bytes * self.layers
-
-    def request(self, rid) -> _Req | None:
-        """`rid`'s row, saved-block count and host block ids (None: not planned yet)."""
-        return self._reqs.get(rid)
 
     def host_strides(self) -> tuple[int, int, int]:
         """The host tier's (block, token, head) strides within one layer, for the kernel."""
@@ -358,8 +312,8 @@ class WriteBack:
 
     def saved_blocks(self, rid) -> list[int]:
         """Host block ids of `rid`'s acknowledged blocks, in block order."""
-        r = self._reqs.get(rid)
-        return [] if r is None else r.host[: r.saved]
+        rec = self.records.get(rid)
+        return [] if rec is None else rec.host[: rec.saved]
 
     def report(self) -> dict[str, int | str | None]:
         s = self.stats

@@ -378,7 +378,7 @@ class _SGLangReq(SimpleNamespace):
 
 def _set_prefix(req, tokens: int) -> None:
     """`req`'s prefix is its first `tokens` tokens, where the installed SGLang keeps it
-    (0.5.17: a slot list, here page-0 entries as `Residency.resume_prefix` sets them)."""
+    (0.5.17: a slot list, here page-0 entries as `TieredRequests.resume_prefix` sets them)."""
     releases.write(req, "req.prefix", [0] * tokens if releases.has("prefix_slots") else tokens)
 
 
@@ -445,16 +445,13 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
-        evicted_blocks, cache, cut, stage, parked = 0, SimpleNamespace(pages=0), 0, None, {}
+        evicted_blocks, cache, cut, stage = 0, SimpleNamespace(pages=0), 0, None
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             frees.append(tokens)
             firsts.append(cache_first)
             allocator.free += tokens - self.cut
             return tokens - self.cut
-
-        def release(self, rid):
-            pass
 
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
@@ -519,7 +516,6 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
 
     class Residency:  # saved blocks give back up to 3000 tokens of pages
         evicted_blocks, cache, stage, give = 0, SimpleNamespace(pages=0), object(), 3000
-        parked: dict = {}
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             n = min(tokens, self.give)
@@ -531,13 +527,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
         def sync_prefix(self, req):
             synced.append(req.rid)
 
-        def release(self, rid):
-            pass
-
-    wb = SimpleNamespace(
-        reserve=lambda rid, n: True, release=lambda rid: None, drain=lambda: False,
-        poll=lambda: None,
-    )  # fmt: skip
+    wb = SimpleNamespace(reserve=lambda rid, n: True, drain=lambda: False, poll=lambda: None)
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 4096
@@ -650,29 +640,31 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
 
     class Residency:
         evicted_blocks, cache, stage = 0, SimpleNamespace(pages=0), object()
-        parked = {"c": kept}
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             return 0
 
+    class Requests:  # the tiered store's: "c" is parked (with `kept` tokens)
+        waiting = {"c"}
+
+        def parked(self, rid):
+            return rid in self.waiting
+
         def unpark(self, req):
-            self.parked.pop(req.rid)
+            self.waiting.remove(req.rid)
             req.prefix_indices = []
 
-        def release(self, rid):
-            pass
-
-    wb = SimpleNamespace(reserve=lambda rid, n: True, release=lambda rid: None)
+    wb = SimpleNamespace(reserve=lambda rid, n: True)
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 50_000
-    serving.residency = Residency()
+    serving.residency, serving.requests = Residency(), Requests()
     serving.controller.admit_alone(Candidate("c", 3000, 1))
     serving.controller.pause("c")  # retracted
 
     def resumed():
         r = _SGLangReq("c", 3000, 200, out=50, ignore_eos=ignore_eos)
-        _set_prefix(r, kept)  # `Residency.resume_prefix`
+        _set_prefix(r, kept)  # `TieredRequests.resume_prefix`
         return r
 
     def adder(chunk=2048, running=()):
@@ -710,29 +702,30 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     round), and its row before the write-back plans the batch."""
     calls = []
 
-    class Residency:
-        stage, parked, evicted = object(), {}, {}
+    class Requests:  # the tiered store's passage of each request
+        kept: dict = {}
+
+        def parked(self, rid):
+            return rid in self.kept
 
         def park(self, req, allocator):
             calls.append(("park", req.rid, allocator))
-            self.parked[req.rid] = 64
+            self.kept[req.rid] = 64
 
         def resume_prefix(self, req):
             calls.append(("prefix", req.rid))
 
         def resume(self, reqs):
             calls.append(("resume", [r.rid for r in reqs]))
-            self.parked.clear()
+            self.kept.clear()
 
         def release(self, rid):
             calls.append(("release", rid))
 
-    wb = SimpleNamespace(
-        release=lambda rid: calls.append(("wb.release", rid)),
-        plan_extend=lambda reqs, lens: calls.append(("plan", lens)),
-    )
-    serving.residency, serving.writeback = Residency(), wb
-    serving.residency.stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
+    wb = SimpleNamespace(plan_extend=lambda reqs, lens: calls.append(("plan", lens)))
+    stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
+    serving.residency, serving.writeback = SimpleNamespace(stage=stage), wb
+    serving.requests = Requests()
     serving.controller.admit_alone(Candidate("a", 100, 1))
     tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
     a = _req("a", 100, pool_idx=1)
@@ -757,4 +750,18 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     calls.clear()
     done = _req("a", 100, pool_idx=1, finished=True)
     scheduling.around_release_kv_cache(sglang_frees, done, tree, **_insert(False))
-    assert calls == [("sglang frees",), ("release", "a"), ("wb.release", "a")]
+    assert calls == [("sglang frees",), ("release", "a")]
+
+
+def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
+    """At the tiered home a request that waits for room among the running working sets
+    gives back the host blocks it reserved, unless it is parked: that one waits with its
+    kept blocks (they are its prefix when it is admitted)."""
+    released = []
+    serving.cfg = serving.cfg.replace(kv_home="tiered")
+    serving.writeback = SimpleNamespace(reserve=lambda rid, n: True)
+    serving.requests = SimpleNamespace(parked=lambda rid: rid == "p", release=released.append)
+    serving.controller.admit_alone(Candidate("a", 640, 90))  # 90 of 100 units in use
+    assert not serving.try_admit("p", 640, alone=False)  # est 40 units: waits
+    assert not serving.try_admit("q", 640, alone=False)
+    assert released == ["q"] and serving.waits["working_set"] == 2
