@@ -3,17 +3,19 @@
 
 `--psa-kv-home tiered`. Every request the tiered store knows has exactly one
 `RequestKV` in one table, `WriteBack.records` (rid -> record). The record is created when
-admission reserves the request's host blocks (`WriteBack.reserve`, or its first planned
-blocks if it reserved none) and leaves the table only in `TieredRequests.release`. The
-parts keep no per-request state of their own; each reads the record and writes its own
-fields:
+admission reserves the request's host blocks (`WriteBack.reserve`, or when its first
+blocks are planned if it reserved none) and leaves the table in `TieredRequests.release`
+(the write-back starts a fresh one for a request planned in another row without having
+been parked: it was prefilled again). Beyond the saves in flight (planned and issued
+blocks, named by rid), the parts keep no per-request state of their own; each reads the
+record and writes its own fields:
 - `HostBlocks`: `host` and `reserved` (the ids the request holds, those promised to it);
 - `WriteBack`: `row` and `saved` (planning and acknowledgements), `on_host` (its row of
   the location table decode reads);
 - `Residency`: `evicted` (blocks whose HBM page went back to SGLang's allocator).
 
-`TieredRequests` is the only code that moves a record between states, calling the parts
-in the order each step needs:
+A record enters reserved and runs once the write-back plans it in a row; every other
+step is `TieredRequests`', which calls the parts in the order the step needs:
 
     reserved -> running (row, planned, saved, evicted) -> released
                 running -> parked (retracted: saved blocks kept in the host tier, no row)
@@ -21,7 +23,7 @@ in the order each step needs:
 
 Admission's view of the same request (running or paused, its working-set window) is the
 scheduler's (`sched.admission`): it exists at every KV home, the tiered store only at this
-one. A parked request is always a paused one there.
+one. A parked request is paused there until admission takes it again, before it resumes.
 """
 
 from __future__ import annotations
