@@ -107,7 +107,7 @@ def bench_save(
 
     def drain(rid) -> None:
         wait_saved(wb, poll_s=1e-4)  # finely: the end-to-end time includes this wait
-        wb.release(rid)
+        wb.forget(wb.records.pop(rid))
 
     def end_to_end() -> float:
         torch.cuda.synchronize()
@@ -122,7 +122,7 @@ def bench_save(
     hb, page = wb.saved_blocks(rid)[5], int(order[5])
     want = k[layers - 1][page * BS : (page + 1) * BS, 3].cpu()
     ok = torch.equal(wb.host.k[layers - 1, 3, hb], want)
-    wb.release(rid)
+    wb.forget(wb.records.pop(rid))
 
     def gpu_time(fn) -> float:
         """GPU time of `fn`'s work on both streams: from an event before to one after both."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from sglang_psa.config import PSAConfig
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache import kv_budget
+from sglang_psa.mem_cache.request_kv import RequestKV
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.sched.serving import PER_RANK, PSAServing, combine_ranks
 
@@ -113,8 +114,8 @@ def _victims(agreement: RankAgreement, rank: int, readers_by_rank, saved_by_rank
         kv_heads=2,
         heat_blocks=16,
     )
-    r = SimpleNamespace(row=2, saved=saved_by_rank[rank], host=list(range(10, 10 + n)))
-    wb = SimpleNamespace(request=lambda rid: r, blocks=SimpleNamespace(num_blocks=64))
+    r = RequestKV("a", host=list(range(10, 10 + n)), saved=saved_by_rank[rank], row=2)
+    wb = SimpleNamespace(records={"a": r}, blocks=SimpleNamespace(num_blocks=64))
     cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0)
     res = Residency(
         wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg,

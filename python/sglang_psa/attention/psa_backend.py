@@ -44,6 +44,7 @@ from sglang_psa.distributed import RankAgreement, kv_ranks
 from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.page_meta import PageMeta
 from sglang_psa.mem_cache.read_stamps import ReadStamps
+from sglang_psa.mem_cache.request_kv import TieredRequests
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.sched.serving import BackendReadouts, PSAServing, install
 
@@ -155,7 +156,7 @@ class PSAAttnBackend(AttentionBackend):
             ) from e
         # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
         agreement = RankAgreement.from_sglang(getattr(model_runner, "tp_size", 1))
-        self.writeback = self.residency = None
+        self.writeback = self.residency = requests = None
         if cfg.kv_home == "tiered":
             self.writeback = self._writeback(
                 cfg, pool, model_runner, device, self._page_cols.shape, host_blocks
@@ -165,6 +166,7 @@ class PSAAttnBackend(AttentionBackend):
                 self.writeback, self.meta, self.ws, req_to_token, cfg, pool, allocator,
                 unit_reads=self.unit_reads, agreement=agreement,
             )  # fmt: skip
+            requests = TieredRequests(self.writeback, self.residency, pool, req_to_token, bs)
         metrics = None
         if getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_psa.sched.metrics import PSAMetrics
@@ -185,6 +187,7 @@ class PSAAttnBackend(AttentionBackend):
                 ),
                 writeback=self.writeback,
                 residency=self.residency,
+                requests=requests,
                 agreement=agreement,
                 metrics=metrics,
             )

@@ -36,7 +36,7 @@ class SaveFailed(RuntimeError):
     """The engine refused or failed a save (bad segments); the message says why."""
 
 
-# Completion flags the GPU writes after a job's D2H copy (see `mem_cache.writeback`): job j waits
+# Completion flags the GPU writes after a job's D2H copy (`transports.engine`): job j waits
 # for flags[j % FLAG_SLOTS] == j + 1. At most FLAG_SLOTS jobs are in flight.
 FLAG_SLOTS = 1024
 START_TIMEOUT_S = 60.0  # a spawned engine imports torch before its first heartbeat

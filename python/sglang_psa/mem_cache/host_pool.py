@@ -8,7 +8,7 @@ GPU reads it at PCIe speed: shared memory when the copy-engine process maps it,
 else private memory. Never through torch's `pin_memory=True`: its caching host
 allocator rounds every allocation up to a power of two, so an 82 GiB tier asked
 for 128 GiB of pinned memory and failed on a 128 GiB host (and 11.75 GiB pinned 16).
-A host block id (`writeback.HostBlocks`) names the same block in every layer and head.
+A host block id (`host_blocks.HostBlocks`) names the same block in every layer and head.
 """
 
 from __future__ import annotations

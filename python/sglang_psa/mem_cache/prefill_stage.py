@@ -65,24 +65,26 @@ class PrefillStage:
     def nbytes(self) -> int:
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
 
-    def plan_batch(self, reqs, prefix_lens, evicted: dict) -> bool:
+    def plan_batch(self, reqs, prefix_lens) -> bool:
         """An extend batch is set up: plan its staging if a request's prefix has blocks
-        off HBM (`evicted`: rid -> bool by block); returns whether it has."""
+        off HBM (its record's `evicted`, `WriteBack.records`); returns whether it has."""
         self.plan = None
         bs = self.block_size
+        recs = [self.wb.records.get(req.rid) for req in reqs]
         hits = [
-            bool(n) and (gone := evicted.get(req.rid)) is not None and gone[: -(-n // bs)].any()
-            for req, n in zip(reqs, prefix_lens)
-        ]
+            bool(n) and rec is not None and rec.evicted is not None
+            and rec.evicted[: -(-n // bs)].any()
+            for rec, n in zip(recs, prefix_lens)
+        ]  # fmt: skip
         if not any(hits):
             return False  # the common case: every prefix is in HBM
         parts, on_host = [], 0
-        for req, n, hit in zip(reqs, prefix_lens, hits):
+        for rec, n, hit in zip(recs, prefix_lens, hits):
             if not hit:
                 parts.append(np.full(n, -1, dtype=np.int64))
                 continue
-            gone, nb = evicted[req.rid], -(-n // bs)
-            host = np.asarray(self.wb.request(req.rid).host[:nb], dtype=np.int64)
+            gone, nb = rec.evicted, -(-n // bs)
+            host = np.asarray(rec.host[:nb], dtype=np.int64)
             pos = np.arange(n)
             block = pos // bs
             parts.append(np.where(gone[block], host[block] * bs + pos % bs, -1))

@@ -61,7 +61,7 @@ import torch
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
-from sglang_psa.plugin.hooks import req_row
+from sglang_psa.releases import req_row
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -88,6 +88,7 @@ class Residency:
         last published them without a sync (default: none); `agreement`: the TP ranks'
         (`sglang_psa.distributed`; default: one rank)."""
         self.wb, self.meta, self.ws = writeback, meta, working_sets
+        self.records = writeback.records  # each request's `RequestKV` (`evicted` is ours)
         self.pool = pool
         self.req_to_token = req_to_token
         self.block_size = cfg.block_size
@@ -100,12 +101,6 @@ class Residency:
         self.max_blocks = working_sets.heat_blocks  # blocks of the longest request
         if not self.max_blocks:
             raise ValueError("residency needs the working sets to publish block heat")
-        self.evicted: dict[object, np.ndarray] = {}  # rid -> bool by block: left HBM
-        # Retracted requests whose saved blocks stay in the host tier: rid -> the prefix
-        # tokens they resume with (`park`); and the resumptions so far, with the tokens
-        # they read from the host tier and the tokens they computed again.
-        self.parked: dict[object, int] = {}
-        self.resumed = self.resumed_host_tokens = self.resumed_recomputed_tokens = 0
         self.evictions = 0  # blocks given back to the allocator, ever
         self.allocator = allocator
         self.unit_reads = unit_reads or (lambda: (0, 0))
@@ -129,101 +124,23 @@ class Residency:
         dev = req_to_token.device
         self._offsets = torch.arange(self.block_size, device=dev)
 
-    # -- retraction: the KV stays in the host tier ---------------------------------------
-    def park(self, req, allocator) -> int:
-        """SGLang retracts `req` (a decoding request): its saved blocks leave HBM like
-        evicted ones but stay its own in the host tier, with their metadata, so that it
-        resumes with them as an evicted prefix instead of prefilling it again
-        (`resume_prefix`); SGLang then frees the rest of its KV (the blocks not saved, whose
-        pages are all it gives back) and its row. Returns the prefix tokens kept (0: none
-        saved, nothing parked). The decode blocks waiting for a save are saved now, and it
-        waits for every issued save (a host sync: retraction is not on the decode step,
-        and SGLang's own retraction syncs too); what it resumes without is its last
-        partial block and the blocks the last step or two completed."""
-        self.wb.issue_decode(self.pool.k_buffer, self.pool.v_buffer, self.req_to_token, True)
-        self.wb.drain()
-        r = self.wb.request(req.rid)
-        if r is None or not r.saved or getattr(req, "input_embeds", None) is not None:
-            return 0  # (a request of input embeddings restarts from its prompt: SGLang's rule)
-        gone = self.evicted.get(req.rid)
-        here = [b for b in range(r.saved) if gone is None or not gone[b]]
-        self.evict(req.rid, here, allocator)
-        kept = self.wb.park(req.rid) * self.block_size
-        self.parked[req.rid] = kept
-        return kept
-
-    def resume_prefix(self, req) -> bool:
-        """Parked `req` is considered for a prefill (SGLang found no prefix for it): its
-        prefix is the kept tokens, every one at page 0 in the request table (their KV is
-        read from the host tier: `mem_cache.prefill_stage`), so that the prefill computes
-        only the tokens after them. Where SGLang needs more of it computed (input
-        log-probabilities, by default from the end of the prompt on) the prefix ends at
-        the last whole block before that; False, and the request unparked (prefilled
-        whole, as SGLang would), when no whole block is left."""
-        kept = self.parked.get(req.rid)
-        if kept is None or req_row(req) is not None:
-            return False
-        fill = len(req.full_untruncated_fill_ids)
-        limit = fill - 1  # SGLang computes at least the last token (its logits)
-        if getattr(req, "return_logprob", False) and req.logprob_start_len >= 0:
-            limit = min(limit, req.logprob_start_len)  # (the prompt's length by default)
-        if kept > limit:  # the blocks from there on are computed again
-            kept = limit // self.block_size * self.block_size
-            if not kept:
-                self.unpark(req)
-                return False
-            self._trim(req.rid, kept // self.block_size)
-        dev = self.req_to_token.device
-        req.prefix_indices = torch.arange(kept, dtype=torch.int64, device=dev) % self.block_size
-        return True
-
-    def _trim(self, rid, blocks: int) -> None:
-        """Parked `rid` keeps only its first `blocks` blocks: the others' units leave the
-        unit cache and their host blocks go back (still reserved for it)."""
-        r = self.wb.request(rid)
-        dropped = r.host[blocks : r.saved]
-        self.cache.forget(to_device(dropped, self.req_to_token.device))
-        self.evicted[rid][blocks:] = False
-        self.wb.trim(rid, blocks)
-        self.parked[rid] = blocks * self.block_size
-
-    def unpark(self, req) -> None:
-        """Parked `req` is prefilled whole after all (SGLang's way): its host copy goes."""
-        self.release(req.rid)
-        self.wb.release(req.rid)
-        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-
-    def resume(self, reqs) -> None:
-        """An extend batch is set up: its parked requests have their rows; decode reads
-        their kept blocks from the host tier from now on."""
-        for req in reqs:
-            kept = self.parked.pop(req.rid, None)
-            if kept is None:
-                continue
-            if len(req.prefix_indices) != kept:
-                raise RuntimeError(
-                    f"sglang-psa: parked request {req.rid} resumes with a prefix of "
-                    f"{len(req.prefix_indices)} tokens, {kept} were kept in the host tier"
-                )
-            self.wb.resume(req.rid, int(req_row(req)))
-            self.resumed += 1
-            self.resumed_host_tokens += kept
-            self.resumed_recomputed_tokens += len(req.full_untruncated_fill_ids) - kept
-
-    def release(self, rid) -> None:
-        """`rid` ended: its evicted set goes (its entries point at page 0, which the
-        allocator hook keeps out of the free), its units leave the unit cache, and with
-        the last evicted block gone the cache gives its pages back."""
-        self.parked.pop(rid, None)
-        gone = self.evicted.pop(rid, None)
+    def forget(self, rec, start: int = 0) -> None:
+        """Blocks `start...` of `rec` are no longer its (`TieredRequests.trim`), or `rec`
+        ended (`start` 0, `TieredRequests.release`): those it evicted leave the unit cache
+        and count as evicted no more. An ended request's row still holds page-0 entries for
+        its evicted blocks, which the allocator hook drops from its free (`zero_pending`);
+        with the last evicted block of any request gone the cache gives its pages back."""
+        gone = rec.evicted
         if gone is None:
             return
-        self.zero_pending = True
-        r = self.wb.request(rid)
-        if r is not None:
-            hbs = [r.host[b] for b in np.flatnonzero(gone).tolist() if b < len(r.host)]
-            self.cache.forget(to_device(hbs, self.req_to_token.device))
-        if not self.evicted:
+        if start == 0:
+            rec.evicted = None
+            self.zero_pending = True
+        blocks = (np.flatnonzero(gone[start:]) + start).tolist()
+        hbs = [rec.host[b] for b in blocks if b < len(rec.host)]
+        self.cache.forget(to_device(hbs, self.req_to_token.device))
+        gone[start:] = False
+        if not self.any_evicted:
             self._free(self.cache.shrink(self.cache.pages))
 
     def sync_prefix(self, req) -> None:
@@ -232,9 +149,20 @@ class Residency:
         copy the row again, so that it keeps the page-0 entries of the given-back blocks
         and never names a page that went back to the allocator."""
         n = len(getattr(req, "prefix_indices", ()))
-        if n and req.rid in self.evicted:
+        rec = self.records.get(req.rid)
+        if n and rec is not None and rec.evicted is not None:
             row = self.req_to_token[req_row(req), :n]
             req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+
+    @property
+    def evicted(self) -> dict[object, np.ndarray]:
+        """rid -> bool by block (the block's HBM page went back) of every request that
+        evicted a block and has not ended (parked ones included)."""
+        return {rid: rec.evicted for rid, rec in self.records.items() if rec.evicted is not None}
+
+    @property
+    def any_evicted(self) -> bool:
+        return any(rec.evicted is not None for rec in self.records.values())
 
     @property
     def evicted_blocks(self) -> int:
@@ -244,7 +172,7 @@ class Residency:
     @property
     def drops_page_zero(self) -> bool:
         """Whether a page release now may carry page-0 entries of evicted blocks."""
-        return bool(self.evicted or self.zero_pending) and not self.freeing
+        return (self.any_evicted or self.zero_pending) and not self.freeing
 
     def evictable(self, reqs) -> int:
         """Blocks of `reqs` that may leave HBM now (saved, past the sink, not recent, not
@@ -267,23 +195,26 @@ class Residency:
         Readers and saved counts are agreed over the TP ranks (`sglang_psa.distributed`): the
         most readers and the fewest acknowledged saves of any rank, so that every rank
         evicts the same blocks and its allocator stays in step."""
-        reqs = [(q, r) for q in _live(reqs) if (r := self.wb.request(q.rid)) is not None]
+        reqs = [
+            (q, r)
+            for q in _live(reqs)
+            if (r := self.records.get(q.rid)) is not None and r.row is not None
+        ]
         spans = [max(0, int(q.seqlen) // self.block_size - self.keep_recent) for q, _ in reqs]
         heat = [self._readers(r.row, int(q.seqlen), n) for (q, r), n in zip(reqs, spans)]
         (heat,), (saved,) = self.agreement.max_min(
             [np.concatenate(heat) if heat else np.zeros(0)], [[r.saved for _, r in reqs]]
         )
         out, at = [], 0
-        for (q, _), span, done in zip(reqs, spans, saved.tolist()):
+        for (q, r), span, done in zip(reqs, spans, saved.tolist()):
             readers, at = heat[at : at + span], at + span
             upto = min(done, span)
             if upto <= self.sink:
                 continue
             ok = np.ones(upto, dtype=bool)
             ok[: self.sink] = False
-            gone = self.evicted.get(q.rid)
-            if gone is not None:
-                ok &= ~gone[:upto]
+            if r.evicted is not None:
+                ok &= ~r.evicted[:upto]
             blocks = np.flatnonzero(ok)
             order = np.lexsort((blocks, readers[blocks]))
             out.append((q.rid, blocks[order], readers[blocks][order]))
@@ -342,7 +273,7 @@ class Residency:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
         Metadata first, then the location table, then the request table: a step that
         reads the tables at any point between scores and reads a complete copy."""
-        r = self.wb.request(rid)
+        r = self.records.get(rid)
         blocks = [] if r is None else [b for b in blocks if b < r.saved]
         if not blocks:
             return 0
@@ -359,8 +290,9 @@ class Residency:
         table.index_put_((tokens,), (tokens % bs).to(table.dtype))  # page 0's slots
         self._free(freed, allocator)
         self.cache.mark_evicted(rows - self.page_rows)
-        gone = self.evicted.setdefault(rid, np.zeros(self.max_blocks, dtype=bool))
-        gone[blocks] = True
+        if r.evicted is None:
+            r.evicted = np.zeros(self.max_blocks, dtype=bool)
+        r.evicted[blocks] = True
         self.evictions += len(blocks)
         return len(blocks) * bs
 
@@ -372,7 +304,7 @@ class Residency:
         beyond two per running request, then brings in the host units the last step
         read (`UnitCache.refresh`, no sync). Returns the pages taken."""
         self.allocator = allocator
-        if not self.evicted:
+        if not self.any_evicted:
             return 0
         if self.cold_readers:  # cold resident blocks: their pages serve more as slots
             cold = [
@@ -409,12 +341,6 @@ class Residency:
             # than HBM), and the host tokens they staged (per layer)
             "staged_batches": self.stage.batches if self.stage else 0,
             "staged_host_tokens": self.stage.host_tokens if self.stage else 0,
-            # retracted requests waiting with their KV in the host tier; resumptions, the
-            # prefix tokens they read from there and the tokens they computed again
-            "parked_requests": len(self.parked),
-            "resumed": self.resumed,
-            "resumed_host_tokens": self.resumed_host_tokens,
-            "resumed_recomputed_tokens": self.resumed_recomputed_tokens,
         }
 
 

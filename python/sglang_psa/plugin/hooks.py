@@ -1,8 +1,8 @@
 """Every place sglang-psa touches SGLang, in one table, for each supported release.
 
 Each hook names the SGLang target, the hook type, the parameters the target must
-still have and the releases it applies to; `READS` names, per release, where the
-hooks find the SGLang attributes whose names moved between releases.
+still have and the releases it applies to; `sglang_psa.releases.READS` names, per
+release, where the SGLang attributes whose names moved between releases live.
 `check_targets()` resolves every target and attribute of the installed release and
 compares signatures, so a SGLang upgrade that moves or changes one fails loudly (at
 plugin load and in `test/unit/plugin/test_sglang_plugin.py`) instead of SGLang's
@@ -15,45 +15,21 @@ release before it; the checks then name whatever it changed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import importlib.metadata
 import inspect
 import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# The SGLang releases sglang-psa is tested against (pyproject's `serve` extra admits these).
-SUPPORTED = ("0.5.17", "0.5.23")
-ALL = SUPPORTED
+from sglang_psa import releases
 
-
-def _key(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
-
-
-@functools.lru_cache(maxsize=1)
-def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def release(version: str | None = None) -> str:
-    """The supported release whose table applies to `version` (default: the installed
-    SGLang): that release, else the newest supported one before it (else the oldest)."""
-    version = version or installed_version()
-    if version is None:
-        return SUPPORTED[-1]
-    older = [r for r in SUPPORTED if _key(r) <= _key(version)]
-    return older[-1] if older else SUPPORTED[0]
+ALL = releases.SUPPORTED
 
 
 def _built_for() -> str:
-    v = installed_version()
-    r = release(v)
+    v = releases.installed_version()
+    r = releases.release(v)
     return f"sglang {v}, checked against the table of sglang=={r}" if v != r else f"sglang=={r}"
 
 
@@ -287,160 +263,6 @@ CALLS: tuple[Call, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Read:
-    """An SGLang attribute (or parameter) the hooks read or write whose name moved between
-    releases: on an object of class `owner` (a function: its parameter), at `path`."""
-
-    key: str
-    owner: str
-    path: str
-    releases: tuple[str, ...]
-
-
-READS: tuple[Read, ...] = (
-    # A request's row in the request table: a Req field, then its KV record's.
-    Read("req.row", "sglang.srt.managers.schedule_batch.Req", "req_pool_idx", ("0.5.17",)),
-    Read("req.kv", "sglang.srt.managers.schedule_batch.Req", "kv", ("0.5.23",)),
-    Read("req.row", "sglang.srt.managers.schedule_batch.ReqKvInfo", "kv.req_pool_idx", ("0.5.23",)),
-    # A request's prefix: the list of its slots SGLang writes into its row; from 0.5.23 on
-    # the prefix's length, whose slots are already in the row.
-    Read("req.prefix", "sglang.srt.managers.schedule_batch.Req", "prefix_indices", ("0.5.17",)),
-    Read("req.prefix", "sglang.srt.managers.schedule_batch.Req", "prefix_len", ("0.5.23",)),
-    # PrefillAdder's token budget offsets: its own, then its PrefillBudget's.
-    Read(
-        "adder.total_offset",
-        "sglang.srt.managers.schedule_policy.PrefillAdder",
-        "rem_total_token_offset",
-        ("0.5.17",),
-    ),
-    Read(
-        "adder.budget",
-        "sglang.srt.managers.schedule_policy.PrefillAdder",
-        "memory_budget",
-        ("0.5.23",),
-    ),
-    Read(
-        "adder.total_offset",
-        "sglang.srt.mem_cache.prefill_budget.PrefillBudget",
-        "memory_budget.total_offset",
-        ("0.5.23",),
-    ),
-    Read(
-        "adder.current_offset",
-        "sglang.srt.managers.schedule_policy.PrefillAdder",
-        "cur_rem_token_offset",
-        ("0.5.17",),
-    ),
-    Read(
-        "adder.current_offset",
-        "sglang.srt.mem_cache.prefill_budget.PrefillBudget",
-        "memory_budget.current_offset",
-        ("0.5.23",),
-    ),
-    # The scheduler's write-after-read fast path (0.5.17; 0.5.23 asks the backend).
-    Read(
-        "worker.war_runner",
-        "sglang.srt.managers.tp_worker.TpModelWorker",
-        "war_fastpath_runner",
-        ("0.5.17",),
-    ),
-    Read(
-        "runner.war_event",
-        "sglang.srt.model_executor.model_runner.ModelRunner",
-        "war_fastpath_read_done_event",
-        ("0.5.17",),
-    ),
-    Read(
-        "backend.post_replay",
-        "sglang.srt.layers.attention.base_attn_backend.SharedReadEnds",
-        "POST_REPLAY",
-        ("0.5.23",),
-    ),
-    # What `sgl.Engine(**kwargs)` builds its ServerArgs with (the kwargs hook of 0.5.23).
-    Read(
-        "engine.server_args_class",
-        "sglang.srt.entrypoints.engine.Engine",
-        "server_args_class",
-        ("0.5.23",),
-    ),
-    # release_kv_cache's flag: insert into the prefix cache (False: a retraction).
-    Read(
-        "release.insert", "sglang.srt.mem_cache.common.release_kv_cache", "is_insert", ("0.5.17",)
-    ),
-    Read(
-        "release.insert", "sglang.srt.mem_cache.common.release_kv_cache", "checkpoint", ("0.5.23",)
-    ),
-)
-
-# Behaviour that only some releases allow, by name: the releases that have it.
-FEATURES: dict[str, tuple[str, ...]] = {
-    # A request's prefix is a list of KV slots that SGLang writes into its new row
-    # (`Req.prefix_indices`): a retracted request at the tiered home resumes with its
-    # saved blocks as that prefix (page-0 entries), and a chunked prompt's copy of its row
-    # is kept in step with blocks that left HBM. From 0.5.23 on the row itself is the
-    # prefix (`Req.prefix_len`); there a retracted request is prefilled again.
-    "prefix_slots": ("0.5.17",),
-}
-
-
-def applies(releases: tuple[str, ...]) -> bool:
-    return release() in releases
-
-
-def has(feature: str) -> bool:
-    """Whether the installed SGLang's release has `feature` (see `FEATURES`)."""
-    return applies(FEATURES[feature])
-
-
-@functools.cache
-def path(key: str) -> str:
-    """Where the installed release keeps the attribute `key` of `READS`."""
-    for r in READS:
-        if r.key == key and applies(r.releases):
-            return r.path
-    raise KeyError(f"no READS entry {key!r} for sglang=={release()}")
-
-
-def _paths(key: str) -> list[str]:
-    """`key`'s locations, the installed release's first (test doubles may model another)."""
-    own = path(key)
-    return [own, *dict.fromkeys(r.path for r in READS if r.key == key and r.path != own)]
-
-
-_MISSING = object()
-
-
-def read(obj, key: str, default=None):
-    """The attribute `key` of `READS` on an SGLang object (`default` where it has none)."""
-    for p in _paths(key):
-        value = obj
-        for name in p.split("."):
-            value = getattr(value, name, _MISSING)
-            if value is _MISSING:
-                break
-        else:
-            return value
-    return default
-
-
-def write(obj, key: str, value) -> None:
-    """Set the attribute `key` of `READS`: where `obj` has it, the installed release's
-    location first; else where the installed release keeps it."""
-    for p in _paths(key):
-        *head, last = p.split(".")
-        target = obj
-        for name in head:
-            target = getattr(target, name, _MISSING)
-            if target is _MISSING:
-                break
-        else:
-            if hasattr(target, last) or p == path(key):
-                setattr(target, last, value)
-                return
-    raise AttributeError(f"{type(obj).__name__} has no {path(key)} ({key})")
-
-
 def _resolve(target: str):
     try:
         return pkgutil.resolve_name(target)
@@ -493,7 +315,7 @@ def _defines(cls: type, name: str) -> bool:
     return False
 
 
-def _check_read(r: Read) -> None:
+def _check_read(r: releases.Read) -> None:
     owner = _resolve(r.owner)
     name = r.path.rsplit(".", 1)[-1]
     if inspect.isclass(owner):
@@ -511,13 +333,13 @@ def check_targets() -> None:
     """Resolve every hook target, called function and moved attribute of the installed
     release; raise `SGLangChanged` naming the first mismatch."""
     for hook in HOOKS:
-        if applies(hook.releases):
+        if releases.applies(hook.releases):
             _check_params(hook.target, _resolve(hook.target), hook.params)
     for call in CALLS:
-        if applies(call.releases):
+        if releases.applies(call.releases):
             _check_params(call.target, _resolve(call.target), call.params)
-    for r in READS:
-        if applies(r.releases):
+    for r in releases.READS:
+        if releases.applies(r.releases):
             _check_read(r)
 
 
@@ -531,16 +353,5 @@ def register_all() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for hook in HOOKS:
-        if applies(hook.releases):
+        if releases.applies(hook.releases):
             HookRegistry.register(hook.target, hook_function(hook), HookType(hook.kind))
-
-
-def req_row(req) -> int | None:
-    """A request's row in SGLang's request table (None: it holds none)."""
-    return read(req, "req.row")
-
-
-def req_prefix_len(req) -> int:
-    """The length of a request's prefix (the tokens its next extend does not compute)."""
-    prefix = read(req, "req.prefix", 0)
-    return prefix if isinstance(prefix, int) else len(prefix)

@@ -30,8 +30,8 @@ units of one (layer, KV head, block). The hooks below consult it; with no
 
 from __future__ import annotations
 
-from sglang_psa.plugin import hooks
-from sglang_psa.plugin.hooks import req_prefix_len, req_row
+from sglang_psa import releases
+from sglang_psa.releases import req_prefix_len, req_row
 from sglang_psa.sched import prefill_budget
 from sglang_psa.sched.serving import combine_ranks, current
 
@@ -49,7 +49,7 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     if _resumes_chunked_strict(adder, req):
         if adder.can_run_list:  # the next round has a whole chunk
             return AddReqResult.OTHER
-        serving.residency.unpark(req)  # more than a chunk to compute: prefilled whole
+        serving.requests.unpark(req)  # more than a chunk to compute: prefilled whole
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     slack = 2 * serving.cfg.block_size
@@ -109,15 +109,19 @@ def _holds(req, prefix: int = 0) -> int:
     `prefix` it does not store (a resumed request's, in the host tier)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-    done = len(getattr(req, "output_ids", None) or ())
     max_new = getattr(req.sampling_params, "max_new_tokens", None) or 0
     return prefill_budget.held_tokens(
-        len(req.origin_input_ids), done, prefix, max_new, CLIP_MAX_NEW_TOKENS
+        len(req.origin_input_ids), _done(req), prefix, max_new, CLIP_MAX_NEW_TOKENS
     )
 
 
+def _done(req) -> int:
+    """The output a request holds already (a retracted request's, so far)."""
+    return len(getattr(req, "output_ids", None) or ())
+
+
 def _resumes_chunked_strict(adder, req) -> bool:
-    """Whether a request resuming with a prefix (`Residency.resume_prefix`) would be
+    """Whether a request resuming with a prefix (`TieredRequests.resume_prefix`) would be
     chunked by SGLang's `ignore_eos` path, which chunks only prompts without a prefix (it
     asserts so). Its few tokens wait a round for a whole chunk; more than a chunk are
     prefilled whole."""
@@ -162,9 +166,9 @@ class _chunk_cap:
 
 def _shift_offsets(adder, tokens: int) -> None:
     """Add `tokens` to the adder's token budget offsets, what its budget holds back (its
-    own in 0.5.17, its `PrefillBudget`'s from 0.5.23 on: `hooks.READS`)."""
+    own in 0.5.17, its `PrefillBudget`'s from 0.5.23 on: `releases.READS`)."""
     for key in ("adder.total_offset", "adder.current_offset"):
-        hooks.write(adder, key, hooks.read(adder, key) + tokens)
+        releases.write(adder, key, releases.read(adder, key) + tokens)
 
 
 def around_add_chunked_req(original, adder, req):
@@ -239,9 +243,7 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
-    done = len(getattr(req, "output_ids", None) or ())  # a retracted request's output so far
-    # what its prefill stores (a resumed request's prefix stays in the host tier)
-    fill = len(req.origin_input_ids) + done - req_prefix_len(req)
+    fill = prefill_budget.stored_tokens(len(req.origin_input_ids), _done(req), req_prefix_len(req))
     max_new = getattr(params, "max_new_tokens", None) or 0
     short = prefill_budget.budget_shortfall(
         fill, max_new, slack, int(adder.rem_total_tokens), CLIP_MAX_NEW_TOKENS
@@ -291,8 +293,8 @@ def around_apply_war_barrier(original, scheduler):
     during its replay, and eviction and the unit cache rewrite them on that stream."""
     serving = current()
     if serving is not None and serving.residency is not None:
-        runner = hooks.read(scheduler.model_worker, "worker.war_runner")
-        hooks.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
+        runner = releases.read(scheduler.model_worker, "worker.war_runner")
+        releases.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
     return original(scheduler)
 
 
@@ -301,12 +303,11 @@ def after_prepare_for_extend(result, batch):
     the write-back plans the blocks it completes."""
     serving = current()
     if serving is not None and serving.writeback is not None and batch.reqs:
-        if serving.stages_prefill and serving.residency.parked:
-            serving.residency.resume(batch.reqs)  # parked requests have their rows
+        if serving.stages_prefill:  # parked requests have their rows
+            serving.requests.resume(batch.reqs)
         serving.writeback.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist())
         if serving.stages_prefill:  # a prefix with blocks off HBM is staged per layer
-            res = serving.residency
-            res.stage.plan_batch(batch.reqs, batch.prefix_lens, res.evicted)
+            serving.residency.stage.plan_batch(batch.reqs, batch.prefix_lens)
     return result
 
 
@@ -338,15 +339,15 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     """A finished request is forgotten; a retracted one (SGLang releases it uninserted,
     unfinished: `is_insert`, from 0.5.23 on `checkpoint`, false) keeps its history for
     when it resumes, and at the tiered home with staged prefill its saved blocks, which
-    leave HBM before SGLang frees the rest of its KV (`Residency.park`; where the release
+    leave HBM before SGLang frees the rest of its KV (`TieredRequests.park`; where the release
     has `prefix_slots`)."""
     serving = current()
     if serving is None:
         return original(req, tree_cache, *args, **kwargs)
-    insert = args[0] if args else kwargs.get(hooks.path("release.insert"), True)
+    insert = args[0] if args else kwargs.get(releases.path("release.insert"), True)
     retracted = not insert and not req.finished()
-    if retracted and serving.stages_prefill and hooks.has("prefix_slots"):
-        serving.residency.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
+    if retracted and serving.stages_prefill and releases.has("prefix_slots"):
+        serving.requests.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
     result = original(req, tree_cache, *args, **kwargs)
     serving.release(req.rid, retracted=retracted)
     return result
@@ -355,10 +356,10 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
 def after_init_next_round_input(result, req, tree_cache=None, cow_mamba=None):
     """A queued request is considered for a prefill: a parked one (retracted, its saved
     blocks in the host tier) gets them as its prefix, so that only the tokens after them
-    are computed again (`Residency.resume_prefix`)."""
+    are computed again (`TieredRequests.resume_prefix`)."""
     serving = current()
     if serving is not None and tree_cache is not None and serving.parked(req.rid):
-        serving.residency.resume_prefix(req)
+        serving.requests.resume_prefix(req)
     return result
 
 
@@ -398,8 +399,9 @@ def after_get_internal_state(result, scheduler, recv_req):
         "kv_home": serving.cfg.kv_home,
         # Write-back to the host tier (--psa-kv-home tiered), else None.
         "writeback": serving.writeback.report() if serving.writeback is not None else None,
-        # Blocks whose HBM pages were given back (tiered home), else None.
-        "residency": serving.residency.report() if serving.residency is not None else None,
+        # Blocks whose HBM pages were given back, parked and resumed requests (tiered
+        # home), else None.
+        "residency": serving.residency_report() if serving.residency is not None else None,
     }
     # Every TP rank answers this request in lockstep: rank 0 reports them all.
     result.internal_state["psa"] = combine_ranks(serving.agreement.gather(state))

@@ -21,11 +21,17 @@ class Demand(NamedTuple):
     held: int  # tokens it holds now (prompt and output so far)
 
 
+def stored_tokens(prompt: int, done: int, prefix: int) -> int:
+    """The tokens a request's prefill stores in HBM: its prompt and the `done` output of a
+    retracted request, less a `prefix` it does not store (a resumed request's, kept in the
+    host tier)."""
+    return prompt + done - prefix
+
+
 def held_tokens(prompt: int, done: int, prefix: int, max_new: int, clip: int) -> int:
-    """The tokens the adder charges a request: what its prefill stores (its prompt and
-    the `done` output of a retracted request, less a `prefix` it does not store) and its
-    output still to come, clipped."""
-    return prompt + done - prefix + min(max(max_new - done, 0), clip)
+    """The tokens the adder charges a request: what its prefill stores (`stored_tokens`)
+    and its output still to come, clipped."""
+    return stored_tokens(prompt, done, prefix) + min(max(max_new - done, 0), clip)
 
 
 def budget_shortfall(fill: int, max_new: int, slack: int, rem_total: int, clip: int) -> int:

@@ -3,9 +3,10 @@
 One `PSAServing` per scheduler process, assembled whole by the `psa` backend (its
 constructor names everything the process owns: the `AdmissionController` whose capacity
 is HBM for working sets in units of one (layer, KV head, block), the backend's tiered-home
-parts (write-back, residency) and read-outs (working sets, read fractions, buffer sizes),
-the TP agreement, the metrics) and installed once; the scheduler hooks of
-`plugin.scheduling` find it through `current()`.
+parts (write-back, residency, the requests' passage through the tiered store) and
+read-outs (working sets, read fractions, buffer sizes), the TP agreement, the metrics)
+and installed once; the scheduler hooks of `plugin.scheduling` find it through
+`current()`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
-from sglang_psa.plugin.hooks import has, req_row
+from sglang_psa.releases import has, req_row
 from sglang_psa.sched.admission import AdmissionController, Candidate
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
@@ -61,14 +62,17 @@ class PSAServing:
         readouts: BackendReadouts | None = None,
         writeback=None,
         residency=None,
+        requests=None,
         agreement: RankAgreement | None = None,
         metrics=None,
     ):
         """Everything one scheduler process owns under `--sparse-mode`, given here (the
         backend assembles it): `host_tokens`, what the tiered home's host tier holds (None:
         no host tier); `hbm_tokens`, SGLang's KV pool in HBM; the backend's `readouts`;
-        at the tiered home its `writeback` (`mem_cache.writeback.WriteBack`) and
-        `residency` (`mem_cache.residency.Residency`); the TP ranks' `agreement`, through
+        at the tiered home its `writeback` (`mem_cache.writeback.WriteBack`),
+        `residency` (`mem_cache.residency.Residency`) and `requests`
+        (`mem_cache.request_kv.TieredRequests`: each request's record in the tiered store,
+        parked, resumed and released there); the TP ranks' `agreement`, through
         which every GPU measurement passes before a decision reads it, so that all ranks
         decide alike (`sglang_psa.distributed`; default: one rank); `metrics`
         (`PSAMetrics`, with `--enable-metrics`)."""
@@ -80,7 +84,7 @@ class PSAServing:
         r = readouts or BackendReadouts()
         self.measure, self.read_fraction = r.measure, r.read_fraction
         self.read_counts, self.hbm_bytes = r.read_counts, r.hbm_bytes
-        self.writeback, self.residency = writeback, residency
+        self.writeback, self.residency, self.requests = writeback, residency, requests
         self.agreement = agreement or RankAgreement()
         self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
@@ -167,8 +171,7 @@ class PSAServing:
         if alone:  # nothing else runs: admit anyway rather than stall the server
             self.controller.admit_alone(cand)
             return True
-        if wb is not None:
-            wb.release(rid)
+        self._release_record(rid, keep_parked=True)
         ctl = self.controller
         self.waited(
             "working_set",
@@ -183,8 +186,7 @@ class PSAServing:
         """SGLang's own checks refused a request this controller had admitted."""
         if rid not in self.controller.running:
             return
-        if self.writeback is not None and not self.parked(rid):  # (a parked one keeps its)
-            self.writeback.release(rid)
+        self._release_record(rid, keep_parked=True)
         stats = self.controller.stats
         if was_paused:
             self.controller.pause(rid)
@@ -235,7 +237,7 @@ class PSAServing:
             "admission_deferrals_total": self.deferrals,
             **{f"admission_waits_{k}_total": n for k, n in self.waits.items()},
             **(_writeback_metrics(self.writeback.report()) if self.writeback else {}),
-            **(_residency_metrics(self.residency.report()) if self.residency else {}),
+            **(_residency_metrics(self.residency_report()) if self.residency else {}),
         }
 
     def fits(self, rids: Iterable[Hashable]) -> bool:
@@ -286,16 +288,27 @@ class PSAServing:
         last step read; returns the pages it took."""
         return 0 if self.residency is None else self.residency.refresh(reqs, allocator)
 
+    def residency_report(self) -> dict[str, int]:
+        """Tiered home: residency's counters and the parked and resumed requests'."""
+        return {**self.residency.report(), **self.requests.report()}
+
     def parked(self, rid: Hashable) -> bool:
-        """Whether retracted `rid` waits with its saved KV in the host tier (`park`)."""
-        return self.residency is not None and rid in self.residency.parked
+        """Whether retracted `rid` waits with its saved KV in the host tier
+        (`TieredRequests.park`)."""
+        return self.requests is not None and self.requests.parked(rid)
+
+    def _release_record(self, rid: Hashable, keep_parked: bool) -> None:
+        """Tiered home: `rid`'s record in the tiered store goes (`TieredRequests.release`);
+        with `keep_parked`, a parked one stays (it waits with its host copy)."""
+        if self.requests is not None and not (keep_parked and self.parked(rid)):
+            self.requests.release(rid)
 
     def release(self, rid: Hashable, retracted: bool) -> None:
-        if not (retracted and self.parked(rid)):  # a parked request keeps its host copy
-            if self.residency is not None:
-                self.residency.release(rid)
-            if self.writeback is not None:  # it is prefilled and saved again
-                self.writeback.release(rid)
+        """SGLang released `rid`'s KV. Finished or aborted: admission forgets it and its
+        tiered-store record goes. Retracted: it is paused (its working-set history kept
+        for when it resumes); a parked one keeps its record, any other is prefilled and
+        saved again from scratch."""
+        self._release_record(rid, keep_parked=retracted)
         ctl = self.controller
         if retracted and rid in ctl.running:
             ctl.pause(rid)

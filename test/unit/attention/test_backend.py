@@ -855,7 +855,7 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
         for r in reqs:
             scheduling.around_release_kv_cache(_noop, SimpleNamespace(rid=r.rid), None)
         assert wb.blocks.used == 0
-        wb.blocks.check_integrity()
+        serving.requests.check_integrity()
     finally:
         wb.close()
 
@@ -960,6 +960,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         assert freed == 8 * BS and alloc.available_size() == free0 + 8 * BS
         gone = {r: set(np.flatnonzero(g).tolist()) for r, g in backend.residency.evicted.items()}
         assert gone == {"r1": {1, 2, 3, 4, 5}, "r2": {1, 2, 3}}
+        serving.requests.check_integrity()
         for r, blocks in ((1, gone["r1"]), (2, gone["r2"])):
             for b in blocks:
                 row = req.req_to_token[r, b * BS : (b + 1) * BS]
@@ -980,7 +981,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         for a, b in zip(before, after):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         # The step read evicted blocks and stamped their host blocks' rows.
-        rows = [backend.meta.page_rows + h for h in wb.request("r1").host[1:6]]
+        rows = [backend.meta.page_rows + h for h in wb.records["r1"].host[1:6]]
         assert (backend.ws.stamps[:, rows] == backend.ws.step).any()
         info = serving.metric_values()
         assert info["blocks_evicted"] == 8 and info["evictions_total"] == 8

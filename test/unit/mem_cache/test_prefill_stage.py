@@ -24,6 +24,7 @@ from sglang.srt.layers.attention.triton_backend import (  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
 from sglang_psa.mem_cache.prefill_stage import PrefillStage  # noqa: E402
+from sglang_psa.mem_cache.request_kv import RequestKV  # noqa: E402
 from sglang_psa.plugin.extend import around_triton_forward_extend  # noqa: E402
 from sglang_psa.sched import serving as serving_mod  # noqa: E402
 
@@ -138,13 +139,13 @@ def test_staged_prefix_gives_the_resident_output(kernel_device, H, Hkv, d):
         )  # fmt: skip
         stage = None
         if staged:
-            reqs = {rid: types.SimpleNamespace(host=host[rid]) for rid in "ab"}
+            records = {rid: RequestKV(rid, host=host[rid], evicted=gone[rid]) for rid in "ab"}
             wb = types.SimpleNamespace(
-                request=reqs.get, host=types.SimpleNamespace(k=pin(host_k), v=pin(host_v))
+                records=records, host=types.SimpleNamespace(k=pin(host_k), v=pin(host_v))
             )
             stage = PrefillStage(wb, pool, BS)
             reqs_ = [types.SimpleNamespace(rid=rid) for rid in "ab"]
-            assert stage.plan_batch(reqs_, prefix, gone)
+            assert stage.plan_batch(reqs_, prefix)
             assert stage.host_tokens == 3 * BS
         serving_mod.install(types.SimpleNamespace(residency=types.SimpleNamespace(stage=stage)))
         try:
@@ -171,17 +172,17 @@ def test_staged_prefix_gives_the_resident_output(kernel_device, H, Hkv, d):
 
 def test_a_batch_without_evicted_prefix_is_not_staged():
     pool = _Pool(torch.zeros(1, 64, 2, 8), torch.zeros(1, 64, 2, 8))
-    stage = PrefillStage(types.SimpleNamespace(), pool, BS)
+    records = {"a": RequestKV("a", host=[1, 2, 3, 4], evicted=np.zeros(4, dtype=bool))}
+    stage = PrefillStage(types.SimpleNamespace(records=records), pool, BS)
     reqs = [types.SimpleNamespace(rid="a"), types.SimpleNamespace(rid="b")]
-    gone = {"a": np.zeros(4, dtype=bool)}
-    assert not stage.plan_batch(reqs, [64, 32], gone) and stage.plan is None
+    assert not stage.plan_batch(reqs, [64, 32]) and stage.plan is None
 
 
 def test_a_batch_that_does_not_match_the_plan_is_refused():
     pool = _Pool(torch.zeros(1, 96, 2, 8), torch.zeros(1, 96, 2, 8))
-    wb = types.SimpleNamespace(request=lambda rid: types.SimpleNamespace(host=[1, 2]))
-    stage = PrefillStage(wb, pool, BS)
-    assert stage.plan_batch([types.SimpleNamespace(rid="a")], [64], {"a": np.ones(2, bool)})
+    records = {"a": RequestKV("a", host=[1, 2], evicted=np.ones(2, bool))}
+    stage = PrefillStage(types.SimpleNamespace(records=records), pool, BS)
+    assert stage.plan_batch([types.SimpleNamespace(rid="a")], [64])
     fb = types.SimpleNamespace(extend_prefix_lens_cpu=[32])
     with pytest.raises(RuntimeError, match="order of batch set-up"):
         with stage.staged(_backend(pool, None), 0, fb):

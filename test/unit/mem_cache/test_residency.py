@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_psa.mem_cache.request_kv import RequestKV, TieredRequests
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.mem_cache.unit_cache import WAYS, UnitCache
 
@@ -46,8 +47,8 @@ def _residency(readers: list[int], cold_fraction: float = 0.0):
         stamps=None,
         step=None,
     )
-    r = SimpleNamespace(row=ROW, saved=len(readers), host=list(range(10, 10 + len(readers))))
-    wb = SimpleNamespace(request=lambda rid: r, blocks=SimpleNamespace(num_blocks=HB), host=None)
+    r = RequestKV("a", host=list(range(10, 10 + len(readers))), saved=len(readers), row=ROW)
+    wb = SimpleNamespace(records={"a": r}, blocks=SimpleNamespace(num_blocks=HB), host=None)
     cfg = SimpleNamespace(
         block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=cold_fraction
     )
@@ -61,8 +62,10 @@ def _recording_evict(res, alloc_pages_from: int):
 
     def evict(rid, blocks, allocator):
         gone_order.extend(blocks)
-        for b in blocks:
-            res.evicted.setdefault(rid, np.zeros(16, dtype=bool))[b] = True
+        rec = res.records[rid]
+        if rec.evicted is None:
+            rec.evicted = np.zeros(16, dtype=bool)
+        rec.evicted[blocks] = True
         allocator.free += [alloc_pages_from + b for b in blocks]
         return len(blocks) * BS
 
@@ -110,11 +113,10 @@ def test_while_blocks_are_evicted_cold_resident_blocks_become_cache_pages(cold_f
     """2 layers x 2 KV heads: 4 units a block. With `cold_fraction` 0.5, a resident
     saved block read lately by fewer than 2 units leaves HBM at the next refresh and its
     page joins the unit cache; 0 leaves blocks in HBM until SGLang needs pages."""
-    res, _ = _residency([4, 0, 4, 2, 1, 3, 4, 3, 4, 4], cold_fraction)
+    res, r = _residency([4, 0, 4, 2, 1, 3, 4, 3, 4, 4], cold_fraction)
     gone_order = _recording_evict(res, 40)
-    gone = np.zeros(16, dtype=bool)
-    gone[6] = True  # a block already on the host: the cache is in use
-    res.evicted = {"a": gone}
+    r.evicted = np.zeros(16, dtype=bool)
+    r.evicted[6] = True  # a block already on the host: the cache is in use
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
     alloc = _Alloc([30, 31, 32])
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
@@ -130,9 +132,8 @@ def test_the_last_release_drains_the_cache_and_forgets_its_units():
     res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
     alloc = _Alloc([30, 31, 32, 33, 34, 35, 36, 37, 38, 39])
     res.allocator = alloc
-    gone = np.zeros(16, dtype=bool)
-    gone[[1, 2]] = True
-    res.evicted = {"a": gone}
+    r.evicted = np.zeros(16, dtype=bool)
+    r.evicted[[1, 2]] = True
     res.cache.mark_evicted(torch.tensor([11, 12]))
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
@@ -142,7 +143,8 @@ def test_the_last_release_drains_the_cache_and_forgets_its_units():
     cache = res.cache
     for lh, hb, slot in ((0, 11, 3 * WAYS), (3, 12, 0)):
         cache.unit_slot[lh, hb], cache.slot_unit[lh, slot] = slot, hb
-    res.release("a")
+    res.wb.forget = lambda rec: None  # (the write-back's share: test_request_kv.py)
+    TieredRequests(res.wb, res, None, res.req_to_token, BS).release("a")
     assert not (cache.unit_slot >= 0).any() and not (cache.slot_unit >= 0).any()
     assert not cache.live.any() and cache.pages == 0 and not cache.cache_pages.any()
     assert sorted(alloc.free) == list(range(30, 40))
@@ -168,107 +170,3 @@ def test_shrink_uncaches_the_units_of_the_slots_it_drops():
             assert int(c.unit_slot[lh, c.slot_unit[lh, s]]) == s
     assert sorted((dropped[::BS] // BS).tolist()) == last_pages
     assert not c.cache_pages[slots[-5:]].any()
-
-
-def _parking(saved: int):
-    """A residency whose request "a" (row ROW) has `saved` saved blocks, with a recording
-    write-back: what `park` asked of it, in order."""
-    res, r = _residency([9] * 10)
-    r.saved = saved
-    calls = []
-
-    def park(rid):
-        calls.append(("park", rid))
-        r.row = -1
-        return r.saved
-
-    res.wb.issue_decode = lambda k, v, table, force: calls.append(("flush", force))
-    res.wb.drain = lambda: calls.append(("drain",)) or True
-    res.wb.park = park
-    res.wb.resume = lambda rid, row: calls.append(("resume", rid, row))
-    res.wb.release = lambda rid: calls.append(("release", rid))
-    res.pool = SimpleNamespace(k_buffer=[], v_buffer=[])
-    return res, calls
-
-
-def _retracted(out: int, **kw):
-    fill = list(range(10 * BS + out))
-    return SimpleNamespace(
-        rid="a", req_pool_idx=None, full_untruncated_fill_ids=fill, input_embeds=None,
-        return_logprob=False, logprob_start_len=-1, prefix_indices=torch.empty(0), **kw,
-    )  # fmt: skip
-
-
-def test_a_retracted_request_parks_its_saved_blocks_and_resumes_with_them_as_a_prefix():
-    """`park`: pending decode saves are flushed and every save drained first, then every
-    saved block still in HBM leaves it (the sink and recent ones too: the whole kept
-    prefix is read from the host tier); `resume_prefix` makes them the prefix, every entry
-    at page 0; `resume` hands the request's new row to the write-back and counts."""
-    res, calls = _parking(saved=8)
-    gone_order = _recording_evict(res, alloc_pages_from=50)
-    res.evicted = {"a": np.zeros(16, dtype=bool)}
-    res.evicted["a"][[3, 4]] = True  # evicted while it ran
-    alloc = _Alloc([])
-    req = SimpleNamespace(rid="a", input_embeds=None)
-    assert res.park(req, alloc) == 8 * BS
-    assert calls == [("flush", True), ("drain",), ("park", "a")]
-    assert sorted(gone_order) == [0, 1, 2, 5, 6, 7]
-    assert res.parked == {"a": 8 * BS} and res.report()["parked_requests"] == 1
-    # SGLang resets it and asks the prefix cache (none); the hook gives it the kept prefix
-    q = _retracted(out=5)
-    assert res.resume_prefix(q)
-    assert torch.equal(q.prefix_indices, torch.arange(8 * BS) % BS)
-    q.req_pool_idx = 3
-    res.resume([SimpleNamespace(rid="b"), q])
-    assert calls[-1] == ("resume", "a", 3) and not res.parked
-    rep = res.report()
-    assert rep["resumed"] == 1 and rep["resumed_host_tokens"] == 8 * BS
-    assert rep["resumed_recomputed_tokens"] == 2 * BS + 5
-    assert res.evicted["a"][:8].all()  # staged prefill reads them from the host tier
-
-
-def test_a_request_without_saved_blocks_or_of_input_embeddings_is_not_parked():
-    res, calls = _parking(saved=0)
-    assert res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([])) == 0
-    res, calls = _parking(saved=4)
-    assert res.park(SimpleNamespace(rid="a", input_embeds=torch.zeros(1)), _Alloc([])) == 0
-    assert not res.parked and ("park", "a") not in calls
-
-
-def test_a_resume_that_must_compute_earlier_tokens_keeps_the_whole_blocks_before_them():
-    """Input log-probabilities from a position inside the kept prefix (SGLang's default
-    with log-probabilities: the prompt's end): the prefix ends at the last whole block
-    before it, the later kept blocks leave the unit cache and go back; with no whole
-    block before it the host copy goes and the request is prefilled whole."""
-    res, calls = _parking(saved=8)
-    _recording_evict(res, alloc_pages_from=50)
-    res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
-    forgot = []
-    res.cache.forget = lambda hbs: forgot.extend(hbs.tolist())
-    res.wb.trim = lambda rid, n: calls.append(("trim", rid, n))
-    q = _retracted(out=5)
-    q.return_logprob, q.logprob_start_len = True, 3 * BS + 2
-    assert res.resume_prefix(q)
-    assert torch.equal(q.prefix_indices, torch.arange(3 * BS) % BS)
-    assert calls[-1] == ("trim", "a", 3) and forgot == [13, 14, 15, 16, 17]
-    assert res.parked == {"a": 3 * BS} and res.evicted["a"].tolist()[:9] == [True] * 3 + [False] * 6
-    res, calls = _parking(saved=8)
-    _recording_evict(res, alloc_pages_from=50)
-    res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
-    q = _retracted(out=5)
-    q.return_logprob, q.logprob_start_len = True, BS - 1
-    assert not res.resume_prefix(q)
-    assert not res.parked and "a" not in res.evicted and ("release", "a") in calls
-    assert len(q.prefix_indices) == 0
-    res.resume([q])  # nothing to resume
-    assert res.report()["resumed"] == 0
-
-
-def test_a_resumed_prefix_that_does_not_match_the_kept_one_is_refused():
-    res, _ = _parking(saved=2)
-    _recording_evict(res, alloc_pages_from=50)
-    res.park(SimpleNamespace(rid="a", input_embeds=None), _Alloc([]))
-    q = _retracted(out=0)
-    q.req_pool_idx = 1
-    with pytest.raises(RuntimeError, match="resumes with a prefix of 0 tokens, 8 were"):
-        res.resume([q])

@@ -9,7 +9,9 @@ import torch
 pytest.importorskip("zmq", reason="pyzmq is not installed here (pip install sglang-psa)")
 pytest.importorskip("orjson", reason="orjson is not installed here (pip install sglang-psa)")
 
-from sglang_psa.mem_cache.writeback import HostBlocks, HostTierFull, WriteBack, wait_saved  # noqa: E402
+from sglang_psa.mem_cache.host_blocks import HostBlocks, HostTierFull  # noqa: E402
+from sglang_psa.mem_cache.request_kv import RequestKV  # noqa: E402
+from sglang_psa.mem_cache.writeback import WriteBack, wait_saved  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +85,11 @@ def make(device, **kw):
     return WriteBack(L, H, D, torch.float32, BS, 40, 12 * BS, device, **kw)
 
 
+def end(wb, rid) -> None:
+    """`rid` ends: the write-back's share of `TieredRequests.release`."""
+    wb.forget(wb.records.pop(rid))
+
+
 PATHS = {
     "engine": dict(path="engine"),
     "uva": dict(path="uva"),
@@ -123,10 +130,10 @@ def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
         assert (rep["save_jobs_dma"] > 0) == (path == "uva-dma")
         # Only the engine maps the host tier from its process: the uva tier is private.
         assert wb.host.k.is_shared() == wb.host.v.is_shared() == (path == "engine")
-        wb.release("a")
-        wb.release("b")
+        end(wb, "a")
+        end(wb, "b")
         assert wb.blocks.used == 0 and wb.blocks.available == 40
-        wb.blocks.check_integrity()
+        wb.blocks.check_integrity(wb.records.values())
     finally:
         wb.close()
 
@@ -166,48 +173,51 @@ def test_blocks_of_ended_requests_return_and_unissued_saves_are_dropped(device):
             pool.write(0, 1)
             wb.plan_decode([a], [pool.lens[0]])
         assert wb.report()["blocks_pending"] == 1  # below the flush size: not issued
-        wb.release("a")
+        end(wb, "a")
         assert wb.stats.dropped_blocks == 1
         wait_saved(wb)
         assert wb.blocks.used == 0
-        wb.blocks.check_integrity()
+        wb.blocks.check_integrity(wb.records.values())
     finally:
         wb.close()
 
 
-def test_host_blocks_reserve_take_release():
+def test_host_blocks_reserve_take_free():
     hb = HostBlocks(10)
-    assert hb.reserve("a", 6) and not hb.reserve("b", 5) and hb.reserve("b", 4)
-    assert hb.take("a", 3) == [0, 1, 2]  # ascending runs from a fresh list
+    a, b, c = RequestKV("a"), RequestKV("b"), RequestKV("c")
+    assert hb.reserve(a, 6) and not hb.reserve(b, 5) and hb.reserve(b, 4)
+    assert hb.take(a, 3) == [0, 1, 2] == a.host  # ascending runs from a fresh list
     assert hb.available == 0
     with pytest.raises(HostTierFull):
-        hb.take("c", 1)
-    assert hb.take("b", 4) == [3, 4, 5, 6]
-    assert hb.release("a") == 3 and hb.available == 6  # its ids and its reservation
-    hb.check_integrity()
-    assert hb.take("c", 3) == [0, 1, 2]
+        hb.take(c, 1)
+    assert hb.take(b, 4) == [3, 4, 5, 6]
+    assert hb.free(a) == 3 and hb.available == 6  # its ids and its reservation
+    assert hb.free(a) == 0 and hb.available == 6  # once
+    hb.check_integrity([b, c])
+    assert hb.take(c, 3) == [0, 1, 2]
 
 
 def test_host_blocks_reservation_is_a_total_and_given_back_ids_stay_promised():
     hb = HostBlocks(10)
-    assert hb.reserve("a", 4) and hb.take("a", 3) == [0, 1, 2]
-    assert hb.reserve("a", 4) and hb.available == 6  # it owns 3 and holds 1: nothing more
-    assert hb.reserve("a", 6) and hb.available == 4
-    hb.give_back("a", [1, 2])
-    assert hb.used == 1 and hb.available == 4  # free again, promised to "a"
-    assert not hb.reserve("b", 5) and hb.reserve("b", 4)
-    assert hb.take("a", 5) == [1, 2, 3, 4, 5]  # within its promise, smallest first
-    assert hb.take("b", 4) == [6, 7, 8, 9] and hb.available == 0
-    hb.check_integrity()
+    a, b = RequestKV("a"), RequestKV("b")
+    assert hb.reserve(a, 4) and hb.take(a, 3) == [0, 1, 2]
+    assert hb.reserve(a, 4) and hb.available == 6  # it owns 3 and holds 1: nothing more
+    assert hb.reserve(a, 6) and hb.available == 4
+    hb.give_back(a, 1)
+    assert a.host == [0] and hb.used == 1 and hb.available == 4  # free again, promised to a
+    assert not hb.reserve(b, 5) and hb.reserve(b, 4)
+    assert hb.take(a, 5) == [1, 2, 3, 4, 5]  # within its promise, smallest first
+    assert hb.take(b, 4) == [6, 7, 8, 9] and hb.available == 0
+    hb.check_integrity([a, b])
 
 
 def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
     """A job of few runs of host blocks moves by DMA; one of scattered blocks (more than
     `DMA_MAX_COPIES` copies) through the save kernel; both land in their host blocks."""
-    from sglang_psa.mem_cache import writeback
+    from sglang_psa.mem_cache.transports import dma
 
     # 12 runs take 24 strided copies (CUDA) or 48 per-head ones: over this limit either way.
-    monkeypatch.setattr(writeback, "DMA_MAX_COPIES", 23)
+    monkeypatch.setattr(dma, "DMA_MAX_COPIES", 23)
     wb = make(device, path="uva", dma_blocks=16)
     pool = FakePool(device)
     a = FakeReq("a", 0)
@@ -216,13 +226,13 @@ def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
         wb.blocks._free = [i for i in range(0, 40, 2)][::-1] + [i for i in range(1, 40, 2)][::-1]
         assert wb.reserve("a", CTX)
         extend(wb, pool, [(a, 12 * BS)])
-        host = wb.request("a").host
-        assert len(writeback.host_runs([type("E", (), {"host": h}) for h in host])) == 12
+        host = wb.records["a"].host
+        assert len(dma.host_runs([type("E", (), {"host": h}) for h in host])) == 12
         wait_saved(wb)
         check_saved(wb, pool, "a", 0, 12)
         assert wb.stats.dma_jobs == 0
-        wb.release("a")
-        assert wb.blocks.take("y", 5) == [0, 1, 2, 3, 4]  # released ids re-form runs
+        end(wb, "a")
+        assert wb.blocks.take(RequestKV("y"), 5) == [0, 1, 2, 3, 4]  # freed ids re-form runs
     finally:
         wb.close()
 
@@ -311,72 +321,3 @@ def test_strided_copy_moves_every_row_and_nothing_else(device, api):
     assert torch.equal(host, want)
     with pytest.raises(ValueError, match="strided copy"):
         copy(host[:, 5:9].view(heads, -1), stage[:, :BS].view(heads, -1), stream)
-
-
-def test_a_parked_request_keeps_its_saved_blocks_and_resumes_in_another_row(device):
-    """Retraction at the tiered home: after a drain, `park` keeps exactly the saved blocks
-    (an unissued decode save is dropped, its host block back on the free list but still
-    promised to the request), the old row reads HBM again, and `resume` points the new
-    row's location table at the kept host blocks; the blocks after them are planned and
-    saved from the new row."""
-    wb = make(device, decode_flush_blocks=100, table_shape=(ROWS, CTX // BS))
-    pool = FakePool(device)
-    a = FakeReq("a", 0)
-    try:
-        assert wb.reserve("a", 8 * BS)
-        extend(wb, pool, [(a, 3 * BS + 4)])  # 3 full blocks, saved by the prefill
-        for _ in range(BS):
-            pool.write(0, 1)
-            wb.plan_decode([a], [pool.lens[0]])
-        assert wb.report()["blocks_pending"] == 1  # block 3 planned, not issued
-        wb.read_from_host("a", [])  # nothing saved yet: nothing switched
-        wb.drain()
-        assert wb.read_from_host("a", [1, 2]) == [1, 2]
-        assert wb.host_loc[0, :3].tolist() == [0] + [-h - 1 for h in wb.saved_blocks("a")[1:]]
-        free_before = wb.blocks.available
-        assert wb.park("a") == 3
-        assert wb.stats.dropped_blocks == 1 and wb.report()["blocks_pending"] == 0
-        assert not wb.host_loc[0].any()  # the old row reads HBM (SGLang reuses it)
-        assert wb.blocks.used == 3 and wb.blocks.available == free_before  # still promised
-        assert wb.reserve("a", 8 * BS) and wb.blocks.available == free_before  # no double
-        with pytest.raises(RuntimeError, match="not parked with 4"):
-            wb.trim("a", 4)
-        wb.trim("a", 3)  # (no-op: it keeps all three)
-        kept = wb.saved_blocks("a")
-        wb.resume("a", 3)
-        assert wb.host_loc[3, :3].tolist() == [-h - 1 for h in kept]
-        assert not wb.host_loc[3, 3:].any()
-        # The resumed prefill computes the tokens after the kept blocks into row 3.
-        pool.req_to_token[3, : 3 * BS] = pool.req_to_token[0, : 3 * BS]
-        pool.lens[3] = 3 * BS
-        b = FakeReq("a", 3)
-        extend(wb, pool, [(b, BS + 6)])
-        wait_saved(wb)
-        assert wb.saved_blocks("a")[:3] == kept and len(wb.saved_blocks("a")) == 4
-        check_saved(wb, pool, "a", 3, 4)
-        with pytest.raises(RuntimeError, match="not parked"):
-            wb.resume("a", 1)
-        wb.release("a")
-        assert not wb.host_loc.any() and wb.blocks.used == 0
-        wb.blocks.check_integrity()
-    finally:
-        wb.close()
-
-
-def test_park_refuses_unacknowledged_saves(device):
-    wb = make(device, engine_slow_ms=50)
-    pool = FakePool(device)
-    a = FakeReq("a", 0)
-    try:
-        assert wb.reserve("a", 8 * BS)
-        extend(wb, pool, [(a, 2 * BS)])
-        with pytest.raises(RuntimeError, match="drain"):
-            wb.park("a")
-        wb.drain()
-        assert wb.park("a") == 2
-        free = wb.blocks.available
-        wb.trim("a", 1)  # the second block is computed again: its host block goes back
-        assert len(wb.saved_blocks("a")) == 1 and wb.blocks.used == 1
-        assert wb.blocks.available == free and wb.request("a").planned == 1
-    finally:
-        wb.close()

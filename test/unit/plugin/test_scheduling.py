@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_psa import releases
 from sglang_psa.config import PSAConfig
-from sglang_psa.plugin import hooks, scheduling
+from sglang_psa.plugin import scheduling
 from sglang_psa.sched.admission import Candidate
 from sglang_psa.sched.serving import PSAServing, install
 
@@ -41,7 +42,7 @@ def _noop(*args, **kwargs):
 def _insert(flag: bool) -> dict:
     """`release_kv_cache`'s insert flag as the installed SGLang names it (`is_insert` in
     0.5.17, keyword-only `checkpoint` from 0.5.23 on)."""
-    return {hooks.path("release.insert"): flag}
+    return {releases.path("release.insert"): flag}
 
 
 def _req(rid, tokens, pool_idx=None, finished=False):
@@ -262,7 +263,7 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
 
 
 @pytest.mark.skipif(
-    not hooks.applies(("0.5.17",)),
+    not releases.applies(("0.5.17",)),
     reason="SGLang 0.5.17's barrier hook; later releases ask the backend (test_backend.py)",
 )
 @pytest.mark.parametrize("tiered", [False, True])
@@ -338,7 +339,7 @@ class _SGLangReq(SimpleNamespace):
             sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
             finished=lambda: False,
         )
-        if hooks.has("prefix_slots"):  # 0.5.17: the prefix's slots, a row of its own
+        if releases.has("prefix_slots"):  # 0.5.17: the prefix's slots, a row of its own
             self.prefix_indices, self.req_pool_idx = [], None
         else:  # from 0.5.23 on: the prefix's length, the row in the KV record
             self.prefix_len, self.kv = 0, SimpleNamespace(req_pool_idx=None)
@@ -377,8 +378,8 @@ class _SGLangReq(SimpleNamespace):
 
 def _set_prefix(req, tokens: int) -> None:
     """`req`'s prefix is its first `tokens` tokens, where the installed SGLang keeps it
-    (0.5.17: a slot list, here page-0 entries as `Residency.resume_prefix` sets them)."""
-    hooks.write(req, "req.prefix", [0] * tokens if hooks.has("prefix_slots") else tokens)
+    (0.5.17: a slot list, here page-0 entries as `TieredRequests.resume_prefix` sets them)."""
+    releases.write(req, "req.prefix", [0] * tokens if releases.has("prefix_slots") else tokens)
 
 
 class _Alloc:
@@ -444,16 +445,13 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
-        evicted_blocks, cache, cut, stage, parked = 0, SimpleNamespace(pages=0), 0, None, {}
+        evicted_blocks, cache, cut, stage = 0, SimpleNamespace(pages=0), 0, None
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             frees.append(tokens)
             firsts.append(cache_first)
             allocator.free += tokens - self.cut
             return tokens - self.cut
-
-        def release(self, rid):
-            pass
 
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
@@ -490,7 +488,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
         assert frees[-1] == max(strict, old_rule + done)
         # what only the strict path's reservation asks comes from the unit cache first
         assert firsts[-1] == frees[-1] - (old_rule + done)
-        if hooks.applies(("0.5.17",)):  # running outputs were charged at new_token_ratio
+        if releases.applies(("0.5.17",)):  # running outputs were charged at new_token_ratio
             assert strict > old_rule + 900
         else:  # from 0.5.23 on an ignore_eos request's output is charged in full there too
             assert old_rule + done >= strict
@@ -518,7 +516,6 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
 
     class Residency:  # saved blocks give back up to 3000 tokens of pages
         evicted_blocks, cache, stage, give = 0, SimpleNamespace(pages=0), object(), 3000
-        parked: dict = {}
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             n = min(tokens, self.give)
@@ -530,13 +527,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
         def sync_prefix(self, req):
             synced.append(req.rid)
 
-        def release(self, rid):
-            pass
-
-    wb = SimpleNamespace(
-        reserve=lambda rid, n: True, release=lambda rid: None, drain=lambda: False,
-        poll=lambda: None,
-    )  # fmt: skip
+    wb = SimpleNamespace(reserve=lambda rid, n: True, drain=lambda: False, poll=lambda: None)
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 4096
@@ -555,15 +546,15 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     serving.residency.stage = object()
     alloc.free, serving.residency.give = 1000, 3000  # as before the refused attempt
     a = adder()
-    budgets = (hooks.read(a, "adder.total_offset"), hooks.read(a, "adder.current_offset"))
+    budgets = (releases.read(a, "adder.total_offset"), releases.read(a, "adder.current_offset"))
     res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, big, False, None)
     assert big in a.can_run_list and a.new_chunked_req is big, res
     assert made[-1] == (["a"], 2048 + 2 * BS - 1000)  # room for a whole chunk
     assert big.extended[1] == 2048 <= alloc.free - 2 * BS
     assert a.rem_chunk_tokens == 0  # SGLang's 2048, less the chunk
     charged = (
-        hooks.read(a, "adder.total_offset") - budgets[0],
-        hooks.read(a, "adder.current_offset") - budgets[1],
+        releases.read(a, "adder.total_offset") - budgets[0],
+        releases.read(a, "adder.current_offset") - budgets[1],
     )
     assert 0 < charged[0] < 4096 and 0 < charged[1] < 4096, charged  # no credit left behind
     # the next chunk: 1500 tokens free, saved blocks give back at most 1000 more
@@ -571,7 +562,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     _set_prefix(big, 2048)
     a = adder()
     left = scheduling.around_add_chunked_req(policy.PrefillAdder.add_chunked_req, a, big)
-    assert left is big and synced == (["big"] if hooks.has("prefix_slots") else [])  # 0.5.17
+    assert left is big and synced == (["big"] if releases.has("prefix_slots") else [])  # 0.5.17
     assert made[-1] == (["big", "a"], 2048 + 2 * BS - 1500)  # its own blocks first
     assert 0 < big.extended[1] <= 2500 - 2 * BS
     assert a.rem_chunk_tokens == 2048 - -(-big.extended[1] // BS) * BS  # paged
@@ -634,7 +625,7 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
 
 
 @pytest.mark.skipif(
-    not hooks.has("prefix_slots"), reason="resumption from the host tier is SGLang 0.5.17's"
+    not releases.has("prefix_slots"), reason="resumption from the host tier is SGLang 0.5.17's"
 )
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
@@ -649,29 +640,31 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
 
     class Residency:
         evicted_blocks, cache, stage = 0, SimpleNamespace(pages=0), object()
-        parked = {"c": kept}
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             return 0
 
+    class Requests:  # the tiered store's: "c" is parked (with `kept` tokens)
+        waiting = {"c"}
+
+        def parked(self, rid):
+            return rid in self.waiting
+
         def unpark(self, req):
-            self.parked.pop(req.rid)
+            self.waiting.remove(req.rid)
             req.prefix_indices = []
 
-        def release(self, rid):
-            pass
-
-    wb = SimpleNamespace(reserve=lambda rid, n: True, release=lambda rid: None)
+    wb = SimpleNamespace(reserve=lambda rid, n: True)
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 50_000
-    serving.residency = Residency()
+    serving.residency, serving.requests = Residency(), Requests()
     serving.controller.admit_alone(Candidate("c", 3000, 1))
     serving.controller.pause("c")  # retracted
 
     def resumed():
         r = _SGLangReq("c", 3000, 200, out=50, ignore_eos=ignore_eos)
-        _set_prefix(r, kept)  # `Residency.resume_prefix`
+        _set_prefix(r, kept)  # `TieredRequests.resume_prefix`
         return r
 
     def adder(chunk=2048, running=()):
@@ -709,36 +702,37 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     round), and its row before the write-back plans the batch."""
     calls = []
 
-    class Residency:
-        stage, parked, evicted = object(), {}, {}
+    class Requests:  # the tiered store's passage of each request
+        kept: dict = {}
+
+        def parked(self, rid):
+            return rid in self.kept
 
         def park(self, req, allocator):
             calls.append(("park", req.rid, allocator))
-            self.parked[req.rid] = 64
+            self.kept[req.rid] = 64
 
         def resume_prefix(self, req):
             calls.append(("prefix", req.rid))
 
         def resume(self, reqs):
             calls.append(("resume", [r.rid for r in reqs]))
-            self.parked.clear()
+            self.kept.clear()
 
         def release(self, rid):
             calls.append(("release", rid))
 
-    wb = SimpleNamespace(
-        release=lambda rid: calls.append(("wb.release", rid)),
-        plan_extend=lambda reqs, lens: calls.append(("plan", lens)),
-    )
-    serving.residency, serving.writeback = Residency(), wb
-    serving.residency.stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
+    wb = SimpleNamespace(plan_extend=lambda reqs, lens: calls.append(("plan", lens)))
+    stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
+    serving.residency, serving.writeback = SimpleNamespace(stage=stage), wb
+    serving.requests = Requests()
     serving.controller.admit_alone(Candidate("a", 100, 1))
     tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
     a = _req("a", 100, pool_idx=1)
     sglang_frees = lambda *args, **kwargs: calls.append(("sglang frees",))  # noqa: E731
     scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
     assert "a" in serving.controller.paused
-    if not hooks.has("prefix_slots"):  # 0.5.23 on: the row is the prefix; prefilled again
+    if not releases.has("prefix_slots"):  # 0.5.23 on: the row is the prefix; prefilled again
         assert calls[0] == ("sglang frees",) and not any(c[0] == "park" for c in calls)
         assert not serving.parked("a")
         return
@@ -756,4 +750,18 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     calls.clear()
     done = _req("a", 100, pool_idx=1, finished=True)
     scheduling.around_release_kv_cache(sglang_frees, done, tree, **_insert(False))
-    assert calls == [("sglang frees",), ("release", "a"), ("wb.release", "a")]
+    assert calls == [("sglang frees",), ("release", "a")]
+
+
+def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
+    """At the tiered home a request that waits for room among the running working sets
+    gives back the host blocks it reserved, unless it is parked: that one waits with its
+    kept blocks (they are its prefix when it is admitted)."""
+    released = []
+    serving.cfg = serving.cfg.replace(kv_home="tiered")
+    serving.writeback = SimpleNamespace(reserve=lambda rid, n: True)
+    serving.requests = SimpleNamespace(parked=lambda rid: rid == "p", release=released.append)
+    serving.controller.admit_alone(Candidate("a", 640, 90))  # 90 of 100 units in use
+    assert not serving.try_admit("p", 640, alone=False)  # est 40 units: waits
+    assert not serving.try_admit("q", 640, alone=False)
+    assert released == ["q"] and serving.waits["working_set"] == 2

@@ -21,6 +21,7 @@ pytest.importorskip(
     reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
 )
 
+from sglang_psa import releases  # noqa: E402
 from sglang_psa.plugin import hooks  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def test_every_hook_target_exists_with_its_signature():
 def test_a_changed_sglang_fails_with_a_clear_message(monkeypatch):
     gone = hooks.Hook("sglang.srt.server_args.ServerArgs.no_such_method", "after", "x:y", (), "")
     monkeypatch.setattr(hooks, "HOOKS", (gone,))
-    with pytest.raises(hooks.SGLangChanged, match=f"no_such_method.*sglang=={hooks.release()}"):
+    with pytest.raises(hooks.SGLangChanged, match=f"no_such_method.*sglang=={releases.release()}"):
         hooks.check_targets()
     moved = hooks.Hook(
         "sglang.srt.server_args.ServerArgs.add_cli_args", "after", "x:y", ("parser", "extra"), ""
@@ -52,34 +53,34 @@ def test_a_changed_sglang_fails_with_a_clear_message(monkeypatch):
     with pytest.raises(hooks.SGLangChanged, match=r"expects \['parser', 'extra'\]"):
         hooks.check_targets()
     monkeypatch.setattr(hooks, "HOOKS", ())
-    renamed = hooks.Read(
-        "req.row", "sglang.srt.managers.schedule_batch.Req", "no_such_field", hooks.SUPPORTED
+    renamed = releases.Read(
+        "req.row", "sglang.srt.managers.schedule_batch.Req", "no_such_field", releases.SUPPORTED
     )
-    monkeypatch.setattr(hooks, "READS", (renamed,))
+    monkeypatch.setattr(releases, "READS", (renamed,))
     with pytest.raises(hooks.SGLangChanged, match="'no_such_field' of .*Req \\(req.row\\)"):
         hooks.check_targets()
 
 
-@pytest.mark.parametrize("other", hooks.SUPPORTED)
+@pytest.mark.parametrize("other", releases.SUPPORTED)
 def test_each_supported_release_has_its_table_and_only_its_own_passes(monkeypatch, other):
     """The table of every supported release is complete (every hook function exists, every
     moved attribute is named), and the table of another release fails here, naming what
     moved: the checks tell the releases apart."""
     for hook in hooks.HOOKS:
         assert callable(hooks.hook_function(hook)), hook.fn
-    monkeypatch.setattr(hooks, "release", lambda version=None: other)
-    hooks.path.cache_clear()
+    monkeypatch.setattr(releases, "release", lambda version=None: other)
+    releases.path.cache_clear()
     try:
         for key in ("req.row", "req.prefix", "adder.total_offset", "adder.current_offset",
                     "release.insert"):  # fmt: skip
-            hooks.path(key)  # read by code every release runs: each release says where
-        if other == hooks.installed_version():
+            releases.path(key)  # read by code every release runs: each release says where
+        if other == releases.installed_version():
             hooks.check_targets()
         else:
             with pytest.raises(hooks.SGLangChanged, match=f"table of sglang=={other}"):
                 hooks.check_targets()
     finally:
-        hooks.path.cache_clear()
+        releases.path.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,7 @@ def test_each_supported_release_has_its_table_and_only_its_own_passes(monkeypatc
      ("0.5.9", "0.5.17"), ("0.6.0", "0.5.23")],
 )  # fmt: skip
 def test_an_unlisted_release_uses_the_newest_supported_table_before_it(version, table):
-    assert hooks.release(version) == table
+    assert releases.release(version) == table
 
 
 # ServerArgs' fields: a dataclass's (0.5.17), a msgspec Struct's (0.5.23).
@@ -202,7 +203,7 @@ def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(s
             "attn_dp",
             ["--sparse-mode", "--attn-dp-size"],
             marks=pytest.mark.skipif(
-                hooks.release() == "0.5.17", reason="--attn-dp-size is SGLang 0.5.23's"
+                releases.release() == "0.5.17", reason="--attn-dp-size is SGLang 0.5.23's"
             ),
         ),
         ("pp", ["--sparse-mode", "--pp-size"]),

@@ -7,6 +7,7 @@ from sglang_psa.sched.prefill_budget import (
     budget_shortfall,
     held_tokens,
     room_needed,
+    stored_tokens,
     strict_shortfall,
 )
 
@@ -16,6 +17,7 @@ def test_held_tokens_charge_the_stored_prefill_and_the_clipped_output_to_come():
     assert held_tokens(100, 10, 20, 50, clip=4096) == 130
     assert held_tokens(100, 10, 20, 5000, clip=4096) == 90 + 4096  # the clip binds
     assert held_tokens(100, 60, 0, 50, clip=4096) == 160  # more done than asked: nothing to come
+    assert stored_tokens(100, 10, 20) == 90 == held_tokens(100, 10, 20, 10, clip=4096)
 
 
 def test_budget_shortfall_charges_the_whole_clipped_output():
