@@ -1,8 +1,12 @@
-"""Host-tier block ids: the free list and the reservations against it (`HostBlocks`)."""
+"""Host-tier block ids: holders, the prefixes kept without one, the free list and the
+reservations against it (`HostBlocks`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+import numpy as np
 
 from sglang_psa.mem_cache.request_kv import RequestKV
 
@@ -12,33 +16,61 @@ class HostTierFull(RuntimeError):
 
 
 class HostBlocks:
-    """Host-tier block ids: a free list, and requests' reservations against it (CPU only).
+    """Host-tier block ids (CPU only): who holds each, which are kept for a prefix cache,
+    the free list, and requests' reservations against it.
 
-    A request's ids and its reservation live in its record (`RequestKV.host`, `.reserved`);
-    this class keeps the free list and the sum of the reservations. A request reserves the
-    blocks its whole length can fill when admitted, so a running request never finds the
-    host tier full; it takes ids as its blocks fill (appended to `host`, in block order)
-    and returns all of them when it ends (`free`). Ids come out smallest first (the free
-    list stays sorted), so a prefill's blocks are runs that one strided copy moves.
+    An id is in exactly one of three states:
+    - *held*: `refs[id] > 0` holders (requests: the id is in their `RequestKV.host`). A
+      held id is never freed and never handed out again. A prefix shared by several
+      requests is saved once and held by each (`adopt`), not copied;
+    - *kept*: no holder, but a prefix cache (the keeper, `keep`) names it: its KV is a
+      saved prefix block a later request may adopt. Kept ids wait in least-recently-released
+      order (`lru`) and leave it when adopted again or when the host tier needs room
+      (`evict_lru`, oldest first; the keeper is told through `on_evict`). A request's
+      blocks are released last block first, so a prefix's later blocks leave before its
+      earlier ones and what stays kept of a prefix is always its start;
+    - *free*: neither held nor kept.
+
+    A request reserves the blocks its whole length can fill when admitted, so a running
+    request never finds the host tier full: kept ids count as available (they are freed
+    on demand), and `reserved <= len(free) + len(lru)` always. It takes ids as its blocks
+    fill (appended to `host`, in block order) and returns its holds when it ends
+    (`free`). Ids come out smallest first (the free list stays sorted), so a prefill's
+    blocks are runs that one strided copy moves; kept ids are taken only when the free
+    list is empty.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Callable[[list[int]], None] | None = None):
+        """`on_evict(ids)`: the keeper forgets ids the host tier took back from `lru`."""
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, 2, ...
         self.reserved = 0  # ids promised to requests, not yet taken (their `reserved`, summed)
+        self.refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each id
+        self.kept = np.zeros(num_blocks, dtype=bool)  # named by the keeper
+        self.lru: OrderedDict[int, None] = OrderedDict()  # kept, unheld; oldest first
+        self.on_evict = on_evict
+        self.evicted = 0  # kept ids the host tier took back, ever
 
     @property
     def available(self) -> int:
-        """Free ids not promised to a reservation."""
-        return len(self._free) - self.reserved
+        """Ids a request may still be promised: free or kept without a holder, less the
+        reservations."""
+        return len(self._free) + len(self.lru) - self.reserved
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Ids held by a request."""
+        return self.num_blocks - len(self._free) - len(self.lru)
 
+    @property
+    def cached(self) -> int:
+        """Ids kept for a prefix cache with no holder."""
+        return len(self.lru)
+
+    # -- a request's reservation and its own blocks ---------------------------------------
     def reserve(self, rec: RequestKV, n: int) -> bool:
         """Promise `rec` `n` ids in all (those it holds and those already promised count)
-        if the missing ones are free."""
+        if the missing ones are available."""
         extra = n - len(rec.host) - rec.reserved
         if extra <= 0:
             return True
@@ -48,7 +80,8 @@ class HostBlocks:
         return True
 
     def take(self, rec: RequestKV, n: int) -> list[int]:
-        """`n` ids for `rec`, from its reservation first, appended to `rec.host`."""
+        """`n` fresh ids for `rec`, from its reservation first, appended to `rec.host`,
+        each held by `rec` alone: free ids first, then kept ones, oldest first."""
         if n == 0:
             return []
         from_res = min(n, rec.reserved)
@@ -58,27 +91,112 @@ class HostBlocks:
                 f"{self.available} free"
             )
         self._promise(rec, -from_res)
+        if n > len(self._free):
+            self.evict_lru(n - len(self._free))
         ids = [self._free.pop() for _ in range(n)]
+        self.refs[ids] = 1
         rec.host.extend(ids)
         return ids
 
+    def adopt(self, rec: RequestKV, ids: list[int]) -> bool:
+        """`rec`, holding nothing yet, starts with a prefix whose blocks are `ids` (held by
+        other requests or kept): each gains `rec` as a holder; nothing is copied. Its
+        reservation shrinks by the blocks it no longer takes. False, and nothing changes,
+        when an id is neither held nor kept (its KV is not a saved block) or when reviving
+        kept ids would leave the reservations short."""
+        if rec.host:
+            raise RuntimeError(f"request {rec.rid} adopts a prefix after taking blocks")
+        if not all(self.refs[i] > 0 or i in self.lru for i in ids):
+            return False
+        revived = sum(i in self.lru for i in ids)
+        spare = min(len(ids), rec.reserved)
+        if revived > self.available + spare:
+            return False
+        self._promise(rec, -spare)
+        self.share(ids)
+        rec.host.extend(ids)
+        return True
+
     def give_back(self, rec: RequestKV, keep: int) -> None:
-        """`rec` keeps only its first `keep` ids (the saves of the others were dropped):
-        the others return to the free list and stay promised to it."""
+        """`rec` keeps only its first `keep` ids (the saves of the others were dropped,
+        or it is trimmed): it stops holding the others, and those no other holder has
+        return (free or kept) and stay promised to it."""
         ids = rec.host[keep:]
         if not ids:
             return
         del rec.host[keep:]
-        self._put(ids)
-        self._promise(rec, len(ids))
+        self._promise(rec, self.release(ids))
 
     def free(self, rec: RequestKV) -> int:
-        """Every id and the reservation of `rec` return (it ended); the number of ids
-        returned. A second call returns nothing."""
+        """`rec` ended: it stops holding its ids and its reservation returns; the number
+        of ids it held. Ids another request holds stay; kept ones wait in `lru`. A second
+        call returns nothing."""
         self._promise(rec, -rec.reserved)
         ids, rec.host = rec.host, []
-        self._put(ids)
+        self.release(ids)
         return len(ids)
+
+    # -- holders and the keeper ----------------------------------------------------------
+    def share(self, ids: Iterable[int]) -> None:
+        """Each of `ids` (held or kept) gains a holder; a kept one leaves `lru`."""
+        ids = list(ids)
+        bad = [i for i in ids if self.refs[i] == 0 and i not in self.lru]
+        if bad:
+            raise RuntimeError(f"host blocks {bad[:8]} are neither held nor kept")
+        for i in ids:
+            if self.refs[i] == 0:
+                del self.lru[i]
+        np.add.at(self.refs, ids, 1)
+
+    def release(self, ids: Iterable[int]) -> int:
+        """Each of `ids` (in block order) loses a holder; one left with none waits in `lru`
+        if kept, else is free. The last block goes first, so a prefix's earlier blocks
+        stay kept longer. Returns the ids left with no holder."""
+        ids = list(ids)
+        if (self.refs[ids] <= 0).any() or len(set(ids)) != len(ids):
+            raise RuntimeError("a host block released more often than held")
+        np.subtract.at(self.refs, ids, 1)
+        gone = [i for i in reversed(ids) if self.refs[i] == 0]
+        self._unheld(gone)
+        return len(gone)
+
+    def keep(self, ids: Iterable[int]) -> None:
+        """The keeper names `ids` (held, saved blocks of a prefix): once no request holds
+        one it waits in `lru` instead of the free list."""
+        ids = list(ids)
+        if (self.refs[ids] <= 0).any():
+            raise RuntimeError("only a held host block can be kept")
+        self.kept[ids] = True
+
+    def unkeep(self, ids: Iterable[int]) -> None:
+        """The keeper forgets `ids`: those without a holder are free."""
+        ids = [i for i in ids if self.kept[i]]
+        self.kept[ids] = False
+        unheld = [i for i in ids if i in self.lru]
+        for i in unheld:
+            del self.lru[i]
+        self._put(unheld)
+
+    def evict_lru(self, n: int) -> list[int]:
+        """Frees the `n` (at most) kept ids released longest ago; the keeper forgets them
+        (`on_evict`). Returns them."""
+        ids = []
+        while self.lru and len(ids) < n:
+            i, _ = self.lru.popitem(last=False)
+            ids.append(i)
+        if ids:
+            self.kept[ids] = False
+            self._put(ids)
+            self.evicted += len(ids)
+            if self.on_evict is not None:
+                self.on_evict(ids)
+        return ids
+
+    def _unheld(self, ids: list[int]) -> None:
+        for i in ids:
+            if self.kept[i]:
+                self.lru[i] = None
+        self._put([i for i in ids if not self.kept[i]])
 
     def _promise(self, rec: RequestKV, n: int) -> None:
         rec.reserved += n
@@ -90,11 +208,24 @@ class HostBlocks:
             self._free.sort(reverse=True)  # pop() gives the smallest: freed space re-forms runs
 
     def check_integrity(self, records: Iterable[RequestKV]) -> None:
-        """Against every live request's record: each id is free or held by exactly one
-        request, and the reservations sum to what the free list keeps back."""
+        """Against every live request's record: each id is held exactly by the records
+        naming it (no record names one twice), kept without a holder, or free; the
+        reservations sum to what is promised and never exceed what is available."""
         records = list(records)
-        owned = [i for rec in records for i in rec.host]
-        every = sorted(owned + self._free)
-        assert every == list(range(self.num_blocks)), "a host block is lost or owned twice"
+        holders = np.zeros(self.num_blocks, dtype=np.int32)
+        for rec in records:
+            assert len(set(rec.host)) == len(rec.host), (
+                f"{rec.rid!r}: a host block owned twice by one request"
+            )
+            np.add.at(holders, rec.host, 1)
+        assert (holders == self.refs).all(), "a host block's holders drifted"
+        free, lru = set(self._free), set(self.lru)
+        assert len(free) == len(self._free), "a free host block listed twice"
+        assert not free & lru, "a host block both free and kept"
+        held = set(np.flatnonzero(self.refs).tolist())
+        assert free | lru | held == set(range(self.num_blocks)), "a host block is lost"
+        assert not (free | lru) & held, "a held host block is free or waits in the LRU"
+        assert all(self.kept[i] for i in lru) and not any(self.kept[i] for i in free)
         assert all(rec.reserved >= 0 for rec in records)
         assert self.reserved == sum(rec.reserved for rec in records), "reservations drifted"
+        assert self.reserved <= len(free) + len(lru), "more promised than available"

@@ -197,6 +197,23 @@ class TieredRequests:
             self.resumed_host_tokens += kept
             self.resumed_recomputed_tokens += len(req.full_untruncated_fill_ids) - kept
 
+    # -- a shared prefix --------------------------------------------------------------------
+    def adopt(self, rid: Hashable, host_ids: list[int]) -> bool:
+        """`rid`, new (reserved or unknown, nothing planned), starts with a prefix whose
+        blocks are saved in the host tier as `host_ids` (held by other requests or kept
+        for the prefix cache): its record holds those same host blocks, shared, not
+        copied, all saved; its own blocks are planned after them. False, and nothing
+        changes, when the host tier cannot give them (`HostBlocks.adopt`). Releasing it
+        later leaves the blocks another holder has."""
+        rec = self.records.get(rid) or RequestKV(rid)
+        if rec.host or rec.parked or rec.row is not None:
+            raise RuntimeError(f"request {rid} adopts a prefix after its blocks were planned")
+        if not self.wb.blocks.adopt(rec, list(host_ids)):
+            return False
+        rec.saved = len(host_ids)
+        self.records[rid] = rec
+        return True
+
     # -- the end ---------------------------------------------------------------------------
     def release(self, rid: Hashable) -> None:
         """`rid` ended (finished, aborted, retracted without parking, refused at admission,

@@ -105,6 +105,9 @@ class Residency:
         self.allocator = allocator
         self.unit_reads = unit_reads or (lambda: (0, 0))
         self.agreement = agreement or RankAgreement()
+        # Host blocks that left HBM for some holder: the unit cache may hold their units
+        # until the last holder lets them go (`forget`).
+        self.left_hbm = np.zeros(writeback.blocks.num_blocks, dtype=bool)
         self.cache = UnitCache(
             working_sets.layers,
             working_sets.kv_heads,
@@ -126,20 +129,24 @@ class Residency:
 
     def forget(self, rec, start: int = 0) -> None:
         """Blocks `start...` of `rec` are no longer its (`TieredRequests.trim`), or `rec`
-        ended (`start` 0, `TieredRequests.release`): those it evicted leave the unit cache
-        and count as evicted no more. An ended request's row still holds page-0 entries for
-        its evicted blocks, which the allocator hook drops from its free (`zero_pending`);
-        with the last evicted block of any request gone the cache gives its pages back."""
+        ended (`start` 0, `TieredRequests.release`): they count as evicted no more, and the
+        units of those whose last holder `rec` is (a shared prefix's stay while another
+        request holds them) leave the unit cache, whoever evicted them. An ended request's
+        row still holds page-0 entries for its evicted blocks, which the allocator hook
+        drops from its free (`zero_pending`); with the last evicted block of any request
+        gone the cache gives its pages back. Called before the host blocks are let go."""
         gone = rec.evicted
-        if gone is None:
+        refs = self.wb.blocks.refs
+        hbs = [h for h in rec.host[start:] if refs[h] <= 1 and self.left_hbm[h]]
+        if gone is None and not hbs:
             return
-        if start == 0:
-            rec.evicted = None
-            self.zero_pending = True
-        blocks = (np.flatnonzero(gone[start:]) + start).tolist()
-        hbs = [rec.host[b] for b in blocks if b < len(rec.host)]
+        if gone is not None:
+            if start == 0:
+                rec.evicted = None
+                self.zero_pending = True
+            gone[start:] = False
+        self.left_hbm[hbs] = False
         self.cache.forget(to_device(hbs, self.req_to_token.device))
-        gone[start:] = False
         if not self.any_evicted:
             self._free(self.cache.shrink(self.cache.pages))
 
@@ -290,6 +297,7 @@ class Residency:
         table.index_put_((tokens,), (tokens % bs).to(table.dtype))  # page 0's slots
         self._free(freed, allocator)
         self.cache.mark_evicted(rows - self.page_rows)
+        self.left_hbm[[r.host[b] for b in blocks]] = True
         if r.evicted is None:
             r.evicted = np.zeros(self.max_blocks, dtype=bool)
         r.evicted[blocks] = True

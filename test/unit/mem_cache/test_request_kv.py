@@ -249,6 +249,50 @@ def test_release_returns_everything_a_request_held_once():
         assert wb.blocks.used == 0 and wb.blocks.available == HOST_BLOCKS
 
 
+def test_an_adopted_prefix_is_shared_and_outlives_the_request_that_saved_it():
+    """A request adopting another's saved prefix holds the same host blocks (nothing
+    copied, its reservation shrinks by them) and saves only its own blocks after them.
+    Releasing the first request leaves the shared blocks held; a block one holder evicted
+    keeps its units in the unit cache until its last holder ends; then every id is
+    free once."""
+    with _store() as (wb, pool, res, reqs):
+        alloc = _Alloc()
+        _running(wb, pool, "a", 0, 4 * BS + 3)
+        kept = wb.saved_blocks("a")
+        assert wb.reserve("b", 8 * BS) and wb.records["b"].reserved == 8
+        assert reqs.adopt("b", kept[:3])
+        rec = wb.records["b"]
+        assert rec.host == kept[:3] and rec.saved == 3 and rec.reserved == 5
+        assert wb.blocks.refs[kept].tolist() == [2, 2, 2, 1] and wb.blocks.used == 4
+        reqs.check_integrity()
+        with pytest.raises(RuntimeError, match="after its blocks were planned"):
+            reqs.adopt("b", kept[:1])
+        # Its extend computes the tokens after the prefix into row 1 (which names the
+        # prefix's pages, as SGLang writes a matched prefix into a request's row).
+        pool.req_to_token[1, : 3 * BS] = pool.req_to_token[0, : 3 * BS]
+        pool.lens[1] = 3 * BS
+        _extend(wb, pool, _req("b", 1), BS + 5)
+        wait_saved(wb)
+        assert rec.host[:3] == kept[:3] and rec.saved == 4 and rec.host[3] not in kept
+        assert _host_copy(wb, pool, pool.pages(1, [3])[0], rec.host[3])
+        assert wb.stats.blocks_planned == 5  # a's 4 and b's own one
+        reqs.check_integrity()
+        reqs.release("a")
+        assert wb.blocks.refs[kept].tolist() == [1, 1, 1, 0]
+        assert kept[3] in wb.blocks._free and not set(kept[:3]) & set(wb.blocks._free)
+        reqs.check_integrity()
+        # b alone holds block 1 now: it may leave HBM; c adopts the prefix with it.
+        assert res.evict("b", [1], alloc) == BS and res.cache.live[kept[1]]
+        assert reqs.adopt("c", kept[:3]) and wb.blocks.refs[kept[1]] == 2
+        reqs.release("b")  # c still reads block 1 from the host tier: its units stay
+        assert res.cache.live[kept[1]] and wb.blocks.refs[kept[:3]].tolist() == [1, 1, 1]
+        reqs.check_integrity()
+        reqs.release("c")  # the last holder: the units go before the id is free
+        assert not res.cache.live.any() and not res.left_hbm.any()
+        assert not wb.records and wb.blocks.used == 0 and not wb.blocks.refs.any()
+        assert sorted(wb.blocks._free) == list(range(HOST_BLOCKS))
+
+
 def test_a_parked_request_resumes_with_its_evicted_and_resident_blocks_alike():
     """Blocks evicted while it ran stay as they are; park evicts every other saved block
     (the sink and the recent ones too: the whole kept prefix is read from the host tier);

@@ -48,7 +48,10 @@ def _residency(readers: list[int], cold_fraction: float = 0.0):
         step=None,
     )
     r = RequestKV("a", host=list(range(10, 10 + len(readers))), saved=len(readers), row=ROW)
-    wb = SimpleNamespace(records={"a": r}, blocks=SimpleNamespace(num_blocks=HB), host=None)
+    refs = np.zeros(HB, dtype=np.int32)
+    refs[r.host] = 1  # held by "a" alone
+    blocks = SimpleNamespace(num_blocks=HB, refs=refs)
+    wb = SimpleNamespace(records={"a": r}, blocks=blocks, host=None)
     cfg = SimpleNamespace(
         block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=cold_fraction
     )
@@ -135,6 +138,7 @@ def test_the_last_release_drains_the_cache_and_forgets_its_units():
     r.evicted = np.zeros(16, dtype=bool)
     r.evicted[[1, 2]] = True
     res.cache.mark_evicted(torch.tensor([11, 12]))
+    res.left_hbm[[11, 12]] = True
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
     assert res.refresh([req], alloc) == 10 - 2  # all spare pages beyond two per request
