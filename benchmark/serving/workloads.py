@@ -254,7 +254,7 @@ WORKLOADS: dict[str, Workload] = {
             CHAT,
             name="g_capped",
             what="g with the HBM for KV capped so that plain SGLang holds 3 requests of the "
-            "longest turn (the histories take 5x that); every system gets that HBM",
+            "longest turn (the histories take about 5x that); every system gets that HBM",
             kv_cap_requests=3,
             host_requests=16,
         ),
@@ -379,11 +379,11 @@ def shared_document_rows(w: Workload, tok) -> list[Row]:
         )
     count = counter(tok)
     target = max(w.prompt_tokens)
-    out_rng = random.Random(f"serving/{w.name}/{w.seed}/outputs")
+    out_rng = random.Random(f"serving/shared/{w.seed}/outputs")
     seen: set[int] = set()
     rows = []
     for d in range(w.documents):
-        builder = Builder(count, random.Random(f"serving/{w.name}/{w.seed}/document/{d}"))
+        builder = Builder(count, random.Random(f"serving/shared/{w.seed}/document/{d}"))
         n_tokens = target - TEMPLATE_SLACK // 2 - GROUP_SPACING * d
         doc, tasks = fact_document(builder, n_tokens, (questions + 1) // 2, questions // 2)
         for task in tasks:
@@ -410,7 +410,7 @@ def chat_rows(w: Workload, tok) -> list[Row]:
     seen: set[int] = set()
     rows = []
     for c in range(w.conversations):
-        rng = random.Random(f"serving/{w.name}/{w.seed}/conversation/{c}")
+        rng = random.Random(f"serving/chat/{w.seed}/conversation/{c}")
         builder = Builder(count, rng)
         n_tokens = first - TEMPLATE_SLACK // 2 - GROUP_SPACING * c
         doc, facts = fact_document(builder, n_tokens, 1, w.turns // 2)
@@ -451,7 +451,7 @@ def conversation_starts(w: Workload, rate: float) -> list[float]:
     """g: seconds from the timed run's start at which each conversation sends its first
     turn: Poisson arrivals at `rate` per second (seeded; all at 0 for an infinite rate),
     the first at 0."""
-    rng = random.Random(f"serving/{w.name}/{w.seed}/starts/{rate:g}")
+    rng = random.Random(f"serving/chat/{w.seed}/starts/{rate:g}")
     starts, t = [], 0.0
     for _ in range(w.conversations):
         starts.append(t)
