@@ -79,15 +79,6 @@ def reply_words(prompt: str, n: int) -> list[str]:
     return (words + ["x"] * n)[:n]
 
 
-def common_prefix(a: list[str], b: list[str]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     from aiohttp import web
 
@@ -141,7 +132,7 @@ def main() -> None:
         n = body["sampling_params"]["max_new_tokens"]
         words = reply_words(body["text"], n)
         prompt = re.findall(WORD_RE, body["text"])
-        cached = max((common_prefix(prompt, seq) for seq in cache), default=0)
+        cached = max((len(os.path.commonprefix([prompt, seq])) for seq in cache), default=0)
         cache.extend([prompt, prompt + words])
         state["running"] += 1
         try:

@@ -741,6 +741,10 @@ def test_stage_c_smoke_end_to_end(tmp_path):
             niah = sum(r["kind"] in ("niah_1key", "niah_4key") for r in got) / len(got)
             assert 0 < niah < 1 and run_["metrics"]["accuracy"] == pytest.approx(niah)
             assert run_["goodput_strict"] is not None and run_["goodput_relaxed"] is not None
+            # bench_serving --cache-report: the prompt tokens the server served from its cache
+            assert all(isinstance(r["cached_tokens"], int) for r in got)
+            cache = run_["metrics"]["prefix_cache"]
+            assert cache["prompt_tokens"] == sum(r["prompt_len"] for r in got)
     assert part["systems"]["psa"]["counters"]["kv_fraction_read"] == 0.25
     assert part["systems"]["plain"]["counters"]["kv_fraction_read"] == 1.0
     summary = json.loads((out / "serving_smoke.json").read_text())["summary"]
