@@ -338,7 +338,7 @@ def run_chat(
         jobs = [pool.submit(converse, c, s) for c, s in zip(conversations, starts)]
         turns = [t for j in jobs for t in j.result()]
     rows = [r for c in conversations for r in c]
-    if any(t["error"] == BUDGET_SPENT for t in turns):
+    if time.time() > deadline or any(t["error"] == BUDGET_SPENT for t in turns):
         raise ServerFailed(
             f"the chat had not finished when the stage's time budget ran out "
             f"({deadline - wall0:.0f} s left for it)"
