@@ -101,9 +101,12 @@ def stats(values: list[float]) -> dict:
 
 
 def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[dict]:
-    """One record per request of a `bench_serving --output-details` result, matched to its
-    task by prompt token count. `score(text, task)` and `answer_ids(text)` come from the
-    tokenizer (workloads.is_correct / answer_ids)."""
+    """One record per request of a `bench_serving --output-details` result (or
+    `driver.run_chat`'s), matched to its task by prompt token count. `score(text, task)`
+    and `answer_ids(text)` come from the tokenizer (workloads.is_correct / answer_ids).
+    A record keeps the prompt tokens served from the prefix cache when the client
+    reported them (`cached_tokens`), its task's document or conversation (`group`) and
+    turn, and when the client says so, when it was sent and answered."""
     rows = []
     n = len(bench["input_lens"])
     for i in range(n):
@@ -119,6 +122,8 @@ def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[d
         out_len = bench["output_lens"][i]
         itl = bench["itls"][i] or []
         ok = not err and out_len > 0
+        row = {k: task[k] for k in ("group", "turn") if k in task}
+        row |= {k: bench[k][i] for k in ("cached_tokens", "sent_s", "returned_s") if k in bench}
         rows.append(
             {
                 "prompt_len": plen,
@@ -131,14 +136,16 @@ def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[d
                 "correct": bool(score(text, task)) if ok else False,
                 "answer_ids": answer_ids(text) if ok else [],
             }
+            | row
         )
     return rows
 
 
 def run_metrics(bench: dict, rows: list[dict], decode_lines: list[dict], batch: int | None) -> dict:
-    """Throughput, latency and decode-step figures of one timed run."""
+    """Throughput, latency and decode-step figures of one timed run, what the prefix
+    cache served, and for a chat the TTFT of each turn."""
     ok = [r for r in rows if r["error"] is None]
-    return {
+    metrics = {
         "requests": len(rows),
         "completed": len(ok),
         "failed": len(rows) - len(ok),
@@ -152,6 +159,28 @@ def run_metrics(bench: dict, rows: list[dict], decode_lines: list[dict], batch: 
         "peak_running": max([ln["running"] for ln in decode_lines], default=0),
         "max_concurrent_client": bench.get("max_concurrent_requests"),
         "accuracy": (sum(r["correct"] for r in rows) / len(rows)) if rows else None,
+        "prefix_cache": prefix_cache(ok),
+    }
+    by_turn: dict[int, list[float]] = {}
+    for r in ok:
+        if r.get("turn") is not None:
+            by_turn.setdefault(r["turn"], []).append(r["ttft_s"])
+    if by_turn:
+        metrics["ttft_by_turn"] = {str(t): stats(v) for t, v in sorted(by_turn.items())}
+    return metrics
+
+
+def prefix_cache(rows: list[dict]) -> dict | None:
+    """Prompt tokens of the answered requests, those the server served from its prefix
+    cache, and the fraction; None when the client reported no cached tokens."""
+    if not rows or any(r.get("cached_tokens") is None for r in rows):
+        return None
+    prompt = sum(r["prompt_len"] for r in rows)
+    cached = sum(r["cached_tokens"] for r in rows)
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_fraction": cached / prompt if prompt else None,
     }
 
 
@@ -280,6 +309,20 @@ SUMMARY_KEYS = (
     "throughput_ratio_psa_vs_fastest_a16",
     "ttft_ratio_psa_vs_fastest",
     "accuracy_delta_vs_fastest",
+    # Prefix caching (workloads f, g and their capped variants): the tiered home against
+    # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
+    "throughput_ratio_tiered_vs_fastest_shared",
+    "throughput_ratio_tiered_vs_fastest_shared_capped",
+    "throughput_ratio_tiered_vs_hicache_shared_capped",
+    "throughput_ratio_tiered_vs_fastest_chat",
+    "throughput_ratio_tiered_vs_fastest_chat_capped",
+    "throughput_ratio_tiered_vs_hicache_chat_capped",
+    "ttft_ratio_tiered_vs_fastest_chat",
+    "ttft_ratio_tiered_vs_fastest_chat_capped",
+    "prefix_hit_fraction_tiered_shared",
+    "prefix_hit_fraction_fastest_shared",
+    "prefix_hit_fraction_tiered_chat",
+    "prefix_hit_fraction_fastest_chat",
 )
 
 STEP = ("metrics", "steady_decode", "step_ms")
@@ -287,6 +330,7 @@ TOK_S = ("metrics", "output_tok_s")
 TTFT_P99 = ("metrics", "ttft_s", "p99")
 TTFT_MEAN = ("metrics", "ttft_s", "mean")
 PEAK = ("metrics", "peak_running")
+HIT = ("metrics", "prefix_cache", "hit_fraction")
 
 
 def _runs(rec: dict) -> dict[str, dict]:
@@ -367,8 +411,27 @@ def same_run_ratio(
     a, b = num.metric(path), den.metric(path)
     if a is None or b in (None, 0):
         return None, None
-    metric = ".".join(path[1:] if path[0] == "metrics" else path)
-    return a / b, provenance_of(num, den, metric=metric)
+    return a / b, provenance_of(num, den, metric=_metric_name(path))
+
+
+def _metric_name(path: tuple[str, ...]) -> str:
+    return ".".join(path[1:] if path[0] == "metrics" else path)
+
+
+def same_run_value(
+    pair: tuple[Measured | None, Measured | None], which: int, path: tuple[str, ...]
+) -> tuple[float | None, dict | None]:
+    """The metric at `path` of one system of `pair` (`which`: 0 or 1), and its provenance
+    (the pair, and `of` naming that system); (None, None) unless both systems of the pair
+    were measured in one stage run at the same rate: a figure that sits beside a summary
+    ratio comes from the run that ratio comes from."""
+    num, den = pair
+    if num is None or den is None or num.part is not den.part or num.rate != den.rate:
+        return None, None
+    value = pair[which].metric(path)
+    if value is None:
+        return None, None
+    return value, provenance_of(num, den, metric=_metric_name(path), of=pair[which].system)
 
 
 def _pair_measured(best, workload: str, system: str, rate: str = "inf"):
@@ -430,12 +493,48 @@ def fastest_plain(part: dict | None, rate: str = "inf") -> Measured | None:
     return measured(part, race["fastest"], rate) if race else None
 
 
+FASTEST = "fastest"  # a pair's reference: the fastest plain backend its stage run raced
+
+
+def reference(part: dict, ref: str, rate: str) -> Measured | None:
+    """`ref`'s run at `rate` in `part`: `FASTEST`, the fastest plain backend the run raced
+    (`fastest_plain`), else the system named."""
+    return fastest_plain(part, rate) if ref == FASTEST else measured(part, ref, rate)
+
+
+def newest_pair(
+    parts: list[dict], workload: str, system: str, ref: str = FASTEST
+) -> tuple[Measured | None, Measured | None]:
+    """`system`'s run and the reference's (`reference`), both from the newest stage run of
+    `workload` that measured the two at one rate (the highest rate they share there)."""
+    found = []
+    for p in parts:
+        if p["workload"] != workload:
+            continue
+        rates = [r for r in _runs(p["systems"].get(system)) if reference(p, ref, r)]
+        if rates:
+            found.append((p, max(rates, key=float)))
+    if not found:
+        return None, None
+    part, rate = max(found, key=lambda f: f[0]["date"])
+    return measured(part, system, rate), reference(part, ref, rate)
+
+
 def vs_fastest(parts: list[dict], workload: str, system: str) -> tuple[Measured | None, ...]:
     """`system`'s run and the fastest plain backend's, both from the newest stage run of
     `workload` that raced the plain backends and measured `system`."""
-    raced = [p for p in parts if p["workload"] == workload and fastest_plain(p)]
-    part = newest_with(raced, workload, system)
-    return measured(part, system), fastest_plain(part)
+    return newest_pair(parts, workload, system)
+
+
+def tiered_pair(
+    parts: list[dict], workload: str, ref: str = FASTEST
+) -> tuple[Measured | None, Measured | None]:
+    """`newest_pair` of the tiered home (by its default write-back first: `TIERED`)."""
+    for home in TIERED:
+        pair = newest_pair(parts, workload, home, ref)
+        if pair[0] is not None:
+            return pair
+    return None, None
 
 
 TIERED = ("psa_tiered_uva", "psa_tiered")  # sglang-psa with a host tier, default first
@@ -454,6 +553,22 @@ FASTEST_KEYS = (  # (key, workload, system, metric)
     ("ttft_ratio_psa_vs_fastest", "a", "psa", TTFT_MEAN),  # the issue's target: mean TTFT
 )
 PLAIN_BACKEND_KEYS = {"plain_backend": "a", "plain_backend_a16": "a16", "plain_backend_8b": "d"}
+PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against the reference
+    ("throughput_ratio_tiered_vs_fastest_shared", "f", FASTEST, TOK_S),
+    ("throughput_ratio_tiered_vs_fastest_shared_capped", "f_capped", FASTEST, TOK_S),
+    ("throughput_ratio_tiered_vs_hicache_shared_capped", "f_capped", "plain_hicache", TOK_S),
+    ("throughput_ratio_tiered_vs_fastest_chat", "g", FASTEST, TOK_S),
+    ("throughput_ratio_tiered_vs_fastest_chat_capped", "g_capped", FASTEST, TOK_S),
+    ("throughput_ratio_tiered_vs_hicache_chat_capped", "g_capped", "plain_hicache", TOK_S),
+    ("ttft_ratio_tiered_vs_fastest_chat", "g", FASTEST, TTFT_MEAN),  # every turn's
+    ("ttft_ratio_tiered_vs_fastest_chat_capped", "g_capped", FASTEST, TTFT_MEAN),
+)
+HIT_KEYS = (  # (key, workload, which of (tiered home, fastest plain) in one run)
+    ("prefix_hit_fraction_tiered_shared", "f", 0),
+    ("prefix_hit_fraction_fastest_shared", "f", 1),
+    ("prefix_hit_fraction_tiered_chat", "g", 0),
+    ("prefix_hit_fraction_fastest_chat", "g", 1),
+)
 
 
 def summarize(parts: list[dict]) -> tuple[dict, dict]:
@@ -465,6 +580,11 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     backend of the newest stage run that raced them all (`plain_race`; `plain_backend*`
     name it). `ttft_p99_ratio_host_vs_hbm` and `throughput_ratio_tiered_vs_hbm` compare
     the two sglang-psa homes (tiered, HBM only) in the newest run that measured both.
+    The prefix-caching keys (`PREFIX_KEYS`) take the tiered home against the fastest
+    plain backend or `plain_hicache` from the newest run of f, g or their capped variants
+    that measured both at one rate; `prefix_hit_fraction_*` are the tiered home's and the
+    fastest plain backend's cached prompt tokens in the run of the matching
+    `throughput_ratio_tiered_vs_fastest_*` key, and have no value without it.
     """
     best = latest_runs(parts)
     s: dict[str, float | str | None] = {}
@@ -529,6 +649,10 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
         if run and fastest:
             pairs.append(((workload, "psa", "inf"), run.part))
     put("accuracy_delta_vs_fastest", accuracy_delta(pairs, "psa", fastest=True))
+    for key, workload, ref, path in PREFIX_KEYS:
+        put(key, same_run_ratio(*tiered_pair(parts, workload, ref), path))
+    for key, workload, which in HIT_KEYS:
+        put(key, same_run_value(tiered_pair(parts, workload), which, HIT))
     return {k: s.get(k) for k in SUMMARY_KEYS}, prov
 
 
@@ -664,6 +788,7 @@ def _row(workload: str, name: str, m: dict, rec: dict, r: dict) -> dict:
         "peak_running": m["peak_running"],
         "kv_read": rec.get("counters", {}).get("kv_fraction_read"),
         "hbm_hit": rec.get("counters", {}).get("hbm_hit_rate"),
+        "prefix_hit": (m.get("prefix_cache") or {}).get("hit_fraction"),
         "accuracy": m["accuracy"],
         "identical": ident.get("identical"),
         "goodput_strict": r.get("goodput_strict"),
@@ -677,18 +802,19 @@ def markdown_table(doc: dict) -> str:
 
     out = [
         "| workload | system | output tok/s | p99 TTFT (s) | p50 TPOT (ms) | decode step (ms) @ batch "
-        "| peak running | KV read | accuracy | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| peak running | KV read | prefix cached | accuracy | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table_rows(doc):
         if "error" in r:
-            out.append(f"| {r['workload']} | {r['system']} | failed: {r['error']} |||||||")
+            out.append(f"| {r['workload']} | {r['system']} | failed: {r['error']} ||||||||")
             continue
         step = f"{f(r['step_ms'], '.2f')} @ {r['step_batch']}" if r["step_ms"] else "–"
         out.append(
             f"| {r['workload']} | {r['system']} | {f(r['output_tok_s'], '.0f')} | "
             f"{f(r['ttft_p99_s'], '.1f')} | {f(r['tpot_p50_ms'], '.1f')} | {step} | "
-            f"{r['peak_running']} | {f(r['kv_read'], '.0%')} | {f(r['accuracy'], '.2f')} | "
+            f"{r['peak_running']} | {f(r['kv_read'], '.0%')} | {f(r['prefix_hit'], '.0%')} | "
+            f"{f(r['accuracy'], '.2f')} | "
             f"{f(r['identical'], '.2f')} |"
         )
     return "\n".join(out)

@@ -1,5 +1,5 @@
 """One real server at a time: start, wait for health, warm up, drive with SGLang's own
-client, read its counters, stop.
+client (or, for multi-turn chat, with `run_chat`), read its counters, stop.
 
 Contract: `Server` owns a `python -m sglang.launch_server` process group (it and
 the scheduler/detokenizer processes it spawns); leaving the `with` block
@@ -7,10 +7,14 @@ terminates the whole group, so the next system starts on a free GPU. A server
 that exits or stays unhealthy raises `ServerFailed` with the tail of its log.
 `bench_serving` runs as its own process (`python -m sglang.bench_serving`,
 unchanged) with `stubs/` on its path for the `datasets` import it does not use.
+`bench_serving` cannot wait for an answer before sending the next turn, so chat
+workloads are driven by `run_chat`, which writes the same per-request record.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -187,6 +192,7 @@ def bench_command(
         "--seed", str(seed),
         "--warmup-requests", "0",  # warmed up by the driver with prompts outside the dataset
         "--output-file", str(out_file), "--output-details",
+        "--cache-report",  # each request's prompt tokens served from the prefix cache
         "--disable-tqdm",
         "--ready-check-timeout-sec", "0",
     ]  # fmt: skip
@@ -209,13 +215,8 @@ def run_bench(
     forward passes into the folder (`profile_decode`)."""
     out_file.unlink(missing_ok=True)
     log("$ " + " ".join(cmd))
-    with log_path.open("w") as f:
+    with log_path.open("w") as f, watching(server, profile):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=client_env())
-        stop = threading.Event()
-        threading.Thread(target=_progress, args=(server, stop), daemon=True).start()
-        if profile:
-            args = (server, stop, *profile, server.log_size())
-            threading.Thread(target=profile_decode, args=args, daemon=True).start()
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -224,13 +225,159 @@ def run_bench(
                 f"bench_serving had not finished when the stage's time budget ran out "
                 f"({timeout:.0f} s left for it); see {log_path}"
             ) from None
-        finally:
-            stop.set()
     if rc != 0 or not out_file.exists():
         raise ServerFailed(
             f"bench_serving exited with code {rc}; last lines of {log_path}:\n{tail(log_path)}"
         )
     return json.loads(out_file.read_text().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def watching(server: Server, profile: tuple[int, Path] | None = None):
+    """While the block runs: progress from the server's decode log lines every 20 s, and
+    with `profile` (steps, folder) the decode profile (`profile_decode`)."""
+    stop = threading.Event()
+    threading.Thread(target=_progress, args=(server, stop), daemon=True).start()
+    if profile:
+        args = (server, stop, *profile, server.log_size())
+        threading.Thread(target=profile_decode, args=args, daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float) -> dict:
+    """One streamed `/generate` request as `bench_serving` sends it (greedy, EOS ignored):
+    `ttft` (s), `itl` (the gap before each later token: a chunk's gap spread over the
+    tokens it brought), `text`, `output_len`, `cached_tokens` (the prompt tokens the
+    server served from its prefix cache, `meta_info.cached_tokens`; None when it says
+    nothing) and `error` (None, or why the request failed)."""
+    body = {
+        "text": text,
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+        "stream": True,
+    }
+    out = {"ttft": None, "itl": [], "text": "", "output_len": 0, "cached_tokens": None}
+    t0 = last = time.perf_counter()
+    try:
+        with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
+            if r.status_code != 200:
+                return out | {"error": f"HTTP {r.status_code}: {r.text[:500]}"}
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                data = json.loads(line[6:])
+                meta = data.get("meta_info") or {}
+                out["cached_tokens"] = meta.get("cached_tokens", out["cached_tokens"])
+                n = meta.get("completion_tokens", out["output_len"])
+                if n <= out["output_len"]:
+                    continue
+                if out["ttft"] is None:
+                    out["ttft"] = now - t0
+                else:
+                    out["itl"] += [(now - last) / (n - out["output_len"])] * (n - out["output_len"])
+                last, out["output_len"], out["text"] = now, n, data.get("text", out["text"])
+    except (requests.RequestException, ValueError) as e:
+        return out | {"error": f"{type(e).__name__}: {e}"}
+    return out | {"error": None if out["output_len"] else "no output tokens"}
+
+
+BUDGET_SPENT = "not sent: the stage's time budget ran out"
+
+
+def run_chat(
+    url: str,
+    conversations: list[list],
+    starts: list[float],
+    deadline: float,
+    send: Callable[[str, str, int, float], dict] = stream_generate,
+) -> dict:
+    """Drive conversations as their users would. Conversation `i` sends its first turn
+    `starts[i]` s after the run starts; each later turn is sent once the answer to the
+    turn before has returned and the turn's `wait_s` (the user's think time) has passed,
+    never earlier. A turn is a `workloads.Row` (its `prompt` is the whole history plus the
+    new message); `send(url, prompt, output_len, timeout)` sends it (`stream_generate`).
+    A failed turn ends its conversation: the later turns are recorded as not sent.
+
+    Returns what `bench_serving --output-details --cache-report` writes: the run's
+    duration (start to the last answer) and throughputs, and per request, in the order of
+    the conversations' turns, `input_lens`, `output_lens`, `ttfts`, `itls`,
+    `generated_texts`, `errors` and `cached_tokens`, plus `sent_s` and `returned_s`
+    (seconds from the start). Raises ServerFailed when a turn could not be sent or
+    answered before `deadline` (time.time())."""
+    t0 = time.perf_counter()
+    wall0 = time.time()
+
+    def converse(turns: list, start: float) -> list[dict]:
+        done, failed = [], None
+        for row in turns:
+            if failed is not None:
+                done.append({"error": f"not sent: turn {failed} failed", "sent": None})
+                continue
+            at = done[-1]["returned"] + row.wait_s if done else start
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            left = deadline - time.time()
+            if left <= 0:
+                failed = row.turn
+                done.append({"error": BUDGET_SPENT, "sent": None})
+                continue
+            sent = time.perf_counter() - t0
+            res = send(url, row.prompt, row.output_len, left)
+            returned = time.perf_counter() - t0
+            done.append(res | {"sent": sent, "returned": returned})
+            failed = row.turn if res["error"] else None
+        return done
+
+    with cf.ThreadPoolExecutor(max(1, len(conversations))) as pool:
+        jobs = [pool.submit(converse, c, s) for c, s in zip(conversations, starts)]
+        turns = [t for j in jobs for t in j.result()]
+    rows = [r for c in conversations for r in c]
+    if time.time() > deadline or any(t["error"] == BUDGET_SPENT for t in turns):
+        raise ServerFailed(
+            f"the chat had not finished when the stage's time budget ran out "
+            f"({deadline - wall0:.0f} s left for it)"
+        )
+    ok = [(r, t) for r, t in zip(rows, turns) if not t["error"]]
+    duration = max([t["returned"] for t in turns if t["sent"] is not None], default=0.0)
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    return {
+        "duration": duration,
+        "completed": len(ok),
+        "output_throughput": per_s(sum(t["output_len"] for _, t in ok)),
+        "request_throughput": per_s(len(ok)),
+        "input_throughput": per_s(sum(r.prompt_len for r, _ in ok)),
+        "max_concurrent_requests": max_in_flight(turns),
+        "input_lens": [r.prompt_len for r in rows],
+        "output_lens": [t.get("output_len", 0) for t in turns],
+        "ttfts": [t.get("ttft") for t in turns],
+        "itls": [t.get("itl", []) for t in turns],
+        "generated_texts": [t.get("text", "") for t in turns],
+        "errors": [t["error"] or "" for t in turns],
+        "cached_tokens": [t.get("cached_tokens") for t in turns],
+        "sent_s": [t["sent"] for t in turns],
+        "returned_s": [t.get("returned") for t in turns],
+    }
+
+
+def max_in_flight(turns: list[dict]) -> int:
+    """The most requests sent and not yet answered at one moment."""
+    events = sorted(
+        (when, step)
+        for t in turns
+        if t["sent"] is not None
+        for when, step in ((t["sent"], 1), (t["returned"], -1))
+    )
+    most = now = 0
+    for _, step in events:  # at a tie the answer (-1) comes first
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _progress(server: Server, stop: threading.Event, every: float = 20.0) -> None:

@@ -154,11 +154,11 @@ def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
     """A needle task of the workload's longest prompt length that is not in its dataset."""
     import random
 
-    from sglang_psa.eval.tasks import Builder, niah
+    from sglang_psa.eval.tasks import Builder, chat_text, niah
 
     n = max(w.prompt_tokens) - workloads_mod.TEMPLATE_SLACK
     task = niah(Builder(workloads_mod.counter(tok), random.Random(f"serving/{seed}")), n, 1)
-    return workloads_mod.chat_text(tok, task.prompt, task.question)
+    return chat_text(tok, task.prompt, task.question)
 
 
 def warm_up(server: Server, tok, w: workloads_mod.Workload) -> float:
@@ -183,28 +183,12 @@ def warm_up(server: Server, tok, w: workloads_mod.Workload) -> float:
 def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
     """One request alone (the workload's longest prompt, not in the dataset): TTFT and TPOT
     as a client sees them. Plain SGLang's probe sets the goodput objectives."""
-    import requests
-
-    body = {
-        "text": side_prompt(tok, w, "probe"),
-        "sampling_params": {"max_new_tokens": PROBE_OUTPUT, "temperature": 0.0, "ignore_eos": True},
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            n = json.loads(line[6:])["meta_info"]["completion_tokens"]
-            first = first or now
-            last = now
+    res = driver.stream_generate(server.url, side_prompt(tok, w, "probe"), PROBE_OUTPUT, 600)
+    if res["error"]:
+        raise ServerFailed(f"the single-request probe failed: {res['error']}")
     server.flush_cache()
-    ttft = first - t0
-    tpot = (last - first) / max(1, n - 1)
+    ttft, n = res["ttft"], res["output_len"]
+    tpot = sum(res["itl"]) / max(1, n - 1)
     log(f"single-request probe: TTFT {ttft * 1e3:.0f} ms, TPOT {tpot * 1e3:.2f} ms")
     return {"ttft_s": ttft, "tpot_s": tpot, "output_tokens": n}
 
@@ -288,34 +272,43 @@ def timed_run(
     logs: Path,
     deadline: float,
 ) -> dict:
-    """One `bench_serving` run at `rate` against a warm server with an empty prefix cache:
+    """One `bench_serving` run at `rate` (a chat workload: one `driver.run_chat` run, its
+    conversations starting at `rate`) against a warm server with an empty prefix cache:
     its metrics, the decode log lines of its window, and one row per request."""
     key = "inf" if math.isinf(rate) else f"{rate:g}"
     log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
     server.flush_cache()  # the same prompts again at each rate: no prefix hits
     start = server.log_size()
     out = logs / f"{w.name}-{name}-{key}.bench.jsonl"
-    cmd = driver.bench_command(
-        driver.python(),
-        server.url,
-        str(ctx["model_dir"]),
-        ctx["dataset"],
-        num_prompts,
-        rate,
-        w.fixed_output,
-        w.seed,
-        out,
-    )
     steps = ctx.get("profile_steps") if math.isinf(rate) else None
     folder = ctx["work"] / "profiles" / ctx["run_id"] / f"{w.name}-{name}"
-    bench = driver.run_bench(
-        cmd,
-        server,
-        logs / f"{w.name}-{name}-{key}.bench.log",
-        out,
-        timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
-        profile=(steps, folder) if steps else None,
-    )
+    profile = (steps, folder) if steps else None
+    if w.turns:
+        convs = workloads_mod.conversations(workloads_mod.load_rows(ctx["dataset"]))
+        starts = workloads_mod.conversation_starts(w, rate)
+        with driver.watching(server, profile):
+            bench = driver.run_chat(server.url, convs, starts, deadline - STOP_MARGIN_S)
+        out.write_text(json.dumps(bench) + "\n")  # beside bench_serving's records
+    else:
+        cmd = driver.bench_command(
+            driver.python(),
+            server.url,
+            str(ctx["model_dir"]),
+            ctx["dataset"],
+            num_prompts,
+            rate,
+            w.fixed_output,
+            w.seed,
+            out,
+        )
+        bench = driver.run_bench(
+            cmd,
+            server,
+            logs / f"{w.name}-{name}-{key}.bench.log",
+            out,
+            timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
+            profile=profile,
+        )
     profile = decode_profile(server, folder, steps) if steps else None
     lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
     rows = analysis.per_request(
@@ -454,7 +447,7 @@ def stage(args) -> int:
             tokens=w.kv_cap_requests * w.max_request_tokens,
             bytes_per_token=kv,
             metadata_bytes_per_token=meta_bytes,
-            host_tokens=w.prompts * w.max_request_tokens,
+            host_tokens=(w.host_requests or w.prompts) * w.max_request_tokens,
         )
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     part = {
@@ -485,7 +478,7 @@ def stage(args) -> int:
         "dataset": dataset,
         "meta": workloads_mod.load_meta(dataset),
         "cap": cap,
-        "max_batch": w.prompts,
+        "max_batch": w.max_batch,
         "launcher": shlex.split(args.launcher) if args.launcher else None,
     }
     part_path = work / "parts" / f"{w.name}.{run_id}.json"

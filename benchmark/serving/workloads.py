@@ -12,6 +12,15 @@ Contract: every prompt of a dataset has a distinct token count
 (`tokenizer.encode(prompt)`, as `bench_serving` counts it). `bench_serving`
 shuffles the dataset and reports results in its own order with each request's
 `input_len`, so the count is how a result finds its task.
+
+Two workloads share prompt text between requests, so that prefix caching matters:
+shared documents (`documents`: each document is asked several different questions,
+every prompt of a document starting with the same bytes, the whole document) and
+multi-turn chat (`turns`: a conversation's turn is the whole history so far, its
+scripted answers included, plus a new user message, so each prompt starts with the
+bytes of the one before). Chat turns are sent by this benchmark's own driver, in
+order, each after the previous answer returned and the user's seeded think time
+(`Row.wait_s`); the dataset file keeps them in conversation order.
 """
 
 from __future__ import annotations
@@ -25,7 +34,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sglang_psa.eval.tasks import GENERATORS, Builder, Task, chat_text
+from sglang_psa.eval.tasks import (
+    CITIES,
+    GENERATORS,
+    Builder,
+    Task,
+    chat_turns_text,
+    fact_document,
+)
 
 # Task kinds the test model solves at least sometimes with dense attention (README,
 # "Measured so far"); multi-value needles and common words fail even dense.
@@ -50,6 +66,16 @@ class Workload:
     batch_from_capacity: bool = False  # d: as many as plain SGLang holds at once
     seed: int = 0
     kinds: tuple[str, ...] = field(default=KINDS)
+    # f: the prompts are `documents` documents of prompt_tokens, each asked
+    # prompts // documents different questions (requests arrive at `rates`)
+    documents: int = 0
+    # g: the prompts are prompts // turns conversations of `turns` turns, the first turn
+    # prompt_tokens[0] long and the last prompt_tokens[-1]; conversations start at
+    # `rates`, a user thinks `think_s` on average (0.5x to 1.5x, seeded) before a next turn
+    turns: int = 0
+    think_s: float = 0.0
+    # capped: requests the tiered home's host tier is sized for (None: every request)
+    host_requests: int | None = None
 
     @property
     def is_sweep(self) -> bool:
@@ -59,6 +85,24 @@ class Workload:
     @property
     def fixed_output(self) -> int | None:
         return self.output_tokens[0] if len(self.output_tokens) == 1 else None
+
+    @property
+    def conversations(self) -> int:
+        return self.prompts // self.turns if self.turns else 0
+
+    @property
+    def max_batch(self) -> int:
+        """The most requests in flight at once (decode graphs are captured up to it): a
+        conversation has one turn in flight at a time."""
+        return self.conversations or self.prompts
+
+    @property
+    def prefix_set_tokens(self) -> int | None:
+        """Tokens of the prompt text requests share: every document (f), every
+        conversation's whole history (g); None for workloads that share none."""
+        if self.documents:
+            return self.documents * max(self.prompt_tokens)
+        return self.conversations * max(self.prompt_tokens) if self.turns else None
 
     @property
     def max_request_tokens(self) -> int:
@@ -73,6 +117,46 @@ class Workload:
 
 LLAMA_8B_DUMMY = "llama3.1-8b-dummy"
 TEMPLATE_SLACK = 256  # tokens a prompt may exceed its target by (template, question)
+
+# Plain SGLang at each backend, its own host tier, and sglang-psa at both KV homes.
+PREFIX_SYSTEMS = (
+    "plain",
+    "plain_fa3",
+    "plain_flashinfer",
+    "plain_hicache",
+    "psa",
+    "psa_tiered_uva",
+)
+SHARED = Workload(
+    "f",
+    "shared documents: 10 documents of 16K tokens, each asked 12 different questions "
+    "(120 requests, 64 output tokens), Poisson arrivals at 16 per s; a document's "
+    "questions share its prompt prefix",
+    "qwen2.5-0.5b",
+    120,
+    (16_000,),
+    (64,),
+    PREFIX_SYSTEMS,
+    rates=(16.0,),
+    kinds=("magic_number", "person_city"),
+    documents=10,
+)
+CHAT = Workload(
+    "g",
+    "multi-turn chat: 16 conversations of 5 turns whose history grows from 16K to 28K "
+    "tokens (3K of new material a turn), 128 output tokens; conversations start at 2 per "
+    "s (Poisson), each turn sent when the previous answer returned and the user thought "
+    "1-3 s",
+    "qwen2.5-0.5b",
+    80,
+    (16_000, 28_000),
+    (128,),
+    PREFIX_SYSTEMS,
+    rates=(2.0,),
+    kinds=("magic_number", "person_city"),
+    turns=5,
+    think_s=2.0,
+)
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -156,6 +240,24 @@ WORKLOADS: dict[str, Workload] = {
             ("plain", "topk_tiered"),
             kv_cap_requests=10,
         ),
+        SHARED,
+        dataclasses.replace(
+            SHARED,
+            name="f_capped",
+            what="f with the HBM for KV capped so that plain SGLang holds 2 requests (the "
+            "documents take about 5x that); every system gets that HBM",
+            kv_cap_requests=2,
+            host_requests=16,
+        ),
+        CHAT,
+        dataclasses.replace(
+            CHAT,
+            name="g_capped",
+            what="g with the HBM for KV capped so that plain SGLang holds 3 requests of the "
+            "longest turn (the histories take about 5x that); every system gets that HBM",
+            kv_cap_requests=3,
+            host_requests=16,
+        ),
     )
 }
 
@@ -170,6 +272,9 @@ class Row:
     kind: str
     answers: tuple[str, ...]
     answer_tokens: int  # tokens of the completion the answer is looked for in
+    group: int | None = None  # f: the document asked about; g: the conversation
+    turn: int | None = None  # g: the turn of its conversation, from 0
+    wait_s: float = 0.0  # g: the user's think time between the previous answer and this turn
 
 
 def text_of_tokens(tok, n: int) -> str:
@@ -192,19 +297,29 @@ def counter(tok) -> Callable[[str], int]:
 
 def smoke(w: Workload) -> Workload:
     """A small, fast version of `w` for checking the whole path before a full run: at most
-    8 requests, prompts and outputs 1/16 as long, two rates 16 times higher."""
+    8 requests (f: 2 documents; g: 2 conversations of at most 4 turns), prompts and
+    outputs 1/16 as long, two rates 16 times higher, think times 16 times shorter."""
+    turns = min(w.turns, 4)
     return dataclasses.replace(
         w,
-        prompts=min(w.prompts, 8),
+        prompts=min(w.prompts, 8 if not turns else 2 * turns),
         prompt_tokens=tuple(sorted({max(512, n // 16) for n in w.prompt_tokens})),
         output_tokens=tuple(sorted({max(8, n // 16) for n in w.output_tokens})),
         rates=tuple(16 * r for r in w.rates[:2]),
+        documents=min(w.documents, 2),
+        turns=turns,
+        think_s=w.think_s / 16,
     )
 
 
 def build_rows(w: Workload, tok) -> list[Row]:
     """The workload's requests: task `i` has kind `kinds[i % len]`, a prompt length and an
-    output length drawn with the workload's seed; token counts are made distinct."""
+    output length drawn with the workload's seed; token counts are made distinct. Shared
+    documents (f) and chat (g) are built by `shared_document_rows` and `chat_rows`."""
+    if w.documents:
+        return shared_document_rows(w, tok)
+    if w.turns:
+        return chat_rows(w, tok)
     rng = random.Random(f"serving/{w.name}/{w.seed}")
     count = counter(tok)
     seen: set[int] = set()
@@ -215,41 +330,184 @@ def build_rows(w: Workload, tok) -> list[Row]:
         out = rng.choice(w.output_tokens)
         builder = Builder(count, random.Random(f"{w.seed}/{kind}/{i}/{target}"))
         task: Task = GENERATORS[kind](builder, target - TEMPLATE_SLACK // 2)
-        doc = task.prompt
-        while True:
-            prompt = chat_text(tok, doc, task.question)
-            n = len(tok.encode(prompt))
-            if n not in seen:
-                break
-            doc += FILLER_WORD
-        if n > target + TEMPLATE_SLACK:
-            raise ValueError(
-                f"workload {w.name}: prompt {i} has {n} tokens, more than {target} + "
-                f"{TEMPLATE_SLACK}; the task generator overshot"
-            )
-        seen.add(n)
+        prompt, n, _ = distinct_prompt(tok, [], task.prompt, task.question, seen)
+        check_length(w, i, n, target)
         rows.append(Row(prompt, n, out, kind, task.answers, task.max_new_tokens))
     return rows
 
 
+def distinct_prompt(
+    tok, history: list[str], text: str, question: str, seen: set[int]
+) -> tuple[str, int, str]:
+    """The prompt of a conversation's `history` followed by the user message `text`, a pad
+    of FILLER_WORDs, a blank line and `question` (`eval.tasks.chat_turns_text`), with the
+    shortest pad whose token count is not in `seen` (then added to it): the prompt, its
+    token count and the user message."""
+    pad = ""
+    while True:
+        message = text + pad + "\n\n" + question
+        prompt = chat_turns_text(tok, [*history, message])
+        n = len(tok.encode(prompt))
+        if n not in seen:
+            seen.add(n)
+            return prompt, n, message
+        pad += FILLER_WORD
+
+
+def check_length(w: Workload, i: int, n: int, target: int) -> None:
+    if n > target + TEMPLATE_SLACK:
+        raise ValueError(
+            f"workload {w.name}: prompt {i} has {n} tokens, more than {target} + "
+            f"{TEMPLATE_SLACK}; the task generator overshot"
+        )
+
+
+GROUP_SPACING = 64  # tokens between the target lengths of two documents or conversations
+
+
+def shared_document_rows(w: Workload, tok) -> list[Row]:
+    """f: `w.documents` fact documents, each asked prompts // documents different
+    questions (`eval.tasks.fact_document`: magic numbers and person facts). Every prompt
+    of a document is the chat template's start, the document, then its own pad and
+    question: the document's bytes are the same in all of them. Document `d` aims at
+    GROUP_SPACING * d tokens less than the others before it, so that pads stay short."""
+    questions = w.prompts // w.documents
+    if questions * w.documents != w.prompts or questions > len(CITIES):
+        raise ValueError(
+            f"workload {w.name}: {w.prompts} prompts are not {w.documents} documents of at "
+            f"most {len(CITIES)} questions each"
+        )
+    count = counter(tok)
+    target = max(w.prompt_tokens)
+    out_rng = random.Random(f"serving/shared/{w.seed}/outputs")
+    seen: set[int] = set()
+    rows = []
+    for d in range(w.documents):
+        builder = Builder(count, random.Random(f"serving/shared/{w.seed}/document/{d}"))
+        n_tokens = target - TEMPLATE_SLACK // 2 - GROUP_SPACING * d
+        doc, tasks = fact_document(builder, n_tokens, (questions + 1) // 2, questions // 2)
+        for task in tasks:
+            prompt, n, _ = distinct_prompt(tok, [], doc, task.question, seen)
+            check_length(w, len(rows), n, target)
+            out = out_rng.choice(w.output_tokens)
+            rows.append(_row(task, prompt, n, out, group=d))
+    return rows
+
+
+def chat_rows(w: Workload, tok) -> list[Row]:
+    """g: `w.conversations` conversations of `w.turns` turns, in conversation order. Turn 0
+    pastes a fact document of prompt_tokens[0] and asks one of its magic numbers; each
+    later turn pastes a new section (one magic number under a city new to the
+    conversation) so that the prompt grows evenly to prompt_tokens[-1], and asks the new
+    section's number (even turns) or where a person of the first document lives (odd
+    turns: an answer from far back in the history). A turn's prompt is the whole history,
+    the scripted answers of earlier turns (each the right answer) included, plus the new
+    message, so it starts with the bytes of the turn before. Conversation `c` aims at
+    GROUP_SPACING * c tokens less than the others before it, so that pads stay short."""
+    first, last = w.prompt_tokens[0], w.prompt_tokens[-1]
+    step = (last - first) / max(1, w.turns - 1)
+    count = counter(tok)
+    seen: set[int] = set()
+    rows = []
+    for c in range(w.conversations):
+        rng = random.Random(f"serving/chat/{w.seed}/conversation/{c}")
+        builder = Builder(count, rng)
+        n_tokens = first - TEMPLATE_SLACK // 2 - GROUP_SPACING * c
+        doc, facts = fact_document(builder, n_tokens, 1, w.turns // 2)
+        number, people = facts[0], facts[1:]
+        keys = [k for k in CITIES if not _asks(number, k)]
+        history: list[str] = []
+        have = 0  # tokens of the previous turn's prompt
+        for t in range(w.turns):
+            target = round(first + t * step) - GROUP_SPACING * c
+            if t == 0:
+                section, task = doc, number
+            else:
+                n_tokens = target - have - TEMPLATE_SLACK // 2
+                section, (task,) = fact_document(builder, max(32, n_tokens), 1, 0, keys)
+                keys = [k for k in keys if not _asks(task, k)]
+                if t % 2:
+                    task = people[t // 2]
+            prompt, n, message = distinct_prompt(tok, history, section, task.question, seen)
+            check_length(w, len(rows), n, target)
+            wait = 0.0 if t == 0 else w.think_s * rng.uniform(0.5, 1.5)
+            out = rng.choice(w.output_tokens)
+            rows.append(_row(task, prompt, n, out, group=c, turn=t, wait_s=wait))
+            history += [message, task.answers[0]]
+            have = n
+    return rows
+
+
+def _asks(task: Task, city: str) -> bool:
+    """Is `task` the question about `city`'s magic number?"""
+    return task.question.startswith(f"What is the special magic number for {city}?")
+
+
+def _row(task: Task, prompt: str, n: int, out: int, **where) -> Row:
+    return Row(prompt, n, out, task.kind, task.answers, task.max_new_tokens, **where)
+
+
+def conversation_starts(w: Workload, rate: float) -> list[float]:
+    """g: seconds from the timed run's start at which each conversation sends its first
+    turn: Poisson arrivals at `rate` per second (seeded; all at 0 for an infinite rate),
+    the first at 0."""
+    rng = random.Random(f"serving/chat/{w.seed}/starts/{rate:g}")
+    starts, t = [], 0.0
+    for _ in range(w.conversations):
+        starts.append(t)
+        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    return starts
+
+
+def conversations(rows: list[Row]) -> list[list[Row]]:
+    """g: the rows of each conversation, by conversation, in turn order."""
+    by: dict[int, list[Row]] = {}
+    for r in rows:
+        by.setdefault(r.group, []).append(r)
+    return [sorted(turns, key=lambda r: r.turn) for _, turns in sorted(by.items())]
+
+
 def write_dataset(rows: list[Row], tok, path: Path) -> Path:
-    """`path` (JSONL, SGLang's custom format) and `path.meta.json` (tasks by token count)."""
+    """`path` (JSONL, SGLang's custom format) and `path.meta.json` (tasks by token count,
+    in the rows' order; f and g add each prompt's group, g its turn and wait)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for r in rows:
             turns = [{"content": r.prompt}, {"content": text_of_tokens(tok, r.output_len)}]
             f.write(json.dumps({"conversations": turns}) + "\n")
-    meta = {
-        str(r.prompt_len): {
-            "kind": r.kind,
-            "answers": list(r.answers),
-            "answer_tokens": r.answer_tokens,
-            "output_len": r.output_len,
-        }
-        for r in rows
-    }
+    meta = {str(r.prompt_len): _task_meta(r) for r in rows}
     meta_path(path).write_text(json.dumps(meta, indent=1) + "\n")
     return path
+
+
+def _task_meta(r: Row) -> dict:
+    meta = {
+        "kind": r.kind,
+        "answers": list(r.answers),
+        "answer_tokens": r.answer_tokens,
+        "output_len": r.output_len,
+    }
+    if r.group is not None:
+        meta["group"] = r.group
+    if r.turn is not None:
+        meta |= {"turn": r.turn, "wait_s": r.wait_s}
+    return meta
+
+
+def load_rows(dataset: Path) -> list[Row]:
+    """The rows a dataset was written from (prompts from the JSONL, the rest from the
+    sidecar, both in the rows' order)."""
+    lines = dataset.read_text().splitlines()
+    meta = json.loads(meta_path(dataset).read_text())
+    if len(lines) != len(meta):
+        raise ValueError(f"{dataset}: {len(lines)} prompts but {len(meta)} tasks in its sidecar")
+    rows = []
+    for line, (n, m) in zip(lines, meta.items()):
+        prompt = json.loads(line)["conversations"][0]["content"]
+        task = Task(m["kind"], "", "", tuple(m["answers"]), m["answer_tokens"])
+        where = {k: m[k] for k in ("group", "turn", "wait_s") if k in m}
+        rows.append(_row(task, prompt, int(n), m["output_len"], **where))
+    return rows
 
 
 def meta_path(dataset: Path) -> Path:

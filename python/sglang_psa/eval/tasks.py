@@ -303,13 +303,27 @@ def chat_text(tok, document: str, question: str) -> str:
     """The prompt text a chat model reads: `document` and `question` as one user turn
     through the tokenizer's chat template, ending where the assistant's answer starts
     (`document`, a blank line, `question` and "Answer:" where there is no template)."""
+    return chat_turns_text(tok, [document + "\n\n" + question])
+
+
+def chat_turns_text(tok, turns: list[str]) -> str:
+    """The prompt text of a conversation: `turns` alternate user and assistant messages,
+    a user's first and last, through the tokenizer's chat template, ending where the next
+    assistant answer starts. Without a template, each user message is followed by
+    "\nAnswer:" and its answer (after a space) and a blank line. Either way the prompt of
+    a conversation is, byte for byte, the start of the prompt of its continuation (the
+    same turns, an answer and a new user message)."""
+    if len(turns) % 2 != 1:
+        raise ValueError(f"a conversation ends with a user message: got {len(turns)} turns")
     if getattr(tok, "chat_template", None):
+        roles = ("user", "assistant")
         return tok.apply_chat_template(
-            [{"role": "user", "content": document + "\n\n" + question}],
+            [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)],
             tokenize=False,
             add_generation_prompt=True,
         )
-    return document + "\n\n" + question + "\nAnswer:"
+    done = "".join(f"{u}\nAnswer: {a}\n\n" for u, a in zip(turns[0:-1:2], turns[1::2]))
+    return done + turns[-1] + "\nAnswer:"
 
 
 def _intro(what: str) -> str:
@@ -341,15 +355,18 @@ def make_tasks(
     return tasks
 
 
-def demo_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Task]]:
-    """The demos' document (CPU demo and server demo): two magic numbers and two person
-    facts hidden in `n_tokens` of filler, and the 4 questions about them."""
-    rng = random.Random(seed)
-    b = Builder(count_tokens, rng)
-    cities = rng.sample(CITIES, 2)
+def fact_document(
+    b: Builder, n_tokens: int, n_numbers: int, n_people: int, keys: list[str] = CITIES
+) -> tuple[str, list[Task]]:
+    """A document of `n_tokens` with `n_numbers` magic numbers (for distinct cities of
+    `keys`) and `n_people` person facts (distinct names, each living in a distinct city
+    that is not a magic-number key) hidden at seeded depths, and one question about each
+    fact (magic numbers first): a document asked many different questions."""
+    rng = b.rng
+    cities = rng.sample(keys, n_numbers)
     numbers = [str(rng.randint(1_000_000, 9_999_999)) for _ in cities]
-    people = rng.sample(NAMES, 2)
-    homes = rng.sample([c for c in CITIES if c not in cities], 2)
+    people = rng.sample(NAMES, n_people)
+    homes = rng.sample([c for c in CITIES if c not in cities], n_people)
     needles = [f"The special magic number for {c} is {n}." for c, n in zip(cities, numbers)]
     needles += [f"{p} is a {rng.choice(JOBS)} who lives in {h}." for p, h in zip(people, homes)]
     doc = "A long text is given below. Some facts are hidden in it. Memorize them.\n" + b.document(
@@ -372,3 +389,9 @@ def demo_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Tas
         for p, h in zip(people, homes)
     ]
     return doc, questions
+
+
+def demo_document(count_tokens, n_tokens: int, seed: int) -> tuple[str, list[Task]]:
+    """The demos' document (CPU demo and server demo): two magic numbers and two person
+    facts hidden in `n_tokens` of filler, and the 4 questions about them."""
+    return fact_document(Builder(count_tokens, random.Random(seed)), n_tokens, 2, 2)

@@ -4,7 +4,9 @@ client, log parsing, scoring, merging) runs on a CPU machine.
 
     python fake_sglang.py --model-path DIR --port P [any launch_server flags]
 
-The fake answers `/generate` (streamed like SGLang: cumulative text, `completion_tokens`),
+The fake answers `/generate` (streamed like SGLang: cumulative text, `completion_tokens`,
+`cached_tokens`: the words the prompt shares from its start with an earlier prompt or
+prompt and answer since the last flush, as a radix cache without eviction would),
 `/health`, `/get_server_info` and `/server_info`, `/flush_cache`, `/start_profile` (it
 writes a synthetic trace once the steps asked for are done) and `/stop_profile`, and
 prints SGLang-format "Decode batch" lines. Its "model" answers with every 7-digit number
@@ -89,6 +91,7 @@ def main() -> None:
     args, _ = ap.parse_known_args()
     state = {"running": 0, "generated": 0, "steps": 0, "tic": time.perf_counter(), "reads": 0}
     profile = {}  # a started profile: steps to record, first step, output folder
+    cache: list[list[str]] = []  # prompts and prompts with their answers since the flush
 
     def write_trace() -> None:
         """SGLang's profiler's Chrome trace, GPU activity: per step one graph launch, an
@@ -128,14 +131,16 @@ def main() -> None:
         body = await request.json()
         n = body["sampling_params"]["max_new_tokens"]
         words = reply_words(body["text"], n)
+        prompt = re.findall(WORD_RE, body["text"])
+        cached = max((len(os.path.commonprefix([prompt, seq])) for seq in cache), default=0)
+        cache.extend([prompt, prompt + words])
         state["running"] += 1
         try:
             if not body.get("stream"):
                 await asyncio.sleep(STEP_S * n)
                 state["generated"] += n
-                return web.json_response(
-                    {"text": " ".join(words), "meta_info": {"completion_tokens": n}}
-                )
+                meta = {"completion_tokens": n, "cached_tokens": cached}
+                return web.json_response({"text": " ".join(words), "meta_info": meta})
             resp = web.StreamResponse()
             await resp.prepare(request)
             for i in range(1, n + 1):
@@ -147,7 +152,8 @@ def main() -> None:
                     decode_line()
                 if profile and state["steps"] - profile["from"] >= profile["steps"]:
                     write_trace()
-                chunk = {"text": " ".join(words[:i]), "meta_info": {"completion_tokens": i}}
+                meta = {"completion_tokens": i, "cached_tokens": cached}
+                chunk = {"text": " ".join(words[:i]), "meta_info": meta}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             return resp
@@ -175,6 +181,10 @@ def main() -> None:
     async def ok(request):
         return web.Response(text="ok")
 
+    async def flush_cache(request):
+        cache.clear()
+        return web.Response(text="ok")
+
     async def start_profile(request):
         body = await request.json()
         profile.update(steps=body["num_steps"], dir=body["output_dir"], **{"from": state["steps"]})
@@ -188,7 +198,7 @@ def main() -> None:
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", ok)
-    app.router.add_post("/flush_cache", ok)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/start_profile", start_profile)
     app.router.add_post("/stop_profile", stop_profile)
     app.router.add_get("/get_server_info", info)

@@ -741,6 +741,10 @@ def test_stage_c_smoke_end_to_end(tmp_path):
             niah = sum(r["kind"] in ("niah_1key", "niah_4key") for r in got) / len(got)
             assert 0 < niah < 1 and run_["metrics"]["accuracy"] == pytest.approx(niah)
             assert run_["goodput_strict"] is not None and run_["goodput_relaxed"] is not None
+            # bench_serving --cache-report: the prompt tokens the server served from its cache
+            assert all(isinstance(r["cached_tokens"], int) for r in got)
+            cache = run_["metrics"]["prefix_cache"]
+            assert cache["prompt_tokens"] == sum(r["prompt_len"] for r in got)
     assert part["systems"]["psa"]["counters"]["kv_fraction_read"] == 0.25
     assert part["systems"]["plain"]["counters"]["kv_fraction_read"] == 1.0
     summary = json.loads((out / "serving_smoke.json").read_text())["summary"]
@@ -936,3 +940,370 @@ def test_a_results_commit_is_checked_to_be_the_tree_that_ran(tmp_path):
     (tmp_path / "python/sglang_psa/a.py").write_text("y = 3\n")
     assert tree_verified(tmp_path, head, source_digest(tmp_path)) is False
     assert tree_verified(tmp_path, head, None) is None
+
+
+# --- 9. prefix caching: shared documents (f) and multi-turn chat (g) -------------------
+
+SMOKE_F = workloads.smoke(workloads.WORKLOADS["f"])
+SMOKE_G = workloads.smoke(workloads.WORKLOADS["g"])
+
+
+def test_chat_turns_text_starts_each_continuation_with_the_prompt_before(word_tok):
+    from sglang_psa.eval.tasks import chat_text, chat_turns_text
+
+    turns = ["Read this text.\n\nWhat is 1?", "1234567", "More text.\n\nWhere?", "Oslo", "And?"]
+    templated = SimpleNamespace(
+        chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+        "\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        apply_chat_template=lambda msgs, **kw: word_tok.apply_chat_template(
+            msgs, chat_template=templated.chat_template, **kw
+        ),
+    )
+    for tok in (word_tok, templated):
+        prompts = [chat_turns_text(tok, turns[: 2 * k + 1]) for k in range(3)]
+        for before, after in zip(prompts, prompts[1:]):
+            assert after.startswith(before) and len(after) > len(before)
+        assert "1234567" in prompts[1] and prompts[2].count("Oslo") == 1
+        assert chat_text(tok, "Read this text.", "What is 1?") == prompts[0]
+    assert prompts[0].endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="ends with a user message"):
+        chat_turns_text(word_tok, turns[:2])
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["counter", "tokenizer"])
+def test_shared_documents_are_byte_identical_across_their_questions(real, word_tok, tmp_path):
+    w = SMOKE_F
+    tok = word_tok if real else fake_sglang.WordCounter()
+    rows = workloads.build_rows(w, tok)
+    assert (w.documents, len(rows)) == (2, 8)
+    again = workloads.build_rows(w, tok)
+    assert again == rows  # seeded: the same prompts, answers and output lengths
+    lens = [r.prompt_len for r in rows]
+    assert len(set(lens)) == len(lens)  # the dataset contract: distinct token counts
+    for r in rows:
+        assert r.prompt_len == len(tok.encode(r.prompt)) and r.output_len in w.output_tokens
+        assert r.prompt_len <= w.prompt_tokens[0] + workloads.TEMPLATE_SLACK
+        assert r.kind in w.kinds and r.turn is None
+        assert all(a in r.prompt for a in r.answers) or r.kind == "person_city"
+    docs = {}
+    for r in rows:
+        docs.setdefault(r.group, []).append(r)
+    assert sorted(docs) == [0, 1] and all(len(q) == 4 for q in docs.values())
+    shared = {}
+    for d, asked in docs.items():
+        prefix = os.path.commonprefix([r.prompt for r in asked])
+        # the whole document is the prompts' common start; what follows is a question
+        assert prefix.count("A long text is given below") == 1
+        for r in asked:
+            assert len(tok.encode(r.prompt[len(prefix) :])) < 64
+        assert len({r.prompt[len(prefix) :].split("\n\n")[-1] for r in asked}) == 4
+        shared[d] = prefix
+    # two documents share no more than the instruction that opens each
+    assert len(os.path.commonprefix(list(shared.values()))) < 100
+    path = workloads.write_dataset(rows, tok, tmp_path / "f.jsonl")
+    assert workloads.load_rows(path) == rows
+    assert workloads.load_meta(path)[rows[0].prompt_len]["group"] == 0
+
+
+def _growth_bounds(w, c, t):
+    """Where turn t of conversation c may land: its target less the spacing, within the
+    template slack."""
+    first, last = w.prompt_tokens[0], w.prompt_tokens[-1]
+    target = first + t * (last - first) / (w.turns - 1) - workloads.GROUP_SPACING * c
+    return target - workloads.TEMPLATE_SLACK, target + workloads.TEMPLATE_SLACK
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["counter", "tokenizer"])
+def test_chat_histories_grow_turn_over_turn(real, word_tok, tmp_path):
+    w = SMOKE_G
+    tok = word_tok if real else fake_sglang.WordCounter()
+    rows = workloads.build_rows(w, tok)
+    assert workloads.build_rows(w, tok) == rows
+    convs = workloads.conversations(rows)
+    assert [[r.turn for r in c] for c in convs] == [[0, 1, 2, 3]] * 2
+    assert len({r.prompt_len for r in rows}) == len(rows)
+    for c, turns in enumerate(convs):
+        for t, r in enumerate(turns):
+            lo, hi = _growth_bounds(w, c, t)
+            assert lo <= r.prompt_len <= hi, (c, t, r.prompt_len)
+            assert r.prompt_len == len(tok.encode(r.prompt)) and r.group == c
+        for before, after in zip(turns, turns[1:]):
+            # the whole history, the scripted (right) answer, then the new message
+            assert after.prompt.startswith(before.prompt + " " + before.answers[0])
+            assert 0.5 * w.think_s <= after.wait_s <= 1.5 * w.think_s
+        assert turns[0].wait_s == 0.0
+        # odd turns ask about the first document, far back in the history
+        assert [r.kind for r in turns] == ["magic_number", "person_city"] * 2
+    path = workloads.write_dataset(rows, tok, tmp_path / "g.jsonl")
+    assert workloads.load_rows(path) == rows
+
+
+def test_full_size_chat_reaches_28k():
+    w = workloads.WORKLOADS["g"]
+    rows = workloads.build_rows(w, fake_sglang.WordCounter())
+    convs = workloads.conversations(rows)
+    assert len(convs) == w.conversations == 16 and len(rows) == 80
+    for c, turns in enumerate(convs):
+        for t, r in enumerate(turns):
+            lo, hi = _growth_bounds(w, c, t)
+            assert lo <= r.prompt_len <= hi, (c, t, r.prompt_len)
+    assert max(r.prompt_len for r in rows) > 27_500 and min(r.prompt_len for r in rows) > 14_500
+
+
+def test_prefix_workloads_and_their_caps():
+    W, S = workloads.WORKLOADS, systems.SYSTEMS
+    for key in ("f", "f_capped", "g", "g_capped"):
+        w = W[key]
+        assert set(systems.PLAIN_RACE) | {"plain_hicache", "psa", "psa_tiered_uva"} == set(
+            w.systems
+        ), key
+        assert w.is_sweep and len(w.rates) == 1  # arrivals over time, at one rate
+        assert S["plain_hicache"].flags[0] == "--enable-hierarchical-cache"
+    assert (W["f"].documents, W["f"].prompts // W["f"].documents) == (10, 12)
+    assert (W["g"].conversations, W["g"].turns, W["g"].max_batch) == (16, 5, 16)
+    for key in ("f_capped", "g_capped"):
+        w = W[key]
+        cap = w.kv_cap_requests * w.max_request_tokens
+        # the issue's bar: the prefix set at least 4x the HBM for KV
+        assert w.prefix_set_tokens >= 4 * cap, key
+        assert W[key.removesuffix("_capped")].kv_cap_requests is None
+        assert w.host_requests * w.max_request_tokens > cap
+    for key in ("f", "g"):  # a capped variant sends the same prompts, at the same times
+        capped = workloads.smoke(W[key + "_capped"])
+        counter = fake_sglang.WordCounter()
+        assert workloads.build_rows(capped, counter) == workloads.build_rows(
+            workloads.smoke(W[key]), counter
+        )
+    assert workloads.conversation_starts(W["g_capped"], 2.0) == workloads.conversation_starts(
+        W["g"], 2.0
+    )
+    s = workloads.smoke(W["g_capped"])
+    assert (s.conversations, s.turns, s.prompts) == (2, 4, 8)
+    assert s.think_s == W["g"].think_s / 16 and s.kv_cap_requests == 3
+
+
+def test_conversation_starts_are_seeded_poisson_arrivals():
+    w = workloads.WORKLOADS["g"]
+    starts = workloads.conversation_starts(w, 2.0)
+    assert starts == workloads.conversation_starts(w, 2.0) and starts[0] == 0.0
+    assert len(starts) == 16 and starts == sorted(starts) and len(set(starts)) == 16
+    assert 2.0 < starts[-1] < 20.0  # 15 gaps of 0.5 s on average
+    assert workloads.conversation_starts(w, 4.0) != starts
+    assert workloads.conversation_starts(w, float("inf")) == [0.0] * 16
+
+
+def _turn(c, t, wait=0.0, n=10):
+    return workloads.Row(f"c{c}t{t}", 1000 * c + t, n, "k", ("a",), 4, c, t, wait)
+
+
+def test_run_chat_sends_turn_k_plus_1_only_after_turn_k_returned():
+    import threading
+    import time
+
+    import driver
+
+    events, lock = [], threading.Lock()
+
+    def send(url, prompt, n, timeout):
+        with lock:
+            events.append(("sent", prompt, time.perf_counter()))
+        time.sleep(0.03 if prompt.endswith("t0") else 0.01)  # a first turn answers slowest
+        with lock:
+            events.append(("returned", prompt, time.perf_counter()))
+        error = "HTTP 500: boom" if prompt == "c2t1" else None
+        return {"ttft": 0.005, "itl": [0.001] * (n - 1), "text": "x " * n, "output_len": n,
+                "cached_tokens": 7, "error": error}  # fmt: skip
+
+    convs = [[_turn(c, t, wait=0.02 * t) for t in range(3)] for c in range(3)]
+    bench = driver.run_chat("http://fake", convs, [0.0, 0.0, 0.01], time.time() + 60, send)
+    at = {(kind, p): when for kind, p, when in events}
+    for c in range(2):
+        for t in range(2):
+            gap = at[("sent", f"c{c}t{t + 1}")] - at[("returned", f"c{c}t{t}")]
+            assert gap >= convs[c][t + 1].wait_s - 1e-3, (c, t, gap)
+    # a failed turn ends its conversation: the turn after it is never sent
+    assert ("sent", "c2t2") not in at and bench["errors"][-1] == "not sent: turn 1 failed"
+    assert bench["errors"][-2] == "HTTP 500: boom" and bench["sent_s"][-1] is None
+    assert bench["input_lens"] == [r.prompt_len for c in convs for r in c]
+    assert bench["completed"] == 7 and bench["cached_tokens"][0] == 7
+    assert bench["max_concurrent_requests"] == 3  # the three conversations' first turns
+    sent, back = bench["sent_s"], bench["returned_s"]
+    assert all(sent[i + 1] >= back[i] for i in (0, 1, 3, 4))  # recorded in the same order
+    assert bench["output_throughput"] == pytest.approx(70 / bench["duration"])
+    with pytest.raises(driver.ServerFailed, match="time budget"):
+        driver.run_chat("http://fake", convs, [0.0] * 3, time.time() - 1, send)
+
+
+def test_per_request_and_metrics_keep_cached_tokens_and_turns():
+    meta = {
+        500: {"kind": "magic_number", "answers": ["1234567"], "group": 0, "turn": 0},
+        900: {"kind": "person_city", "answers": ["Oslo"], "group": 0, "turn": 1},
+        600: {"kind": "magic_number", "answers": ["7654321"], "group": 1, "turn": 0},
+    }
+    bench = {
+        "input_lens": [500, 900, 600],
+        "output_lens": [2, 2, 2],
+        "ttfts": [0.4, 0.1, 0.6],
+        "itls": [[0.01], [0.01], [0.01]],
+        "generated_texts": ["1234567 x", "Oslo x", "x x"],
+        "errors": ["", "", ""],
+        "cached_tokens": [0, 480, 100],
+        "sent_s": [0.0, 1.0, 0.2],
+        "returned_s": [0.5, 1.2, 0.9],
+        "duration": 1.2,
+        "output_throughput": 5.0,
+        "request_throughput": 2.5,
+        "input_throughput": 1666.7,
+    }
+    rows = analysis.per_request(
+        bench, meta, lambda text, task: task["answers"][0] in text, lambda t: [len(t)]
+    )
+    assert [(r["group"], r["turn"], r["cached_tokens"]) for r in rows] == [
+        (0, 0, 0),
+        (0, 1, 480),
+        (1, 0, 100),
+    ]
+    assert rows[1]["sent_s"] == 1.0 and rows[1]["returned_s"] == 1.2
+    m = analysis.run_metrics(bench, rows, [], None)
+    assert m["prefix_cache"] == {
+        "prompt_tokens": 2000,
+        "cached_tokens": 580,
+        "hit_fraction": 0.29,
+    }
+    assert m["ttft_by_turn"]["0"]["mean"] == pytest.approx(0.5)
+    assert m["ttft_by_turn"]["1"]["p50"] == pytest.approx(0.1)
+    assert m["accuracy"] == pytest.approx(2 / 3)
+    # a client that reports no cached tokens (or a workload without turns): no figure
+    del bench["cached_tokens"]
+    meta = {n: {k: v for k, v in t.items() if k != "turn"} for n, t in meta.items()}
+    rows = analysis.per_request(bench, meta, lambda *a: True, lambda t: [])
+    plain = analysis.run_metrics(bench, rows, [], None)
+    assert plain["prefix_cache"] is None and "ttft_by_turn" not in plain
+
+
+def _at(rate, tok_s, mean=1.0, hit=None):
+    """A system's record of one timed run at `rate` (requests arriving over time)."""
+    cache = None if hit is None else {"prompt_tokens": 100, "cached_tokens": 100 * hit,
+                                      "hit_fraction": hit}  # fmt: skip
+    metrics = {"output_tok_s": tok_s, "ttft_s": {"mean": mean, "p99": 2 * mean},
+               "steady_decode": {"step_ms": None}, "prefix_cache": cache}  # fmt: skip
+    return {"error": None, "rates": {rate: {"metrics": metrics, "rows": []}}}
+
+
+def _prefix_run(workload, date, rate="16", tiered=300.0, hicache=200.0, **over):
+    """A stage run of f or g with its default systems: fa3 the fastest plain backend."""
+    systems_ = {
+        "plain": _at(rate, 100.0, 4.0, 0.5),
+        "plain_fa3": _at(rate, 150.0, 2.0, 0.75),
+        "plain_flashinfer": _at(rate, 120.0, 3.0, 0.75),
+        "plain_hicache": _at(rate, hicache, 1.5, 0.9),
+        "psa": _at(rate, 140.0, 2.5, 0.7),
+        "psa_tiered_uva": _at(rate, tiered, 1.0, 0.1),
+    }
+    systems_.update(over)
+    return _part(workload, date, "c9", **{k: v for k, v in systems_.items() if v is not None})
+
+
+PREFIX_SUMMARY = [k for k, *_ in analysis.PREFIX_KEYS] + [k for k, *_ in analysis.HIT_KEYS]
+
+
+def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
+    assert set(PREFIX_SUMMARY) <= set(analysis.SUMMARY_KEYS)
+    parts = [
+        _prefix_run("f", "06-01"),
+        _prefix_run("f_capped", "06-02", tiered=450.0, hicache=300.0),
+        _prefix_run("g", "06-03", rate="2"),
+        _prefix_run("g_capped", "06-04", rate="2", tiered=330.0, hicache=220.0),
+    ]
+    merged = analysis.merge(parts)
+    s, where = merged["summary"], merged["summary_provenance"]
+    assert s["throughput_ratio_tiered_vs_fastest_shared"] == 2.0  # 300 / fa3's 150
+    assert s["throughput_ratio_tiered_vs_fastest_shared_capped"] == 3.0
+    assert s["throughput_ratio_tiered_vs_hicache_shared_capped"] == 1.5
+    assert s["throughput_ratio_tiered_vs_fastest_chat"] == 2.0
+    assert s["throughput_ratio_tiered_vs_fastest_chat_capped"] == pytest.approx(2.2)
+    assert s["throughput_ratio_tiered_vs_hicache_chat_capped"] == 1.5
+    assert s["ttft_ratio_tiered_vs_fastest_chat"] == 0.5  # mean TTFT 1.0 / 2.0
+    assert s["prefix_hit_fraction_tiered_shared"] == 0.1
+    assert s["prefix_hit_fraction_fastest_shared"] == 0.75
+    assert s["prefix_hit_fraction_tiered_chat"] == 0.1
+    w = where["throughput_ratio_tiered_vs_hicache_shared_capped"]
+    assert (w["workload"], w["run_id"], w["rate"]) == ("f_capped", "f_capped-06-02", "16")
+    assert w["systems"] == ["psa_tiered_uva", "plain_hicache"]
+    assert where["throughput_ratio_tiered_vs_fastest_chat"]["systems"] == [
+        "psa_tiered_uva",
+        "plain_fa3",
+    ]
+    hit = where["prefix_hit_fraction_fastest_shared"]
+    assert (hit["of"], hit["run_id"], hit["metric"]) == (
+        "plain_fa3",
+        "f-06-01",
+        "prefix_cache.hit_fraction",
+    )
+    assert all(s[k] is not None for k in PREFIX_SUMMARY)
+    assert {k for k in PREFIX_SUMMARY} <= set(where)
+
+
+def test_prefix_summary_keys_have_no_value_across_stage_runs():
+    """The tiered home and its reference measured in different stage runs, at different
+    rates, or without the plain race: no value and no provenance."""
+    apart = [
+        _prefix_run("f", "06-01", psa_tiered_uva=None),  # the race, no tiered home
+        _prefix_run("f", "06-05", plain_fa3=None, plain_flashinfer=None),  # no race
+        _prefix_run("f_capped", "06-02", plain_hicache=None),
+        _prefix_run("f_capped", "06-06", psa_tiered_uva=None),
+        # the tiered home at another rate than the race
+        _prefix_run("g", "06-03", rate="2", psa_tiered_uva=None),
+    ]
+    apart[-1]["systems"]["psa_tiered_uva"] = _at("4", 300.0, 1.0, 0.1)
+    s, where = analysis.summarize(apart)
+    for k in (
+        "throughput_ratio_tiered_vs_fastest_shared",
+        "throughput_ratio_tiered_vs_hicache_shared_capped",
+        "throughput_ratio_tiered_vs_fastest_chat",
+        "ttft_ratio_tiered_vs_fastest_chat",
+        "prefix_hit_fraction_tiered_shared",
+        "prefix_hit_fraction_fastest_shared",
+        "prefix_hit_fraction_tiered_chat",
+    ):
+        assert s[k] is None and k not in where, k
+    # f_capped 06-02 raced the plain backends and measured the tiered home: paired there
+    assert s["throughput_ratio_tiered_vs_fastest_shared_capped"] == 2.0
+    # the copy-engine write-back stands in for the uva one when only it ran
+    engine = _prefix_run("f", "06-07", psa_tiered_uva=None, psa_tiered=_at("16", 75.0))
+    s, where = analysis.summarize(apart + [engine])
+    assert s["throughput_ratio_tiered_vs_fastest_shared"] == 0.5
+    assert where["throughput_ratio_tiered_vs_fastest_shared"]["systems"][0] == "psa_tiered"
+    assert s["prefix_hit_fraction_tiered_shared"] is None  # it reported no cached tokens
+    assert s["prefix_hit_fraction_fastest_shared"] == 0.75
+
+
+@pytest.mark.slow
+def test_stage_g_smoke_end_to_end(tmp_path):
+    """The chat driver against the fake server: every turn answered, sent only after the
+    turn before returned, the history's prefix served from the (fake) prefix cache."""
+    cmd, env = _fake_stage(tmp_path, SMOKE_G)
+    out = tmp_path / "out"
+    cmd += ["--export", str(out), "--port", str(_free_port_pair()), "--systems", "psa"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (part_file,) = (out / "parts").glob("g.*.json")
+    part = json.loads(part_file.read_text())
+    (rate,) = {f"{r:g}" for r in SMOKE_G.rates}
+    for name in ("plain", "psa"):
+        run_ = part["systems"][name]["rates"][rate]
+        got, m = run_["rows"], run_["metrics"]
+        assert len(got) == SMOKE_G.prompts and m["failed"] == 0, name
+        assert set(m["ttft_by_turn"]) == {"0", "1", "2", "3"}
+        by_conv = {}
+        for r in got:
+            by_conv.setdefault(r["group"], {})[r["turn"]] = r
+        for turns in by_conv.values():
+            for t in range(1, 4):
+                assert turns[t]["sent_s"] >= turns[t - 1]["returned_s"]
+                # the whole history before this turn came from the cache
+                assert turns[t]["cached_tokens"] >= turns[t - 1]["prompt_len"] - 1
+            assert turns[0]["cached_tokens"] < turns[0]["prompt_len"] // 2
+        assert 0.5 < m["prefix_cache"]["hit_fraction"] < 1.0
+    same = part["systems"]["psa"]["rates"][rate]["identical_to_plain"]
+    assert same["compared"] == SMOKE_G.prompts and same["identical"] == 1.0
