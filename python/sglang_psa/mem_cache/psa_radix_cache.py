@@ -34,8 +34,27 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_psa.mem_cache.prefix_index import PrefixIndex
 from sglang_psa.mem_cache.request_kv import TieredRequests
+from sglang_psa.releases import req_row
 
 BACKEND = "psa"
+
+# SGLang 0.5.17's `RadixCache` methods overridden here, with the parameters each override
+# passes on to `super()` (in order): the hook table's signature checks cover them.
+OVERRIDES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("__init__", ("self", "params")),
+    ("reset", ("self",)),
+    ("match_prefix", ("self", "params")),
+    ("cache_unfinished_req", ("self", "req", "chunked")),
+    ("cache_finished_req", ("self", "req", "is_insert", "kv_len_to_handle")),
+    ("evict", ("self", "params")),
+    ("inc_lock_ref", ("self", "node")),
+    ("dec_lock_ref", ("self", "node", "params")),
+    ("evictable_size", ("self",)),
+    ("protected_size", ("self",)),
+    ("_insert_helper", ("self", "node", "key", "value", "priority", "chunked")),
+    ("_split_node", ("self", "key", "child", "split_len")),
+    ("_delete_leaf", ("self", "node")),
+)
 
 
 class _HbmOnly:
@@ -212,7 +231,7 @@ class PsaRadixCache(RadixCache):
             # The row's prefix is the tree's: SGLang rewrote it from the old protected
             # length on; before it, a block read from the host tier may have been
             # computed by another request meanwhile (the tree has its page).
-            self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), req.prefix_indices[:n])
+            self.req_to_token_pool.write((req_row(req), slice(0, n)), req.prefix_indices[:n])
         self._share(req, rec, n // self.page_size)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
