@@ -256,6 +256,7 @@ class HostBlocks:
         assert free | lru | held == set(range(self.num_blocks)), "a host block is lost"
         assert not (free | lru) & held, "a held host block is free or waits in the LRU"
         assert all(self.kept[i] for i in lru) and not any(self.kept[i] for i in free)
+        assert not any(self.saved[i] for i in free), "a free host block counts as saved"
         assert all(rec.reserved >= 0 for rec in records)
         assert self.reserved == sum(rec.reserved for rec in records), "reservations drifted"
         assert self.reserved <= len(free) + len(lru), "more promised than available"
