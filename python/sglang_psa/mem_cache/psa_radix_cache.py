@@ -189,19 +189,15 @@ class PsaRadixCache(RadixCache):
         req = params.req
         if self.disable or req is None:
             return res
-        ps = self.page_size
-        key = params.key
-        n = len(key) // ps
-        dev = len(res.device_indices) // ps
-        self.index.track(req.rid, key.extra_key, lambda: req.origin_input_ids + req.output_ids)
-        ids = self.index.lookup(self.index.request_hashes(req.rid, n)) if n else []
         rec = self.requests.records.get(req.rid)
         if rec is not None and (rec.row is not None or rec.parked):
             return res  # running or parked: its blocks are its own already
-        if len(ids) < dev:  # a device block not saved yet: adopt the saved run only
-            want, extra = ids, 0
-        else:
-            want, extra = ids, len(ids) - dev
+        ps, key = self.page_size, params.key
+        self.index.track(req.rid, key.extra_key, lambda: req.origin_input_ids + req.output_ids)
+        # The saved run of the key's blocks: beyond the device match it is read from the
+        # host tier; short of it (a device block not saved yet) only the run is adopted.
+        want = self.index.lookup(self.index.request_hashes(req.rid, len(key) // ps))
+        extra = max(0, len(want) - len(res.device_indices) // ps)
         if rec is not None and rec.host == want:
             ok = True
         else:
