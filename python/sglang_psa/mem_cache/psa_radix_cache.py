@@ -288,15 +288,13 @@ class PsaRadixCache(RadixCache):
         ps, end = self.page_size, blocks * self.page_size
         if end >= len(res.device_indices):
             return res
-        node, start = res.last_device_node, len(res.device_indices)
-        while start - len(node.key) >= end:
-            start -= len(node.key)
+        node, stop = res.last_device_node, len(res.device_indices)  # node: [stop - len, stop)
+        while node is not self.root_node and stop - len(node.key) >= end:
+            stop -= len(node.key)
             node = node.parent
-        start -= len(node.key)
-        if start < end:
+        start = stop - len(node.key)
+        if node is not self.root_node and end - start < len(node.key):
             node = self._split_node(node.key, node, end - start)
-        else:
-            node = node.parent
         assert end % ps == 0
         return res._replace(
             device_indices=res.device_indices[:end],

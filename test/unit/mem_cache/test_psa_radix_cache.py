@@ -293,6 +293,39 @@ def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
         assert s.wb.blocks.used == 0 and s.wb.blocks.reserved == 0
 
 
+@pytest.mark.parametrize("hbm_blocks", [0, 1])
+def test_a_refused_adoption_cuts_the_match_before_the_host_tier(hbm_blocks):
+    """The stem waits in the tree with its host blocks kept, unheld, its first
+    `hbm_blocks` in HBM and the rest at page 0; with every host block promised
+    elsewhere, reviving them is refused: the match stops before the first block at page 0,
+    and a later round, with room, adopts the whole prefix."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a), s.finish(a)
+        a_ids = s.index.lookup(s.index.hashes(None, STEM, 3))
+        if hbm_blocks:  # z shares the first block: the tree splits there
+            z = s.arrive("z", STEM[:BS] + [50] * 5)
+            s.match(z), s.admit(z), s.prefill(z), s.finish(z)
+            s.evict(4 * BS)  # the two leaves go, the first block stays in HBM
+        else:
+            s.evict(10**6)
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9])
+        assert s.match(b) == 3 * BS and s.admit(b)
+        assert (b.prefix_indices[hbm_blocks * BS :] < BS).all()
+        assert (b.prefix_indices[: hbm_blocks * BS] >= BS).all()
+        s.prefill(b)
+        s.finish(b)
+        assert len(s.cache._host_nodes) == 3 - hbm_blocks and s.wb.blocks.cached >= 3
+        assert s.wb.reserve("x", s.wb.blocks.available * BS)  # every block promised
+        c = s.arrive("c", STEM + [9, 9, 9, 9, 7])
+        assert s.match(c) == hbm_blocks * BS and "c" not in s.tiered.records
+        s.tiered.release("x")
+        assert s.match(c) == 4 * BS and s.tiered.records["c"].host[:3] == a_ids
+        s.tiered.release("c")
+        del s.live["c"]
+        s.check()
+
+
 def test_duplicate_blocks_switch_to_the_indexed_ids():
     """e and f both computed the stem; e's saves are acknowledged first. At f's insert
     SGLang frees f's duplicate pages and rewrites its row with e's; f's host blocks switch
