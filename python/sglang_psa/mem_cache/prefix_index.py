@@ -69,6 +69,7 @@ class PrefixIndex:
         self._children: dict[bytes, set[bytes]] = {}
         # rid -> (extra_key, token source, hashes computed so far)
         self._tracked: dict[Hashable, tuple[str | None, Callable[[], Sequence[int]], list]] = {}
+        self._walked: dict[Hashable, int] = {}  # rid -> its leading blocks the index names
         self.listeners: list[Callable[[list[int]], None]] = []
         self.orphans = 0  # entries that left because an earlier block's entry left first
         chained = blocks.on_evict
@@ -109,6 +110,7 @@ class PrefixIndex:
 
     def untrack(self, rid: Hashable) -> None:
         self._tracked.pop(rid, None)
+        self._walked.pop(rid, None)
 
     def request_hashes(self, rid: Hashable, blocks: int) -> list[bytes]:
         """Chained hashes of `rid`'s first `blocks` blocks (fewer when its tokens are
@@ -127,9 +129,20 @@ class PrefixIndex:
         A block whose hash the index names with another id stops the walk (`rec` holds a
         duplicate until the radix cache switches it)."""
         hashes = self.request_hashes(rec.rid, rec.saved)
+        # Resume after the blocks known to be the index's already (each acknowledgement
+        # would walk the whole request again): valid while the last of them still is
+        # (a holder of an indexed id holds the index's ids before it).
+        start = self._walked.get(rec.rid, 0)
+        if start and (
+            start > len(hashes)
+            or start > len(rec.host)
+            or self._ids.get(hashes[start - 1]) != rec.host[start - 1]
+        ):
+            start = 0
         added = []
-        parent = None
-        for b, h in enumerate(hashes):
+        parent = hashes[start - 1] if start else None
+        b = start
+        for b, h in enumerate(hashes[start:], start):
             i = self._ids.get(h)
             if i is None:
                 own = rec.host[b]
@@ -140,6 +153,9 @@ class PrefixIndex:
             elif i != rec.host[b]:
                 break
             parent = h
+        else:
+            b = len(hashes)
+        self._walked[rec.rid] = b
         if added:
             self.blocks.keep(added)
         return len(added)
