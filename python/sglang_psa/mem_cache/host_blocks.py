@@ -47,6 +47,9 @@ class HostBlocks:
         self.reserved = 0  # ids promised to requests, not yet taken (their `reserved`, summed)
         self.refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each id
         self.kept = np.zeros(num_blocks, dtype=bool)  # named by the keeper
+        # Acknowledged on every layer (`WriteBack`): saved state belongs to the id, so a
+        # block saved for one holder is saved for all. Cleared when the id goes free.
+        self.saved = np.zeros(num_blocks, dtype=bool)
         self.lru: OrderedDict[int, None] = OrderedDict()  # kept, unheld; oldest first
         self.on_evict = on_evict
         self.evicted = 0  # kept ids the host tier took back, ever
@@ -116,6 +119,32 @@ class HostBlocks:
         self.share(ids)
         rec.host.extend(ids)
         return True
+
+    def switch(self, rec: RequestKV, b: int, other: int) -> bool:
+        """`rec`'s block `b` is a duplicate of `other` (held or kept, saved): `rec` holds
+        `other` instead and lets its own id go (free unless another holder or the keeper
+        has it). Its blocks before `b` must already be shared with `other`'s holders (a
+        prefix is switched from its start). False, and nothing changes, when reviving a
+        kept `other` would leave the reservations short."""
+        own = rec.host[b]
+        if own == other:
+            return True
+        if self.refs[other] == 0 and other not in self.lru:
+            raise RuntimeError(f"host block {other} is neither held nor kept")
+        if self.refs[other] == 0 and self.refs[own] > 1 and self.available <= 0:
+            return False
+        self.share([other])
+        rec.host[b] = other
+        self.refs[own] -= 1
+        if self.refs[own] == 0:
+            self._unheld([own])
+        return True
+
+    def advance(self, rec: RequestKV) -> int:
+        """`rec.saved` grows over the leading run of its ids that are saved; returns it."""
+        while rec.saved < len(rec.host) and self.saved[rec.host[rec.saved]]:
+            rec.saved += 1
+        return rec.saved
 
     def give_back(self, rec: RequestKV, keep: int) -> None:
         """`rec` keeps only its first `keep` ids (the saves of the others were dropped,
@@ -204,6 +233,7 @@ class HostBlocks:
 
     def _put(self, ids: list[int]) -> None:
         if ids:
+            self.saved[ids] = False
             self._free.extend(ids)
             self._free.sort(reverse=True)  # pop() gives the smallest: freed space re-forms runs
 
@@ -226,6 +256,7 @@ class HostBlocks:
         assert free | lru | held == set(range(self.num_blocks)), "a host block is lost"
         assert not (free | lru) & held, "a held host block is free or waits in the LRU"
         assert all(self.kept[i] for i in lru) and not any(self.kept[i] for i in free)
+        assert not any(self.saved[i] for i in free), "a free host block counts as saved"
         assert all(rec.reserved >= 0 for rec in records)
         assert self.reserved == sum(rec.reserved for rec in records), "reservations drifted"
         assert self.reserved <= len(free) + len(lru), "more promised than available"

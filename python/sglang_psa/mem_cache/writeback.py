@@ -137,6 +137,9 @@ class WriteBack:
         self.engine = self.transport.engine if path == "engine" else None  # the copy engine
         self.stream = self.transport.stream  # the copy stream (None on CPU)
         self.blocks = HostBlocks(host_blocks)
+        # The keeper of saved prefixes (`mem_cache.prefix_index`), fed by acknowledgements;
+        # set by the `psa` radix cache, None without one.
+        self.index = None
         self.decode_flush_blocks = decode_flush_blocks
         # One record per request the tiered store knows (`mem_cache.request_kv`).
         self.records: dict[object, RequestKV] = {}
@@ -174,10 +177,13 @@ class WriteBack:
             self.host_loc[rec.row, : len(rec.host)] = 0
         rec.on_host = False
 
-    def drop_plans(self, rid) -> None:
-        """Planned, unissued saves of `rid` are dropped (SGLang frees their pages)."""
+    def drop_plans(self, rid, blocks=None) -> None:
+        """Planned, unissued saves of `rid` (of its `blocks` only, if given) are dropped
+        (SGLang frees their pages, or the blocks switched to another's saved copy)."""
         for plan in (self._decode, self._extend):
-            keep = [e for e in plan if e.rid != rid]
+            keep = [
+                e for e in plan if e.rid != rid or (blocks is not None and e.block not in blocks)
+            ]
             self.stats.dropped_blocks += len(plan) - len(keep)
             plan[:] = keep
 
@@ -266,10 +272,22 @@ class WriteBack:
         """The transport finished a job of `layer`: a block is saved once its last layer
         is."""
         if layer == self.layers - 1:
+            acked: dict[int, RequestKV] = {}
             for e in entries:
                 rec = self.records.get(e.rid)
-                if rec is not None and rec.row == e.row:
-                    rec.saved = max(rec.saved, e.block + 1)
+                # An ack of a request that ended or moved, or of a block it switched to
+                # another's id, names an id that may be someone else's by now: ignored.
+                if (
+                    rec is not None
+                    and rec.row == e.row
+                    and rec.host[e.block : e.block + 1] == [e.host]
+                ):
+                    self.blocks.saved[e.host] = True
+                    acked[id(rec)] = rec
+            for rec in acked.values():
+                self.blocks.advance(rec)  # saved state is the id's: a leading run
+                if self.index is not None:
+                    self.index.saved(rec)
             self.stats.blocks_saved += len(entries)
             self.stats.bytes_saved += len(entries) * self._block_bytes * self.layers
 

@@ -1,0 +1,210 @@
+"""The keeper of saved prefix blocks (`PrefixIndex`): chained block hashes -> host ids.
+
+`--psa-kv-home tiered` with the `psa` radix cache (`mem_cache.psa_radix_cache`). Block
+`b` of a request is named by `hash(extra_key, tokens of blocks 0..b)` (each hash chains
+the previous one, as nano-vllm's block manager keys blocks), so an entry does not depend
+on SGLang's tree: a node split, merge or deletion changes nothing here, and a node SGLang
+deletes when it leaves HBM keeps its host blocks in the index.
+
+Only acknowledged saves enter (`saved`, called by the write-back's acknowledgement), and
+only along a chain the index already has with the same host ids: block `b` of a record
+enters if blocks `0..b-1` are the index's entries for their hashes *and* the record holds
+those very ids. So every entry's parent entry is held by every holder of the entry (a
+holder holds a whole prefix), a prefix's later blocks are released no later than its
+earlier ones, and the host tier's LRU (`HostBlocks.evict_lru`) takes a prefix's end
+before its start: what stays indexed of a prefix is its start (docs/prefix-tiered.md,
+invariant 5). A request that saved a duplicate of an indexed block keeps it out of the
+index; the radix cache switches it to the index's id (`HostBlocks.switch`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Hashable, Sequence
+
+from sglang_psa.mem_cache.host_blocks import HostBlocks
+from sglang_psa.mem_cache.request_kv import RequestKV
+
+
+def chain_hashes(
+    extra_key: str | None,
+    tokens: Sequence[int],
+    block_size: int,
+    blocks: int,
+    known: Sequence[bytes] = (),
+) -> list[bytes]:
+    """The chained hashes of the first `blocks` whole blocks of `tokens` (at most as many
+    as there are), reusing `known` (the hashes of a prefix of them)."""
+    out = list(known[:blocks])
+    blocks = min(blocks, len(tokens) // block_size)
+    prev = out[-1] if out else (extra_key or "").encode()
+    for b in range(len(out), blocks):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(array("q", tokens[b * block_size : (b + 1) * block_size]).tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class PrefixIndex:
+    """Chained block hash -> host id of an acknowledged save, the host tier's keeper.
+
+    Every id it names is kept (`HostBlocks.keep`): held by requests, or waiting unheld in
+    the host tier's LRU. When the LRU takes ids back (`HostBlocks.on_evict`) their
+    entries leave, with any entry chained below them (none while prefix order holds;
+    counted in `orphans`), and the listeners (the radix cache cutting tree nodes at page
+    0) hear of every id that left. The index never names a free id.
+
+    Requests are tracked by rid with a source of their tokens (`track`), so that an
+    acknowledgement arriving during decode (no radix call in between) can hash the
+    blocks it saved.
+    """
+
+    def __init__(self, blocks: HostBlocks, block_size: int):
+        self.blocks, self.block_size = blocks, block_size
+        self._ids: dict[bytes, int] = {}  # chained hash -> host id
+        self._hash: dict[int, bytes] = {}  # host id -> its hash
+        self._parent: dict[bytes, bytes | None] = {}
+        self._children: dict[bytes, set[bytes]] = {}
+        # rid -> (extra_key, token source, hashes computed so far)
+        self._tracked: dict[Hashable, tuple[str | None, Callable[[], Sequence[int]], list]] = {}
+        self._walked: dict[Hashable, int] = {}  # rid -> its leading blocks the index names
+        self.listeners: list[Callable[[list[int]], None]] = []
+        self.orphans = 0  # entries that left because an earlier block's entry left first
+        chained = blocks.on_evict
+
+        def on_evict(ids: list[int]) -> None:
+            if chained is not None:
+                chained(ids)
+            self.on_evict(ids)
+
+        blocks.on_evict = on_evict
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    # -- lookups ----------------------------------------------------------------------
+    def hashes(self, extra_key: str | None, tokens: Sequence[int], blocks: int) -> list[bytes]:
+        return chain_hashes(extra_key, tokens, self.block_size, blocks)
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Host ids of the longest indexed prefix of `hashes`, in block order."""
+        out = []
+        for h in hashes:
+            i = self._ids.get(h)
+            if i is None:
+                break
+            out.append(i)
+        return out
+
+    def get(self, h: bytes) -> int | None:
+        return self._ids.get(h)
+
+    # -- requests and their acknowledgements --------------------------------------------
+    def track(self, rid: Hashable, extra_key: str | None, tokens: Callable[[], Sequence[int]]):
+        """`rid`'s blocks are hashed from `tokens()` (its tokens so far) when saved."""
+        old = self._tracked.get(rid)
+        known = old[2] if old is not None and old[0] == extra_key else []
+        self._tracked[rid] = (extra_key, tokens, known)
+
+    def untrack(self, rid: Hashable) -> None:
+        self._tracked.pop(rid, None)
+        self._walked.pop(rid, None)
+
+    def request_hashes(self, rid: Hashable, blocks: int) -> list[bytes]:
+        """Chained hashes of `rid`'s first `blocks` blocks (fewer when its tokens are
+        fewer, none when untracked)."""
+        t = self._tracked.get(rid)
+        if t is None:
+            return []
+        extra_key, tokens, known = t
+        if len(known) < blocks:
+            known[:] = chain_hashes(extra_key, tokens(), self.block_size, blocks, known)
+        return known[:blocks]
+
+    def saved(self, rec: RequestKV) -> int:
+        """`rec`'s saved blocks (`[0, rec.saved)`, acknowledged) enter the index where it
+        lacks them, along the chain of its ids the index names; returns the blocks added.
+        A block whose hash the index names with another id stops the walk (`rec` holds a
+        duplicate until the radix cache switches it)."""
+        hashes = self.request_hashes(rec.rid, rec.saved)
+        # Resume after the blocks known to be the index's already (each acknowledgement
+        # would walk the whole request again): valid while the last of them still is
+        # (a holder of an indexed id holds the index's ids before it).
+        start = self._walked.get(rec.rid, 0)
+        if start and (
+            start > len(hashes)
+            or start > len(rec.host)
+            or self._ids.get(hashes[start - 1]) != rec.host[start - 1]
+        ):
+            start = 0
+        added = []
+        parent = hashes[start - 1] if start else None
+        b = start
+        for b, h in enumerate(hashes[start:], start):
+            i = self._ids.get(h)
+            if i is None:
+                own = rec.host[b]
+                if own in self._hash:  # (an id names one block's content only)
+                    break
+                self._add(h, own, parent)
+                added.append(own)
+            elif i != rec.host[b]:
+                break
+            parent = h
+        else:
+            b = len(hashes)
+        self._walked[rec.rid] = b
+        if added:
+            self.blocks.keep(added)
+        return len(added)
+
+    def _add(self, h: bytes, i: int, parent: bytes | None) -> None:
+        self._ids[h], self._hash[i], self._parent[h] = i, h, parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(h)
+
+    # -- the host tier takes ids back ---------------------------------------------------
+    def on_evict(self, ids: list[int]) -> None:
+        """The host tier freed `ids` (kept, unheld): their entries leave, and any chained
+        below them (those ids are unkept: free if unheld)."""
+        gone: list[int] = []
+        orphaned: list[int] = []
+        for i in ids:
+            h = self._hash.get(i)
+            if h is not None:
+                self._remove(h, gone, orphaned, top=True)
+        if orphaned:
+            self.orphans += len(orphaned)
+            self.blocks.unkeep(orphaned)
+        for fn in self.listeners:
+            fn(gone + orphaned)
+
+    def _remove(self, h: bytes, gone: list[int], orphaned: list[int], top: bool) -> None:
+        stack = [(h, top)]
+        while stack:
+            h, top = stack.pop()
+            i = self._ids.pop(h)
+            del self._hash[i]
+            parent = self._parent.pop(h)
+            if parent is not None and parent in self._children:
+                self._children[parent].discard(h)
+            (gone if top else orphaned).append(i)
+            stack.extend((c, False) for c in self._children.pop(h, ()))
+
+    def check_integrity(self) -> None:
+        """Hash <-> id one to one; every named id kept (held or in the LRU: never free)
+        and saved; every entry's parent indexed (a prefix keeps its start)."""
+        assert len(self._ids) == len(self._hash), "the index's maps drifted"
+        free = set(self.blocks._free)
+        for h, i in self._ids.items():
+            assert self._hash[i] == h, f"host block {i} named under two hashes"
+            assert i not in free, f"the index names free host block {i}"
+            assert self.blocks.kept[i], f"indexed host block {i} is not kept"
+            assert self.blocks.refs[i] > 0 or i in self.blocks.lru, i
+            assert self.blocks.saved[i], f"indexed host block {i} was never acknowledged"
+            p = self._parent[h]
+            assert p is None or p in self._ids, f"host block {i} indexed without its prefix"
+        kept = set(map(int, self.blocks.kept.nonzero()[0]))
+        assert kept == set(self._hash), "a kept host block the index does not name"

@@ -1,0 +1,384 @@
+"""The `psa` radix cache: SGLang's `RadixCache` with the tiered store's part of prefix
+caching (`--psa-kv-home tiered`, `--radix-cache-backend psa`; docs/prefix-tiered.md).
+
+Each override calls SGLang's method and adds the tiered store's part:
+- `match_prefix`: SGLang's device match, extended by the keeper (`PrefixIndex`) with the
+  saved blocks that follow it (host-only: their entries at page 0, as a parked request
+  resumes); a request (`params.req`) adopts the host ids of its whole matched prefix
+  (`TieredRequests.adopt`). Where it cannot (the host tier's reservations are short), the
+  match stops before the first block it would read from the host tier.
+- `cache_unfinished_req` / `cache_finished_req`: after SGLang's insert (its duplicate
+  pages freed, the row rewritten with the tree's pages), the request's blocks that the
+  index names with another id switch to that id (`HostBlocks.switch`; their unissued
+  saves dropped) and its own saved blocks the index lacks enter it; the row's prefix is
+  the tree's (a host-only block another request computed meanwhile reads its page).
+- `evict`: SGLang's LRU eviction, repeated until `num_tokens` HBM slots are free; entries
+  at page 0 never reach the allocator. `evictable_size` / `protected_size` count HBM
+  slots only (page-0 tokens per node move between the two in the lock walks).
+- the host tier taking a kept block back (`PrefixIndex.listeners`): the tree node holding
+  it at page 0 is cut there, its descendants deleted (none is locked: a lock means a
+  holder of the whole path).
+
+Tree nodes carry `psa_host`: per block of the node, the host id of a block at page 0
+(None where the block has an HBM page), or None for a node with no block at page 0.
+The page size is the PSA block size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+from sglang_psa.mem_cache.prefix_index import PrefixIndex
+from sglang_psa.mem_cache.request_kv import TieredRequests
+from sglang_psa.releases import req_row
+
+BACKEND = "psa"
+
+# SGLang 0.5.17's `RadixCache` methods overridden here, with the parameters each override
+# passes on to `super()` (in order): the hook table's signature checks cover them.
+OVERRIDES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("__init__", ("self", "params")),
+    ("reset", ("self",)),
+    ("match_prefix", ("self", "params")),
+    ("cache_unfinished_req", ("self", "req", "chunked")),
+    ("cache_finished_req", ("self", "req", "is_insert", "kv_len_to_handle")),
+    ("evict", ("self", "params")),
+    ("inc_lock_ref", ("self", "node")),
+    ("dec_lock_ref", ("self", "node", "params")),
+    ("evictable_size", ("self",)),
+    ("protected_size", ("self",)),
+    ("_insert_helper", ("self", "node", "key", "value", "priority", "chunked")),
+    ("_split_node", ("self", "key", "child", "split_len")),
+    ("_delete_leaf", ("self", "node")),
+)
+
+
+class _HbmOnly:
+    """SGLang's allocator as the tree's frees see it: entries at page 0 are dropped."""
+
+    def __init__(self, allocator, page_size: int):
+        self._alloc, self._ps = allocator, page_size
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        keep = free_index >= self._ps
+        if bool(keep.all()):
+            self._alloc.free_segment(free_index, start_pos=start_pos)
+        elif bool(keep.any()):
+            self._alloc.free(free_index[keep])
+
+    def free_segments(self, segments) -> None:
+        for idx, start in segments:
+            self.free_segment(idx, start_pos=start)
+
+    def __getattr__(self, name):
+        return getattr(self._alloc, name)
+
+
+class PsaRadixCache(RadixCache):
+    """SGLang's radix cache over the tiered store's host blocks (see the module doc)."""
+
+    def __init__(self, params, requests: TieredRequests, index: PrefixIndex):
+        super().__init__(params)
+        if self.page_size != index.block_size or self.is_eagle:
+            raise ValueError(
+                f"the psa radix cache needs page size = PSA block size ({index.block_size}) "
+                f"and no EAGLE bigram keys (page size {self.page_size}, eagle {self.is_eagle})"
+            )
+        self.requests, self.index = requests, index
+        self.wb = requests.wb
+        self.blocks = self.wb.blocks
+        self._inserting = None  # the record whose row SGLang inserts
+        self._maybe_page0: set = set()  # rids whose rows may have entries at page 0
+        index.listeners.append(self._cut)
+
+    def reset(self):
+        super().reset()
+        self.root_node.psa_host = None
+        self._p0_evictable = self._p0_protected = 0  # page-0 tokens in unlocked/locked nodes
+        self._host_nodes: dict[int, TreeNode] = {}  # host id at page 0 -> its tree node
+
+    # -- sizes: HBM slots only ----------------------------------------------------------
+    def evictable_size(self):
+        return super().evictable_size() - self._p0_evictable
+
+    def protected_size(self):
+        return super().protected_size() - self._p0_protected
+
+    def _p0(self, node: TreeNode) -> int:
+        ids = getattr(node, "psa_host", None)
+        return 0 if ids is None else self.page_size * sum(i is not None for i in ids)
+
+    def inc_lock_ref(self, node: TreeNode):
+        if not self.disable:
+            n = node
+            while n != self.root_node:
+                if n.lock_ref == 0 and (p := self._p0(n)):
+                    self._p0_evictable -= p
+                    self._p0_protected += p
+                n = n.parent
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode, params=None):
+        if not self.disable:
+            n = node
+            while n != self.root_node:
+                if n.lock_ref == 1 and (p := self._p0(n)):
+                    self._p0_evictable += p
+                    self._p0_protected -= p
+                n = n.parent
+        return super().dec_lock_ref(node, params)
+
+    # -- tree structure: page-0 blocks follow their nodes -------------------------------
+    def _insert_helper(self, node, key, value, priority=0, chunked=False):
+        prefix_len, last = super()._insert_helper(node, key, value, priority, chunked)
+        if not hasattr(last, "psa_host"):  # SGLang created it for the key's tail
+            last.psa_host = None
+            rec = self._inserting
+            if rec is not None and rec.rid in self._maybe_page0:
+                ps = self.page_size
+                start = (len(key) - len(last.key)) // ps
+                zero = (last.value[::ps] < ps).tolist()
+                if any(zero):
+                    last.psa_host = [rec.host[start + j] if z else None for j, z in enumerate(zero)]
+                    for i in last.psa_host:
+                        if i is not None:
+                            assert i not in self._host_nodes, f"host block {i} twice in the tree"
+                            self._host_nodes[i] = last
+                    self._p0_evictable += self._p0(last)
+        return prefix_len, last
+
+    def _split_node(self, key, child, split_len):
+        new = super()._split_node(key, child, split_len)
+        ids = getattr(child, "psa_host", None)
+        new.psa_host = None
+        if ids is not None:
+            k = split_len // self.page_size
+            head, tail = ids[:k], ids[k:]
+            new.psa_host = head if any(i is not None for i in head) else None
+            child.psa_host = tail if any(i is not None for i in tail) else None
+            for i in head:
+                if i is not None:
+                    self._host_nodes[i] = new
+        return new
+
+    def _delete_leaf(self, node):
+        super()._delete_leaf(node)
+        self._p0_evictable -= self._p0(node)
+        for i in getattr(node, "psa_host", None) or ():
+            if i is not None:
+                del self._host_nodes[i]
+
+    @contextlib.contextmanager
+    def _hbm_frees(self):
+        """SGLang's frees within skip page 0 (entries of blocks read from the host tier)."""
+        alloc = self.token_to_kv_pool_allocator
+        if self._maybe_page0 or self._host_nodes:  # (a mask per free: a sync on the GPU)
+            self.token_to_kv_pool_allocator = _HbmOnly(alloc, self.page_size)
+        try:
+            yield
+        finally:
+            self.token_to_kv_pool_allocator = alloc
+
+    # -- the scheduler's calls ----------------------------------------------------------
+    def match_prefix(self, params) -> MatchResult:
+        res = super().match_prefix(params)
+        req = params.req
+        if self.disable or req is None:
+            return res
+        rec = self.requests.records.get(req.rid)
+        if rec is not None and (rec.row is not None or rec.parked):
+            return res  # running or parked: its blocks are its own already
+        ps, key = self.page_size, params.key
+        self.index.track(req.rid, key.extra_key, lambda: req.origin_input_ids + req.output_ids)
+        # The saved run of the key's blocks: beyond the device match it is read from the
+        # host tier; short of it (a device block not saved yet) only the run is adopted.
+        want = self.index.lookup(self.index.request_hashes(req.rid, len(key) // ps))
+        extra = max(0, len(want) - len(res.device_indices) // ps)
+        if rec is not None and rec.host == want:
+            ok = True
+        else:
+            if rec is not None and rec.host:  # an earlier round adopted another prefix
+                self.blocks.give_back(rec, 0)
+                rec.saved = 0
+            ok = not want or self.requests.adopt(req.rid, want)
+        if not ok:
+            return self._cut_match(res, self._first_page0(res))
+        if not extra:
+            return res
+        self._maybe_page0.add(req.rid)
+        zeros = torch.arange(extra * ps, dtype=torch.int64, device=res.device_indices.device)
+        return res._replace(device_indices=torch.cat([res.device_indices, zeros % ps]))
+
+    def cache_unfinished_req(self, req, chunked=False):
+        rec = self._inserting = self.requests.records.get(req.rid)
+        try:
+            with self._hbm_frees():
+                super().cache_unfinished_req(req, chunked)
+        finally:
+            self._inserting = None
+        if rec is None or self.disable:
+            return
+        n = req.cache_protected_len
+        if req.rid in self._maybe_page0:
+            # The row's prefix is the tree's: SGLang rewrote it from the old protected
+            # length on; before it, a block read from the host tier may have been
+            # computed by another request meanwhile (the tree has its page).
+            self.req_to_token_pool.write((req_row(req), slice(0, n)), req.prefix_indices[:n])
+        self._share(req, rec, n // self.page_size)
+
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        rec = self._inserting = self.requests.records.get(req.rid)
+        try:
+            with self._hbm_frees():
+                super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+        finally:
+            self._inserting = None
+        self._maybe_page0.discard(req.rid)
+        if rec is not None and not self.disable:
+            self._share(req, rec, kv_len_to_handle // self.page_size)
+        self.index.untrack(req.rid)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return super().evict(params)
+        want, freed = params.num_tokens, 0
+        with self._hbm_frees():
+            while freed < want and self.evictable_leaves:
+                before = self.evictable_size()
+                res = super().evict(EvictParams(num_tokens=want - freed))
+                freed += before - self.evictable_size()
+                if not res.num_tokens_evicted:
+                    break
+        return EvictResult(num_tokens_evicted=freed)
+
+    # -- the tiered store's part --------------------------------------------------------
+    def _share(self, req, rec, blocks: int) -> None:
+        """`rec`'s first `blocks` blocks are in the tree: those the index names with
+        another id switch to it; its saved blocks the index lacks enter it."""
+        self.index.track(req.rid, req.extra_key, lambda: req.origin_input_ids + req.output_ids)
+        n = min(blocks, rec.planned)
+        ids = self.index.lookup(self.index.request_hashes(req.rid, n))
+        switched = []
+        for b, i in enumerate(ids):
+            if rec.host[b] != i:
+                if not self.blocks.switch(rec, b, i):
+                    break
+                switched.append(b)
+        if switched:
+            self.wb.drop_plans(req.rid, set(switched))
+        self.blocks.advance(rec)
+        self.index.saved(rec)
+        if rec.row is not None and switched:
+            # Decode reads these blocks from the host tier where it did: at the new ids.
+            loc = self.wb.host_loc[rec.row, switched].tolist()
+            self.wb.read_from_host(req.rid, [b for b, v in zip(switched, loc) if v])
+
+    def _first_page0(self, res: MatchResult) -> int:
+        """The first block of a match at page 0 (its length in blocks if none)."""
+        ps = self.page_size
+        zero = (res.device_indices[::ps] < ps).nonzero()
+        return int(zero[0]) if len(zero) else len(res.device_indices) // ps
+
+    def _cut_match(self, res: MatchResult, blocks: int) -> MatchResult:
+        """`res` cut to its first `blocks` blocks (the tree split at the boundary)."""
+        ps, end = self.page_size, blocks * self.page_size
+        if end >= len(res.device_indices):
+            return res
+        node, stop = res.last_device_node, len(res.device_indices)  # node: [stop - len, stop)
+        while node is not self.root_node and stop - len(node.key) >= end:
+            stop -= len(node.key)
+            node = node.parent
+        start = stop - len(node.key)
+        if node is not self.root_node and end - start < len(node.key):
+            node = self._split_node(node.key, node, end - start)
+        assert end % ps == 0
+        return res._replace(
+            device_indices=res.device_indices[:end],
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+        )
+
+    def _cut(self, ids: list[int]) -> None:
+        """The host tier took `ids` back: a node holding one at page 0 is cut there and
+        the rest of it, with its descendants, deleted (their HBM pages freed)."""
+        for i in ids:
+            node = self._host_nodes.get(i)
+            if node is None:
+                continue
+            k = node.psa_host.index(i)
+            if k:
+                self._split_node(node.key, node, k * self.page_size)
+            self._delete_subtree(node)
+
+    def _delete_subtree(self, top: TreeNode) -> None:
+        order, stack = [], [top]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        with self._hbm_frees():
+            for n in reversed(order):  # leaves first
+                if n.lock_ref:
+                    raise RuntimeError("a locked tree node lost a host block at page 0")
+                self.token_to_kv_pool_allocator.free_segment(n.value, start_pos=0)
+                self._delete_leaf(n)
+                self._record_remove_event(n)
+
+    def check_integrity(self) -> None:
+        """The tree's page-0 blocks: each names a kept or held host id the index has, the
+        node map agrees, and the sizes count HBM slots only (recounted from the tree)."""
+        ps = self.page_size
+        ev = pr = 0
+        seen = {}
+        stack = list(self.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            zero = (n.value[::ps] < ps).tolist()
+            ids = getattr(n, "psa_host", None) or [None] * len(zero)
+            assert [i is not None for i in ids] == zero, "a page-0 block without its host id"
+            hbm = len(n.key) - ps * sum(zero)
+            if n.lock_ref:
+                pr += hbm
+            else:
+                ev += hbm
+            for i in ids:
+                if i is not None:
+                    seen[i] = n
+                    assert self.blocks.refs[i] > 0 or i in self.blocks.lru, i
+                    assert self.index._hash.get(i) is not None, f"host block {i} not indexed"
+        assert seen == self._host_nodes, "the page-0 node map drifted"
+        assert (ev, pr) == (self.evictable_size(), self.protected_size()), (
+            f"HBM sizes {(self.evictable_size(), self.protected_size())}, tree has {(ev, pr)}"
+        )
+
+
+def factory(ctx) -> PsaRadixCache:
+    """SGLang's `RadixCacheFactory` for `--radix-cache-backend psa`: the tree over this
+    process's tiered store (its keeper made here, fed by the write-back)."""
+    from sglang_psa.sched.serving import current
+
+    serving = current()
+    requests = None if serving is None else serving.requests
+    if requests is None:
+        raise ValueError(
+            "--radix-cache-backend psa needs --psa-kv-home tiered (the tiered store was "
+            "not set up when SGLang built its tree cache)"
+        )
+    wb = requests.wb
+    if wb.index is None:
+        wb.index = PrefixIndex(wb.blocks, wb.block_size)
+    return PsaRadixCache(ctx.params, requests, wb.index)
+
+
+def register() -> None:
+    """Registers the `psa` backend with SGLang's radix cache registry (once)."""
+    from sglang.srt.mem_cache import registry
+
+    if BACKEND not in registry.registered_radix_cache_backends():
+        registry.register_radix_cache_backend(BACKEND, factory)

@@ -1,0 +1,186 @@
+"""The keeper of saved prefixes (`PrefixIndex`): chained block hashes -> host ids, fed only
+by acknowledged saves, against a model keyed by the token prefixes themselves. Lookups
+return the longest saved prefix; an id the host tier's LRU takes back leaves the index,
+which never names a free id; what stays indexed of a prefix is its start."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_psa.mem_cache.host_blocks import HostBlocks
+from sglang_psa.mem_cache.prefix_index import PrefixIndex, chain_hashes
+from sglang_psa.mem_cache.request_kv import RequestKV
+
+BS = 4
+
+
+def _ack(hb: HostBlocks, index: PrefixIndex, rec: RequestKV, blocks) -> None:
+    """What `WriteBack._saved` does with an acknowledgement."""
+    for b in blocks:
+        hb.saved[rec.host[b]] = True
+    hb.advance(rec)
+    index.saved(rec)
+
+
+def _start(hb, index, rid, tokens, extra_key=None) -> RequestKV:
+    rec = RequestKV(rid)
+    index.track(rid, extra_key, lambda: tokens)
+    return rec
+
+
+def test_chained_hashes_name_a_prefix_and_its_namespace():
+    a = chain_hashes(None, list(range(12)), BS, 3)
+    b = chain_hashes(None, list(range(8)) + [9, 9, 9, 9], BS, 3)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert chain_hashes("lora", list(range(12)), BS, 3)[0] != a[0]
+    assert chain_hashes(None, list(range(12)), BS, 3, known=a[:1]) == a
+    assert len(chain_hashes(None, list(range(10)), BS, 5)) == 2  # whole blocks only
+
+
+def test_only_acknowledged_saves_enter_and_lookups_take_the_longest_prefix():
+    hb = HostBlocks(16)
+    index = PrefixIndex(hb, BS)
+    toks = list(range(20))
+    a = _start(hb, index, "a", toks)
+    hb.take(a, 4)
+    assert index.lookup(chain_hashes(None, toks, BS, 5)) == []
+    _ack(hb, index, a, [1])  # block 0 not acknowledged yet: nothing enters
+    assert a.saved == 0 and len(index) == 0
+    _ack(hb, index, a, [0])
+    assert a.saved == 2 and index.lookup(chain_hashes(None, toks, BS, 5)) == [0, 1]
+    assert hb.kept[[0, 1]].all() and not hb.kept[[2, 3]].any()
+    # Another prompt sharing two blocks, then diverging, finds those two only.
+    other = toks[:8] + [99] * 12
+    assert index.lookup(chain_hashes(None, other, BS, 5)) == [0, 1]
+    assert index.lookup(chain_hashes("salt", toks, BS, 5)) == []
+    # b computed the same blocks itself: its duplicates stay out of the index until it
+    # switches to the index's ids, then its own further blocks enter.
+    b = _start(hb, index, "b", toks)
+    hb.take(b, 3)
+    _ack(hb, index, b, [0, 1, 2])
+    assert b.host == [4, 5, 6] and len(index) == 2
+    assert hb.switch(b, 0, 0) and hb.switch(b, 1, 1) and b.host == [0, 1, 6]
+    index.saved(b)
+    assert index.lookup(chain_hashes(None, toks, BS, 5)) == [0, 1, 6]
+    index.check_integrity()
+    hb.check_integrity([a, b])
+
+
+def test_an_evicted_block_leaves_the_index_deeper_blocks_first():
+    gone: list[int] = []
+    hb = HostBlocks(6, on_evict=gone.extend)
+    index = PrefixIndex(hb, BS)
+    toks = list(range(16))
+    a = _start(hb, index, "a", toks)
+    hb.take(a, 4)
+    _ack(hb, index, a, range(4))
+    hb.free(a)
+    assert list(hb.lru) == [3, 2, 1, 0]
+    index.check_integrity()
+    c = RequestKV("c")
+    hb.take(c, 3)  # two free ids, then the oldest kept: the prefix's last block
+    assert gone == [3] and index.lookup(chain_hashes(None, toks, BS, 4)) == [0, 1, 2]
+    hb.take(c, 2)
+    assert gone == [3, 2, 1] and index.lookup(chain_hashes(None, toks, BS, 4)) == [0]
+    assert index.orphans == 0
+    index.check_integrity()
+    hb.check_integrity([c])
+
+
+class _Model:
+    """The index as it must be: token prefix (whole blocks) -> host id, fed by the same
+    acknowledgements, emptied by the same evictions."""
+
+    def __init__(self):
+        self.ids: dict[tuple, int] = {}
+
+    def saved(self, rec, tokens):
+        for b in range(rec.saved):
+            key = tuple(tokens[: (b + 1) * BS])
+            i = self.ids.get(key)
+            if i is None:
+                if rec.host[b] in self.ids.values():
+                    break
+                self.ids[key] = rec.host[b]
+            elif i != rec.host[b]:
+                break
+
+    def evicted(self, ids):
+        for key in [k for k, i in self.ids.items() if i in ids]:
+            for deeper in [k for k in self.ids if k[: len(key)] == key]:
+                del self.ids[deeper]
+
+    def lookup(self, tokens):
+        out = []
+        for b in range(len(tokens) // BS):
+            i = self.ids.get(tuple(tokens[: (b + 1) * BS]))
+            if i is None:
+                break
+            out.append(i)
+        return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_requests_keep_the_index_a_set_of_saved_prefix_starts(seed):
+    rng = random.Random(seed)
+    n = 24
+    model = _Model()
+    hb = HostBlocks(n, on_evict=model.evicted)
+    index = PrefixIndex(hb, BS)
+    stems = [[rng.randrange(3) for _ in range(6 * BS)] for _ in range(5)]
+    live: dict[str, tuple[RequestKV, list[int]]] = {}
+    for step in range(500):
+        op = rng.choice(["start", "start", "grow", "ack", "ack", "switch", "end", "end", "evict"])
+        if op == "start":
+            stem = rng.choice(stems)
+            toks = stem[: rng.randint(1, len(stem))] + [rng.randrange(50) for _ in range(8)]
+            rid = f"r{step}"
+            rec = _start(hb, index, rid, toks)
+            blocks = len(toks) // BS
+            prefix = index.lookup(chain_hashes(None, toks, BS, blocks))
+            assert prefix == model.lookup(toks)
+            if not hb.reserve(rec, blocks):
+                index.untrack(rid)
+                continue
+            if prefix:
+                assert hb.adopt(rec, prefix)
+                rec.saved = len(prefix)
+            live[rid] = (rec, toks)
+        elif op == "grow" and live:
+            rec, toks = live[rng.choice(sorted(live))]
+            k = min(rng.randint(1, 3), len(toks) // BS - rec.planned)
+            if k > 0:
+                hb.take(rec, k)
+        elif op == "ack" and live:
+            rec, toks = live[rng.choice(sorted(live))]
+            pending = [b for b in range(rec.planned) if not hb.saved[rec.host[b]]]
+            if pending:
+                _ack(hb, index, rec, rng.sample(pending, rng.randint(1, len(pending))))
+                model.saved(rec, toks)
+        elif op == "switch" and live:  # the radix cache finds rec's blocks saved already
+            rec, toks = live[rng.choice(sorted(live))]
+            ids = index.lookup(index.request_hashes(rec.rid, rec.planned))
+            for b, i in enumerate(ids):
+                if not hb.switch(rec, b, i):
+                    break
+            hb.advance(rec)
+            index.saved(rec)
+            model.saved(rec, toks)
+        elif op == "end" and live:
+            rec, _ = live.pop(rng.choice(sorted(live)))
+            hb.free(rec)
+            index.untrack(rec.rid)
+        elif op == "evict":
+            hb.evict_lru(rng.randint(1, 3))
+        # The index equals the model, names no free id, and keeps prefix starts.
+        assert {index._hash[i]: i for i in index._hash} == index._ids
+        assert sorted(index._hash) == sorted(model.ids.values())
+        for toks in stems:
+            hashes = chain_hashes(None, toks, BS, len(toks) // BS)
+            assert index.lookup(hashes) == model.lookup(toks)
+        assert index.orphans == 0
+        index.check_integrity()
+        hb.check_integrity([r for r, _ in live.values()])
+    assert hb.evicted > 0, "the run never made the host tier take kept blocks back"

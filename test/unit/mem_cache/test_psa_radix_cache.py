@@ -1,0 +1,452 @@
+"""The `psa` radix cache (`PsaRadixCache`, SGLang's `RadixCache` subclassed) over the
+tiered store, on CPU: SGLang's real ReqToTokenPool, paged allocator and tree, the real
+write-back (the uva path), host blocks, prefix index and request records, driven in the
+scheduler's call order (match_prefix -> admit and lock -> prefill -> cache_unfinished_req
+-> decode -> cache_finished_req -> release -> evict) for requests sharing prefixes.
+After every call (docs/prefix-tiered.md): every host id is held by exactly the records
+naming it, kept, or free (1); a request's row equals its tree path, whose page-0 blocks
+are its own host ids, and right after its insert its indexed blocks are the index's ids
+(3); the index keeps prefix starts (5); every HBM page is free, the tree's or one
+request's, once; page 0 never reaches the allocator; the tree's sizes count HBM slots
+only (6)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("zmq", reason="pyzmq is not installed here (pip install sglang-psa)")
+pytest.importorskip("orjson", reason="orjson is not installed here (pip install sglang-psa)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.radix_cache",
+    reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
+)
+
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+
+from sglang_psa.mem_cache import psa_radix_cache  # noqa: E402
+from sglang_psa.mem_cache.prefix_index import PrefixIndex  # noqa: E402
+from sglang_psa.mem_cache.psa_radix_cache import PsaRadixCache  # noqa: E402
+from sglang_psa.mem_cache.request_kv import TieredRequests  # noqa: E402
+from sglang_psa.mem_cache.residency import Residency  # noqa: E402
+from sglang_psa.mem_cache.writeback import WriteBack, wait_saved  # noqa: E402
+
+L, H, D, BS = 2, 1, 8, 4
+PAGES, ROWS, CTX, HOST_BLOCKS = 40, 6, 64, 28
+
+
+class _Store:
+    """The tiered home's pieces around one `PsaRadixCache`, and the scheduler's calls."""
+
+    def __init__(self, pages: int = PAGES, host_blocks: int = HOST_BLOCKS):
+        g = torch.Generator().manual_seed(0)
+        kv = lambda: torch.randn((pages + 1) * BS, H, D, generator=g)  # noqa: E731
+        self.pool = SimpleNamespace(
+            k_buffer=[kv() for _ in range(L)], v_buffer=[kv() for _ in range(L)], size=pages * BS
+        )
+        self.rtp = ReqToTokenPool(ROWS, CTX, "cpu", False)
+        self.alloc = PagedTokenToKVPoolAllocator(pages * BS, BS, torch.float32, "cpu", None, False)
+        self.pages = pages
+        release = self.alloc._release_page_ids
+
+        def checked(*page_ids):
+            for p in page_ids:
+                assert not (p == 0).any(), "page 0 reached the allocator"
+            release(*page_ids)
+
+        self.alloc._release_page_ids = checked
+        self.wb = WriteBack(L, H, D, torch.float32, BS, host_blocks, 12 * BS, "cpu",
+                            path="uva", table_shape=(ROWS, CTX // BS))  # fmt: skip
+        ws = SimpleNamespace(
+            layers=L, kv_heads=H, heat_blocks=CTX // BS, copy_rows=lambda p, r: None
+        )
+        meta = SimpleNamespace(page_rows=pages + 1, copy_rows=lambda p, r: None)
+        cfg = SimpleNamespace(block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=0.0)
+        rt = self.rtp.req_to_token
+        self.res = Residency(self.wb, meta, ws, rt, cfg, self.pool, None)
+        self.tiered = TieredRequests(self.wb, self.res, self.pool, rt, BS)
+        self.index = self.wb.index = PrefixIndex(self.wb.blocks, BS)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc,
+            page_size=BS,
+        )  # fmt: skip
+        self.cache = PsaRadixCache(params, self.tiered, self.index)
+        self.rows = list(range(ROWS - 1, 0, -1))
+        self.live: dict[str, SimpleNamespace] = {}  # matched, not released
+
+    # -- SGLang's request and the scheduler's calls ------------------------------------
+    def arrive(self, rid: str, prompt: list[int], max_new: int = 4) -> SimpleNamespace:
+        req = SimpleNamespace(
+            rid=rid, origin_input_ids=array("q", prompt), output_ids=array("q"),
+            extra_key=None, priority=0, req_pool_idx=None, last_node=None,
+            prefix_indices=torch.empty(0, dtype=torch.int64), cache_protected_len=0,
+            input_embeds=None, return_logprob=False, logprob_start_len=-1, max_new=max_new,
+            kv_len=0,
+        )  # fmt: skip
+        req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
+        self.live[rid] = req
+        return req
+
+    def match(self, req) -> int:
+        toks = req.get_fill_ids()
+        res = self.cache.match_prefix(
+            MatchPrefixParams(key=RadixKey(toks, req.extra_key, limit=len(toks) - 1), req=req)
+        )
+        req.prefix_indices, req.last_node = res.device_indices, res.last_device_node
+        req.cache_protected_len = len(req.prefix_indices)
+        self.check()
+        return len(req.prefix_indices)
+
+    def admit(self, req) -> bool:
+        """The adder: the host tier's reservation, the lock, a row with the prefix and new
+        pages for the rest of the prompt."""
+        n = len(req.origin_input_ids)
+        if not self.wb.reserve(req.rid, n + req.max_new):
+            return False
+        pre = len(req.prefix_indices)
+        need = -(-(n - pre) // BS) * BS
+        if need > self.alloc.available_size():
+            self.cache.evict(EvictParams(num_tokens=need - self.alloc.available_size()))
+        slots = self.alloc.alloc(need)
+        if slots is None:
+            self.tiered.release(req.rid)
+            return False
+        self.cache.inc_lock_ref(req.last_node)
+        req.req_pool_idx = self.rows.pop()
+        row = self.rtp.req_to_token[req.req_pool_idx]
+        row[:pre] = req.prefix_indices
+        row[pre:n] = slots[: n - pre]
+        req.slots = slots[n - pre :]  # the last page's spare slots
+        req.kv_len = n
+        self.check()
+        return True
+
+    def prefill(self, req, ack: bool = True, insert: bool = True) -> None:
+        """The extend: saves planned and issued; blocks adopted beyond the tree's pages
+        read from the host tier (the extend hook's part); SGLang then caches it."""
+        wb = self.wb
+        wb.plan_extend([req], [req.kv_len])
+        zero = (self.rtp.req_to_token[req.req_pool_idx, : req.kv_len : BS] < BS).nonzero()
+        wb.read_from_host(req.rid, zero.flatten().tolist())
+        wb.before_forward()
+        for layer in range(L):
+            wb.issue_extend_layer(layer, self.pool.k_buffer[layer], self.pool.v_buffer[layer],
+                                  self.rtp.req_to_token)  # fmt: skip
+        if ack:
+            self.ack()
+        if insert:
+            self.cache.cache_unfinished_req(req)
+            self.check(inserted=req)
+
+    def decode(self, req, tokens: list[int]) -> None:
+        for t in tokens:
+            req.output_ids.append(t)
+            if req.kv_len % BS == 0:
+                page = self.alloc.alloc(BS)
+                if page is None:
+                    self.cache.evict(EvictParams(num_tokens=BS))
+                    page = self.alloc.alloc(BS)
+                req.slots = page
+            self.rtp.req_to_token[req.req_pool_idx, req.kv_len] = req.slots[0]
+            req.slots = req.slots[1:]
+            req.kv_len += 1
+            self.wb.plan_decode([req], [req.kv_len])
+            self.check()
+        self.wb.issue_decode(self.pool.k_buffer, self.pool.v_buffer, self.rtp.req_to_token, True)
+
+    def ack(self) -> None:
+        wait_saved(self.wb)
+        self.check()
+
+    def finish(self, req) -> None:
+        """`release_kv_cache`: SGLang caches the finished request, frees its row, then the
+        tiered store releases it."""
+        self.cache.cache_finished_req(req, kv_len_to_handle=req.kv_len)
+        self.rows.append(req.req_pool_idx)
+        self.alloc.free(req.slots) if len(req.slots) and req.kv_len % BS == 0 else None
+        req.req_pool_idx = None
+        self.tiered.release(req.rid)
+        del self.live[req.rid]
+        self.check()
+
+    def evict(self, tokens: int) -> int:
+        free = self.alloc.available_size()
+        got = self.cache.evict(EvictParams(num_tokens=tokens)).num_tokens_evicted
+        assert self.alloc.available_size() - free == got, "evicted tokens are not HBM slots"
+        assert got >= tokens or not self.cache.evictable_leaves
+        self.check()
+        return got
+
+    # -- the invariants ---------------------------------------------------------------
+    def _path(self, node):
+        vals, ids = [], []
+        while node is not self.cache.root_node:
+            vals.append(node.value)
+            ids.append(node.psa_host or [None] * (len(node.value) // BS))
+            node = node.parent
+        vals.reverse()
+        ids.reverse()
+        flat = [i for part in ids for i in part]
+        return (torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)), flat
+
+    def check(self, inserted=None) -> None:
+        self.tiered.check_integrity()  # (1) holders, kept, free; reservations
+        self.index.check_integrity()  # (2, 5) saved, kept prefix starts
+        assert self.index.orphans == 0, "a prefix lost its start before its end"
+        self.cache.check_integrity()  # (4, 6) page-0 blocks named; HBM sizes
+        rt = self.rtp.req_to_token
+        owned: list[int] = []
+        for req in self.live.values():
+            if req.req_pool_idx is None:
+                continue
+            row = rt[req.req_pool_idx]
+            path, ids = self._path(req.last_node)
+            # (3) the row's prefix is the tree's path; page-0 blocks are the request's ids
+            assert torch.equal(row[: len(path)], path), f"{req.rid}: row and tree diverge"
+            assert (row[len(path) : req.cache_protected_len] < BS).all()
+            rec = self.tiered.records.get(req.rid)
+            for b, i in enumerate(ids):
+                if i is not None:
+                    assert rec is not None and rec.host[b] == i, f"{req.rid}: block {b}"
+            if req is inserted and rec is not None:
+                hashes = self.index.request_hashes(req.rid, min(len(path) // BS, rec.planned))
+                known = self.index.lookup(hashes)
+                assert rec.host[: len(known)] == known, f"{req.rid}: a duplicate kept"
+            own = row[req.cache_protected_len : req.kv_len]
+            owned += sorted(set((own[own >= BS] // BS).tolist()))
+            owned += sorted(set((req.slots // BS).tolist()) - set((own // BS).tolist()))
+        tree: list[int] = []
+        stack = list(self.cache.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            v = n.value[::BS]
+            tree += (v[v >= BS] // BS).tolist()
+        free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
+        every = free + tree + owned
+        assert sorted(every) == list(range(1, self.pages + 1)), "a page lost or held twice"
+        assert self.cache.evictable_size() + self.cache.protected_size() == len(tree) * BS
+
+
+@contextlib.contextmanager
+def _store(**kw):
+    s = _Store(**kw)
+    try:
+        yield s
+    finally:
+        s.wb.close()
+
+
+STEM = list(range(100, 112))  # three blocks
+
+
+def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a)
+        s.decode(a, [6, 7, 8])
+        s.ack()
+        s.finish(a)
+        a_ids = s.index.lookup(s.index.hashes(None, STEM + [1, 2, 3, 4], 4))
+        assert len(a_ids) == 4  # a's prompt blocks, saved, kept beyond its end
+        # HBM runs short: the tree lets every page go; the index keeps the blocks.
+        s.evict(10**6)
+        assert s.cache.evictable_size() == 0 and s.alloc.available_size() == PAGES * BS
+        # b shares the stem: its prefix is a's blocks, read from the host tier (page 0).
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9, 9, 9])
+        assert s.match(b) == 3 * BS
+        assert (b.prefix_indices < BS).all() and b.last_node is s.cache.root_node
+        rec_b = s.tiered.records["b"]
+        assert rec_b.host == a_ids[:3] and rec_b.saved == 3
+        assert s.admit(b)
+        s.prefill(b, ack=False)  # its insert puts the stem in the tree at page 0
+        # Four blocks in the tree, three at page 0: the sizes count b's own page only.
+        assert s.cache.evictable_size() == 0 and s.cache.protected_size() == BS
+        assert super(PsaRadixCache, s.cache).protected_size() == 4 * BS
+        s.ack()
+        # c arrives while b runs: the tree's path (page 0, then b's own page) is shared.
+        c = s.arrive("c", STEM + [9, 9, 9, 9, 1])
+        assert s.match(c) == 4 * BS
+        assert s.tiered.records["c"].host == s.tiered.records["b"].host[:4]
+        assert s.admit(c)
+        s.prefill(c)
+        s.finish(b)
+        s.finish(c)
+        # The host tier takes the stem back: the tree node naming it at page 0 is cut,
+        # its descendant (b's block 3, in HBM) deleted and its page freed.
+        assert s.cache._host_nodes
+        s.wb.blocks.evict_lru(HOST_BLOCKS)
+        s.check()
+        assert not s.cache._host_nodes and len(s.index) == 0
+        s.evict(10**6)
+        assert s.alloc.available_size() == PAGES * BS
+        assert s.wb.blocks.used == 0 and s.wb.blocks.reserved == 0
+
+
+@pytest.mark.parametrize("hbm_blocks", [0, 1])
+def test_a_refused_adoption_cuts_the_match_before_the_host_tier(hbm_blocks):
+    """The stem waits in the tree with its host blocks kept, unheld, its first
+    `hbm_blocks` in HBM and the rest at page 0; with every host block promised
+    elsewhere, reviving them is refused: the match stops before the first block at page 0,
+    and a later round, with room, adopts the whole prefix."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a), s.finish(a)
+        a_ids = s.index.lookup(s.index.hashes(None, STEM, 3))
+        if hbm_blocks:  # z shares the first block: the tree splits there
+            z = s.arrive("z", STEM[:BS] + [50] * 5)
+            s.match(z), s.admit(z), s.prefill(z), s.finish(z)
+            s.evict(4 * BS)  # the two leaves go, the first block stays in HBM
+        else:
+            s.evict(10**6)
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9])
+        assert s.match(b) == 3 * BS and s.admit(b)
+        assert (b.prefix_indices[hbm_blocks * BS :] < BS).all()
+        assert (b.prefix_indices[: hbm_blocks * BS] >= BS).all()
+        s.prefill(b)
+        s.finish(b)
+        assert len(s.cache._host_nodes) == 3 - hbm_blocks and s.wb.blocks.cached >= 3
+        assert s.wb.reserve("x", s.wb.blocks.available * BS)  # every block promised
+        c = s.arrive("c", STEM + [9, 9, 9, 9, 7])
+        assert s.match(c) == hbm_blocks * BS and "c" not in s.tiered.records
+        s.tiered.release("x")
+        assert s.match(c) == 4 * BS and s.tiered.records["c"].host[:3] == a_ids
+        s.tiered.release("c")
+        del s.live["c"]
+        s.check()
+
+
+def test_duplicate_blocks_switch_to_the_indexed_ids():
+    """e and f both computed the stem; e's saves are acknowledged first. At f's insert
+    SGLang frees f's duplicate pages and rewrites its row with e's; f's host blocks switch
+    to e's indexed ids and its own go free, their late acknowledgements ignored."""
+    with _store() as s:
+        e = s.arrive("e", STEM + [5, 5])
+        f = s.arrive("f", STEM + [6, 6])
+        for r in (e, f):  # both matched before either prefilled: both compute the stem
+            assert s.match(r) == 0 and s.admit(r)
+        s.prefill(e)  # acknowledged: e's blocks are the index's
+        s.prefill(f, ack=False, insert=False)
+        rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
+        own = list(rec_f.host)
+        assert len(own) == 3 and not set(own) & set(rec_e.host)
+        s.cache.cache_unfinished_req(f)
+        s.check(inserted=f)
+        assert rec_f.host == rec_e.host[:3] and (s.wb.blocks.refs[rec_e.host[:3]] == 2).all()
+        assert (s.wb.blocks.refs[own] == 0).all()
+        s.ack()  # f's saves to its old ids complete: ignored
+        assert not s.wb.blocks.saved[own].any() and rec_f.saved == 3
+        s.finish(f)
+        s.finish(e)
+        s.evict(10**6)
+        assert s.alloc.available_size() == PAGES * BS
+
+
+def test_acks_after_the_insert_switch_at_the_next_insert():
+    """f's duplicates acknowledged before e's: f's blocks are indexed first; e switches at
+    its next insert (a chunk)."""
+    with _store() as s:
+        e = s.arrive("e", STEM + [5, 5])
+        f = s.arrive("f", STEM + [6, 6])
+        for r in (e, f):
+            assert s.match(r) == 0 and s.admit(r)
+        s.prefill(f)
+        s.prefill(e)
+        rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
+        assert rec_e.host[:3] == rec_f.host[:3]
+        s.decode(e, [1, 2, 3])
+        s.ack()
+        s.cache.cache_unfinished_req(e)
+        s.check(inserted=e)
+        s.finish(e)
+        s.finish(f)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
+    """Requests over three stems, admitted before earlier ones prefilled (duplicates to
+    switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
+    and the tree cut), acknowledgements late or early."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
+    with _store(pages=24, host_blocks=16) as s:
+        waiting: list = []
+        admitted: list = []
+        running: list = []
+        for step in range(150):
+            op = rng.choice(
+                ["arrive", "admit", "prefill", "decode", "finish", "evict", "host", "ack"]
+            )
+            if op == "arrive" and len(waiting) < 3:
+                stem = rng.choice(stems)[: rng.choice([BS, 2 * BS, 3 * BS])]
+                tail = [rng.randrange(1000) for _ in range(rng.randint(1, 2 * BS))]
+                waiting.append(s.arrive(f"r{step}", stem + tail, max_new=rng.randint(1, 6)))
+            elif op == "admit" and waiting and s.rows:
+                req = waiting[0]
+                s.match(req)
+                if s.admit(req):
+                    admitted.append(waiting.pop(0))
+            elif op == "prefill" and admitted:
+                req = admitted.pop(rng.randrange(len(admitted)))
+                s.prefill(req, ack=rng.random() < 0.5)
+                running.append(req)
+            elif op == "decode" and running:
+                req = rng.choice(running)
+                if len(req.output_ids) < req.max_new:
+                    s.decode(req, [rng.randrange(1000)])
+            elif op == "finish" and running:
+                s.finish(running.pop(rng.randrange(len(running))))
+            elif op == "evict":
+                s.evict(rng.randint(1, 3) * BS)
+            elif op == "host":  # the host tier needs room: the oldest kept blocks go
+                s.wb.blocks.evict_lru(rng.randint(1, 3))
+                s.check()
+            elif op == "ack":
+                s.ack()
+        for req in admitted:
+            s.prefill(req)
+            running.append(req)
+        for req in running:
+            s.finish(req)
+        for req in waiting:  # matched, never admitted: their adopted prefixes go back
+            s.tiered.release(req.rid)
+            del s.live[req.rid]
+        s.check()
+        s.wb.blocks.evict_lru(16)
+        s.check()
+        assert s.wb.blocks.used == 0 and not s.cache._host_nodes
+        s.evict(10**6)
+        assert s.alloc.available_size() == 24 * BS
+
+
+def test_the_backend_registers_with_sglang():
+    from sglang.srt.mem_cache import registry
+
+    psa_radix_cache.register()
+    psa_radix_cache.register()  # once
+    assert registry.get_radix_cache_factory("psa") is psa_radix_cache.factory
+    with pytest.raises(ValueError, match="psa-kv-home tiered"):
+        psa_radix_cache.factory(SimpleNamespace(params=None))
+
+
+def test_overrides_match_sglang_radix_cache():
+    """Each override takes what SGLang's method takes (the hook table's check)."""
+    import inspect
+
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    for name, params in psa_radix_cache.OVERRIDES:
+        theirs = list(inspect.signature(getattr(RadixCache, name)).parameters)
+        ours = list(inspect.signature(getattr(PsaRadixCache, name)).parameters)
+        assert theirs == list(params), (name, theirs)
+        assert ours[: len(params)] == list(params), (name, ours)
