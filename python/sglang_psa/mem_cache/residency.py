@@ -181,6 +181,17 @@ class Residency:
         """Whether a page release now may carry page-0 entries of evicted blocks."""
         return (self.any_evicted or self.zero_pending) and not self.freeing
 
+    def releasable(self, page_ids: tuple) -> tuple:
+        """`page_ids` (SGLang's allocator release, device tensors) less page 0 while a
+        release may carry page-0 entries of evicted blocks (`drops_page_zero`); such a
+        release takes the pending ones of an ended request along (`zero_pending`). (A
+        boolean mask syncs, as SGLang's own free already does with `unique`; releases
+        are not on the decode step.)"""
+        if not self.drops_page_zero:
+            return page_ids
+        self.zero_pending = False
+        return tuple(p[p != 0] for p in page_ids)
+
     def evictable(self, reqs) -> int:
         """Blocks of `reqs` that may leave HBM now (saved, past the sink, not recent, not
         gone)."""
