@@ -70,18 +70,18 @@ class PSAServing:
         agreement: RankAgreement | None = None,
         metrics=None,
     ):
-        """Everything one scheduler process owns under `--sparse-mode`, given here (the
-        backend assembles it): `host_tokens`, what the tiered home's host tier holds (None:
-        no host tier); `hbm_tokens`, SGLang's KV pool in HBM; the backend's `readouts`;
-        at the tiered home its `writeback` (`mem_cache.writeback.WriteBack`),
-        `residency` (`mem_cache.residency.Residency`) and `requests`
-        (`mem_cache.request_kv.TieredRequests`: each request's record in the tiered store,
-        parked, resumed and released there) and, where SGLang's Triton prefill can read a
-        staged prefix, `stage` (`mem_cache.prefill_stage.PrefillStage`: a prompt larger
-        than HBM is served); the TP ranks' `agreement`, through
-        which every GPU measurement passes before a decision reads it, so that all ranks
-        decide alike (`sglang_psa.distributed`; default: one rank); `metrics`
-        (`PSAMetrics`, with `--enable-metrics`)."""
+        """Admission over HBM of `hbm_units`, and the parts of this scheduler process it
+        calls, given here once (`sched.process.assemble` builds them): `host_tokens`, what
+        the tiered home's host tier holds (None: no host tier); `hbm_tokens`, SGLang's KV
+        pool in HBM; the decode backend's `readouts`; at the tiered home its `writeback`
+        (`mem_cache.writeback.WriteBack`), `residency` (`mem_cache.residency.Residency`)
+        and `requests` (`mem_cache.request_kv.TieredRequests`: each request's record in
+        the tiered store, parked, resumed and released there) and, where SGLang's Triton
+        prefill can read a staged prefix, `stage` (`mem_cache.prefill_stage.PrefillStage`:
+        a prompt larger than HBM is served); the TP ranks' `agreement`, through which
+        every GPU measurement passes before a decision reads it, so that all ranks decide
+        alike (`sglang_psa.distributed`; default: one rank); `metrics` (`PSAMetrics`, with
+        `--enable-metrics`)."""
         self.cfg = cfg
         self.layer_heads = layers * kv_heads
         self.host_tokens = host_tokens
