@@ -27,7 +27,8 @@ Who holds what: the `psa` decode backend calls `assemble` once, in its construct
 and reads `meta`, `stamps`, `counters`, `writeback`, `residency` and `stage`; the plugin
 `register`s the result when SGLang builds that backend; the scheduler hooks
 (`plugin.scheduling`, `plugin.extend`) find it with `current()` and call `serving` (and
-`stage`), never a part behind it.
+`stage`), never a part behind it; so does the `psa` radix cache's factory
+(`mem_cache.psa_radix_cache`, for `requests`).
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ def current() -> SchedulerProcess | None:
     object that leads to ours, and its objects have no place for a plugin's state:
     `validate_input_length` gets a request and two numbers, `release_kv_cache` a request
     and the prefix cache, `Req.init_next_round_input` a request, the Triton prefill's
-    `forward_extend` a backend that knows nothing of the decode one. A scheduler process
-    runs one scheduler (one TP rank), so the process is the key: this module's slot."""
+    `forward_extend` a backend that knows nothing of the decode one, the radix cache
+    factory SGLang's cache parameters. A scheduler process runs one scheduler (one TP
+    rank), so the process is the key: this module's slot."""
     return _process
