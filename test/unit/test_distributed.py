@@ -18,7 +18,7 @@ from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.request_kv import RequestKV
 from sglang_psa.mem_cache.residency import Residency
-from sglang_psa.sched.serving import PER_RANK, PSAServing, combine_ranks
+from sglang_psa.sched.serving import PER_RANK, BackendReadouts, PSAServing, combine_ranks
 
 BS = 32
 TOKENS = 640  # 20 blocks; 2 layers x 2 KV heads: 80 units per request
@@ -59,11 +59,12 @@ def _req(i: int):
 def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -> list:
     """Eight requests arrive one per round; each round the running ones decode a step,
     measured on this rank's heads as `units_by_rank[rank]` units each."""
-    s = PSAServing(PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100)
-    s.agreement = agreement
     sizes = torch.zeros(8, dtype=torch.int64)
     lengths = torch.zeros(8, dtype=torch.int64)
-    s.measure = lambda: (sizes, lengths)
+    s = PSAServing(
+        PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100,
+        readouts=BackendReadouts(measure=lambda: (sizes, lengths)), agreement=agreement,
+    )  # fmt: skip
     reqs, log = [_req(i) for i in range(8)], []
     for i, req in enumerate(reqs):
         running = [r for r in reqs if r.rid in s.controller.running]

@@ -40,29 +40,9 @@ from sgl_kernel_ext.selection import SelectionCache
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.config import PSAConfig, PSAConfigError
-from sglang_psa.distributed import RankAgreement, kv_ranks
-from sglang_psa.mem_cache import kv_budget
-from sglang_psa.mem_cache.page_meta import PageMeta
-from sglang_psa.mem_cache.read_stamps import ReadStamps
-from sglang_psa.mem_cache.request_kv import TieredRequests
-from sglang_psa.mem_cache.residency import Residency
-from sglang_psa.sched.serving import BackendReadouts, PSAServing, install
+from sglang_psa.sched.process import assemble
 
 logger = logging.getLogger(__name__)
-
-
-def hbm_units(cfg: PSAConfig, pool) -> int:
-    """HBM capacity for working sets in (layer, KV head, block) units: `--psa-gpu-cache-gb`
-    when given, else SGLang's whole KV pool (everything resident: no extra constraint)."""
-    unit_bytes = 2 * cfg.block_size * pool.head_dim * pool.dtype.itemsize
-    if cfg.gpu_cache_gb is not None:
-        return max(1, int(cfg.gpu_cache_gb * (1 << 30)) // unit_bytes)
-    return max(1, pool.size // cfg.block_size) * pool.layer_num * pool.head_num
-
-
-def _kv_bytes_per_token(pool) -> int:
-    """K and V bytes of one token over all layers and heads (what SGLang's cell holds)."""
-    return 2 * pool.layer_num * pool.head_num * pool.head_dim * pool.store_dtype.itemsize
 
 
 def _logit_cap(model_runner) -> float:
@@ -126,14 +106,6 @@ class PSAAttnBackend(AttentionBackend):
             )
         pool = self.token_to_kv_pool
         bs = cfg.block_size
-        # SGLang's pool rows are its tokens plus one padding page.
-        num_pages = (pool.size + bs) // bs
-        host_blocks = 0
-        if cfg.kv_home == "tiered":  # block metadata and stamps keep a row per host block
-            ranks = kv_ranks()  # each rank holds its share of the host tier
-            host_blocks = kv_budget.host_blocks(cfg, _kv_bytes_per_token(pool), ranks)
-            if host_blocks < 1:
-                raise PSAConfigError("host_pool_gb", "holds no KV block of this model: raise it")
         device = pool.k_buffer[0].device
         if use_kernel is None:
             use_kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -146,52 +118,23 @@ class PSAAttnBackend(AttentionBackend):
         # Every `block_size`-th token slot of each request row: its pages, times bs.
         self._page_cols = req_to_token[:, ::bs]
         self.max_blocks = self._page_cols.shape[1]  # the longest context SGLang allows
-        try:
-            self._allocate(cfg, pool, num_pages, bs, req_to_token, device, host_blocks)
-        except torch.OutOfMemoryError as e:
-            raise PSAConfigError(
-                "sparse_mode",
-                "not enough GPU memory for the block metadata and working-set buffers: lower "
-                f"--mem-fraction-static or --max-total-tokens ({e})",
-            ) from e
-        # Ranks of a TP group decide from agreed values (sglang_psa.distributed).
-        agreement = RankAgreement.from_sglang(getattr(model_runner, "tp_size", 1))
-        self.writeback = self.residency = requests = None
-        if cfg.kv_home == "tiered":
-            self.writeback = self._writeback(
-                cfg, pool, model_runner, device, self._page_cols.shape, host_blocks
-            )
-            allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
-            self.residency = Residency(
-                self.writeback, self.meta, self.ws, req_to_token, cfg, pool, allocator,
-                unit_reads=self.unit_reads, agreement=agreement,
-            )  # fmt: skip
-            requests = TieredRequests(self.writeback, self.residency, pool, req_to_token, bs)
-        metrics = None
-        if getattr(model_runner.server_args, "enable_metrics", False):
-            from sglang_psa.sched.metrics import PSAMetrics
-
-            metrics = PSAMetrics(getattr(model_runner, "tp_rank", 0))
-        # What this scheduler process owns under --sparse-mode, whole: the hooks find it
-        # through `current()`.
-        install(
-            PSAServing(
-                cfg,
-                layers=pool.layer_num,
-                kv_heads=pool.head_num,
-                hbm_units=hbm_units(cfg, pool),
-                host_tokens=host_blocks * bs if cfg.kv_home == "tiered" else None,
-                hbm_tokens=int(pool.size),
-                readouts=BackendReadouts(
-                    self.ws.read, self.read_fraction, self.read_counts, self.hbm_bytes
-                ),
-                writeback=self.writeback,
-                residency=self.residency,
-                requests=requests,
-                agreement=agreement,
-                metrics=metrics,
-            )
-        )
+        # Everything this scheduler process owns under --sparse-mode, built once
+        # (`sched.process`; the plugin registers it for the scheduler hooks). The decode
+        # step reads its block metadata, stamps, counters and, at the tiered home, the
+        # host tier, the location table, the unit cache and the prefill staging.
+        model_config = getattr(model_runner, "model_config", None)
+        self.process = process = assemble(
+            cfg, pool, req_to_token, getattr(model_runner, "token_to_kv_pool_allocator", None),
+            server_args=model_runner.server_args,
+            context_len=int(getattr(model_config, "context_len", 0) or 0),
+            tp_size=getattr(model_runner, "tp_size", 1),
+            tp_rank=getattr(model_runner, "tp_rank", 0),
+            hbm_bytes=self.hbm_bytes,
+        )  # fmt: skip
+        self.meta, self.ws, self.counters = process.meta, process.stamps, process.counters
+        self.stats = self.counters.stats  # [layers, 3]: what the wave kernel adds to
+        self.writeback, self.residency = process.writeback, process.residency
+        self.stage = process.stage
         topk = cfg.sparse_mode == "topk"
         self._wave = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
         self._max_read = cfg.topk_tokens // bs if topk else None
@@ -203,68 +146,6 @@ class PSAAttnBackend(AttentionBackend):
         self._batches: dict[int, _Batch] = {}
         self._step: _Batch | None = None
 
-    def _allocate(
-        self, cfg: PSAConfig, pool, num_pages: int, bs: int, req_to_token, device, host_rows: int
-    ):
-        """The backend's startup buffers: block metadata (counted in SGLang's KV budget by
-        `kv_pool`), working-set stamps and read counters; metadata and stamps with a row
-        per page and per host block (`host_rows`, tiered home)."""
-        self.meta = PageMeta(
-            pool.layer_num,
-            num_pages,
-            pool.head_num,
-            pool.head_dim,
-            bs,
-            mean=cfg.needs_key_mean,
-            bounds=cfg.needs_key_bounds,
-            key_dtype=kv_budget.metadata_dtype(pool.dtype),
-            device=device,
-            host_rows=host_rows,
-            bound_bits=cfg.bound_bits,
-        )
-        self.ws = ReadStamps(
-            pool.layer_num,
-            pool.head_num,
-            num_pages + host_rows,
-            cfg.ws_window,
-            req_to_token.shape[0],
-            bs,
-            device,
-            heat_blocks=self.max_blocks if host_rows else 0,  # tiered: residency's heat
-        )
-        # Per layer: KV blocks read, available and read from the host tier (device counters
-        # the kernel adds to; a block of one KV head is one unit).
-        self.stats = torch.zeros(pool.layer_num, 3, dtype=torch.int64, device=device)
-        self._stats_host = torch.zeros(3, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-    @staticmethod
-    def _writeback(cfg: PSAConfig, pool, model_runner, device, table_shape, host_blocks: int):
-        """The host tier and its write-back (`--psa-kv-home tiered`). `engine`: the device
-        staging holds one job (a prefill's blocks of one layer, up to the context), the
-        pinned ring four such jobs, so prefill runs ahead of the engine by a few layers.
-        `uva`: the device staging holds a prefill chunk's blocks of one layer, moved by
-        DMA. The location table has the shape of the request table's page columns."""
-        from sglang_psa.mem_cache.writeback import WriteBack
-
-        context = int(getattr(getattr(model_runner, "model_config", None), "context_len", 0) or 0)
-        chunk = int(getattr(model_runner.server_args, "chunked_prefill_size", 0) or 0)
-        job_rows = -(-max(context, chunk, cfg.block_size) // cfg.block_size) * cfg.block_size
-        dma_blocks = -(-(chunk if chunk > 0 else cfg.max_inject_tokens) // cfg.block_size)
-        try:
-            return WriteBack(
-                pool.layer_num, pool.head_num, pool.head_dim, pool.store_dtype, cfg.block_size,
-                host_blocks, 4 * job_rows, device, max_job_rows=job_rows,
-                table_shape=tuple(table_shape),
-                threads=max(2, min(8, (os.cpu_count() or 4) // (2 * kv_ranks()))),
-                path=cfg.writeback, dma_blocks=dma_blocks,
-            )  # fmt: skip
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            raise PSAConfigError(
-                "host_pool_gb",
-                f"the host tier of {cfg.host_pool_gb:g} GiB or its copy engine could not be "
-                f"set up ({e}); lower it or free host memory",
-            ) from e
-
     def hbm_bytes(self) -> dict[str, int]:
         """GPU bytes this backend holds, by purpose (server info reports them): block
         metadata (inside SGLang's KV budget), working-set stamps and counters, the
@@ -273,7 +154,7 @@ class PSAAttnBackend(AttentionBackend):
         size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
         return {
             "block_metadata": self.meta.bytes,
-            "working_sets": self.ws.bytes + size(self.stats),
+            "working_sets": self.ws.bytes + self.counters.bytes,
             "unit_cache_tables": self.residency.cache.bytes if self.residency else 0,
             "step_tables": size(
                 self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host
@@ -281,9 +162,7 @@ class PSAAttnBackend(AttentionBackend):
             "workspace": self._workspace.nbytes,
             "selection_cache": self._selection.nbytes if self._selection else 0,
             "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
-            "prefill_staging": self.residency.stage.nbytes
-            if self.residency and self.residency.stage
-            else 0,
+            "prefill_staging": self.stage.nbytes if self.stage is not None else 0,
         }
 
     # -- graph state and per-step metadata ------------------------------------------
@@ -379,7 +258,7 @@ class PSAAttnBackend(AttentionBackend):
         """Warmup ran decode steps on dummy batches: forget their stamps, counts and kept
         selections."""
         self.ws.reset()
-        self.stats.zero_()
+        self.counters.reset()
         if self._selection is not None:
             self._selection.reset()
 
@@ -538,26 +417,6 @@ class PSAAttnBackend(AttentionBackend):
     def blocks_read(self) -> dict[int, int]:
         return {self.first_layer + i: int(n) for i, n in enumerate(self.stats[:, 0].tolist())}
 
-    def read_counts(self) -> tuple[int, int]:
-        """(blocks read, blocks readable) over all layers as of an earlier call, without a
-        sync: returns the last copy and starts the next one (the metrics' refresh)."""
-        read, total, _ = self._published_stats()
-        return read, total
-
-    def unit_reads(self) -> tuple[int, int]:
-        """(units read from HBM, units read from the host tier) over all layers, like
-        `read_counts`: the last copy, and the next one started."""
-        read, _, host = self._published_stats()
-        return read - host, host
-
-    def _published_stats(self) -> tuple[int, int, int]:
-        """The per-layer counters summed as last copied to pinned memory (no sync), and
-        the next copy started."""
-        got = tuple(int(x) for x in self._stats_host.tolist())
-        self._stats_host.copy_(self.stats.sum(0), non_blocking=True)
-        return got
-
     def read_fraction(self) -> float:
         """Fraction of KV blocks the decode steps read so far, over all layers (syncs)."""
-        read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
-        return read / total if total else 0.0
+        return self.counters.read_fraction()

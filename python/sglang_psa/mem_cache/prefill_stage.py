@@ -50,6 +50,14 @@ class _Plan:
     indices: torch.Tensor  # [P] int64: 0..P-1, the staging rows
 
 
+def reads_token_major(pool) -> bool:
+    """Whether SGLang's KV pool is contiguous and token-major (`[tokens, Hkv, d]` a
+    layer), the layout a staging stands in for and SGLang's Triton prefill reads per
+    token at page size 1."""
+    bufs = [*getattr(pool, "k_buffer", ()), *getattr(pool, "v_buffer", ())]
+    return bool(bufs) and all(b.dim() == 3 and b.is_contiguous() for b in bufs)
+
+
 class PrefillStage:
     def __init__(self, writeback, pool, block_size: int, first_layer: int = 0):
         """`pool`: SGLang's KV pool (its layers' `k_buffer`/`v_buffer`), `writeback`: the
@@ -64,6 +72,11 @@ class PrefillStage:
     @property
     def nbytes(self) -> int:
         return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
+
+    def report(self) -> dict[str, int]:
+        """Extend batches whose prefix was staged from the host tier (a prompt larger than
+        HBM), and the host tokens they staged (per layer)."""
+        return {"staged_batches": self.batches, "staged_host_tokens": self.host_tokens}
 
     def plan_batch(self, reqs, prefix_lens) -> bool:
         """An extend batch is set up: plan its staging if a request's prefix has blocks

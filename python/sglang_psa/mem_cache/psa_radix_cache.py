@@ -361,10 +361,10 @@ class PsaRadixCache(RadixCache):
 def factory(ctx) -> PsaRadixCache:
     """SGLang's `RadixCacheFactory` for `--radix-cache-backend psa`: the tree over this
     process's tiered store (its keeper made here, fed by the write-back)."""
-    from sglang_psa.sched.serving import current
+    from sglang_psa.sched.process import current
 
-    serving = current()
-    requests = None if serving is None else serving.requests
+    process = current()
+    requests = None if process is None else process.requests
     if requests is None:
         raise ValueError(
             "--radix-cache-backend psa needs --psa-kv-home tiered (the tiered store was "

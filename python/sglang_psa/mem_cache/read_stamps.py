@@ -170,3 +170,46 @@ class ReadStamps:
         n = int(self._heat_count[0])
         pos = np.flatnonzero(self._heat_rows[:n].numpy() == row)
         return self._heat_host[pos[-1]].numpy() if len(pos) else None
+
+
+class ReadCounters:
+    """What decode read, counted on the GPU: per layer, the (layer, KV head, block) units
+    read, the units readable and those read from the host tier (`stats [layers, 3]`, the
+    wave kernel adds to its layer's row). The scheduler reads them without a sync through
+    a pinned copy that trails by one call; `read_fraction` syncs (server info only)."""
+
+    def __init__(self, layers: int, device: torch.device | str):
+        dev = torch.device(device)
+        self.stats = torch.zeros(layers, 3, dtype=torch.int64, device=dev)
+        self._host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
+
+    @property
+    def bytes(self) -> int:
+        return self.stats.numel() * self.stats.element_size()
+
+    def read_counts(self) -> tuple[int, int]:
+        """(units read, units readable) over all layers as of an earlier call, without a
+        sync: returns the last copy and starts the next one (the metrics' refresh)."""
+        read, total, _ = self._published()
+        return read, total
+
+    def unit_reads(self) -> tuple[int, int]:
+        """(units read from HBM, units read from the host tier) over all layers, like
+        `read_counts`: the last copy, and the next one started."""
+        read, _, host = self._published()
+        return read - host, host
+
+    def _published(self) -> tuple[int, int, int]:
+        """The per-layer counters summed as last copied to pinned memory (no sync), and
+        the next copy started."""
+        got = tuple(int(x) for x in self._host.tolist())
+        self._host.copy_(self.stats.sum(0), non_blocking=True)
+        return got
+
+    def read_fraction(self) -> float:
+        """Fraction of the units decode read so far, over all layers (syncs)."""
+        read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
+        return read / total if total else 0.0
+
+    def reset(self) -> None:
+        self.stats.zero_()

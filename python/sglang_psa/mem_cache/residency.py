@@ -116,10 +116,6 @@ class Residency:
             self.block_size,
             req_to_token.device,
         )
-        # Prefill over a prefix that left HBM (`mem_cache.prefill_stage`); set when the
-        # prefill backend can read a staged prefix (SGLang's Triton backend), else None
-        # and a chunked prompt's blocks stay in HBM.
-        self.stage = None
         self.freeing = False  # inside our own free (no page 0 to drop)
         # A request with evicted blocks ended: its free, which SGLang may defer to the end
         # of a free group, still holds page-0 entries for the allocator hook to drop.
@@ -180,6 +176,17 @@ class Residency:
     def drops_page_zero(self) -> bool:
         """Whether a page release now may carry page-0 entries of evicted blocks."""
         return (self.any_evicted or self.zero_pending) and not self.freeing
+
+    def releasable(self, page_ids: tuple) -> tuple:
+        """`page_ids` (SGLang's allocator release, device tensors) less page 0 while a
+        release may carry page-0 entries of evicted blocks (`drops_page_zero`); such a
+        release takes the pending ones of an ended request along (`zero_pending`). (A
+        boolean mask syncs, as SGLang's own free already does with `unique`; releases
+        are not on the decode step.)"""
+        if not self.drops_page_zero:
+            return page_ids
+        self.zero_pending = False
+        return tuple(p[p != 0] for p in page_ids)
 
     def evictable(self, reqs) -> int:
         """Blocks of `reqs` that may leave HBM now (saved, past the sink, not recent, not
@@ -345,10 +352,6 @@ class Residency:
             "units_cached": int(self.cache.copied_host[0]),  # host units brought in
             "units_read_hbm": hbm,  # (layer, KV head, block) reads decode served from HBM
             "units_read_host": host,  # ... and from the host tier, across PCIe
-            # extend batches whose prefix was staged from the host tier (a prompt larger
-            # than HBM), and the host tokens they staged (per layer)
-            "staged_batches": self.stage.batches if self.stage else 0,
-            "staged_host_tokens": self.stage.host_tokens if self.stage else 0,
         }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_psa.sched.serving import current
+from sglang_psa.sched.process import current
 
 logger = logging.getLogger(__name__)
 
@@ -17,22 +17,37 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     then computes (page, offset) addresses, 5% slower on the H100 (workload e's 8B
     prefill, 477 against 454 ms a 8K-token chunk) than at page size 1. On SGLang's
     contiguous token-major pool `[tokens, Hkv, d]` both address the same slot, so that
-    backend is given page size 1 (SGLang's own kernels at its own default)."""
+    backend is given page size 1 (SGLang's own kernels at its own default).
+
+    At the tiered home that backend, at page size 1, can also read a prefix staged from
+    HBM and the host tier (`mem_cache.prefill_stage`), so a prompt larger than HBM is
+    served in chunks whose saved blocks leave HBM. The scheduler process was assembled
+    with its prefill stage or without before SGLang built this prefill backend
+    (`sched.process.stages_prefill`, from the server args); here that decision meets the
+    backend SGLang built: a mismatch raises, staging off is said once."""
     from sglang_psa.attention.psa_backend import PSAAttnBackend
+    from sglang_psa.mem_cache.prefill_stage import reads_token_major
 
     prefill = getattr(backend, "prefill_backend", None)
     decode = getattr(backend, "decode_backend", None)
     if not isinstance(decode, PSAAttnBackend):
         return result
     pool = backend.token_to_kv_pool
-    bufs = [*getattr(pool, "k_buffer", ()), *getattr(pool, "v_buffer", ())]
-    token_major = bool(bufs) and all(b.dim() == 3 and b.is_contiguous() for b in bufs)
-    if _is_triton(prefill) and token_major:
-        if getattr(prefill, "page_size", 1) != 1:
-            logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
-            prefill.page_size = 1
-        _enable_staging(decode, pool)
-    elif getattr(decode, "residency", None) is not None:
+    per_token = _is_triton(prefill) and reads_token_major(pool)
+    if per_token and getattr(prefill, "page_size", 1) != 1:
+        logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
+        prefill.page_size = 1
+    process = decode.process
+    if process.residency is None:  # the KV in HBM only: nothing to stage
+        return result
+    if (process.stage is not None) != per_token:
+        raise RuntimeError(
+            f"sglang-psa: the scheduler process was assembled "
+            f"{'with' if process.stage is not None else 'without'} staged prefill, but "
+            f"SGLang built {type(prefill).__name__} as the prefill backend over "
+            f"{'a token-major' if reads_token_major(pool) else 'another'} KV pool"
+        )
+    if process.stage is None:
         # The tiered home without staged prefill: a prefix off HBM cannot be read back by
         # the prefill, so SGLang's own limit (a prompt must fit its pool) stays (said once,
         # at startup).
@@ -45,26 +60,13 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     return result
 
 
-def _enable_staging(decode, pool) -> None:
-    """Tiered home: the Triton prefill backend, at page size 1, can read a prefix staged
-    from HBM and the host tier (`mem_cache.prefill_stage`), so a prompt larger than HBM is
-    served in chunks whose saved blocks leave HBM."""
-    res = getattr(decode, "residency", None)
-    if res is None:
-        return
-    from sglang_psa.mem_cache.prefill_stage import PrefillStage
-
-    res.stage = PrefillStage(res.wb, pool, decode.cfg.block_size, decode.first_layer)
-
-
 def around_triton_forward_extend(original, backend, q, k, v, layer, forward_batch,
                                  *args, **kwargs):  # fmt: skip
     """SGLang's Triton `forward_extend` of one layer: for a batch whose prefix has blocks
     off HBM (tiered home, a prompt larger than HBM), its prefix reads come from a staging
     filled from HBM and the host tier (`PrefillStage.staged`); otherwise untouched."""
-    serving = current()
-    res = None if serving is None else serving.residency
-    stage = None if res is None else res.stage
+    process = current()
+    stage = None if process is None else process.stage
     if stage is None or stage.plan is None or layer is None:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     with stage.staged(backend, layer.layer_id, forward_batch):

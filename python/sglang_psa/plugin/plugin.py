@@ -36,7 +36,13 @@ def register() -> None:
 
 
 def _create_backend(model_runner):
+    """SGLang builds the decode backend in its scheduler process: the backend assembles
+    what that process owns (`sched.process.assemble`), which the scheduler hooks use from
+    now on."""
     from sglang_psa.attention.psa_backend import PSAAttnBackend
     from sglang_psa.plugin.server_args import config_of
+    from sglang_psa.sched import process
 
-    return PSAAttnBackend(model_runner, cfg=config_of(model_runner.server_args))
+    backend = PSAAttnBackend(model_runner, cfg=config_of(model_runner.server_args))
+    process.register(backend.process)
+    return backend

@@ -1,8 +1,9 @@
 """Working-set admission, retraction and capacity checks inside SGLang's scheduler.
 
-One `PSAServing` per scheduler process (`sched.serving`, created with the `psa`
-backend) owns an `AdmissionController` whose capacity is HBM for working sets in
-units of one (layer, KV head, block). The hooks below consult it; with no
+One `PSAServing` per scheduler process (`sched.serving`, part of what
+`sched.process.assemble` builds with the `psa` backend) owns an `AdmissionController`
+whose capacity is HBM for working sets in units of one (layer, KV head, block). The
+hooks below find it with one lookup (`_serving`) and call its methods; with no
 `--sparse-mode` there is none and every hook passes straight through.
 
 - `PrefillAdder.add_one_req` (around): a new request is admitted only while the
@@ -33,11 +34,19 @@ from __future__ import annotations
 from sglang_psa import releases
 from sglang_psa.releases import req_prefix_len, req_row
 from sglang_psa.sched import prefill_budget
-from sglang_psa.sched.serving import combine_ranks, current
+from sglang_psa.sched.process import current
+from sglang_psa.sched.serving import PSAServing
+
+
+def _serving() -> PSAServing | None:
+    """This scheduler process's admission (`sched.process.current`); None without
+    `--sparse-mode`."""
+    process = current()
+    return None if process is None else process.serving
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):
-    serving = current()
+    serving = _serving()
     if serving is None:
         return original(adder, req, has_chunked_req, truncation_align_size)
     from sglang.srt.managers.schedule_policy import AddReqResult
@@ -45,11 +54,11 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     running = getattr(adder.running_batch, "reqs", None) or []
     alone = not running and not adder.can_run_list
     max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
-    was_paused = req.rid in serving.controller.paused
+    was_paused = serving.is_paused(req.rid)
     if _resumes_chunked_strict(adder, req):
         if adder.can_run_list:  # the next round has a whole chunk
             return AddReqResult.OTHER
-        serving.requests.unpark(req)  # more than a chunk to compute: prefilled whole
+        serving.unpark(req)  # more than a chunk to compute: prefilled whole
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     slack = 2 * serving.cfg.block_size
@@ -62,26 +71,14 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
             serving.waited("kv_pages", lambda: "a prompt larger than HBM waits for its first chunk")
         return result
     short = freed = 0
-    if serving.residency is not None and running:  # tiered: pages of saved blocks make room
+    if serving.tiered and running:  # pages of saved blocks make room
         short, reserve = _budget_short(adder, req, running, slack)
         alloc = adder.token_to_kv_pool_allocator
         freed = serving.make_room(running, short, alloc, cache_first=reserve)
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
-
-        def detail() -> str:
-            said = f"SGLang answered {getattr(result, 'name', result)}"
-            res = serving.residency
-            if res is None:
-                return said
-            return (
-                f"{said}; {max(short, 0)} tokens short, {freed} freed from {len(running)} "
-                f"running ({res.evicted_blocks} blocks evicted, {res.cache.pages} unit-cache "
-                "pages)"
-            )
-
-        serving.waited("kv_pages", detail)
+        serving.waited_for_pages(result, short, freed, len(running))
     return result
 
 
@@ -176,7 +173,7 @@ def around_add_chunked_req(original, adder, req):
     blocks, its own first, until the chunk fits, and size it to the pages free (SGLang
     adds a chunked request's next chunk whatever its budget says, a whole chunk when that
     budget is spent)."""
-    serving = current()
+    serving = _serving()
     if serving is None or not serving.stages_prefill or adder.rem_chunk_tokens is None:
         return original(adder, req)
     slack = 2 * serving.cfg.block_size
@@ -203,7 +200,7 @@ def after_get_worker_info(result, worker):
     """Tiered home with staged prefill: the longest request is bounded by the model's
     context and the host tier, not by SGLang's KV pool in HBM (SGLang's scheduler and
     tokenizer check prompts against these two fields)."""
-    serving = current()
+    serving = _serving()
     if serving is None or not serving.stages_prefill:  # a tiered home: it has a host tier
         return result
     context = int(worker.model_config.context_len)
@@ -217,7 +214,7 @@ def around_init_req_max_new_tokens(original, scheduler, req):
     tiered home holds a request's KV in the host tier, so the cap is the host tier's
     instead (the model's context and the host tier's size still bound it:
     `after_get_worker_info`, `after_validate_input_length`)."""
-    serving = current()
+    serving = _serving()
     if serving is None or not serving.stages_prefill:
         return original(scheduler, req)
     hbm = scheduler.max_total_num_tokens
@@ -263,15 +260,15 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
 
 
 def around_check_decode_mem(original, batch, selected_indices=None):
-    serving = current()
+    serving = _serving()
     if serving is None:
         return original(batch, selected_indices)
-    if serving.residency is not None and batch.reqs:  # a page per request, twice over
+    if serving.tiered and batch.reqs:  # a page per request, twice over
         alloc = batch.token_to_kv_pool_allocator
         need = 2 * len(batch.reqs) * serving.cfg.block_size
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
         serving.refresh(batch.reqs, alloc)
-        if batch.batch_is_full and serving.residency.evictable(batch.reqs):
+        if batch.batch_is_full and serving.evictable(batch.reqs):
             # SGLang stops trying queued prompts once one did not fit, until a request
             # leaves; here saved blocks can still make room, so it tries again.
             batch.batch_is_full = False
@@ -291,8 +288,8 @@ def around_apply_war_barrier(original, scheduler):
     """Tiered home: the scheduler's stream waits for the whole last forward, not only for
     its pre-replay snapshot: the decode graph reads the request and location tables
     during its replay, and eviction and the unit cache rewrite them on that stream."""
-    serving = current()
-    if serving is not None and serving.residency is not None:
+    serving = _serving()
+    if serving is not None and serving.tiered:
         runner = releases.read(scheduler.model_worker, "worker.war_runner")
         releases.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
     return original(scheduler)
@@ -300,23 +297,21 @@ def around_apply_war_barrier(original, scheduler):
 
 def after_prepare_for_extend(result, batch):
     """An extend batch is set up (its requests' lengths after it are known on the host):
-    the write-back plans the blocks it completes."""
-    serving = current()
-    if serving is not None and serving.writeback is not None and batch.reqs:
-        if serving.stages_prefill:  # parked requests have their rows
-            serving.requests.resume(batch.reqs)
-        serving.writeback.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist())
-        if serving.stages_prefill:  # a prefix with blocks off HBM is staged per layer
-            serving.residency.stage.plan_batch(batch.reqs, batch.prefix_lens)
+    parked requests resume in their rows, the write-back plans the blocks it completes,
+    a prefix with blocks off HBM is staged (`PSAServing.plan_extend`)."""
+    serving = _serving()
+    if serving is not None and serving.tiered and batch.reqs:
+        prefix_lens = batch.prefix_lens if serving.stages_prefill else None
+        serving.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist(), prefix_lens)
     return result
 
 
 def after_prepare_for_decode(result, batch):
     """A decode batch is set up: the write-back plans the blocks earlier steps completed
     (and takes the copy engine's acknowledgements)."""
-    serving = current()
-    if serving is not None and serving.writeback is not None and batch.reqs:
-        serving.writeback.plan_decode(batch.reqs, batch.seq_lens_cpu.tolist())
+    serving = _serving()
+    if serving is not None and serving.tiered and batch.reqs:
+        serving.plan_decode(batch.reqs, batch.seq_lens_cpu.tolist())
     return result
 
 
@@ -324,14 +319,11 @@ def around_release_page_ids(original, allocator, *page_ids):
     """Tiered home: a request's table entries of blocks whose pages were given back point
     at page 0 (SGLang's padding page, never allocated); it is dropped from every release
     while any block is evicted, and from the first release after a request with evicted
-    blocks ended (SGLang may defer its free to the end of a free group). (A boolean mask
-    syncs, as SGLang's own free already does with `unique`; releases are not on the
-    decode step.)"""
-    serving = current()
-    res = None if serving is None else serving.residency
-    if res is not None and res.drops_page_zero:
-        page_ids = tuple(p[p != 0] for p in page_ids)
-        res.zero_pending = False
+    blocks ended (SGLang may defer its free to the end of a free group):
+    `PSAServing.releasable`."""
+    serving = _serving()
+    if serving is not None:
+        page_ids = serving.releasable(page_ids)
     return original(allocator, *page_ids)
 
 
@@ -341,13 +333,13 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     when it resumes, and at the tiered home with staged prefill its saved blocks, which
     leave HBM before SGLang frees the rest of its KV (`TieredRequests.park`; where the release
     has `prefix_slots`)."""
-    serving = current()
+    serving = _serving()
     if serving is None:
         return original(req, tree_cache, *args, **kwargs)
     insert = args[0] if args else kwargs.get(releases.path("release.insert"), True)
     retracted = not insert and not req.finished()
     if retracted and serving.stages_prefill and releases.has("prefix_slots"):
-        serving.requests.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
+        serving.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
     result = original(req, tree_cache, *args, **kwargs)
     serving.release(req.rid, retracted=retracted)
     return result
@@ -357,54 +349,32 @@ def after_init_next_round_input(result, req, tree_cache=None, cow_mamba=None):
     """A queued request is considered for a prefill: a parked one (retracted, its saved
     blocks in the host tier) gets them as its prefix, so that only the tokens after them
     are computed again (`TieredRequests.resume_prefix`)."""
-    serving = current()
-    if serving is not None and tree_cache is not None and serving.parked(req.rid):
-        serving.requests.resume_prefix(req)
+    serving = _serving()
+    if serving is not None and tree_cache is not None:
+        serving.resume_prefix(req)
     return result
 
 
 def after_get_internal_state(result, scheduler, recv_req):
     """`/get_server_info` (and `Engine.get_server_info()`) report PSA's counters, and the KV
     pages neither free nor held by the prefix cache: what the leak tests read."""
-    serving = current()
+    serving = _serving()
     if serving is None:
         return result
-    ctl = serving.controller
-    if serving.writeback is not None:  # an idle server still takes acknowledgements here
-        serving.writeback.poll()
     total = int(scheduler.max_total_num_tokens)
     available = int(scheduler.token_to_kv_pool_allocator.available_size())
     cached = int(scheduler.tree_cache.evictable_size()) + int(
         getattr(scheduler.tree_cache, "protected_size", lambda: 0)()
     )
-    state = {
-        "running": len(ctl.running),
-        "paused": len(ctl.paused),
-        "used_units": ctl.used_units,
-        "capacity_units": ctl.capacity_units,
-        "admitted": ctl.stats.admitted,
-        "retracted": ctl.stats.retracted,
-        "finished": ctl.stats.finished,
-        "rejected": ctl.stats.rejected,
-        "admission_deferrals": serving.deferrals,
-        "admission_waits": dict(serving.waits),  # the same, by reason
+    kv = {
         "kv_total_tokens": total,
         "kv_available_tokens": available,
         "kv_cached_tokens": cached,
         "kv_held_tokens": total - available - cached,
         "req_slots_free": int(scheduler.req_to_token_pool.available_size()),
-        "plugin_hbm_bytes": serving.hbm_bytes() if serving.hbm_bytes else None,
-        **_memory_bytes(),
-        "blocks_read_fraction": serving.read_fraction() if serving.read_fraction else None,
-        "kv_home": serving.cfg.kv_home,
-        # Write-back to the host tier (--psa-kv-home tiered), else None.
-        "writeback": serving.writeback.report() if serving.writeback is not None else None,
-        # Blocks whose HBM pages were given back, parked and resumed requests (tiered
-        # home), else None.
-        "residency": serving.residency_report() if serving.residency is not None else None,
     }
     # Every TP rank answers this request in lockstep: rank 0 reports them all.
-    result.internal_state["psa"] = combine_ranks(serving.agreement.gather(state))
+    result.internal_state["psa"] = serving.server_info(kv, _memory_bytes())
     return result
 
 
@@ -427,8 +397,9 @@ def after_abort_request(result, scheduler, recv_req):
     """SGLang pops an aborted request from its waiting queue without releasing anything
     (it holds no KV); a retracted one is still paused here: forget every paused request
     the abort matched that SGLang no longer holds."""
-    serving = current()
-    if serving is None or not serving.controller.paused:
+    serving = _serving()
+    paused = [] if serving is None else serving.paused_requests()
+    if not paused:
         return result
     live = {r.rid for r in scheduler.waiting_queue}
     live.update(r.rid for r in (getattr(scheduler.running_batch, "reqs", None) or []))
@@ -436,7 +407,7 @@ def after_abort_request(result, scheduler, recv_req):
     if chunked is not None:
         live.add(chunked.rid)
     abort_all = getattr(recv_req, "abort_all", False)
-    for rid in list(serving.controller.paused):
+    for rid in paused:
         if rid in live:
             continue
         if abort_all or str(rid).startswith(recv_req.rid):
@@ -445,7 +416,7 @@ def after_abort_request(result, scheduler, recv_req):
 
 
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):
-    serving = current()
+    serving = _serving()
     if serving is None:
         return result
     if result is not None:

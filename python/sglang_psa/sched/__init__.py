@@ -1,6 +1,9 @@
-"""Scheduler logic, pure Python: working sets and HBM admission.
+"""Scheduler logic: working sets and HBM admission.
 
-plugin/ calls these from SGLang's scheduler; nothing here touches SGLang or a GPU.
+`admission`, `estimates` and `prefill_budget` are pure Python; `serving` is one scheduler
+process's admission state and what the hooks ask of it; `process` assembles everything
+that process owns (its GPU-side parts through `mem_cache`). plugin/ calls in from
+SGLang's scheduler; nothing here imports SGLang.
 """
 
 from sglang_psa.sched.admission import (

@@ -1,12 +1,15 @@
-"""The admission state of one scheduler process under `--sparse-mode`.
+"""The admission state of one scheduler process under `--sparse-mode`, and what the
+scheduler hooks ask of that process.
 
-One `PSAServing` per scheduler process, assembled whole by the `psa` backend (its
-constructor names everything the process owns: the `AdmissionController` whose capacity
-is HBM for working sets in units of one (layer, KV head, block), the backend's tiered-home
-parts (write-back, residency, the requests' passage through the tiered store) and
-read-outs (working sets, read fractions, buffer sizes), the TP agreement, the metrics)
-and installed once; the scheduler hooks of `plugin.scheduling` find it through
-`current()`.
+One `PSAServing` per scheduler process, built by `sched.process.assemble` with the parts
+it calls (given to its constructor, never set afterwards): the `AdmissionController`
+whose capacity is HBM for working sets in units of one (layer, KV head, block), at the
+tiered home the write-back, residency, the requests' passage through the tiered store
+(`TieredRequests`) and the prefill stage, the decode backend's read-outs (working sets,
+read fractions, buffer sizes), the TP agreement and the metrics. The scheduler hooks of
+`plugin.scheduling` find it through `sched.process.current()` and call its methods only:
+each tiered-store step a hook starts is one method here, which calls the part that owns
+it.
 """
 
 from __future__ import annotations
@@ -63,19 +66,22 @@ class PSAServing:
         writeback=None,
         residency=None,
         requests=None,
+        stage=None,
         agreement: RankAgreement | None = None,
         metrics=None,
     ):
-        """Everything one scheduler process owns under `--sparse-mode`, given here (the
-        backend assembles it): `host_tokens`, what the tiered home's host tier holds (None:
-        no host tier); `hbm_tokens`, SGLang's KV pool in HBM; the backend's `readouts`;
-        at the tiered home its `writeback` (`mem_cache.writeback.WriteBack`),
-        `residency` (`mem_cache.residency.Residency`) and `requests`
-        (`mem_cache.request_kv.TieredRequests`: each request's record in the tiered store,
-        parked, resumed and released there); the TP ranks' `agreement`, through
-        which every GPU measurement passes before a decision reads it, so that all ranks
-        decide alike (`sglang_psa.distributed`; default: one rank); `metrics`
-        (`PSAMetrics`, with `--enable-metrics`)."""
+        """Admission over HBM of `hbm_units`, and the parts of this scheduler process it
+        calls, given here once (`sched.process.assemble` builds them): `host_tokens`, what
+        the tiered home's host tier holds (None: no host tier); `hbm_tokens`, SGLang's KV
+        pool in HBM; the decode backend's `readouts`; at the tiered home its `writeback`
+        (`mem_cache.writeback.WriteBack`), `residency` (`mem_cache.residency.Residency`)
+        and `requests` (`mem_cache.request_kv.TieredRequests`: each request's record in
+        the tiered store, parked, resumed and released there) and, where SGLang's Triton
+        prefill can read a staged prefix, `stage` (`mem_cache.prefill_stage.PrefillStage`:
+        a prompt larger than HBM is served); the TP ranks' `agreement`, through which
+        every GPU measurement passes before a decision reads it, so that all ranks decide
+        alike (`sglang_psa.distributed`; default: one rank); `metrics` (`PSAMetrics`, with
+        `--enable-metrics`)."""
         self.cfg = cfg
         self.layer_heads = layers * kv_heads
         self.host_tokens = host_tokens
@@ -85,6 +91,7 @@ class PSAServing:
         self.measure, self.read_fraction = r.measure, r.read_fraction
         self.read_counts, self.hbm_bytes = r.read_counts, r.hbm_bytes
         self.writeback, self.residency, self.requests = writeback, residency, requests
+        self.stage = stage
         self.agreement = agreement or RankAgreement()
         self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
@@ -100,6 +107,12 @@ class PSAServing:
         and prefill it again), and a request whose working set alone exceeds HBM is
         served, not refused."""
         return self.cfg.kv_home == "hbm"
+
+    @property
+    def tiered(self) -> bool:
+        """The tiered home: a host tier, and saved blocks that give their HBM pages back
+        (`residency`)."""
+        return self.residency is not None
 
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
@@ -130,6 +143,14 @@ class PSAServing:
         return None
 
     # -- admission ----------------------------------------------------------------
+    def is_paused(self, rid: Hashable) -> bool:
+        """Whether `rid` was retracted and waits to be admitted again."""
+        return rid in self.controller.paused
+
+    def paused_requests(self) -> list[Hashable]:
+        """The retracted requests waiting to be admitted again."""
+        return list(self.controller.paused)
+
     @property
     def deferrals(self) -> int:
         """Scheduling rounds a queued request waited, all reasons."""
@@ -149,6 +170,24 @@ class PSAServing:
                 detail(),
                 self.waits,
             )
+
+    def waited_for_pages(self, answer, short: int, freed: int, running: int) -> None:
+        """SGLang's own budget refused a request admission had taken (`answer`, its
+        verdict) after `make_room` freed `freed` of the `short` tokens it lacked from
+        `running` requests: a round waited for `kv_pages`."""
+        res = self.residency
+
+        def detail() -> str:
+            said = f"SGLang answered {getattr(answer, 'name', answer)}"
+            if res is None:
+                return said
+            return (
+                f"{said}; {max(short, 0)} tokens short, {freed} freed from {running} "
+                f"running ({res.evicted_blocks} blocks evicted, {res.cache.pages} unit-cache "
+                "pages)"
+            )
+
+        self.waited("kv_pages", detail)
 
     def try_admit(
         self, rid: Hashable, prompt_tokens: int, alone: bool, max_new_tokens: int | None = None
@@ -259,7 +298,7 @@ class PSAServing:
     def stages_prefill(self) -> bool:
         """Tiered home with a prefill backend that reads a staged prefix: a prompt larger
         than HBM is served (`mem_cache.prefill_stage`)."""
-        return self.residency is not None and self.residency.stage is not None
+        return self.stage is not None
 
     def oversize(self, tokens: int) -> bool:
         """Whether a request holding `tokens` at once outgrows SGLang's KV pool in HBM, so
@@ -288,9 +327,90 @@ class PSAServing:
         last step read; returns the pages it took."""
         return 0 if self.residency is None else self.residency.refresh(reqs, allocator)
 
+    def evictable(self, reqs) -> int:
+        """Tiered home: blocks of running `reqs` that could leave HBM now (0 elsewhere)."""
+        return 0 if self.residency is None else self.residency.evictable(reqs)
+
+    def releasable(self, page_ids: tuple) -> tuple:
+        """The pages an allocator release may free (`Residency.releasable`: never page 0,
+        where the entries of evicted blocks point); `page_ids` as given elsewhere."""
+        return page_ids if self.residency is None else self.residency.releasable(page_ids)
+
+    # -- the tiered store's steps, in the order the hooks take them ------------------
+    def plan_extend(self, reqs, seq_lens: list[int], prefix_lens=None) -> None:
+        """Tiered home, an extend batch is set up (`seq_lens`: its lengths after it): its
+        parked requests resume in their new rows (`TieredRequests.resume`), the write-back
+        plans the blocks it completes, and with staged prefill a prefix with blocks off
+        HBM is staged per layer (`PrefillStage.plan_batch`; `prefix_lens` is read only
+        then)."""
+        if self.stage is not None:
+            self.requests.resume(reqs)
+        self.writeback.plan_extend(reqs, seq_lens)
+        if self.stage is not None:
+            self.stage.plan_batch(reqs, prefix_lens)
+
+    def plan_decode(self, reqs, seq_lens: list[int]) -> None:
+        """Tiered home, a decode batch is set up: the write-back plans the blocks earlier
+        steps completed (and takes the copy engine's acknowledgements)."""
+        self.writeback.plan_decode(reqs, seq_lens)
+
+    def park(self, req, allocator) -> None:
+        """Tiered home, SGLang retracts `req`: its saved blocks leave HBM and stay its own
+        in the host tier (`TieredRequests.park`), before SGLang frees the rest."""
+        self.requests.park(req, allocator)
+
+    def resume_prefix(self, req) -> None:
+        """SGLang asks its prefix cache for `req`: a parked one gets its kept blocks as
+        its prefix (`TieredRequests.resume_prefix`)."""
+        if self.parked(req.rid):
+            self.requests.resume_prefix(req)
+
+    def unpark(self, req) -> None:
+        """Parked `req` is prefilled whole after all (`TieredRequests.unpark`)."""
+        self.requests.unpark(req)
+
     def residency_report(self) -> dict[str, int]:
-        """Tiered home: residency's counters and the parked and resumed requests'."""
-        return {**self.residency.report(), **self.requests.report()}
+        """Tiered home: residency's counters, the staged prefills' and the parked and
+        resumed requests'."""
+        staged = (
+            self.stage.report()
+            if self.stage is not None
+            else {"staged_batches": 0, "staged_host_tokens": 0}
+        )
+        return {**self.residency.report(), **staged, **self.requests.report()}
+
+    def server_info(self, kv: dict, memory: dict) -> dict:
+        """This process's `psa` entry of server info: admission's counters, SGLang's KV
+        pages and request slots (`kv`, as the hook counts them), the plugin's GPU buffers,
+        the process's memory (`memory`), the decode read-outs and the tiered home's
+        reports (None elsewhere), from every TP rank (`combine_ranks`: each answers in
+        lockstep). An idle server takes the copy engine's acknowledgements here."""
+        if self.writeback is not None:
+            self.writeback.poll()
+        ctl = self.controller
+        state = {
+            "running": len(ctl.running),
+            "paused": len(ctl.paused),
+            "used_units": ctl.used_units,
+            "capacity_units": ctl.capacity_units,
+            "admitted": ctl.stats.admitted,
+            "retracted": ctl.stats.retracted,
+            "finished": ctl.stats.finished,
+            "rejected": ctl.stats.rejected,
+            "admission_deferrals": self.deferrals,
+            "admission_waits": dict(self.waits),  # the same, by reason
+            **kv,
+            "plugin_hbm_bytes": self.hbm_bytes() if self.hbm_bytes else None,
+            **memory,
+            "blocks_read_fraction": self.read_fraction() if self.read_fraction else None,
+            "kv_home": self.cfg.kv_home,
+            # Write-back to the host tier (--psa-kv-home tiered), else None.
+            "writeback": self.writeback.report() if self.writeback is not None else None,
+            # Blocks whose HBM pages were given back, parked and resumed requests (tiered
+            # home), else None.
+            "residency": self.residency_report() if self.residency is not None else None,
+        }
+        return combine_ranks(self.agreement.gather(state))
 
     def parked(self, rid: Hashable) -> bool:
         """Whether retracted `rid` waits with its saved KV in the host tier
@@ -377,15 +497,3 @@ def _sum(values: list, key: str = ""):
     if key not in _IDS and all(map(number, values)):
         return sum(values)
     return values
-
-
-_current: PSAServing | None = None
-
-
-def current() -> PSAServing | None:
-    return _current
-
-
-def install(serving: PSAServing | None) -> None:
-    global _current
-    _current = serving

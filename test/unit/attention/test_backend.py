@@ -23,11 +23,10 @@ pytest.importorskip(
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
-from sglang_psa.attention import psa_backend  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
 from sglang_psa.plugin import scheduling  # noqa: E402
-from sglang_psa.sched.serving import current, install  # noqa: E402
+from sglang_psa.sched import process  # noqa: E402
 
 BS, HQ, HKV, D, LAYERS = 32, 4, 2, 16, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,9 +37,9 @@ def _noop(*args, **kwargs):
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_serving():
+def _no_leftover_process():
     yield
-    install(None)  # the backend installs the process's PSAServing
+    process.register(None)  # a test registers what its backend assembled
 
 
 class _Mode:
@@ -335,7 +334,7 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
     # The blocks read are each request's working set (the requests share no page here),
     # measured at the start of the next step and published by request-table row.
     backend.init_forward_metadata(fb)
-    sizes, lens = current().measure()
+    sizes, lens = backend.process.serving.measure()
     rows = fb.req_pool_indices.tolist()
     assert sum(int(sizes[r]) for r in rows) == backend.blocks_read[1] > 0
     assert [int(lens[r]) for r in rows] == lengths
@@ -373,12 +372,12 @@ def test_backend_reports_its_gpu_bytes_and_names_the_flag_when_they_do_not_fit(m
     pages = (pool.size + BS) // BS
     assert got["block_metadata"] == backend.meta.bytes > 0
     assert got["working_sets"] >= pool.layer_num * pool.head_num * pages * 4  # the stamps
-    assert current().hbm_bytes() == got  # what server info reports
+    assert backend.process.serving.hbm_bytes() == got  # what server info reports
 
     def no_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(psa_backend, "PageMeta", no_memory)
+    monkeypatch.setattr("sglang_psa.mem_cache.page_meta.PageMeta", no_memory)
     with pytest.raises(PSAConfigError, match="--mem-fraction-static"):
         PSAAttnBackend(runner)
 
@@ -808,7 +807,8 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
     lengths = [95, 64]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
-    serving, wb = current(), backend.writeback
+    process.register(backend.process)  # as the plugin does when SGLang builds the backend
+    serving, wb = backend.process.serving, backend.writeback
     assert serving.writeback is wb and wb is not None
     req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
     reqs = [SimpleNamespace(rid=f"r{r}", req_pool_idx=r) for r in (1, 2)]
@@ -881,7 +881,8 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
     lengths = [300, 250]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
-    serving, wb = current(), backend.writeback
+    process.register(backend.process)  # as the plugin does when SGLang builds the backend
+    serving, wb = backend.process.serving, backend.writeback
     req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
     n_pages = kv.size // BS
     held = {int(p) // BS for r, n in zip((1, 2), lengths) for p in req.req_to_token[r, :n]}
@@ -1019,7 +1020,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         assert d[2] == want[1] - copied, (d, want, copied)  # cached units came from HBM
         if DEV == "cuda":
             torch.cuda.synchronize()
-        backend.unit_reads()  # (the counters' host copy trails by a call)
+        backend.counters.unit_reads()  # (the counters' host copy trails by a call)
         info = serving.metric_values()
         assert info["units_cached_total"] == copied and info["unit_cache_pages"] == took
         read, _, host = backend.stats.sum(0).tolist()

@@ -26,7 +26,7 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang_psa.mem_cache.prefill_stage import PrefillStage  # noqa: E402
 from sglang_psa.mem_cache.request_kv import RequestKV  # noqa: E402
 from sglang_psa.plugin.extend import around_triton_forward_extend  # noqa: E402
-from sglang_psa.sched import serving as serving_mod  # noqa: E402
+from sglang_psa.sched import process  # noqa: E402
 
 BS = 32
 
@@ -147,7 +147,7 @@ def test_staged_prefix_gives_the_resident_output(kernel_device, H, Hkv, d):
             reqs_ = [types.SimpleNamespace(rid=rid) for rid in "ab"]
             assert stage.plan_batch(reqs_, prefix)
             assert stage.host_tokens == 3 * BS
-        serving_mod.install(types.SimpleNamespace(residency=types.SimpleNamespace(stage=stage)))
+        process.register(types.SimpleNamespace(stage=stage))  # what the hook reads of it
         try:
             outs = []
             for lid in range(L):
@@ -157,7 +157,7 @@ def test_staged_prefix_gives_the_resident_output(kernel_device, H, Hkv, d):
                 )  # fmt: skip
                 outs.append(o.cpu())
         finally:
-            serving_mod.install(None)
+            process.register(None)
         assert backend.forward_metadata is md and backend.token_to_kv_pool is pool
         for lid in range(L):  # the new tokens went into the pool either way
             assert torch.equal(pool.k_buffer[lid][to(out_loc)].cpu(), k)

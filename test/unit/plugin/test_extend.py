@@ -26,8 +26,18 @@ def _hybrid(decode, k_buffer, page_size=32):
     )
 
 
-def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
+def _ours(tiered: bool = False, staged: bool = False) -> PSAAttnBackend:
+    """Our decode backend as the hook reads it: the scheduler process it assembled, with
+    (tiered) or without a host tier, and with or without a prefill stage."""
     ours = object.__new__(PSAAttnBackend)
+    ours.process = types.SimpleNamespace(
+        residency=object() if tiered else None, stage=object() if staged else None
+    )
+    return ours
+
+
+def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
+    ours = _ours()
     h = _hybrid(ours, torch.zeros(96, 2, 8))
     after_hybrid_init(None, h)
     assert h.prefill_backend.page_size == 1
@@ -43,25 +53,38 @@ def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
 
 
 def test_the_tiered_home_stages_prefill_on_triton_or_says_why_not(caplog):
-    """Staged prefill (prompts larger than HBM) is enabled on the Triton prefill over the
-    token-major pool, also when it already runs at page size 1; with another prefill the
-    startup log says it is off."""
-    from sglang_psa.mem_cache.prefill_stage import PrefillStage
+    """Staged prefill (prompts larger than HBM) is assembled for the Triton prefill over
+    the token-major pool (`sched.process.stages_prefill`, from the server args, before
+    SGLang builds the prefill backend), also when it already runs at page size 1; with
+    another prefill the startup log says it is off; a process assembled for one prefill
+    backend and run with another stops at startup."""
+    from sglang_psa.sched.process import stages_prefill
 
-    ours = object.__new__(PSAAttnBackend)
-    ours.residency = types.SimpleNamespace(wb=object(), stage=None)
-    ours.cfg = types.SimpleNamespace(block_size=32)
-    ours.first_layer = 0
-    h = _hybrid(ours, torch.zeros(96, 2, 8), page_size=1)
-    after_hybrid_init(None, h)
-    assert isinstance(ours.residency.stage, PrefillStage)
-    ours.residency.stage = None
-    other = _hybrid(ours, torch.zeros(96, 2, 8))
+    pool = types.SimpleNamespace(k_buffer=[torch.zeros(96, 2, 8)], v_buffer=[torch.zeros(96, 2, 8)])
+    paged = types.SimpleNamespace(k_buffer=[torch.zeros(3, 32, 2, 8)], v_buffer=[])
+    triton = types.SimpleNamespace(prefill_attention_backend="triton", attention_backend="triton")
+    fa3 = types.SimpleNamespace(prefill_attention_backend="fa3", attention_backend="fa3")
+    assert stages_prefill(triton, pool) and not stages_prefill(fa3, pool)
+    assert not stages_prefill(triton, paged) and not stages_prefill(types.SimpleNamespace(), pool)
+    assert stages_prefill(types.SimpleNamespace(attention_backend="triton"), pool)
+
+    staged = _ours(tiered=True, staged=True)
+    h = _hybrid(staged, torch.zeros(96, 2, 8), page_size=1)
+    with caplog.at_level("WARNING", logger="sglang_psa.plugin.extend"):
+        after_hybrid_init(None, h)
+    assert h.prefill_backend.page_size == 1 and "staged prefill is off" not in caplog.text
+    unstaged = _ours(tiered=True)
+    other = _hybrid(unstaged, torch.zeros(96, 2, 8))
     other.prefill_backend = object()  # not SGLang's Triton backend (FA3, FlashInfer)
     with caplog.at_level("WARNING", logger="sglang_psa.plugin.extend"):
         after_hybrid_init(None, other)
-    assert ours.residency.stage is None
     assert "staged prefill is off" in caplog.text and "object" in caplog.text
+    for ours, prefill in ((staged, object()), (unstaged, None)):
+        wrong = _hybrid(ours, torch.zeros(96, 2, 8))
+        if prefill is not None:
+            wrong.prefill_backend = prefill
+        with pytest.raises(RuntimeError, match="assembled with"):
+            after_hybrid_init(None, wrong)
 
 
 def test_the_extend_kernel_at_page_size_one_equals_page_size_32(kernel_device):

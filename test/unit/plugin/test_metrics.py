@@ -18,12 +18,13 @@ SCRIPT = textwrap.dedent(
     from prometheus_client import CollectorRegistry, generate_latest, multiprocess
     from sglang_psa.config import PSAConfig
     from sglang_psa.sched.metrics import GAUGES, PSAMetrics
-    from sglang_psa.sched.serving import PSAServing
+    from sglang_psa.sched.serving import BackendReadouts, PSAServing
 
-    s = PSAServing(PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100, host_tokens=4096)
-    s.metrics = PSAMetrics(tp_rank=1, interval_s=3600)
-    s.read_counts = lambda: (30, 120)
-    s.measure = lambda: ([0], [0])
+    s = PSAServing(
+        PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100, host_tokens=4096,
+        readouts=BackendReadouts(measure=lambda: ([0], [0]), read_counts=lambda: (30, 120)),
+        metrics=PSAMetrics(tp_rank=1, interval_s=3600),
+    )
     assert s.try_admit("a", 64, alone=True)
     s.waits["working_set"], s.waits["kv_pages"] = 3, 2
     s.flush_step([])  # the first refresh is due at once

@@ -11,8 +11,9 @@ import pytest
 from sglang_psa import releases
 from sglang_psa.config import PSAConfig
 from sglang_psa.plugin import scheduling
+from sglang_psa.sched import process
 from sglang_psa.sched.admission import Candidate
-from sglang_psa.sched.serving import PSAServing, install
+from sglang_psa.sched.serving import PSAServing
 
 try:  # the real enum when SGLang is installed; the hook imports it lazily
     from sglang.srt.managers.schedule_policy import AddReqResult
@@ -30,9 +31,15 @@ def serving(monkeypatch):
     cfg = PSAConfig(ws_window=2)
     # 2 layers x 2 KV heads = 4 units per block; capacity 100 units; KV in HBM only.
     s = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100)
-    install(s)
+    _register(s)
     yield s
-    install(None)
+    process.register(None)
+
+
+def _register(serving: PSAServing) -> None:
+    """A scheduler process whose hooks call `serving` (what `plugin.scheduling` reads of
+    `sched.process.SchedulerProcess`)."""
+    process.register(SimpleNamespace(serving=serving))
 
 
 def _noop(*args, **kwargs):
@@ -156,7 +163,7 @@ def test_tiered_home_holds_back_by_working_set_but_never_retracts(serving):
         hbm_units=100,
         host_tokens=1 << 20,
     )
-    install(host)
+    _register(host)
     adder = _adder()
     reqs = [_req(r, 640, pool_idx=i) for i, r in enumerate("abc")]  # est 40 units each
     add = scheduling.around_add_one_req
@@ -180,13 +187,13 @@ def test_requests_too_large_are_refused_naming_the_flag(serving):
     ok = _req("y", 1000)
     assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
     small_cache = PSAServing(PSAConfig(), layers=2, kv_heads=2, hbm_units=10)
-    install(small_cache)
+    _register(small_cache)
     msg = scheduling.after_validate_input_length(None, ok, 10**6, False)
     assert "--psa-gpu-cache-gb" in msg
     # Tiered home: blocks beyond HBM are read from the host tier, so it is served; a
     # request longer than the host tier holds is refused naming its flag.
     tiered = PSAConfig(kv_home="tiered", host_pool_gb=1.0)
-    install(PSAServing(tiered, layers=2, kv_heads=2, hbm_units=10, host_tokens=4096))
+    _register(PSAServing(tiered, layers=2, kv_heads=2, hbm_units=10, host_tokens=4096))
     assert scheduling.after_validate_input_length(None, ok, 10**6, False) is None
     too_long = _req("x", 4090)  # + 16 new tokens > 4096 host-tier tokens
     msg = scheduling.after_validate_input_length(None, too_long, 10**6, False)
@@ -196,7 +203,7 @@ def test_requests_too_large_are_refused_naming_the_flag(serving):
 
 
 def test_without_sparse_mode_every_hook_passes_through():
-    install(None)
+    process.register(None)
     calls = []
 
     def orig(adder, req, has_chunked_req, truncation_align_size):
@@ -445,7 +452,7 @@ def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignor
     frees, firsts = [], []
 
     class Residency:  # frees what it is asked (or `cut` less), as saved blocks would
-        evicted_blocks, cache, cut, stage = 0, SimpleNamespace(pages=0), 0, None
+        evicted_blocks, cache, cut = 0, SimpleNamespace(pages=0), 0
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             frees.append(tokens)
@@ -515,7 +522,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     made, synced = [], []
 
     class Residency:  # saved blocks give back up to 3000 tokens of pages
-        evicted_blocks, cache, stage, give = 0, SimpleNamespace(pages=0), object(), 3000
+        evicted_blocks, cache, give = 0, SimpleNamespace(pages=0), 3000
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             n = min(tokens, self.give)
@@ -538,12 +545,12 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
     def adder():
         return policy.PrefillAdder(BS, tree, alloc, SimpleNamespace(reqs=running), 0.4, 16384, 2048)
 
-    serving.residency.stage = None  # without staged prefill: SGLang never admits it
+    serving.stage = None  # without staged prefill: SGLang never admits it
     a = adder()
     res = scheduling.around_add_one_req(policy.PrefillAdder.add_one_req, a, big, False, None)
     assert res == policy.AddReqResult.NO_TOKEN and big not in a.can_run_list
     assert "big" not in serving.controller.running
-    serving.residency.stage = object()
+    serving.stage = object()
     alloc.free, serving.residency.give = 1000, 3000  # as before the refused attempt
     a = adder()
     budgets = (releases.read(a, "adder.total_offset"), releases.read(a, "adder.current_offset"))
@@ -580,7 +587,7 @@ def test_the_longest_prompt_is_bounded_by_the_host_tier_with_staged_prefill(serv
     info = (8192, 16384, 64, 100, 8191, 8186, 0, "cuda", None, 64, 32768, 8192)
     worker = SimpleNamespace(model_config=SimpleNamespace(context_len=32768))
     assert scheduling.after_get_worker_info(info, worker) == info  # KV in HBM: SGLang's
-    serving.residency = SimpleNamespace(stage=object())
+    serving.residency, serving.stage = SimpleNamespace(), object()
     serving.host_tokens = 20_000
     out = scheduling.after_get_worker_info(info, worker)
     assert out[4:6] == (19_999, 19_994) and out[:4] == info[:4] and out[6:] == info[6:]
@@ -618,7 +625,8 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
     run = sched_mod.Scheduler.init_req_max_new_tokens
     scheduling.around_init_req_max_new_tokens(run, sched, req)
     assert req.sampling_params.max_new_tokens == 0  # SGLang's cap, KV in HBM
-    serving.residency, serving.host_tokens = SimpleNamespace(stage=object()), 100_000
+    serving.residency, serving.host_tokens = SimpleNamespace(), 100_000
+    serving.stage = object()
     req.sampling_params.max_new_tokens = 32
     scheduling.around_init_req_max_new_tokens(run, sched, req)
     assert req.sampling_params.max_new_tokens == 32 and sched.max_total_num_tokens == 8192
@@ -639,7 +647,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     kept = 94 * BS
 
     class Residency:
-        evicted_blocks, cache, stage = 0, SimpleNamespace(pages=0), object()
+        evicted_blocks, cache = 0, SimpleNamespace(pages=0)
 
         def make_room(self, reqs, tokens, allocator, cache_first=0):
             return 0
@@ -658,7 +666,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 50_000
-    serving.residency, serving.requests = Residency(), Requests()
+    serving.residency, serving.requests, serving.stage = Residency(), Requests(), object()
     serving.controller.admit_alone(Candidate("c", 3000, 1))
     serving.controller.pause("c")  # retracted
 
@@ -724,7 +732,7 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
 
     wb = SimpleNamespace(plan_extend=lambda reqs, lens: calls.append(("plan", lens)))
     stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
-    serving.residency, serving.writeback = SimpleNamespace(stage=stage), wb
+    serving.residency, serving.writeback, serving.stage = SimpleNamespace(), wb, stage
     serving.requests = Requests()
     serving.controller.admit_alone(Candidate("a", 100, 1))
     tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
