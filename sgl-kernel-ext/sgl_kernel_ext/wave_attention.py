@@ -772,8 +772,15 @@ class WaveAttention:
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
         self.one_wave = self.limit == -math.inf
-        described = not (self.one_wave or host_tier or self.tma is False)
-        self.warps = self.num_warps or (1 if described else 2)
+        # Whether runs may read through tensor descriptors (`_descriptors` then checks each
+        # run's layout): decided once here, with the launch it picks.
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        has_tma = TensorDescriptor is not None and (
+            interp or (dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
+        )
+        wanted = self.tma if self.tma is not None else not self.one_wave
+        self.described = bool(wanted and has_tma)
+        self.warps = self.num_warps or (1 if self.described and not host_tier else 2)
         if splits is None:
             splits = 1
             if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -833,15 +840,9 @@ class WaveAttention:
         2-D `[rows, tok_stride]` (a slot is `bs` consecutive rows; a KV head starts that
         many rows or columns further), or None where they do not apply: a host tier, a GPU
         without a TMA (before sm_90), a layout of another shape, rows not 16-byte aligned."""
-        if self.tma is False or (self.tma is None and self.one_wave):
-            return None
-        if on_host or TensorDescriptor is None:
+        if not self.described or on_host:
             return None
         slot_stride, tok_stride, head_stride = strides
-        dev = k_slots.device
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        if not interp and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
-            return None
         if slot_stride != self.bs * tok_stride or (tok_stride * k_slots.element_size()) % 16:
             return None
         if head_stride % tok_stride == 0:  # head-major: a head is rows further
