@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 from sglang_psa.config import flag_name
 from sglang_psa.distributed import kv_ranks
@@ -23,6 +24,20 @@ from sglang_psa.mem_cache.kv_budget import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CellShape:
+    """What `_compute_cell_size` saw, kept for the same configurator's pool sizing."""
+
+    kv_bytes_per_token: int  # SGLang's own cell size, without the block metadata
+    kv_dtype: object
+    layers: int
+
+
+# Configurator -> the shape its cell size was computed for. Kept beside SGLang's object,
+# never written onto it; an entry goes when its configurator does.
+_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _config():
@@ -37,24 +52,23 @@ def after_compute_cell_size(result, configurator, kvc, num_layers):
     if cfg is None or getattr(kvc, "use_mla_backend", False):
         return result
     meta = metadata_bytes_per_token(result, kvc.kv_cache_dtype, cfg)
-    configurator._psa_kv_bytes_per_token = result
-    configurator._psa_kv_dtype = kvc.kv_cache_dtype
-    configurator._psa_layers = num_layers
+    _shapes[configurator] = _CellShape(result, kvc.kv_cache_dtype, num_layers)
     return result + meta
 
 
 def after_calculate_pool_sizes(result, configurator, available_bytes, page_size):
     """At the tiered home the token budget leaves HBM for the host blocks' rows."""
     cfg = _config()
-    per_token = getattr(configurator, "_psa_kv_bytes_per_token", None)
-    if cfg is not None and cfg.kv_home == "tiered" and per_token:
-        return _tiered_pool_size(cfg, configurator, result, per_token, page_size)
+    shape = _shapes.get(configurator)
+    if cfg is not None and cfg.kv_home == "tiered" and shape and shape.kv_bytes_per_token:
+        return _tiered_pool_size(cfg, configurator, result, shape, page_size)
     return result
 
 
-def _tiered_pool_size(cfg, configurator, result, per_token: int, page_size: int):
+def _tiered_pool_size(cfg, configurator, result, shape: _CellShape, page_size: int):
     """The tiered home's token budget: SGLang's, less the HBM of the host blocks' rows."""
-    dtype, layers, ranks = configurator._psa_kv_dtype, configurator._psa_layers, kv_ranks()
+    per_token, dtype, layers = shape.kv_bytes_per_token, shape.kv_dtype, shape.layers
+    ranks = kv_ranks()
     rows = host_row_bytes(cfg, per_token, dtype, layers, ranks)
     pages = result.max_total_num_tokens // page_size + 1
     rows += pages * unit_cache_bytes_per_page(per_token, dtype, layers)

@@ -21,6 +21,10 @@ class PoolConfig:  # the fields of SGLang's MemoryPoolConfig the hook reads
     max_total_num_tokens: int
 
 
+class Configurator:  # SGLang's pool configurators are plain classes (hashable, weakref-able)
+    pass
+
+
 @pytest.fixture(autouse=True)
 def _no_config(monkeypatch):
     monkeypatch.delenv(flags.ENV_VAR, raising=False)
@@ -29,7 +33,7 @@ def _no_config(monkeypatch):
 
 
 def test_hbm_budget_counts_block_metadata():
-    conf = SimpleNamespace()
+    conf = Configurator()
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN
     # Metadata is kept in the KV dtype (bf16 here): one key vector per block is
     # 24 layers x 2 heads x 64 x 2 B per 32 tokens = 192 B per token.
@@ -57,7 +61,7 @@ def test_hbm_budget_counts_block_metadata():
 
 
 def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_flag():
-    conf = SimpleNamespace()
+    conf = Configurator()
     flags.export(PSAConfig(kv_home="tiered", host_pool_gb=1.0, bound_bits=16))
     conf._cell_size = kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24)
     assert conf._cell_size == PER_TOKEN + 2 * 192  # the pool's own tokens carry metadata
