@@ -10,6 +10,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-8b   # workload e's step, launch sweep
     python benchmark/kernels/bench_wave.py --serving-a    # workload a's (Qwen 0.5B heads)
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
+    python benchmark/kernels/bench_wave.py --serving-a --knobs=pdl      # these sweep keys
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "rank_chunk_blocks",
         "prefetch",
         "tma",
+        "pdl",
+        "pdl_cooperative",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -502,13 +505,13 @@ def _sweep_one(sweeps: dict, label: str, key: str, bench, splits, launch: dict) 
     print(label, sweeps[key], file=sys.stderr, flush=True)
 
 
-def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
+def serving_a(sweep: bool = True, only: tuple[str, ...] = (), knobs: tuple[str, ...] = ()) -> dict:
     """Workload a's decode attention per layer, in the server's layout (`server_case`): 32
     requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
     (its share there), and over heads that spread as a real model's do (`psa_mixed`:
     half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
     launch sweep of each (splits, tile and warps, pipeline depth), against the HBM peak of
-    the same run. `only`: these modes alone."""
+    the same run. `only`: these modes alone; `knobs`: these sweep keys alone."""
     use_shape("qwen05b")
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
@@ -519,6 +522,8 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
         sweeps: dict[str, float | str] = {"default": default["time_us"]}
 
         def one(key, splits=None, _ctx=(sweeps, mode, case), **launch):
+            if knobs and key not in knobs and not any(key.startswith(k) for k in knobs):
+                return
             bench = functools.partial(server_case, **_ctx[2])
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, bench, splits, launch)
 
@@ -539,6 +544,11 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = ()) -> dict:
         one("stages3", num_stages=3)
         for warps in (1, 2, 4):
             one(f"warps{warps}", num_warps=warps)
+        # Programmatic dependent launch of the layer's kernels (and of a cooperative wave
+        # launch: runs in waves with splits).
+        one("pdl", pdl=True)
+        if mode.startswith("psa"):
+            one("pdl_cooperative", pdl=True, pdl_cooperative=True)
         ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
         result[mode] = {
@@ -600,6 +610,10 @@ if __name__ == "__main__":
         only = next(
             (a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--modes=")), ()
         )
-        print(json.dumps(serving_a("--defaults-only" not in sys.argv, tuple(only)), indent=1))
+        knobs = next(
+            (a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--knobs=")), ()
+        )
+        sweep = "--defaults-only" not in sys.argv
+        print(json.dumps(serving_a(sweep, tuple(only), tuple(knobs)), indent=1))
     else:
         print(json.dumps(run(), indent=1))

@@ -627,18 +627,11 @@ READER_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shape", list(READER_SHAPES))
-@pytest.mark.parametrize("mode", ["psa", "topk", "dense"])
-def test_descriptor_reads_equal_gather_reads(device, mode, shape):
-    """Blocks read through tensor descriptors (one block a tile, copied whole from the slot)
-    give what the per-row gather gives over SGLang's token-major pool: the reference's
-    blocks, output and log-mass, and the same last-use stamps and read counters. The rows
-    past each request's length hold NaN: both readers must mask them."""
-    from sgl_kernel_ext.wave_attention import WaveAttention
-
+def _reader_case(mode, shape, device):
+    """Workload of the reader tests over SGLang's token-major pool, NaN in the rows past
+    each request's length: (cfg, budget, reference, q, kbuf, vbuf, loc, lengths, the
+    per-page metadata, pages, nb)."""
     B, G, Hkv, T, d, bs = READER_SHAPES[shape]
-    if shape != "small" and device == "cpu":
-        pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
     small = SMALL_WAVES if shape == "small" else dict(bound_bits=16)
     cfg = PSAConfig(threshold=1.0 if mode != "psa" else 0.9, **{**small, "block_size": bs})
     q, k, v, lengths = _case(12, B=B, Hq=G * Hkv, Hkv=Hkv, T=T, d=d, spread=2.0, device=device)
@@ -665,22 +658,47 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape):
         ref = topk_attention(q, k, v, lengths, cfg.replace(topk_tokens=bs * budget))
     else:
         ref = progressive_attention(q, k, v, lengths, cfg)
+    return cfg, budget, ref, q, kbuf, vbuf, loc, lengths, per_page, pages.to(device), nb
+
+
+def _reader_run(wa, case, stamps, stats, step):
+    _, budget, _, q, kbuf, vbuf, loc, lengths, per_page, pages, _ = case
+    d, Hkv = q.shape[-1], loc.shape[1]
+    bs = kbuf.shape[0] // stamps.shape[1]
+    return wa.run(
+        q, kbuf, vbuf, loc, lengths, *per_page,
+        max_read_blocks=budget, slot_strides=(bs * Hkv * d, Hkv * d, d), meta_pages=pages,
+        stamps=stamps, step=step, stats=stats,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", list(READER_SHAPES))
+@pytest.mark.parametrize("mode", ["psa", "topk", "dense"])
+def test_descriptor_reads_equal_gather_reads(device, mode, shape):
+    """Blocks read through tensor descriptors (one block a tile, copied whole from the slot)
+    give what the per-row gather gives over SGLang's token-major pool: the reference's
+    blocks, output and log-mass, and the same last-use stamps and read counters. The rows
+    past each request's length hold NaN: both readers must mask them."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    if shape != "small" and device == "cpu":
+        pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
+    case = _reader_case(mode, shape, device)
+    cfg, budget, ref, q, kbuf, vbuf, loc, lengths, per_page, pages, nb = case
+    B, Hq, d = q.shape
+    Hkv, bs = loc.shape[1], cfg.block_size
     results = {}
     for tma in (True, False):
         wa = WaveAttention.from_config(cfg)
         wa.tma = tma
-        wa.plan(B, G * Hkv, Hkv, d, nb, device, read_blocks=budget)
-        strides = (bs * Hkv * d, Hkv * d, d)
+        wa.plan(B, Hq, Hkv, d, nb, device, read_blocks=budget)
         if tma:
+            strides = (bs * Hkv * d, Hkv * d, d)
             assert wa._descriptors(kbuf, vbuf, strides, False) is not None, "no TMA here"
         stamps = torch.zeros(Hkv, kbuf.shape[0] // bs, dtype=torch.int32, device=device)
         stats = torch.zeros(3, dtype=torch.int64, device=device)
         step = torch.full((1,), 7, dtype=torch.int32, device=device)
-        res = wa.run(
-            q, kbuf, vbuf, loc, lengths, *per_page,
-            max_read_blocks=budget, slot_strides=strides, meta_pages=pages.to(device),
-            stamps=stamps, step=step, stats=stats,
-        )  # fmt: skip
+        res = _reader_run(wa, case, stamps, stats, step)
         assert torch.equal(res.read_mask(), ref.read), f"tma={tma}"
         torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
@@ -688,3 +706,58 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape):
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
     assert int(results[True][1][0]) == int(ref.read.sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qwen05b", "llama8b"])
+@pytest.mark.parametrize("mode,cooperative", [
+    ("psa", False), ("psa", True), ("topk", False), ("dense", False),
+])  # fmt: skip
+def test_programmatic_dependent_launch_reads_what_the_reference_reads_in_a_graph(
+    mode, cooperative, shape
+):
+    """The layer's kernels launched with PDL (each program waits for the kernel before
+    it), three layers captured back to back in a CUDA graph without a host sync: every
+    layer reads the reference's blocks and gives its output, and the stamps and counters
+    equal those of a run launched without PDL."""
+    from sgl_kernel_ext.runtime import pdl_supported
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    if not pdl_supported("cuda"):
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
+    case = _reader_case(mode, shape, "cuda")
+    cfg, budget, ref, q, kbuf, vbuf, loc, lengths, per_page, pages, nb = case
+    B, Hq, d = q.shape
+    Hkv, bs = loc.shape[1], cfg.block_size
+    got = {}
+    for pdl in (False, True):
+        wa = WaveAttention.from_config(cfg)
+        wa.pdl, wa.pdl_cooperative = pdl, cooperative
+        wa.plan(B, Hq, Hkv, d, nb, "cuda", read_blocks=budget)
+        assert wa.pdl_active == pdl
+        if mode == "psa":
+            assert wa.splits > 1, "the cooperative launch is the case under test"
+        stamps = torch.zeros(Hkv, kbuf.shape[0] // bs, dtype=torch.int32, device="cuda")
+        stats = torch.zeros(3, dtype=torch.int64, device="cuda")
+        step = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        _reader_run(wa, case, stamps, stats, step)  # compiled outside the capture
+        stats.zero_()
+        outs = []
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(3):
+                    res = _reader_run(wa, case, stamps, stats, step)
+                    outs.append(res.out.clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            torch.testing.assert_close(out, ref.out.float(), atol=2e-4, rtol=2e-4)
+        assert torch.equal(res.read_mask(), ref.read)
+        got[pdl] = (stamps.clone(), stats.clone())
+    assert torch.equal(got[True][0], got[False][0])
+    assert torch.equal(got[True][1], got[False][1])
+    assert int(got[True][1][0]) == 3 * int(ref.read.sum())
