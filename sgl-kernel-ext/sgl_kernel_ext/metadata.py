@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.runtime import check_pdl, pdl_enter, triton_enabled
+from sgl_kernel_ext.runtime import check_pdl, pdl_enter, pdl_launch, triton_enabled
 
 # float32((1 + 2^-20) / 127): a block's largest |bound| to its code scale (the margin
 # keeps every code in [-128, 127]); `sglang_psa.algo.bound_codes` spells it out.
@@ -142,7 +142,7 @@ def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, 
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
         D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
         MEAN=mean is not None, BOUNDS=kmin is not None, CODES=kscale is not None,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, **pdl_launch(pdl),
     )  # fmt: skip
 
 

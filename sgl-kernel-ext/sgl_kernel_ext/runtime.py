@@ -56,6 +56,12 @@ def check_pdl(pdl: bool, device: torch.device | str) -> None:
         )
 
 
+def pdl_launch(pdl: bool) -> dict:
+    """The launch option of a PDL launch (none otherwise: a Triton without it still runs
+    every other launch)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First statement of a kernel launched with `launch_pdl=PDL`: wait for the previous

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - older Triton: the per-row gather reads
 
 from sgl_kernel_ext.code_bounds import code_bounds
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
-from sgl_kernel_ext.runtime import pdl_enter, pdl_supported
+from sgl_kernel_ext.runtime import pdl_enter, pdl_launch, pdl_supported
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
 HEURISTIC, CERTIFIED = 0, 1
@@ -1188,7 +1188,7 @@ class WaveAttention:
                     TMA=descs is not None,
                     PDL=pdl,
                     launch_cooperative_grid=cooperative,
-                    launch_pdl=pdl,
+                    **pdl_launch(pdl),
                 )
                 break
             except RuntimeError as e:
