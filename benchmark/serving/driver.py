@@ -115,11 +115,14 @@ class Server:
             raise ServerFailed(f"warm-up request failed: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, check: bool = False) -> None:
         """Drop the prefix cache (the server must be idle), so no timed request reuses the KV
-        of a warm-up or of an earlier run."""
+        of a warm-up or of an earlier run. `check`: a reply other than 200 raises
+        ServerFailed instead of being logged."""
         r = requests.post(self.url + "/flush_cache", timeout=60)
         if r.status_code != 200:
+            if check:
+                raise ServerFailed(f"/flush_cache answered {r.status_code}: {r.text[:200]}")
             log(f"flush_cache answered {r.status_code}: {r.text[:200]}")
 
     def log_size(self) -> int:

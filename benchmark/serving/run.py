@@ -3,6 +3,7 @@
 
     python benchmark/serving/run.py stage a                     # workload a, its default systems
     python benchmark/serving/run.py stage a --systems psa,topk  # plain SGLang always runs too
+    python benchmark/serving/run.py stage a,a16 --systems psa   # one server per system, both
     python benchmark/serving/run.py merge PART.json ...         # fold stage parts into the result
     python benchmark/serving/run.py table                       # README table from the result
     python benchmark/serving/run.py missing                     # stages the result still lacks
@@ -61,6 +62,18 @@ budget, hence two calls. The budget stops what does not fit: a system is not
 started with less than 90 s (FlashInfer: 210 s) left, and its name lands in the
 part's `not_run`, to be added with `--continue-run last`.
 
+`stage a,a16 ...` runs several workloads on one server start per system: servers start
+in `stage_order`, each measures the workloads in the order listed (warm-up, a checked
+`/flush_cache` before every workload but the first, its timed runs), and each workload
+keeps its own part (same run id), every record with the same `startup_s` and
+`shared_server_with`. It saves a start (65-85 s, FlashInfer +~100 s) per system and
+workload. Workloads share a server only when every system's launch is the same for them
+(same model, `max_batch`, flags) and none caps the KV (`b`, `e`, `*_capped`); otherwise
+the stage exits naming the flag that differs. A system needs 90 s plus 30 s per further
+workload of the budget (FlashInfer +120 s) to start; `--continue-run last` continues the
+newest run of each workload; `--rates` and `--profile-decode` take one workload. Without
+`--systems` it runs the systems every listed workload runs by default.
+
 `stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
 SGLang's profiler records STEPS decode steps of each server, and each system's record
 gets a table of GPU time per step by kernel (`decode_profile`). The profiler's export
@@ -101,6 +114,7 @@ SLO_FACTORS = {"strict": 5.0, "relaxed": 25.0}  # x plain SGLang's single-reques
 PROBE_OUTPUT = 128
 STARTUP_TIMEOUT_S = 600
 MIN_SYSTEM_BUDGET_S = 90  # a system is not started with less of the stage budget left
+MIN_WORKLOAD_BUDGET_S = 30  # and 30 s more for each further workload its server runs
 STOP_MARGIN_S = 25  # a timed run ends this long before the budget: shutdown and merge
 
 
@@ -193,20 +207,13 @@ def probe(server: Server, tok, w: workloads_mod.Workload) -> dict:
     return {"ttft_s": ttft, "tpot_s": tpot, "output_tokens": n}
 
 
-def run_system(
-    name: str,
-    w: workloads_mod.Workload,
-    ctx: dict,
-    port: int,
-    deadline: float,
-) -> dict:
-    """Start `name`'s server, warm it up, run the workload's timed run(s), hand the record
-    to `ctx["measured"]` (when set) while the server still runs, stop it."""
+def launch(name: str, w: workloads_mod.Workload, ctx: dict, port: int) -> list[str]:
+    """The server command of system `name` for workload `w` (its KV cap, batch, model)."""
     system = systems_mod.SYSTEMS[name]
     extra = []
     if ctx["cap"] is not None:
         extra += systems_mod.cap_flags(system, ctx["cap"])
-    cmd = systems_mod.launch_command(
+    return systems_mod.launch_command(
         driver.python(),
         system,
         str(ctx["model_dir"]),
@@ -216,50 +223,125 @@ def run_system(
         extra=extra,
         launcher=ctx["launcher"],
     )
-    logs = ctx["work"] / "logs" / ctx["run_id"]
-    rec: dict = {"what": system.what, "launch": cmd, "error": None}
-    server = Server(cmd, port, logs / f"{w.name}-{name}.server.log")
+
+
+def run_system(
+    name: str,
+    w: workloads_mod.Workload,
+    ctx: dict,
+    port: int,
+    deadline: float,
+) -> dict:
+    """Start `name`'s server, warm it up, run the workload's timed run(s), hand the record
+    to `ctx["measured"]` (when set) while the server still runs, stop it."""
+    return run_server(name, [(w, ctx)], port, deadline)[w.name]
+
+
+def run_server(
+    name: str,
+    plans: list[tuple[workloads_mod.Workload, dict]],
+    port: int,
+    deadline: float,
+) -> dict[str, dict]:
+    """Start `name`'s server once (the launch of the first workload: `stage` checked that
+    every workload's is the same) and measure each (workload, ctx) of `plans` on it in
+    order, as `run_system` measures one; before every workload but the first, after its
+    warm-up, the prefix cache is flushed (a refused flush is that workload's error). Each
+    workload's record carries the start-up and, with several, `shared_server_with`. A
+    workload reached with less than MIN_WORKLOAD_BUDGET_S of the budget left is not
+    measured and has no record. Returns workload name -> record."""
+    w0, ctx0 = plans[0]
+    cmd = launch(name, w0, ctx0, port)
+    what = systems_mod.SYSTEMS[name].what
+    order = [w.name for w, _ in plans]
+    recs = {key: {"what": what, "launch": cmd, "error": None} for key in order}
+    done: set[str] = set()  # measured, failed or skipped
+    logs = ctx0["work"] / "logs" / ctx0["run_id"]
+    server = Server(cmd, port, logs / f"{'+'.join(order)}-{name}.server.log")
     try:
         with server:
             server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
-            rec["startup_s"] = server.startup_s
-            rec["warmup_s"] = warm_up(server, ctx["tok"], w)
-            info = server.get("/get_server_info")
-            rec["server_info_before"] = analysis.server_info_digest(info)
-            num_prompts = w.prompts
-            if w.batch_from_capacity:
-                num_prompts = ctx.setdefault("batch", capacity_batch(info, w))
-            rec["num_prompts"] = num_prompts
-            if w.name == "c" and name == "plain":
-                ctx["probe"] = probe(server, ctx["tok"], w)
-            runs, failed = {}, {}
-            for rate in w.rates:
-                key = "inf" if math.isinf(rate) else f"{rate:g}"
+            for i, (w, ctx) in enumerate(plans):
+                rec = recs[w.name]
+                left = deadline - time.time()
+                if i and left < MIN_WORKLOAD_BUDGET_S:
+                    log(f"{w.name}/{name}: not run, {left:.0f} s of the stage budget left")
+                    del recs[w.name]
+                    done.add(w.name)
+                    continue
+                rec["startup_s"] = server.startup_s
+                if len(plans) > 1:
+                    rec["shared_server_with"] = [k for k in order if k != w.name]
                 try:
-                    runs[key] = timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline)
-                except ServerFailed as e:
-                    if not w.is_sweep:
-                        raise
-                    failed[key] = f"{type(e).__name__}: {e}"
-                    log(f"{w.name}/{name} @ {key}/s FAILED: {failed[key][:2000]}; no more rates")
-                    break
-            if not runs:
-                raise ServerFailed(f"no rate completed: {failed}")
-            after = server.get("/get_server_info")
-            rec["server_info_after"] = analysis.server_info_digest(after)
-            rec["counters"] = analysis.counter_delta(info, after)
-            if w.is_sweep:
-                rec["rates"] = runs
-                rec["rates_failed"] = failed
-            else:
-                rec.update(runs["inf"])
-            if ctx.get("measured"):  # saved before the server's shutdown, which takes time
-                ctx["measured"](name, rec)
+                    measure(
+                        server, name, w, ctx, rec, deadline, flush_after=order[i - 1] if i else None
+                    )
+                except (ServerFailed, OSError, ValueError, KeyError) as e:
+                    if len(plans) == 1:
+                        raise  # recorded below, with the log's tail after the shutdown
+                    failed(rec, e, server, f"{w.name}/{name}")
+                done.add(w.name)
     except (ServerFailed, OSError, ValueError, KeyError) as e:
-        rec["error"] = f"{type(e).__name__}: {e}"
-        rec["log_tail"] = driver.tail(server.log_path)
-        log(f"{w.name}/{name} FAILED: {rec['error'][:2000]}")
-    return rec
+        for key in order:
+            if key not in done:
+                failed(recs[key], e, server, f"{key}/{name}")
+    return recs
+
+
+def failed(rec: dict, e: Exception, server: Server, label: str) -> None:
+    rec["error"] = f"{type(e).__name__}: {e}"
+    rec["log_tail"] = driver.tail(server.log_path)
+    log(f"{label} FAILED: {rec['error'][:2000]}")
+
+
+def measure(
+    server: Server,
+    name: str,
+    w: workloads_mod.Workload,
+    ctx: dict,
+    rec: dict,
+    deadline: float,
+    flush_after: str | None = None,
+) -> None:
+    """Warm the running server up for `w`, run its timed run(s) and fill `rec`, handing it
+    to `ctx["measured"]` (when set). `flush_after`: the workload measured before on this
+    server, whose prefix cache is flushed (checked) after the warm-up."""
+    logs = ctx["work"] / "logs" / ctx["run_id"]
+    rec["warmup_s"] = warm_up(server, ctx["tok"], w)
+    if flush_after is not None:
+        server.flush_cache(check=True)
+        log(f"{w.name}/{name}: prefix cache flushed after workload {flush_after}")
+    info = server.get("/get_server_info")
+    rec["server_info_before"] = analysis.server_info_digest(info)
+    num_prompts = w.prompts
+    if w.batch_from_capacity:
+        num_prompts = ctx.setdefault("batch", capacity_batch(info, w))
+    rec["num_prompts"] = num_prompts
+    if w.name == "c" and name == "plain":
+        ctx["probe"] = probe(server, ctx["tok"], w)
+    runs, failed_rates = {}, {}
+    for rate in w.rates:
+        key = "inf" if math.isinf(rate) else f"{rate:g}"
+        try:
+            runs[key] = timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline)
+        except ServerFailed as e:
+            if not w.is_sweep:
+                raise
+            failed_rates[key] = f"{type(e).__name__}: {e}"
+            log(f"{w.name}/{name} @ {key}/s FAILED: {failed_rates[key][:2000]}; no more rates")
+            break
+    if not runs:
+        raise ServerFailed(f"no rate completed: {failed_rates}")
+    after = server.get("/get_server_info")
+    rec["server_info_after"] = analysis.server_info_digest(after)
+    rec["counters"] = analysis.counter_delta(info, after)
+    if w.is_sweep:
+        rec["rates"] = runs
+        rec["rates_failed"] = failed_rates
+    else:
+        rec.update(runs["inf"])
+    if ctx.get("measured"):  # saved before the server's shutdown, which takes time
+        ctx["measured"](name, rec)
 
 
 def timed_run(
@@ -414,120 +496,247 @@ def stage_order(names: list[str]) -> list[str]:
     return ["plain", *race] + [s for s in names if s != "plain" and s not in race]
 
 
+def workload_list(text: str) -> list[str]:
+    """`stage`'s workload argument: one workload, or a comma list of distinct ones."""
+    keys = [k for k in text.split(",") if k]
+    unknown = [k for k in keys if k not in workloads_mod.WORKLOADS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(unknown) or repr(text)} (choose from "
+            f"{', '.join(sorted(workloads_mod.WORKLOADS))})"
+        )
+    if len(set(keys)) < len(keys):
+        raise argparse.ArgumentTypeError(f"a workload is named twice in {text}")
+    return keys
+
+
+def system_budget_s(name: str, workloads: int) -> float:
+    """The stage budget a system needs left to be started for `workloads` workloads."""
+    extra = MIN_WORKLOAD_BUDGET_S * (workloads - 1)
+    return MIN_SYSTEM_BUDGET_S + extra + systems_mod.SYSTEMS[name].jit_s
+
+
+def launch_flags(cmd: list[str]) -> dict[str, str | None]:
+    """A server command's flags and their values (None: a flag without one)."""
+    flags: dict[str, str | None] = {}
+    for i, a in enumerate(cmd):
+        if a.startswith("--"):
+            nxt = cmd[i + 1] if i + 1 < len(cmd) else None
+            flags[a] = None if nxt is None or nxt.startswith("--") else nxt
+    return flags
+
+
+def check_shared_server(
+    ws: list[workloads_mod.Workload], names: list[str], ctxs: dict[str, dict], port: int
+) -> None:
+    """Several workloads share one server per system only when each system's launch is the
+    same for all of them, and none caps the HBM for KV; otherwise exit naming the
+    workloads and the flag that differs."""
+    first = ws[0]
+    for name in names:
+        cmd = launch(name, first, ctxs[first.name], port)
+        for w in ws[1:]:
+            other = launch(name, w, ctxs[w.name], port)
+            if other == cmd:
+                continue
+            a, b = launch_flags(cmd), launch_flags(other)
+            flag = next((f for f in [*a, *b] if a.get(f, "∅") != b.get(f, "∅")), "(argument order)")
+
+            def value(d: dict, f: str = flag) -> str:
+                return "not set" if f not in d else "set" if d[f] is None else d[f]
+
+            raise SystemExit(
+                f"workloads {first.name} and {w.name} cannot share a server: {name}'s launch "
+                f"differs at {flag} ({first.name}: {value(a)}, {w.name}: {value(b)}); run "
+                "them as separate stages"
+            )
+    capped = [w.name for w in ws if w.kv_cap_requests]
+    if capped:
+        raise SystemExit(
+            f"workload {', '.join(capped)} caps the HBM for KV (kv_cap_requests): a capped "
+            "workload runs as a stage of its own"
+        )
+
+
+class Plan:
+    """One workload of a stage: its part (and file) and the context its runs read; `live`
+    turns False once plain SGLang failed in it (nothing to compare with)."""
+
+    def __init__(self, w: workloads_mod.Workload, ctx: dict, part: dict, path: Path):
+        self.w, self.ctx, self.part, self.path = w, ctx, part, path
+        self.live = True
+
+
 def stage(args) -> int:
     from transformers import AutoTokenizer
 
-    w = workloads_mod.WORKLOADS[args.workload]
-    if args.smoke:
-        w = workloads_mod.smoke(w)
-    if args.rates:
-        rates = tuple(float(r) for r in args.rates.split(","))
-        if not w.is_sweep or not set(rates) <= set(w.rates):
-            raise SystemExit(f"--rates: workload {w.name} sweeps {list(w.rates)}; got {args.rates}")
-        w = dataclasses.replace(w, rates=rates)
-    names = [s for s in (args.systems.split(",") if args.systems else w.systems) if s]
+    keys = args.workload
+    several = len(keys) > 1
+    if several and args.rates:
+        raise SystemExit("--rates: a rate sweep's subset is for one workload; name one")
+    if several and args.profile_decode:
+        raise SystemExit("--profile-decode: a diagnosis of one workload; name one")
+    ws = []
+    for key in keys:
+        w = workloads_mod.WORKLOADS[key]
+        if args.smoke:
+            w = workloads_mod.smoke(w)
+        if args.rates:
+            rates = tuple(float(r) for r in args.rates.split(","))
+            if not w.is_sweep or not set(rates) <= set(w.rates):
+                raise SystemExit(
+                    f"--rates: workload {w.name} sweeps {list(w.rates)}; got {args.rates}"
+                )
+            w = dataclasses.replace(w, rates=rates)
+        ws.append(w)
+    models = {w.model for w in ws}
+    if len(models) > 1:
+        raise SystemExit(
+            f"workloads {', '.join(keys)} cannot share a server: they serve different models "
+            f"({', '.join(f'{w.name}: {w.model}' for w in ws)}); run them as separate stages"
+        )
+    if args.systems:
+        names = [s for s in args.systems.split(",") if s]
+    else:  # the systems every listed workload runs by default
+        names = [s for s in ws[0].systems if all(s in w.systems for w in ws)]
     unknown = [s for s in names if s not in systems_mod.SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; known: {', '.join(systems_mod.SYSTEMS)}")
     names = stage_order(names)
+    label = ",".join(keys)
     t0 = time.time()
     deadline = t0 + args.budget_s
     work = Path(args.work)
-    log(f"stage {w.name}: {w.what}; systems {', '.join(names)}; budget {args.budget_s:.0f} s")
+    for w in ws:
+        log(f"stage {w.name}: {w.what}; systems {', '.join(names)}; budget {args.budget_s:.0f} s")
+    if several:
+        log(f"one server per system for workloads {label}, in that order")
     model_dir = (
-        Path(args.model_dir) if args.model_dir else workloads_mod.prepare_model(w.model, work)
+        Path(args.model_dir) if args.model_dir else workloads_mod.prepare_model(ws[0].model, work)
     )
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    dataset = workloads_mod.ensure_dataset(w, tok, work)
-    log(f"model {model_dir}; dataset {dataset} ({time.time() - t0:.0f} s so far)")
     kv, meta_bytes = workloads_mod.kv_bytes(model_dir)
-    cap = None
-    if w.kv_cap_requests:
-        cap = systems_mod.KVCap(
-            tokens=w.kv_cap_requests * w.max_request_tokens,
-            bytes_per_token=kv,
-            metadata_bytes_per_token=meta_bytes,
-            host_tokens=(w.host_requests or w.prompts) * w.max_request_tokens,
-        )
+    ctxs = {}
+    for w in ws:
+        cap = None
+        if w.kv_cap_requests:
+            cap = systems_mod.KVCap(
+                tokens=w.kv_cap_requests * w.max_request_tokens,
+                bytes_per_token=kv,
+                metadata_bytes_per_token=meta_bytes,
+                host_tokens=(w.host_requests or w.prompts) * w.max_request_tokens,
+            )
+        ctxs[w.name] = {
+            "profile_steps": args.profile_decode,
+            "work": work,
+            "model_dir": model_dir,
+            "tok": tok,
+            "cap": cap,
+            "max_batch": w.max_batch,
+            "launcher": shlex.split(args.launcher) if args.launcher else None,
+        }
+    if several:
+        check_shared_server(ws, names, ctxs, args.port)
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    part = {
-        "workload": w.name,
-        "run_id": run_id,
-        "boot_id": boot_id(),
-        **provenance(),
-        "config": {
-            "workload": w.to_json(),
-            "model_dir": str(model_dir),
-            "kv_bytes_per_token": kv,
-            "psa_metadata_bytes_per_token": meta_bytes,
-            "kv_cap_tokens": cap.tokens if cap else None,
-            "mem_fraction_static": systems_mod.MEM_FRACTION_STATIC,
-            "decode_log_interval": systems_mod.DECODE_LOG_INTERVAL,
-            "smoke": args.smoke,
-        },
-        "systems": {},
-    }
-    if args.profile_decode:
-        part["profiled"] = args.profile_decode
-    ctx = {
-        "profile_steps": args.profile_decode,
-        "work": work,
-        "run_id": run_id,
-        "model_dir": model_dir,
-        "tok": tok,
-        "dataset": dataset,
-        "meta": workloads_mod.load_meta(dataset),
-        "cap": cap,
-        "max_batch": w.max_batch,
-        "launcher": shlex.split(args.launcher) if args.launcher else None,
-    }
-    part_path = work / "parts" / f"{w.name}.{run_id}.json"
+    plans = []
+    for w in ws:
+        ctx = ctxs[w.name]
+        dataset = workloads_mod.ensure_dataset(w, tok, work)
+        log(f"model {model_dir}; dataset {dataset} ({time.time() - t0:.0f} s so far)")
+        part = {
+            "workload": w.name,
+            "run_id": run_id,
+            "boot_id": boot_id(),
+            **provenance(),
+            "config": {
+                "workload": w.to_json(),
+                "model_dir": str(model_dir),
+                "kv_bytes_per_token": kv,
+                "psa_metadata_bytes_per_token": meta_bytes,
+                "kv_cap_tokens": ctx["cap"].tokens if ctx["cap"] else None,
+                "mem_fraction_static": systems_mod.MEM_FRACTION_STATIC,
+                "decode_log_interval": systems_mod.DECODE_LOG_INTERVAL,
+                "smoke": args.smoke,
+            },
+            "systems": {},
+        }
+        if args.profile_decode:
+            part["profiled"] = args.profile_decode
+        ctx |= {"run_id": run_id, "dataset": dataset, "meta": workloads_mod.load_meta(dataset)}
+        part_path = work / "parts" / f"{w.name}.{run_id}.json"
+        if args.continue_run:
+            part, part_path = continued_part(args, w, work, part)
+            ctx["run_id"] = part["run_id"]
+            ctx["probe"] = part.get("slo", {}).get("probe")
+            if w.batch_from_capacity:
+                ctx["batch"] = part["systems"]["plain"]["num_prompts"]
+        plans.append(Plan(w, ctx, part, part_path))
     if args.continue_run:
-        part, part_path = continued_part(args, w, work, part)
         names = [n for n in names if n != "plain"]
         if not names:
             raise SystemExit("--continue-run: name the systems to add with --systems")
-        ctx["run_id"] = part["run_id"]
-        ctx["probe"] = part.get("slo", {}).get("probe")
-        if w.batch_from_capacity:
-            ctx["batch"] = part["systems"]["plain"]["num_prompts"]
-        log(f"continuing run {part['run_id']} (plain measured there) with {', '.join(names)}")
+        for p in plans:
+            log(f"continuing run {p.part['run_id']} (plain measured there) with {', '.join(names)}")
 
-    def measured(name: str, rec: dict) -> None:
-        """A system's record goes into the part file as soon as it is measured: a device
-        call that runs out during the server's shutdown keeps it."""
-        part["systems"][name] = rec
-        finish_part(part, w, ctx)
-        save_part(part, part_path, args)
+    def measured(p: Plan):
+        def save(name: str, rec: dict) -> None:
+            """A system's record goes into the part file as soon as it is measured: a
+            device call that runs out during the server's shutdown keeps it."""
+            p.part["systems"][name] = rec
+            finish_part(p.part, p.w, p.ctx)
+            save_part(p.part, p.path, args)
 
-    ctx["measured"] = measured
+        return save
+
+    for p in plans:
+        p.ctx["measured"] = measured(p)
+
+    def not_run(p: Plan, name: str) -> None:
+        if name not in p.part.setdefault("not_run", []):
+            p.part["not_run"].append(name)
+
     for i, name in enumerate(names):
-        left = deadline - time.time()
-        if left < MIN_SYSTEM_BUDGET_S + systems_mod.SYSTEMS[name].jit_s:
-            log(f"{w.name}/{name}: not started, {left:.0f} s of the stage budget left")
-            if name not in part.setdefault("not_run", []):
-                part["not_run"].append(name)
-            continue
-        log(f"[{i + 1}/{len(names)}] {w.name}/{name} ({left:.0f} s of the budget left)")
-        part["systems"][name] = run_system(name, w, ctx, args.port + i, deadline)
-        if name in part.get("not_run", []):  # left out earlier, measured now
-            part["not_run"].remove(name)
-        if name == "plain" and part["systems"][name]["error"]:
-            log("plain SGLang failed: the other systems would have nothing to compare with")
+        todo = [p for p in plans if p.live]
+        if not todo:
             break
-        finish_part(part, w, ctx)
-        save_part(part, part_path, args)
-    save_part(part, part_path, args)  # with the systems left unstarted, if any
+        left = deadline - time.time()
+        if left < system_budget_s(name, len(todo)):
+            log(f"{label}/{name}: not started, {left:.0f} s of the stage budget left")
+            for p in todo:
+                not_run(p, name)
+            continue
+        log(f"[{i + 1}/{len(names)}] {label}/{name} ({left:.0f} s of the budget left)")
+        recs = run_server(name, [(p.w, p.ctx) for p in todo], args.port + i, deadline)
+        for p in todo:
+            if p.w.name not in recs:  # the budget ran out before this workload's turn
+                not_run(p, name)
+                save_part(p.part, p.path, args)
+                continue
+            p.part["systems"][name] = recs[p.w.name]
+            if name in p.part.get("not_run", []):  # left out earlier, measured now
+                p.part["not_run"].remove(name)
+            if name == "plain" and p.part["systems"][name]["error"]:
+                log(
+                    f"{p.w.name}: plain SGLang failed: the other systems would have nothing to "
+                    "compare with"
+                )
+                p.live = False
+                continue
+            finish_part(p.part, p.w, p.ctx)
+            save_part(p.part, p.path, args)
+    for p in plans:
+        save_part(p.part, p.path, args)  # with the systems left unstarted, if any
     out = Path(args.out) if args.out else None
     if args.profile_decode and out is None:
         out = Path(args.work) / "serving_profile.json"  # perturbed runs: diagnosis only
     if args.smoke and out is None:
         out = Path(args.work) / "serving_smoke.json"  # never merged into a real result
-    merged = merge_into(out, [part], args)
-    print(analysis.markdown_table({"parts": [part]}))
+    parts = [p.part for p in plans]
+    merged = merge_into(out, parts, args)
+    print(analysis.markdown_table({"parts": parts}))
     print(json.dumps(merged["summary"], indent=1))
-    log(f"stage {w.name} done in {time.time() - t0:.0f} s")
-    return 0 if all(not r.get("error") for r in part["systems"].values()) else 1
+    log(f"stage {label} done in {time.time() - t0:.0f} s")
+    return 0 if all(not r.get("error") for p in parts for r in p["systems"].values()) else 1
 
 
 def boot_id() -> str | None:
@@ -763,7 +972,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("stage", help="run one workload against plain SGLang and other systems")
-    st.add_argument("workload", choices=sorted(workloads_mod.WORKLOADS))
+    st.add_argument(
+        "workload",
+        type=workload_list,
+        help="a workload, or a comma list (e.g. a,a16) run on one server per system",
+    )
     st.add_argument("--systems", help="comma list (default: the workload's); plain is always run")
     st.add_argument("--budget-s", type=float, default=560, help="wall-clock budget of the stage")
     st.add_argument("--work", default=str(DEFAULT_WORK), help="datasets, logs, parts")

@@ -182,6 +182,7 @@ def main() -> None:
         return web.Response(text="ok")
 
     async def flush_cache(request):
+        log(f"flush_cache: {len(cache)} cached sequences dropped")
         cache.clear()
         return web.Response(text="ok")
 

@@ -4,6 +4,8 @@ driven by SGLang's real `bench_serving` client."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -32,6 +34,7 @@ _spec.loader.exec_module(run)
 
 SMOKE_C = workloads.smoke(workloads.WORKLOADS["c"])
 SMOKE_A = workloads.smoke(workloads.WORKLOADS["a"])
+SMOKE_A16 = workloads.smoke(workloads.WORKLOADS["a16"])
 
 
 def decode(t, running, gen, graph=True, tp=""):
@@ -694,21 +697,24 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def _fake_stage(tmp_path, smoke_workload, **env_extra) -> tuple[list[str], dict]:
-    """`run.py stage W --smoke` against the fake server (skipped without SGLang's client or
-    aiohttp): the command up to its per-call flags, and its environment."""
+def _fake_stage(tmp_path, smoke_workload, *more, **env_extra) -> tuple[list[str], dict]:
+    """`run.py stage W --smoke` (with `more` workloads: `stage W,W2,...`) against the fake
+    server (skipped without SGLang's client or aiohttp): the command up to its per-call
+    flags, and its environment."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed: bench_serving (the real client) is needed")
     if importlib.util.find_spec("aiohttp") is None:
         pytest.skip("aiohttp is not installed: the fake server and bench_serving need it")
-    rows = workloads.build_rows(smoke_workload, fake_sglang.WordCounter())
+    ws = [smoke_workload, *more]
+    rows = [r for w in ws for r in workloads.build_rows(w, fake_sglang.WordCounter())]
     tok = fake_sglang.make_tokenizer(tmp_path / "tok", [r.prompt for r in rows])
     launcher = f"{shlex.quote(sys.executable)} test/unit/bench/fake_sglang.py"
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p
     )
-    cmd = [sys.executable, "benchmark/serving/run.py", "stage", smoke_workload.name, "--smoke"]
+    names = ",".join(w.name for w in ws)
+    cmd = [sys.executable, "benchmark/serving/run.py", "stage", names, "--smoke"]
     cmd += ["--model-dir", str(tok), "--launcher", launcher, "--work", str(tmp_path / "work")]
     return cmd, env
 
@@ -832,6 +838,197 @@ def test_a_systems_record_is_handed_over_before_its_server_shuts_down(monkeypatc
     }
     rec = run.run_system("psa", SMOKE_A, ctx, 31999, run.time.time() + 60)
     assert rec["error"] is None and events == ["start", ("psa", 5.0), "stop"]
+
+
+# --- 7b. several workloads on one server per system ------------------------------------
+
+
+def _server_ctx(w, cap=None):
+    return {"cap": cap, "model_dir": "/m", "max_batch": w.max_batch, "launcher": None}
+
+
+def test_workloads_share_a_server_only_with_the_same_launch():
+    W = workloads.WORKLOADS
+    assert run.workload_list("a,a16") == ["a", "a16"] and run.workload_list("b") == ["b"]
+    for bad in ("a,zz", "a,a16,a", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            run.workload_list(bad)
+    names = ["plain", "plain_fa3", "plain_flashinfer", "psa", "topk"]
+    run.check_shared_server([W["a"], W["a16"]], names, {k: _server_ctx(W[k]) for k in W}, 31000)
+    cap = systems.KVCap(4 * W["b"].max_request_tokens, 12_288, 96, 32 * 30_000)
+    ctxs = {k: _server_ctx(W[k]) for k in W} | {"b": _server_ctx(W["b"], cap)}
+    with pytest.raises(SystemExit, match=r"workloads a and b .*psa's launch differs at "
+                       r"--max-total-tokens \(a: not set, b: \d+\)"):  # fmt: skip
+        run.check_shared_server([W["a"], W["b"]], ["psa"], ctxs, 31000)
+    with pytest.raises(
+        SystemExit, match=r"a16 and c .*--cuda-graph-max-bs-decode \(a16: 32, c: 24"
+    ):
+        run.check_shared_server([W["a16"], W["c"]], ["topk"], ctxs, 31000)
+    # two workloads with the same cap launch alike, but a capped workload runs alone
+    b2 = dataclasses.replace(W["b"], name="b2")
+    with pytest.raises(SystemExit, match="b, b2 caps the HBM for KV"):
+        run.check_shared_server([W["b"], b2], ["plain"], ctxs | {"b2": ctxs["b"]}, 31000)
+    # the budget a system needs: its start once, every further workload's runs
+    assert run.system_budget_s("plain", 1) == run.MIN_SYSTEM_BUDGET_S
+    assert run.system_budget_s("plain_flashinfer", 2) == (
+        run.MIN_SYSTEM_BUDGET_S + run.MIN_WORKLOAD_BUDGET_S + systems.FLASHINFER_JIT_S
+    )
+
+
+def _one_server(monkeypatch, tmp_path, flush_status=200):
+    """run_server with a recording stand-in for the server, warm-up and timed run."""
+    events = []
+    info = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
+
+    class FakeServer:
+        startup_s = 7.0
+
+        def __init__(self, cmd, port, log_path):
+            self.log_path = log_path
+            events.append(("launch", log_path.name))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append("stop")
+
+        def wait_healthy(self, timeout):
+            pass
+
+        def get(self, path):
+            return info
+
+        def flush_cache(self, check=False):
+            events.append(("flush", check))
+            if flush_status != 200 and check:
+                raise run.ServerFailed(f"/flush_cache answered {flush_status}: no")
+
+    monkeypatch.setattr(run, "Server", FakeServer)
+    monkeypatch.setattr(run, "warm_up", lambda server, tok, w: events.append(("warm", w.name)))
+
+    def timed(server, w, name, *a):
+        events.append(("run", w.name))
+        return {"metrics": {"output_tok_s": 5.0}}
+
+    monkeypatch.setattr(run, "timed_run", timed)
+
+    def ctx(w):
+        return {
+            "cap": None,
+            "model_dir": tmp_path,
+            "work": tmp_path,
+            "run_id": "r",
+            "tok": None,
+            "max_batch": w.max_batch,
+            "launcher": None,
+            "measured": lambda name, rec: events.append(("measured", w.name, rec["error"])),
+        }
+
+    return events, [(SMOKE_A, ctx(SMOKE_A)), (SMOKE_A16, ctx(SMOKE_A16))]
+
+
+def test_one_server_measures_each_workload_in_turn_flushing_between(monkeypatch, tmp_path):
+    events, plans = _one_server(monkeypatch, tmp_path)
+    recs = run.run_server("psa", plans, 31999, run.time.time() + 300)
+    assert events == [
+        ("launch", "a+a16-psa.server.log"),
+        ("warm", "a"),
+        ("run", "a"),
+        ("measured", "a", None),
+        ("warm", "a16"),
+        ("flush", True),  # checked, after a16's warm-up, before its timed run
+        ("run", "a16"),
+        ("measured", "a16", None),
+        "stop",
+    ]
+    assert recs["a"]["startup_s"] == recs["a16"]["startup_s"] == 7.0
+    assert recs["a"]["shared_server_with"] == ["a16"]
+    assert recs["a16"]["shared_server_with"] == ["a"]
+    assert recs["a"]["launch"] == recs["a16"]["launch"]
+    # one workload: the record as before, no sharing, no extra flush
+    events.clear()
+    rec = run.run_system("psa", SMOKE_A, plans[0][1], 31999, run.time.time() + 300)
+    assert "shared_server_with" not in rec and ("flush", True) not in events
+
+
+def test_a_refused_flush_is_that_workloads_error_and_the_budget_ends_a_server(
+    monkeypatch, tmp_path
+):
+    events, plans = _one_server(monkeypatch, tmp_path, flush_status=500)
+    recs = run.run_server("topk", plans, 31999, run.time.time() + 300)
+    assert recs["a"]["error"] is None and "/flush_cache answered 500" in recs["a16"]["error"]
+    assert "log_tail" in recs["a16"] and ("run", "a16") not in events
+    assert events.count("stop") == 1 and events[-1] == "stop"
+    # the second workload is reached with less than MIN_WORKLOAD_BUDGET_S left: not run
+    events, plans = _one_server(monkeypatch, tmp_path)
+    recs = run.run_server("topk", plans, 31999, run.time.time() + run.MIN_WORKLOAD_BUDGET_S - 5)
+    assert set(recs) == {"a"} and ("warm", "a16") not in events
+
+
+@pytest.mark.slow
+def test_a_stage_of_two_workloads_starts_one_server_per_system(tmp_path):
+    """`stage a,a16`: one launch per system, a part per workload with every system, the
+    prefix cache flushed between the workloads; `--continue-run last` adds a system to
+    both parts; a capped workload, `--rates` and a second model are refused."""
+    base, env = _fake_stage(tmp_path, SMOKE_A, SMOKE_A16)
+    out, work = tmp_path / "out", tmp_path / "work"
+
+    def stage(*extra, names=None):
+        cmd = base + ["--port", str(_free_port_pair()), "--export", str(out), *extra]
+        if names:
+            cmd[3] = names
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    def launches(proc):
+        return [ln for ln in proc.stdout.splitlines() if "fake_sglang.py --model-path" in ln]
+
+    first = stage("--systems", "psa")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert len(launches(first)) == 2  # plain and psa, each once for both workloads
+    for name in ("plain", "psa"):
+        assert f"a16/{name}: prefix cache flushed after workload a" in first.stdout
+    (pa,) = (out / "parts").glob("a.*.json")
+    (pa16,) = (out / "parts").glob("a16.*.json")
+    parts = {"a": json.loads(pa.read_text()), "a16": json.loads(pa16.read_text())}
+    assert parts["a"]["run_id"] == parts["a16"]["run_id"]
+    for key, part in parts.items():
+        assert part["workload"] == key and set(part["systems"]) == {"plain", "psa"}
+        assert part["config"]["workload"]["prompt_tokens"] == (
+            list(SMOKE_A.prompt_tokens) if key == "a" else list(SMOKE_A16.prompt_tokens)
+        )
+        for name, rec in part["systems"].items():
+            assert rec["error"] is None and len(rec["rows"]) == 8, (key, name)
+            assert rec["shared_server_with"] == [{"a": "a16", "a16": "a"}[key]]
+            assert rec["identical_to_plain"]["compared"] == 8
+    for name in ("plain", "psa"):
+        assert (
+            parts["a"]["systems"][name]["startup_s"] == parts["a16"]["systems"][name]["startup_s"]
+        )
+    # one log per system for both workloads, the fake's flushes in it
+    (log_,) = (work / "logs" / parts["a"]["run_id"]).glob("a+a16-psa.server.log")
+    assert "flush_cache:" in log_.read_text()
+    smoke = json.loads((work / "serving_smoke.json").read_text())
+    assert {p["workload"] for p in smoke["data"]["parts"]} == {"a", "a16"}
+
+    second = stage("--systems", "topk", "--continue-run", "last")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert len(launches(second)) == 1
+    assert sorted(p.name for p in (work / "parts").glob("*.json")) == sorted([pa.name, pa16.name])
+    for key, path in (("a", pa), ("a16", pa16)):
+        part = json.loads((work / "parts" / path.name).read_text())
+        assert set(part["systems"]) == {"plain", "psa", "topk"}, key
+        assert part["run_id"] == parts[key]["run_id"] and len(part["continued"]) == 1
+        assert part["systems"]["topk"]["identical_to_plain"]["compared"] == 8
+
+    capped = stage("--systems", "psa", names="a,b")
+    assert capped.returncode != 0 and not launches(capped)
+    assert "workloads a and b cannot share a server" in capped.stderr
+    assert "--max-total-tokens" in capped.stderr
+    rates = stage("--rates", "1", names="a,a16")
+    assert rates.returncode != 0 and "--rates" in rates.stderr and not launches(rates)
+    model = stage(names="a,d")
+    assert model.returncode != 0 and "different models" in model.stderr
 
 
 # --- 8. where a decode step's GPU time goes (--profile-decode) -------------------------
