@@ -94,6 +94,7 @@ class PsaRadixCache(RadixCache):
         self._inserting = None  # the record whose row SGLang inserts
         self._maybe_page0: set = set()  # rids whose rows may have entries at page 0
         index.listeners.append(self._cut)
+        requests.listeners.append(self._forget)
 
     def reset(self):
         super().reset()
@@ -256,6 +257,13 @@ class PsaRadixCache(RadixCache):
         return EvictResult(num_tokens_evicted=freed)
 
     # -- the tiered store's part --------------------------------------------------------
+    def _forget(self, rid) -> None:
+        """`rid` was released (`TieredRequests.release`: finished, aborted, or dropped
+        from SGLang's waiting queue after a match): the index stops tracking its tokens
+        and its row has no entries at page 0 to look for."""
+        self.index.untrack(rid)
+        self._maybe_page0.discard(rid)
+
     def _share(self, req, rec, blocks: int) -> None:
         """`rec`'s first `blocks` blocks are in the tree: those the index names with
         another id switch to it; its saved blocks the index lacks enter it."""

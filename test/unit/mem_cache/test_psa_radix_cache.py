@@ -44,6 +44,13 @@ L, H, D, BS = 2, 1, 8, 4
 PAGES, ROWS, CTX, HOST_BLOCKS = 40, 6, 64, 28
 
 
+class _Req(SimpleNamespace):
+    """SGLang's `Req` as the calls here read it (hashed and compared by identity)."""
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+
 class _Store:
     """The tiered home's pieces around one `PsaRadixCache`, and the scheduler's calls."""
 
@@ -84,8 +91,8 @@ class _Store:
         self.live: dict[str, SimpleNamespace] = {}  # matched, not released
 
     # -- SGLang's request and the scheduler's calls ------------------------------------
-    def arrive(self, rid: str, prompt: list[int], max_new: int = 4) -> SimpleNamespace:
-        req = SimpleNamespace(
+    def arrive(self, rid: str, prompt: list[int], max_new: int = 4) -> _Req:
+        req = _Req(
             rid=rid, origin_input_ids=array("q", prompt), output_ids=array("q"),
             extra_key=None, priority=0, req_pool_idx=None, last_node=None,
             prefix_indices=torch.empty(0, dtype=torch.int64), cache_protected_len=0,
@@ -370,6 +377,122 @@ def test_acks_after_the_insert_switch_at_the_next_insert():
         s.check(inserted=e)
         s.finish(e)
         s.finish(f)
+
+
+def _scheduler(waiting, **kw):
+    """What SGLang 0.5.17's `Scheduler.abort_request`, `_abort_on_waiting_timeout` and
+    `_abort_on_queued_limit` read of their scheduler (no disaggregation, one pipeline
+    stage, nothing running)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    sent = []
+    return SimpleNamespace(
+        waiting_queue=list(waiting), chunked_req=None, running_batch=None, last_batch=None,
+        enable_hicache_storage=False, enable_hierarchical_cache=False,
+        disaggregation_mode=DisaggregationMode.NULL, dllm_config=None,
+        grammar_manager=SimpleNamespace(abort_requests=lambda r: None),
+        ps=SimpleNamespace(pp_size=1), sent=sent,
+        ipc_channels=SimpleNamespace(
+            send_to_tokenizer=SimpleNamespace(send_output=lambda out, req: sent.append(req.rid))
+        ),
+        **kw,
+    )  # fmt: skip
+
+
+def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatch):
+    """Requests matched against the stem (host-only: each adopts its host blocks) leave
+    SGLang's waiting queue unadmitted, through SGLang's own abort, waiting timeout and
+    full-queue paths wrapped in the plugin's hooks: each is released (its holds return to
+    the LRU, the index stops tracking it, its row is not looked at for page 0); those
+    still waiting keep theirs."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_psa.config import PSAConfig
+    from sglang_psa.plugin import scheduling
+    from sglang_psa.sched import process
+    from sglang_psa.sched.serving import PSAServing
+
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a), s.finish(a)
+        s.evict(10**6)  # the stem is in the host tier only, kept
+        stem = s.index.lookup(s.index.hashes(None, STEM, 3))
+        assert len(stem) == 3 and set(stem) <= set(s.wb.blocks.lru)
+        serving = PSAServing(
+            PSAConfig(), layers=L, kv_heads=H, hbm_units=10**6, host_tokens=HOST_BLOCKS * BS,
+            writeback=s.wb, residency=s.res, requests=s.tiered,
+        )  # fmt: skip
+        process.register(SimpleNamespace(serving=serving))
+        try:
+            reqs = {}
+            for rid in ("b", "c", "d", "e", "f"):
+                reqs[rid] = r = s.arrive(rid, STEM + [ord(rid)] * 3)
+                r.mamba_pool_idx, r.priority = None, 0
+                r.time_stats = SimpleNamespace(
+                    wait_queue_entry_time=1.0,
+                    trace_ctx=SimpleNamespace(abort=lambda **kw: None),
+                )
+                assert s.match(r) == 3 * BS and (r.prefix_indices < BS).all()
+            assert (s.wb.blocks.refs[stem] == 5).all() and not set(stem) & set(s.wb.blocks.lru)
+            assert {"b", "c", "d", "e", "f"} <= s.cache._maybe_page0
+
+            def gone(*rids):
+                for rid in rids:
+                    assert rid not in s.tiered.records and rid not in s.index._tracked
+                    assert rid not in s.cache._maybe_page0
+                    del s.live[rid]
+                s.check()
+
+            sched = _scheduler(reqs.values(), max_queued_requests=4,
+                               enable_priority_scheduling=True,
+                               schedule_low_priority_values_first=True)  # fmt: skip
+            # abort_request pops "b" from the queue.
+            scheduling.around_abort_request(
+                Scheduler.abort_request, sched, SimpleNamespace(rid="b", abort_all=False)
+            )
+            assert sched.sent == ["b"] and reqs["b"] not in sched.waiting_queue
+            gone("b")
+            assert (s.wb.blocks.refs[stem] == 4).all()
+            # "c" waited past SGLANG_REQ_WAITING_TIMEOUT; the others arrived just now.
+            import time
+
+            monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "0.001")
+            reqs["c"].time_stats.wait_queue_entry_time = 1e-9
+            for rid in "def":
+                reqs[rid].time_stats = SimpleNamespace(
+                    wait_queue_entry_time=time.perf_counter() + 1000,
+                    trace_ctx=reqs["c"].time_stats.trace_ctx,
+                )
+            scheduling.around_abort_on_waiting_timeout(Scheduler._abort_on_waiting_timeout, sched)
+            assert [r.rid for r in sched.waiting_queue] == ["d", "e", "f"]
+            gone("c")
+            # A full queue: "d", the least preferred, is pushed out by a new request of a
+            # higher priority; then "f" (taken out to come back, as a retracted request
+            # does) is refused.
+            sched.max_queued_requests = 3
+            new = SimpleNamespace(rid="g", priority=-1, time_stats=reqs["b"].time_stats)
+            reqs["d"].priority = 1
+            assert not scheduling.around_abort_on_queued_limit(
+                Scheduler._abort_on_queued_limit, sched, new
+            )
+            assert [r.rid for r in sched.waiting_queue] == ["e", "f"]
+            gone("d")
+            sched.waiting_queue.append(new)
+            sched.waiting_queue.remove(reqs["f"])
+            sched.max_queued_requests = 2
+            assert scheduling.around_abort_on_queued_limit(
+                Scheduler._abort_on_queued_limit, sched, reqs["f"]
+            )
+            gone("f")
+            # "e" still waits with its prefix; admitted, it runs and finishes as usual.
+            assert s.tiered.records["e"].host == stem and (s.wb.blocks.refs[stem] == 1).all()
+            assert s.admit(reqs["e"])
+            s.prefill(reqs["e"])
+            s.finish(reqs["e"])
+            assert set(stem) <= set(s.wb.blocks.lru) and s.wb.blocks.reserved == 0
+            assert not s.index._tracked and not s.cache._maybe_page0
+        finally:
+            process.register(None)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
