@@ -63,6 +63,10 @@ from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
 from sglang_psa.releases import req_row
 
+# `sharing.sharers` (the psa radix cache): a block its request maps to page 0 already (read
+# from the host tier since its match), which leaves HBM for it with no page to free.
+AT_PAGE0 = "page 0"
+
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
 _STALE_TOKENS = 8
@@ -117,6 +121,9 @@ class Residency:
             req_to_token.device,
         )
         self.freeing = False  # inside our own free (no page 0 to drop)
+        # Who else maps a block's HBM page: the `psa` radix cache, where SGLang's tree
+        # shares pages between requests (`sharers`, `left_hbm`); None: its request alone.
+        self.sharing = None
         # A request with evicted blocks ended: its free, which SGLang may defer to the end
         # of a free group, still holds page-0 entries for the allocator hook to drop.
         self.zero_pending = False
@@ -285,10 +292,31 @@ class Residency:
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
-        Metadata first, then the location table, then the request table: a step that
-        reads the tables at any point between scores and reads a complete copy."""
+        A page SGLang's tree shares (`sharing`) leaves HBM for every request mapping it
+        and for the tree: each holder's location table and request-table entries switch
+        (`evicted`), the tree's entry goes to page 0; the metadata moves once (its rows
+        are per host block) and the page is freed once. A block whose page a request
+        shares that cannot be switched now stays (`sharers`). Metadata first, then the
+        location tables, then the request tables: a step that reads the tables at any
+        point between scores and reads a complete copy."""
         r = self.records.get(rid)
-        blocks = [] if r is None else [b for b in blocks if b < r.saved]
+        gone = None if r is None else r.evicted
+        blocks = (
+            []
+            if r is None or r.row is None
+            else [b for b in blocks if b < r.saved and (gone is None or not gone[b])]
+        )
+        if self.sharing is None:
+            at = {b: ([r], None) for b in blocks}
+        else:
+            at = self.sharing.sharers(r, blocks)
+            marked = [b for b in blocks if at.get(b, (0, 0))[1] == AT_PAGE0]
+            if marked:  # at page 0 for `r` since its match: nothing to move or free
+                self.wb.read_from_host(rid, marked)
+                if r.evicted is None:
+                    r.evicted = np.zeros(self.max_blocks, dtype=bool)
+                r.evicted[marked] = True
+            blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
         if not blocks:
             return 0
         bs, dev = self.block_size, self.req_to_token.device
@@ -298,18 +326,37 @@ class Residency:
         pages = table[idx].long() // bs
         self.meta.copy_rows(pages, rows)
         self.ws.copy_rows(pages, rows)
-        self.wb.read_from_host(rid, blocks)
+        holders: dict[int, tuple[object, list[int]]] = {}  # id(record) -> its blocks here
+        for b in blocks:
+            for q in at[b][0]:
+                holders.setdefault(id(q), (q, []))[1].append(b)
+        for q, bl in holders.values():
+            self.wb.read_from_host(q.rid, bl)
         tokens = (idx[:, None] + self._offsets).flatten()
         freed = table[tokens].clone()
-        table.index_put_((tokens,), (tokens % bs).to(table.dtype))  # page 0's slots
+        for q, bl in holders.values():  # page 0's slots
+            own = tokens if q is r else self._tokens(bl)
+            t = self.req_to_token[q.row]
+            t.index_put_((own,), (own % bs).to(t.dtype))
+        if self.sharing is not None:
+            self.sharing.left_hbm(
+                [(at[b][1], r.host[b]) for b in blocks if at[b][1] is not None],
+                [q.rid for q, _ in holders.values()],
+            )
         self._free(freed, allocator)
         self.cache.mark_evicted(rows - self.page_rows)
         self.left_hbm[[r.host[b] for b in blocks]] = True
-        if r.evicted is None:
-            r.evicted = np.zeros(self.max_blocks, dtype=bool)
-        r.evicted[blocks] = True
+        for q, bl in holders.values():
+            if q.evicted is None:
+                q.evicted = np.zeros(self.max_blocks, dtype=bool)
+            q.evicted[bl] = True
         self.evictions += len(blocks)
         return len(blocks) * bs
+
+    def _tokens(self, blocks: list[int]) -> torch.Tensor:
+        """The request-table columns of `blocks` (device)."""
+        idx = to_device([b * self.block_size for b in blocks], self.req_to_token.device)
+        return (idx[:, None] + self._offsets).flatten()
 
     def refresh(self, reqs, allocator) -> int:
         """Every decode round, while blocks are evicted: saved blocks of `reqs` that

@@ -65,9 +65,12 @@ class _Store:
         self.pages = pages
         release = self.alloc._release_page_ids
 
+        self.released: list[int] = []  # every page the allocator took back, in order
+
         def checked(*page_ids):
             for p in page_ids:
                 assert not (p == 0).any(), "page 0 reached the allocator"
+                self.released += p.tolist()
             release(*page_ids)
 
         self.alloc._release_page_ids = checked
@@ -495,20 +498,103 @@ def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatc
             process.register(None)
 
 
+def test_residency_evicts_a_shared_block_for_every_holder():
+    """a and b share a's prompt through the tree (one page per block, both rows and the
+    tree name it, both hold its host id). Residency gives back the pages of blocks 1 and
+    2: both requests read them from the host tier (location table, request-table entries
+    at page 0, `evicted`), the tree's entries go to page 0 with their host ids, the
+    allocator takes each page back once. A block of b's own (beyond the tree) leaves for
+    b alone; at b's insert its node names it at page 0."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a)
+        b = s.arrive("b", STEM + [1, 2, 3, 4] + [9] * 9)
+        assert s.match(b) == 4 * BS and s.admit(b)
+        s.prefill(b)
+        rec_a, rec_b = s.tiered.records["a"], s.tiered.records["b"]
+        assert rec_a.host[:4] == rec_b.host[:4]
+        rt = s.rtp.req_to_token
+        pages = (rt[a.req_pool_idx, [BS, 2 * BS]] // BS).tolist()
+        assert pages == (rt[b.req_pool_idx, [BS, 2 * BS]] // BS).tolist() and min(pages) > 0
+        free, s.released = s.alloc.available_size(), []
+        assert s.res.evict("a", [1, 2], s.alloc) == 2 * BS
+        s.check()
+        assert sorted(s.released) == sorted(pages), "a shared page freed other than once"
+        assert s.alloc.available_size() == free + 2 * BS
+        ids = rec_a.host[1:3]
+        for req in (a, b):
+            rec = s.tiered.records[req.rid]
+            row = rt[req.req_pool_idx]
+            assert (row[BS : 3 * BS] < BS).all() and (row[:BS] >= BS).all()
+            assert s.wb.host_loc[req.req_pool_idx, 1:3].tolist() == [-i - 1 for i in ids]
+            assert s.wb.host_loc[req.req_pool_idx, 0] == 0
+            assert rec.evicted[1:3].all() and not rec.evicted[0] and not rec.evicted[3:].any()
+        assert {s.cache._host_nodes[i] for i in ids} == {a.last_node}
+        assert s.res.left_hbm[ids].all() and s.res.evictions == 2
+        assert {"a", "b"} <= s.cache._maybe_page0
+        # Evicting them again (for b) frees nothing.
+        assert s.res.evict("b", [1, 2], s.alloc) == 0 and not s.released[4:]
+        # b's block 6, written by decode (saved, beyond the tree): b's alone.
+        s.decode(b, [7, 7, 7, 7])
+        s.ack()
+        assert rec_b.saved == 7 and b.cache_protected_len == 6 * BS
+        own = int(rt[b.req_pool_idx, 6 * BS]) // BS
+        s.released = []
+        assert s.res.evict("b", [6], s.alloc) == BS and s.released == [own]
+        s.check()
+        assert rec_b.evicted[6] and (rec_a.evicted is None or not rec_a.evicted[4:].any())
+        s.cache.cache_unfinished_req(b)  # b's tail enters the tree, block 6 at page 0
+        s.check(inserted=b)
+        assert s.cache._host_nodes[rec_b.host[6]] is b.last_node
+        assert len(b.last_node.key) == BS and s.released == [own]
+        s.decode(a, [5])
+        s.finish(a)
+        s.finish(b)
+        assert (s.wb.blocks.refs[rec_a.host] == 0).all() and s.wb.blocks.reserved == 0
+        s.wb.blocks.evict_lru(HOST_BLOCKS)  # the host tier takes them back: the tree is cut
+        s.check()
+        s.evict(10**6)
+        assert s.alloc.available_size() == PAGES * BS and not s.cache._host_nodes
+
+
+def test_residency_keeps_a_shared_page_a_waiting_match_names():
+    """c was matched through a's node but not admitted (its prefix names the page), and a
+    lock the holders do not account for (the adder's own) holds it too: the page stays."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a)
+        c = s.arrive("c", STEM + [1, 2, 3, 4, 6])
+        assert s.match(c) == 4 * BS
+        assert s.res.evict("a", [1, 2], s.alloc) == 0
+        s.check()
+        s.tiered.release("c")
+        del s.live["c"]
+        s.cache.inc_lock_ref(a.last_node)  # a lock of no holder
+        assert s.res.evict("a", [1, 2], s.alloc) == 0
+        s.cache.dec_lock_ref(a.last_node)
+        assert s.res.evict("a", [1, 2], s.alloc) == 2 * BS
+        s.check()
+        s.finish(a)
+
+
+@pytest.mark.parametrize("residency", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
+def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
     """Requests over three stems, admitted before earlier ones prefilled (duplicates to
     switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
-    and the tree cut), acknowledgements late or early."""
+    and the tree cut), acknowledgements late or early; with `residency`, saved blocks of
+    running requests leave HBM too (shared ones for every holder, each page freed once)."""
     rng = random.Random(seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
     with _store(pages=24, host_blocks=16) as s:
         waiting: list = []
         admitted: list = []
         running: list = []
+        evicted = 0
         for step in range(150):
             op = rng.choice(
                 ["arrive", "admit", "prefill", "decode", "finish", "evict", "host", "ack"]
+                + ["resid"] * 2 * residency
             )
             if op == "arrive" and len(waiting) < 3:
                 stem = rng.choice(stems)[: rng.choice([BS, 2 * BS, 3 * BS])]
@@ -536,6 +622,17 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
                 s.check()
             elif op == "ack":
                 s.ack()
+            elif op == "resid" and running:
+                req = rng.choice(running)
+                rec = s.tiered.records.get(req.rid)
+                if rec is not None and rec.saved:
+                    blocks = rng.sample(range(rec.saved), rng.randint(1, rec.saved))
+                    free, s.released = s.alloc.available_size(), []
+                    got = s.res.evict(req.rid, sorted(blocks), s.alloc)
+                    assert len(s.released) == len(set(s.released)) == got // BS
+                    assert s.alloc.available_size() - free == got
+                    evicted += got // BS
+                    s.check()
         for req in admitted:
             s.prefill(req)
             running.append(req)
@@ -550,6 +647,7 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
         assert s.wb.blocks.used == 0 and not s.cache._host_nodes
         s.evict(10**6)
         assert s.alloc.available_size() == 24 * BS
+        assert bool(evicted) == residency, "residency evicted nothing"
 
 
 def test_the_backend_registers_with_sglang():
