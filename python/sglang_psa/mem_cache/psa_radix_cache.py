@@ -373,14 +373,17 @@ class PsaRadixCache(RadixCache):
         self.index.track(req.rid, req.extra_key, lambda: req.origin_input_ids + req.output_ids)
         n = min(blocks, rec.planned)
         ids = self.index.lookup(self.index.request_hashes(req.rid, n))
-        switched = []
+        switched, moves = [], []
         for b, i in enumerate(ids):
             if rec.host[b] != i:
+                old = rec.host[b]
                 if not self.blocks.switch(rec, b, i):
                     break
                 switched.append(b)
+                moves.append((b, old))
         if switched:
             self.wb.drop_plans(req.rid, set(switched))
+            self.requests.residency.switched(rec, moves)
         self.blocks.advance(rec)
         self.index.saved(rec)
         if rec.row is not None and switched:

@@ -153,6 +153,23 @@ class Residency:
         if not self.any_evicted:
             self._free(self.cache.shrink(self.cache.pages))
 
+    def switched(self, rec, moves: list[tuple[int, int]]) -> None:
+        """`rec`'s blocks switched host ids (`HostBlocks.switch`, `moves`: `(block, old
+        id)`; a duplicate let go for the index's copy): units cached for an old id that no
+        request holds any more leave the unit cache (the id may be handed out again), and
+        a block off HBM for `rec` is off HBM at its new id."""
+        dev = self.req_to_token.device
+        refs = self.wb.blocks.refs
+        gone = [old for _, old in moves if self.left_hbm[old] and refs[old] == 0]
+        if gone:
+            self.left_hbm[gone] = False
+            self.cache.forget(to_device(gone, dev))
+        off = rec.evicted
+        new = [rec.host[b] for b, _ in moves if off is not None and off[b]]
+        if new:
+            self.left_hbm[new] = True
+            self.cache.mark_evicted(to_device(new, dev))
+
     def sync_prefix(self, req) -> None:
         """A chunked prompt's blocks may have left HBM after SGLang copied its request-table
         row into `req.prefix_indices` (which the next chunk writes back into the row):

@@ -557,6 +557,34 @@ def test_residency_evicts_a_shared_block_for_every_holder():
         assert s.alloc.available_size() == PAGES * BS and not s.cache._host_nodes
 
 
+def test_a_switched_block_that_left_hbm_moves_its_units():
+    """f computed the stem after e (e's ids indexed, f's acknowledged duplicates), and its
+    block 1 left HBM before its insert: the insert switches it to e's id; the unit cache
+    forgets f's old id (free again) and may hold e's id's units (off HBM for f)."""
+    with _store() as s:
+        e = s.arrive("e", STEM + [5, 5])
+        f = s.arrive("f", STEM + [6, 6])
+        for r in (e, f):
+            assert s.match(r) == 0 and s.admit(r)
+        s.prefill(e)
+        s.prefill(f, insert=False)
+        rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
+        own = rec_f.host[1]
+        assert rec_f.saved == 3 and own != rec_e.host[1]
+        assert s.res.evict("f", [1], s.alloc) == BS
+        live = s.res.cache.live
+        assert s.res.left_hbm[own] and live[own] == 1
+        s.cache.cache_unfinished_req(f)
+        s.check(inserted=f)
+        new = rec_f.host[1]
+        assert new == rec_e.host[1] and s.wb.blocks.refs[own] == 0
+        assert not s.res.left_hbm[own] and live[own] == 0
+        assert s.res.left_hbm[new] and live[new] == 1 and rec_f.evicted[1]
+        assert s.wb.host_loc[f.req_pool_idx, 1] == -new - 1
+        s.finish(f)
+        s.finish(e)
+
+
 def test_residency_keeps_a_shared_page_a_waiting_match_names():
     """c was matched through a's node but not admitted (its prefix names the page), and a
     lock the holders do not account for (the adder's own) holds it too: the page stays."""
