@@ -236,6 +236,13 @@ class PsaRadixCache(RadixCache):
             # computed by another request meanwhile (the tree has its page).
             self.req_to_token_pool.write((req_row(req), slice(0, n)), req.prefix_indices[:n])
         self._share(req, rec, n // self.page_size)
+        if self._host_nodes and rec.row is not None:
+            # SGLang rewrote the row with the tree's entries, some at page 0 (blocks it
+            # computed that the tree has only in the host tier): decode reads them there.
+            zero = self._page0_blocks(req.last_node)
+            if zero:
+                self._maybe_page0.add(req.rid)
+                self.wb.read_from_host(req.rid, zero)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         rec = self._inserting = self.requests.records.get(req.rid)
@@ -281,6 +288,15 @@ class PsaRadixCache(RadixCache):
             out.append(node)
             node = node.parent
         out.reverse()
+        return out
+
+    def _page0_blocks(self, node: TreeNode) -> list[int]:
+        """The blocks of the tree path to `node` at page 0 (from the nodes' `psa_host`)."""
+        out, at = [], 0
+        for n in self._nodes(node):
+            if n.psa_host is not None:
+                out += [at + k for k, i in enumerate(n.psa_host) if i is not None]
+            at += len(n.key) // self.page_size
         return out
 
     def sharers(self, rec, blocks: list[int]) -> dict:

@@ -231,6 +231,14 @@ class _Store:
                 hashes = self.index.request_hashes(req.rid, min(len(path) // BS, rec.planned))
                 known = self.index.lookup(hashes)
                 assert rec.host[: len(known)] == known, f"{req.rid}: a duplicate kept"
+            if rec is not None and rec.row is not None:
+                # Decode never reads page 0: a block there is read from the host tier.
+                full = req.kv_len // BS
+                zero = (row[: full * BS : BS] < BS).nonzero().flatten().tolist()
+                loc = self.wb.host_loc[req.req_pool_idx]
+                assert [int(loc[b]) for b in zero] == [-rec.host[b] - 1 for b in zero], (
+                    f"{req.rid}: blocks {zero} at page 0 not read from the host tier"
+                )
             own = row[req.cache_protected_len : req.kv_len]
             owned += sorted(set((own[own >= BS] // BS).tolist()))
             owned += sorted(set((req.slots // BS).tolist()) - set((own // BS).tolist()))
