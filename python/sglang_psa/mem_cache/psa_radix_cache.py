@@ -336,7 +336,7 @@ class PsaRadixCache(RadixCache):
             if node.psa_host is not None and node.psa_host[k] is not None:
                 out[b] = ([rec], AT_PAGE0)  # the tree has it at page 0: so has its row
                 continue
-            if self.index._hash.get(h) is None:
+            if not self.index.names(h):
                 continue
             if waiting is None:
                 waiting = set()
