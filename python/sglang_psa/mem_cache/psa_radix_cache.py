@@ -19,6 +19,12 @@ Each override calls SGLang's method and adds the tiered store's part:
   it at page 0 is cut there, its descendants deleted (none is locked: a lock means a
   holder of the whole path).
 
+- residency giving back a page the tree shares (`sharers`, `left_hbm`): who maps it
+  (the holders of its host id whose path passes the node: all of the node's locks, no
+  request matched through it waiting), and the node's entry at page 0.
+- a request released (`TieredRequests.listeners`, dropped from the waiting queue too):
+  the index stops tracking it.
+
 Tree nodes carry `psa_host`: per block of the node, the host id of a block at page 0
 (None where the block has an HBM page), or None for a node with no block at page 0.
 The page size is the PSA block size.

@@ -29,8 +29,9 @@ waited for): a page's cost on the host is the units decode reads there. Among
 equally read blocks the oldest first. Never the sink blocks or the last
 `recent_blocks + 2` full blocks (decode's `last_loc` and the blocks every step
 reads). A request not yet measured in its row (a new request, a reused row)
-counts as read by every unit: its blocks go last. Prefix sharing is off at this
-home (a tree-shared page is not one request's to give back).
+counts as read by every unit: its blocks go last. With the `psa` radix cache
+(`sharing`), a page SGLang's tree shares leaves HBM for every request mapping it and
+for the tree at once, or not at all (`PsaRadixCache.sharers`, `left_hbm`).
 
 The unit cache (`mem_cache.unit_cache`): an evicted block does not come back
 whole. HBM pages the allocator can spare (beyond two per running request) become
