@@ -46,6 +46,9 @@ class HostBlocks:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, 2, ...
         self.reserved = 0  # ids promised to requests, not yet taken (their `reserved`, summed)
         self.refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each id
+        # id -> the records holding it (`refs` of them), for ids held more than once or
+        # not: residency switches every holder of a block that leaves HBM (`holders`).
+        self._holders: dict[int, list[RequestKV]] = {}
         self.kept = np.zeros(num_blocks, dtype=bool)  # named by the keeper
         # Acknowledged on every layer (`WriteBack`): saved state belongs to the id, so a
         # block saved for one holder is saved for all. Cleared when the id goes free.
@@ -98,6 +101,8 @@ class HostBlocks:
             self.evict_lru(n - len(self._free))
         ids = [self._free.pop() for _ in range(n)]
         self.refs[ids] = 1
+        for i in ids:
+            self._holders[i] = [rec]
         rec.host.extend(ids)
         return ids
 
@@ -116,7 +121,7 @@ class HostBlocks:
         if revived > self.available + spare:
             return False
         self._promise(rec, -spare)
-        self.share(ids)
+        self.share(ids, rec)
         rec.host.extend(ids)
         return True
 
@@ -133,11 +138,9 @@ class HostBlocks:
             raise RuntimeError(f"host block {other} is neither held nor kept")
         if self.refs[other] == 0 and self.refs[own] > 1 and self.available <= 0:
             return False
-        self.share([other])
+        self.share([other], rec)
         rec.host[b] = other
-        self.refs[own] -= 1
-        if self.refs[own] == 0:
-            self._unheld([own])
+        self.release([own], rec)
         return True
 
     def advance(self, rec: RequestKV) -> int:
@@ -154,7 +157,7 @@ class HostBlocks:
         if not ids:
             return
         del rec.host[keep:]
-        self._promise(rec, self.release(ids))
+        self._promise(rec, self.release(ids, rec))
 
     def free(self, rec: RequestKV) -> int:
         """`rec` ended: it stops holding its ids and its reservation returns; the number
@@ -162,12 +165,13 @@ class HostBlocks:
         call returns nothing."""
         self._promise(rec, -rec.reserved)
         ids, rec.host = rec.host, []
-        self.release(ids)
+        self.release(ids, rec)
         return len(ids)
 
     # -- holders and the keeper ----------------------------------------------------------
-    def share(self, ids: Iterable[int]) -> None:
-        """Each of `ids` (held or kept) gains a holder; a kept one leaves `lru`."""
+    def share(self, ids: Iterable[int], rec: RequestKV) -> None:
+        """Each of `ids` (held or kept) gains `rec` as a holder (the caller puts them in
+        its `host`); a kept one leaves `lru`."""
         ids = list(ids)
         bad = [i for i in ids if self.refs[i] == 0 and i not in self.lru]
         if bad:
@@ -175,19 +179,32 @@ class HostBlocks:
         for i in ids:
             if self.refs[i] == 0:
                 del self.lru[i]
+            self._holders.setdefault(i, []).append(rec)
         np.add.at(self.refs, ids, 1)
 
-    def release(self, ids: Iterable[int]) -> int:
-        """Each of `ids` (in block order) loses a holder; one left with none waits in `lru`
-        if kept, else is free. The last block goes first, so a prefix's earlier blocks
-        stay kept longer. Returns the ids left with no holder."""
+    def release(self, ids: Iterable[int], rec: RequestKV) -> int:
+        """Each of `ids` (in block order; the caller took them out of its `host`) loses
+        holder `rec`; one left with none waits in `lru` if kept, else is free. The last
+        block goes first, so a prefix's earlier blocks stay kept longer. Returns the ids
+        left with no holder."""
         ids = list(ids)
-        if (self.refs[ids] <= 0).any() or len(set(ids)) != len(ids):
-            raise RuntimeError("a host block released more often than held")
+        if len(set(ids)) != len(ids) or not all(
+            any(q is rec for q in self._holders.get(i, ())) for i in ids
+        ):
+            raise RuntimeError(f"{rec.rid!r} releases a host block more often than it held it")
         np.subtract.at(self.refs, ids, 1)
+        for i in ids:
+            held = self._holders[i]
+            held[:] = [q for q in held if q is not rec]
+            if not held:
+                del self._holders[i]
         gone = [i for i in reversed(ids) if self.refs[i] == 0]
         self._unheld(gone)
         return len(gone)
+
+    def holders(self, i: int) -> list[RequestKV]:
+        """The records holding host block `i` (none if it is kept or free)."""
+        return list(self._holders.get(i, ()))
 
     def keep(self, ids: Iterable[int]) -> None:
         """The keeper names `ids` (held, saved blocks of a prefix): once no request holds
@@ -249,6 +266,14 @@ class HostBlocks:
             )
             np.add.at(holders, rec.host, 1)
         assert (holders == self.refs).all(), "a host block's holders drifted"
+        named = {}
+        for rec in records:
+            for i in rec.host:
+                named.setdefault(i, set()).add(id(rec))
+        have = {i: {id(q) for q in held} for i, held in self._holders.items()}
+        assert have == named and all(
+            len(held) == self.refs[i] for i, held in self._holders.items()
+        ), "the holders named by host block drifted from the records"
         free, lru = set(self._free), set(self.lru)
         assert len(free) == len(self._free), "a free host block listed twice"
         assert not free & lru, "a host block both free and kept"

@@ -101,6 +101,10 @@ class PrefixIndex:
     def get(self, h: bytes) -> int | None:
         return self._ids.get(h)
 
+    def names(self, i: int) -> bool:
+        """Whether host id `i` is an entry (an acknowledged, kept save of a prefix)."""
+        return i in self._hash
+
     # -- requests and their acknowledgements --------------------------------------------
     def track(self, rid: Hashable, extra_key: str | None, tokens: Callable[[], Sequence[int]]):
         """`rid`'s blocks are hashed from `tokens()` (its tokens so far) when saved."""

@@ -19,6 +19,12 @@ Each override calls SGLang's method and adds the tiered store's part:
   it at page 0 is cut there, its descendants deleted (none is locked: a lock means a
   holder of the whole path).
 
+- residency giving back a page the tree shares (`sharers`, `left_hbm`): who maps it
+  (the holders of its host id whose path passes the node: all of the node's locks, no
+  request matched through it waiting), and the node's entry at page 0.
+- a request released (`TieredRequests.listeners`, dropped from the waiting queue too):
+  the index stops tracking it.
+
 Tree nodes carry `psa_host`: per block of the node, the host id of a block at page 0
 (None where the block has an HBM page), or None for a node with no block at page 0.
 The page size is the PSA block size.
@@ -34,6 +40,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_psa.mem_cache.prefix_index import PrefixIndex
 from sglang_psa.mem_cache.request_kv import TieredRequests
+from sglang_psa.mem_cache.residency import AT_PAGE0
 from sglang_psa.releases import req_row
 
 BACKEND = "psa"
@@ -93,7 +100,10 @@ class PsaRadixCache(RadixCache):
         self.blocks = self.wb.blocks
         self._inserting = None  # the record whose row SGLang inserts
         self._maybe_page0: set = set()  # rids whose rows may have entries at page 0
+        self._reqs: dict = {}  # rid -> SGLang's request, from its first match to its release
         index.listeners.append(self._cut)
+        requests.listeners.append(self._forget)
+        requests.residency.sharing = self  # a page the tree shares leaves HBM for all
 
     def reset(self):
         super().reset()
@@ -189,6 +199,7 @@ class PsaRadixCache(RadixCache):
         req = params.req
         if self.disable or req is None:
             return res
+        self._reqs[req.rid] = req
         rec = self.requests.records.get(req.rid)
         if rec is not None and (rec.row is not None or rec.parked):
             return res  # running or parked: its blocks are its own already
@@ -215,6 +226,8 @@ class PsaRadixCache(RadixCache):
 
     def cache_unfinished_req(self, req, chunked=False):
         rec = self._inserting = self.requests.records.get(req.rid)
+        if rec is not None and rec.evicted is not None:
+            self._maybe_page0.add(req.rid)  # (residency gave pages of its blocks back)
         try:
             with self._hbm_frees():
                 super().cache_unfinished_req(req, chunked)
@@ -229,15 +242,25 @@ class PsaRadixCache(RadixCache):
             # computed by another request meanwhile (the tree has its page).
             self.req_to_token_pool.write((req_row(req), slice(0, n)), req.prefix_indices[:n])
         self._share(req, rec, n // self.page_size)
+        if self._host_nodes and rec.row is not None:
+            # SGLang rewrote the row with the tree's entries, some at page 0 (blocks it
+            # computed that the tree has only in the host tier): decode reads them there.
+            zero = self._page0_blocks(req.last_node)
+            if zero:
+                self._maybe_page0.add(req.rid)
+                self.wb.read_from_host(req.rid, zero)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         rec = self._inserting = self.requests.records.get(req.rid)
+        if rec is not None and rec.evicted is not None:
+            self._maybe_page0.add(req.rid)
         try:
             with self._hbm_frees():
                 super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         finally:
             self._inserting = None
         self._maybe_page0.discard(req.rid)
+        self._reqs.pop(req.rid, None)
         if rec is not None and not self.disable:
             self._share(req, rec, kv_len_to_handle // self.page_size)
         self.index.untrack(req.rid)
@@ -256,20 +279,133 @@ class PsaRadixCache(RadixCache):
         return EvictResult(num_tokens_evicted=freed)
 
     # -- the tiered store's part --------------------------------------------------------
+    def _forget(self, rid) -> None:
+        """`rid` was released (`TieredRequests.release`: finished, aborted, or dropped
+        from SGLang's waiting queue after a match): the index stops tracking its tokens
+        and its row has no entries at page 0 to look for."""
+        self.index.untrack(rid)
+        self._maybe_page0.discard(rid)
+        self._reqs.pop(rid, None)
+
+    def _nodes(self, node: TreeNode) -> list[TreeNode]:
+        """The tree path from the root's child to `node`."""
+        out = []
+        while node is not None and node is not self.root_node:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def _page0_blocks(self, node: TreeNode) -> list[int]:
+        """The blocks of the tree path to `node` at page 0 (from the nodes' `psa_host`)."""
+        out, at = [], 0
+        for n in self._nodes(node):
+            if n.psa_host is not None:
+                out += [at + k for k, i in enumerate(n.psa_host) if i is not None]
+            at += len(n.key) // self.page_size
+        return out
+
+    def sharers(self, rec, blocks: list[int]) -> dict:
+        """For residency (`Residency.evict`): who maps each of `rec`'s `blocks` (saved, not
+        `evicted`) to the same HBM page, as `b -> (records, (node, k) or None)`. Beyond
+        `rec`'s tree path the page is its own (`[rec]`, None), or none at all
+        (`AT_PAGE0`: a block of its matched prefix read from the host tier, before its
+        first insert); on the path it is at page 0 where the tree's is (`AT_PAGE0`), else
+        the page is block `k`
+        of tree `node`, mapped by every request whose path passes the node, each holding
+        the index's host id for it (invariant 3): the records holding that id whose path
+        passes the node. Left out (the page stays in HBM for now) where the tree could not
+        switch every request mapping it: a lock the holders do not account for (a request
+        that computed the block itself and holds its own host id until its next insert, or
+        the adder's own lock), a request matched through the node but not admitted (its
+        prefix names the page), a holder whose saves do not reach the block yet, or a host
+        id the index does not name."""
+        out: dict = {}
+        req = self._reqs.get(rec.rid)
+        if self.disable or req is None:
+            return {b: ([rec], None) for b in blocks}
+        ps = self.page_size
+        path = self._nodes(req.last_node)
+        starts, at = [], 0
+        for node in path:
+            starts.append(at)
+            at += len(node.key) // ps
+        # Before its first insert, a prefix's blocks after the tree's are at page 0.
+        pre = 0 if req.prefix_indices is None else len(req.prefix_indices) // ps
+        waiting = None  # nodes on the paths of requests matched, not admitted
+        for b in blocks:
+            if b >= at:
+                out[b] = ([rec], AT_PAGE0 if b < pre else None)
+                continue
+            j = max(i for i, st in enumerate(starts) if st <= b)
+            node, k, h = path[j], b - starts[j], rec.host[b]
+            if node.psa_host is not None and node.psa_host[k] is not None:
+                out[b] = ([rec], AT_PAGE0)  # the tree has it at page 0: so has its row
+                continue
+            if not self.index.names(h):
+                continue
+            if waiting is None:
+                waiting = set()
+                for rid, r in self._reqs.items():
+                    q = self.requests.records.get(rid)
+                    if q is None or q.row is None:
+                        waiting.update(map(id, self._nodes(r.last_node)))
+            if id(node) in waiting:
+                continue
+            holders = []
+            for q in self.blocks.holders(h):
+                r = self._reqs.get(q.rid)
+                if (
+                    q.row is None
+                    or r is None
+                    or all(n is not node for n in self._nodes(r.last_node))
+                ):
+                    continue
+                if self.blocks.advance(q) <= b:
+                    break
+                holders.append(q)
+            else:
+                if len(holders) == node.lock_ref and any(q is rec for q in holders):
+                    out[b] = (holders, (node, k))
+        return out
+
+    def left_hbm(self, entries: list, rids: list) -> None:
+        """Residency gave back pages the tree held: `entries`, `((node, k), host id)`,
+        block `k` of `node` is at page 0 from now on, read from the host tier at that id;
+        the requests `rids` have blocks at page 0 (their inserts look for them)."""
+        ps = self.page_size
+        for (node, k), h in entries:
+            node.value[k * ps : (k + 1) * ps] = torch.arange(
+                ps, dtype=node.value.dtype, device=node.value.device
+            )
+            if node.psa_host is None:
+                node.psa_host = [None] * (len(node.key) // ps)
+            assert node.psa_host[k] is None and h not in self._host_nodes, h
+            node.psa_host[k] = h
+            self._host_nodes[h] = node
+            if node.lock_ref:
+                self._p0_protected += ps
+            else:
+                self._p0_evictable += ps
+        self._maybe_page0.update(rids)
+
     def _share(self, req, rec, blocks: int) -> None:
         """`rec`'s first `blocks` blocks are in the tree: those the index names with
         another id switch to it; its saved blocks the index lacks enter it."""
         self.index.track(req.rid, req.extra_key, lambda: req.origin_input_ids + req.output_ids)
         n = min(blocks, rec.planned)
         ids = self.index.lookup(self.index.request_hashes(req.rid, n))
-        switched = []
+        switched, moves = [], []
         for b, i in enumerate(ids):
             if rec.host[b] != i:
+                old = rec.host[b]
                 if not self.blocks.switch(rec, b, i):
                     break
                 switched.append(b)
+                moves.append((b, old))
         if switched:
             self.wb.drop_plans(req.rid, set(switched))
+            self.requests.residency.switched(rec, moves)
         self.blocks.advance(rec)
         self.index.saved(rec)
         if rec.row is not None and switched:

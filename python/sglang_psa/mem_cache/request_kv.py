@@ -28,7 +28,7 @@ one. A parked request is paused there until admission takes it again, before it 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +89,9 @@ class TieredRequests:
         # Resumptions from the host tier so far, the prefix tokens they read from there and
         # the tokens they computed again.
         self.resumed = self.resumed_host_tokens = self.resumed_recomputed_tokens = 0
+        # Told the rid of every release (the `psa` radix cache forgets what it tracks of
+        # the request: a matched request may leave before it is admitted).
+        self.listeners: list[Callable[[Hashable], None]] = []
 
     def parked(self, rid: Hashable) -> bool:
         """Whether retracted `rid` waits with its saved KV in the host tier."""
@@ -223,12 +226,15 @@ class TieredRequests:
         evicted block anywhere gone the cache gives its pages back), its unissued saves
         are dropped, its row reads HBM again and its host blocks and reservation return
         to the free list. Saves already issued complete before any later save to the same
-        host blocks (each transport keeps issue order). Unknown `rid`: nothing."""
+        host blocks (each transport keeps issue order). Unknown `rid`: nothing of the
+        store's. The listeners hear of every release, of a known `rid` or not (a request
+        matched against the prefix cache may hold no record)."""
         rec = self.records.pop(rid, None)
-        if rec is None:
-            return
-        self.residency.forget(rec)
-        self.wb.forget(rec)
+        if rec is not None:
+            self.residency.forget(rec)
+            self.wb.forget(rec)
+        for fn in self.listeners:
+            fn(rid)
 
     def report(self) -> dict[str, int]:
         """Retracted requests waiting with their KV in the host tier; resumptions, the

@@ -29,8 +29,9 @@ waited for): a page's cost on the host is the units decode reads there. Among
 equally read blocks the oldest first. Never the sink blocks or the last
 `recent_blocks + 2` full blocks (decode's `last_loc` and the blocks every step
 reads). A request not yet measured in its row (a new request, a reused row)
-counts as read by every unit: its blocks go last. Prefix sharing is off at this
-home (a tree-shared page is not one request's to give back).
+counts as read by every unit: its blocks go last. With the `psa` radix cache
+(`sharing`), a page SGLang's tree shares leaves HBM for every request mapping it and
+for the tree at once, or not at all (`PsaRadixCache.sharers`, `left_hbm`).
 
 The unit cache (`mem_cache.unit_cache`): an evicted block does not come back
 whole. HBM pages the allocator can spare (beyond two per running request) become
@@ -62,6 +63,10 @@ from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
 from sglang_psa.releases import req_row
+
+# `sharing.sharers` (the psa radix cache): a block its request maps to page 0 already (read
+# from the host tier since its match), which leaves HBM for it with no page to free.
+AT_PAGE0 = "page 0"
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -117,6 +122,9 @@ class Residency:
             req_to_token.device,
         )
         self.freeing = False  # inside our own free (no page 0 to drop)
+        # Who else maps a block's HBM page: the `psa` radix cache, where SGLang's tree
+        # shares pages between requests (`sharers`, `left_hbm`); None: its request alone.
+        self.sharing = None
         # A request with evicted blocks ended: its free, which SGLang may defer to the end
         # of a free group, still holds page-0 entries for the allocator hook to drop.
         self.zero_pending = False
@@ -145,6 +153,23 @@ class Residency:
         self.cache.forget(to_device(hbs, self.req_to_token.device))
         if not self.any_evicted:
             self._free(self.cache.shrink(self.cache.pages))
+
+    def switched(self, rec, moves: list[tuple[int, int]]) -> None:
+        """`rec`'s blocks switched host ids (`HostBlocks.switch`, `moves`: `(block, old
+        id)`; a duplicate let go for the index's copy): units cached for an old id that no
+        request holds any more leave the unit cache (the id may be handed out again), and
+        a block off HBM for `rec` is off HBM at its new id."""
+        dev = self.req_to_token.device
+        refs = self.wb.blocks.refs
+        gone = [old for _, old in moves if self.left_hbm[old] and refs[old] == 0]
+        if gone:
+            self.left_hbm[gone] = False
+            self.cache.forget(to_device(gone, dev))
+        off = rec.evicted
+        new = [rec.host[b] for b, _ in moves if off is not None and off[b]]
+        if new:
+            self.left_hbm[new] = True
+            self.cache.mark_evicted(to_device(new, dev))
 
     def sync_prefix(self, req) -> None:
         """A chunked prompt's blocks may have left HBM after SGLang copied its request-table
@@ -285,10 +310,31 @@ class Residency:
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
-        Metadata first, then the location table, then the request table: a step that
-        reads the tables at any point between scores and reads a complete copy."""
+        A page SGLang's tree shares (`sharing`) leaves HBM for every request mapping it
+        and for the tree: each holder's location table and request-table entries switch
+        (`evicted`), the tree's entry goes to page 0; the metadata moves once (its rows
+        are per host block) and the page is freed once. A block whose page a request
+        shares that cannot be switched now stays (`sharers`). Metadata first, then the
+        location tables, then the request tables: a step that reads the tables at any
+        point between scores and reads a complete copy."""
         r = self.records.get(rid)
-        blocks = [] if r is None else [b for b in blocks if b < r.saved]
+        gone = None if r is None else r.evicted
+        blocks = (
+            []
+            if r is None or r.row is None
+            else [b for b in blocks if b < r.saved and (gone is None or not gone[b])]
+        )
+        if self.sharing is None:
+            at = {b: ([r], None) for b in blocks}
+        else:
+            at = self.sharing.sharers(r, blocks)
+            marked = [b for b in blocks if at.get(b, (0, 0))[1] == AT_PAGE0]
+            if marked:  # at page 0 for `r` since its match: nothing to move or free
+                self.wb.read_from_host(rid, marked)
+                if r.evicted is None:
+                    r.evicted = np.zeros(self.max_blocks, dtype=bool)
+                r.evicted[marked] = True
+            blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
         if not blocks:
             return 0
         bs, dev = self.block_size, self.req_to_token.device
@@ -298,18 +344,37 @@ class Residency:
         pages = table[idx].long() // bs
         self.meta.copy_rows(pages, rows)
         self.ws.copy_rows(pages, rows)
-        self.wb.read_from_host(rid, blocks)
+        holders: dict[int, tuple[object, list[int]]] = {}  # id(record) -> its blocks here
+        for b in blocks:
+            for q in at[b][0]:
+                holders.setdefault(id(q), (q, []))[1].append(b)
+        for q, bl in holders.values():
+            self.wb.read_from_host(q.rid, bl)
         tokens = (idx[:, None] + self._offsets).flatten()
         freed = table[tokens].clone()
-        table.index_put_((tokens,), (tokens % bs).to(table.dtype))  # page 0's slots
+        for q, bl in holders.values():  # page 0's slots
+            own = tokens if q is r else self._tokens(bl)
+            t = self.req_to_token[q.row]
+            t.index_put_((own,), (own % bs).to(t.dtype))
+        if self.sharing is not None:
+            self.sharing.left_hbm(
+                [(at[b][1], r.host[b]) for b in blocks if at[b][1] is not None],
+                [q.rid for q, _ in holders.values()],
+            )
         self._free(freed, allocator)
         self.cache.mark_evicted(rows - self.page_rows)
         self.left_hbm[[r.host[b] for b in blocks]] = True
-        if r.evicted is None:
-            r.evicted = np.zeros(self.max_blocks, dtype=bool)
-        r.evicted[blocks] = True
+        for q, bl in holders.values():
+            if q.evicted is None:
+                q.evicted = np.zeros(self.max_blocks, dtype=bool)
+            q.evicted[bl] = True
         self.evictions += len(blocks)
         return len(blocks) * bs
+
+    def _tokens(self, blocks: list[int]) -> torch.Tensor:
+        """The request-table columns of `blocks` (device)."""
+        idx = to_device([b * self.block_size for b in blocks], self.req_to_token.device)
+        return (idx[:, None] + self._offsets).flatten()
 
     def refresh(self, reqs, allocator) -> int:
         """Every decode round, while blocks are evicted: saved blocks of `reqs` that

@@ -173,10 +173,27 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        "after",
-        "scheduling:after_abort_request",
+        "around",
+        "scheduling:around_abort_request",
         ("self", "recv_req"),
-        "a retracted request aborted while it waits leaves the admission controller",
+        "a request aborted while it waits is released: a retracted one leaves the "
+        "admission controller; tiered: the host blocks a matched or parked one holds return",
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler._abort_on_waiting_timeout",
+        "around",
+        "scheduling:around_abort_on_waiting_timeout",
+        ("self",),
+        "a request that timed out while it waits is released, as an aborted one",
+        releases=("0.5.17",),
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler._abort_on_queued_limit",
+        "around",
+        "scheduling:around_abort_on_queued_limit",
+        ("self", "recv_req"),
+        "a request refused or pushed out by a full waiting queue is released, as an aborted one",
+        releases=("0.5.17",),
     ),
     Hook(
         "sglang.srt.managers.utils.validate_input_length",

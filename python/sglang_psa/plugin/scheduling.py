@@ -22,6 +22,10 @@ hooks below find it with one lookup (`_serving`) and call its methods; with no
   cache is refreshed.
 - `release_kv_cache` (after): a finished request is forgotten, a retracted one
   keeps its history for when it resumes.
+- `Scheduler.abort_request`, `_abort_on_waiting_timeout`, `_abort_on_queued_limit`
+  (around): a request SGLang drops from its waiting queue (it releases nothing of a
+  waiting request) is released as a finished one is: at the tiered home the host
+  blocks a matched request adopted, or a parked one kept, go back.
 - `validate_input_length` (after): a request whose KV cannot fit the tiered
   home's host tier, or (KV in HBM only) whose working-set estimate alone exceeds
   the HBM for working sets, is refused with a message naming the flag to raise;
@@ -393,10 +397,29 @@ def _memory_bytes() -> dict[str, int | None]:
     }
 
 
-def after_abort_request(result, scheduler, recv_req):
+def _drops_waiting(original, scheduler, *args):
+    """Calls SGLang's `original`, which may take requests out of its waiting queue
+    without releasing anything of theirs (a waiting request holds no KV in SGLang's
+    eyes): those it took out are released here (`PSAServing.dropped`). A matched request
+    may hold host blocks of its prefix (the `psa` radix cache adopts them at the match),
+    a retracted one its admission entry and, parked, its saved blocks. Returns what
+    `original` returns."""
+    serving = _serving()
+    if serving is None:
+        return original(scheduler, *args)
+    before = list(scheduler.waiting_queue)
+    result = original(scheduler, *args)
+    if len(before) != len(scheduler.waiting_queue):
+        after = {id(r) for r in scheduler.waiting_queue}
+        serving.dropped([r.rid for r in before if id(r) not in after])
+    return result
+
+
+def around_abort_request(original, scheduler, recv_req):
     """SGLang pops an aborted request from its waiting queue without releasing anything
-    (it holds no KV); a retracted one is still paused here: forget every paused request
-    the abort matched that SGLang no longer holds."""
+    (it holds no KV): the popped ones are released (`_drops_waiting`), and so is every
+    paused request the abort matched that SGLang no longer holds."""
+    result = _drops_waiting(original, scheduler, recv_req)
     serving = _serving()
     paused = [] if serving is None else serving.paused_requests()
     if not paused:
@@ -413,6 +436,24 @@ def after_abort_request(result, scheduler, recv_req):
         if abort_all or str(rid).startswith(recv_req.rid):
             serving.release(rid, retracted=False)
     return result
+
+
+def around_abort_on_waiting_timeout(original, scheduler):
+    """Requests that waited past `SGLANG_REQ_WAITING_TIMEOUT` leave SGLang's waiting queue
+    unreleased: released here (`_drops_waiting`)."""
+    return _drops_waiting(original, scheduler)
+
+
+def around_abort_on_queued_limit(original, scheduler, recv_req):
+    """A full waiting queue: SGLang refuses `recv_req` (True) or, with priority scheduling,
+    pushes a waiting request out, neither released: both are here (`_drops_waiting`; a
+    refused request re-queued after a retraction or preemption holds what a waiting one
+    does)."""
+    refused = _drops_waiting(original, scheduler, recv_req)
+    serving = _serving()
+    if refused and serving is not None:
+        serving.dropped([recv_req.rid])
+    return refused
 
 
 def after_validate_input_length(result, req, max_req_input_len, allow_auto_truncate):

@@ -435,6 +435,15 @@ class PSAServing:
         elif rid in ctl.running or rid in ctl.paused:
             ctl.finish(rid)
 
+    def dropped(self, rids: Iterable[Hashable]) -> None:
+        """SGLang dropped `rids` from its waiting queue (aborted, timed out, pushed out of
+        a full queue) without releasing anything: each is released as an aborted request
+        is (`release`): a paused one leaves admission, and at the tiered home its record
+        goes with the host blocks it held (a prefix adopted when it was matched, a parked
+        request's kept blocks)."""
+        for rid in rids:
+            self.release(rid, retracted=False)
+
 
 def _residency_metrics(rep: dict[str, int]) -> dict[str, int]:
     return {

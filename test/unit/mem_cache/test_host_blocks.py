@@ -73,9 +73,9 @@ def test_adoption_never_leaves_the_reservations_short():
     assert hb.adopt(b, [0, 1]) and b.reserved == 4 and hb.available == 0  # its own promise pays
     assert not hb.adopt(c, [5])  # neither held nor kept: not a saved block
     with pytest.raises(RuntimeError, match="neither held nor kept"):
-        hb.share([5])
-    with pytest.raises(RuntimeError, match="more often than held"):
-        hb.release([2])
+        hb.share([5], c)
+    with pytest.raises(RuntimeError, match="more often than it held"):
+        hb.release([2], c)
     with pytest.raises(RuntimeError, match="only a held"):
         hb.keep([5])
     hb.check_integrity([b, c])

@@ -44,6 +44,13 @@ L, H, D, BS = 2, 1, 8, 4
 PAGES, ROWS, CTX, HOST_BLOCKS = 40, 6, 64, 28
 
 
+class _Req(SimpleNamespace):
+    """SGLang's `Req` as the calls here read it (hashed and compared by identity)."""
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+
 class _Store:
     """The tiered home's pieces around one `PsaRadixCache`, and the scheduler's calls."""
 
@@ -58,9 +65,12 @@ class _Store:
         self.pages = pages
         release = self.alloc._release_page_ids
 
+        self.released: list[int] = []  # every page the allocator took back, in order
+
         def checked(*page_ids):
             for p in page_ids:
                 assert not (p == 0).any(), "page 0 reached the allocator"
+                self.released += p.tolist()
             release(*page_ids)
 
         self.alloc._release_page_ids = checked
@@ -84,8 +94,8 @@ class _Store:
         self.live: dict[str, SimpleNamespace] = {}  # matched, not released
 
     # -- SGLang's request and the scheduler's calls ------------------------------------
-    def arrive(self, rid: str, prompt: list[int], max_new: int = 4) -> SimpleNamespace:
-        req = SimpleNamespace(
+    def arrive(self, rid: str, prompt: list[int], max_new: int = 4) -> _Req:
+        req = _Req(
             rid=rid, origin_input_ids=array("q", prompt), output_ids=array("q"),
             extra_key=None, priority=0, req_pool_idx=None, last_node=None,
             prefix_indices=torch.empty(0, dtype=torch.int64), cache_protected_len=0,
@@ -221,6 +231,14 @@ class _Store:
                 hashes = self.index.request_hashes(req.rid, min(len(path) // BS, rec.planned))
                 known = self.index.lookup(hashes)
                 assert rec.host[: len(known)] == known, f"{req.rid}: a duplicate kept"
+            if rec is not None and rec.row is not None:
+                # Decode never reads page 0: a block there is read from the host tier.
+                full = req.kv_len // BS
+                zero = (row[: full * BS : BS] < BS).nonzero().flatten().tolist()
+                loc = self.wb.host_loc[req.req_pool_idx]
+                assert [int(loc[b]) for b in zero] == [-rec.host[b] - 1 for b in zero], (
+                    f"{req.rid}: blocks {zero} at page 0 not read from the host tier"
+                )
             own = row[req.cache_protected_len : req.kv_len]
             owned += sorted(set((own[own >= BS] // BS).tolist()))
             owned += sorted(set((req.slots // BS).tolist()) - set((own // BS).tolist()))
@@ -372,20 +390,247 @@ def test_acks_after_the_insert_switch_at_the_next_insert():
         s.finish(f)
 
 
+def _scheduler(waiting, **kw):
+    """What SGLang 0.5.17's `Scheduler.abort_request`, `_abort_on_waiting_timeout` and
+    `_abort_on_queued_limit` read of their scheduler (no disaggregation, one pipeline
+    stage, nothing running)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    sent = []
+    return SimpleNamespace(
+        waiting_queue=list(waiting), chunked_req=None, running_batch=None, last_batch=None,
+        enable_hicache_storage=False, enable_hierarchical_cache=False,
+        disaggregation_mode=DisaggregationMode.NULL, dllm_config=None,
+        grammar_manager=SimpleNamespace(abort_requests=lambda r: None),
+        ps=SimpleNamespace(pp_size=1), sent=sent,
+        ipc_channels=SimpleNamespace(
+            send_to_tokenizer=SimpleNamespace(send_output=lambda out, req: sent.append(req.rid))
+        ),
+        **kw,
+    )  # fmt: skip
+
+
+def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatch):
+    """Requests matched against the stem (host-only: each adopts its host blocks) leave
+    SGLang's waiting queue unadmitted, through SGLang's own abort, waiting timeout and
+    full-queue paths wrapped in the plugin's hooks: each is released (its holds return to
+    the LRU, the index stops tracking it, its row is not looked at for page 0); those
+    still waiting keep theirs."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_psa.config import PSAConfig
+    from sglang_psa.plugin import scheduling
+    from sglang_psa.sched import process
+    from sglang_psa.sched.serving import PSAServing
+
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a), s.finish(a)
+        s.evict(10**6)  # the stem is in the host tier only, kept
+        stem = s.index.lookup(s.index.hashes(None, STEM, 3))
+        assert len(stem) == 3 and set(stem) <= set(s.wb.blocks.lru)
+        serving = PSAServing(
+            PSAConfig(), layers=L, kv_heads=H, hbm_units=10**6, host_tokens=HOST_BLOCKS * BS,
+            writeback=s.wb, residency=s.res, requests=s.tiered,
+        )  # fmt: skip
+        process.register(SimpleNamespace(serving=serving))
+        try:
+            reqs = {}
+            for rid in ("b", "c", "d", "e", "f"):
+                reqs[rid] = r = s.arrive(rid, STEM + [ord(rid)] * 3)
+                r.mamba_pool_idx, r.priority = None, 0
+                r.time_stats = SimpleNamespace(
+                    wait_queue_entry_time=1.0,
+                    trace_ctx=SimpleNamespace(abort=lambda **kw: None),
+                )
+                assert s.match(r) == 3 * BS and (r.prefix_indices < BS).all()
+            assert (s.wb.blocks.refs[stem] == 5).all() and not set(stem) & set(s.wb.blocks.lru)
+            assert {"b", "c", "d", "e", "f"} <= s.cache._maybe_page0
+
+            def gone(*rids):
+                for rid in rids:
+                    assert rid not in s.tiered.records and rid not in s.index._tracked
+                    assert rid not in s.cache._maybe_page0
+                    del s.live[rid]
+                s.check()
+
+            sched = _scheduler(reqs.values(), max_queued_requests=4,
+                               enable_priority_scheduling=True,
+                               schedule_low_priority_values_first=True)  # fmt: skip
+            # abort_request pops "b" from the queue.
+            scheduling.around_abort_request(
+                Scheduler.abort_request, sched, SimpleNamespace(rid="b", abort_all=False)
+            )
+            assert sched.sent == ["b"] and reqs["b"] not in sched.waiting_queue
+            gone("b")
+            assert (s.wb.blocks.refs[stem] == 4).all()
+            # "c" waited past SGLANG_REQ_WAITING_TIMEOUT; the others arrived just now.
+            import time
+
+            monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "0.001")
+            reqs["c"].time_stats.wait_queue_entry_time = 1e-9
+            for rid in "def":
+                reqs[rid].time_stats = SimpleNamespace(
+                    wait_queue_entry_time=time.perf_counter() + 1000,
+                    trace_ctx=reqs["c"].time_stats.trace_ctx,
+                )
+            scheduling.around_abort_on_waiting_timeout(Scheduler._abort_on_waiting_timeout, sched)
+            assert [r.rid for r in sched.waiting_queue] == ["d", "e", "f"]
+            gone("c")
+            # A full queue: "d", the least preferred, is pushed out by a new request of a
+            # higher priority; then "f" (taken out to come back, as a retracted request
+            # does) is refused.
+            sched.max_queued_requests = 3
+            new = SimpleNamespace(rid="g", priority=-1, time_stats=reqs["b"].time_stats)
+            reqs["d"].priority = 1
+            assert not scheduling.around_abort_on_queued_limit(
+                Scheduler._abort_on_queued_limit, sched, new
+            )
+            assert [r.rid for r in sched.waiting_queue] == ["e", "f"]
+            gone("d")
+            sched.waiting_queue.append(new)
+            sched.waiting_queue.remove(reqs["f"])
+            sched.max_queued_requests = 2
+            assert scheduling.around_abort_on_queued_limit(
+                Scheduler._abort_on_queued_limit, sched, reqs["f"]
+            )
+            gone("f")
+            # "e" still waits with its prefix; admitted, it runs and finishes as usual.
+            assert s.tiered.records["e"].host == stem and (s.wb.blocks.refs[stem] == 1).all()
+            assert s.admit(reqs["e"])
+            s.prefill(reqs["e"])
+            s.finish(reqs["e"])
+            assert set(stem) <= set(s.wb.blocks.lru) and s.wb.blocks.reserved == 0
+            assert not s.index._tracked and not s.cache._maybe_page0
+        finally:
+            process.register(None)
+
+
+def test_residency_evicts_a_shared_block_for_every_holder():
+    """a and b share a's prompt through the tree (one page per block, both rows and the
+    tree name it, both hold its host id). Residency gives back the pages of blocks 1 and
+    2: both requests read them from the host tier (location table, request-table entries
+    at page 0, `evicted`), the tree's entries go to page 0 with their host ids, the
+    allocator takes each page back once. A block of b's own (beyond the tree) leaves for
+    b alone; at b's insert its node names it at page 0."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a)
+        b = s.arrive("b", STEM + [1, 2, 3, 4] + [9] * 9)
+        assert s.match(b) == 4 * BS and s.admit(b)
+        s.prefill(b)
+        rec_a, rec_b = s.tiered.records["a"], s.tiered.records["b"]
+        assert rec_a.host[:4] == rec_b.host[:4]
+        rt = s.rtp.req_to_token
+        pages = (rt[a.req_pool_idx, [BS, 2 * BS]] // BS).tolist()
+        assert pages == (rt[b.req_pool_idx, [BS, 2 * BS]] // BS).tolist() and min(pages) > 0
+        free, s.released = s.alloc.available_size(), []
+        assert s.res.evict("a", [1, 2], s.alloc) == 2 * BS
+        s.check()
+        assert sorted(s.released) == sorted(pages), "a shared page freed other than once"
+        assert s.alloc.available_size() == free + 2 * BS
+        ids = rec_a.host[1:3]
+        for req in (a, b):
+            rec = s.tiered.records[req.rid]
+            row = rt[req.req_pool_idx]
+            assert (row[BS : 3 * BS] < BS).all() and (row[:BS] >= BS).all()
+            assert s.wb.host_loc[req.req_pool_idx, 1:3].tolist() == [-i - 1 for i in ids]
+            assert s.wb.host_loc[req.req_pool_idx, 0] == 0
+            assert rec.evicted[1:3].all() and not rec.evicted[0] and not rec.evicted[3:].any()
+        assert {s.cache._host_nodes[i] for i in ids} == {a.last_node}
+        assert s.res.left_hbm[ids].all() and s.res.evictions == 2
+        assert {"a", "b"} <= s.cache._maybe_page0
+        # Evicting them again (for b) frees nothing.
+        assert s.res.evict("b", [1, 2], s.alloc) == 0 and not s.released[4:]
+        # b's block 6, written by decode (saved, beyond the tree): b's alone.
+        s.decode(b, [7, 7, 7, 7])
+        s.ack()
+        assert rec_b.saved == 7 and b.cache_protected_len == 6 * BS
+        own = int(rt[b.req_pool_idx, 6 * BS]) // BS
+        s.released = []
+        assert s.res.evict("b", [6], s.alloc) == BS and s.released == [own]
+        s.check()
+        assert rec_b.evicted[6] and (rec_a.evicted is None or not rec_a.evicted[4:].any())
+        s.cache.cache_unfinished_req(b)  # b's tail enters the tree, block 6 at page 0
+        s.check(inserted=b)
+        assert s.cache._host_nodes[rec_b.host[6]] is b.last_node
+        assert len(b.last_node.key) == BS and s.released == [own]
+        s.decode(a, [5])
+        s.finish(a)
+        s.finish(b)
+        assert (s.wb.blocks.refs[rec_a.host] == 0).all() and s.wb.blocks.reserved == 0
+        s.wb.blocks.evict_lru(HOST_BLOCKS)  # the host tier takes them back: the tree is cut
+        s.check()
+        s.evict(10**6)
+        assert s.alloc.available_size() == PAGES * BS and not s.cache._host_nodes
+
+
+def test_a_switched_block_that_left_hbm_moves_its_units():
+    """f computed the stem after e (e's ids indexed, f's acknowledged duplicates), and its
+    block 1 left HBM before its insert: the insert switches it to e's id; the unit cache
+    forgets f's old id (free again) and may hold e's id's units (off HBM for f)."""
+    with _store() as s:
+        e = s.arrive("e", STEM + [5, 5])
+        f = s.arrive("f", STEM + [6, 6])
+        for r in (e, f):
+            assert s.match(r) == 0 and s.admit(r)
+        s.prefill(e)
+        s.prefill(f, insert=False)
+        rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
+        own = rec_f.host[1]
+        assert rec_f.saved == 3 and own != rec_e.host[1]
+        assert s.res.evict("f", [1], s.alloc) == BS
+        live = s.res.cache.live
+        assert s.res.left_hbm[own] and live[own] == 1
+        s.cache.cache_unfinished_req(f)
+        s.check(inserted=f)
+        new = rec_f.host[1]
+        assert new == rec_e.host[1] and s.wb.blocks.refs[own] == 0
+        assert not s.res.left_hbm[own] and live[own] == 0
+        assert s.res.left_hbm[new] and live[new] == 1 and rec_f.evicted[1]
+        assert s.wb.host_loc[f.req_pool_idx, 1] == -new - 1
+        s.finish(f)
+        s.finish(e)
+
+
+def test_residency_keeps_a_shared_page_a_waiting_match_names():
+    """c was matched through a's node but not admitted (its prefix names the page), and a
+    lock the holders do not account for (the adder's own) holds it too: the page stays."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a)
+        c = s.arrive("c", STEM + [1, 2, 3, 4, 6])
+        assert s.match(c) == 4 * BS
+        assert s.res.evict("a", [1, 2], s.alloc) == 0
+        s.check()
+        s.tiered.release("c")
+        del s.live["c"]
+        s.cache.inc_lock_ref(a.last_node)  # a lock of no holder
+        assert s.res.evict("a", [1, 2], s.alloc) == 0
+        s.cache.dec_lock_ref(a.last_node)
+        assert s.res.evict("a", [1, 2], s.alloc) == 2 * BS
+        s.check()
+        s.finish(a)
+
+
+@pytest.mark.parametrize("residency", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
+def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
     """Requests over three stems, admitted before earlier ones prefilled (duplicates to
     switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
-    and the tree cut), acknowledgements late or early."""
+    and the tree cut), acknowledgements late or early; with `residency`, saved blocks of
+    running requests leave HBM too (shared ones for every holder, each page freed once)."""
     rng = random.Random(seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
     with _store(pages=24, host_blocks=16) as s:
         waiting: list = []
         admitted: list = []
         running: list = []
+        evicted = 0
         for step in range(150):
             op = rng.choice(
                 ["arrive", "admit", "prefill", "decode", "finish", "evict", "host", "ack"]
+                + ["resid"] * 2 * residency
             )
             if op == "arrive" and len(waiting) < 3:
                 stem = rng.choice(stems)[: rng.choice([BS, 2 * BS, 3 * BS])]
@@ -413,6 +658,17 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
                 s.check()
             elif op == "ack":
                 s.ack()
+            elif op == "resid" and running:
+                req = rng.choice(running)
+                rec = s.tiered.records.get(req.rid)
+                if rec is not None and rec.saved:
+                    blocks = rng.sample(range(rec.saved), rng.randint(1, rec.saved))
+                    free, s.released = s.alloc.available_size(), []
+                    got = s.res.evict(req.rid, sorted(blocks), s.alloc)
+                    assert len(s.released) == len(set(s.released)) == got // BS
+                    assert s.alloc.available_size() - free == got
+                    evicted += got // BS
+                    s.check()
         for req in admitted:
             s.prefill(req)
             running.append(req)
@@ -427,6 +683,7 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed):
         assert s.wb.blocks.used == 0 and not s.cache._host_nodes
         s.evict(10**6)
         assert s.alloc.available_size() == 24 * BS
+        assert bool(evicted) == residency, "residency evicted nothing"
 
 
 def test_the_backend_registers_with_sglang():

@@ -245,10 +245,10 @@ def test_a_retracted_request_aborted_while_waiting_is_forgotten(serving):
         waiting_queue=[reqs[2]], running_batch=SimpleNamespace(reqs=[reqs[0]]), chunked_req=None
     )
     # Abort "b" (SGLang already popped it) and, by prefix, nothing else that still waits.
-    scheduling.after_abort_request(None, sched, SimpleNamespace(rid="b", abort_all=False))
+    scheduling.around_abort_request(_noop, sched, SimpleNamespace(rid="b", abort_all=False))
     assert serving.controller.paused == {"c"} and "a" in serving.controller.running
     sched.waiting_queue = []
-    scheduling.after_abort_request(None, sched, SimpleNamespace(rid="", abort_all=True))
+    scheduling.around_abort_request(_noop, sched, SimpleNamespace(rid="", abort_all=True))
     assert not serving.controller.paused and "a" in serving.controller.running
     serving.controller.check_integrity()
 
