@@ -801,43 +801,10 @@ def test_a_systems_record_is_handed_over_before_its_server_shuts_down(monkeypatc
     """A system's record reaches the part file while its server still runs: a device call
     that runs out during the shutdown (several seconds with SGLang) keeps the measurement.
     """
-    events = []
-    info = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
-
-    class FakeServer:
-        startup_s = 1.0
-
-        def __init__(self, cmd, port, log_path):
-            self.log_path = log_path
-
-        def __enter__(self):
-            events.append("start")
-            return self
-
-        def __exit__(self, *exc):
-            events.append("stop")
-
-        def wait_healthy(self, timeout):
-            pass
-
-        def get(self, path):
-            return info
-
-    monkeypatch.setattr(run, "Server", FakeServer)
-    monkeypatch.setattr(run, "warm_up", lambda *a: None)
-    monkeypatch.setattr(run, "timed_run", lambda *a: {"metrics": {"output_tok_s": 5.0}})
-    ctx = {
-        "cap": None,
-        "model_dir": tmp_path,
-        "work": tmp_path,
-        "run_id": "r",
-        "tok": None,
-        "max_batch": 4,
-        "launcher": None,
-        "measured": lambda name, rec: events.append((name, rec["metrics"]["output_tok_s"])),
-    }
-    rec = run.run_system("psa", SMOKE_A, ctx, 31999, run.time.time() + 60)
-    assert rec["error"] is None and events == ["start", ("psa", 5.0), "stop"]
+    events, plans = _one_server(monkeypatch, tmp_path)
+    rec = run.run_system("psa", SMOKE_A, plans[0][1], 31999, run.time.time() + 60)
+    assert rec["error"] is None
+    assert events[-2:] == [("measured", "a", None), "stop"]
 
 
 # --- 7b. several workloads on one server per system ------------------------------------
