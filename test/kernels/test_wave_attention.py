@@ -1,6 +1,7 @@
 """Triton scoring and wave attention against the PyTorch reference (sglang_psa.algo)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -629,8 +630,8 @@ READER_SHAPES = {
 
 def _reader_case(mode, shape, device):
     """Workload of the reader tests over SGLang's token-major pool, NaN in the rows past
-    each request's length: (cfg, budget, reference, q, kbuf, vbuf, loc, lengths, the
-    per-page metadata, pages, nb)."""
+    each request's length: the config, the top-k budget, the reference, the run's inputs
+    (per-page metadata read through the page table) and the plan's shape."""
     B, G, Hkv, T, d, bs = READER_SHAPES[shape]
     small = SMALL_WAVES if shape == "small" else dict(bound_bits=16)
     cfg = PSAConfig(threshold=1.0 if mode != "psa" else 0.9, **{**small, "block_size": bs})
@@ -658,16 +659,34 @@ def _reader_case(mode, shape, device):
         ref = topk_attention(q, k, v, lengths, cfg.replace(topk_tokens=bs * budget))
     else:
         ref = progressive_attention(q, k, v, lengths, cfg)
-    return cfg, budget, ref, q, kbuf, vbuf, loc, lengths, per_page, pages.to(device), nb
+    return SimpleNamespace(
+        cfg=cfg, budget=budget, ref=ref, q=q, kbuf=kbuf, vbuf=vbuf, loc=loc, lengths=lengths,
+        per_page=per_page, pages=pages.to(device), nb=nb, Hkv=Hkv, bs=bs, device=device,
+        strides=(bs * Hkv * d, Hkv * d, d),
+    )  # fmt: skip
 
 
-def _reader_run(wa, case, stamps, stats, step):
-    _, budget, _, q, kbuf, vbuf, loc, lengths, per_page, pages, _ = case
-    d, Hkv = q.shape[-1], loc.shape[1]
-    bs = kbuf.shape[0] // stamps.shape[1]
+def _reader_plan(c, **launch):
+    """A plan of case `c` with these launch attributes, and fresh last-use stamps, read
+    counters and step counter (7) for its runs."""
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    wa = WaveAttention.from_config(c.cfg)
+    for attr, value in launch.items():
+        setattr(wa, attr, value)
+    B, Hq, d = c.q.shape
+    wa.plan(B, Hq, c.Hkv, d, c.nb, c.device, read_blocks=c.budget)
+    stamps = torch.zeros(c.Hkv, c.kbuf.shape[0] // c.bs, dtype=torch.int32, device=c.device)
+    stats = torch.zeros(3, dtype=torch.int64, device=c.device)
+    step = torch.full((1,), 7, dtype=torch.int32, device=c.device)
+    return wa, (stamps, stats, step)
+
+
+def _reader_run(wa, c, book):
+    stamps, stats, step = book
     return wa.run(
-        q, kbuf, vbuf, loc, lengths, *per_page,
-        max_read_blocks=budget, slot_strides=(bs * Hkv * d, Hkv * d, d), meta_pages=pages,
+        c.q, c.kbuf, c.vbuf, c.loc, c.lengths, *c.per_page,
+        max_read_blocks=c.budget, slot_strides=c.strides, meta_pages=c.pages,
         stamps=stamps, step=step, stats=stats,
     )  # fmt: skip
 
@@ -679,30 +698,20 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape):
     give what the per-row gather gives over SGLang's token-major pool: the reference's
     blocks, output and log-mass, and the same last-use stamps and read counters. The rows
     past each request's length hold NaN: both readers must mask them."""
-    from sgl_kernel_ext.wave_attention import WaveAttention
-
     if shape != "small" and device == "cpu":
         pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
-    case = _reader_case(mode, shape, device)
-    cfg, budget, ref, q, kbuf, vbuf, loc, lengths, per_page, pages, nb = case
-    B, Hq, d = q.shape
-    Hkv, bs = loc.shape[1], cfg.block_size
+    c = _reader_case(mode, shape, device)
+    ref = c.ref
     results = {}
     for tma in (True, False):
-        wa = WaveAttention.from_config(cfg)
-        wa.tma = tma
-        wa.plan(B, Hq, Hkv, d, nb, device, read_blocks=budget)
+        wa, book = _reader_plan(c, tma=tma)
         if tma:
-            strides = (bs * Hkv * d, Hkv * d, d)
-            assert wa._descriptors(kbuf, vbuf, strides, False) is not None, "no TMA here"
-        stamps = torch.zeros(Hkv, kbuf.shape[0] // bs, dtype=torch.int32, device=device)
-        stats = torch.zeros(3, dtype=torch.int64, device=device)
-        step = torch.full((1,), 7, dtype=torch.int32, device=device)
-        res = _reader_run(wa, case, stamps, stats, step)
+            assert wa._descriptors(c.kbuf, c.vbuf, c.strides, False) is not None, "no TMA here"
+        res = _reader_run(wa, c, book)
         assert torch.equal(res.read_mask(), ref.read), f"tma={tma}"
         torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
-        results[tma] = (stamps.clone(), stats.clone())
+        results[tma] = (book[0].clone(), book[1].clone())
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
     assert int(results[True][1][0]) == int(ref.read.sum())
@@ -721,34 +730,26 @@ def test_programmatic_dependent_launch_reads_what_the_reference_reads_in_a_graph
     layer reads the reference's blocks and gives its output, and the stamps and counters
     equal those of a run launched without PDL."""
     from sgl_kernel_ext.runtime import pdl_supported
-    from sgl_kernel_ext.wave_attention import WaveAttention
 
     if not pdl_supported("cuda"):
         pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
-    case = _reader_case(mode, shape, "cuda")
-    cfg, budget, ref, q, kbuf, vbuf, loc, lengths, per_page, pages, nb = case
-    B, Hq, d = q.shape
-    Hkv, bs = loc.shape[1], cfg.block_size
+    c = _reader_case(mode, shape, "cuda")
+    ref = c.ref
     got = {}
     for pdl in (False, True):
-        wa = WaveAttention.from_config(cfg)
-        wa.pdl, wa.pdl_cooperative = pdl, cooperative
-        wa.plan(B, Hq, Hkv, d, nb, "cuda", read_blocks=budget)
+        wa, book = _reader_plan(c, pdl=pdl, pdl_cooperative=cooperative)
         assert wa.pdl_active == pdl
         if mode == "psa":
             assert wa.splits > 1, "the cooperative launch is the case under test"
-        stamps = torch.zeros(Hkv, kbuf.shape[0] // bs, dtype=torch.int32, device="cuda")
-        stats = torch.zeros(3, dtype=torch.int64, device="cuda")
-        step = torch.full((1,), 7, dtype=torch.int32, device="cuda")
-        _reader_run(wa, case, stamps, stats, step)  # compiled outside the capture
-        stats.zero_()
+        _reader_run(wa, c, book)  # compiled outside the capture
+        book[1].zero_()
         outs = []
         graph = torch.cuda.CUDAGraph()
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.graph(graph):
                 for _ in range(3):
-                    res = _reader_run(wa, case, stamps, stats, step)
+                    res = _reader_run(wa, c, book)
                     outs.append(res.out.clone())
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -757,7 +758,7 @@ def test_programmatic_dependent_launch_reads_what_the_reference_reads_in_a_graph
         for out in outs:
             torch.testing.assert_close(out, ref.out.float(), atol=2e-4, rtol=2e-4)
         assert torch.equal(res.read_mask(), ref.read)
-        got[pdl] = (stamps.clone(), stats.clone())
+        got[pdl] = (book[0].clone(), book[1].clone())
     assert torch.equal(got[True][0], got[False][0])
     assert torch.equal(got[True][1], got[False][1])
     assert int(got[True][1][0]) == 3 * int(ref.read.sum())
