@@ -142,7 +142,7 @@ def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, 
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
         D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
         MEAN=mean is not None, BOUNDS=kmin is not None, CODES=kscale is not None,
-        PDL=pdl, **pdl_launch(pdl),
+        **pdl_launch(pdl),
     )  # fmt: skip
 
 

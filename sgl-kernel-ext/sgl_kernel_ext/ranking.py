@@ -245,13 +245,13 @@ def rank_blocks(
         *loc_args, *map_args, n_kv_heads, NB, NP, sink, recent,
         G=G, BS=block_size, C=C, NPP=triton.next_power_of_2(max(NP, 2)), DIRECT=direct,
         LOC=has_loc, PB=partial_blocks, SKIP_PAST=skip_past_length, MAPPED=mapped,
-        PDL=pdl, num_warps=4 if C <= 1024 else 8, **pdl_launch(pdl),
+        num_warps=4 if C <= 1024 else 8, **pdl_launch(pdl),
     )  # fmt: skip
     if not direct:
         _rank_merge_kernel[(B, n_kv_heads, nch)](
             scratch, order, *loc_args, lengths32, *map_args, n_kv_heads, NB,
             BS=block_size, C=C, LOG2C=C.bit_length() - 1, LOC=has_loc,
-            SKIP_PAST=skip_past_length, MAPPED=mapped, PDL=pdl, num_warps=4, **pdl_launch(pdl),
+            SKIP_PAST=skip_past_length, MAPPED=mapped, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return order, n_forced
 

@@ -57,9 +57,10 @@ def check_pdl(pdl: bool, device: torch.device | str) -> None:
 
 
 def pdl_launch(pdl: bool) -> dict:
-    """The launch option of a PDL launch (none otherwise: a Triton without it still runs
-    every other launch)."""
-    return {"launch_pdl": True} if pdl else {}
+    """The launch arguments of a kernel that starts with `pdl_enter(PDL)`: its `PDL`
+    constexpr and, for a PDL launch only, the launch option (a Triton without it still
+    runs every other launch)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit

@@ -255,7 +255,7 @@ def block_scores(
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
         WANT_PART=partials is not None, CODES=codes,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1", SKIP_PAST=skip_past_length,
-        GATED=fresh is not None, PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
+        GATED=fresh is not None, num_warps=num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
     return out, (ub if want_bound else None)

@@ -1186,7 +1186,6 @@ class WaveAttention:
                     PREFETCH=(not self.one_wave if self.prefetch is None else self.prefetch)
                     and not (descs and tile > bs),  # with descriptors: one block a tile only
                     TMA=descs is not None,
-                    PDL=pdl,
                     launch_cooperative_grid=cooperative,
                     **pdl_launch(pdl),
                 )
