@@ -344,15 +344,22 @@ def test_a_refused_adoption_cuts_the_match_before_the_host_tier(hbm_blocks):
         s.check()
 
 
+def _both_compute_the_stem(s):
+    """Requests e and f over the same stem, both matched (nothing cached) and admitted
+    before either prefilled: both compute the stem."""
+    e = s.arrive("e", STEM + [5, 5])
+    f = s.arrive("f", STEM + [6, 6])
+    for r in (e, f):
+        assert s.match(r) == 0 and s.admit(r)
+    return e, f
+
+
 def test_duplicate_blocks_switch_to_the_indexed_ids():
     """e and f both computed the stem; e's saves are acknowledged first. At f's insert
     SGLang frees f's duplicate pages and rewrites its row with e's; f's host blocks switch
     to e's indexed ids and its own go free, their late acknowledgements ignored."""
     with _store() as s:
-        e = s.arrive("e", STEM + [5, 5])
-        f = s.arrive("f", STEM + [6, 6])
-        for r in (e, f):  # both matched before either prefilled: both compute the stem
-            assert s.match(r) == 0 and s.admit(r)
+        e, f = _both_compute_the_stem(s)
         s.prefill(e)  # acknowledged: e's blocks are the index's
         s.prefill(f, ack=False, insert=False)
         rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
@@ -374,10 +381,7 @@ def test_acks_after_the_insert_switch_at_the_next_insert():
     """f's duplicates acknowledged before e's: f's blocks are indexed first; e switches at
     its next insert (a chunk)."""
     with _store() as s:
-        e = s.arrive("e", STEM + [5, 5])
-        f = s.arrive("f", STEM + [6, 6])
-        for r in (e, f):
-            assert s.match(r) == 0 and s.admit(r)
+        e, f = _both_compute_the_stem(s)
         s.prefill(f)
         s.prefill(e)
         rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
@@ -570,10 +574,7 @@ def test_a_switched_block_that_left_hbm_moves_its_units():
     block 1 left HBM before its insert: the insert switches it to e's id; the unit cache
     forgets f's old id (free again) and may hold e's id's units (off HBM for f)."""
     with _store() as s:
-        e = s.arrive("e", STEM + [5, 5])
-        f = s.arrive("f", STEM + [6, 6])
-        for r in (e, f):
-            assert s.match(r) == 0 and s.admit(r)
+        e, f = _both_compute_the_stem(s)
         s.prefill(e)
         s.prefill(f, insert=False)
         rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
