@@ -331,9 +331,7 @@ class Residency:
             marked = [b for b in blocks if at.get(b, (0, 0))[1] == AT_PAGE0]
             if marked:  # at page 0 for `r` since its match: nothing to move or free
                 self.wb.read_from_host(rid, marked)
-                if r.evicted is None:
-                    r.evicted = np.zeros(self.max_blocks, dtype=bool)
-                r.evicted[marked] = True
+                self._mark(r, marked)
             blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
         if not blocks:
             return 0
@@ -365,11 +363,15 @@ class Residency:
         self.cache.mark_evicted(rows - self.page_rows)
         self.left_hbm[[r.host[b] for b in blocks]] = True
         for q, bl in holders.values():
-            if q.evicted is None:
-                q.evicted = np.zeros(self.max_blocks, dtype=bool)
-            q.evicted[bl] = True
+            self._mark(q, bl)
         self.evictions += len(blocks)
         return len(blocks) * bs
+
+    def _mark(self, rec, blocks: list[int]) -> None:
+        """`rec`'s `blocks` are off HBM for it (`RequestKV.evicted`)."""
+        if rec.evicted is None:
+            rec.evicted = np.zeros(self.max_blocks, dtype=bool)
+        rec.evicted[blocks] = True
 
     def _tokens(self, blocks: list[int]) -> torch.Tensor:
         """The request-table columns of `blocks` (device)."""
