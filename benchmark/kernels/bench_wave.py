@@ -10,7 +10,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-8b   # workload e's step, launch sweep
     python benchmark/kernels/bench_wave.py --serving-a    # workload a's (Qwen 0.5B heads)
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
-    python benchmark/kernels/bench_wave.py --serving-a --knobs=pdl      # these sweep keys
+    python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "rank_chunk_blocks",
         "prefetch",
         "tma",
-        "pdl",
-        "pdl_cooperative",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -511,7 +509,7 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = (), knobs: tuple[str, 
     (its share there), and over heads that spread as a real model's do (`psa_mixed`:
     half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
     launch sweep of each (splits, tile and warps, pipeline depth), against the HBM peak of
-    the same run. `only`: these modes alone; `knobs`: these sweep keys alone."""
+    the same run. `only`: these modes alone; `knobs`: the sweep keys starting so alone."""
     use_shape("qwen05b")
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
@@ -522,7 +520,7 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = (), knobs: tuple[str, 
         sweeps: dict[str, float | str] = {"default": default["time_us"]}
 
         def one(key, splits=None, _ctx=(sweeps, mode, case), **launch):
-            if knobs and key not in knobs and not any(key.startswith(k) for k in knobs):
+            if knobs and not any(key.startswith(k) for k in knobs):
                 return
             bench = functools.partial(server_case, **_ctx[2])
             _sweep_one(_ctx[0], f"{_ctx[1]} {key}", key, bench, splits, launch)
@@ -544,11 +542,11 @@ def serving_a(sweep: bool = True, only: tuple[str, ...] = (), knobs: tuple[str, 
         one("stages3", num_stages=3)
         for warps in (1, 2, 4):
             one(f"warps{warps}", num_warps=warps)
-        # Programmatic dependent launch of the layer's kernels (and of a cooperative wave
-        # launch: runs in waves with splits).
-        one("pdl", pdl=True)
-        if mode.startswith("psa"):
-            one("pdl_cooperative", pdl=True, pdl_cooperative=True)
+        # The selection's launches: ranking chunk (1024: one launch, no merge) and scoring.
+        for chunk in (256, 1024):
+            one(f"rank_chunk{chunk}", rank_chunk_blocks=chunk)
+        for blocks, warps in ((32, 2), (64, 2), (128, 4), (128, 8)):
+            one(f"score{blocks}_warps{warps}", score_blocks=blocks, score_warps=warps)
         ok = {k: v for k, v in sweeps.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
         result[mode] = {

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.runtime import check_pdl, pdl_enter, pdl_launch, triton_enabled
+from sgl_kernel_ext.runtime import triton_enabled
 
 # float32((1 + 2^-20) / 127): a block's largest |bound| to its code scale (the margin
 # keeps every code in [-128, 127]); `sglang_psa.algo.bound_codes` spells it out.
@@ -58,9 +58,7 @@ def _page_meta_kernel(
     MEAN: tl.constexpr,
     BOUNDS: tl.constexpr,
     CODES: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     h = tl.program_id(2)
@@ -129,10 +127,9 @@ def _check(k_buffer, block_size, mean, kmin, kmax, kscale=None):
 
 
 def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, table=None,
-            rows=None, starts=None, ends=None, pdl=False):  # fmt: skip
+            rows=None, starts=None, ends=None):  # fmt: skip
     """Decode passes `locs`, prefill the request table and its rows; the kernel never
-    reads what its mode does not use, so those slots get a placeholder tensor. `pdl`:
-    launched with programmatic dependent launch (`sgl_kernel_ext.runtime`)."""
+    reads what its mode does not use, so those slots get a placeholder tensor."""
     _, H, d = k_buffer.shape
     dummy = mean if mean is not None else kmin
     args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale)
@@ -142,7 +139,6 @@ def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, 
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
         D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
         MEAN=mean is not None, BOUNDS=kmin is not None, CODES=kscale is not None,
-        **pdl_launch(pdl),
     )  # fmt: skip
 
 
@@ -180,20 +176,17 @@ def page_meta_from_locs(
     kmin: torch.Tensor | None,
     kmax: torch.Tensor | None,
     kscale: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> None:
     """Decode: for each token slot in `locs [B]` (the step's new tokens), the metadata of
     its page over the `loc % block_size + 1` tokens the page holds. Slot 0 is SGLang's
-    padding sink (page 0, never part of a request). One launch, no host sync; `pdl`
-    (sm_90 on, `runtime.pdl_supported`): launched with programmatic dependent launch."""
+    padding sink (page 0, never part of a request). One launch, no host sync."""
     _check(k_buffer, block_size, mean, kmin, kmax, kscale)
-    check_pdl(pdl, k_buffer.device)
     B = locs.numel()
     if B == 0:
         return
     if triton_enabled(k_buffer.device):
         grid = (B, 1, k_buffer.shape[1])
-        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, locs=locs, pdl=pdl)
+        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, locs=locs)
         return
     locs = locs.long()
     pages, counts = locs // block_size, locs % block_size + 1

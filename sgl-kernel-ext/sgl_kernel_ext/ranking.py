@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.runtime import check_pdl, pdl_enter, pdl_launch
-
 
 @triton.jit
 def _rank_chunk_kernel(
@@ -49,9 +47,7 @@ def _rank_chunk_kernel(
     PB: tl.constexpr,
     SKIP_PAST: tl.constexpr,
     MAPPED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -122,9 +118,7 @@ def _rank_merge_kernel(
     LOC: tl.constexpr,
     SKIP_PAST: tl.constexpr,
     MAPPED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -188,7 +182,6 @@ def rank_blocks(
     skip_past_length: bool = False,
     fresh: torch.Tensor | None = None,
     order_rows: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order `[B, Hkv, NB]` int32 and forced counts `[B]` int32 from logits `[B, Hq, NB]`
     (float32, -inf past each request's blocks). `partials [B, Hq, P, 2]` are the rows'
@@ -206,12 +199,10 @@ def rank_blocks(
     what they held (the wave kernel never reads past a request's blocks).
     A kept selection (`sgl_kernel_ext.selection`): with `fresh [B]` and `order_rows [B]`
     (int32) only rows with `fresh` rank, writing row `order_rows[b]` of `order`
-    (`[slots, Hkv, NB]`); the others are left as they were (no `loc`).
-    `pdl`: both launches with programmatic dependent launch (`sgl_kernel_ext.runtime`)."""
+    (`[slots, Hkv, NB]`); the others are left as they were (no `loc`)."""
     B, Hq, NB = logits.shape
     G = Hq // n_kv_heads
     dev = logits.device
-    check_pdl(pdl, dev)
     mapped = fresh is not None
     if mapped and (order is None or order_rows is None or loc is not None):
         raise ValueError("a kept selection ranks into `order` rows `order_rows`, without loc")
@@ -245,13 +236,13 @@ def rank_blocks(
         *loc_args, *map_args, n_kv_heads, NB, NP, sink, recent,
         G=G, BS=block_size, C=C, NPP=triton.next_power_of_2(max(NP, 2)), DIRECT=direct,
         LOC=has_loc, PB=partial_blocks, SKIP_PAST=skip_past_length, MAPPED=mapped,
-        num_warps=4 if C <= 1024 else 8, **pdl_launch(pdl),
+        num_warps=4 if C <= 1024 else 8,
     )  # fmt: skip
     if not direct:
         _rank_merge_kernel[(B, n_kv_heads, nch)](
             scratch, order, *loc_args, lengths32, *map_args, n_kv_heads, NB,
             BS=block_size, C=C, LOG2C=C.bit_length() - 1, LOC=has_loc,
-            SKIP_PAST=skip_past_length, MAPPED=mapped, num_warps=4, **pdl_launch(pdl),
+            SKIP_PAST=skip_past_length, MAPPED=mapped, num_warps=4,
         )  # fmt: skip
     return order, n_forced
 

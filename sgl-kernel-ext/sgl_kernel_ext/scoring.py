@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.runtime import check_pdl, pdl_enter, pdl_launch
-
 
 @triton.jit
 def _qdot(q, k, INTERP: tl.constexpr):
@@ -127,9 +125,7 @@ def _score_kernel(
     INTERP: tl.constexpr,
     SKIP_PAST: tl.constexpr,
     GATED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
     j = tl.program_id(1) * NBC + tl.arange(0, NBC)
@@ -197,7 +193,6 @@ def block_scores(
     meta_scale: torch.Tensor | None = None,
     skip_past_length: bool = False,
     fresh: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Criticality `[B, Hkv, NB]` and, if asked, bound log-mass `[B, Hq, NB]`. With
     `normalize=False` the first is the raw per-head logits `[B, Hq, NB]` (for `rank_blocks`).
@@ -214,11 +209,9 @@ def block_scores(
     blocks are not scored, and their logits, bounds and partials are left as they were
     (for `rank_blocks(skip_past_length=True)`; raw logits only). Otherwise every column
     up to NB is written, `-inf` past each length.
-    `pdl`: launched with programmatic dependent launch (`sgl_kernel_ext.runtime`).
     """
     if method not in ("mean", "bound"):
         raise ValueError(f"unknown criticality method {method!r} (mean|bound)")
-    check_pdl(pdl, q.device)
     if skip_past_length and normalize:
         raise ValueError("skip_past_length leaves columns unwritten: raw logits only")
     B, Hq, D = q.shape
@@ -255,7 +248,7 @@ def block_scores(
         BOUND=method == "bound", WANT_UB=want_bound, PAGED=paged,
         WANT_PART=partials is not None, CODES=codes,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1", SKIP_PAST=skip_past_length,
-        GATED=fresh is not None, num_warps=num_warps, **pdl_launch(pdl),
+        GATED=fresh is not None, num_warps=num_warps,
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
     return out, (ub if want_bound else None)

@@ -33,7 +33,6 @@ except ImportError:  # pragma: no cover - older Triton: the per-row gather reads
 
 from sgl_kernel_ext.code_bounds import code_bounds
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
-from sgl_kernel_ext.runtime import pdl_enter, pdl_launch, pdl_supported
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
 HEURISTIC, CERTIFIED = 0, 1
@@ -292,7 +291,6 @@ def _wave_attention_kernel(
     KEPT: tl.constexpr,
     PREFETCH: tl.constexpr,
     TMA: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -321,10 +319,7 @@ def _wave_attention_kernel(
     `sel_slot_ptr[b]` of `order_ptr [slots, Hkv, NB]`, ranked when the request had
     `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
     the tail block at ranking time on, `recent` of them then) come first.
-
-    PDL: launched with programmatic dependent launch (`sgl_kernel_ext.runtime`).
     """
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sid = tl.program_id(2)
@@ -693,10 +688,6 @@ class WaveAttention:
         # where the GPU has them (sm_90 on); None: for runs in waves only (one-wave runs
         # gather faster). A host tier is always read by the per-row gather.
         self.tma = None
-        # Programmatic dependent launch of scoring, ranking and the wave kernel (sm_90 on),
-        # and of the wave kernel's cooperative launch (runs in waves with splits) too.
-        self.pdl, self.pdl_cooperative = False, False
-        self.pdl_active = False  # `plan`: whether this GPU takes it
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
@@ -791,7 +782,6 @@ class WaveAttention:
         )
         wanted = self.tma if self.tma is not None else not self.one_wave
         self.described = bool(wanted and has_tma)
-        self.pdl_active = bool(self.pdl) and pdl_supported(dev)
         self.warps = self.num_warps or (1 if self.described and not host_tier else 2)
         if splits is None:
             splits = 1
@@ -945,7 +935,6 @@ class WaveAttention:
             meta_scale=meta_scale,
             skip_past_length=fused,  # the fused ranking reads only each request's blocks
             fresh=fresh,
-            pdl=self.pdl_active,
         )
         if fused:  # group criticality, forced blocks first, stable descending chunked sort
             order, n_forced = rank_blocks(
@@ -966,7 +955,6 @@ class WaveAttention:
                 skip_past_length=True,
                 fresh=fresh,
                 order_rows=None if kept is None else kept[1],
-                pdl=self.pdl_active,
             )
         else:  # too many blocks for one program's registers: torch's sort, same result
             crit = criticality_from_logits(logits, Hkv)
@@ -1022,7 +1010,6 @@ class WaveAttention:
             loc=loc,
             ranked_loc=self.ranked_loc,
             scratch=self.rank_scratch,
-            pdl=self.pdl_active,
         )
         return order, n_forced, self._suffix(ub, order, lengths, torch.float64)
 
@@ -1122,8 +1109,6 @@ class WaveAttention:
         descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
         tile = self.tile_tokens or (bs if descs else 64)
         while True:
-            cooperative = self.splits > 1 and not self.one_wave
-            pdl = self.pdl_active and (self.pdl_cooperative or not cooperative)
             try:
                 _wave_attention_kernel[(B, Hkv, self.splits)](
                     q,
@@ -1186,8 +1171,7 @@ class WaveAttention:
                     PREFETCH=(not self.one_wave if self.prefetch is None else self.prefetch)
                     and not (descs and tile > bs),  # with descriptors: one block a tile only
                     TMA=descs is not None,
-                    launch_cooperative_grid=cooperative,
-                    **pdl_launch(pdl),
+                    launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break
             except RuntimeError as e:

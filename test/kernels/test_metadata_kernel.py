@@ -88,12 +88,8 @@ def test_prefill_pages_from_the_table_match_reference(kernel_device, dtype, bs, 
         assert all((t[page] == 7.0).all() for t in meta)
 
 
-@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mean,bounds", [(True, False), (False, True)])
-def test_decode_updates_the_new_tokens_page_whatever_it_holds(kernel_device, mean, bounds, pdl):
-    """(`pdl`: launched with programmatic dependent launch, behind another kernel.)"""
-    if pdl and kernel_device == "cpu":
-        pytest.skip("programmatic dependent launch is a launch of compiled kernels (sm_90 on)")
+def test_decode_updates_the_new_tokens_page_whatever_it_holds(kernel_device, mean, bounds):
     g = torch.Generator().manual_seed(5)
     bs, H, d, dtype = 32, 4, 64, torch.bfloat16
     lengths = [3 * bs, 2 * bs + 1, 40]  # a page just filled, one token in, partial
@@ -101,11 +97,8 @@ def test_decode_updates_the_new_tokens_page_whatever_it_holds(kernel_device, mea
     dev = kernel_device
     meta = _bufs(P, H, d, dtype, dev, mean, bounds)
     locs = torch.tensor([int(table[r + 1, n - 1]) for r, n in enumerate(lengths)] + [0])
-    pool = pool.to(dev)
-    if pdl:  # a kernel before it still writing the pool: PDL must wait for it
-        pool.mul_(2.0).mul_(0.5)
-    page_meta_from_locs(pool, locs.to(dev), bs, *meta, pdl=pdl)  # row 4: graph padding
-    ref = _ref(pool.cpu(), table, lengths, bs)
+    page_meta_from_locs(pool.to(dev), locs.to(dev), bs, *meta)  # row 4: graph padding
+    ref = _ref(pool, table, lengths, bs)
     for r, n in enumerate(lengths):
         j = (n - 1) // bs
         _assert_page(meta, ref, int(locs[r]) // bs, r, j, exact_bounds=True)
@@ -115,11 +108,6 @@ def test_decode_updates_the_new_tokens_page_whatever_it_holds(kernel_device, mea
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="programmatic dependent launch"):
-        page_meta_from_locs(
-            torch.zeros(64, 2, 8), torch.zeros(1, dtype=torch.long), 32, torch.zeros(2, 2, 8),
-            None, None, pdl=True,
-        )  # fmt: skip
     pool = torch.zeros(64, 2, 8)
     with pytest.raises(ValueError, match="whole pages"):
         page_meta_from_locs(torch.zeros(40, 2, 8), torch.zeros(1, dtype=torch.long), 32,

@@ -633,6 +633,8 @@ def _reader_case(mode, shape, device):
     each request's length: the config, the top-k budget, the reference, the run's inputs
     (per-page metadata read through the page table) and the plan's shape."""
     B, G, Hkv, T, d, bs = READER_SHAPES[shape]
+    if shape != "small" and device == "cpu":
+        pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
     small = SMALL_WAVES if shape == "small" else dict(bound_bits=16)
     cfg = PSAConfig(threshold=1.0 if mode != "psa" else 0.9, **{**small, "block_size": bs})
     q, k, v, lengths = _case(12, B=B, Hq=G * Hkv, Hkv=Hkv, T=T, d=d, spread=2.0, device=device)
@@ -715,50 +717,3 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape):
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
     assert int(results[True][1][0]) == int(ref.read.sum())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["qwen05b", "llama8b"])
-@pytest.mark.parametrize("mode,cooperative", [
-    ("psa", False), ("psa", True), ("topk", False), ("dense", False),
-])  # fmt: skip
-def test_programmatic_dependent_launch_reads_what_the_reference_reads_in_a_graph(
-    mode, cooperative, shape
-):
-    """The layer's kernels launched with PDL (each program waits for the kernel before
-    it), three layers captured back to back in a CUDA graph without a host sync: every
-    layer reads the reference's blocks and gives its output, and the stamps and counters
-    equal those of a run launched without PDL."""
-    from sgl_kernel_ext.runtime import pdl_supported
-
-    if not pdl_supported("cuda"):
-        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
-    c = _reader_case(mode, shape, "cuda")
-    ref = c.ref
-    got = {}
-    for pdl in (False, True):
-        wa, book = _reader_plan(c, pdl=pdl, pdl_cooperative=cooperative)
-        assert wa.pdl_active == pdl
-        if mode == "psa":
-            assert wa.splits > 1, "the cooperative launch is the case under test"
-        _reader_run(wa, c, book)  # compiled outside the capture
-        book[1].zero_()
-        outs = []
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.graph(graph):
-                for _ in range(3):
-                    res = _reader_run(wa, c, book)
-                    outs.append(res.out.clone())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph.replay()
-        torch.cuda.synchronize()
-        for out in outs:
-            torch.testing.assert_close(out, ref.out.float(), atol=2e-4, rtol=2e-4)
-        assert torch.equal(res.read_mask(), ref.read)
-        got[pdl] = (book[0].clone(), book[1].clone())
-    assert torch.equal(got[True][0], got[False][0])
-    assert torch.equal(got[True][1], got[False][1])
-    assert int(got[True][1][0]) == 3 * int(ref.read.sum())

@@ -345,9 +345,8 @@ class PSAAttnBackend(AttentionBackend):
         kbuf = self.token_to_kv_pool.get_key_buffer(lid)
         vbuf = self.token_to_kv_pool.get_value_buffer(lid)
         lid -= self.first_layer  # index into this rank's layers (pipeline parallel)
+        self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc)
         plan = self._plan(step, q, layer)
-        # the step's new key into its page's metadata (launched as the plan's kernels are)
-        self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc, pdl=plan.pdl_active)
         Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
         strides = (bs * Hkv * d, Hkv * d, d)
         host_k = host_v = unit_slot = cache_pages = None  # slots: the pool's pages

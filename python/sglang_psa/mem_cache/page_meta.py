@@ -63,12 +63,9 @@ class PageMeta:
     def _kept(self, layer: int):
         return tuple(None if t is None else t[layer] for t in self._tensors)
 
-    def on_decode(
-        self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor, pdl: bool = False
-    ) -> None:
-        """A decode step wrote one key per request at token slots `locs [B]`; `pdl`: a
-        programmatic dependent launch (`sgl_kernel_ext.runtime`)."""
-        page_meta_from_locs(k_buffer, locs, self.page_size, *self._kept(layer), pdl=pdl)
+    def on_decode(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> None:
+        """A decode step wrote one key per request at token slots `locs [B]`."""
+        page_meta_from_locs(k_buffer, locs, self.page_size, *self._kept(layer))
 
     def on_extend(
         self,
