@@ -263,7 +263,7 @@ class PsaRadixCache(RadixCache):
         self._reqs.pop(req.rid, None)
         if rec is not None and not self.disable:
             self._share(req, rec, kv_len_to_handle // self.page_size)
-        self.index.untrack(req.rid)
+        # (the index tracks its tokens until its release: saves in flight still land)
 
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
@@ -295,6 +295,16 @@ class PsaRadixCache(RadixCache):
             node = node.parent
         out.reverse()
         return out
+
+    def page0_prefix(self, req) -> list[int]:
+        """For residency, when `req`'s extend is set up (`Residency.read_prefix_from_host`):
+        the blocks of its matched prefix at page 0 (held only in the host tier: extended by
+        the index, or the tree's own entries there), from its prefix indices; [] without
+        reading them (a sync on the GPU) while neither can be."""
+        if req.prefix_indices is None or not (req.rid in self._maybe_page0 or self._host_nodes):
+            return []
+        ps = self.page_size
+        return (req.prefix_indices[::ps] < ps).nonzero().flatten().tolist()
 
     def _page0_blocks(self, node: TreeNode) -> list[int]:
         """The blocks of the tree path to `node` at page 0 (from the nodes' `psa_host`)."""

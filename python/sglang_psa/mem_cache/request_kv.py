@@ -18,6 +18,8 @@ A record enters reserved and runs once the write-back plans it in a row; every o
 step is `TieredRequests`', which calls the parts in the order the step needs:
 
     reserved -> running (row, planned, saved, evicted) -> released
+                running -> ending (ended with saves in flight: `WriteBack.ending`, no row,
+                           its host blocks kept until they land) -> released
                 running -> parked (retracted: saved blocks kept in the host tier, no row)
                 parked -> trimmed (a shorter kept prefix) -> running (a new row) | released
 
@@ -92,6 +94,7 @@ class TieredRequests:
         # Told the rid of every release (the `psa` radix cache forgets what it tracks of
         # the request: a matched request may leave before it is admitted).
         self.listeners: list[Callable[[Hashable], None]] = []
+        writeback.on_ended = self._ended
 
     def parked(self, rid: Hashable) -> bool:
         """Whether retracted `rid` waits with its saved KV in the host tier."""
@@ -218,7 +221,7 @@ class TieredRequests:
         return True
 
     # -- the end ---------------------------------------------------------------------------
-    def release(self, rid: Hashable) -> None:
+    def release(self, rid: Hashable, finished: bool = False) -> None:
         """`rid` ended (finished, aborted, retracted without parking, refused at admission,
         or unparked): its record leaves the table and everything it held goes back, once.
         Its evicted blocks' units leave the unit cache (their request-table entries point
@@ -228,13 +231,31 @@ class TieredRequests:
         to the free list. Saves already issued complete before any later save to the same
         host blocks (each transport keeps issue order). Unknown `rid`: nothing of the
         store's. The listeners hear of every release, of a known `rid` or not (a request
-        matched against the prefix cache may hold no record)."""
+        matched against the prefix cache may hold no record).
+
+        `finished` (it ended, finished or aborted, and will not come back): while saves it
+        issued are in flight its record leaves the table and its row but keeps its host
+        blocks (`WriteBack.ending`) until the last is acknowledged, so the prefix index
+        keeps those blocks too (a chat's next turn finds the whole answer); then the rest
+        of the release (`_ended`)."""
         rec = self.records.pop(rid, None)
         if rec is not None:
             self.residency.forget(rec)
+            if finished and not rec.parked and self.wb.in_flight(rid):
+                self.wb.leave_row(rec)
+                self.wb.drop_plans(rid)
+                self.wb.ending[rid] = rec
+                return
             self.wb.forget(rec)
         for fn in self.listeners:
             fn(rid)
+
+    def _ended(self, rec: RequestKV) -> None:
+        """The last save of ended `rec` was acknowledged (`WriteBack.ending`): its host
+        blocks go back (kept ones to the prefix index's LRU) and the listeners hear of it."""
+        self.wb.forget(rec)
+        for fn in self.listeners:
+            fn(rec.rid)
 
     def report(self) -> dict[str, int]:
         """Retracted requests waiting with their KV in the host tier; resumptions, the
@@ -260,4 +281,7 @@ class TieredRequests:
                 assert rec.evicted is not None and rec.evicted[: rec.saved].all(), (
                     f"{rid!r}: a kept block still in HBM"
                 )
-        self.wb.blocks.check_integrity(self.records.values())
+        for rid, rec in self.wb.ending.items():
+            assert rid not in self.records and rec.rid == rid, f"{rid!r}: ending and running"
+            assert not rec.on_host and not rec.parked, f"{rid!r}: ending with a row"
+        self.wb.blocks.check_integrity([*self.records.values(), *self.wb.ending.values()])

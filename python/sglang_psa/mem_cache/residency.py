@@ -308,6 +308,20 @@ class Residency:
             by_rid.setdefault(rid, []).append(b)
         return sum(self.evict(rid, sorted(bl), allocator) for rid, bl in by_rid.items())
 
+    def read_prefix_from_host(self, reqs) -> None:
+        """An extend batch is set up (each request's row planned): the blocks of a matched
+        prefix that SGLang's tree holds only in the host tier (page 0 in the request's row;
+        `sharing.page0_prefix`) are read from there by decode (the location table
+        switches) and count as `evicted`, so a staged prefill reads them from the host
+        tier too (`PrefillStage.plan_batch`). Nothing without the psa radix cache."""
+        if self.sharing is None:
+            return
+        for req in reqs:
+            blocks = self.sharing.page0_prefix(req)
+            rec = self.records.get(req.rid)
+            if blocks and rec is not None:
+                self._mark(rec, self.wb.read_from_host(req.rid, blocks))
+
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
         A page SGLang's tree shares (`sharing`) leaves HBM for every request mapping it

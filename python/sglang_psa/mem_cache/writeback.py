@@ -32,6 +32,7 @@ full of unacknowledged rows.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,11 @@ class WriteBack:
         self.decode_flush_blocks = decode_flush_blocks
         # One record per request the tiered store knows (`mem_cache.request_kv`).
         self.records: dict[object, RequestKV] = {}
+        # Ended requests whose issued saves are still in flight (`TieredRequests.release`):
+        # out of `records`, holding their host blocks until the last is acknowledged, so
+        # the prefix index learns those blocks too; then `on_ended(rec)` releases them.
+        self.ending: dict[object, RequestKV] = {}
+        self.on_ended: Callable[[RequestKV], None] | None = None
         self._decode: list[_Entry] = []  # planned by decode, not issued yet
         self._extend: list[_Entry] = []  # planned for the next extend forward
         self._extend_tables: tuple[torch.Tensor, list[_Entry], list | None] | None = None
@@ -274,7 +280,7 @@ class WriteBack:
         if layer == self.layers - 1:
             acked: dict[int, RequestKV] = {}
             for e in entries:
-                rec = self.records.get(e.rid)
+                rec = self.records.get(e.rid) or self.ending.get(e.rid)
                 # An ack of a request that ended or moved, or of a block it switched to
                 # another's id, names an id that may be someone else's by now: ignored.
                 if (
@@ -290,6 +296,15 @@ class WriteBack:
                     self.index.saved(rec)
             self.stats.blocks_saved += len(entries)
             self.stats.bytes_saved += len(entries) * self._block_bytes * self.layers
+        for rid in {e.rid for e in entries if e.rid in self.ending}:
+            if not self.in_flight(rid):  # its last save, acknowledged (and indexed) above
+                rec = self.ending.pop(rid)
+                if self.on_ended is not None:
+                    self.on_ended(rec)
+
+    def in_flight(self, rid) -> bool:
+        """Whether a save of `rid` was issued and not yet acknowledged on every layer."""
+        return any(e.rid == rid for _, entries in self.transport.jobs.values() for e in entries)
 
     def poll(self) -> None:
         """Take the transport's completions (on the engine path: restart a dead engine

@@ -340,12 +340,14 @@ class PSAServing:
     def plan_extend(self, reqs, seq_lens: list[int], prefix_lens=None) -> None:
         """Tiered home, an extend batch is set up (`seq_lens`: its lengths after it): its
         parked requests resume in their new rows (`TieredRequests.resume`), the write-back
-        plans the blocks it completes, and with staged prefill a prefix with blocks off
-        HBM is staged per layer (`PrefillStage.plan_batch`; `prefix_lens` is read only
-        then)."""
+        plans the blocks it completes, a matched prefix held only in the host tier is read
+        from there (`Residency.read_prefix_from_host`), and with staged prefill a prefix
+        with blocks off HBM is staged per layer (`PrefillStage.plan_batch`; `prefix_lens`
+        is read only then)."""
         if self.stage is not None:
             self.requests.resume(reqs)
         self.writeback.plan_extend(reqs, seq_lens)
+        self.residency.read_prefix_from_host(reqs)
         if self.stage is not None:
             self.stage.plan_batch(reqs, prefix_lens)
 
@@ -421,7 +423,7 @@ class PSAServing:
         """Tiered home: `rid`'s record in the tiered store goes (`TieredRequests.release`);
         with `keep_parked`, a parked one stays (it waits with its host copy)."""
         if self.requests is not None and not (keep_parked and self.parked(rid)):
-            self.requests.release(rid)
+            self.requests.release(rid, finished=not keep_parked)
 
     def release(self, rid: Hashable, retracted: bool) -> None:
         """SGLang released `rid`'s KV. Finished or aborted: admission forgets it and its

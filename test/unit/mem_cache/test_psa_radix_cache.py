@@ -145,8 +145,13 @@ class _Store:
         read from the host tier (the extend hook's part); SGLang then caches it."""
         wb = self.wb
         wb.plan_extend([req], [req.kv_len])
+        self.res.read_prefix_from_host([req])  # as PSAServing.plan_extend calls it
+        rec = self.tiered.records.get(req.rid)
         zero = (self.rtp.req_to_token[req.req_pool_idx, : req.kv_len : BS] < BS).nonzero()
-        wb.read_from_host(req.rid, zero.flatten().tolist())
+        zero = zero.flatten().tolist()
+        if zero:  # read from the host tier and counted off HBM, so staging reads them too
+            assert rec.evicted is not None and rec.evicted[zero].all(), (req.rid, zero)
+            assert (wb.host_loc[rec.row, zero] < 0).all(), (req.rid, zero)
         wb.before_forward()
         for layer in range(L):
             wb.issue_extend_layer(layer, self.pool.k_buffer[layer], self.pool.v_buffer[layer],
@@ -184,7 +189,7 @@ class _Store:
         self.rows.append(req.req_pool_idx)
         self.alloc.free(req.slots) if len(req.slots) and req.kv_len % BS == 0 else None
         req.req_pool_idx = None
-        self.tiered.release(req.rid)
+        self.tiered.release(req.rid, finished=True)
         del self.live[req.rid]
         self.check()
 
@@ -265,6 +270,40 @@ def _store(**kw):
 
 
 STEM = list(range(100, 112))  # three blocks
+
+
+def test_a_request_finishing_with_saves_in_flight_keeps_its_blocks_for_the_index():
+    """A request that ends while saves it issued are in flight keeps its host blocks,
+    rowless and out of the table, until the last is acknowledged: then the index names
+    them (kept in the LRU) and a later request with that prefix reads them from the host
+    tier. Ended before any ack, nothing of it is indexed yet and nothing is freed."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a, ack=False)
+        held = list(s.tiered.records["a"].host)
+        s.finish(a)
+        assert "a" not in s.tiered.records and s.wb.ending["a"].host == held
+        hashes = s.index.hashes(None, STEM + [1, 2, 3, 4], 4)
+        assert s.index.lookup(hashes) == [] and (s.wb.blocks.refs[held] == 1).all()
+        s.ack()
+        assert not s.wb.ending and (s.wb.blocks.refs[held] == 0).all()
+        assert s.index.lookup(hashes) == held[:4]  # every full prompt block, kept
+        s.evict(10**6)
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9, 9, 9])
+        assert s.match(b) == 3 * BS and s.tiered.records["b"].host == held[:3]
+        assert s.admit(b)
+        s.prefill(b)
+
+
+def test_a_request_ending_with_nothing_in_flight_is_released_at_once():
+    """No save in flight when it ends: the release is immediate (nothing waits)."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a)
+        s.finish(a)
+        assert not s.wb.ending and "a" not in s.tiered.records
 
 
 def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():

@@ -727,12 +727,13 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
             calls.append(("resume", [r.rid for r in reqs]))
             self.kept.clear()
 
-        def release(self, rid):
-            calls.append(("release", rid))
+        def release(self, rid, finished=False):
+            calls.append(("release", rid, finished))
 
     wb = SimpleNamespace(plan_extend=lambda reqs, lens: calls.append(("plan", lens)))
     stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
-    serving.residency, serving.writeback, serving.stage = SimpleNamespace(), wb, stage
+    res = SimpleNamespace(read_prefix_from_host=lambda reqs: calls.append(("host prefix",)))
+    serving.residency, serving.writeback, serving.stage = res, wb, stage
     serving.requests = Requests()
     serving.controller.admit_alone(Candidate("a", 100, 1))
     tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
@@ -754,11 +755,11 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     batch = SimpleNamespace(reqs=[a], seq_lens_cpu=SimpleNamespace(tolist=lambda: [130]),
                             prefix_lens=[64])  # fmt: skip
     scheduling.after_prepare_for_extend(None, batch)
-    assert calls == [("resume", ["a"]), ("plan", [130]), ("stage",)]
+    assert calls == [("resume", ["a"]), ("plan", [130]), ("host prefix",), ("stage",)]
     calls.clear()
     done = _req("a", 100, pool_idx=1, finished=True)
     scheduling.around_release_kv_cache(sglang_frees, done, tree, **_insert(False))
-    assert calls == [("sglang frees",), ("release", "a")]
+    assert calls == [("sglang frees",), ("release", "a", True)]  # its saves may land
 
 
 def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
@@ -768,8 +769,11 @@ def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
     released = []
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.writeback = SimpleNamespace(reserve=lambda rid, n: True)
-    serving.requests = SimpleNamespace(parked=lambda rid: rid == "p", release=released.append)
+    serving.requests = SimpleNamespace(
+        parked=lambda rid: rid == "p",
+        release=lambda rid, finished: released.append((rid, finished)),
+    )
     serving.controller.admit_alone(Candidate("a", 640, 90))  # 90 of 100 units in use
     assert not serving.try_admit("p", 640, alone=False)  # est 40 units: waits
     assert not serving.try_admit("q", 640, alone=False)
-    assert released == ["q"] and serving.waits["working_set"] == 2
+    assert released == [("q", False)] and serving.waits["working_set"] == 2  # it comes back
