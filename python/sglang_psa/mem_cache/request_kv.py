@@ -18,8 +18,9 @@ A record enters reserved and runs once the write-back plans it in a row; every o
 step is `TieredRequests`', which calls the parts in the order the step needs:
 
     reserved -> running (row, planned, saved, evicted) -> released
-                running -> ending (ended with saves in flight: `WriteBack.ending`, no row,
-                           its host blocks kept until they land) -> released
+                running -> ending (ended with saves in flight and a prefix index:
+                           `WriteBack.ending`, its row left, its host blocks kept until
+                           they land) -> released
                 running -> parked (retracted: saved blocks kept in the host tier, no row)
                 parked -> trimmed (a shorter kept prefix) -> running (a new row) | released
 
@@ -233,15 +234,15 @@ class TieredRequests:
         store's. The listeners hear of every release, of a known `rid` or not (a request
         matched against the prefix cache may hold no record).
 
-        `finished` (it ended, finished or aborted, and will not come back): while saves it
-        issued are in flight its record leaves the table and its row but keeps its host
-        blocks (`WriteBack.ending`) until the last is acknowledged, so the prefix index
-        keeps those blocks too (a chat's next turn finds the whole answer); then the rest
-        of the release (`_ended`)."""
+        `finished` (it ended, finished or aborted, and will not come back), with a prefix
+        index (the psa radix cache): while saves it issued are in flight its record leaves
+        the table and its row but keeps its host blocks (`WriteBack.ending`) until the last
+        is acknowledged, so the index keeps those blocks too (a chat's next turn finds the
+        whole answer); then the rest of the release (`_ended`)."""
         rec = self.records.pop(rid, None)
         if rec is not None:
             self.residency.forget(rec)
-            if finished and not rec.parked and self.wb.in_flight(rid):
+            if finished and self.wb.index is not None and not rec.parked and self.wb.in_flight(rid):
                 self.wb.leave_row(rec)
                 self.wb.drop_plans(rid)
                 self.wb.ending[rid] = rec
