@@ -122,10 +122,17 @@ class TieredRequests:
         it resumes without is its last partial block and the blocks the last step or two
         completed. Its unissued saves are dropped, its old row reads HBM again (SGLang
         gives the row to another request) and the host blocks of blocks not saved go back
-        to the free list, still promised to it."""
+        to the free list, still promised to it. With a prefix index nothing is parked (see
+        below)."""
         wb = self.wb
         wb.issue_decode(self.pool.k_buffer, self.pool.v_buffer, self.req_to_token, True)
         wb.drain()
+        if wb.index is not None:
+            # With the prefix cache (the psa radix cache) the saved blocks, all acknowledged
+            # now, are the index's: nothing is parked; the request is released and, when
+            # admitted again, matched like any other (its prefix read from HBM where the
+            # tree holds it, else from the host tier while the index keeps it).
+            return 0
         rec = self.records.get(req.rid)
         if rec is None or not rec.saved or getattr(req, "input_embeds", None) is not None:
             return 0

@@ -118,8 +118,8 @@ class _Store:
 
     def admit(self, req) -> bool:
         """The adder: the host tier's reservation, the lock, a row with the prefix and new
-        pages for the rest of the prompt."""
-        n = len(req.origin_input_ids)
+        pages for the rest of its tokens (a retracted request's include its output)."""
+        n = len(req.get_fill_ids())
         if not self.wb.reserve(req.rid, n + req.max_new):
             return False
         pre = len(req.prefix_indices)
@@ -191,6 +191,19 @@ class _Store:
         req.req_pool_idx = None
         self.tiered.release(req.rid, finished=True)
         del self.live[req.rid]
+        self.check()
+
+    def retract(self, req) -> None:
+        """SGLang's retraction (`release_kv_cache` uninserted): the tiered store's park,
+        SGLang frees what the request holds beyond the tree, the request is released
+        (retracted: not finished) and waits with its tokens."""
+        assert self.tiered.park(req, self.alloc) == 0  # with the index: nothing parked
+        self.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=req.kv_len)
+        self.rows.append(req.req_pool_idx)
+        self.alloc.free(req.slots) if len(req.slots) and req.kv_len % BS == 0 else None
+        req.req_pool_idx, req.slots = None, req.slots[:0]
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.tiered.release(req.rid)
         self.check()
 
     def evict(self, tokens: int) -> int:
@@ -294,6 +307,31 @@ def test_a_request_finishing_with_saves_in_flight_keeps_its_blocks_for_the_index
         assert s.match(b) == 3 * BS and s.tiered.records["b"].host == held[:3]
         assert s.admit(b)
         s.prefill(b)
+
+
+def test_a_retracted_request_is_matched_again_from_the_index_not_parked():
+    """With the tree on, retraction parks nothing: the saves in flight land (indexed), the
+    request is released, and when admitted again its prompt and decoded blocks are its
+    match: from the host tier once HBM let them go."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5], max_new=40)
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a, ack=False)
+        s.decode(a, list(range(200, 200 + 2 * BS)))  # two more full blocks, unacked
+        s.retract(a)
+        assert "a" not in s.tiered.records and not s.tiered.parked("a") and not s.wb.ending
+        full = a.kv_len // BS
+        hashes = s.index.hashes(None, list(a.get_fill_ids())[: full * BS], full)
+        ids = s.index.lookup(hashes)
+        assert len(ids) == full  # every full block, prompt and decoded, indexed and kept
+        s.evict(10**6)
+        assert s.match(a) == full * BS and s.tiered.records["a"].host == ids
+        assert (a.prefix_indices < BS).all()  # read from the host tier
+        assert s.admit(a)
+        s.prefill(a)
+        s.decode(a, [7, 7, 7])
+        s.ack()
+        s.finish(a)
 
 
 def test_a_request_ending_with_nothing_in_flight_is_released_at_once():
@@ -658,7 +696,8 @@ def test_residency_keeps_a_shared_page_a_waiting_match_names():
 def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
     """Requests over three stems, admitted before earlier ones prefilled (duplicates to
     switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
-    and the tree cut), acknowledgements late or early; with `residency`, saved blocks of
+    and the tree cut), acknowledgements late or early, running requests retracted and
+    matched again; with `residency`, saved blocks of
     running requests leave HBM too (shared ones for every holder, each page freed once)."""
     rng = random.Random(seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
@@ -669,7 +708,8 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
         evicted = 0
         for step in range(150):
             op = rng.choice(
-                ["arrive", "admit", "prefill", "decode", "finish", "evict", "host", "ack"]
+                ["arrive", "admit", "prefill", "decode", "finish", "retract", "evict", "host"]
+                + ["ack"]
                 + ["resid"] * 2 * residency
             )
             if op == "arrive" and len(waiting) < 3:
@@ -691,6 +731,10 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
                     s.decode(req, [rng.randrange(1000)])
             elif op == "finish" and running:
                 s.finish(running.pop(rng.randrange(len(running))))
+            elif op == "retract" and running:  # it waits again, to be matched anew
+                req = running.pop(rng.randrange(len(running)))
+                s.retract(req)
+                waiting.append(req)
             elif op == "evict":
                 s.evict(rng.randint(1, 3) * BS)
             elif op == "host":  # the host tier needs room: the oldest kept blocks go
