@@ -140,6 +140,10 @@ FEATURES: dict[str, tuple[str, ...]] = {
     # is kept in step with blocks that left HBM. From 0.5.23 on the row itself is the
     # prefix (`Req.prefix_len`); there a retracted request is prefilled again.
     "prefix_slots": ("0.5.17",),
+    # The `psa` radix cache (`mem_cache.psa_radix_cache`) subclasses this release's
+    # `RadixCache` and overrides its calls as they are there (tested against it): SGLang's
+    # registry then offers it as `--radix-cache-backend psa`.
+    "psa_radix_cache": ("0.5.17",),
 }
 
 

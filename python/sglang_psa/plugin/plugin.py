@@ -2,8 +2,8 @@
 
 It runs in the launching process before arguments are parsed and again in
 each scheduler process, so it must be cheap, idempotent and free of CUDA. It
-only registers: the flags and hooks (`hooks.HOOKS`) and the `psa` attention
-backend. Without `--sparse-mode` every hook passes straight through, so
+only registers: the flags and hooks (`hooks.HOOKS`), the `psa` attention
+backend and, on SGLang 0.5.17, the `psa` radix cache backend. Without `--sparse-mode` every hook passes straight through, so
 SGLang behaves as if the package were absent.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_psa import releases
 from sglang_psa.plugin import hooks
 
 logger = logging.getLogger("sglang_psa")
@@ -30,6 +31,10 @@ def register() -> None:
     if BACKEND not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND])
     register_attention_backend(BACKEND)(_create_backend)
+    if releases.has("psa_radix_cache"):  # --radix-cache-backend psa (the tiered home)
+        from sglang_psa.mem_cache import psa_radix_cache
+
+        psa_radix_cache.register()
     hooks.register_all()
     _registered = True
     logger.debug("sglang-psa plugin registered")

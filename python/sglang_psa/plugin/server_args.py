@@ -109,6 +109,25 @@ _INCOMPATIBLE = (
 )
 
 
+def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any], prefill: str | None) -> None:
+    """`--radix-cache-backend psa`: prefix caching at the tiered home (SGLang's tree over
+    the tiered store, `mem_cache.psa_radix_cache`). It reads prefixes the host tier alone
+    holds through the staged prefill, which runs on SGLang's Triton prefill (`prefill`:
+    the prefill backend once known, None before)."""
+    why = None
+    if cfg.kv_home != "tiered":
+        why = "needs --psa-kv-home tiered (the hbm home keeps SGLang's own radix cache)"
+    elif fields.get("disable_radix_cache"):
+        why = "contradicts --disable-radix-cache"
+    elif prefill not in (None, "triton"):
+        why = (
+            "reads prefixes held only in the host tier through the staged prefill, which "
+            f"needs --prefill-attention-backend triton (got {prefill})"
+        )
+    if why is not None:
+        raise PSAConfigError("kv_home", f"--radix-cache-backend psa {why}")
+
+
 def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     """Check `fields` (SGLang's ServerArgs values, as given) and set what PSA needs."""
     for name, flag, why in _INCOMPATIBLE:
@@ -141,6 +160,9 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
             f"sets the decode attention backend to {BACKEND!r}; "
             f"--decode-attention-backend {decode} conflicts",
         )
+    psa_radix = fields.get("radix_cache_backend") == "psa"
+    if psa_radix:
+        _check_psa_radix_cache(cfg, fields, None)
     prefill = fields.get("prefill_attention_backend") or fields.get("attention_backend")
     if not prefill:
         prefill, why = default_prefill_backend(cfg)
@@ -157,10 +179,20 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError(
             "kv_home", "tiered copies SGLang's token-major KV pages; unset SGLANG_USE_HND_KVCACHE"
         )
-    if cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
+    if psa_radix:
+        _check_psa_radix_cache(cfg, fields, prefill)
+        logger.warning(
+            "sglang-psa: prefix caching at the tiered home (--radix-cache-backend psa) is "
+            "experimental: tested on CPU against SGLang's tree, not yet served on a GPU"
+        )
+    elif cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
         # A request's blocks give their HBM pages back when HBM runs short; a page the
-        # prefix tree shares is not one request's to give. Prefix caching is off here.
-        logger.info("sglang-psa: --psa-kv-home tiered turns prefix caching off")
+        # prefix tree shares leaves HBM only with the psa radix cache, which knows every
+        # holder. Without it prefix caching is off here.
+        logger.info(
+            "sglang-psa: --psa-kv-home tiered turns prefix caching off "
+            "(--radix-cache-backend psa keeps it: experimental)"
+        )
         fields["disable_radix_cache"] = True
     if fields.get("chunked_prefill_size") is None:
         # Bound each prefill batch by chunking long prompts at --psa-max-inject-tokens.

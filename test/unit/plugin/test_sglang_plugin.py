@@ -147,12 +147,22 @@ eng = engine_args(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
 plain = prepare_server_args(["--model-path", "dummy"])
 tiered = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
                               "--psa-kv-home", "tiered"])
+radix = (
+    prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa", "--psa-kv-home",
+                         "tiered", "--radix-cache-backend", "psa"])
+    if "radix_cache_backend" in field_names(plain) else None
+)
+from sglang.srt.mem_cache import registry
 graphs = lambda a: [a.cuda_graph_backend_decode, a.cuda_graph_backend_prefill]
 print(json.dumps({
     "cli": [sa.page_size, sa.decode_attention_backend, sa.prefill_attention_backend,
             sa._psa_config.threshold, sa._psa_config.ws_window, sa.chunked_prefill_size],
     "graphs": {"psa": graphs(sa), "plain": graphs(plain), "tiered": graphs(tiered)},
     "radix_off": [bool(sa.disable_radix_cache), bool(tiered.disable_radix_cache)],
+    "psa_radix": None if radix is None else [
+        bool(radix.disable_radix_cache), radix.radix_cache_backend, radix.prefill_attention_backend,
+        "psa" in registry.registered_radix_cache_backends(),
+    ],
     "engine": [eng.page_size, eng.decode_attention_backend, eng.prefill_attention_backend,
                eng._psa_config.sparse_mode, eng._psa_config.topk_tokens],
     "plain": fields(plain), "plain_has_cfg": hasattr(plain, "_psa_config"),
@@ -168,6 +178,12 @@ print(json.dumps({
         "decode": err(["--sparse-mode", "psa", "--decode-attention-backend", "triton"]),
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
         "knob_alone": err(["--psa-threshold", "0.9"]),
+        "radix_hbm": err(["--sparse-mode", "psa", "--radix-cache-backend", "psa"]),
+        "radix_disabled": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
+                          "--radix-cache-backend", "psa", "--disable-radix-cache"]),
+        "radix_prefill": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
+                              "--radix-cache-backend", "psa",
+                              "--prefill-attention-backend", "fa3"]),
     },
 }))
 """
@@ -193,6 +209,19 @@ def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(s
     assert scenarios["radix_off"] == [False, True]
 
 
+psa_radix = pytest.mark.skipif(
+    not releases.has("psa_radix_cache"), reason="the psa radix cache follows SGLang 0.5.17's tree"
+)
+
+
+@psa_radix
+def test_the_psa_radix_cache_keeps_prefix_caching_at_the_tiered_home(scenarios):
+    """`--radix-cache-backend psa` (registered by the plugin) leaves SGLang's radix cache
+    on at the tiered home, prefilling on triton (its staged prefill reads host-only
+    prefixes)."""
+    assert scenarios["psa_radix"] == [False, "psa", "triton", True]
+
+
 @pytest.mark.parametrize(
     "case, flags",
     [
@@ -211,6 +240,16 @@ def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(s
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),
         ("knob_alone", ["--sparse-mode", "--psa-threshold"]),
+        *(
+            pytest.param(
+                case, ["--psa-kv-home", "--radix-cache-backend psa", *extra], marks=psa_radix
+            )
+            for case, extra in (
+                ("radix_hbm", ["needs --psa-kv-home tiered"]),
+                ("radix_disabled", ["--disable-radix-cache"]),
+                ("radix_prefill", ["--prefill-attention-backend triton", "fa3"]),
+            )
+        ),
     ],
 )
 def test_incompatible_or_invalid_flags_fail_naming_them(scenarios, case, flags):
