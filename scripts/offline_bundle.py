@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
-"""Offline bundle for the air-gapped GPU host: SGLang 0.5.17 + this project + test models.
+"""Offline bundle for the air-gapped GPU host: SGLang (0.5.17, or 0.5.23 with its torch
+stack) + this project + test models.
 
 Here (network to PyPI), build it:
 
     python scripts/offline_bundle.py --model smollm2-135m,qwen2.5-0.5b   # -> build/offline/parts/
+    python scripts/offline_bundle.py --sglang 0.5.23 --out build/offline-0.5.23
+
+--sglang picks the package list (RELEASES; default 0.5.17). 0.5.23 pins torch 2.14.1, so
+its bundle also carries torch, triton and the NVIDIA wheels whose pins differ from the
+host's torch 2.11.0+cu130 (PACKAGES_0_5_23); the host's other NVIDIA wheels are reused.
 
 --model takes a comma list so that one bundle (one staging of parts, which is
 slow) serves both the fast functional tests and the long-context accuracy runs.
@@ -118,6 +124,8 @@ PACKAGES: tuple[str, ...] = (
 # default attention backend on an H100, 1.07 GB unpacked, sm80/sm86/sm90 cubins) and
 # sm90/common_ops (what load_utils picks at compute capability 9.0).
 KERNEL_PACKAGE = "sglang-kernel==0.4.5"
+# sglang-kernel 0.4.10 (SGLang 0.5.23) has the same layout: flash_ops.abi3.so (1.12 GB),
+# sm90/ and sm100/common_ops, infllm_ops.cpython-310; the rules below serve both.
 KERNEL_DROP = (
     "sgl_kernel/sm100/",  # common_ops for every compute capability but 9.0
     "sgl_kernel/infllm_ops*.so",  # built for CPython 3.10 only (cpython-310 suffix)
@@ -127,20 +135,98 @@ KERNEL_DROP = (
 # in the wheel and about half that as xz. The restored file is byte for byte the wheel's.
 KERNEL_XZ = ("sgl_kernel/flash_ops.abi3.so",)
 XZ_SUFFIX = ".xz"
+
+# SGLang 0.5.23 (PyPI metadata, 2026-11-27): PACKAGES with its own pins (sglang-kernel
+# 0.4.10 below, flashinfer-python 0.7.2, xgrammar 0.2.7, compressed-tensors 0.18.0,
+# transformers 5.19.0, tokenizers 0.23.2, openai 2.8.0) plus torch==2.14.1 and what that
+# torch pins differently from the host's torch 2.11.0 (PyPI's default torch is cu130 for
+# both): triton~=3.8.0, cuda-toolkit 13.0.3 (cublas 13.1.1.3, was 13.1.0.3; the other
+# toolkit pins are unchanged), cudnn 9.24.0.43, cusparselt 0.8.1, nccl 2.30.7. The host's
+# cuda-runtime, nvrtc, cupti, cufft, cufile, curand, cusolver, cusparse, nvjitlink, nvtx,
+# nvshmem (3.4.5 in both) and cuda-bindings (>=13.0.3,<14 in both) satisfy torch 2.14.1.
+PACKAGES_0_5_23: tuple[str, ...] = (
+    # The server and what it imports on CUDA.
+    "sglang==0.5.23",
+    "flashinfer-python==0.7.2",
+    "xgrammar==0.2.7",
+    "compressed-tensors==0.18.0",
+    "torch-memory-saver==0.0.10",
+    # SGLang 0.5.23's pins.
+    "transformers==5.19.0",
+    "tokenizers==0.23.2",
+    # The rest of AIRGAP.md's list (mostly pure Python).
+    "starlette==1.10.0",
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "ipython==9.18.1",
+    "msgspec==0.22.0",
+    "pyzmq==27.3.0",
+    "dill==0.4.1",
+    "openai==2.8.0",
+    "distro==1.9.0",  # openai imports it; the GPU host lacks it (found on the H100)
+    "partial-json-parser==0.2.1.1.post7",
+    "setproctitle==1.3.8",
+    "jsonschema==4.26.0",
+    "soundfile==0.13.1",
+    "python-multipart==0.0.34",
+    "orjson==3.13.0",
+    "pybase64==1.5.1",
+    "gguf==0.19.0",
+    "interegular==0.3.3",
+    "loguru==0.7.3",
+    "apache-tvm-ffi==0.1.11",
+    "cffi==2.1.1",
+    "httpx2==2.16.2",
+    "httpcore2==2.16.2",
+    "ipython-pygments-lexers==1.1.1",
+    "jedi==0.20.1",
+    "jiter==0.19.0",
+    "jsonschema-specifications==2025.9.1",
+    "matplotlib-inline==0.2.2",
+    "opentelemetry-api==1.45.2",
+    "pexpect==4.9.0",
+    "prompt-toolkit==3.0.53",
+    "pydantic==2.14.3",
+    "pydantic-core==2.50.4",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "stack-data==0.6.3",
+    "traitlets==5.16.1",
+    "typing-inspection==0.4.5",
+    "sniffio==1.3.1",
+    "annotated-types==0.8.0",
+    "asttokens==3.0.2",
+    "executing==2.3.0",
+    "parso==0.8.7",
+    "ptyprocess==0.7.0",
+    "truststore==0.10.5",
+    "wcwidth==0.9.4",
+    "pure-eval==0.2.4",
+    "pycparser==3.12",
+    # torch 2.14.1 and what it pins differently from the host's torch 2.11.0+cu130.
+    "torch==2.14.1",
+    "triton==3.8.0",
+    "cuda-toolkit==13.0.3.0",  # metadata only (2 KB): the CUDA wheels' pins, for pip check
+    "nvidia-cublas==13.1.1.3",
+    "nvidia-cudnn-cu13==9.24.0.43",
+    "nvidia-cusparselt-cu13==0.8.1",
+    "nvidia-nccl-cu13==2.30.7",
+)
+# --sglang VERSION -> (package list, sglang-kernel). KERNEL_DROP / KERNEL_XZ serve both.
+RELEASES: dict[str, tuple[tuple[str, ...], str]] = {
+    "0.5.17": (PACKAGES, KERNEL_PACKAGE),
+    "0.5.23": (PACKAGES_0_5_23, "sglang-kernel==0.4.10"),
+}
+DEFAULT_SGLANG = "0.5.17"
 # This project's packages, built as wheels from the working tree (`pip wheel --no-deps`).
 PROJECT_DIRS = (".", "sgl-kernel-ext")
 PROJECT_NAMES = ("sglang-psa", "sgl-kernel-ext")
 
 PYTHON_VERSION = "3.12"
-# pip matches a manylinux tag exactly; sglang itself is manylinux_2_34.
+# pip matches a manylinux tag exactly, so every glibc from 2.17 to 2.35 is listed (sglang
+# itself is manylinux_2_34; nvidia-nccl-cu13 2.30.7, for SGLang 0.5.23, only manylinux_2_18).
 PLATFORMS = (
-    "manylinux_2_35_x86_64",
-    "manylinux_2_34_x86_64",
-    "manylinux_2_31_x86_64",
-    "manylinux_2_28_x86_64",
-    "manylinux_2_27_x86_64",
-    "manylinux_2_24_x86_64",
-    "manylinux_2_17_x86_64",
+    *(f"manylinux_2_{minor}_x86_64" for minor in range(35, 16, -1)),
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 )
@@ -799,26 +885,30 @@ def build(
     model: str | list[str] | tuple[str, ...] = "none",
     skip_download: bool = False,
     exclude: tuple[str, ...] = (),
+    sglang: str = DEFAULT_SGLANG,
 ) -> dict:
     """Build OUT/bundle.tar and OUT/parts/ (parts + MANIFEST.json); returns the manifest.
 
-    `model` is --model's value: "none", "a,b" or a list of keys.
+    `model` is --model's value: "none", "a,b" or a list of keys; `sglang` a key of RELEASES.
     """
     t0 = time.monotonic()
+    if sglang not in RELEASES:
+        raise BundleError(f"--sglang {sglang!r}: known {', '.join(RELEASES)}")
+    packages, kernel_package = RELEASES[sglang]
     keys = parse_models(model)
     specs = {k: _models()[k] for k in keys}
     out = out.resolve()
     cache = out / "wheels"
     excluded = {_canon(n) for n in exclude}
-    known = {_split_req(r)[0] for r in (*PACKAGES, KERNEL_PACKAGE)} | set(PROJECT_NAMES)
+    known = {_split_req(r)[0] for r in (*packages, kernel_package)} | set(PROJECT_NAMES)
     for name in sorted(excluded - known):
         _log(f"warning: --exclude {name}: not in the bundle's package list")
-    reqs = [r for r in PACKAGES if _split_req(r)[0] not in excluded]
-    with_kernel = _split_req(KERNEL_PACKAGE)[0] not in excluded
+    reqs = [r for r in packages if _split_req(r)[0] not in excluded]
+    with_kernel = _split_req(kernel_package)[0] not in excluded
     model_reqs = list(dict.fromkeys(r for spec in specs.values() for r in spec.packages))
-    want = reqs + ([KERNEL_PACKAGE] if with_kernel else []) + model_reqs
+    want = reqs + ([kernel_package] if with_kernel else []) + model_reqs
 
-    _log(f"[1/5] wheels for Python {PYTHON_VERSION} manylinux x86_64 ({len(want)} packages)")
+    _log(f"[1/5] SGLang {sglang}: cp312 manylinux x86_64 wheels ({len(want)} packages)")
     wheels = download(want, cache, skip_download)
 
     items: list[Item] = []
@@ -827,8 +917,8 @@ def build(
         items.append(Item(wheels[r], f"wheels/{wheels[r].name}", "wheel", name, version))
 
     if with_kernel:
-        _log(f"[2/5] {KERNEL_PACKAGE} less {', '.join(KERNEL_DROP)}; xz {', '.join(KERNEL_XZ)}")
-        tops, kname, kver = slim_kernel(wheels[KERNEL_PACKAGE], out / "kernel")
+        _log(f"[2/5] {kernel_package} less {', '.join(KERNEL_DROP)}; xz {', '.join(KERNEL_XZ)}")
+        tops, kname, kver = slim_kernel(wheels[kernel_package], out / "kernel")
         for top in tops:
             items.append(Item(top, f"kernel/{top.name}", "kernel", kname, kver))
     else:
@@ -889,6 +979,7 @@ def build(
 
     info = {
         "format": 1,
+        "sglang": sglang,
         "python": PYTHON_VERSION,
         "platforms": list(PLATFORMS),
         "packages": packages,
@@ -905,6 +996,7 @@ def build(
     parts_dir = out / "parts"
     parts = split_file(tar_path, parts_dir, int(part_mib * MIB))
     manifest_extra = {
+        "sglang": sglang,
         "part_mib": part_mib,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "models": [m["key"] for m in models_info],
@@ -945,6 +1037,12 @@ def _main_build(argv: list[str]) -> int:
         f"(known: {', '.join(_models())}; python/sglang_psa/models.py)",
     )
     ap.add_argument(
+        "--sglang",
+        default=DEFAULT_SGLANG,
+        choices=list(RELEASES),
+        help="which SGLang release's package list to bundle (RELEASES; default %(default)s)",
+    )
+    ap.add_argument(
         "--skip-download", action="store_true", help="use only wheels cached in OUT/wheels"
     )
     ap.add_argument(
@@ -960,7 +1058,9 @@ def _main_build(argv: list[str]) -> int:
     except BundleError as e:
         ap.error(str(e))
     try:
-        manifest = build(args.out, args.part_mib, models, args.skip_download, tuple(args.exclude))
+        manifest = build(
+            args.out, args.part_mib, models, args.skip_download, tuple(args.exclude), args.sglang
+        )
     except BundleError as e:
         _log(f"error: {e}")
         return 1

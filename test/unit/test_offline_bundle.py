@@ -333,6 +333,99 @@ def test_build_with_two_fake_models_then_place(tmp_path: Path, monkeypatch):
     assert len(list((cache / "wheels").glob("*.whl"))) == 4
 
 
+# --- --sglang: one package list per SGLang release (RELEASES) ---
+
+
+def _pins(reqs) -> dict[str, str]:
+    pins = dict(ob._split_req(r) for r in reqs)
+    assert all(pins.values()), "every bundled package is pinned"
+    assert len(pins) == len(reqs), "no package twice"
+    return pins
+
+
+def test_releases_pin_sglang_torch_and_the_kernel():
+    assert ob.DEFAULT_SGLANG == "0.5.17" and list(ob.RELEASES) == ["0.5.17", "0.5.23"]
+    assert ob.RELEASES["0.5.17"] == (ob.PACKAGES, ob.KERNEL_PACKAGE)
+    old = _pins(ob.PACKAGES)
+    assert old["sglang"] == "0.5.17" and "torch" not in old  # the host's torch 2.11.0 serves
+    assert ob.KERNEL_PACKAGE == "sglang-kernel==0.4.5"
+
+    packages, kernel = ob.RELEASES["0.5.23"]
+    assert packages is ob.PACKAGES_0_5_23 and kernel == "sglang-kernel==0.4.10"
+    new = _pins(packages)
+    # SGLang 0.5.23's own pins (its Requires-Dist) ...
+    for name, version in {
+        "sglang": "0.5.23",
+        "flashinfer-python": "0.7.2",
+        "xgrammar": "0.2.7",
+        "compressed-tensors": "0.18.0",
+        "transformers": "5.19.0",
+        "tokenizers": "0.23.2",
+        "openai": "2.8.0",
+        "apache-tvm-ffi": "0.1.11",
+        "soundfile": "0.13.1",
+    }.items():
+        assert new.pop(name) == version, name
+    # ... torch 2.14.1 and what it pins differently from the host's torch 2.11.0+cu130 ...
+    for name, version in {
+        "torch": "2.14.1",
+        "triton": "3.8.0",
+        "cuda-toolkit": "13.0.3.0",
+        "nvidia-cublas": "13.1.1.3",
+        "nvidia-cudnn-cu13": "9.24.0.43",
+        "nvidia-cusparselt-cu13": "0.8.1",
+        "nvidia-nccl-cu13": "2.30.7",
+    }.items():
+        assert new.pop(name) == version, name
+    # ... and the rest of the 0.5.17 list as it is.
+    assert new == {k: v for k, v in old.items() if k in new}
+    assert set(old) - set(new) == {
+        "sglang",
+        "flashinfer-python",
+        "xgrammar",
+        "compressed-tensors",
+        "transformers",
+        "tokenizers",
+        "openai",
+        "apache-tvm-ffi",
+        "soundfile",
+    }
+
+
+def test_nccl_wheel_tag_is_a_target_platform():
+    # nvidia-nccl-cu13 2.30.7 ships only manylinux_2_18; pip matches --platform exactly
+    assert "manylinux_2_18_x86_64" in ob.PLATFORMS and "manylinux_2_34_x86_64" in ob.PLATFORMS
+    wheel = "nvidia_nccl_cu13-2.30.7-py3-none-manylinux_2_18_x86_64.whl"
+    from packaging.utils import parse_wheel_filename
+
+    assert set(parse_wheel_filename(wheel)[3]) & ob._target_tags()
+
+
+def test_build_sglang_0_5_23_uses_its_list(tmp_path: Path, monkeypatch, capsys):
+    """build(sglang="0.5.23") bundles that release's wheels (stand-ins cached in OUT/wheels)."""
+    out = tmp_path / "out"
+    (out / "wheels").mkdir(parents=True)
+    keep = {"sglang": "0.5.23", "torch": "2.14.1"}
+    for name, version in keep.items():
+        _handmade_wheel(out / "wheels", name, version)
+    monkeypatch.setattr(ob.subprocess, "run", lambda *a, **k: pytest.fail("no pip here"))
+    others = [ob._split_req(r)[0] for r in (*ob.PACKAGES_0_5_23, "sglang-kernel")]
+    exclude = (*(n for n in others if n not in keep), *ob.PROJECT_NAMES)
+    manifest = ob.build(out, model="none", skip_download=True, exclude=exclude, sglang="0.5.23")
+    assert manifest["sglang"] == "0.5.23"
+    assert {p["name"]: p["version"] for p in manifest["packages"]} == keep
+    info = json.loads((_unpack(out / "parts", tmp_path) / ob.BUNDLE_INFO).read_text())
+    assert info["sglang"] == "0.5.23"
+    # the default list has neither torch nor sglang 0.5.23: nothing cached serves it
+    with pytest.raises(ob.BundleError, match="not cached"):
+        ob.build(out, model="none", skip_download=True)
+    with pytest.raises(ob.BundleError, match="--sglang '0.6.0'"):
+        ob.build(out, sglang="0.6.0")
+    with pytest.raises(SystemExit):
+        ob.main(["--out", str(out), "--sglang", "0.6.0"])
+    assert "invalid choice: '0.6.0'" in capsys.readouterr().err
+
+
 def test_place_model(tmp_path: Path, capsys):
     parts_dir, _ = _toy_bundle(tmp_path)
     bundle = _unpack(parts_dir, tmp_path)
