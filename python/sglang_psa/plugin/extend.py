@@ -14,8 +14,8 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
                       decode_backend=None, *args, **kwargs):  # fmt: skip
     """With our decode backend, SGLang runs at the PSA block size as its page size (32),
     and its Triton prefill backend specialises its kernels on that: the extend kernel
-    then computes (page, offset) addresses, 5% slower on the H100 (workload e's 8B
-    prefill, 477 against 454 ms a 8K-token chunk) than at page size 1. On SGLang's
+    then computes (page, offset) addresses, slower than at page size 1 (measured on
+    workload e's 8B prefill). On SGLang's
     contiguous token-major pool `[tokens, Hkv, d]` both address the same slot, so that
     backend is given page size 1 (SGLang's own kernels at its own default).
 
