@@ -125,9 +125,9 @@ def main() -> None:
             for o in probes.bad_inputs(s):
                 outcomes.append(o)
                 print(f"[bad input] {'ok  ' if o.ok else 'FAIL'} {o.name}: {o.got}", flush=True)
-            for o in probes.faults(s):
+            for o in [*probes.faults(s), probes.metrics_endpoint(s)]:
                 outcomes.append(o)
-                print(f"[fault] {'ok  ' if o.ok else 'FAIL'} {o.name}: {o.got}", flush=True)
+                print(f"[{o.kind}] {'ok  ' if o.ok else 'FAIL'} {o.name}: {o.got}", flush=True)
         soaked = soak(s, proc.pid, args.soak_s) if args.soak_s > 0 else None
 
     earlier = None
@@ -144,9 +144,11 @@ def main() -> None:
         "faults_tried": len(faults),
         "faults_survived": sum(o.ok for o in faults),
         "requests_lost": over.detail.get("lost") if over else None,
+        # a token still held holds its page: tokens round up to pages (32 tokens each)
         "leaked_pages_after_load": (
-            max((h.get("kv_held_tokens", 0) for h in held), default=0) // 32 if held else None
+            -(-max((h.get("kv_held_tokens", 0) for h in held), default=0) // 32) if held else None
         ),
+        "metrics_check_ok": next((o.ok for o in outcomes if o.kind == "check"), None),
         "soak_rss_growth_mb": soaked and soaked["rss_growth_mb"],
         "soak_gpu_growth_mb": soaked and soaked["gpu_growth_mb"],
     }
