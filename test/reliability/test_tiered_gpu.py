@@ -1,7 +1,9 @@
 """`--psa-kv-home tiered` on a live server (GPU machine): the copy engine killed while
 requests are served and written back is noticed and restarted, its unacknowledged saves
 are redone, the completions equal those of an unkilled run, and every host block returns
-afterwards."""
+afterwards. HBM for KV is capped below each prompt, so saved blocks leave HBM and decode
+(at threshold 1: every block) reads them back from the host tier: a redone save that
+wrote wrong data changes the completions."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 
 ARGS = [
     "--psa-kv-home", "tiered", "--psa-writeback", "engine", "--psa-host-pool-gb", "4",
-    "--max-running-requests", "8",
+    "--max-running-requests", "8", "--max-total-tokens", "4096",
+    "--chunked-prefill-size", "2048", "--context-length", "32768", "--psa-threshold", "1",
 ]  # fmt: skip
 PROMPTS = [probes.prompt(6000 + 512 * i, seed=i) for i in range(8)]
 
@@ -67,7 +70,11 @@ def test_engine_killed_mid_save_is_restarted_and_completions_are_unchanged(serve
         os.kill(_writeback(server)["engine_pid"], signal.SIGKILL)
 
     assert server.post("/flush_cache", timeout=60).status_code == 200
+    host_reads = server.psa_state()["residency"]["units_read_host"]
     got = _run_all(server, during=kill_during_prefill)
+    res = server.psa_state()["residency"]
+    print("residency after the kill:", res)
+    assert res["units_read_host"] > host_reads, "nothing was read back from the host tier"
     after = _writeback(server)
     print("write-back after the kill:", after)
     assert after["engine_restarts"] == 1, after
