@@ -303,8 +303,12 @@ class PsaRadixCache(RadixCache):
         reading them (a sync on the GPU) while neither can be."""
         if req.prefix_indices is None or not (req.rid in self._maybe_page0 or self._host_nodes):
             return []
+        return self._page0_of(req.prefix_indices)
+
+    def _page0_of(self, slots: torch.Tensor) -> list[int]:
+        """The blocks of a row's `slots` (a prefix, block-aligned) at page 0 (a sync)."""
         ps = self.page_size
-        return (req.prefix_indices[::ps] < ps).nonzero().flatten().tolist()
+        return (slots[::ps] < ps).nonzero().flatten().tolist()
 
     def _page0_blocks(self, node: TreeNode) -> list[int]:
         """The blocks of the tree path to `node` at page 0 (from the nodes' `psa_host`)."""
@@ -405,14 +409,14 @@ class PsaRadixCache(RadixCache):
         self.index.track(req.rid, req.extra_key, lambda: req.origin_input_ids + req.output_ids)
         n = min(blocks, rec.planned)
         ids = self.index.lookup(self.index.request_hashes(req.rid, n))
-        switched, moves = [], []
+        moves = []  # (block, its old id)
         for b, i in enumerate(ids):
             if rec.host[b] != i:
                 old = rec.host[b]
                 if not self.blocks.switch(rec, b, i):
                     break
-                switched.append(b)
                 moves.append((b, old))
+        switched = [b for b, _ in moves]
         if switched:
             self.wb.drop_plans(req.rid, set(switched))
             self.requests.residency.switched(rec, moves)
@@ -425,9 +429,8 @@ class PsaRadixCache(RadixCache):
 
     def _first_page0(self, res: MatchResult) -> int:
         """The first block of a match at page 0 (its length in blocks if none)."""
-        ps = self.page_size
-        zero = (res.device_indices[::ps] < ps).nonzero()
-        return int(zero[0]) if len(zero) else len(res.device_indices) // ps
+        zero = self._page0_of(res.device_indices)
+        return zero[0] if zero else len(res.device_indices) // self.page_size
 
     def _cut_match(self, res: MatchResult, blocks: int) -> MatchResult:
         """`res` cut to its first `blocks` blocks (the tree split at the boundary)."""

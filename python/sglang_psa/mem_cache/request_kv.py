@@ -95,7 +95,7 @@ class TieredRequests:
         # Told the rid of every release (the `psa` radix cache forgets what it tracks of
         # the request: a matched request may leave before it is admitted).
         self.listeners: list[Callable[[Hashable], None]] = []
-        writeback.on_ended = self._ended
+        writeback.on_ended = lambda rec: self._let_go(rec.rid, rec)
 
     def parked(self, rid: Hashable) -> bool:
         """Whether retracted `rid` waits with its saved KV in the host tier."""
@@ -245,7 +245,7 @@ class TieredRequests:
         index (the psa radix cache): while saves it issued are in flight its record leaves
         the table and its row but keeps its host blocks (`WriteBack.ending`) until the last
         is acknowledged, so the index keeps those blocks too (a chat's next turn finds the
-        whole answer); then the rest of the release (`_ended`)."""
+        whole answer); then the rest of the release (`_let_go`)."""
         rec = self.records.pop(rid, None)
         if rec is not None:
             self.residency.forget(rec)
@@ -254,16 +254,16 @@ class TieredRequests:
                 self.wb.drop_plans(rid)
                 self.wb.ending[rid] = rec
                 return
+        self._let_go(rid, rec)
+
+    def _let_go(self, rid: Hashable, rec: RequestKV | None) -> None:
+        """The end of `rid`'s release, at once or once its last save in flight was
+        acknowledged (`WriteBack.ending`): its record's unissued saves, row and host blocks
+        go (kept ones to the prefix index's LRU), and the listeners hear of it."""
+        if rec is not None:
             self.wb.forget(rec)
         for fn in self.listeners:
             fn(rid)
-
-    def _ended(self, rec: RequestKV) -> None:
-        """The last save of ended `rec` was acknowledged (`WriteBack.ending`): its host
-        blocks go back (kept ones to the prefix index's LRU) and the listeners hear of it."""
-        self.wb.forget(rec)
-        for fn in self.listeners:
-            fn(rec.rid)
 
     def report(self) -> dict[str, int]:
         """Retracted requests waiting with their KV in the host tier; resumptions, the

@@ -320,7 +320,12 @@ class Residency:
             blocks = self.sharing.page0_prefix(req)
             rec = self.records.get(req.rid)
             if blocks and rec is not None:
-                self._mark(rec, self.wb.read_from_host(req.rid, blocks))
+                self._read_at_page0(rec, blocks)
+
+    def _read_at_page0(self, rec, blocks: list[int]) -> None:
+        """`rec`'s `blocks`, at page 0 in its row already, are read from the host tier
+        (those it saved) and count as off HBM: no page to move or free."""
+        self._mark(rec, self.wb.read_from_host(rec.rid, blocks))
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
@@ -343,9 +348,8 @@ class Residency:
         else:
             at = self.sharing.sharers(r, blocks)
             marked = [b for b in blocks if at.get(b, (0, 0))[1] == AT_PAGE0]
-            if marked:  # at page 0 for `r` since its match: nothing to move or free
-                self.wb.read_from_host(rid, marked)
-                self._mark(r, marked)
+            if marked:  # at page 0 for `r` since its match
+                self._read_at_page0(r, marked)
             blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
         if not blocks:
             return 0

@@ -15,9 +15,9 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     """With our decode backend, SGLang runs at the PSA block size as its page size (32),
     and its Triton prefill backend specialises its kernels on that: the extend kernel
     then computes (page, offset) addresses, slower than at page size 1 (measured on
-    workload e's 8B prefill). On SGLang's
-    contiguous token-major pool `[tokens, Hkv, d]` both address the same slot, so that
-    backend is given page size 1 (SGLang's own kernels at its own default).
+    workload e's 8B prefill). On SGLang's contiguous token-major pool `[tokens, Hkv, d]`
+    both address the same slot, so that backend is given page size 1 (SGLang's own
+    kernels at its own default).
 
     At the tiered home that backend, at page size 1, can also read a prefix staged from
     HBM and the host tier (`mem_cache.prefill_stage`), so a prompt larger than HBM is
