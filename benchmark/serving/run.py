@@ -213,6 +213,8 @@ def launch(name: str, w: workloads_mod.Workload, ctx: dict, port: int) -> list[s
     extra = []
     if ctx["cap"] is not None:
         extra += systems_mod.cap_flags(system, ctx["cap"])
+    if ctx.get("tp", 1) > 1:
+        extra += ["--tp-size", str(ctx["tp"])]
     return systems_mod.launch_command(
         driver.python(),
         system,
@@ -634,6 +636,7 @@ def stage(args) -> int:
             "cap": cap,
             "max_batch": w.max_batch,
             "launcher": shlex.split(args.launcher) if args.launcher else None,
+            "tp": args.tp,
         }
     if several:
         check_shared_server(ws, names, ctxs, args.port)
@@ -657,6 +660,7 @@ def stage(args) -> int:
                 "mem_fraction_static": systems_mod.MEM_FRACTION_STATIC,
                 "decode_log_interval": systems_mod.DECODE_LOG_INTERVAL,
                 "smoke": args.smoke,
+                "tp": args.tp,
             },
             "systems": {},
         }
@@ -731,6 +735,8 @@ def stage(args) -> int:
         out = Path(args.work) / "serving_profile.json"  # perturbed runs: diagnosis only
     if args.smoke and out is None:
         out = Path(args.work) / "serving_smoke.json"  # never merged into a real result
+    if args.tp > 1 and out is None:  # benchmark/parallel summarizes it, beside one GPU's
+        out = Path(args.work) / f"serving_tp{args.tp}.json"
     parts = [p.part for p in plans]
     merged = merge_into(out, parts, args)
     print(analysis.markdown_table({"parts": parts}))
@@ -768,6 +774,7 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
             json.loads(json.dumps(fresh["config"]["workload"])),
         ),
         "smoke": (part["config"].get("smoke"), fresh["config"]["smoke"]),
+        "tp": (tp_of(part), tp_of(fresh)),
     }
     differ = [k for k, (a, b) in same.items() if a != b or (k == "boot_id" and a is None)]
     if differ:
@@ -837,6 +844,11 @@ def write_result(path: Path, merged: dict) -> None:
     log(f"wrote {path}")
 
 
+def tp_of(part: dict) -> int:
+    """The `--tp-size` every server of a stage part ran at (1: parts from before `--tp`)."""
+    return int(part.get("config", {}).get("tp", 1))
+
+
 def merge_into(out: Path | None, new_parts: list[dict], args) -> dict:
     """Merge `new_parts` into the result at `out` (default: results/NAME.json for this
     device, under --export too) and redraw its plot."""
@@ -844,6 +856,12 @@ def merge_into(out: Path | None, new_parts: list[dict], args) -> dict:
     out = out or RESULTS / f"{result_name(device)}.json"
     old = load_parts([out]) if out.exists() and not getattr(args, "fresh", False) else []
     ids = {(p["workload"], p["run_id"]) for p in new_parts}
+    tps = {tp_of(p) for p in old + new_parts}
+    if len(tps) > 1:
+        raise SystemExit(
+            f"merge: parts at different --tp ({', '.join(map(str, sorted(tps)))}) go to "
+            f"different result files; {out} would mix them"
+        )
     merged = analysis.merge([p for p in old if (p["workload"], p["run_id"]) not in ids] + new_parts)
     write_result(out, merged)
     plot(merged, out.with_suffix(".png"))
@@ -1010,6 +1028,14 @@ def main(argv: list[str] | None = None) -> int:
         "never into a real result",
     )
     st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
+    st.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="every server at --tp-size TP (one GPU per rank); the result goes to "
+        "WORK/serving_tpTP.json (benchmark/parallel/run.py summarizes it), never beside "
+        "one GPU's",
+    )
     st.add_argument(
         "--launcher",
         help="server command to use instead of `python -m sglang.launch_server` (tests)",
