@@ -45,20 +45,37 @@ def live_server(args: list[str], port: int, log: Path, api_key: str | None = Non
     """A `--sparse-mode psa` server on the GPU test model with `args`, healthy: yields
     (`Server`, its process) and stops it afterwards (its log tail printed if it did not
     stop cleanly). A server that exits before it is healthy raises `SystemExit`."""
+    with live_servers([(args, port, log)], api_key) as [(s, proc)]:
+        yield s, proc
+
+
+@contextlib.contextmanager
+def live_servers(specs: list[tuple[list[str], int, Path]], api_key: str | None = None):
+    """`live_server` for several (args, port, log) at once: every server is launched
+    before the first is waited for (their start-ups overlap); yields [(`Server`, process)]
+    in order and stops them all afterwards."""
     from sglang_psa import serve_demo
     from sglang_psa.models import ensure_model
 
-    proc = serve_demo.launch(ensure_model("qwen2.5-0.5b"), port, args, log)
-    url = f"http://127.0.0.1:{port}"
+    model = ensure_model("qwen2.5-0.5b")
+    procs = []
     try:
-        serve_demo.wait_healthy(proc, url, log, timeout=900)
-        yield Server(url, api_key), proc
+        for args, port, log in specs:
+            procs.append((serve_demo.launch(model, port, args, log), port, log))
+        out = []
+        for proc, port, log in procs:
+            url = f"http://127.0.0.1:{port}"
+            serve_demo.wait_healthy(proc, url, log, timeout=900)
+            out.append((Server(url, api_key), proc))
+        yield out
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(60)
-        if proc.returncode not in (0, -15):
-            print(log.read_text()[-5000:])
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc, _, log in procs:
+            proc.wait(60)
+            if proc.returncode not in (0, -15):
+                print(log.read_text()[-5000:])
 
 
 @dataclass
@@ -487,6 +504,149 @@ def metrics_endpoint(s: Server) -> Outcome:
     missing = [n for n in names if f"sglang_psa:{n}{{" not in text]
     return Outcome("metrics", "check", "PSA gauges in /metrics", f"missing {missing}",
                    not missing)  # fmt: skip
+
+
+# --- the tiered home's copy engine killed, and several servers ------------------------
+
+
+def in_turn(s: Server, prompts: list[list[int]], new: int, during=None) -> list:
+    """`prompts` one after another (greedy, so batches and numerics are the same in every
+    run), `during()` called in parallel; each completion's output ids, or the error text."""
+    side = threading.Thread(target=during) if during is not None else None
+    if side is not None:
+        side.start()
+    out = []
+    for p in prompts:
+        r = s.generate(p, new)
+        out.append(r.json()["output_ids"] if r.status_code == 200 else r.text)
+    if side is not None:
+        side.join(60)
+    return out
+
+
+def engine_kill(s: Server, prompts: list[list[int]], new: int = 96, rank: int = -1) -> dict:
+    """The tiered home's copy engine (of TP rank `rank`; -1: the last) SIGKILLed 0.3 s into
+    a run of `prompts` (their first saves under way), against the same run unkilled. The
+    prefix cache is flushed before each run. Returns what a test asserts and a benchmark
+    records: requests, `lost` (no full completion), `changed` (a completion that differs
+    from the unkilled run's), the engine restarts and pids before and after, host-tier
+    reads during the killed run, and the write-back state once its saves settled (at most
+    60 s): `settled` when no save is in flight, every planned block was saved or dropped
+    and every host block is back."""
+    import os
+    import signal
+
+    def writeback() -> dict:
+        return s.psa_state()["writeback"]
+
+    def pid_of(wb: dict) -> int:
+        pids = wb["engine_pid"]
+        return pids[rank] if isinstance(pids, list) else pids  # several TP ranks: a list
+
+    assert s.post("/flush_cache", timeout=60).status_code == 200
+    want = in_turn(s, prompts, new)
+    before = writeback()
+
+    def kill() -> None:
+        time.sleep(0.3)
+        os.kill(pid_of(writeback()), signal.SIGKILL)
+
+    assert s.post("/flush_cache", timeout=60).status_code == 200
+    reads = s.psa_state()["residency"]["units_read_host"]
+    got = in_turn(s, prompts, new, during=kill)
+    host_reads = s.psa_state()["residency"]["units_read_host"] - reads
+    after = writeback()
+    deadline = time.time() + 60
+    while writeback()["save_jobs_in_flight"] and time.time() < deadline:
+        time.sleep(0.5)
+    rep = writeback()
+    full = [isinstance(o, list) and len(o) == new for o in got]
+    return {
+        "requests": len(prompts),
+        "baseline_complete": sum(isinstance(o, list) and len(o) == new for o in want),
+        "lost": full.count(False),
+        "changed": sum(ok and a != b for ok, a, b in zip(full, got, want)),
+        "engine_restarts": after["engine_restarts"] - before["engine_restarts"],  # summed
+        "engine_pid_before": before["engine_pid"],
+        "engine_pid_after": after["engine_pid"],
+        "killed_pid": pid_of(before),
+        "units_read_host": host_reads,
+        "writeback_after": rep,
+        "settled": rep["save_jobs_in_flight"] == 0
+        and rep["blocks_saved"] + rep["dropped_blocks"] == rep["blocks_planned"]
+        and rep["host_blocks_used"] == 0,
+    }
+
+
+@contextlib.contextmanager
+def router(urls: list[str], port: int, log: Path):
+    """SGLang's `sglang-router` (round robin) in front of `urls`, healthy: yields (its URL,
+    its process) and stops it afterwards."""
+    cmd = [
+        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+        "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit("the router exited:\n" + log.read_text()[-3000:])
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.time() > deadline:
+                raise SystemExit("the router did not become healthy in 120 s")
+            time.sleep(1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def mixed_load(url: str, n: int, new: int, chats: int = 4, long_every: int = 4) -> dict:
+    """`n` `/generate` requests (every `long_every`-th of 8-12K tokens, the others of
+    0.5-3K) and `chats` OpenAI chat completions, all at once, to `url`: the responses by
+    kind, and `failed` (not a 200 with a full answer), `wall_s`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def length(i: int) -> int:
+        return 8000 + 4000 * i // n if i % long_every == 0 else 500 + 97 * i % 2500
+
+    def gen(i: int) -> requests.Response:
+        sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": prompt(length(i), seed=i), "sampling_params": sp}
+        return requests.post(url + "/generate", json=body, timeout=900)
+
+    def chat(i: int) -> requests.Response:
+        body = {
+            "model": "default", "max_tokens": new, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+        }  # fmt: skip
+        return requests.post(url + "/v1/chat/completions", json=body, timeout=900)
+
+    def full(r: requests.Response, kind: str) -> bool:
+        if r.status_code != 200:
+            return False
+        doc = r.json()
+        if kind == "gen":
+            return len(doc["output_ids"]) == new
+        return bool(doc["choices"][0]["message"]["content"])
+
+    t0 = time.time()
+    with ThreadPoolExecutor(n + chats) as pool:
+        g = [pool.submit(gen, i) for i in range(n)]
+        c = [pool.submit(chat, i) for i in range(chats)]
+        g, c = [f.result() for f in g], [f.result() for f in c]
+    failed = [r for r in g if not full(r, "gen")] + [r for r in c if not full(r, "chat")]
+    return {
+        "generate": g,
+        "chat": c,
+        "failed": len(failed),
+        "failures": [f"{r.status_code}: {r.text[:300]}" for r in failed],
+        "wall_s": time.time() - t0,
+    }
 
 
 # Every fault probe, in the order they run (the benchmark and the GPU test both use this).

@@ -507,6 +507,52 @@ def test_ratios_against_the_fastest_plain_backend_of_the_same_run():
     assert analysis.fastest_plain(dead) is None
 
 
+def test_the_parallel_summary_takes_tp2_ratios_from_one_run_and_the_router_and_kill_parts(
+    tmp_path,
+):
+    """benchmark/parallel: the --tp 2 serving keys pair two systems of one raced run, the
+    threshold-1 fraction is that run's against plain triton, the router's and the kill's
+    counts come from their parts; serving parts at another --tp are refused."""
+    spec = importlib.util.spec_from_file_location(
+        "parallel_run", REPO / "benchmark/parallel/run.py"
+    )
+    par = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(par)
+    a16 = _raced(
+        "a16", "02-02", "c1",
+        psa=_rec(3.5, 2500, correct=(True, True, True, True)),
+        topk=_rec(2.1, 3000),
+        psa_eps1=dict(_rec(7.5, 1900), identical_to_plain={"identical": 0.75, "compared": 4}),
+    )  # fmt: skip
+    a16["config"]["tp"] = 2
+    serving = tmp_path / "serving_tp2.json"
+    serving.write_text(json.dumps({"data": {"parts": [a16]}}))
+    gpu = {"gpus": ["NVIDIA H100 80GB HBM3"] * 2}
+    par.write_result(tmp_path / "r.json", {"router_dp2_requests_failed": 0}, gpu)
+    par.write_result(tmp_path / "k.json", {"tp2_engine_kill_requests_lost": 1}, gpu)
+    out = tmp_path / "parallel.json"
+    argv = ["summarize", "--serving", str(serving), "--out", str(out)]
+    argv += ["--router", str(tmp_path / "r.json"), "--kill", str(tmp_path / "k.json")]
+    assert par.main(argv) == 0
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert list(s) == list(par.SUMMARY_KEYS) and doc["device"] == "NVIDIA H100 80GB HBM3"
+    assert s["plain_backend_tp2"] == "plain_fa3"
+    assert s["tp2_throughput_ratio_vs_fastest_tp2_a16"] == 1.25  # 2500 / fa3's 2000
+    assert s["tp2_throughput_ratio_vs_fastest_tp2"] is None  # workload a not run
+    assert s["tp2_identical_fraction_eps1"] == 0.75
+    assert s["tp2_accuracy_delta_vs_plain"] == pytest.approx(1 / 4)  # 4 of 4 against 3 of 4
+    assert (s["router_dp2_requests_failed"], s["tp2_engine_kill_requests_lost"]) == (0, 1)
+    assert doc["summary_provenance"]["tp2_throughput_ratio_vs_fastest_tp2_a16"]["systems"] == [
+        "psa", "plain_fa3",
+    ]  # fmt: skip
+    assert par.result_path("NVIDIA H200", 2).name == "parallel_h200x2.json"
+    a16["config"]["tp"] = 1
+    serving.write_text(json.dumps({"data": {"parts": [a16]}}))
+    with pytest.raises(SystemExit, match="--tp"):
+        par.main(argv)
+
+
 # --- 5. datasets ----------------------------------------------------------------------
 
 
