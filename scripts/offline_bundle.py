@@ -65,6 +65,9 @@ PACKAGES: tuple[str, ...] = (
     "xgrammar==0.2.1",
     "compressed-tensors==0.20.0",
     "torch-memory-saver==0.0.10",
+    # Data parallelism: `python -m sglang_router.launch_router` in front of one server per
+    # GPU (its needs are below: setproctitle, aiohttp, orjson, uvicorn, fastapi).
+    "sglang-router==0.3.2",
     # SGLang 0.5.17's pins; the host's transformers 5.17 / tokenizers 0.23 clash with it.
     "transformers==5.12.1",
     "tokenizers==0.22.2",
