@@ -177,6 +177,10 @@ def test_server_info_reports_agreed_entries_once_and_sums_per_rank_ones(tmp_path
     assert info["blocks_read_fraction"] == pytest.approx(0.25)
     assert info["tp_summed"] == list(PER_RANK) and info["tp_ranks"] == states[0]
     assert combine_ranks([_rank_state(0)]) == _rank_state(0)  # one rank: as it is
+    # at the hbm home there is no host tier: absent on every rank stays absent (found at
+    # --tp 2 on two GPUs, where the serving benchmark reads residency counters)
+    hbm = [dict(_rank_state(r), residency=None, writeback=None) for r in (0, 1)]
+    assert combine_ranks(hbm)["residency"] is None and combine_ranks(hbm)["writeback"] is None
 
 
 def test_the_sglang_internals_the_agreement_relies_on_are_there():

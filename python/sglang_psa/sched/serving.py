@@ -502,6 +502,8 @@ _IDS = ("engine_pid",)  # per-rank entries that are names, not amounts
 def _sum(values: list, key: str = ""):
     """Amounts summed, dicts key by key, anything else (process ids, None) as the list
     by rank."""
+    if all(v is None for v in values):  # absent on every rank (no host tier): absent
+        return None
     if all(isinstance(v, dict) for v in values):
         return {k: _sum([v.get(k) for v in values], k) for k in values[0]}
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
