@@ -51,6 +51,8 @@ SUMMARY_KEYS = (
     "tp2_throughput_ratio_vs_fastest_tp2_8b",
     "tp2_decode_step_ratio_psa_vs_fastest_tp2",
     "tp2_decode_step_ratio_topk_vs_fastest_tp2",
+    "tp2_decode_step_ratio_psa_vs_fastest_tp2_a16",
+    "tp2_decode_step_ratio_topk_vs_fastest_tp2_a16",
     "plain_backend_tp2",
     "router_dp2_requests_failed",
     "tp2_engine_kill_requests_lost",
@@ -142,10 +144,11 @@ def serving_summary(parts: list[dict]) -> tuple[dict, dict]:
         analysis.same_run_ratio(*analysis.vs_fastest(parts, "d", "topk"), analysis.TOK_S),
     )
     for mode in ("psa", "topk"):
-        put(
-            f"tp2_decode_step_ratio_{mode}_vs_fastest_tp2",
-            analysis.same_run_ratio(*analysis.vs_fastest(parts, "a", mode), analysis.STEP),
-        )
+        for workload, suffix in (("a", ""), ("a16", "_a16")):
+            put(
+                f"tp2_decode_step_ratio_{mode}_vs_fastest_tp2{suffix}",
+                analysis.same_run_ratio(*analysis.vs_fastest(parts, workload, mode), analysis.STEP),
+            )
     # threshold 1 against plain SGLang at --tp 2 (triton, the same run's `plain`)
     eps1 = analysis.newest_with(parts, "a", "psa_eps1", "plain") or analysis.newest_with(
         parts, "a16", "psa_eps1", "plain"
@@ -211,8 +214,11 @@ def summarize(args) -> int:
         "engine_kill": docs["kill"],
     }
     summary = {k: summary.get(k) for k in SUMMARY_KEYS}
-    write_result(out, summary, data, device=devices[0] if devices else None,
-                 summary_provenance=prov)  # fmt: skip
+    machines = sorted({p["machine"] for p in parts} | {d["machine"] for d in docs.values() if d})
+    write_result(
+        out, summary, data, device=devices[0] if devices else None,
+        summary_provenance=prov, machine="; ".join(machines) or None,
+    )  # fmt: skip
     print(f"wrote {out}\n" + json.dumps(summary, indent=1))
     return 0
 

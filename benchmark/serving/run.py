@@ -775,6 +775,8 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
         ),
         "smoke": (part["config"].get("smoke"), fresh["config"]["smoke"]),
         "tp": (tp_of(part), tp_of(fresh)),
+        # the tree that ran: a GIT_COMMIT given by hand does not vouch for it
+        "source_sha256": (part.get("source_sha256"), fresh["source_sha256"]),
     }
     differ = [k for k, (a, b) in same.items() if a != b or (k == "boot_id" and a is None)]
     if differ:
@@ -785,7 +787,8 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
     plain = part["systems"].get("plain")
     if not plain or plain.get("error"):
         raise SystemExit(f"--continue-run: plain SGLang did not complete in {path.name}")
-    part["continued"] = part.get("continued", []) + [fresh["command"]]
+    keys = ("command", "date", "git_commit", "source_sha256")
+    part["continued"] = part.get("continued", []) + [{k: fresh.get(k) for k in keys}]
     return part, path
 
 

@@ -540,6 +540,8 @@ def test_the_parallel_summary_takes_tp2_ratios_from_one_run_and_the_router_and_k
     assert s["plain_backend_tp2"] == "plain_fa3"
     assert s["tp2_throughput_ratio_vs_fastest_tp2_a16"] == 1.25  # 2500 / fa3's 2000
     assert s["tp2_throughput_ratio_vs_fastest_tp2"] is None  # workload a not run
+    assert s["tp2_decode_step_ratio_psa_vs_fastest_tp2_a16"] == 0.5  # 3.5 / fa3's 7
+    assert doc["machine"].startswith("host1")  # the runs' machines, not the summarizer's
     assert s["tp2_identical_fraction_eps1"] == 0.75
     assert s["tp2_accuracy_delta_vs_plain"] == pytest.approx(1 / 4)  # 4 of 4 against 3 of 4
     assert (s["router_dp2_requests_failed"], s["tp2_engine_kill_requests_lost"]) == (0, 1)
@@ -836,11 +838,18 @@ def test_a_stage_continued_in_a_second_call_adds_to_the_same_run(tmp_path):
     part = json.loads(part_file.read_text())
     assert part["run_id"] == run_id and set(part["systems"]) == {"plain", "psa"}
     assert part["systems"]["psa"]["identical_to_plain"]["compared"] == SMOKE_A.prompts
-    assert len(part["continued"]) == 1 and "--continue-run" in part["continued"][0]
+    assert len(part["continued"]) == 1 and "--continue-run" in part["continued"][0]["command"]
+    assert part["continued"][0]["source_sha256"] == part["source_sha256"]
     part["boot_id"] = "another-boot"
     part_file.write_text(json.dumps(part))
     third = stage("--systems", "topk", "--continue-run", run_id)
     assert third.returncode != 0 and "boot_id" in third.stderr
+    # another tree under the same commit (a GIT_COMMIT given by hand) is not this run
+    part = json.loads(part_file.read_text())
+    part["boot_id"], part["source_sha256"] = run.boot_id(), "another-tree"
+    part_file.write_text(json.dumps(part))
+    fourth = stage("--systems", "topk", "--continue-run", run_id)
+    assert fourth.returncode != 0 and "source_sha256" in fourth.stderr
 
 
 def test_a_systems_record_is_handed_over_before_its_server_shuts_down(monkeypatch, tmp_path):
