@@ -18,7 +18,13 @@ from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.request_kv import RequestKV
 from sglang_psa.mem_cache.residency import Residency
-from sglang_psa.sched.serving import PER_RANK, BackendReadouts, PSAServing, combine_ranks
+from sglang_psa.sched.serving import (
+    AGREE_EVERY_STEPS,
+    PER_RANK,
+    BackendReadouts,
+    PSAServing,
+    combine_ranks,
+)
 
 BS = 32
 TOKENS = 640  # 20 blocks; 2 layers x 2 KV heads: 80 units per request
@@ -65,6 +71,9 @@ def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -
         PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100,
         readouts=BackendReadouts(measure=lambda: (sizes, lengths)), agreement=agreement,
     )  # fmt: skip
+    calls = []
+    agree = agreement.max
+    agreement.max = lambda *a: calls.append(1) or agree(*a)
     reqs, log = [_req(i) for i in range(8)], []
     for i, req in enumerate(reqs):
         running = [r for r in reqs if r.rid in s.controller.running]
@@ -73,10 +82,13 @@ def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -
             if r.rid in s.controller.running:
                 sizes[r.req_pool_idx] = units_by_rank[rank]
                 lengths[r.req_pool_idx] = TOKENS
-        for _ in range(2):  # a window of steps: the running requests' sets are warm
+        # two agreed steps: the running requests' sets are warm (`ws_window` 2)
+        for _ in range(2 * AGREE_EVERY_STEPS):
             s.flush_step(reqs)
         log.append(s.controller.used_units)
     s.controller.check_integrity()
+    # several ranks meet in a collective every AGREE_EVERY_STEPS steps, one rank each step
+    assert len(calls) == 8 * 2 * (1 if agreement.world_size > 1 else AGREE_EVERY_STEPS)
     return log
 
 

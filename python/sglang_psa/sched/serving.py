@@ -38,6 +38,9 @@ WAIT_REASONS = (
     "kv_pages",  # SGLang's own budget refused it (too few KV pages, after make_room)
 )
 WAIT_LOG_INTERVAL_S = 10.0
+# With several TP ranks, working-set sizes are agreed (and recorded) every this many decode
+# steps; below `PSAConfig.ws_window`, so a recorded size is never older than the window.
+AGREE_EVERY_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class PSAServing:
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
         self.agreement = agreement or RankAgreement()
+        self._decode_steps = 0  # flush_step calls: the same count on every TP rank
         self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
@@ -241,11 +245,16 @@ class PSAServing:
         row's value counts only if it was measured at most a window of steps ago for this
         request (its length then is close to the request's now); otherwise the row is
         stale or belongs to the row's previous request. With several TP ranks each row's
-        size and length are the largest any rank measured (`agreement`)."""
+        size and length are the largest any rank measured (`agreement`), recorded every
+        `AGREE_EVERY_STEPS` steps: the agreement is a collective on the host that blocks
+        every rank's scheduler until all arrive. All ranks count the same steps, so they
+        agree on the same ones."""
         if self.measure is None:
             return
+        self._decode_steps += 1
+        due = self.agreement.world_size == 1 or self._decode_steps % AGREE_EVERY_STEPS == 0
         running = [r for r in reqs if req_row(r) is not None and r.rid in self.controller.running]
-        if running:
+        if running and due:
             sizes, lengths = self.measure()
             rows = np.array([req_row(r) for r in running], dtype=np.int64)
             sizes, lengths = self.agreement.max(np.asarray(sizes)[rows], np.asarray(lengths)[rows])
