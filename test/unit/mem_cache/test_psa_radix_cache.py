@@ -26,6 +26,14 @@ pytest.importorskip(
     "sglang.srt.mem_cache.radix_cache",
     reason="SGLang is not installed here (bash scripts/install_sglang_cpu.sh)",
 )
+from sglang_psa import releases  # noqa: E402
+
+if not releases.has("psa_radix_cache"):
+    pytest.skip(
+        f"--radix-cache-backend psa is SGLang 0.5.17's; SGLang {releases.release()} "
+        "matches a prefix as a length, not KV indices, and the plugin does not offer it there",
+        allow_module_level=True,
+    )
 
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
