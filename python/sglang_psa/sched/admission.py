@@ -126,9 +126,12 @@ class AdmissionController:
         """Record the units a running request used in one decode step."""
         self._recorded(rid, lambda: self.tracker.record(rid, units, total_units))
 
-    def on_step_size(self, rid: Hashable, size: int, total_units: int | None = None) -> None:
-        """Like `on_step`, with the window's union size counted elsewhere (on the GPU)."""
-        self._recorded(rid, lambda: self.tracker.record_size(rid, size, total_units))
+    def on_step_size(
+        self, rid: Hashable, size: int, total_units: int | None = None, steps: int = 1
+    ) -> None:
+        """Like `on_step`, with the window's union size counted elsewhere (on the GPU),
+        after `steps` decode steps of `rid` since its last record."""
+        self._recorded(rid, lambda: self.tracker.record_size(rid, size, total_units, steps))
 
     def _recorded(self, rid: Hashable, record) -> None:
         if rid not in self.running:

@@ -63,12 +63,17 @@ class WorkingSetTracker:
         if total_units is not None:
             self.total_units[rid] = total_units
 
-    def record_size(self, rid: Hashable, size: int, total_units: int | None = None) -> None:
-        """One decode step of `rid` whose window union, `size`, was counted elsewhere
-        (e.g. on the GPU from per-block last-use stamps), instead of unit sets."""
+    def record_size(
+        self, rid: Hashable, size: int, total_units: int | None = None, steps: int = 1
+    ) -> None:
+        """`steps` decode steps of `rid` (since its last record) whose window union,
+        `size`, was counted elsewhere (e.g. on the GPU from per-block last-use stamps),
+        instead of unit sets."""
         if rid in self.steps:
             raise ValueError(f"{rid!r} is tracked by unit sets; do not mix the two")
-        steps = min(self.window, self.measured.get(rid, (0, 0))[1] + 1)
+        if steps < 1:
+            raise ValueError(f"steps must be positive, got {steps}")
+        steps = min(self.window, self.measured.get(rid, (0, 0))[1] + steps)
         self.measured[rid] = (size, steps)
         if total_units is not None:
             self.total_units[rid] = total_units

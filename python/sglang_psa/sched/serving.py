@@ -97,6 +97,7 @@ class PSAServing:
         self.stage = stage
         self.agreement = agreement or RankAgreement()
         self._decode_steps = 0  # flush_step calls: the same count on every TP rank
+        self._unrecorded: dict = {}  # rid -> its decode steps since its size was recorded
         self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
@@ -248,12 +249,15 @@ class PSAServing:
         size and length are the largest any rank measured (`agreement`), recorded every
         `AGREE_EVERY_STEPS` steps: the agreement is a collective on the host that blocks
         every rank's scheduler until all arrive. All ranks count the same steps, so they
-        agree on the same ones."""
+        agree on the same ones; a record counts the steps a request decoded since its last
+        (its window fills as fast as with one rank)."""
         if self.measure is None:
             return
         self._decode_steps += 1
         due = self.agreement.world_size == 1 or self._decode_steps % AGREE_EVERY_STEPS == 0
         running = [r for r in reqs if req_row(r) is not None and r.rid in self.controller.running]
+        steps = {r.rid: self._unrecorded.get(r.rid, 0) + 1 for r in running}
+        self._unrecorded = {} if due else steps
         if running and due:
             sizes, lengths = self.measure()
             rows = np.array([req_row(r) for r in running], dtype=np.int64)
@@ -261,7 +265,12 @@ class PSAServing:
             window = self.cfg.ws_window
             for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
                 if n > 0 and 0 <= req.seqlen - n <= window:
-                    self.controller.on_step_size(req.rid, size, self.total_units(n))
+                    self.controller.on_step_size(
+                        req.rid, size, self.total_units(n), steps=steps[req.rid]
+                    )
+        self._refresh_metrics()
+
+    def _refresh_metrics(self) -> None:
         if self.metrics is not None and self.metrics.due():
             self.metrics.set(self.metric_values())
 

@@ -104,3 +104,18 @@ def test_always_attended_units_and_from_config():
     assert WorkingSetTracker.from_config(cfg).window == 7
     with pytest.raises(ValueError):
         WorkingSetTracker(0)
+
+
+def test_a_size_recorded_after_several_steps_fills_the_window_by_them():
+    """A size counted on the GPU and recorded every few steps (several TP ranks agree on
+    it every `AGREE_EVERY_STEPS`) counts the steps it covers: the window fills after as
+    many decode steps as when recorded every step, never more than the window."""
+    t = WorkingSetTracker(window=12)
+    t.record_size("a", 40, 100, steps=8)
+    assert t.num_steps("a") == 8 and not t.is_warm("a")
+    t.record_size("a", 30, 100, steps=8)
+    assert t.num_steps("a") == 12 and t.is_warm("a") and t.size("a") == 30
+    t.record_size("b", 5)  # one step by default
+    assert t.num_steps("b") == 1
+    with pytest.raises(ValueError, match="steps must be positive"):
+        t.record_size("b", 5, steps=0)
