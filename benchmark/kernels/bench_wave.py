@@ -11,6 +11,8 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a    # workload a's (Qwen 0.5B heads)
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
+    python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
+        --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from sglang_psa.config import PSAConfig
 
 HQ, HKV, D, BS = 32, 8, 128, 32
 # Head layouts a sweep can take (`use_shape`): query heads, KV heads, head dim.
-SHAPES = {"llama8b": (32, 8, 128), "qwen05b": (14, 2, 64)}
+# (q heads, KV heads, head dim); qwen05b_tp2: one rank's share of Qwen 0.5B's at --tp 2
+SHAPES = {"llama8b": (32, 8, 128), "qwen05b": (14, 2, 64), "qwen05b_tp2": (7, 1, 64)}
 # The server's defaults (ranking score, wave sizes), at ε = 1: a budget forces the fraction.
 CONFIG = PSAConfig(block_size=BS, threshold=1.0)
 # Launch shape; None: the library's default (what the server runs). The sweeps in run()
@@ -503,19 +506,26 @@ def _sweep_one(sweeps: dict, label: str, key: str, bench, splits, launch: dict) 
     print(label, sweeps[key], file=sys.stderr, flush=True)
 
 
-def serving_a(sweep: bool = True, only: tuple[str, ...] = (), knobs: tuple[str, ...] = ()) -> dict:
+def serving_a(
+    sweep: bool = True,
+    only: tuple[str, ...] = (),
+    knobs: tuple[str, ...] = (),
+    shape: str = "qwen05b",
+    ctx: int = 28000,
+) -> dict:
     """Workload a's decode attention per layer, in the server's layout (`server_case`): 32
-    requests of 28000 tokens in a plan of 32768; psa reading 20% of the blocks in waves
-    (its share there), and over heads that spread as a real model's do (`psa_mixed`:
-    half stop after one wave, half read to the cap), topk its 2048-token budget in one; a
-    launch sweep of each (splits, tile and warps, pipeline depth), against the HBM peak of
-    the same run. `only`: these modes alone; `knobs`: the sweep keys starting so alone."""
-    use_shape("qwen05b")
+    requests of `ctx` tokens (28000; a16: 16000) in a plan of 32768, with the heads of
+    `shape` (`SHAPES`); psa reading 20% of the blocks in waves (its share there), and over
+    heads that spread as a real model's do (`psa_mixed`: half stop after one wave, half
+    read to the cap), topk its 2048-token budget in one; a launch sweep of each (splits,
+    tile and warps, pipeline depth), against the HBM peak of the same run. `only`: these
+    modes alone; `knobs`: the sweep keys starting so alone."""
+    use_shape(shape)
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
-    modes = (("psa", 0.2), ("psa_mixed", 0.5), ("topk", 2048 / 28000), ("dense", 1.0))
+    modes = (("psa", 0.2), ("psa_mixed", 0.5), ("topk", 2048 / ctx), ("dense", 1.0))
     for mode, frac in (m for m in modes if not only or m[0] in only):
-        case = dict(mode=mode, batch=32, ctx=28000, plan_ctx=32768, frac=frac)
+        case = dict(mode=mode, batch=32, ctx=ctx, plan_ctx=32768, frac=frac)
         default = server_case(**case, profile=True)
         sweeps: dict[str, float | str] = {"default": default["time_us"]}
 
@@ -612,6 +622,8 @@ if __name__ == "__main__":
             (a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--knobs=")), ()
         )
         sweep = "--defaults-only" not in sys.argv
-        print(json.dumps(serving_a(sweep, tuple(only), tuple(knobs)), indent=1))
+        shape = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shape=")), "qwen05b")
+        ctx = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ctx=")), 28000))
+        print(json.dumps(serving_a(sweep, tuple(only), tuple(knobs), shape, ctx), indent=1))
     else:
         print(json.dumps(run(), indent=1))
