@@ -309,6 +309,10 @@ SUMMARY_KEYS = (
     "throughput_ratio_psa_vs_fastest_a16",
     "ttft_ratio_psa_vs_fastest",
     "accuracy_delta_vs_fastest",
+    # 64-token answers identical to plain SGLang's (triton), psa's beside a second plain
+    # server's (batched greedy decoding does not repeat itself exactly), one a16 run.
+    "identical_fraction_psa_a16",
+    "identical_fraction_plain_repeat_a16",
     # Prefix caching (workloads f, g and their capped variants): the tiered home against
     # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
     "throughput_ratio_tiered_vs_fastest_shared",
@@ -331,6 +335,7 @@ TTFT_P99 = ("metrics", "ttft_s", "p99")
 TTFT_MEAN = ("metrics", "ttft_s", "mean")
 PEAK = ("metrics", "peak_running")
 HIT = ("metrics", "prefix_cache", "hit_fraction")
+SAME = ("identical_to_plain", "identical")
 
 
 def _runs(rec: dict) -> dict[str, dict]:
@@ -649,6 +654,10 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
         if run and fastest:
             pairs.append(((workload, "psa", "inf"), run.part))
     put("accuracy_delta_vs_fastest", accuracy_delta(pairs, "psa", fastest=True))
+    both = newest_with(parts, "a16", "psa", "plain_repeat", "plain")
+    pair = (measured(both, "psa"), measured(both, "plain_repeat"))
+    put("identical_fraction_psa_a16", same_run_value(pair, 0, SAME))
+    put("identical_fraction_plain_repeat_a16", same_run_value(pair, 1, SAME))
     for key, workload, ref, path in PREFIX_KEYS:
         put(key, same_run_ratio(*tiered_pair(parts, workload, ref), path))
     for key, workload, which in HIT_KEYS:

@@ -78,6 +78,15 @@ SYSTEMS: dict[str, System] = {
             jit_s=FLASHINFER_JIT_S,
         ),
         System(
+            "plain_repeat",
+            "plain SGLang, triton attention, a second server: how often batched greedy "
+            "decoding repeats plain's own completions (the floor of identical-to-plain)",
+            (),
+            True,
+            True,
+            attention_backend="triton",
+        ),
+        System(
             "plain_eager",
             "plain SGLang, triton attention, no CUDA graphs",
             ("--cuda-graph-backend-decode", "disabled"),

@@ -189,7 +189,7 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (16_000,),
             (256,),
-            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk", "topk_r8"),
+            ("plain", "plain_fa3", "plain_flashinfer", "plain_repeat", "psa", "topk", "topk_r8"),
         ),
         Workload(
             "b",

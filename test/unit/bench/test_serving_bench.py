@@ -507,6 +507,35 @@ def test_ratios_against_the_fastest_plain_backend_of_the_same_run():
     assert analysis.fastest_plain(dead) is None
 
 
+def test_psas_identical_fraction_stands_beside_a_second_plain_servers_from_one_run():
+    """`identical_fraction_psa_a16` and `identical_fraction_plain_repeat_a16` come from
+    one a16 run that measured plain, plain_repeat and psa; a newer run without
+    plain_repeat does not replace them, and none gives no value."""
+
+    def same(x):
+        return {"identical": x, "compared": 32}
+
+    old = _part(
+        "a16", "02-01", "c1",
+        plain=_rec(4, 10), psa=dict(_rec(3, 12), identical_to_plain=same(0.84)),
+        plain_repeat=dict(_rec(4, 10), identical_to_plain=same(0.97)),
+    )  # fmt: skip
+    new = _part("a16", "03-01", "c2", plain=_rec(4, 10),
+                psa=dict(_rec(3, 12), identical_to_plain=same(0.5)))  # fmt: skip
+    s, where = analysis.summarize([old, new])
+    assert (s["identical_fraction_psa_a16"], s["identical_fraction_plain_repeat_a16"]) == (
+        0.84, 0.97,
+    )  # fmt: skip
+    assert where["identical_fraction_psa_a16"]["run_id"] == "a16-02-01"
+    assert where["identical_fraction_plain_repeat_a16"]["of"] == "plain_repeat"
+    s, _ = analysis.summarize([new])
+    assert (
+        s["identical_fraction_psa_a16"] is None and s["identical_fraction_plain_repeat_a16"] is None
+    )
+    assert "plain_repeat" in workloads.WORKLOADS["a16"].systems
+    assert systems.SYSTEMS["plain_repeat"].attention_backend == "triton"
+
+
 def test_the_parallel_summary_takes_tp2_ratios_from_one_run_and_the_router_and_kill_parts(
     tmp_path,
 ):
