@@ -34,6 +34,7 @@ import os
 import sys
 from typing import Any
 
+from sglang_psa import releases
 from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.plugin import flags
 
@@ -115,7 +116,12 @@ def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any], prefill: str 
     holds through the staged prefill, which runs on SGLang's Triton prefill (`prefill`:
     the prefill backend once known, None before)."""
     why = None
-    if cfg.kv_home != "tiered":
+    if not releases.has("psa_radix_cache"):
+        why = (
+            f"needs SGLang {' or '.join(releases.FEATURES['psa_radix_cache'])} (installed: "
+            f"{releases.release()}, whose prefix match the psa radix cache does not follow)"
+        )
+    elif cfg.kv_home != "tiered":
         why = "needs --psa-kv-home tiered (the hbm home keeps SGLang's own radix cache)"
     elif fields.get("disable_radix_cache"):
         why = "contradicts --disable-radix-cache"

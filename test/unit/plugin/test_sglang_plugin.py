@@ -111,6 +111,7 @@ SCENARIOS = (
 import json
 from sglang.srt.plugins import load_plugins
 load_plugins()
+from sglang_psa import releases
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
@@ -150,7 +151,7 @@ tiered = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
 radix = (
     prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa", "--psa-kv-home",
                          "tiered", "--radix-cache-backend", "psa"])
-    if "radix_cache_backend" in field_names(plain) else None
+    if "radix_cache_backend" in field_names(plain) and releases.has("psa_radix_cache") else None
 )
 from sglang.srt.mem_cache import registry
 graphs = lambda a: [a.cuda_graph_backend_decode, a.cuda_graph_backend_prefill]
@@ -179,6 +180,8 @@ print(json.dumps({
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
         "knob_alone": err(["--psa-threshold", "0.9"]),
         "radix_hbm": err(["--sparse-mode", "psa", "--radix-cache-backend", "psa"]),
+        "radix_release": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
+                              "--radix-cache-backend", "psa"]),
         "radix_disabled": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
                           "--radix-cache-backend", "psa", "--disable-radix-cache"]),
         "radix_prefill": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
@@ -240,6 +243,13 @@ def test_the_psa_radix_cache_keeps_prefix_caching_at_the_tiered_home(scenarios):
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),
         ("knob_alone", ["--sparse-mode", "--psa-threshold"]),
+        pytest.param(
+            "radix_release",
+            ["--psa-kv-home", "--radix-cache-backend psa", "needs SGLang 0.5.17"],
+            marks=pytest.mark.skipif(
+                releases.has("psa_radix_cache"), reason="this release has the psa radix cache"
+            ),
+        ),
         *(
             pytest.param(
                 case, ["--psa-kv-home", "--radix-cache-backend psa", *extra], marks=psa_radix
