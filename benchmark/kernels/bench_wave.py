@@ -615,15 +615,15 @@ if __name__ == "__main__":
     if "--serving-8b" in sys.argv:
         print(json.dumps(serving_8b(), indent=1))
     elif "--serving-a" in sys.argv:
-        only = next(
-            (a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--modes=")), ()
-        )
-        knobs = next(
-            (a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--knobs=")), ()
-        )
+
+        def option(name: str) -> str | None:
+            """The value of `--name=VALUE` on the command line, or None."""
+            return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
+
+        only, knobs = (tuple(v.split(",")) if (v := option(k)) is not None else ()
+                       for k in ("modes", "knobs"))  # fmt: skip
         sweep = "--defaults-only" not in sys.argv
-        shape = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shape=")), "qwen05b")
-        ctx = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--ctx=")), 28000))
-        print(json.dumps(serving_a(sweep, tuple(only), tuple(knobs), shape, ctx), indent=1))
+        shape, ctx = option("shape") or "qwen05b", int(option("ctx") or 28000)
+        print(json.dumps(serving_a(sweep, only, knobs, shape, ctx), indent=1))
     else:
         print(json.dumps(run(), indent=1))

@@ -24,6 +24,7 @@ plain side being the fastest plain backend that run raced.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -109,9 +110,8 @@ def kill(args) -> int:
     """One `--tp-size 2` server at the tiered home; rank 1's copy engine killed mid-save."""
     need_gpus(2)
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts = [probes.prompt(6000 + 512 * i, seed=i) for i in range(8)]
     with probes.live_server(KILL_ARGS, args.port, args.out / "kill_tp2.log") as (s, _):
-        rep = probes.engine_kill(s, prompts, new=96, rank=1)
+        rep = probes.engine_kill(s, probes.kill_prompts(), new=96, rank=1)
     rep |= {"server_args": KILL_ARGS, "gpus": gpus()}
     print(json.dumps(rep, indent=1))
     write_result(
@@ -153,25 +153,14 @@ def serving_summary(parts: list[dict]) -> tuple[dict, dict]:
     eps1 = analysis.newest_with(parts, "a", "psa_eps1", "plain") or analysis.newest_with(
         parts, "a16", "psa_eps1", "plain"
     )
-    same = eps1["systems"]["psa_eps1"].get("identical_to_plain") if eps1 else None
-    s["tp2_identical_fraction_eps1"] = same["identical"] if same else None
-    if same:
-        prov["tp2_identical_fraction_eps1"] = analysis.provenance_of(
-            analysis.measured(eps1, "psa_eps1"), analysis.measured(eps1, "plain"),
-            compared=same["compared"],
-        )  # fmt: skip
-    pairs = []
-    for workload in ("a", "a16"):
-        run, fastest = analysis.vs_fastest(parts, workload, "psa")
-        if run and fastest:
-            pairs.append(((workload, "psa", "inf"), run.part))
-    put("tp2_accuracy_delta_vs_plain", analysis.accuracy_delta(pairs, "psa", fastest=True))
-    raced = [p for p in parts if analysis.fastest_plain(p)]
-    newest = max(raced, key=lambda p: p["date"], default=None)
-    s["plain_backend_tp2"] = analysis.plain_race(newest)["fastest"] if newest else None
+    pair = (analysis.measured(eps1, "psa_eps1"), analysis.measured(eps1, "plain"))
+    put("tp2_identical_fraction_eps1", analysis.same_run_value(pair, 0, analysis.SAME))
+    put("tp2_accuracy_delta_vs_plain", analysis.accuracy_delta_vs_fastest(parts, "psa"))
+    put("plain_backend_tp2", analysis.plain_backend(parts))
     return s, prov
 
 
+@functools.cache
 def _serving_run():
     """benchmark/serving/run.py as a module (this file's own name is `run` too)."""
     import importlib.util

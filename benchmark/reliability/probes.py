@@ -524,6 +524,11 @@ def in_turn(s: Server, prompts: list[list[int]], new: int, during=None) -> list:
     return out
 
 
+def kill_prompts() -> list[list[int]]:
+    """The prompts `engine_kill` runs in the test and the benchmark: eight of 6-10K tokens."""
+    return [prompt(6000 + 512 * i, seed=i) for i in range(8)]
+
+
 def engine_kill(s: Server, prompts: list[list[int]], new: int = 96, rank: int = -1) -> dict:
     """The tiered home's copy engine (of TP rank `rank`; -1: the last) SIGKILLed 0.3 s into
     a run of `prompts` (their first saves under way), against the same run unkilled. The

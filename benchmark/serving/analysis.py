@@ -640,20 +640,10 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     put("max_concurrent_ratio_tiered_vs_plain_8b", same_run_ratio(run, plain, PEAK))
 
     for key, workload in PLAIN_BACKEND_KEYS.items():
-        raced = [p for p in parts if p["workload"] == workload and fastest_plain(p)]
-        newest = max(raced, key=lambda p: p["date"], default=None)
-        race = plain_race(newest) if newest else None
-        s[key] = race["fastest"] if race else None
-        if race:
-            prov[key] = provenance_of(fastest_plain(newest), **race)
+        put(key, plain_backend(parts, workload))
     for key, workload, system, path in FASTEST_KEYS:
         put(key, same_run_ratio(*vs_fastest(parts, workload, system), path))
-    pairs = []
-    for workload in ("a", "a16"):
-        run, fastest = vs_fastest(parts, workload, "psa")
-        if run and fastest:
-            pairs.append(((workload, "psa", "inf"), run.part))
-    put("accuracy_delta_vs_fastest", accuracy_delta(pairs, "psa", fastest=True))
+    put("accuracy_delta_vs_fastest", accuracy_delta_vs_fastest(parts, "psa"))
     both = newest_with(parts, "a16", "psa", "plain_repeat", "plain")
     pair = (measured(both, "psa"), measured(both, "plain_repeat"))
     put("identical_fraction_psa_a16", same_run_value(pair, 0, SAME))
@@ -663,6 +653,28 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     for key, workload, which in HIT_KEYS:
         put(key, same_run_value(tiered_pair(parts, workload), which, HIT))
     return {k: s.get(k) for k in SUMMARY_KEYS}, prov
+
+
+def plain_backend(parts: list[dict], workload: str | None = None) -> tuple[str | None, dict | None]:
+    """The fastest plain backend of the newest stage run (of `workload`; None: any) that
+    raced them all, and where it comes from; (None, None) without such a run."""
+    raced = [p for p in parts if workload in (None, p["workload"]) and fastest_plain(p)]
+    newest = max(raced, key=lambda p: p["date"], default=None)
+    if newest is None:
+        return None, None
+    race = plain_race(newest)
+    return race["fastest"], provenance_of(fastest_plain(newest), **race)
+
+
+def accuracy_delta_vs_fastest(parts: list[dict], system: str) -> tuple[float | None, dict | None]:
+    """`accuracy_delta` of `system` against the fastest plain backend, over the newest run of
+    workloads a and a16 that raced the plain backends and measured `system`."""
+    pairs = []
+    for workload in ("a", "a16"):
+        run, fastest = vs_fastest(parts, workload, system)
+        if run and fastest:
+            pairs.append(((workload, system, "inf"), run.part))
+    return accuracy_delta(pairs, system, fastest=True)
 
 
 def sweep_ratio(parts: list[dict], system: str, key: str) -> tuple[float | None, dict | None]:

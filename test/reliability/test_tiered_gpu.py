@@ -32,7 +32,7 @@ CASES = {
     ],
     "tp2": ["--tp-size", "2"],
 }  # fmt: skip
-PROMPTS = [probes.prompt(6000 + 512 * i, seed=i) for i in range(8)]
+PROMPTS = probes.kill_prompts()
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -96,8 +96,10 @@ class PSAServing:
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
         self.agreement = agreement or RankAgreement()
-        self._decode_steps = 0  # flush_step calls: the same count on every TP rank
-        self._unrecorded: dict = {}  # rid -> its decode steps since its size was recorded
+        # Several TP ranks: flush_step calls (the same count on every rank), and rid -> its
+        # decode steps since its size was last recorded.
+        self._decode_steps = 0
+        self._unrecorded: dict = {}
         self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
@@ -253,11 +255,13 @@ class PSAServing:
         (its window fills as fast as with one rank)."""
         if self.measure is None:
             return
-        self._decode_steps += 1
-        due = self.agreement.world_size == 1 or self._decode_steps % AGREE_EVERY_STEPS == 0
         running = [r for r in reqs if req_row(r) is not None and r.rid in self.controller.running]
-        steps = {r.rid: self._unrecorded.get(r.rid, 0) + 1 for r in running}
-        self._unrecorded = {} if due else steps
+        steps, due = None, True  # one rank: every step, one step a record
+        if self.agreement.world_size > 1:
+            self._decode_steps += 1
+            due = self._decode_steps % AGREE_EVERY_STEPS == 0
+            steps = {r.rid: self._unrecorded.get(r.rid, 0) + 1 for r in running}
+            self._unrecorded = {} if due else steps
         if running and due:
             sizes, lengths = self.measure()
             rows = np.array([req_row(r) for r in running], dtype=np.int64)
@@ -266,7 +270,7 @@ class PSAServing:
             for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
                 if n > 0 and 0 <= req.seqlen - n <= window:
                     self.controller.on_step_size(
-                        req.rid, size, self.total_units(n), steps=steps[req.rid]
+                        req.rid, size, self.total_units(n), steps=steps[req.rid] if steps else 1
                     )
         self._refresh_metrics()
 
