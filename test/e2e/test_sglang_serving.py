@@ -80,14 +80,16 @@ def plain(model_dir):
 def _assert_agrees_with_plain(plain, runs):
     """Next-token log-probs of the first decode step agree to bf16 resolution, any split is
     at a near-tie (a token plain SGLang ranked within the tie of its own choice), and 90%
-    of completions are identical."""
+    of completions are identical or part first at an exact tie (plain SGLang gave both
+    tokens the same log-prob: greedy decoding is undefined there; seen twice in ten at
+    `--tp 2`, where the two ranks' all-reduce rounds the logits once more)."""
     from sglang_psa.eval.agreement import compare
 
     got = compare(plain, runs)
     texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
     assert got["max_second_step_logprob_diff"] <= got["tie"], got
     assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
-    assert got["fraction_identical"] >= 0.9, (got, texts)
+    assert got["fraction_agreeing"] >= 0.9, (got, texts)
 
 
 def test_threshold_1_matches_plain_sglang_and_bad_requests_are_refused(model_dir, plain):

@@ -5,6 +5,10 @@ legitimately part ways where the leading tokens are nearly tied. A divergence
 counts as explained only when the token the other engine chose is among the
 reference engine's top `TOP` there, less than `tie` below the reference's choice
 (a three-way tie in bf16 makes the third token as legitimate as the second).
+A split at an exact tie (the reference gave both tokens the same log-prob) is where
+greedy decoding itself is undefined: which token wins depends only on the order in
+which an argmax meets equal values, not on the model, so `fraction_agreeing` counts it
+with the identical completions.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def compare(ref: list[dict], other: list[dict], tie: float = DEFAULT_TIE) -> dic
                 "chosen_rank": next((r for r, (_, t) in enumerate(top) if t == chosen), None),
                 "gap": gap,
                 "near_tie": gap < tie,
+                "exact_tie": gap == 0.0,
             }
         )
     total = len(ref)
@@ -72,6 +77,11 @@ def compare(ref: list[dict], other: list[dict], tie: float = DEFAULT_TIE) -> dic
         "fraction_identical": same / total if total else 1.0,
         "divergences": splits,
         "divergences_at_near_tie": sum(s["near_tie"] for s in splits),
+        "divergences_at_exact_tie": sum(s["exact_tie"] for s in splits),
+        # identical, or parted first where greedy decoding is undefined (an exact tie)
+        "fraction_agreeing": (same + sum(s["exact_tie"] for s in splits)) / total
+        if total
+        else 1.0,
         "max_second_step_logprob_diff": max(lp_diff) if lp_diff else None,
         "tie": tie,
     }

@@ -40,6 +40,9 @@ def test_identical_and_diverging_completions_are_classified():
     ]
     assert [d["chosen_rank"] for d in got["divergences"]] == [1, None, 2]
     assert got["divergences_at_near_tie"] == 2
+    # only the three-way tie is exact: it agrees; the 0.1-nat near-tie does not
+    assert [d["exact_tie"] for d in got["divergences"]] == [False, False, True]
+    assert got["fraction_agreeing"] == pytest.approx(2 / 4)
 
 
 def test_an_exact_tie_listed_either_way_round_is_a_near_tie():
@@ -55,5 +58,6 @@ def test_a_wide_gap_is_not_a_near_tie_and_lengths_must_match():
     got = compare(ref, [_run([1, 1002], [1.0, 0.9])], tie=0.25)
     d = got["divergences"][0]
     assert d["chosen_rank"] == 1 and d["gap"] == pytest.approx(0.9) and not d["near_tie"]
+    assert not d["exact_tie"] and got["fraction_agreeing"] == 0.0
     with pytest.raises(ValueError, match="2 to compare"):
         compare(ref, ref + ref)
