@@ -590,6 +590,8 @@ def stage(args) -> int:
                     f"--rates: workload {w.name} sweeps {list(w.rates)}; got {args.rates}"
                 )
             w = dataclasses.replace(w, rates=rates)
+        if args.prompts:  # recorded in the part's config.workload, so never mixed
+            w = dataclasses.replace(w, prompts=args.prompts)
         ws.append(w)
     models = {w.model for w in ws}
     if len(models) > 1:
@@ -1029,6 +1031,13 @@ def main(argv: list[str] | None = None) -> int:
         "system with SGLang's profiler and keep a table of GPU time by kernel; the "
         "profiler's export stalls the server, so the run goes to WORK/serving_profile.json, "
         "never into a real result",
+    )
+    st.add_argument(
+        "--prompts",
+        type=int,
+        help="requests per run instead of the workload's (its batch where it is set from "
+        "capacity: the most that plain SGLang's pool holds, up to this), e.g. an 8B-shape "
+        "batch that one GPU's HBM cannot hold, at --tp 2",
     )
     st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
     st.add_argument(

@@ -1085,7 +1085,8 @@ def test_a_stage_of_two_workloads_starts_one_server_per_system(tmp_path):
 @pytest.mark.slow
 def test_a_stage_at_tp_2_launches_every_server_so_and_keeps_its_own_result(tmp_path):
     """`--tp 2`: every system's server at `--tp-size 2`, the part says so; a continued run
-    at another `--tp` and a merge of parts at different `--tp` are refused."""
+    at another `--tp` and a merge of parts at different `--tp` are refused. `--prompts`
+    sets the requests per run, recorded in the part's workload."""
     base, env = _fake_stage(tmp_path, SMOKE_A)
     out = tmp_path / "out"
 
@@ -1093,12 +1094,14 @@ def test_a_stage_at_tp_2_launches_every_server_so_and_keeps_its_own_result(tmp_p
         cmd = base + ["--port", str(_free_port_pair()), "--export", str(out), *extra]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
-    first = stage("--systems", "psa", "--tp", "2")
+    first = stage("--systems", "psa", "--tp", "2", "--prompts", "3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     launched = [ln for ln in first.stdout.splitlines() if "fake_sglang.py --model-path" in ln]
     assert len(launched) == 2 and all("--tp-size 2" in ln for ln in launched), launched
     (pa,) = (out / "parts").glob("a.*.json")
-    assert json.loads(pa.read_text())["config"]["tp"] == 2
+    got = json.loads(pa.read_text())
+    assert got["config"]["tp"] == 2 and got["config"]["workload"]["prompts"] == 3 != SMOKE_A.prompts
+    assert all(rec["num_prompts"] == 3 for rec in got["systems"].values())
     again = stage("--systems", "topk", "--continue-run", "last")  # at --tp 1
     assert again.returncode != 0 and "tp" in again.stderr
     one = dict(json.loads(pa.read_text()), run_id="another")
