@@ -311,8 +311,8 @@ SUMMARY_KEYS = (
     "accuracy_delta_vs_fastest",
     # 64-token answers identical to plain SGLang's (triton), psa's beside a second plain
     # server's (batched greedy decoding does not repeat itself exactly), one a16 run.
-    "identical_fraction_psa_a16",
-    "identical_fraction_plain_repeat_a16",
+    "identical_fraction_server_psa",
+    "identical_fraction_server_plain_vs_plain",
     # Prefix caching (workloads f, g and their capped variants): the tiered home against
     # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
     "throughput_ratio_tiered_vs_fastest_shared",
@@ -646,8 +646,8 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     put("accuracy_delta_vs_fastest", accuracy_delta_vs_fastest(parts, "psa"))
     both = newest_with(parts, "a16", "psa", "plain_repeat", "plain")
     pair = (measured(both, "psa"), measured(both, "plain_repeat"))
-    put("identical_fraction_psa_a16", same_run_value(pair, 0, SAME))
-    put("identical_fraction_plain_repeat_a16", same_run_value(pair, 1, SAME))
+    put("identical_fraction_server_psa", same_run_value(pair, 0, SAME))
+    put("identical_fraction_server_plain_vs_plain", same_run_value(pair, 1, SAME))
     for key, workload, ref, path in PREFIX_KEYS:
         put(key, same_run_ratio(*tiered_pair(parts, workload, ref), path))
     for key, workload, which in HIT_KEYS:

@@ -5,6 +5,7 @@ each rank sizes its host tier from its share; server info sums what is per rank.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 from types import SimpleNamespace
 
@@ -38,7 +39,11 @@ def _in_two_ranks(tmp_path, fn, *args) -> list:
 
     def rank_main(rank: int) -> None:
         try:
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+            # a collective one rank waits in alone fails in 30 s instead of hanging
+            dist.init_process_group(
+                "gloo", init_method=init, rank=rank, world_size=2,
+                timeout=datetime.timedelta(seconds=30),
+            )  # fmt: skip
             agreement = RankAgreement(dist.group.WORLD, 2)
             out.put((rank, fn(agreement, rank, *args)))
             dist.destroy_process_group()
@@ -101,6 +106,36 @@ def test_ranks_measuring_different_working_sets_admit_the_same_requests(tmp_path
     alone = [_admissions(RankAgreement(), r, units) for r in (0, 1)]
     assert ranks[0] == alone[1]
     assert alone[0] != alone[1], "the scenario must separate the ranks' local decisions"
+
+
+def _idle_calls_on_one_rank(agreement: RankAgreement, rank: int) -> tuple:
+    """Two running requests decode 4 x AGREE_EVERY_STEPS steps; rank 1's scheduler also
+    calls flush_step with no running request now and then (a call the other rank does
+    not make). Returns (collectives, units held)."""
+    sizes = torch.full((2,), 10 + 30 * rank, dtype=torch.int64)
+    lengths = torch.full((2,), TOKENS, dtype=torch.int64)
+    s = PSAServing(
+        PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=400,
+        readouts=BackendReadouts(measure=lambda: (sizes, lengths)), agreement=agreement,
+    )  # fmt: skip
+    calls = []
+    agree = agreement.max
+    agreement.max = lambda *a: calls.append(1) or agree(*a)
+    reqs = [_req(i) for i in range(2)]
+    for r in reqs:
+        assert s.try_admit(r.rid, TOKENS, alone=False)
+    for step in range(4 * AGREE_EVERY_STEPS):
+        s.flush_step(reqs)
+        if rank == 1 and step % 3 == 0:
+            s.flush_step([])  # nothing running: no step of any request
+    return len(calls), s.controller.used_units
+
+
+def test_a_call_with_no_running_request_on_one_rank_does_not_shift_its_agreements(tmp_path):
+    """Ranks meet in each agreement although one of them made extra calls with nothing
+    running (counted, they would put its collectives on other steps: a hang on the GPUs)."""
+    ranks = _in_two_ranks(tmp_path, _idle_calls_on_one_rank)
+    assert ranks[0] == ranks[1] and ranks[0][0] == 4, ranks
 
 
 # -- eviction ---------------------------------------------------------------------------

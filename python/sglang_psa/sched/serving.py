@@ -96,8 +96,8 @@ class PSAServing:
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
         self.agreement = agreement or RankAgreement()
-        # Several TP ranks: flush_step calls (the same count on every rank), and rid -> its
-        # decode steps since its size was last recorded.
+        # Several TP ranks: flush_step calls with running requests (the same count on every
+        # rank), and rid -> its decode steps since its size was last recorded.
         self._decode_steps = 0
         self._unrecorded: dict = {}
         self.metrics = metrics
@@ -250,14 +250,16 @@ class PSAServing:
         stale or belongs to the row's previous request. With several TP ranks each row's
         size and length are the largest any rank measured (`agreement`), recorded every
         `AGREE_EVERY_STEPS` steps: the agreement is a collective on the host that blocks
-        every rank's scheduler until all arrive. All ranks count the same steps, so they
-        agree on the same ones; a record counts the steps a request decoded since its last
-        (its window fills as fast as with one rank)."""
+        every rank's scheduler until all arrive. Only steps with running requests count:
+        those are the steps every rank takes alike (a call with none may come on one
+        rank only, and counting it would put that rank's collective on another step than
+        the others', where all would wait); a record counts the steps a request decoded
+        since its last (its window fills as fast as with one rank)."""
         if self.measure is None:
             return
         running = [r for r in reqs if req_row(r) is not None and r.rid in self.controller.running]
         steps, due = None, True  # one rank: every step, one step a record
-        if self.agreement.world_size > 1:
+        if self.agreement.world_size > 1 and running:
             self._decode_steps += 1
             due = self._decode_steps % AGREE_EVERY_STEPS == 0
             steps = {r.rid: self._unrecorded.get(r.rid, 0) + 1 for r in running}

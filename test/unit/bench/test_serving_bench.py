@@ -508,7 +508,7 @@ def test_ratios_against_the_fastest_plain_backend_of_the_same_run():
 
 
 def test_psas_identical_fraction_stands_beside_a_second_plain_servers_from_one_run():
-    """`identical_fraction_psa_a16` and `identical_fraction_plain_repeat_a16` come from
+    """`identical_fraction_server_psa` and `identical_fraction_server_plain_vs_plain` come from
     one a16 run that measured plain, plain_repeat and psa; a newer run without
     plain_repeat does not replace them, and none gives no value."""
 
@@ -523,14 +523,14 @@ def test_psas_identical_fraction_stands_beside_a_second_plain_servers_from_one_r
     new = _part("a16", "03-01", "c2", plain=_rec(4, 10),
                 psa=dict(_rec(3, 12), identical_to_plain=same(0.5)))  # fmt: skip
     s, where = analysis.summarize([old, new])
-    assert (s["identical_fraction_psa_a16"], s["identical_fraction_plain_repeat_a16"]) == (
+    assert (s["identical_fraction_server_psa"], s["identical_fraction_server_plain_vs_plain"]) == (
         0.84, 0.97,
     )  # fmt: skip
-    assert where["identical_fraction_psa_a16"]["run_id"] == "a16-02-01"
-    assert where["identical_fraction_plain_repeat_a16"]["of"] == "plain_repeat"
+    assert where["identical_fraction_server_psa"]["run_id"] == "a16-02-01"
+    assert where["identical_fraction_server_plain_vs_plain"]["of"] == "plain_repeat"
     s, _ = analysis.summarize([new])
     assert (
-        s["identical_fraction_psa_a16"] is None and s["identical_fraction_plain_repeat_a16"] is None
+        s["identical_fraction_server_psa"] is None and s["identical_fraction_server_plain_vs_plain"] is None
     )
     assert "plain_repeat" in workloads.WORKLOADS["a16"].systems
     assert systems.SYSTEMS["plain_repeat"].attention_backend == "triton"
