@@ -49,6 +49,11 @@ HEADLINE = [
      "output throughput, psa / plain (32 x 16K, 256 outputs)", "higher is better"),
     ("serving_h100", "accuracy_delta_vs_fastest",
      "answers correct, psa minus plain (32 x 28K and 32 x 16K, same prompts)", "0 = same"),
+    ("serving_h100", "identical_fraction_server_psa",
+     "64-token completions identical to plain's, psa in the server (32 x 16K)", "1 = same"),
+    ("serving_h100", "identical_fraction_server_plain_vs_plain",
+     "the same, a second plain server's (batched greedy decoding is not bit-reproducible)",
+     "1 = same"),
     ("serving_h100", "throughput_ratio_host_vs_plain_capped",
      "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
      "requests", "higher is better"),
@@ -131,8 +136,8 @@ def against(doc: dict, key: str) -> str:
         which = "_a16" if key.endswith("_a16") else "_8b" if key.endswith("_8b") else ""
         backend = summary.get(f"plain_backend{which}")
         return f"SGLang {backend.removeprefix('plain_')}" if backend else "not raced"
-    if "vs_plain" in key:
-        return "SGLang triton"
+    if "vs_plain" in key or key.startswith("identical_fraction_server"):
+        return "SGLang triton"  # identical completions: against plain triton's, same run
     if "_vs_hbm" in key:
         return "psa, HBM home"
     return ""
