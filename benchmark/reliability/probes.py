@@ -221,6 +221,49 @@ def bad_inputs(s: Server) -> list[Outcome]:
     ):
         probe(name, "4xx", lambda p=params: s.post("/v1/completions", {**comp, **p}, timeout=300),
               _clear_4xx)  # fmt: skip
+    for name, params in (  # refused by SGLang's request model or SamplingParams.verify
+        ("no prompt", {"prompt": None}),
+        ("temperature as a string", {"temperature": "hot"}),
+        ("max_tokens 0", {"max_tokens": 0}),
+        ("n as a string", {"n": "two"}),
+        ("top_k -5", {"top_k": -5}),
+        ("frequency_penalty 5", {"frequency_penalty": 5.0}),
+        ("presence_penalty -3", {"presence_penalty": -3.0}),
+        ("min_p 2", {"min_p": 2.0}),
+        ("repetition_penalty 0", {"repetition_penalty": 0.0}),
+        ("top_p 0", {"top_p": 0.0}),
+    ):
+        body = {k: v for k, v in {**comp, **params}.items() if v is not None}
+        probe(name, "4xx", lambda b=body: s.post("/v1/completions", b, timeout=300), _clear_4xx)
+    chat = {"model": "default", "max_tokens": 8}
+    for name, messages in (
+        ("chat message of an unknown role", [{"role": "wizard", "content": "hi"}]),
+        ("chat messages as a string", "hi"),
+        ("chat message without content", [{"role": "user"}]),
+    ):
+        probe(name, "4xx", lambda m=messages: s.post(
+            "/v1/chat/completions", {**chat, "messages": m}, timeout=300), _clear_4xx)  # fmt: skip
+    for name, ids in (
+        ("negative token id", [-3, 5, 7]),  # sglang-psa's check (SGLang 0.5.17 has none)
+        ("token id past the vocabulary", [5, 10**9]),
+    ):
+        probe(name, "4xx", lambda i=ids: s.post(
+            "/generate", {"input_ids": i, **gen}, timeout=300), _clear_4xx)  # fmt: skip
+    has_choices = lambda j: isinstance(j.get("choices"), list)  # noqa: E731
+    for name, path, body in (  # accepted by the request model: served, or refused cleanly
+        ("n = 0", "/v1/completions", {**comp, "n": 0}),
+        ("logprobs -1", "/v1/completions", {**comp, "logprobs": -1}),
+        ("an invalid regex", "/v1/completions", {**comp, "regex": "("}),
+        ("100 stop strings", "/v1/completions", {**comp, "stop": [f"s{i}" for i in range(100)]}),
+        ("chat with no messages", "/v1/chat/completions", {**chat, "messages": []}),
+    ):
+        probe(name, "an answer or 4xx", lambda p=path, b=body: s.post(p, b, timeout=300),
+              lambda r: _answer_or_4xx(r, has_choices))  # fmt: skip
+    probe("unknown endpoint", "404", lambda: s.post("/v1/nothing_here", comp, timeout=60),
+          lambda r: r.status_code == 404)  # fmt: skip
+    probe("GET on /generate", "405",
+          lambda: requests.get(s.url + "/generate", headers=s.headers, timeout=60),
+          lambda r: r.status_code == 405)  # fmt: skip
     probe("n = 2", "two completions",
           lambda: s.post("/v1/completions", {**comp, "n": 2, "temperature": 0.8}, timeout=300),
           lambda r: r.status_code == 200 and len(r.json()["choices"]) == 2)  # fmt: skip

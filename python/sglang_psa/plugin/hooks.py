@@ -244,6 +244,13 @@ HOOKS: tuple[Hook, ...] = (
         ("self", "recv_req"),
         "server info reports PSA's admission counters and KV pages held",
     ),
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        "before",
+        "validation:before_validate_one_request",
+        ("self", "obj", "input_ids"),
+        "a prompt's token ids outside the vocabulary get HTTP 400, not a GPU assert",
+    ),
 )
 
 
