@@ -67,18 +67,25 @@ def _req(i: int):
     return SimpleNamespace(rid=f"r{i}", seqlen=TOKENS, req_pool_idx=i, finished=lambda: False)
 
 
-def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -> list:
-    """Eight requests arrive one per round; each round the running ones decode a step,
-    measured on this rank's heads as `units_by_rank[rank]` units each."""
-    sizes = torch.zeros(8, dtype=torch.int64)
-    lengths = torch.zeros(8, dtype=torch.int64)
+def _counted_serving(agreement, sizes, lengths, hbm_units: int) -> tuple[PSAServing, list]:
+    """A PSAServing reading this rank's `sizes` and `lengths`, and a list that grows by
+    one at each agreement (a collective with several ranks)."""
     s = PSAServing(
-        PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=100,
+        PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=hbm_units,
         readouts=BackendReadouts(measure=lambda: (sizes, lengths)), agreement=agreement,
     )  # fmt: skip
     calls = []
     agree = agreement.max
     agreement.max = lambda *a: calls.append(1) or agree(*a)
+    return s, calls
+
+
+def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -> list:
+    """Eight requests arrive one per round; each round the running ones decode a step,
+    measured on this rank's heads as `units_by_rank[rank]` units each."""
+    sizes = torch.zeros(8, dtype=torch.int64)
+    lengths = torch.zeros(8, dtype=torch.int64)
+    s, calls = _counted_serving(agreement, sizes, lengths, hbm_units=100)
     reqs, log = [_req(i) for i in range(8)], []
     for i, req in enumerate(reqs):
         running = [r for r in reqs if r.rid in s.controller.running]
@@ -114,13 +121,7 @@ def _idle_calls_on_one_rank(agreement: RankAgreement, rank: int) -> tuple:
     not make). Returns (collectives, units held)."""
     sizes = torch.full((2,), 10 + 30 * rank, dtype=torch.int64)
     lengths = torch.full((2,), TOKENS, dtype=torch.int64)
-    s = PSAServing(
-        PSAConfig(ws_window=2), layers=2, kv_heads=2, hbm_units=400,
-        readouts=BackendReadouts(measure=lambda: (sizes, lengths)), agreement=agreement,
-    )  # fmt: skip
-    calls = []
-    agree = agreement.max
-    agreement.max = lambda *a: calls.append(1) or agree(*a)
+    s, calls = _counted_serving(agreement, sizes, lengths, hbm_units=400)
     reqs = [_req(i) for i in range(2)]
     for r in reqs:
         assert s.try_admit(r.rid, TOKENS, alone=False)
