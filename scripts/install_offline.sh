@@ -69,10 +69,10 @@ if [ -z "${PSA_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$total_s
 fi
 
 rm -f "$STAMP"  # written again only after a complete install
-echo "install_offline: verifying parts in $STAGE" >&2
+echo "install_offline: [${SECONDS}s] verifying parts in $STAGE" >&2
 "$PY" "$TOOL" verify "$STAGE" >&2 || die "bundle verification failed (see above); re-stage the named part"
 
-echo "install_offline: joining parts and unpacking into $UNPACKED" >&2
+echo "install_offline: [${SECONDS}s] joining parts and unpacking into $UNPACKED" >&2
 mapfile -t PARTS < <("$PY" "$TOOL" parts "$STAGE")
 [ ${#PARTS[@]} -gt 0 ] || die "no parts listed in $STAGE/MANIFEST.json"
 rm -rf "$UNPACKED"
@@ -84,7 +84,7 @@ B="$UNPACKED/psa-bundle"
 shopt -s nullglob
 WHEELS=("$B"/wheels/*.whl)
 if [ ${#WHEELS[@]} -gt 0 ]; then
-  echo "install_offline: pip install ${#WHEELS[@]} wheels into $SITE" >&2
+  echo "install_offline: [${SECONDS}s] pip install ${#WHEELS[@]} wheels into $SITE" >&2
   # shellcheck disable=SC2086
   PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --disable-pip-version-check ${PSA_PIP_FLAGS:-} --target "$SITE" "${WHEELS[@]}" \
@@ -94,7 +94,7 @@ fi
 if [ -d "$B/kernel" ]; then
   # FA3's library travels xz-compressed; restored byte for byte (sha256 checked).
   "$PY" "$TOOL" unxz-kernel "$B" >&2 || die "restoring the compressed kernel files failed"
-  echo "install_offline: copying the sglang-kernel folders into $SITE" >&2
+  echo "install_offline: [${SECONDS}s] copying the sglang-kernel folders into $SITE" >&2
   for d in "$B"/kernel/*; do
     rm -rf "$SITE/$(basename "$d")"
     cp -a "$d" "$SITE/"
@@ -102,7 +102,7 @@ if [ -d "$B/kernel" ]; then
 fi
 
 if [ -n "$(ls "$B"/models/*.whl 2>/dev/null)" ]; then
-  echo "install_offline: placing the model GGUFs in the sglang-psa cache" >&2
+  echo "install_offline: [${SECONDS}s] placing the model GGUFs in the sglang-psa cache" >&2
   # One path per line: a bundle may carry several models (offline_bundle.py --model a,b).
   ggufs="$("$PY" "$TOOL" place-model "$B")" || die "placing the models failed"
   while IFS= read -r gguf; do
@@ -118,5 +118,5 @@ cat > "$SITE/psa-env.sh" <<EOF
 $env_line
 EOF
 echo "$total_sha" > "$STAMP"
-echo "install_offline: done; \`source $SITE/psa-env.sh\` or:" >&2
+echo "install_offline: [${SECONDS}s] done; \`source $SITE/psa-env.sh\` or:" >&2
 echo "$env_line"
