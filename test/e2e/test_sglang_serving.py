@@ -86,6 +86,8 @@ def _assert_agrees_with_plain(plain, runs):
     from sglang_psa.eval.agreement import compare
 
     got = compare(plain, runs)
+    keys = ("n", "identical", "divergences_at_near_tie", "divergences_at_exact_tie")
+    print("agreement with plain SGLang:", {k: got[k] for k in keys})  # kept with -s
     texts = [(a["text"], b["text"]) for a, b in zip(plain, runs)]
     assert got["max_second_step_logprob_diff"] <= got["tie"], got
     assert got["divergences_at_near_tie"] == len(got["divergences"]), (got, texts)
