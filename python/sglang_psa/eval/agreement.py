@@ -71,17 +71,16 @@ def compare(ref: list[dict], other: list[dict], tie: float = DEFAULT_TIE) -> dic
             }
         )
     total = len(ref)
+    exact = sum(s["exact_tie"] for s in splits)
     return {
         "n": total,
         "identical": same,
         "fraction_identical": same / total if total else 1.0,
         "divergences": splits,
         "divergences_at_near_tie": sum(s["near_tie"] for s in splits),
-        "divergences_at_exact_tie": sum(s["exact_tie"] for s in splits),
+        "divergences_at_exact_tie": exact,
         # identical, or parted first where greedy decoding is undefined (an exact tie)
-        "fraction_agreeing": (same + sum(s["exact_tie"] for s in splits)) / total
-        if total
-        else 1.0,
+        "fraction_agreeing": (same + exact) / total if total else 1.0,
         "max_second_step_logprob_diff": max(lp_diff) if lp_diff else None,
         "tie": tie,
     }
