@@ -284,9 +284,9 @@ class CopyEngine:
         if self.heartbeat.value == self._first_beat:
             return True
         self._first_beat = None
-        for msg in self._outbox:
-            self.sock.send(msg)
-        self._outbox.clear()
+        outbox, self._outbox = self._outbox, []
+        for msg in outbox:
+            self._send(msg)
         return False
 
     def _wait_first_beat(self) -> None:
@@ -322,8 +322,20 @@ class CopyEngine:
         if self._starting():  # a PAIR socket with no peer yet would block the sender
             self._outbox.append(msg)
         else:
-            self.sock.send(msg)
+            self._send(msg)
         return job.job_id
+
+    def _send(self, msg: bytes) -> None:
+        """Send without ever blocking on a dead engine: a PAIR socket whose peer is gone
+        blocks its sender for ever, so wait for room in 50 ms slices and check health
+        between them (`EngineDied`, this job among the lost, if the engine is dead)."""
+        while True:
+            try:
+                self.sock.send(msg, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self.check_health()
+                self.sock.poll(50, zmq.POLLOUT)
 
     def staged(self, row0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`[kv_heads, n, head_dim]` K and V views of staging rows `row0..row0+n`."""

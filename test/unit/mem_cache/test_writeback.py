@@ -3,6 +3,8 @@ decode steps complete lands, per (layer, KV head, block), in its host block; not
 counted saved before the engine acknowledged it; a killed engine is restarted and its
 saves redone; ended requests return their host blocks."""
 
+import time
+
 import pytest
 import torch
 
@@ -158,6 +160,41 @@ def test_a_killed_engine_is_restarted_and_its_saves_redone(device):
         assert wb.stats.engine_restarts == 1 and wb.stats.resubmitted_jobs >= 1
         wait_saved(wb)
         check_saved(wb, pool, "a", 1, 6)
+    finally:
+        wb.close()
+
+
+def test_a_save_issued_after_the_engine_died_does_not_block_the_scheduler(device):
+    """The engine dies in the middle of an extend's forward, after the step's poll (seen
+    at `--tp 2`): a PAIR socket whose peer is gone blocks its sender for ever, so issuing
+    the next layer's save must itself notice the death, restart the engine and redo every
+    unacknowledged save."""
+    import threading
+
+    wb = make(device, heartbeat_timeout=0.5)
+    pool = FakePool(device)
+    a = FakeReq("a", 1)
+    assert wb.reserve("a", CTX)
+    pool.write(a.req_pool_idx, 3 * BS)
+    wb.plan_extend([a], [pool.lens[a.req_pool_idx]])
+    wb.before_forward()
+    wb.issue_extend_layer(0, pool.k[0], pool.v[0], pool.req_to_token)
+    wb.engine.proc.kill()
+    wb.engine.proc.join(5)
+    time.sleep(0.5)  # the socket has seen its peer go
+
+    def rest() -> None:
+        for layer in range(1, L):
+            wb.issue_extend_layer(layer, pool.k[layer], pool.v[layer], pool.req_to_token)
+
+    issuing = threading.Thread(target=rest, daemon=True)
+    issuing.start()
+    issuing.join(20)
+    assert not issuing.is_alive(), "issuing a save to a dead copy engine blocked"
+    try:
+        assert wb.stats.engine_restarts == 1
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 1, 3)
     finally:
         wb.close()
 

@@ -75,9 +75,9 @@ class EngineTransport(Transport):
         dk, dv = self._staging_views(n_rows)
         sk, sv = self.engine.staged(r0, n_rows)
         job = SaveJob(layer, r0, [(e.host, 0, self.block_size) for e in entries])
+        job_id = self.engine.peek_next_id()
         if self.cuda:
             job.gpu_flag = True
-            job_id = self.engine.peek_next_id()
             slot = job_id % FLAG_SLOTS
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -89,16 +89,18 @@ class EngineTransport(Transport):
                 flags = self.engine.flags
                 flags[slot : slot + 1].copy_(self._seq[slot : slot + 1], non_blocking=True)
             tables.record_stream(self.stream)
-            if self.engine.submit(job) != job_id:
-                raise RuntimeError("copy engine job ids went out of step with the flags")
         else:
             gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size)
             sk.copy_(dk)
             sv.copy_(dv)
-            job_id = self.engine.submit(job)
-        self.jobs[job_id] = (job, entries)
+        self.jobs[job_id] = (job, entries)  # before the send: a dead engine redoes it
         self._ring.append((job_id, r0, n_rows))
         self.stats.jobs += 1
+        try:
+            if self.engine.submit(job) != job_id:
+                raise RuntimeError("copy engine job ids went out of step with the flags")
+        except EngineDied as e:
+            self._recover(e)
 
     def _retire(self, job_id: int) -> None:
         job, entries = self.jobs.pop(job_id)
