@@ -16,6 +16,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Under pytest-xdist (README's test command: `-n auto`) each worker gets its share of the
+# cores for torch's threads, and so do the processes tests start: two workers of two
+# threads each on two cores made one matmul-heavy test 11x slower than alone.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
 # SGLang imports torchvision when it loads; PyPI has no torchvision that loads beside the
 # CPU torch build, so where SGLang is installed and torchvision is not, a stub (image
 # decoding only, which no test uses) takes its place. Never shadows a real torchvision.
@@ -29,6 +38,11 @@ if importlib.util.find_spec("sglang") and not importlib.util.find_spec("torchvis
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # With pytest-xdist (`-n`, README's test command), tests on a GPU machine run in
+        # one worker, one after another as without it: many start servers that take most
+        # of the GPU's memory, and unmarked ones use the GPU where it exists.
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:

@@ -19,7 +19,7 @@ def _commands() -> list[str]:
 def test_readme_has_the_install_and_demo_command_then_the_test_command():
     first, second = _commands()  # exactly two
     assert first == "bash scripts/install_cpu.sh && python -m sglang_psa.demo"
-    assert second == "python -m pytest -q"
+    assert second == "python -m pytest -q -n auto --dist loadgroup"  # pytest-xdist
     assert (ROOT / "scripts" / "install_cpu.sh").is_file()
 
 
