@@ -3,6 +3,7 @@ decode steps complete lands, per (layer, KV head, block), in its host block; not
 counted saved before the engine acknowledged it; a killed engine is restarted and its
 saves redone; ended requests return their host blocks."""
 
+import threading
 import time
 
 import pytest
@@ -169,8 +170,6 @@ def test_a_save_issued_after_the_engine_died_does_not_block_the_scheduler(device
     at `--tp 2`): a PAIR socket whose peer is gone blocks its sender for ever, so issuing
     the next layer's save must itself notice the death, restart the engine and redo every
     unacknowledged save."""
-    import threading
-
     wb = make(device, heartbeat_timeout=0.5)
     pool = FakePool(device)
     a = FakeReq("a", 1)
