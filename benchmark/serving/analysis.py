@@ -50,6 +50,47 @@ def parse_decode_lines(text: str) -> list[dict]:
     return out
 
 
+PREFILL_RE = re.compile(
+    r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})[^\]]*\]\s+Prefill batch[^,]*,\s+"
+    r"#new-seq:\s*(?P<seqs>\d+),\s+#new-token:\s*(?P<tokens>\d+),\s+"
+    r"#cached-token:\s*(?P<cached>\d+),.*?#running-req:\s*(?P<running>\d+),\s+"
+    r"#queue-req:\s*(?P<queue>\d+),.*?input throughput \(token/s\):\s*(?P<tok_s>[0-9.]+)"
+)
+
+
+def parse_prefill_lines(text: str) -> list[dict]:
+    """SGLang's "Prefill batch" log lines, one per prefill batch as it is scheduled: new
+    requests and tokens, tokens the prefix cache served, running and queued requests, and
+    the new tokens over the time since the previous prefill batch (`tok_s`)."""
+    return [
+        {
+            "time": m["time"],
+            "seqs": int(m["seqs"]),
+            "tokens": int(m["tokens"]),
+            "cached": int(m["cached"]),
+            "running": int(m["running"]),
+            "queue": int(m["queue"]),
+            "tok_s": float(m["tok_s"]),
+        }
+        for m in PREFILL_RE.finditer(text)
+    ]
+
+
+def prefill_rate(lines: list[dict]) -> dict:
+    """The server's own prefill rate over a run: new tokens over the time between prefill
+    batches (each line's tokens / its `tok_s`), the first batch left out (its interval
+    reaches back before the run). Decode steps run between prefill batches count in that
+    time: this is the rate at which the prompts went in, as the scheduler saw it (a client's
+    TTFT adds tokenization, queueing and the way back)."""
+    timed = [ln for ln in lines[1:] if ln["tok_s"] > 0]
+    seconds = sum(ln["tokens"] / ln["tok_s"] for ln in timed)
+    return {
+        "batches": len(lines),
+        "tokens": sum(ln["tokens"] for ln in lines),
+        "tok_s": sum(ln["tokens"] for ln in timed) / seconds if seconds else None,
+    }
+
+
 STEADY_MIN_INTERVALS = 3  # log intervals at one batch that make it a steady state
 
 
@@ -141,9 +182,15 @@ def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[d
     return rows
 
 
-def run_metrics(bench: dict, rows: list[dict], decode_lines: list[dict], batch: int | None) -> dict:
-    """Throughput, latency and decode-step figures of one timed run, what the prefix
-    cache served, and for a chat the TTFT of each turn."""
+def run_metrics(
+    bench: dict,
+    rows: list[dict],
+    decode_lines: list[dict],
+    batch: int | None,
+    prefill_lines: list[dict] | None = None,
+) -> dict:
+    """Throughput, latency and decode-step figures of one timed run, the server's own
+    prefill rate, what the prefix cache served, and for a chat the TTFT of each turn."""
     ok = [r for r in rows if r["error"] is None]
     metrics = {
         "requests": len(rows),
@@ -156,6 +203,7 @@ def run_metrics(bench: dict, rows: list[dict], decode_lines: list[dict], batch: 
         "ttft_s": stats([r["ttft_s"] for r in ok]),
         "tpot_s": stats([r["tpot_s"] for r in ok]),
         "steady_decode": steady_step(decode_lines, batch),
+        "server_prefill": prefill_rate(prefill_lines or []),
         "peak_running": max([ln["running"] for ln in decode_lines], default=0),
         "max_concurrent_client": bench.get("max_concurrent_requests"),
         "accuracy": (sum(r["correct"] for r in rows) / len(rows)) if rows else None,

@@ -394,7 +394,8 @@ def timed_run(
             profile=profile,
         )
     profile = decode_profile(server, folder, steps) if steps else None
-    lines = analysis.parse_decode_lines(server.log_text(start, server.log_size()))
+    text = server.log_text(start, server.log_size())
+    lines = analysis.parse_decode_lines(text)
     rows = analysis.per_request(
         bench,
         ctx["meta"],
@@ -403,7 +404,9 @@ def timed_run(
     )
     batch = num_prompts if math.isinf(rate) else None
     run = {
-        "metrics": analysis.run_metrics(bench, rows, lines, batch),
+        "metrics": analysis.run_metrics(
+            bench, rows, lines, batch, analysis.parse_prefill_lines(text)
+        ),
         "decode_log": lines,
         "rows": rows,
     }
@@ -414,7 +417,9 @@ def timed_run(
         f"{w.name}/{name} @ {key}/s: {m['output_tok_s']:.0f} output tok/s, "
         f"p99 TTFT {m['ttft_s']['p99'] or float('nan'):.1f} s, steady step "
         f"{m['steady_decode']['step_ms'] or float('nan'):.2f} ms at batch "
-        f"{m['steady_decode']['batch']}, accuracy {m['accuracy']:.2f}, {m['failed']} failed"
+        f"{m['steady_decode']['batch']}, server prefill "
+        f"{m['server_prefill']['tok_s'] or float('nan'):.0f} tok/s, accuracy "
+        f"{m['accuracy']:.2f}, {m['failed']} failed"
     )
     return run
 

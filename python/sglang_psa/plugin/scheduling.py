@@ -82,7 +82,8 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     result = original(adder, req, has_chunked_req, truncation_align_size)
     if req not in adder.can_run_list:
         serving.undo_admit(req.rid, was_paused)
-        serving.waited_for_pages(result, short, freed, len(running))
+        if result == AddReqResult.NO_TOKEN:  # else the batch was full: no wait of ours
+            serving.waited_for_pages(result, short, freed, len(running))
     return result
 
 

@@ -69,6 +69,36 @@ def test_decode_lines_are_parsed_and_other_lines_ignored():
     assert set(analysis.parse_decode_lines(text)[0]) == set(keys)
 
 
+def prefill(t, tokens, tok_s, queue=0, tp=""):
+    return (
+        f"[2026-11-25 07:00:{t:02d}{tp}] Prefill batch, #new-seq: 1, #new-token: {tokens}, "
+        f"#cached-token: 64, token usage: 0.01, #running-req: 2, #queue-req: {queue}, "
+        f"#pending-token: 0, cuda graph: False, input throughput (token/s): {tok_s:.2f}"
+    )
+
+
+def test_prefill_lines_give_the_servers_own_prefill_rate():
+    """Prefill lines are parsed (decode lines are not); the rate is the new tokens over
+    the intervals between prefill batches, the first batch's interval left out."""
+    text = "\n".join(
+        [
+            prefill(0, 8192, 100.0, queue=3),  # its interval reaches back before the run
+            decode(1, 1, 50.0),
+            prefill(2, 8192, 8192 / 0.02, tp=" TP0"),  # 20 ms
+            prefill(3, 4096, 4096 / 0.03),  # 30 ms
+        ]
+    )
+    lines = analysis.parse_prefill_lines(text)
+    assert [(ln["time"][-2:], ln["tokens"], ln["cached"], ln["running"], ln["queue"])
+            for ln in lines] == [("00", 8192, 64, 2, 3), ("02", 8192, 64, 2, 0),
+                                 ("03", 4096, 64, 2, 0)]  # fmt: skip
+    rate = analysis.prefill_rate(lines)
+    assert rate["batches"] == 3 and rate["tokens"] == 8192 * 2 + 4096
+    assert rate["tok_s"] == pytest.approx((8192 + 4096) / 0.05)
+    assert analysis.prefill_rate(lines[:1])["tok_s"] is None  # one batch: no interval
+    assert analysis.parse_prefill_lines(decode(0, 4, 10.0)) == []
+
+
 def test_steady_step_is_the_median_at_the_batch_without_the_first_interval():
     # at 32 running: steps 50 (first, dropped), 10, 12, 11 ms; at 16: 1 ms (other batch)
     lines = analysis.parse_decode_lines(

@@ -108,6 +108,19 @@ def test_sglang_refusing_after_admission_is_rolled_back(serving):
     assert not serving.controller.running and serving.controller.used_units == 0
     stats = serving.controller.stats
     assert (stats.admitted, stats.finished, stats.retracted) == (0, 0, 0)
+
+
+def test_a_full_prefill_batch_is_no_wait_for_kv_pages(serving):
+    """SGLang's adder stops adding when the prefill batch's tokens are spent (OTHER): the
+    request stays queued, its admission rolled back, and no round waited for KV pages."""
+
+    def orig_batch_full(adder, req, has_chunked_req, truncation_align_size):
+        return _result().OTHER
+
+    res = scheduling.around_add_one_req(orig_batch_full, _adder(), _req("a", 320), False, None)
+    assert res == _result().OTHER
+    assert serving.waits == {"working_set": 0, "host_tier": 0, "kv_pages": 0}
+    assert not serving.controller.running and serving.controller.used_units == 0
     serving.controller.check_integrity()
 
 
