@@ -13,6 +13,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
         --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
+    python benchmark/kernels/bench_wave.py --readers --ctx=16000  # what else reads the pages
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import re
 import sys
 
 import torch
+import triton
+import triton.language as tl
 from timing import cuda_time
 
 from sgl_kernel_ext.wave_attention import WaveAttention
@@ -574,6 +577,176 @@ def serving_a(
     return result
 
 
+# ---------------------------------------------------------------------------------------
+# Other readers of the same pages (`--readers`): how fast the bytes a sparse step reads can
+# be read at all, with no attention (`read_pages`), and by FA3, SGLang's H100 decode kernel,
+# given the chosen pages as a compacted page table per KV head (`fa3_case`).
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _read_pages_kernel(
+    k_ptr, v_ptr, table_ptr, out_ptr, n, Hkv, S,
+    TOK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, Hkv, S): program `s` of (request b, KV head h) reads tiles of `TOK` tokens
+    of the `n` pages in `table_ptr[b, h, :n]` (interleaved with the other S - 1), K and V
+    from SGLang's token-major pool `[tokens, Hkv, D]`, and writes their sum (so the loads
+    are kept): a page gather as the wave kernel's one-wave path issues it, without the
+    attention."""
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    acc = tl.zeros([TOK, D], tl.float32)
+    total = n * BS
+    dd = tl.arange(0, D)
+    for i in tl.range(0, tl.cdiv(total - s * TOK, S * TOK), num_stages=STAGES):
+        t = (s + i * S) * TOK + tl.arange(0, TOK)
+        valid = t < total
+        page = tl.load(table_ptr + (b * Hkv + h) * n + t // BS, mask=valid, other=0)
+        row = page.to(tl.int64) * BS + t % BS
+        off = (row * Hkv + h)[:, None] * D + dd[None, :]
+        acc += tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + (b * Hkv + h) * S + s, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def read_pages(kbuf, vbuf, table, out, tok: int = 64, warps: int = 2, stages: int = 2):
+    """`out [B, Hkv, S]` float32: partial sums of K + V over the pages `table [B, Hkv, n]`
+    (int32 page ids) of the pool `kbuf/vbuf [tokens, Hkv, D]`, S = out's last dim."""
+    B, Hkv, n = table.shape
+    S = out.shape[2]
+    _read_pages_kernel[(B, Hkv, S)](
+        kbuf, vbuf, table, out, n, Hkv, S,
+        TOK=tok, D=kbuf.shape[2], BS=BS, STAGES=stages, num_warps=warps,
+    )  # fmt: skip
+
+
+def read_pages_reference(kbuf, vbuf, table) -> torch.Tensor:
+    """`[B, Hkv]` float32: the sum of K + V over each (request, KV head)'s pages."""
+    B, Hkv, n = table.shape
+    rows = (table.long()[..., None] * BS + torch.arange(BS, device=table.device)).view(B, Hkv, -1)
+    h = torch.arange(Hkv, device=table.device)[None, :, None]
+    return (kbuf[rows, h].float() + vbuf[rows, h].float()).sum((-1, -2))
+
+
+def _chosen_pages(batch: int, ctx: int, plan_ctx: int, frac: float) -> tuple:
+    """`_server_data`'s pool and query, and `[B, Hkv, n]` int32: n = `frac` of each
+    request's pages, a different random choice per (request, KV head), as a selection
+    would pick them."""
+    q, kbuf, vbuf, pages, *_ = _server_data(batch, plan_ctx // BS)
+    own = ctx // BS
+    n = max(1, round(frac * own))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pick = torch.rand(batch, HKV, own, device="cuda", generator=g).argsort(-1)[..., :n]
+    table = torch.gather(pages[:, None, :own].expand(batch, HKV, own), 2, pick)
+    return q, kbuf, vbuf, table.to(torch.int32).contiguous(), n
+
+
+def _graph_us(fn, layers: int) -> float:
+    """Microseconds of one `fn()`, replayed `layers` deep in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    return _time(graph.replay, reps=30, warmup=5) / layers * 1e6
+
+
+def read_case(batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8) -> dict:
+    """The page gather alone (`read_pages`) over `frac` of the pages, swept over tile,
+    warps, programs per (request, KV head) and pipeline depth; GB/s on the bytes read."""
+    q, kbuf, vbuf, table, n = _chosen_pages(batch, ctx, plan_ctx, frac)
+    nbytes = batch * HKV * n * BS * D * 2 * 2
+    sweep = {}
+    for tok in (32, 64, 128):
+        for warps in (2, 4):
+            for splits in (8, 16, 32):
+                for stages in (2, 3):
+                    out = torch.empty(batch, HKV, splits, device="cuda")
+                    key = f"tok{tok}_warps{warps}_splits{splits}_stages{stages}"
+                    fn = functools.partial(read_pages, kbuf, vbuf, table, out, tok, warps, stages)
+                    try:
+                        sweep[key] = nbytes / _graph_us(fn, layers) / 1e3
+                    except Exception as e:  # noqa: BLE001 - report and keep measuring
+                        sweep[key] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+    ok = {k: v for k, v in sweep.items() if isinstance(v, float)}
+    best = max(ok, key=ok.get)
+    return {"pages_per_head": n, "bytes": nbytes, "best": best, "best_gbps": ok[best],
+            "gbps": sweep}  # fmt: skip
+
+
+def fa3_case(batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8) -> dict:
+    """FA3 (SGLang's H100 decode kernel, `flash_attn_with_kvcache`) reading `frac` of each
+    request's pages: per KV head one call over that head's slice of SGLang's pool with a
+    compacted page table (the chosen pages; attention over a set of whole pages is
+    order-free), graph-replayed. `frac` 1: one call over every page and head, as plain
+    SGLang decodes. Raises ImportError without SGLang's FA3."""
+    from sglang.kernels.ops.attention.flash_attention_v3 import flash_attn_with_kvcache
+
+    q, kbuf, vbuf, table, n = _chosen_pages(batch, ctx, plan_ctx, frac)
+    n_pages = kbuf.shape[0] // BS
+    kc, vc = kbuf.view(n_pages, BS, HKV, D), vbuf.view(n_pages, BS, HKV, D)
+    G = HQ // HKV
+    seqlens = torch.full((batch,), n * BS, device="cuda", dtype=torch.int32)
+    if frac >= 1:
+        _, _, _, pages, *_ = _server_data(batch, plan_ctx // BS)
+        full = pages[:, : ctx // BS].contiguous()
+        qf = q.view(batch, 1, HQ, D)
+        calls = [(qf, kc, vc, full)]
+    else:
+        calls = [
+            (q[:, h * G : (h + 1) * G].contiguous().view(batch, 1, G, D),
+             kc[:, :, h : h + 1], vc[:, :, h : h + 1], table[:, h].contiguous())
+            for h in range(HKV)
+        ]  # fmt: skip
+
+    def run():
+        for qh, k, v, t in calls:
+            flash_attn_with_kvcache(
+                q=qh,
+                k_cache=k,
+                v_cache=v,
+                page_table=t,
+                cache_seqlens=seqlens,
+                softmax_scale=D**-0.5,
+                causal=True,
+            )
+
+    us = _graph_us(run, layers)
+    nbytes = batch * HKV * n * BS * D * 2 * 2
+    return {"pages_per_head": n, "calls_per_layer": len(calls), "time_us": us,
+            "gbps_on_bytes_read": nbytes / us / 1e3}  # fmt: skip
+
+
+def readers(ctx: int = 16000, fracs=(0.07, 0.13, 0.3, 0.5, 1.0), shape: str = "qwen05b") -> dict:
+    """Per layer at workload a16's (or a's) shape, for shares of the pages: the wave
+    kernel's one-wave read (`server_case` topk: ranking included; at 1, threshold 1), the
+    page gather alone (`read_case`, its best launch) and FA3 over the same share
+    (`fa3_case`), against the HBM copy peak of the same run."""
+    use_shape(shape)
+    out = {"hbm_peak_gbps": hbm_peak_gbps(), "heads": {"q": HQ, "kv": HKV, "d": D},
+           "ctx": ctx, "batch": 32, "by_fraction": {}}  # fmt: skip
+    for frac in fracs:
+        row = {}
+        mode = "dense" if frac >= 1 else "topk"
+        case = dict(batch=32, ctx=ctx, plan_ctx=32768, frac=frac)
+        for name, fn in (("wave", functools.partial(server_case, mode, **case, profile=True)),
+                         ("read_only", functools.partial(read_case, **case)),
+                         ("fa3", functools.partial(fa3_case, **case))):  # fmt: skip
+            try:
+                row[name] = fn()
+            except Exception as e:  # noqa: BLE001 - report and keep measuring
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            torch.cuda.empty_cache()
+        out["by_fraction"][str(frac)] = row
+        print(json.dumps({frac: {k: v.get("time_us", v.get("best_gbps", v.get("error")))
+                                 for k, v in row.items()}}), file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
 def launch_sweep(case: dict, plan_ctx: int) -> dict:
     """The library's launch with its kernel table at `case`, the same requests in a plan
     of their own length, then one launch knob at a time around the default (splits, tile
@@ -612,14 +785,17 @@ def launch_sweep(case: dict, plan_ctx: int) -> dict:
 
 
 if __name__ == "__main__":
-    if "--serving-8b" in sys.argv:
+
+    def option(name: str) -> str | None:
+        """The value of `--name=VALUE` on the command line, or None."""
+        return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
+
+    if "--readers" in sys.argv:
+        print(json.dumps(readers(int(option("ctx") or 16000), shape=option("shape") or "qwen05b"),
+                         indent=1))  # fmt: skip
+    elif "--serving-8b" in sys.argv:
         print(json.dumps(serving_8b(), indent=1))
     elif "--serving-a" in sys.argv:
-
-        def option(name: str) -> str | None:
-            """The value of `--name=VALUE` on the command line, or None."""
-            return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), None)
-
         only, knobs = (tuple(v.split(",")) if (v := option(k)) is not None else ()
                        for k in ("modes", "knobs"))  # fmt: skip
         sweep = "--defaults-only" not in sys.argv
