@@ -60,6 +60,21 @@ def _time(fn, reps: int = 20, warmup: int = 3, stream=None) -> float:
     return cuda_time(fn, reps, warmup, stream)
 
 
+def _captured(fn, layers: int):
+    """`fn()` run once on a side stream (warm-up, outside the capture), then captured
+    `layers` deep in a CUDA graph: (the graph, fn's last result)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            res = fn()
+    return graph, res
+
+
 def hbm_peak_gbps() -> float:
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -154,15 +169,7 @@ def bench_case(
     t_eager = _time(run)
     # The whole step (scoring, ranking, all waves) captured once and replayed: the
     # production path, since a decode step needs no CPU round trip.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            res = run()
+    graph, res = _captured(run, layers)
     t = _time(graph.replay, reps=20 if layers == 1 else 50, warmup=3 if layers == 1 else 10)
     t /= layers
     read_bytes = batch * HKV * budget * BS * D * 2 * 2
@@ -459,15 +466,7 @@ def server_case(
         slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
         stats=stats, meta_scale=mscale,
     )  # fmt: skip
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        res = run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            res = run()
+    graph, res = _captured(run, layers)
     t = _time(graph.replay, reps=30, warmup=5) / layers
     n_read = res.n_read.float()
     read_bytes = batch * HKV * n_read.mean().item() * BS * D * 2 * 2
@@ -643,15 +642,7 @@ def _chosen_pages(batch: int, ctx: int, plan_ctx: int, frac: float) -> tuple:
 
 def _graph_us(fn, layers: int) -> float:
     """Microseconds of one `fn()`, replayed `layers` deep in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
+    graph, _ = _captured(fn, layers)
     return _time(graph.replay, reps=30, warmup=5) / layers * 1e6
 
 

@@ -98,29 +98,21 @@ def test_admission_by_working_set_waits_then_admits_and_never_stalls(serving):
     serving.controller.check_integrity()
 
 
-def test_sglang_refusing_after_admission_is_rolled_back(serving):
+@pytest.mark.parametrize("answer,kv_waits", [("NO_TOKEN", 1), ("OTHER", 0)])
+def test_sglang_refusing_after_admission_is_rolled_back(serving, answer, kv_waits):
+    """SGLang's adder refusing a request the plugin admitted rolls the admission back. Only
+    its KV budget's refusal (NO_TOKEN) is a round waited for KV pages; OTHER (the prefill
+    batch's tokens are spent) leaves the request for the next batch, as without the plugin."""
+
     def orig_refuses(adder, req, has_chunked_req, truncation_align_size):
-        return _result().NO_TOKEN
+        return getattr(_result(), answer)
 
     res = scheduling.around_add_one_req(orig_refuses, _adder(), _req("a", 320), False, None)
-    assert res == _result().NO_TOKEN
-    assert serving.waits == {"working_set": 0, "host_tier": 0, "kv_pages": 1}
+    assert res == getattr(_result(), answer)
+    assert serving.waits == {"working_set": 0, "host_tier": 0, "kv_pages": kv_waits}
     assert not serving.controller.running and serving.controller.used_units == 0
     stats = serving.controller.stats
     assert (stats.admitted, stats.finished, stats.retracted) == (0, 0, 0)
-
-
-def test_a_full_prefill_batch_is_no_wait_for_kv_pages(serving):
-    """SGLang's adder stops adding when the prefill batch's tokens are spent (OTHER): the
-    request stays queued, its admission rolled back, and no round waited for KV pages."""
-
-    def orig_batch_full(adder, req, has_chunked_req, truncation_align_size):
-        return _result().OTHER
-
-    res = scheduling.around_add_one_req(orig_batch_full, _adder(), _req("a", 320), False, None)
-    assert res == _result().OTHER
-    assert serving.waits == {"working_set": 0, "host_tier": 0, "kv_pages": 0}
-    assert not serving.controller.running and serving.controller.used_units == 0
     serving.controller.check_integrity()
 
 
