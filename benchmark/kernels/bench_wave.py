@@ -669,12 +669,16 @@ def read_case(batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8)
             "gbps": sweep}  # fmt: skip
 
 
-def fa3_case(batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8) -> dict:
+def fa3_case(
+    batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8, per_head: bool = False
+) -> dict:
     """FA3 (SGLang's H100 decode kernel, `flash_attn_with_kvcache`) reading `frac` of each
     request's pages: per KV head one call over that head's slice of SGLang's pool with a
     compacted page table (the chosen pages; attention over a set of whole pages is
     order-free), graph-replayed. `frac` 1: one call over every page and head, as plain
-    SGLang decodes. Raises ImportError without SGLang's FA3."""
+    SGLang decodes. `per_head`: each head's pages copied out of the pool first (a layout
+    SGLang does not keep: for FA3 builds that refuse the strided slice). Raises ImportError
+    without SGLang's FA3."""
     from sglang.kernels.ops.attention.flash_attention_v3 import flash_attn_with_kvcache
 
     q, kbuf, vbuf, table, n = _chosen_pages(batch, ctx, plan_ctx, frac)
@@ -693,6 +697,8 @@ def fa3_case(batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8) 
              kc[:, :, h : h + 1], vc[:, :, h : h + 1], table[:, h].contiguous())
             for h in range(HKV)
         ]  # fmt: skip
+        if per_head:
+            calls = [(qh, k.contiguous(), v.contiguous(), t) for qh, k, v, t in calls]
 
     def run():
         for qh, k, v, t in calls:
@@ -708,15 +714,16 @@ def fa3_case(batch: int, ctx: int, plan_ctx: int, frac: float, layers: int = 8) 
 
     us = _graph_us(run, layers)
     nbytes = batch * HKV * n * BS * D * 2 * 2
-    return {"pages_per_head": n, "calls_per_layer": len(calls), "time_us": us,
-            "gbps_on_bytes_read": nbytes / us / 1e3}  # fmt: skip
+    return {"pages_per_head": n, "calls_per_layer": len(calls), "per_head_copy": per_head,
+            "time_us": us, "gbps_on_bytes_read": nbytes / us / 1e3}  # fmt: skip
 
 
 def readers(ctx: int = 16000, fracs=(0.07, 0.13, 0.3, 0.5, 1.0), shape: str = "qwen05b") -> dict:
     """Per layer at workload a16's (or a's) shape, for shares of the pages: the wave
     kernel's one-wave read (`server_case` topk: ranking included; at 1, threshold 1), the
     page gather alone (`read_case`, its best launch) and FA3 over the same share
-    (`fa3_case`), against the HBM copy peak of the same run."""
+    (`fa3_case`: over SGLang's pool, and over per-head copies of it), against the HBM copy
+    peak of the same run."""
     use_shape(shape)
     out = {"hbm_peak_gbps": hbm_peak_gbps(), "heads": {"q": HQ, "kv": HKV, "d": D},
            "ctx": ctx, "batch": 32, "by_fraction": {}}  # fmt: skip
@@ -726,7 +733,8 @@ def readers(ctx: int = 16000, fracs=(0.07, 0.13, 0.3, 0.5, 1.0), shape: str = "q
         case = dict(batch=32, ctx=ctx, plan_ctx=32768, frac=frac)
         for name, fn in (("wave", functools.partial(server_case, mode, **case, profile=True)),
                          ("read_only", functools.partial(read_case, **case)),
-                         ("fa3", functools.partial(fa3_case, **case))):  # fmt: skip
+                         ("fa3", functools.partial(fa3_case, **case)),
+                         ("fa3_per_head", functools.partial(fa3_case, **case, per_head=True))):  # fmt: skip
             try:
                 row[name] = fn()
             except Exception as e:  # noqa: BLE001 - report and keep measuring
