@@ -33,3 +33,21 @@ def test_read_pages_sums_exactly_the_pages_of_its_table(kernel_device, d, tok, s
     # the other head's pages are not what it read
     swapped = bench_wave.read_pages_reference(kbuf, vbuf, table.flip(1))
     assert not torch.allclose(out.sum(-1), swapped, rtol=1e-4, atol=1e-2)
+
+
+def test_attention_over_pages_is_each_query_heads_softmax_over_its_kv_heads_pages():
+    """The reference `--readers` checks FA3's compacted-table reads against."""
+    g = torch.Generator().manual_seed(1)
+    bs, hkv, G, d, batch, n_pages, n = bench_wave.BS, 2, 3, 64, 2, 12, 5
+    kbuf = torch.randn(n_pages * bs, hkv, d, generator=g)
+    vbuf = torch.randn(n_pages * bs, hkv, d, generator=g)
+    q = torch.randn(batch, hkv * G, d, generator=g)
+    table = torch.stack([torch.randperm(n_pages, generator=g)[:n] for _ in range(batch * hkv)])
+    table = table.view(batch, hkv, n).to(torch.int32)
+    got = bench_wave._attention_over_pages(q, kbuf, vbuf, table)
+    for b in range(batch):
+        for hq in range(hkv * G):
+            h = hq // G
+            rows = torch.cat([torch.arange(p * bs, (p + 1) * bs) for p in table[b, h].tolist()])
+            w = torch.softmax(kbuf[rows, h] @ q[b, hq] * d**-0.5, dim=0)
+            torch.testing.assert_close(got[b, hq], w @ vbuf[rows, h], rtol=1e-4, atol=1e-5)
