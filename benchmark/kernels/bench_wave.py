@@ -731,9 +731,10 @@ def _attention_over_pages(q, kbuf, vbuf, table) -> torch.Tensor:
     rows = (table.long()[..., None] * BS + torch.arange(BS, device=table.device)).view(B, Hkv, -1)
     h = torch.arange(Hkv, device=table.device)[None, :, None]
     k, v = kbuf[rows, h].float(), vbuf[rows, h].float()  # [B, Hkv, n * BS, D]
-    qg = q.float().view(B, Hkv, -1, D)
-    p = torch.softmax(qg @ k.transpose(-1, -2) * D**-0.5, dim=-1)
-    return (p @ v).view(B, -1, D)
+    d = kbuf.shape[-1]
+    qg = q.float().view(B, Hkv, -1, d)
+    p = torch.softmax(qg @ k.transpose(-1, -2) * d**-0.5, dim=-1)
+    return (p @ v).view(B, -1, d)
 
 
 def readers(ctx: int = 16000, fracs=(0.07, 0.13, 0.3, 0.5, 1.0), shape: str = "qwen05b") -> dict:
