@@ -715,7 +715,8 @@ def fa3_case(
         ]
 
     us = _graph_us(run, layers)
-    got = torch.cat([o.view(batch, -1, D) for o in run()], dim=1).float()
+    outs = [o[0] if isinstance(o, (tuple, list)) else o for o in run()]  # (out, lse, ...)
+    got = torch.cat([o.reshape(batch, -1, D) for o in outs], dim=1).float()
     chosen = full[:, None, :].expand(batch, HKV, -1) if frac >= 1 else table
     want = _attention_over_pages(q, kbuf, vbuf, chosen)
     nbytes = batch * HKV * n * BS * D * 2 * 2
