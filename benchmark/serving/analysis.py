@@ -182,6 +182,17 @@ def per_request(bench: dict, meta: dict[int, dict], score, answer_ids) -> list[d
     return rows
 
 
+def phases(bench: dict, ok: list[dict]) -> dict | None:
+    """A run whose requests were all sent at once, in two phases: until the last request
+    has its first token (`intake_s`: every prompt prefilled, decode steps interleaved),
+    and from then to the last answer (`after_intake_s`: decode steps only). Which of the
+    two makes one system slower than another."""
+    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    if not ttfts or bench.get("duration") is None:
+        return None
+    return {"intake_s": max(ttfts), "after_intake_s": bench["duration"] - max(ttfts)}
+
+
 def run_metrics(
     bench: dict,
     rows: list[dict],
@@ -190,7 +201,8 @@ def run_metrics(
     prefill_lines: list[dict] | None = None,
 ) -> dict:
     """Throughput, latency and decode-step figures of one timed run, the server's own
-    prefill rate, what the prefix cache served, and for a chat the TTFT of each turn."""
+    prefill rate, with `batch` (all sent at once) its two phases, what the prefix cache
+    served, and for a chat the TTFT of each turn."""
     ok = [r for r in rows if r["error"] is None]
     metrics = {
         "requests": len(rows),
@@ -204,6 +216,7 @@ def run_metrics(
         "tpot_s": stats([r["tpot_s"] for r in ok]),
         "steady_decode": steady_step(decode_lines, batch),
         "server_prefill": prefill_rate(prefill_lines or []),
+        "phases": phases(bench, ok) if batch else None,
         "peak_running": max([ln["running"] for ln in decode_lines], default=0),
         "max_concurrent_client": bench.get("max_concurrent_requests"),
         "accuracy": (sum(r["correct"] for r in rows) / len(rows)) if rows else None,

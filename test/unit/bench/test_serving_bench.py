@@ -99,6 +99,16 @@ def test_prefill_lines_give_the_servers_own_prefill_rate():
     assert analysis.parse_prefill_lines(decode(0, 4, 10.0)) == []
 
 
+def test_a_run_sent_at_once_splits_into_intake_and_decode_phases():
+    """Until the last request's first token, and from then to the last answer."""
+    rows = [{"ttft_s": t, "error": None} for t in (0.4, 1.5, 0.9)]
+    assert analysis.phases({"duration": 2.5}, rows) == {
+        "intake_s": 1.5,
+        "after_intake_s": pytest.approx(1.0),
+    }
+    assert analysis.phases({"duration": 2.5}, []) is None
+
+
 def test_steady_step_is_the_median_at_the_batch_without_the_first_interval():
     # at 32 running: steps 50 (first, dropped), 10, 12, 11 ms; at 16: 1 ms (other batch)
     lines = analysis.parse_decode_lines(
