@@ -51,6 +51,7 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "rank_chunk_blocks",
         "prefetch",
         "tma",
+        "one_exp",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -549,6 +550,7 @@ def serving_a(
             one("descriptors", tma=True, tile_tokens=32)
         else:
             one("gather", tma=False, num_warps=2, tile_tokens=64)
+            one("two_exp", one_exp=False)  # the block merge's second exponential pass
         for tile in (32, 64, 128):
             one(f"tile{tile}", tile_tokens=tile)
         one("stages3", num_stages=3)

@@ -170,28 +170,43 @@ def _merge_tile(
     D: tl.constexpr,
     PREC: tl.constexpr,
     TRACK: tl.constexpr,
+    ONE_EXP: tl.constexpr = False,
 ):
     """Merge one tile `k, v [NBLK * BS, D]` (`valid [NBLK * BS]`, blocks of ranks
     `first ..`) into the running (max, sum, acc) state of the GQA group. With TRACK
     (the heuristic stop rule) also keep the smallest log-mass of a ranked block (rank
-    in [nf, end))."""
+    in [nf, end)). ONE_EXP (TRACK, one block a tile): the block's own exponentials serve
+    both its log-mass and the merge (rescaled by one exponential per query head), not
+    a second pass over the tile."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, NBLK * BS] fp32
     s = tl.where(valid[None, :], s, float("-inf"))
-    if TRACK:
-        s3 = tl.reshape(s, [GP, NBLK, BS])
-        bmax = tl.max(s3, axis=2)
-        blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
-        pb = first + tl.arange(0, NBLK)
-        ranked = (pb < end) & (pb >= nf)
-        smallest = tl.minimum(
-            smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
-        )
-        m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
+    if TRACK and ONE_EXP and NBLK == 1:
+        bmax = tl.max(s, axis=1)  # [GP]: the block's max, per query head
+        e = tl.where(bmax[:, None] == float("-inf"), 0.0, tl.exp(s - bmax[:, None]))
+        bsum = tl.sum(e, axis=1)
+        ranked = (first < end) & (first >= nf)
+        smallest = tl.where(ranked, tl.minimum(smallest, bmax + tl.log(bsum)), smallest)
+        m_new = tl.maximum(m_i, bmax)
+        beta = tl.where(bmax == float("-inf"), 0.0, tl.exp(bmax - m_new))
+        p = e * beta[:, None]
+        p_sum = bsum * beta
     else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if TRACK:
+            s3 = tl.reshape(s, [GP, NBLK, BS])
+            bmax = tl.max(s3, axis=2)
+            blse = bmax + tl.log(tl.sum(tl.exp(s3 - bmax[:, :, None]), axis=2))  # [GP, NBLK]
+            pb = first + tl.arange(0, NBLK)
+            ranked = (pb < end) & (pb >= nf)
+            smallest = tl.minimum(
+                smallest, tl.min(tl.where(ranked[None, :], blse, float("inf")), axis=1)
+            )
+            m_new = tl.maximum(m_i, tl.max(bmax, axis=1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
+        p_sum = tl.sum(p, axis=1)
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
-    p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc, smallest
 
@@ -291,6 +306,7 @@ def _wave_attention_kernel(
     KEPT: tl.constexpr,
     PREFETCH: tl.constexpr,
     TMA: tl.constexpr,
+    ONE_EXP: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -401,7 +417,7 @@ def _wave_attention_kernel(
                     v = tl.where(valid[:, None], v_desc.load(at), 0.0)
                     m_i, l_i, acc, smallest = _merge_tile(
                         q, k, v, valid, first + j, end, nf, scale, m_i, l_i, acc, smallest,
-                        GP, 1, BS, D, PREC, RULE == 0,
+                        GP, 1, BS, D, PREC, RULE == 0, ONE_EXP,
                     )  # fmt: skip
                     if STAMP:  # one store per block
                         if first + j < end:
@@ -688,6 +704,9 @@ class WaveAttention:
         # where the GPU has them (sm_90 on); None: for runs in waves only (one-wave runs
         # gather faster). A host tier is always read by the per-row gather.
         self.tma = None
+        # The heuristic rule's block-at-a-time merge takes one exponential pass per block
+        # (its log-mass and its merge from the same exponentials), not two.
+        self.one_exp = True
         # Blocks per ranking program (rows longer than this are sorted in chunks, merged).
         self.rank_chunk_blocks = 512
         # Scoring launch: blocks per program and warps (H100 sweep in bench_wave).
@@ -1171,6 +1190,7 @@ class WaveAttention:
                     PREFETCH=(not self.one_wave if self.prefetch is None else self.prefetch)
                     and not (descs and tile > bs),  # with descriptors: one block a tile only
                     TMA=descs is not None,
+                    ONE_EXP=self.one_exp,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break
