@@ -78,6 +78,15 @@ SYSTEMS: dict[str, System] = {
             jit_s=FLASHINFER_JIT_S,
         ),
         System(
+            "plain_fa3_p32",
+            "plain SGLang, FA3 attention at --page-size 32 (sglang-psa's page size: one page "
+            "a PSA block), decode CUDA graphs: what the page size alone costs plain SGLang",
+            ("--page-size", "32"),
+            True,
+            True,
+            attention_backend="fa3",
+        ),
+        System(
             "plain_repeat",
             "plain SGLang, triton attention, a second server: how often batched greedy "
             "decoding repeats plain's own completions (the floor of identical-to-plain)",
