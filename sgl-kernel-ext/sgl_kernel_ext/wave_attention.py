@@ -307,6 +307,7 @@ def _wave_attention_kernel(
     PREFETCH: tl.constexpr,
     TMA: tl.constexpr,
     ONE_EXP: tl.constexpr,
+    TRACK: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -417,7 +418,7 @@ def _wave_attention_kernel(
                     v = tl.where(valid[:, None], v_desc.load(at), 0.0)
                     m_i, l_i, acc, smallest = _merge_tile(
                         q, k, v, valid, first + j, end, nf, scale, m_i, l_i, acc, smallest,
-                        GP, 1, BS, D, PREC, RULE == 0, ONE_EXP,
+                        GP, 1, BS, D, PREC, TRACK, ONE_EXP,
                     )  # fmt: skip
                     if STAMP:  # one store per block
                         if first + j < end:
@@ -467,7 +468,7 @@ def _wave_attention_kernel(
                 v = tl.load(vp, mask=valid[:, None], other=0.0)
                 m_i, l_i, acc, smallest = _merge_tile(
                     q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
-                    GP, NBLK, BS, D, PREC, RULE == 0,
+                    GP, NBLK, BS, D, PREC, TRACK,
                 )  # fmt: skip
                 if STAMP:  # one store per block: its first token's row
                     lead = valid & (tok == 0)
@@ -1191,6 +1192,9 @@ class WaveAttention:
                     and not (descs and tile > bs),  # with descriptors: one block a tile only
                     TMA=descs is not None,
                     ONE_EXP=self.one_exp,
+                    # The heuristic rule's smallest block log-mass, kept only where the
+                    # rule is asked: a one-wave run reads to its end whatever the mass.
+                    TRACK=self.rule == "heuristic" and not self.one_wave,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break
