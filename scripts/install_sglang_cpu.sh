@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SGLang on a CPU-only machine, for the plugin tests (flags, --help, hook targets,
-# admission): SGLANG_VERSION picks the release, 0.5.17 (the default, what CI tests) or
-# 0.5.23; the plugin supports both (python/sglang_psa/plugin/hooks.py). Its wheel pins a
+# admission): SGLANG_VERSION picks the release, 0.5.17 (the default) or
+# 0.5.23 (CI installs it over 0.5.17 for the `sglang`-marked tests); the plugin supports
+# both (python/sglang_psa/plugin/hooks.py). Its wheel pins a
 # CUDA torch, so it goes in without dependencies and the pure-Python packages its modules
 # import come from test/requirements-sglang-$SGLANG_VERSION-cpu.txt.
 # test/conftest.py supplies a stub for torchvision, which SGLang imports at load time

@@ -23,6 +23,8 @@ pytest.importorskip(
     reason="SGLang is not installed (README's first command installs it)",
 )
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 # field -> invalid CLI values (type errors argparse catches, and values PSAConfig refuses)
 INVALID = {
     "sparse_mode": ["dense", ""],

@@ -27,6 +27,8 @@ from sglang_psa.sched.serving import (
     combine_ranks,
 )
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 BS = 32
 TOKENS = 640  # 20 blocks; 2 layers x 2 KV heads: 80 units per request
 

@@ -774,6 +774,7 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
         assert torch.equal(backend._step.pages[b, :nb], want)
 
 
+@pytest.mark.sglang
 def test_the_tiered_decode_graph_holds_table_rewrites_until_its_replay_ends():
     """SGLang 0.5.23's write-after-read contract (0.5.17: the `_apply_war_barrier` hook,
     test_scheduling.py): at the tiered home decode reads the request and location tables,

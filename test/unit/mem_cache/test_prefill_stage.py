@@ -28,6 +28,8 @@ from sglang_psa.mem_cache.request_kv import RequestKV  # noqa: E402
 from sglang_psa.plugin.extend import around_triton_forward_extend  # noqa: E402
 from sglang_psa.sched import process  # noqa: E402
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 BS = 32
 
 

@@ -48,6 +48,8 @@ from sglang_psa.mem_cache.request_kv import TieredRequests  # noqa: E402
 from sglang_psa.mem_cache.residency import Residency  # noqa: E402
 from sglang_psa.mem_cache.writeback import WriteBack, wait_saved  # noqa: E402
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 L, H, D, BS = 2, 1, 8, 4
 PAGES, ROWS, CTX, HOST_BLOCKS = 40, 6, 64, 28
 

@@ -16,6 +16,8 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.plugin.extend import after_hybrid_init  # noqa: E402
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 
 def _hybrid(decode, k_buffer, page_size=32):
     prefill = object.__new__(TritonAttnBackend)

@@ -15,6 +15,8 @@ from sglang_psa.sched import process
 from sglang_psa.sched.admission import Candidate
 from sglang_psa.sched.serving import PSAServing
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 try:  # the real enum when SGLang is installed; the hook imports it lazily
     from sglang.srt.managers.schedule_policy import AddReqResult
 except ImportError:

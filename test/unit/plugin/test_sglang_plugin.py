@@ -24,6 +24,8 @@ pytest.importorskip(
 from sglang_psa import releases  # noqa: E402
 from sglang_psa.plugin import hooks  # noqa: E402
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 
 def _run(code: str, env: dict | None = None, timeout: int = 240) -> dict:
     out = subprocess.run(

@@ -34,6 +34,8 @@ from sglang_psa.plugin import extend, scheduling  # noqa: E402
 from sglang_psa.sched import process  # noqa: E402
 from sglang_psa.sched.serving import PSAServing  # noqa: E402
 
+pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
+
 BS, HKV, D, LAYERS, PAGES = 32, 2, 16, 2, 64
 TIERED = PSAConfig(kv_home="tiered", host_pool_gb=0.01, writeback="uva")
 
