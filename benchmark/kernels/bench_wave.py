@@ -440,9 +440,13 @@ def server_case(
     that share), "psa_mixed" (the same over `_server_data(mixed=True)`: half the heads
     stop after one wave, the others read to the cap `frac`, as psa's heads spread on the
     real model), "topk" (ε 1, a budget of `frac` of the blocks: one
-    wave) or "dense" (ε 1, every block: `--psa-threshold 1`). Graph-replayed `layers`
-    deep, time per layer."""
+    wave) or "dense" (ε 1, every block: `--psa-threshold 1`). A `_kept` suffix ("psa_kept",
+    "psa_mixed_kept"): a step between rankings (`--psa-rerank-interval`): the selection
+    and read counts an eager ranking step left, read with no scoring, ranking or stop
+    rule. Graph-replayed `layers` deep, time per layer."""
     nb = plan_ctx // BS
+    kept_sel = mode.endswith("_kept")
+    mode = mode.removesuffix("_kept")
     mixed = mode == "psa_mixed"
     q, kbuf, vbuf, pages, loc, mean, qlo, qhi, mscale = _server_data(batch, nb, mixed=mixed)
     lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
@@ -462,17 +466,29 @@ def server_case(
             setattr(wa, attr, value)
     wa.plan(batch, HQ, HKV, D, nb, "cuda", splits=splits, out_dtype=torch.bfloat16,
             read_blocks=budget)  # fmt: skip
+    kept = None
+    if kept_sel:  # rank once (eager, fresh), then every replay reads what it kept
+        from sgl_kernel_ext.selection import SelectionCache
+
+        sel = SelectionCache(1, batch, HKV, nb, 1 << 30, BS, 2, "cuda")
+        rows = torch.arange(batch, device="cuda")
+        sel.assign(rows, lengths, step)  # no slot yet: every row ranks
+        kept = sel.kept(0, batch)
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
         slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
-        stats=stats, meta_scale=mscale,
+        stats=stats, meta_scale=mscale, kept=kept,
     )  # fmt: skip
+    if kept_sel:
+        run()
+        sel.assign(rows, lengths, step + 1)  # the steps between: no row ranks
+        assert int(sel.rows(batch)[1].sum()) == 0
     graph, res = _captured(run, layers)
     t = _time(graph.replay, reps=30, warmup=5) / layers
     n_read = res.n_read.float()
     read_bytes = batch * HKV * n_read.mean().item() * BS * D * 2 * 2
     out = {
-        "mode": mode,
+        "mode": mode + ("_kept" if kept_sel else ""),
         "time_us": t * 1e6,
         "splits": wa.splits,
         "blocks_read_per_head": n_read.mean().item(),
@@ -526,7 +542,10 @@ def serving_a(
     use_shape(shape)
     hbm = hbm_peak_gbps()
     result = {"hbm_peak_gbps": hbm, "heads": {"q": HQ, "kv": HKV, "d": D}, "block": BS}
-    modes = (("psa", 0.2), ("psa_mixed", 0.5), ("topk", 2048 / ctx), ("dense", 1.0))
+    modes = (
+        ("psa", 0.2), ("psa_mixed", 0.5), ("psa_kept", 0.2), ("psa_mixed_kept", 0.5),
+        ("topk", 2048 / ctx), ("topk_kept", 2048 / ctx), ("dense", 1.0),
+    )  # fmt: skip
     for mode, frac in (m for m in modes if not only or m[0] in only):
         case = dict(mode=mode, batch=32, ctx=ctx, plan_ctx=32768, frac=frac)
         default = server_case(**case, profile=True)

@@ -363,6 +363,8 @@ SUMMARY_KEYS = (
     "decode_step_ratio_topk_r8_vs_fastest",
     "throughput_ratio_topk_r8_vs_fastest",
     "decode_step_ratio_eps1_vs_fastest",
+    "decode_step_ratio_psa_r1_vs_fastest",
+    "decode_step_ratio_psa_r1_vs_fastest_a16",
     "decode_step_ratio_psa_vs_fastest_a16",
     "decode_step_ratio_topk_vs_fastest_a16",
     "decode_step_ratio_topk_vs_fastest_8b",
@@ -611,6 +613,9 @@ FASTEST_KEYS = (  # (key, workload, system, metric)
     ("decode_step_ratio_topk_r8_vs_fastest", "a", "topk_r8", STEP),
     ("throughput_ratio_topk_r8_vs_fastest", "a", "topk_r8", TOK_S),
     ("decode_step_ratio_eps1_vs_fastest", "a", "psa_eps1", STEP),
+    # psa ranked every step (psa above: its selection kept 8 steps, the default since)
+    ("decode_step_ratio_psa_r1_vs_fastest", "a", "psa_r1", STEP),
+    ("decode_step_ratio_psa_r1_vs_fastest_a16", "a16", "psa_r1", STEP),
     ("decode_step_ratio_psa_vs_fastest_a16", "a16", "psa", STEP),
     ("decode_step_ratio_topk_vs_fastest_a16", "a16", "topk", STEP),
     ("decode_step_ratio_topk_vs_fastest_8b", "d", "topk", STEP),

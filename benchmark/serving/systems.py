@@ -114,8 +114,18 @@ SYSTEMS: dict[str, System] = {
         ),
         System(
             "psa",
-            "sglang-psa --sparse-mode psa (KV in HBM), decode CUDA graphs",
+            "sglang-psa --sparse-mode psa (KV in HBM; ranked every step in the runs recorded "
+            "before psa kept its selection 8 steps by default), decode CUDA graphs",
             ("--sparse-mode", "psa"),
+            False,
+            True,
+        ),
+        System(
+            "psa_r1",
+            "sglang-psa --sparse-mode psa --psa-rerank-interval 1 (blocks scored, ranked and "
+            "read under the stop rule every step; the default keeps a selection 8 steps), "
+            "decode CUDA graphs",
+            ("--sparse-mode", "psa", "--psa-rerank-interval", "1"),
             False,
             True,
         ),

@@ -82,12 +82,14 @@ class PSAConfig:
     # of its best-ranked blocks already gives.
     max_read_fraction: float = 0.5
     topk_tokens: int = 2048
-    # topk: decode ranks blocks every this many steps and reads in the kept order between
+    # Decode ranks blocks every this many steps and reads in the kept order between
     # (blocks a request gained since are read with the forced ones): scoring and ranking
     # cost a step a fixed price per layer whatever it reads (LServe reuses a selection
-    # across queries likewise). 1: rank every step. psa always ranks: a kept order makes
-    # its stop rule read about twice the blocks (benchmark/results/serving_h100.json,
-    # psa_r8), which costs more than the ranking it saves.
+    # across queries likewise). 1: rank every step. psa's stop rule runs on the ranking
+    # steps only; the steps between read as many ranked blocks as it read then, per
+    # layer and KV head, in one wave (the rule over a stale order read about twice the
+    # blocks: psa_r8 in benchmark/results/serving_h100.json). The certified rule ranks
+    # every step.
     rerank_interval: int = 8
     # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
     # per block and KV head: half the metadata bytes decode reads for every block.
@@ -213,6 +215,17 @@ class PSAConfig:
     def needs_key_bounds(self) -> bool:
         """Blocks keep per-channel key min/max (bound ranking or the certified rule)."""
         return self.stop_rule == "certified" or self.score == "bound"
+
+    @property
+    def keeps_selection(self) -> bool:
+        """Decode keeps its block selection across steps (`rerank_interval`): top-k, and
+        psa under the heuristic rule with ε < 1 (the certified rule's guarantee needs a
+        fresh ranking; ε = 1 reads every block in block order)."""
+        if self.rerank_interval <= 1:
+            return False
+        return self.sparse_mode == "topk" or (
+            self.stop_rule == "heuristic" and self.threshold < 1.0
+        )
 
     @property
     def needs_key_mean(self) -> bool:

@@ -8,6 +8,10 @@ is stale; otherwise the wave kernel reads the kept order. The spec is
 `sglang_psa.algo.attention.reuse_order`: the sink blocks and every block from
 the tail block at ranking time on are read first (forced), then the kept ranked
 blocks in their order, so blocks a request gained since then are always read.
+Under psa's stop rule a kept step reads as many ranked blocks as the rule read
+when the order was ranked, per (layer, KV head), in one wave (LFPS predicts a
+step's budget from past steps likewise): the rule itself is only sound over a
+fresh ranking.
 
 One kernel per step (`assign`, recorded into the decode graph before the layers)
 maps each batch row to a slot by its request-table row (the tag) and decides,
@@ -112,7 +116,9 @@ def _assign_kernel(
 
 
 class SelectionCache:
-    """Kept read orders `[layers, slots, Hkv, NB]` int32 and the per-step row map.
+    """Kept read orders `[layers, slots, Hkv, NB]` int32, the ranked blocks read when
+    they were ranked `budget [layers, slots, Hkv]` (psa's stop rule writes it, the steps
+    between read that many) and the per-step row map.
 
     `slots` is the largest batch it serves plus the scratch slot. `assign` (once per
     step) fills the views `slot`, `fresh`, `nbr` of the first `B` rows; the ranking of
@@ -137,6 +143,8 @@ class SelectionCache:
         self.max_batch = max_batch
         C = max_batch + 1
         self.order = torch.zeros(layers, C, kv_heads, max_blocks, dtype=torch.int32, device=dev)
+        # Ranked blocks each slot's (layer, KV head) read when it ranked (the stop rule's).
+        self.budget = torch.zeros(layers, C, kv_heads, dtype=torch.int32, device=dev)
         self.tag = torch.full((C,), -1, dtype=torch.int32, device=dev)
         self.ranked = torch.zeros(C, dtype=torch.int32, device=dev)
         self._slot = torch.full((max_batch,), C - 1, dtype=torch.int32, device=dev)
@@ -145,8 +153,13 @@ class SelectionCache:
 
     @property
     def nbytes(self) -> int:
-        ts = (self.order, self.tag, self.ranked, self._slot, self._fresh, self._nbr)
+        ts = (self.order, self.budget, self.tag, self.ranked, self._slot, self._fresh, self._nbr)
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def kept(self, layer: int, B: int) -> tuple[torch.Tensor, ...]:
+        """`WaveAttention.run(kept=)` for `layer` and the first `B` rows."""
+        slot, fresh, nbr = self.rows(B)
+        return self.order[layer], slot, fresh, nbr, self.budget[layer]
 
     def rows(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(slot, fresh, nbr)` `[B]` int32 views: the step's map of the first B rows."""

@@ -272,6 +272,8 @@ def _wave_attention_kernel(
     cpages_ptr,
     sel_slot_ptr,
     sel_nbr_ptr,
+    sel_fresh_ptr,
+    budget_ptr,
     sink,
     recent,
     stamp_stride,
@@ -308,6 +310,7 @@ def _wave_attention_kernel(
     TMA: tl.constexpr,
     ONE_EXP: tl.constexpr,
     TRACK: tl.constexpr,
+    BUDGET: tl.constexpr,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -356,6 +359,13 @@ def _wave_attention_kernel(
     # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
     # (the ceiling of the float32 product; never below the forced blocks).
     mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
+    reuse = 0  # 1: a kept selection read at its kept budget, in one wave
+    if BUDGET:
+        slot = tl.load(sel_slot_ptr + b)
+        if tl.load(sel_fresh_ptr + b) == 0:
+            reuse = 1
+            kept_n = tl.load(budget_ptr + slot * Hkv + h)
+            mr = tl.minimum(nb, nf + tl.maximum(kept_n, 0))
     g = tl.arange(0, GP)
     gmask = g < G
     dd = tl.arange(0, D)
@@ -377,6 +387,8 @@ def _wave_attention_kernel(
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
+        if BUDGET:
+            end = tl.where(reuse != 0, mr, end)
         # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
@@ -591,6 +603,9 @@ def _wave_attention_kernel(
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
+        if BUDGET:
+            if reuse == 0:  # ranked this step: the budget the kept steps read at
+                tl.store(budget_ptr + slot * Hkv + h, wstart - nf)
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
@@ -1059,7 +1074,7 @@ class WaveAttention:
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
         code_hi: torch.Tensor | None = None,
-        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        kept: tuple[torch.Tensor, ...] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -1087,6 +1102,10 @@ class WaveAttention:
         and the stop rule alike; the rule then asks for `CODE_LIMIT_MARGIN` more in log
         space (the float32 mass the kernel sums may differ from the float64 one by
         rounding), so every query head covers at least ε of its true mass.
+        `kept = (order, slot, fresh, nbr, budget)`: a selection kept across steps, the
+        views of `SelectionCache` (`order[layer]`, `rows(B)`, `budget[layer]`): fresh rows
+        rank into their slot and, under the stop rule, leave their ranked read count in
+        `budget [slots, Hkv]`; the others read their slot's order, at that count.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -1115,6 +1134,8 @@ class WaveAttention:
                 codes,
             )  # fmt: skip
             rloc = self.ranked_loc
+        # The stop rule's rows keep their read count for the steps that reuse their order.
+        budget = kept is not None and not self.one_wave
         limit = self.limit if code_planes is None else self.limit - CODE_LIMIT_MARGIN
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
@@ -1159,6 +1180,8 @@ class WaveAttention:
                     cache_pages if cached else self.n_read,
                     kept[1] if kept is not None else self.n_read,
                     kept[3] if kept is not None else self.n_read,
+                    kept[2] if budget else self.n_read,
+                    kept[4] if budget else self.n_read,
                     self.sink,
                     self.recent,
                     stamps.stride(0) if stamps is not None else 0,
@@ -1195,6 +1218,7 @@ class WaveAttention:
                     # The heuristic rule's smallest block log-mass, kept only where the
                     # rule is asked: a one-wave run reads to its end whatever the mass.
                     TRACK=self.rule == "heuristic" and not self.one_wave,
+                    BUDGET=budget,
                     launch_cooperative_grid=self.splits > 1 and not self.one_wave,
                 )
                 break

@@ -116,7 +116,9 @@ SHAPES = {
 def test_wave_reads_kept_order(device, mode, shape):
     """Step 1 ranks (fresh) into the slots; step 2, longer by a block and with new
     queries, reads the kept order: blocks, output and log-mass equal the reference given
-    the same kept order (`progressive_attention`/`topk_attention(prior=...)`)."""
+    the same kept order (`progressive_attention`/`topk_attention(prior=...)`). psa's
+    step 1 leaves each (request, KV head)'s ranked read count in the cache; step 2 reads
+    that many ranked blocks in one wave, no stop rule."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -148,7 +150,7 @@ def test_wave_reads_kept_order(device, mode, shape):
         res = wa.run(
             q.to(device), k_slots, v_slots, loc, lengths.to(device),
             meta.mean.to(device), meta.kmin.to(device), meta.kmax.to(device),
-            max_read_blocks=max_read, kept=(cache.order[0], slot, fresh, nbr),
+            max_read_blocks=max_read, kept=cache.kept(0, B),
         )  # fmt: skip
         if step == 0:
             kept = cache.order[0][slot.long()].cpu()
@@ -172,14 +174,25 @@ def test_wave_reads_kept_order(device, mode, shape):
             # The reference reading the kernel's ranking (the same order, checked above;
             # at real shapes near-ties may sit otherwise): a kept order ranked now.
             ref = fn(q, k, v, lengths, cfg, prior=(kept, nbs))
-            orders.append((kept, nbs))
+            budget = ref.read.sum(-1) - n_forced[:, None]  # ranked blocks the rule read
+            if not topk:
+                kept_n = cache.budget[0][slot.long()].cpu().long()
+                assert torch.equal(kept_n, budget)
+                assert (budget > 0).any() and (ref.n_waves > 1).any(), "a case the rule stops"
+            orders.append((kept, nbs, budget))
         else:
             assert nbr.tolist() == orders[0][1].tolist()
-            kept, nbs = orders[0]
+            kept, nbs, budget = orders[0]
             if topk:
                 ref = topk_attention(q, k, v, lengths, cfg, prior=(kept, nbs))
             else:
-                ref = progressive_attention(q, k, v, lengths, cfg, prior=(kept, nbs))
+                ref = progressive_attention(q, k, v, lengths, cfg, prior=(kept, nbs, budget))
+                assert (res.n_waves.cpu() == 1).all()
+                # The forced blocks (one gained) and the kept budget, not the stop rule's.
+                nb2, nbr = (lengths + bs - 1) // bs, nbs
+                n_sink = nbr.clamp(max=cfg.sink_blocks)
+                n_f = n_sink + nb2 - torch.maximum(n_sink, nbr - cfg.recent_blocks)
+                assert torch.equal(res.n_read.cpu().long(), n_f[:, None] + budget)
         n_read = res.n_read.cpu()
         assert torch.equal(n_read.long(), ref.read.sum(-1)), f"step {step}"
         torch.testing.assert_close(res.out.cpu(), ref.out.float(), atol=2e-4, rtol=2e-4)

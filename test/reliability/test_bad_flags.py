@@ -91,6 +91,10 @@ def _cases():
         mode = "topk" if other == "kv_home" else "psa"
         argv = ["--sparse-mode", mode, flag_name(name), valid.get(name, "1024")]
         yield name, argv, f"acts only with {flag_name(other)} {value}"
+    # A kept selection where no rule could use it: the certified rule, and ε = 1.
+    for extra in (["--psa-stop-rule", "certified"], ["--psa-threshold", "1"]):
+        argv = ["--sparse-mode", "psa", *extra, flag_name("rerank_interval"), "8"]
+        yield "rerank_interval", argv, "keeps a selection for topk and for psa's heuristic"
 
 
 def _one_error_line(got: str, name: str, says: str) -> bool:

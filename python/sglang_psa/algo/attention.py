@@ -216,7 +216,10 @@ def progressive_attention(
     for the float32 scores the output is computed from.
 
     `prior = (order, ranked_blocks)`: read in the order kept from an earlier step
-    (`reuse_order`) instead of ranking now.
+    (`reuse_order`) instead of ranking now. `prior = (order, ranked_blocks, budget)`
+    (`budget [B, Hkv]`: the ranked blocks the rule read when the order was ranked): no
+    stop rule; each (request, KV head) reads its forced blocks and `budget` ranked ones
+    in one wave (`--psa-rerank-interval`'s steps between rankings).
 
     `meta`: the exact block summaries (default: from `k`); with `cfg.bound_bits` 8 the
     bounds are read back from their 8-bit codes (`as_kept`), as the kernels read them.
@@ -243,7 +246,7 @@ def progressive_attention(
         code_ub = block_lse(token_score_bounds(q, codes, lengths, scale).double(), bs)
         order, n_forced = order_blocks(criticality_from_logits(code_ub.float(), Hkv), lengths, cfg)
     elif prior is not None:
-        order, n_forced = reuse_order(*prior, lengths, cfg)
+        order, n_forced = reuse_order(*prior[:2], lengths, cfg)
     else:
         order, n_forced = read_order(q, meta, lengths, cfg, scale)
     order_q = order.repeat_interleave(G, dim=1)  # [B, Hq, NB]
@@ -295,12 +298,19 @@ def progressive_attention(
     capped = cap_tokens is not None or cfg.max_read_fraction < 1
     if capped:
         n_read = torch.minimum(n_read, torch.maximum(cap, n_forced)[:, None])
+    budget = prior[2] if prior is not None and len(prior) > 2 else None
+    if budget is not None:  # a kept selection at its kept read count: one wave, no rule
+        n_read = n_forced[:, None] + budget.to(n_forced.device).long().clamp(min=0)
+        n_read = torch.minimum(n_read, nblk[:, None])
     read_sorted = pos[None, None, :] < n_read[..., None]
     read = _unsort(order, read_sorted, meta.count > 0)
-    n_waves = (checks[:, None, :] & read_sorted).sum(-1)
-    if capped:  # a wave the cap cut short counts too
-        last = checks[:, None, :].expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
-        n_waves = n_waves + (~last[..., 0]).long()
+    if budget is not None:
+        n_waves = (nblk > 0)[:, None].long().expand_as(n_read)
+    else:
+        n_waves = (checks[:, None, :] & read_sorted).sum(-1)
+        if capped:  # a wave the cap cut short counts too
+            last = checks[:, None, :].expand_as(read_sorted).gather(-1, (n_read - 1)[..., None])
+            n_waves = n_waves + (~last[..., 0]).long()
     out, lse = attend(scores, v, read, bs)
     return SparseResult(out.to(q.dtype), read, lse, n_waves)
 

@@ -177,8 +177,7 @@ class PSAAttnBackend(AttentionBackend):
         self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host = tables
         self._batches.clear()
         cfg, pool = self.cfg, self.token_to_kv_pool
-        keep = cfg.sparse_mode == "topk" and cfg.rerank_interval > 1
-        if keep and self.use_kernel:  # top-k's read orders kept across steps
+        if cfg.keeps_selection and self.use_kernel:  # read orders kept across steps
             self._selection = SelectionCache(
                 pool.layer_num, max_bs, pool.head_num, self.max_blocks, cfg.rerank_interval,
                 cfg.block_size, cfg.sink_blocks + cfg.recent_blocks, self._device,
@@ -358,7 +357,7 @@ class PSAAttnBackend(AttentionBackend):
         mean, kmin, kmax, kscale = self.meta.layer(lid)  # per page, read via the table
         kept = None
         if step.kept:
-            kept = (self._selection.order[lid], *self._selection.rows(q.shape[0]))
+            kept = self._selection.kept(lid, q.shape[0])
         res = plan.run(
             q,
             kbuf,

@@ -54,9 +54,10 @@ _HELP = {
     "by --psa-wave-growth up to --psa-max-wave-blocks (0: as large as the first wave); the "
     "stop rule is checked after each wave",
     "topk_tokens": "topk mode: tokens attended per step",
-    "rerank_interval": "topk mode: decode scores and ranks the blocks every this many steps "
-    "and reads in the kept order between them (blocks a request gained since are always "
-    "read); 1: every step (psa ranks every step)",
+    "rerank_interval": "decode scores and ranks the blocks every this many steps and reads "
+    "in the kept order between them (blocks a request gained since are always read); psa "
+    "runs its stop rule on the ranking steps and reads as many ranked blocks between "
+    "them; 1: every step (the certified rule and --psa-threshold 1 rank every step)",
     "bound_bits": "bits per channel of the per-block key bounds: 16 (the KV dtype) or 8 "
     "(codes with a float32 scale per block and KV head, rounded outward so they still "
     "bound every key: half the metadata bytes read per step)",
@@ -98,7 +99,6 @@ ONLY_WITH = {
     "host_pool_gb": ("kv_home", "tiered"),
     "cold_fraction": ("kv_home", "tiered"),
     "topk_tokens": ("sparse_mode", "topk"),
-    "rerank_interval": ("sparse_mode", "topk"),
 }
 
 
@@ -174,6 +174,13 @@ def config_from_namespace(ns: argparse.Namespace | object) -> PSAConfig | None:
                     f"acts only with {flag_name(other)} {value}; "
                     f"got {flag_name(other)} {getattr(cfg, other)}",
                 )
+    if given.get("rerank_interval", 1) > 1 and not cfg.keeps_selection:
+        raise PSAConfigError(
+            "rerank_interval",
+            "keeps a selection for topk and for psa's heuristic rule with "
+            f"{flag_name('threshold')} < 1 only; got {flag_name('stop_rule')} "
+            f"{cfg.stop_rule}, {flag_name('threshold')} {cfg.threshold}",
+        )
     return cfg
 
 

@@ -499,27 +499,43 @@ def test_many_decode_steps_with_pages_filling_and_new_pages_allocated():
                 _assert_page_meta(backend.meta, layer_id, page, keys)
 
 
-def test_psa_ranks_every_step_whatever_the_rerank_interval():
-    """The kept selection is top-k's: psa's stop rule reads twice the blocks from a kept
-    order (benchmark/results/serving_h100.json, psa_r8), so its backend keeps none."""
-    runner, _, _ = _rig(PSAConfig(sparse_mode="psa", rerank_interval=8), [95, 300])
-    psa = PSAAttnBackend(runner, use_kernel=True)
-    psa.init_cuda_graph_state(4, 4)
-    assert psa._selection is None
-    runner, _, _ = _rig(PSAConfig(sparse_mode="topk", topk_tokens=96), [95, 300])
-    topk = PSAAttnBackend(runner, use_kernel=True)
-    topk.init_cuda_graph_state(4, 4)
-    assert topk._selection is not None and topk._selection.interval == 8  # the default
+@pytest.mark.parametrize(
+    "cfg, keeps",
+    [
+        (PSAConfig(sparse_mode="topk", topk_tokens=96), True),
+        (PSAConfig(sparse_mode="psa"), True),
+        (PSAConfig(sparse_mode="psa", rerank_interval=1), False),
+        (PSAConfig(sparse_mode="psa", threshold=1.0), False),  # dense: block order
+        (PSAConfig(sparse_mode="psa", stop_rule="certified"), False),  # needs a fresh rank
+    ],
+)
+def test_which_modes_keep_a_selection(cfg, keeps):
+    """top-k and psa's heuristic rule keep their selection 8 steps by default; rank every
+    step: interval 1, ε = 1 and the certified rule."""
+    runner, _, _ = _rig(cfg, [95, 300])
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    backend.init_cuda_graph_state(4, 4)
+    assert (backend._selection is not None) == keeps
+    if keeps:
+        assert backend._selection.interval == 8  # the default
 
 
-def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
-    """topk, `--psa-rerank-interval 4`, kernel path, 12 decode steps of two requests
-    (tails filling into new pages; the batch order flips at step 6): on the steps that
-    rank, every layer equals the reference ranking now; between them, the reference
-    reading the order kept at the last ranking (`prior=`), blocks gained since included."""
+@pytest.mark.parametrize("mode", ["topk", "psa"])
+def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mode):
+    """`--psa-rerank-interval 4`, kernel path, 12 decode steps of two requests (tails
+    filling into new pages; the batch order flips at step 6): on the steps that rank,
+    every layer equals the reference ranking now; between them, the reference reading
+    the order kept at the last ranking (`prior=`), blocks gained since included, psa at
+    the ranked read count its stop rule took then."""
     from sglang_psa.algo.attention import read_order
 
-    cfg = PSAConfig(sparse_mode="topk", topk_tokens=96, rerank_interval=4, bound_bits=16)
+    if mode == "topk":
+        cfg = PSAConfig(sparse_mode="topk", topk_tokens=96, rerank_interval=4, bound_bits=16)
+    else:
+        cfg = PSAConfig(
+            sparse_mode="psa", threshold=0.9, rerank_interval=4, bound_bits=16,
+            wave_fraction=0.0, wave_blocks=2, max_wave_blocks=4, max_read_fraction=1.0,
+        )  # fmt: skip
     lengths = [95, 300]
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
@@ -530,7 +546,9 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
     used = set(req.req_to_token[1:3, :320].flatten().div(BS, rounding_mode="floor").tolist())
     free_pages = [p for p in range(1, 64) if p not in used]
     lens, rows = list(lengths), [1, 2]
-    kept: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (layer, row) -> order, nb
+    # (layer, row) -> order, blocks, ranked blocks read (psa)
+    kept: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor]] = {}
+    budgets = []
     fresh_steps = []
     for t in range(12):
         if t == 6:
@@ -550,27 +568,38 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between():
             out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
             kc, vc = _dense_kv(runner, fb, layer_id)
             qb = q.view(2, HQ, D)
+            fn = topk_attention if mode == "topk" else progressive_attention
             if fresh[0]:  # ranked now: the kept order is this step's ranking
                 order = backend._selection.order[layer_id][torch.tensor(slot_of)].cpu()
-                for i, r in enumerate(rows):
-                    kept[(layer_id, r)] = (order[i], nbs[i])
-                ref_order, _ = read_order(
+                ref_order, n_forced = read_order(
                     qb.cpu(), _meta_of(kc.cpu(), fb.seq_lens.cpu(), cfg), fb.seq_lens.cpu(),
                     cfg, D**-0.5,
                 )  # fmt: skip
                 for i in range(2):
                     assert torch.equal(order[i, :, : nbs[i]], ref_order[i, :, : nbs[i]])
-                prior = None
+                want = fn(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5)
+                ranked_read = want.read.sum(-1).cpu() - n_forced[:, None]
+                if mode == "psa":  # what the kernel kept for the steps between
+                    got = backend._selection.budget[layer_id][torch.tensor(slot_of)].cpu()
+                    assert torch.equal(got.long(), ranked_read)
+                    budgets.append(ranked_read)
+                for i, r in enumerate(rows):
+                    kept[(layer_id, r)] = (order[i], nbs[i], ranked_read[i])
             else:
                 nb_ref = -(-kc.shape[2] // BS)  # the reference's blocks (the longest request)
                 prior = (
                     torch.stack([kept[(layer_id, r)][0][:, :nb_ref] for r in rows]).to(DEV),
                     torch.tensor([kept[(layer_id, r)][1] for r in rows], device=DEV),
                 )
-            want = topk_attention(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
+                if mode == "psa":
+                    prior += (torch.stack([kept[(layer_id, r)][2] for r in rows]).to(DEV),)
+                want = fn(qb, kc, vc, fb.seq_lens, cfg, scale=D**-0.5, prior=prior)
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
     # The step counter starts at 1 after prefill: steps 4 and 8 (t = 3, 7, 11) rank all.
     assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    if mode == "psa":  # the rule stopped short of some rows' blocks, and not everywhere alike
+        kept_counts = torch.stack(budgets)
+        assert (kept_counts > 0).any() and kept_counts.unique().numel() > 1
 
 
 def _meta_of(k, lengths, cfg):
@@ -693,12 +722,14 @@ def test_graph_replayed_step_equals_eager_and_reference_without_a_sync(
 
 
 @pytest.mark.gpu
-def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync():
-    """topk, `--psa-rerank-interval 4`, at qwen05b's shape: nine decode steps (three
-    requests growing a token a step, padded to the captured batch 4) replayed from one
-    CUDA graph equal, bit for bit, a second backend stepping the same batches eagerly; the
-    kept selection ranks at the first step and every 4th after, and no step syncs."""
-    cfg = PSAConfig(sparse_mode="topk", topk_tokens=2048, rerank_interval=4)
+@pytest.mark.parametrize("mode", ["topk", "psa"])
+def test_graph_replayed_kept_selection_equals_eager_over_steps_without_a_sync(mode):
+    """`--psa-rerank-interval 4`, at qwen05b's shape: nine decode steps (three requests
+    growing a token a step, padded to the captured batch 4) replayed from one CUDA graph
+    equal, bit for bit, a second backend stepping the same batches eagerly; the kept
+    selection ranks at the first step and every 4th after (psa keeps its read counts),
+    and no step syncs."""
+    cfg = PSAConfig(sparse_mode=mode, topk_tokens=2048, rerank_interval=4)
     hq, hkv, d = 14, 2, 64
     runner, fb, g = _rig(cfg, [20011, 300, 9000, 33], hkv=hkv, d=d, dtype=torch.bfloat16)
     graphed, eager = PSAAttnBackend(runner), PSAAttnBackend(runner)

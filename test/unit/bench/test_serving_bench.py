@@ -570,7 +570,8 @@ def test_psas_identical_fraction_stands_beside_a_second_plain_servers_from_one_r
     assert where["identical_fraction_server_plain_vs_plain"]["of"] == "plain_repeat"
     s, _ = analysis.summarize([new])
     assert (
-        s["identical_fraction_server_psa"] is None and s["identical_fraction_server_plain_vs_plain"] is None
+        s["identical_fraction_server_psa"] is None
+        and s["identical_fraction_server_plain_vs_plain"] is None
     )
     assert "plain_repeat" in workloads.WORKLOADS["a16"].systems
     assert systems.SYSTEMS["plain_repeat"].attention_backend == "triton"
