@@ -311,6 +311,7 @@ def _wave_attention_kernel(
     ONE_EXP: tl.constexpr,
     TRACK: tl.constexpr,
     BUDGET: tl.constexpr,
+    ROWS: tl.constexpr = 0,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -339,11 +340,25 @@ def _wave_attention_kernel(
     `sel_slot_ptr[b]` of `order_ptr [slots, Hkv, NB]`, ranked when the request had
     `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
     the tail block at ranking time on, `recent` of them then) come first.
+
+    BUDGET (a kept selection under the heuristic rule): a row that ranks this step
+    (`sel_fresh_ptr[b]`) reads under the stop rule and leaves how many ranked blocks it
+    read in `budget_ptr[slot * Hkv + h]`; a row reading a kept selection reads its
+    forced blocks and that many ranked ones, in one wave, with no stop rule (spec:
+    `algo.attention.progressive_attention(prior=(.., budget))`). ROWS splits the rows
+    between two launches: 1, the rows that rank (in waves); 2, the others (the ONE_WAVE
+    launch); programs of the other rows return at once.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
     sid = tl.program_id(2)
     bh = b * Hkv + h
+    if ROWS == 1:  # the rows that rank this step
+        if tl.load(sel_fresh_ptr + b) == 0:
+            return
+    elif ROWS == 2:  # the rows that read their kept selection
+        if tl.load(sel_fresh_ptr + b) != 0:
+            return
     length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
     if KEPT:
@@ -840,6 +855,15 @@ class WaveAttention:
                     splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
+        # A kept selection's rows read in one wave (`run`'s second launch): up to 8
+        # programs a (request, KV head), at least 8 blocks each of what the read cap lets
+        # a head read (bench_wave: psa's kept reads of 50-200 blocks at 32 x 16K).
+        self.kept_splits = 1
+        if dev.type == "cuda" and not interp and not self.one_wave:
+            cap = max(1, int(self.max_read_fraction * max_blocks))
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            fill = -(-16 * sms // (batch * n_kv_heads))
+            self.kept_splits = 1 << (max(1, min(8, fill, cap // 8)).bit_length() - 1)
         self.B, self.Hq, self.Hkv, self.D, self.NB = (
             batch,
             n_q_heads,
@@ -915,8 +939,9 @@ class WaveAttention:
         self.splits = splits
         gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
         take, f32 = self._ws.take, torch.float32
-        self.part = take("part", (2, batch, n_kv_heads, splits, 3, gp), f32)  # wave parity
-        self.acc_part = take("acc_part", (batch, n_kv_heads, splits, gp, head_dim), f32)
+        sp = max(splits, getattr(self, "kept_splits", 1))  # either launch's programs
+        self.part = take("part", (2, batch, n_kv_heads, sp, 3, gp), f32)  # wave parity
+        self.acc_part = take("acc_part", (batch, n_kv_heads, sp, gp, head_dim), f32)
         # The split barrier's arrival counters: zero between launches (each resets its own).
         self.counters = take("counters", (batch * n_kv_heads,), torch.int32)
 
@@ -1149,78 +1174,88 @@ class WaveAttention:
         slot_strides = slot_strides or (bs * D, D, 0)
         descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
         tile = self.tile_tokens or (bs if descs else 64)
+
+        def launch(S, one_wave, rows, descs, tile, warps, prefetch):
+            _wave_attention_kernel[(B, Hkv, S)](
+                q,
+                k_slots,
+                v_slots,
+                *(descs or (k_slots, v_slots, 0, 0)),
+                k_host,
+                v_host,
+                rloc,
+                order,
+                lengths,
+                n_forced,
+                self.wave_ends,
+                self.wave_row,
+                ub_suffix,
+                self.out,
+                self.lse,
+                self.n_read,
+                self.n_waves,
+                self.part,
+                self.acc_part,
+                self.counters,
+                meta_pages if stamps is not None else self.n_read,
+                stamps if stamps is not None else self.n_read,
+                step if stamps is not None else self.n_read,
+                stats if stats is not None else self.n_read,
+                unit_slot if cached else self.n_read,
+                cache_pages if cached else self.n_read,
+                kept[1] if kept is not None else self.n_read,
+                kept[3] if kept is not None else self.n_read,
+                kept[2] if budget else self.n_read,
+                kept[4] if budget else self.n_read,
+                self.sink,
+                self.recent,
+                stamps.stride(0) if stamps is not None else 0,
+                unit_slot.stride(0) if cached else 0,
+                self.wave_ends.stride(0),
+                scale,
+                limit,
+                NB if max_read_blocks is None else max_read_blocks,
+                self.max_read_fraction,
+                Hkv,
+                NB,
+                *slot_strides,
+                *(host_strides or (bs * D, D, 0)),
+                G=G,
+                GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
+                D=D,
+                BS=bs,
+                NBLK=max(1, tile // bs),
+                HAS_HOST=has_host,
+                CACHED=cached,
+                num_warps=warps,
+                RULE=0 if self.rule == "heuristic" else 1,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                S=S,
+                STAGES=self.num_stages,
+                STAMP=stamps is not None,
+                STATS=stats is not None,
+                ONE_WAVE=one_wave,
+                KEPT=kept is not None,
+                PREFETCH=prefetch and not (descs and tile > bs),  # descriptors: one block a tile
+                TMA=descs is not None,
+                ONE_EXP=self.one_exp,
+                # The heuristic rule's smallest block log-mass, kept only where the rule is
+                # asked: a one-wave run reads to its end whatever the mass.
+                TRACK=self.rule == "heuristic" and not one_wave,
+                BUDGET=budget,
+                ROWS=rows,
+                launch_cooperative_grid=S > 1 and not one_wave,
+            )
+
+        if budget:
+            # The rows that read their kept selection know their blocks: one wave, programs
+            # that never wait for each other, the per-row gather (what top-k's runs use).
+            launch(self.kept_splits, True, 2, None, 64, 2, False)
+        prefetch = not self.one_wave if self.prefetch is None else self.prefetch
         while True:
             try:
-                _wave_attention_kernel[(B, Hkv, self.splits)](
-                    q,
-                    k_slots,
-                    v_slots,
-                    *(descs or (k_slots, v_slots, 0, 0)),
-                    k_host,
-                    v_host,
-                    rloc,
-                    order,
-                    lengths,
-                    n_forced,
-                    self.wave_ends,
-                    self.wave_row,
-                    ub_suffix,
-                    self.out,
-                    self.lse,
-                    self.n_read,
-                    self.n_waves,
-                    self.part,
-                    self.acc_part,
-                    self.counters,
-                    meta_pages if stamps is not None else self.n_read,
-                    stamps if stamps is not None else self.n_read,
-                    step if stamps is not None else self.n_read,
-                    stats if stats is not None else self.n_read,
-                    unit_slot if cached else self.n_read,
-                    cache_pages if cached else self.n_read,
-                    kept[1] if kept is not None else self.n_read,
-                    kept[3] if kept is not None else self.n_read,
-                    kept[2] if budget else self.n_read,
-                    kept[4] if budget else self.n_read,
-                    self.sink,
-                    self.recent,
-                    stamps.stride(0) if stamps is not None else 0,
-                    unit_slot.stride(0) if cached else 0,
-                    self.wave_ends.stride(0),
-                    scale,
-                    limit,
-                    NB if max_read_blocks is None else max_read_blocks,
-                    self.max_read_fraction,
-                    Hkv,
-                    NB,
-                    *slot_strides,
-                    *(host_strides or (bs * D, D, 0)),
-                    G=G,
-                    GP=max(triton.next_power_of_2(G), 16),  # tl.dot needs >= 16 rows
-                    D=D,
-                    BS=bs,
-                    NBLK=max(1, tile // bs),
-                    HAS_HOST=has_host,
-                    CACHED=cached,
-                    num_warps=self.warps,
-                    RULE=0 if self.rule == "heuristic" else 1,
-                    PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                    S=self.splits,
-                    STAGES=self.num_stages,
-                    STAMP=stamps is not None,
-                    STATS=stats is not None,
-                    ONE_WAVE=self.one_wave,
-                    KEPT=kept is not None,
-                    PREFETCH=(not self.one_wave if self.prefetch is None else self.prefetch)
-                    and not (descs and tile > bs),  # with descriptors: one block a tile only
-                    TMA=descs is not None,
-                    ONE_EXP=self.one_exp,
-                    # The heuristic rule's smallest block log-mass, kept only where the
-                    # rule is asked: a one-wave run reads to its end whatever the mass.
-                    TRACK=self.rule == "heuristic" and not self.one_wave,
-                    BUDGET=budget,
-                    launch_cooperative_grid=self.splits > 1 and not self.one_wave,
-                )
+                launch(self.splits, self.one_wave, 1 if budget else 0, descs, tile, self.warps,
+                       prefetch)  # fmt: skip
                 break
             except RuntimeError as e:
                 # Too many programs for one cooperative launch (they must all be
