@@ -11,6 +11,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a    # workload a's (Qwen 0.5B heads)
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
+    python benchmark/kernels/bench_wave.py --launch-probe   # fixed cost by launch and read size
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
         --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
     python benchmark/kernels/bench_wave.py --readers --ctx=16000  # what else reads the pages
@@ -597,6 +598,43 @@ def serving_a(
     return result
 
 
+def launch_probe(ctx: int = 16000) -> dict:
+    """The wave kernel's fixed cost by launch (`--launch-probe`): steps between rankings
+    (`topk_kept`: the one-wave launch; `psa_kept`: kept rows read by the waves launch
+    before they got a launch of their own, at commit 7f574a7) at read shares of 0.4% to
+    40% of the blocks, each at its default split and at 1-32 programs a (request, KV
+    head); wall time per layer (`t`) and the wave kernel's own (`wave`), microseconds."""
+    use_shape("qwen05b")
+    out: dict = {}
+
+    def case(key, mode, frac, **launch):
+        LAUNCH.update(launch)
+        try:
+            r = server_case(mode, 32, ctx, 32768, frac, splits=launch.get("splits"), profile=True)
+            k = r["kernels_us_per_layer"]
+            wave = next((v for n, v in k.items() if n.startswith("_wave")), None)
+            out[key] = dict(t=r["time_us"], wave=wave, splits=r["splits"],
+                            blk=r["blocks_read_per_head"])  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - report and keep measuring
+            out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        LAUNCH.clear()
+        LAUNCH.update(DEFAULT_LAUNCH)
+        torch.cuda.empty_cache()
+        print(key, out[key], file=sys.stderr, flush=True)
+
+    for mode in ("topk_kept", "psa_kept"):
+        for frac in (0.004, 0.02, 0.05, 0.1, 0.2, 0.4):
+            case(f"{mode} f{frac} default", mode, frac)
+    for frac in (0.02, 0.1, 0.2):
+        for sp in (1, 2, 4, 8, 16, 32):
+            case(f"topk_kept f{frac} s{sp}", "topk_kept", frac, splits=sp)
+            case(f"psa_kept f{frac} s{sp}", "psa_kept", frac, splits=sp)
+        case(f"topk_kept f{frac} prefetch", "topk_kept", frac, prefetch=True)
+        case(f"psa_kept f{frac} gather", "psa_kept", frac, tma=False, num_warps=2,
+             tile_tokens=64)  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Other readers of the same pages (`--readers`): how fast the bytes a sparse step reads can
 # be read at all, with no attention (`read_pages`), and by FA3, SGLang's H100 decode kernel,
@@ -833,6 +871,8 @@ if __name__ == "__main__":
     if "--readers" in sys.argv:
         print(json.dumps(readers(int(option("ctx") or 16000), shape=option("shape") or "qwen05b"),
                          indent=1))  # fmt: skip
+    elif "--launch-probe" in sys.argv:
+        print(json.dumps(launch_probe(int(option("ctx") or 16000)), indent=1))
     elif "--serving-8b" in sys.argv:
         print(json.dumps(serving_8b(), indent=1))
     elif "--serving-a" in sys.argv:
