@@ -512,12 +512,14 @@ def server_case(
     return out
 
 
-def _sweep_one(sweeps: dict, label: str, key: str, bench, splits, launch: dict) -> None:
-    """Time `bench(splits=splits)` (a case's `time_us`) with one launch change into
-    `sweeps[key]`; a failure is recorded and the sweep goes on."""
+def _sweep_one(
+    sweeps: dict, label: str, key: str, bench, splits, launch: dict, pick=lambda r: r["time_us"]
+) -> None:
+    """Time `bench(splits=splits)` (`pick` of its result: a case's `time_us`) with one
+    launch change into `sweeps[key]`; a failure is recorded and the sweep goes on."""
     LAUNCH.update(launch)
     try:
-        sweeps[key] = bench(splits=splits)["time_us"]
+        sweeps[key] = pick(bench(splits=splits))
     except Exception as e:  # noqa: BLE001 - report and keep measuring
         sweeps[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
     LAUNCH.clear()
@@ -607,20 +609,14 @@ def launch_probe(ctx: int = 16000) -> dict:
     use_shape("qwen05b")
     out: dict = {}
 
+    def pick(r: dict) -> dict:
+        k = r["kernels_us_per_layer"]
+        wave = next((v for n, v in k.items() if n.startswith("_wave")), None)
+        return dict(t=r["time_us"], wave=wave, splits=r["splits"], blk=r["blocks_read_per_head"])
+
     def case(key, mode, frac, **launch):
-        LAUNCH.update(launch)
-        try:
-            r = server_case(mode, 32, ctx, 32768, frac, splits=launch.get("splits"), profile=True)
-            k = r["kernels_us_per_layer"]
-            wave = next((v for n, v in k.items() if n.startswith("_wave")), None)
-            out[key] = dict(t=r["time_us"], wave=wave, splits=r["splits"],
-                            blk=r["blocks_read_per_head"])  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - report and keep measuring
-            out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        LAUNCH.clear()
-        LAUNCH.update(DEFAULT_LAUNCH)
-        torch.cuda.empty_cache()
-        print(key, out[key], file=sys.stderr, flush=True)
+        bench = functools.partial(server_case, mode, 32, ctx, 32768, frac, profile=True)
+        _sweep_one(out, key, key, bench, launch.pop("splits", None), launch, pick)
 
     for mode in ("topk_kept", "psa_kept"):
         for frac in (0.004, 0.02, 0.05, 0.1, 0.2, 0.4):
