@@ -887,41 +887,6 @@ def test_missing_lists_the_default_plan_minus_what_was_measured():
     assert run.missing(None).keys() == workloads.WORKLOADS.keys()
 
 
-@pytest.mark.slow
-def test_a_stage_continued_in_a_second_call_adds_to_the_same_run(tmp_path):
-    """`--continue-run last` adds systems to the newest part of the workload: the same run
-    id and part file, plain SGLang measured once, comparisons against that plain; a part
-    from another boot of the machine is refused, naming what differs."""
-    base, env = _fake_stage(tmp_path, SMOKE_A)
-
-    def stage(*extra):
-        cmd = base + ["--port", str(_free_port_pair()), *extra]
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-    first = stage("--systems", "plain")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    (part_file,) = (tmp_path / "work" / "parts").glob("a.*.json")
-    run_id = json.loads(part_file.read_text())["run_id"]
-    second = stage("--systems", "psa", "--continue-run", "last")
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert list((tmp_path / "work" / "parts").glob("a.*.json")) == [part_file]
-    part = json.loads(part_file.read_text())
-    assert part["run_id"] == run_id and set(part["systems"]) == {"plain", "psa"}
-    assert part["systems"]["psa"]["identical_to_plain"]["compared"] == SMOKE_A.prompts
-    assert len(part["continued"]) == 1 and "--continue-run" in part["continued"][0]["command"]
-    assert part["continued"][0]["source_sha256"] == part["source_sha256"]
-    part["boot_id"] = "another-boot"
-    part_file.write_text(json.dumps(part))
-    third = stage("--systems", "topk", "--continue-run", run_id)
-    assert third.returncode != 0 and "boot_id" in third.stderr
-    # another tree under the same commit (a GIT_COMMIT given by hand) is not this run
-    part = json.loads(part_file.read_text())
-    part["boot_id"], part["source_sha256"] = run.boot_id(), "another-tree"
-    part_file.write_text(json.dumps(part))
-    fourth = stage("--systems", "topk", "--continue-run", run_id)
-    assert fourth.returncode != 0 and "source_sha256" in fourth.stderr
-
-
 def test_a_systems_record_is_handed_over_before_its_server_shuts_down(monkeypatch, tmp_path):
     """A system's record reaches the part file while its server still runs: a device call
     that runs out during the shutdown (several seconds with SGLang) keeps the measurement.
@@ -1062,7 +1027,9 @@ def test_a_refused_flush_is_that_workloads_error_and_the_budget_ends_a_server(
 def test_a_stage_of_two_workloads_starts_one_server_per_system(tmp_path):
     """`stage a,a16`: one launch per system, a part per workload with every system, the
     prefix cache flushed between the workloads; `--continue-run last` adds a system to
-    both parts; a capped workload, `--rates` and a second model are refused."""
+    both parts (the same run id and part files, plain measured once, comparisons against
+    that plain), and a part from another boot or another tree is not continued, naming
+    what differs; a capped workload, `--rates` and a second model are refused."""
     base, env = _fake_stage(tmp_path, SMOKE_A, SMOKE_A16)
     out, work = tmp_path / "out", tmp_path / "work"
 
@@ -1112,6 +1079,21 @@ def test_a_stage_of_two_workloads_starts_one_server_per_system(tmp_path):
         assert set(part["systems"]) == {"plain", "psa", "topk"}, key
         assert part["run_id"] == parts[key]["run_id"] and len(part["continued"]) == 1
         assert part["systems"]["topk"]["identical_to_plain"]["compared"] == 8
+        assert "--continue-run" in part["continued"][0]["command"]
+        assert part["continued"][0]["source_sha256"] == part["source_sha256"]
+    part_file = work / "parts" / pa.name
+    run_id = parts["a"]["run_id"]
+    part = json.loads(part_file.read_text())
+    part["boot_id"] = "another-boot"
+    part_file.write_text(json.dumps(part))
+    other_boot = stage("--systems", "plain_fa3", "--continue-run", run_id)
+    assert other_boot.returncode != 0 and "boot_id" in other_boot.stderr
+    assert not launches(other_boot)
+    # another tree under the same commit (a GIT_COMMIT given by hand) is not this run
+    part["boot_id"], part["source_sha256"] = run.boot_id(), "another-tree"
+    part_file.write_text(json.dumps(part))
+    other_tree = stage("--systems", "plain_fa3", "--continue-run", run_id)
+    assert other_tree.returncode != 0 and "source_sha256" in other_tree.stderr
 
     capped = stage("--systems", "psa", names="a,b")
     assert capped.returncode != 0 and not launches(capped)
