@@ -110,6 +110,11 @@ from sglang_psa.eval.results import dump_result  # noqa: E402
 RESULTS = REPO / "benchmark" / "results"
 DEFAULT_WORK = Path(os.environ.get("PSA_SERVING_WORK", "/tmp/psa-serving"))
 WARMUP_SHORT = 4  # concurrent short requests in the warm-up (decode at several batch sizes)
+# Concurrent prompts of the workload's longest length in the warm-up: prefill batches of
+# several requests, chunks that end inside one request and start another, as the timed
+# window has (Triton specialises kernels on such arguments; one long prompt alone left
+# variants to compile in the timed window).
+WARMUP_LONG = 3
 SLO_FACTORS = {"strict": 5.0, "relaxed": 25.0}  # x plain SGLang's single-request TTFT/TPOT
 PROBE_OUTPUT = 128
 STARTUP_TIMEOUT_S = 600
@@ -176,16 +181,17 @@ def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
 
 
 def warm_up(server: Server, tok, w: workloads_mod.Workload) -> float:
-    """A prompt of the workload's longest length and a few short ones at once, none of them
-    in the dataset; then the prefix cache is flushed. Kernels compiled at first use (triton,
-    FlashInfer's JIT for prefill) compile here, outside the timed window. Returns seconds."""
+    """`WARMUP_LONG` prompts of the workload's longest length and a few short ones at once,
+    none of them in the dataset; then the prefix cache is flushed. Kernels compiled at first
+    use (triton, FlashInfer's JIT for prefill) compile here, outside the timed window.
+    Returns seconds."""
     import concurrent.futures as cf
 
-    long_prompt = side_prompt(tok, w, "warmup")
+    longs = [side_prompt(tok, w, "warmup" if i == 0 else f"warmup{i}") for i in range(WARMUP_LONG)]
     short = [f"Count from {i} to {i + 20}:" for i in range(WARMUP_SHORT)]
     t0 = time.time()
-    with cf.ThreadPoolExecutor(WARMUP_SHORT + 1) as pool:
-        jobs = [pool.submit(server.generate, long_prompt, 16)]
+    with cf.ThreadPoolExecutor(WARMUP_SHORT + WARMUP_LONG) as pool:
+        jobs = [pool.submit(server.generate, p, 16) for p in longs]
         jobs += [pool.submit(server.generate, s, 32) for s in short]
         for j in jobs:
             j.result()
