@@ -180,6 +180,20 @@ def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
     return chat_text(tok, task.prompt, task.question)
 
 
+def triton_cache_entries() -> int | None:
+    """Kernels in Triton's on-disk cache on this host (`TRITON_CACHE_DIR`, else
+    `~/.triton/cache`: one folder per compiled kernel), or None where there is none. The
+    server runs on this host, so a count that grows during a timed run says its kernels
+    compiled there (a warm-up that missed a specialisation)."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache"
+    )
+    try:
+        return sum(1 for e in os.scandir(folder) if e.is_dir())
+    except OSError:
+        return None
+
+
 def warm_up(server: Server, tok, w: workloads_mod.Workload) -> float:
     """`WARMUP_LONG` prompts of the workload's longest length and a few short ones at once,
     none of them in the dataset; then the prefix cache is flushed. Kernels compiled at first
@@ -315,7 +329,9 @@ def measure(
     to `ctx["measured"]` (when set). `flush_after`: the workload measured before on this
     server, whose prefix cache is flushed (checked) after the warm-up."""
     logs = ctx["work"] / "logs" / ctx["run_id"]
+    cached = [triton_cache_entries()]
     rec["warmup_s"] = warm_up(server, ctx["tok"], w)
+    cached.append(triton_cache_entries())
     if flush_after is not None:
         server.flush_cache(check=True)
         log(f"{w.name}/{name}: prefix cache flushed after workload {flush_after}")
@@ -340,6 +356,12 @@ def measure(
             break
     if not runs:
         raise ServerFailed(f"no rate completed: {failed_rates}")
+    cached.append(triton_cache_entries())
+    if None not in cached:  # Triton kernels compiled on this host (the server's)
+        rec["triton_compiled"] = {"warmup": cached[1] - cached[0], "timed": cached[2] - cached[1]}
+        if cached[2] > cached[1]:
+            log(f"{w.name}/{name}: {cached[2] - cached[1]} Triton kernels compiled during the "
+                "timed run(s): the warm-up missed them, the timing includes their compile")  # fmt: skip
     after = server.get("/get_server_info")
     rec["server_info_after"] = analysis.server_info_digest(after)
     rec["counters"] = analysis.counter_delta(info, after)

@@ -985,6 +985,36 @@ def _one_server(monkeypatch, tmp_path, flush_status=200):
     return events, [(SMOKE_A, ctx(SMOKE_A)), (SMOKE_A16, ctx(SMOKE_A16))]
 
 
+def test_kernels_compiled_during_a_timed_run_are_counted(monkeypatch, tmp_path):
+    """Triton's cache on the host grows by a folder per compiled kernel: the record says
+    how many the warm-up and the timed run compiled (a16 compiled one while timed)."""
+    events, plans = _one_server(monkeypatch, tmp_path)
+    cache = tmp_path / "triton"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    (cache / "old").mkdir()
+    (cache / "not-a-kernel.json").write_text("{}")
+
+    def warm(server, tok, w):
+        for i in range(2):
+            (cache / f"{w.name}-warm{i}").mkdir()
+        return 1.0
+
+    def timed(server, w, name, *a):
+        if w.name == "a16":
+            (cache / "a16-timed").mkdir()
+        return {"metrics": {"output_tok_s": 5.0}}
+
+    monkeypatch.setattr(run, "warm_up", warm)
+    monkeypatch.setattr(run, "timed_run", timed)
+    recs = run.run_server("psa", plans, 31999, run.time.time() + 300)
+    assert recs["a"]["triton_compiled"] == {"warmup": 2, "timed": 0}
+    assert recs["a16"]["triton_compiled"] == {"warmup": 2, "timed": 1}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))  # no cache: no claim
+    recs = run.run_server("psa", plans, 31999, run.time.time() + 300)
+    assert "triton_compiled" not in recs["a"]
+
+
 def test_one_server_measures_each_workload_in_turn_flushing_between(monkeypatch, tmp_path):
     events, plans = _one_server(monkeypatch, tmp_path)
     recs = run.run_server("psa", plans, 31999, run.time.time() + 300)
