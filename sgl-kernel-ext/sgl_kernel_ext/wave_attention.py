@@ -310,7 +310,6 @@ def _wave_attention_kernel(
     TMA: tl.constexpr,
     ONE_EXP: tl.constexpr,
     TRACK: tl.constexpr,
-    BUDGET: tl.constexpr,
     ROWS: tl.constexpr = 0,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
@@ -341,13 +340,13 @@ def _wave_attention_kernel(
     `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
     the tail block at ranking time on, `recent` of them then) come first.
 
-    BUDGET (a kept selection under the heuristic rule): a row that ranks this step
-    (`sel_fresh_ptr[b]`) reads under the stop rule and leaves how many ranked blocks it
-    read in `budget_ptr[slot * Hkv + h]`; a row reading a kept selection reads its
-    forced blocks and that many ranked ones, in one wave, with no stop rule (spec:
-    `algo.attention.progressive_attention(prior=(.., budget))`). ROWS splits the rows
-    between two launches: 1, the rows that rank (in waves); 2, the others (the ONE_WAVE
-    launch); programs of the other rows return at once.
+    ROWS (a kept selection under the heuristic rule) splits the rows between two
+    launches; programs of the other rows return at once. 1: the rows that rank this step
+    (`sel_fresh_ptr[b]`) read under the stop rule, in waves, and leave how many ranked
+    blocks they read in `budget_ptr[slot * Hkv + h]`; 2 (the ONE_WAVE launch): the rows
+    reading a kept selection read their forced blocks and that many ranked ones, in one
+    wave, with no stop rule (spec: `algo.attention.progressive_attention(prior=(..,
+    budget))`).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -374,13 +373,9 @@ def _wave_attention_kernel(
     # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
     # (the ceiling of the float32 product; never below the forced blocks).
     mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
-    reuse = 0  # 1: a kept selection read at its kept budget, in one wave
-    if BUDGET:
-        slot = tl.load(sel_slot_ptr + b)
-        if tl.load(sel_fresh_ptr + b) == 0:
-            reuse = 1
-            kept_n = tl.load(budget_ptr + slot * Hkv + h)
-            mr = tl.minimum(nb, nf + tl.maximum(kept_n, 0))
+    if ROWS == 2:  # a kept selection read at its kept budget, in one wave
+        kept_n = tl.load(budget_ptr + tl.load(sel_slot_ptr + b) * Hkv + h)
+        mr = tl.minimum(nb, nf + tl.maximum(kept_n, 0))
     g = tl.arange(0, GP)
     gmask = g < G
     dd = tl.arange(0, D)
@@ -402,8 +397,8 @@ def _wave_attention_kernel(
     done = (nb <= 0).to(tl.int32)
     while done == 0:
         end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
-        if BUDGET:
-            end = tl.where(reuse != 0, mr, end)
+        if ROWS == 2:
+            end = mr
         # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
@@ -618,9 +613,8 @@ def _wave_attention_kernel(
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
-        if BUDGET:
-            if reuse == 0:  # ranked this step: the budget the kept steps read at
-                tl.store(budget_ptr + slot * Hkv + h, wstart - nf)
+        if ROWS == 1:  # ranked this step: the budget the kept steps read at
+            tl.store(budget_ptr + tl.load(sel_slot_ptr + b) * Hkv + h, wstart - nf)
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
@@ -675,6 +669,13 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._bufs.values())
+
+
+def _one_wave_splits(sms: int, programs: int, read: int, warps: int, most: int) -> int:
+    """Programs a (request, KV head) of a one-wave launch, whose programs never wait for
+    each other: ~32 warps per SM, at least 8 blocks each, at most `most` (the best of
+    bench_wave --serving-a's sweeps)."""
+    return max(1, min(most, -(-(32 // warps) * sms // programs), read // 8))
 
 
 class WaveAttention:
@@ -833,17 +834,15 @@ class WaveAttention:
         wanted = self.tma if self.tma is not None else not self.one_wave
         self.described = bool(wanted and has_tma)
         self.warps = self.num_warps or (1 if self.described and not host_tier else 2)
+        compiled = dev.type == "cuda" and not interp  # the interpreter runs programs in turn
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if compiled else 0
+        programs = batch * n_kv_heads
         if splits is None:
             splits = 1
-            if dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                programs = batch * n_kv_heads
+            if compiled:
                 if self.one_wave:
-                    # Programs never wait for each other: ~32 warps per SM, at least 8
-                    # blocks each (the best of bench_wave --serving-a's sweeps).
                     read = max_blocks if read_blocks is None else min(read_blocks, max_blocks)
-                    per_sm = 32 // self.warps
-                    splits = max(1, min(32, -(-per_sm * sms // programs), read // 8))
+                    splits = _one_wave_splits(sms, programs, read, self.warps, 32)
                 else:
                     # As many programs as the register file holds per SM, at ~240 registers
                     # a thread (capping them with maxnreg spilled and ran slower);
@@ -855,15 +854,14 @@ class WaveAttention:
                     splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
-        # A kept selection's rows read in one wave (`run`'s second launch): up to 8
-        # programs a (request, KV head), at least 8 blocks each of what the read cap lets
-        # a head read (bench_wave: psa's kept reads of 50-200 blocks at 32 x 16K).
+        # A kept selection's rows read in one wave (`run`'s second launch, two warps a
+        # program): up to 8 programs a (request, KV head), of what the read cap lets a head
+        # read (bench_wave --launch-probe: psa's kept reads of 50-200 blocks at 32 x 16K).
         self.kept_splits = 1
-        if dev.type == "cuda" and not interp and not self.one_wave:
-            cap = max(1, int(self.max_read_fraction * max_blocks))
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            fill = -(-16 * sms // (batch * n_kv_heads))
-            self.kept_splits = 1 << (max(1, min(8, fill, cap // 8)).bit_length() - 1)
+        if compiled and not self.one_wave:
+            cap = int(self.max_read_fraction * max_blocks)
+            kept = _one_wave_splits(sms, programs, cap, 2, 8)
+            self.kept_splits = 1 << (kept.bit_length() - 1)
         self.B, self.Hq, self.Hkv, self.D, self.NB = (
             batch,
             n_q_heads,
@@ -939,7 +937,7 @@ class WaveAttention:
         self.splits = splits
         gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
         take, f32 = self._ws.take, torch.float32
-        sp = max(splits, getattr(self, "kept_splits", 1))  # either launch's programs
+        sp = max(splits, self.kept_splits)  # either launch's programs
         self.part = take("part", (2, batch, n_kv_heads, sp, 3, gp), f32)  # wave parity
         self.acc_part = take("acc_part", (batch, n_kv_heads, sp, gp, head_dim), f32)
         # The split barrier's arrival counters: zero between launches (each resets its own).
@@ -1242,7 +1240,6 @@ class WaveAttention:
                 # The heuristic rule's smallest block log-mass, kept only where the rule is
                 # asked: a one-wave run reads to its end whatever the mass.
                 TRACK=self.rule == "heuristic" and not one_wave,
-                BUDGET=budget,
                 ROWS=rows,
                 launch_cooperative_grid=S > 1 and not one_wave,
             )
