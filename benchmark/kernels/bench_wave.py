@@ -12,6 +12,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
     python benchmark/kernels/bench_wave.py --launch-probe   # fixed cost by launch and read size
+    python benchmark/kernels/bench_wave.py --kept-sweep   # the kept rows' launch, one knob at a time
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
         --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
     python benchmark/kernels/bench_wave.py --readers --ctx=16000  # what else reads the pages
@@ -53,6 +54,12 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "prefetch",
         "tma",
         "one_exp",
+        "kept_tile_tokens",
+        "kept_warps",
+        "kept_stages",
+        "kept_prefetch",
+        "kept_most_splits",
+        "kept_tma",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -431,6 +438,7 @@ def server_case(
     layers: int = 8,
     splits: int | None = None,
     profile: bool = False,
+    bookkeeping: bool = True,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -444,7 +452,8 @@ def server_case(
     wave) or "dense" (ε 1, every block: `--psa-threshold 1`). A `_kept` suffix ("psa_kept",
     "psa_mixed_kept"): a step between rankings (`--psa-rerank-interval`): the selection
     and read counts an eager ranking step left, read with no scoring, ranking or stop
-    rule. Graph-replayed `layers` deep, time per layer."""
+    rule. Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use
+    stamps or read counters (what they cost)."""
     nb = plan_ctx // BS
     kept_sel = mode.endswith("_kept")
     mode = mode.removesuffix("_kept")
@@ -477,8 +486,9 @@ def server_case(
         kept = sel.kept(0, batch)
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
-        slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages, stamps=stamps, step=step,
-        stats=stats, meta_scale=mscale, kept=kept,
+        slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages,
+        stamps=stamps if bookkeeping else None, step=step, stats=stats if bookkeeping else None,
+        meta_scale=mscale, kept=kept,
     )  # fmt: skip
     if kept_sel:
         run()
@@ -628,6 +638,63 @@ def launch_probe(ctx: int = 16000) -> dict:
         case(f"topk_kept f{frac} prefetch", "topk_kept", frac, prefetch=True)
         case(f"psa_kept f{frac} gather", "psa_kept", frac, tma=False, num_warps=2,
              tile_tokens=64)  # fmt: skip
+    return out
+
+
+def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
+    """The kept rows' launch (`--kept-sweep`): psa's step between rankings at workload
+    a16's and a's shapes (32 x ctx, Qwen 0.5B heads), reading the share of blocks psa reads
+    there in the server, at the library's launch and around it, and a ranking step, each
+    with and without the bookkeeping (stamps, counters); wall time per
+    layer (`t`) and the wave kernel's own (`wave`), microseconds; beside it the page
+    gather alone over the same share (`read_pages`, no attention), GB/s."""
+    use_shape("qwen05b")
+    out: dict = {"hbm_peak_gbps": hbm_peak_gbps()}
+
+    def pick(r: dict) -> dict:
+        k = r["kernels_us_per_layer"]
+        wave = next((v for n, v in k.items() if n.startswith("_wave")), None)
+        return dict(t=r["time_us"], wave=wave, blk=r["blocks_read_per_head"],
+                    gbps=r["gbps_on_bytes_read"])  # fmt: skip
+
+    t64 = dict(kept_tile_tokens=64, kept_warps=2)  # the launch before 128-token tiles
+    knobs = {  # `book`: False runs without stamps and counters (what they cost)
+        "default": {},
+        "no_bookkeeping": dict(book=False),
+        "prefetch": dict(kept_prefetch=True),
+        "stages3": dict(kept_stages=3),
+        "tile64_warps2": t64,
+        "tile64_warps2_no_bookkeeping": dict(t64, book=False),
+        "tile128_warps8": dict(kept_warps=8),
+        "tile256_warps8": dict(kept_tile_tokens=256, kept_warps=8),
+        "most16": dict(kept_most_splits=16),
+        "most4": dict(kept_most_splits=4),
+        "tma_warps1_prefetch_most16": dict(
+            kept_tma=True, kept_warps=1, kept_prefetch=True, kept_most_splits=16
+        ),
+    }
+    for ctx, frac in cases:
+        row: dict = {}
+        for mode, keys in (("psa_kept", knobs), ("psa", ("default", "no_bookkeeping"))):
+            for key in keys:
+                launch = dict(knobs[key])
+                bench = functools.partial(server_case, mode, 32, ctx, 32768, frac, profile=True,
+                                          bookkeeping=launch.pop("book", True))  # fmt: skip
+                name = key if mode == "psa_kept" else f"ranking_step_{key}"
+                _sweep_one(row, f"{ctx} {name}", name, bench, None, launch, pick)
+        q, kbuf, vbuf, table, n = _chosen_pages(32, ctx, 32768, frac)
+        nbytes = 32 * HKV * n * BS * D * 2 * 2
+        for tok, warps, sp, stages in ((32, 2, 8, 3), (32, 2, 16, 2), (64, 2, 8, 2)):
+            o = torch.empty(32, HKV, sp, device="cuda")
+            fn = functools.partial(read_pages, kbuf, vbuf, table, o, tok, warps, stages)
+            row[f"read_only_tok{tok}_warps{warps}_splits{sp}_stages{stages}_gbps"] = (
+                nbytes / _graph_us(fn, 8) / 1e3
+            )
+        ok = {k: v["t"] for k, v in row.items() if isinstance(v, dict)}
+        row["best"] = min(ok, key=ok.get)
+        out[f"ctx{ctx}_frac{frac}"] = row
+        print(json.dumps({ctx: {row["best"]: ok[row["best"]], "default": ok.get("default")}}),
+              file=sys.stderr, flush=True)  # fmt: skip
     return out
 
 
@@ -867,6 +934,8 @@ if __name__ == "__main__":
     if "--readers" in sys.argv:
         print(json.dumps(readers(int(option("ctx") or 16000), shape=option("shape") or "qwen05b"),
                          indent=1))  # fmt: skip
+    elif "--kept-sweep" in sys.argv:
+        print(json.dumps(kept_sweep(), indent=1))
     elif "--launch-probe" in sys.argv:
         print(json.dumps(launch_probe(int(option("ctx") or 16000)), indent=1))
     elif "--serving-8b" in sys.argv:

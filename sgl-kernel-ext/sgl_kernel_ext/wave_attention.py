@@ -352,21 +352,24 @@ def _wave_attention_kernel(
     h = tl.program_id(1)
     sid = tl.program_id(2)
     bh = b * Hkv + h
+    # The request's scalars are loaded together, before the row test: one round trip.
+    length = tl.load(lengths_ptr + b)
+    if KEPT:
+        nbr = tl.load(sel_nbr_ptr + b)
+        slot = tl.load(sel_slot_ptr + b)
     if ROWS == 1:  # the rows that rank this step
         if tl.load(sel_fresh_ptr + b) == 0:
             return
     elif ROWS == 2:  # the rows that read their kept selection
         if tl.load(sel_fresh_ptr + b) != 0:
             return
-    length = tl.load(lengths_ptr + b)
     nb = (length + BS - 1) // BS
     if KEPT:
-        nbr = tl.load(sel_nbr_ptr + b)
         n_sink = tl.minimum(sink, nbr)
         tail0 = tl.maximum(n_sink, nbr - recent)
         nf = n_sink + nb - tail0
         kept0 = n_sink + nbr - tail0
-        orow = (tl.load(sel_slot_ptr + b) * Hkv + h) * NB
+        orow = (slot * Hkv + h) * NB
     else:
         nf = tl.load(nforced_ptr + b)
         n_sink, tail0, kept0, orow = 0, 0, 0, 0  # a kept selection's only
@@ -374,7 +377,7 @@ def _wave_attention_kernel(
     # (the ceiling of the float32 product; never below the forced blocks).
     mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
     if ROWS == 2:  # a kept selection read at its kept budget, in one wave
-        kept_n = tl.load(budget_ptr + tl.load(sel_slot_ptr + b) * Hkv + h)
+        kept_n = tl.load(budget_ptr + slot * Hkv + h)
         mr = tl.minimum(nb, nf + tl.maximum(kept_n, 0))
     g = tl.arange(0, GP)
     gmask = g < G
@@ -403,17 +406,21 @@ def _wave_attention_kernel(
         # that Triton software-pipelines (STAGES): the block ids, their locations and the
         # K/V tiles of later iterations are in flight while this one is merged.
         n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
-        if PREFETCH:  # the first tile's ids; each iteration then loads the next one's
+        if PREFETCH:  # the first tile's ids (and pages); each iteration loads the next one's
             if TMA:
                 n_where, n_blk = _block_at(
                     order_ptr, rloc_ptr, orow, row, wstart + sid, end, n_sink, tail0, nf,
                     kept0, KEPT,
                 )  # fmt: skip
+                if STAMP:
+                    n_page = tl.load(pages_ptr + b * NB + n_blk)
             else:
                 n_where, n_tok, n_valid, n_blk = _tile_at(
                     order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
                     tail0, nf, kept0, BS, NBLK, KEPT,
                 )  # fmt: skip
+                if STAMP:
+                    n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
         for i in tl.range(0, n_tiles, num_stages=STAGES):
             first = wstart + (sid + i * S) * NBLK
             if TMA:
@@ -424,15 +431,21 @@ def _wave_attention_kernel(
                 for j in tl.static_range(NBLK):
                     if PREFETCH:  # NBLK == 1: this block's ids were loaded an iteration ago
                         where, blk = n_where, n_blk
+                        if STAMP:
+                            page = n_page
                         n_where, n_blk = _block_at(
                             order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
                             kept0, KEPT,
                         )  # fmt: skip
+                        if STAMP:
+                            n_page = tl.load(pages_ptr + b * NB + n_blk)
                     else:
                         where, blk = _block_at(
                             order_ptr, rloc_ptr, orow, row, first + j, end, n_sink, tail0, nf,
                             kept0, KEPT,
                         )  # fmt: skip
+                        if STAMP:  # loaded before the merge, stored after it
+                            page = tl.load(pages_ptr + b * NB + blk)
                     tok = tl.arange(0, BS)
                     valid = (first + j < end) & (blk * BS + tok < length)
                     at = [where * BS + h * desc_head_rows, h * desc_head_cols]
@@ -444,7 +457,6 @@ def _wave_attention_kernel(
                     )  # fmt: skip
                     if STAMP:  # one store per block
                         if first + j < end:
-                            page = tl.load(pages_ptr + b * NB + blk)
                             tl.store(stamp_ptr + h * stamp_stride + page, step)
             else:
                 if PREFETCH:
@@ -452,15 +464,22 @@ def _wave_attention_kernel(
                     # on no load, and the next tile's ids are in flight while this one is
                     # merged.
                     where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
+                    if STAMP:
+                        page = n_page
                     n_where, n_tok, n_valid, n_blk = _tile_at(
                         order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
                         tail0, nf, kept0, BS, NBLK, KEPT,
                     )  # fmt: skip
+                    if STAMP:
+                        n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
                 else:
                     where, tok, valid, blk = _tile_at(
                         order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
                         kept0, BS, NBLK, KEPT,
                     )  # fmt: skip
+                    if STAMP:  # a block's page, at its first token's row: loaded before the
+                        # merge, so the store after it does not wait on it
+                        page = tl.load(pages_ptr + b * NB + blk, mask=valid & (tok == 0))
                 # Each block is read from its HBM slot or, through UVA, from the host pool:
                 # one load through a pointer chosen per row. HBM slots may be strided
                 # (SGLang's token-major pages: a slot is a page, the head an offset within
@@ -493,9 +512,7 @@ def _wave_attention_kernel(
                     GP, NBLK, BS, D, PREC, TRACK,
                 )  # fmt: skip
                 if STAMP:  # one store per block: its first token's row
-                    lead = valid & (tok == 0)
-                    page = tl.load(pages_ptr + b * NB + blk, mask=lead, other=0)
-                    tl.store(stamp_ptr + h * stamp_stride + page, step, mask=lead)
+                    tl.store(stamp_ptr + h * stamp_stride + page, step, mask=valid & (tok == 0))
         wstart = end
         if S == 1 or ONE_WAVE:  # nothing to agree on: one wave reads every block
             covered = m_i + tl.log(l_i)
@@ -614,7 +631,7 @@ def _wave_attention_kernel(
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
         if ROWS == 1:  # ranked this step: the budget the kept steps read at
-            tl.store(budget_ptr + tl.load(sel_slot_ptr + b) * Hkv + h, wstart - nf)
+            tl.store(budget_ptr + slot * Hkv + h, wstart - nf)
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
@@ -736,6 +753,12 @@ class WaveAttention:
         # where the GPU has them (sm_90 on); None: for runs in waves only (one-wave runs
         # gather faster). A host tier is always read by the per-row gather.
         self.tma = None
+        # The kept rows' launch (`run`'s second, one wave): tokens a tile, warps, pipeline
+        # depth, ids loaded a tile ahead, most programs a (request, KV head), tensor
+        # descriptors or the per-row gather. 128-token tiles with four warps: 7-11% faster
+        # than 64 with two at a16's and a's shapes (bench_wave --kept-sweep, H200).
+        self.kept_tile_tokens, self.kept_warps, self.kept_stages = 128, 4, 2
+        self.kept_prefetch, self.kept_most_splits, self.kept_tma = False, 8, False
         # The heuristic rule's block-at-a-time merge takes one exponential pass per block
         # (its log-mass and its merge from the same exponentials), not two.
         self.one_exp = True
@@ -854,13 +877,13 @@ class WaveAttention:
                     splits = max(1, min(16, per_sm * sms // programs, max_blocks // 64))
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
-        # A kept selection's rows read in one wave (`run`'s second launch, two warps a
-        # program): up to 8 programs a (request, KV head), of what the read cap lets a head
+        # A kept selection's rows read in one wave (`run`'s second launch): up to
+        # `kept_most_splits` programs a (request, KV head), of what the read cap lets a head
         # read (bench_wave --launch-probe: psa's kept reads of 50-200 blocks at 32 x 16K).
         self.kept_splits = 1
         if compiled and not self.one_wave:
             cap = int(self.max_read_fraction * max_blocks)
-            kept = _one_wave_splits(sms, programs, cap, 2, 8)
+            kept = _one_wave_splits(sms, programs, cap, self.kept_warps, self.kept_most_splits)
             self.kept_splits = 1 << (kept.bit_length() - 1)
         self.B, self.Hq, self.Hkv, self.D, self.NB = (
             batch,
@@ -1173,7 +1196,7 @@ class WaveAttention:
         descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
         tile = self.tile_tokens or (bs if descs else 64)
 
-        def launch(S, one_wave, rows, descs, tile, warps, prefetch):
+        def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages):
             _wave_attention_kernel[(B, Hkv, S)](
                 q,
                 k_slots,
@@ -1229,7 +1252,7 @@ class WaveAttention:
                 RULE=0 if self.rule == "heuristic" else 1,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32",
                 S=S,
-                STAGES=self.num_stages,
+                STAGES=stages,
                 STAMP=stamps is not None,
                 STATS=stats is not None,
                 ONE_WAVE=one_wave,
@@ -1247,12 +1270,14 @@ class WaveAttention:
         if budget:
             # The rows that read their kept selection know their blocks: one wave, programs
             # that never wait for each other, the per-row gather (what top-k's runs use).
-            launch(self.kept_splits, True, 2, None, 64, 2, False)
+            kd = descs if self.kept_tma else None  # tensor descriptors: one block a tile
+            launch(self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
+                   self.kept_warps, self.kept_prefetch, self.kept_stages)  # fmt: skip
         prefetch = not self.one_wave if self.prefetch is None else self.prefetch
         while True:
             try:
                 launch(self.splits, self.one_wave, 1 if budget else 0, descs, tile, self.warps,
-                       prefetch)  # fmt: skip
+                       prefetch, self.num_stages)  # fmt: skip
                 break
             except RuntimeError as e:
                 # Too many programs for one cooperative launch (they must all be

@@ -697,23 +697,29 @@ def _reader_run(wa, c, book):
 @pytest.mark.parametrize("mode", ["psa", "topk", "dense"])
 def test_descriptor_reads_equal_gather_reads(device, mode, shape):
     """Blocks read through tensor descriptors (one block a tile, copied whole from the slot)
-    give what the per-row gather gives over SGLang's token-major pool: the reference's
-    blocks, output and log-mass, and the same last-use stamps and read counters. The rows
-    past each request's length hold NaN: both readers must mask them."""
+    and by the per-row gather, each with its block ids (and pages) loaded with the tile or
+    a tile ahead, over SGLang's token-major pool: the reference's blocks, output and
+    log-mass, last-use stamps on exactly the pages of the blocks read, and the read
+    counters. The rows past each request's length hold NaN: every reader must mask them."""
     if shape != "small" and device == "cpu":
         pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
     c = _reader_case(mode, shape, device)
     ref = c.ref
-    results = {}
+    # The stamps the reads must leave: step 7 on each (KV head, page) a block was read from.
+    want = torch.zeros(c.Hkv, c.kbuf.shape[0] // c.bs, dtype=torch.int32)
+    read = ref.read[..., : c.nb].cpu()
+    for b in range(read.shape[0]):
+        for h in range(c.Hkv):
+            want[h, c.pages[b].cpu()[read[b, h]].long()] = 7
     for tma in (True, False):
-        wa, book = _reader_plan(c, tma=tma)
-        if tma:
-            assert wa._descriptors(c.kbuf, c.vbuf, c.strides, False) is not None, "no TMA here"
-        res = _reader_run(wa, c, book)
-        assert torch.equal(res.read_mask(), ref.read), f"tma={tma}"
-        torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
-        results[tma] = (book[0].clone(), book[1].clone())
-    assert torch.equal(results[True][0], results[False][0])
-    assert torch.equal(results[True][1], results[False][1])
-    assert int(results[True][1][0]) == int(ref.read.sum())
+        for prefetch in (True, False):
+            wa, book = _reader_plan(c, tma=tma, prefetch=prefetch)
+            if tma:
+                assert wa._descriptors(c.kbuf, c.vbuf, c.strides, False) is not None, "no TMA"
+            res = _reader_run(wa, c, book)
+            case = f"tma={tma} prefetch={prefetch}"
+            assert torch.equal(res.read_mask(), ref.read), case
+            torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
+            assert torch.equal(book[0].cpu(), want), case
+            assert int(book[1][0]) == int(ref.read.sum()), case
