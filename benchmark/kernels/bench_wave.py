@@ -60,6 +60,7 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "kept_prefetch",
         "kept_most_splits",
         "kept_tma",
+        "kept_beside",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -452,9 +453,11 @@ def server_case(
     wave) or "dense" (ε 1, every block: `--psa-threshold 1`). A `_kept` suffix ("psa_kept",
     "psa_mixed_kept"): a step between rankings (`--psa-rerank-interval`): the selection
     and read counts an eager ranking step left, read with no scoring, ranking or stop
-    rule. Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use
+    rule; `_halfkept`: the same with half the rows new in the batch (they rank). Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use
     stamps or read counters (what they cost)."""
     nb = plan_ctx // BS
+    half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
+    mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
     kept_sel = mode.endswith("_kept")
     mode = mode.removesuffix("_kept")
     mixed = mode == "psa_mixed"
@@ -492,8 +495,10 @@ def server_case(
     )  # fmt: skip
     if kept_sel:
         run()
-        sel.assign(rows, lengths, step + 1)  # the steps between: no row ranks
-        assert int(sel.rows(batch)[1].sum()) == 0
+        if half:  # requests new in the batch's first half: no slot, so they rank
+            sel.invalidate(rows[: batch // 2])
+        sel.assign(rows, lengths, step + 1)  # the steps between: no other row ranks
+        assert int(sel.rows(batch)[1].sum()) == (batch // 2 if half else 0)
     graph, res = _captured(run, layers)
     t = _time(graph.replay, reps=30, warmup=5) / layers
     n_read = res.n_read.float()
@@ -644,8 +649,10 @@ def launch_probe(ctx: int = 16000) -> dict:
 def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     """The kept rows' launch (`--kept-sweep`): psa's step between rankings at workload
     a16's and a's shapes (32 x ctx, Qwen 0.5B heads), reading the share of blocks psa reads
-    there in the server, at the library's launch and around it, and a ranking step, each
-    with and without the bookkeeping (stamps, counters); wall time per
+    there in the server, at the library's launch and around it; a ranking step, and a step
+    where half the rows rank (`half_`), each with and without the bookkeeping (stamps,
+    counters) and with the kept rows' launch after the fresh rows' (`one_stream`) instead
+    of beside them; wall time per
     layer (`t`) and the wave kernel's own (`wave`), microseconds; beside it the page
     gather alone over the same share (`read_pages`, no attention), GB/s."""
     use_shape("qwen05b")
@@ -661,6 +668,7 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     knobs = {  # `book`: False runs without stamps and counters (what they cost)
         "default": {},
         "no_bookkeeping": dict(book=False),
+        "one_stream": dict(kept_beside=False),  # kept rows after the fresh rows' launches
         "prefetch": dict(kept_prefetch=True),
         "stages3": dict(kept_stages=3),
         "tile64_warps2": t64,
@@ -675,12 +683,13 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     }
     for ctx, frac in cases:
         row: dict = {}
-        for mode, keys in (("psa_kept", knobs), ("psa", ("default", "no_bookkeeping"))):
+        ranking = ("default", "no_bookkeeping", "one_stream")
+        for mode, keys in (("psa_kept", knobs), ("psa", ranking), ("psa_halfkept", ranking)):
             for key in keys:
                 launch = dict(knobs[key])
                 bench = functools.partial(server_case, mode, 32, ctx, 32768, frac, profile=True,
                                           bookkeeping=launch.pop("book", True))  # fmt: skip
-                name = key if mode == "psa_kept" else f"ranking_step_{key}"
+                name = {"psa_kept": key, "psa": f"ranking_step_{key}"}.get(mode, f"half_{key}")
                 _sweep_one(row, f"{ctx} {name}", name, bench, None, launch, pick)
         q, kbuf, vbuf, table, n = _chosen_pages(32, ctx, 32768, frac)
         nbytes = 32 * HKV * n * BS * D * 2 * 2

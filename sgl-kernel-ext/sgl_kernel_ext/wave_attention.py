@@ -16,6 +16,7 @@ one load, not two.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -759,6 +760,8 @@ class WaveAttention:
         # than 64 with two at a16's and a's shapes (bench_wave --kept-sweep, H200).
         self.kept_tile_tokens, self.kept_warps, self.kept_stages = 128, 4, 2
         self.kept_prefetch, self.kept_most_splits, self.kept_tma = False, 8, False
+        # The kept rows' launch runs on a side stream, beside the fresh rows' launches (`run`).
+        self.kept_beside = True
         # The heuristic rule's block-at-a-time merge takes one exponential pass per block
         # (its log-mass and its merge from the same exponentials), not two.
         self.one_exp = True
@@ -893,6 +896,9 @@ class WaveAttention:
             max_blocks,
         )
         self._alloc_splits(splits, batch, n_q_heads, n_kv_heads, head_dim, dev)
+        # A kept selection's rows read on this stream, beside the fresh rows' scoring,
+        # ranking and waves (`run`); made here, before any graph capture.
+        self.side = torch.cuda.Stream(dev) if compiled else None
         key = (max_blocks, self.one_wave, str(dev))
         if key not in self._tables:
             self._tables[key] = tuple(t.to(dev) for t in self._wave_table(max_blocks))
@@ -960,9 +966,12 @@ class WaveAttention:
         self.splits = splits
         gp = max(triton.next_power_of_2(n_q_heads // n_kv_heads), 16)
         take, f32 = self._ws.take, torch.float32
-        sp = max(splits, self.kept_splits)  # either launch's programs
-        self.part = take("part", (2, batch, n_kv_heads, sp, 3, gp), f32)  # wave parity
-        self.acc_part = take("acc_part", (batch, n_kv_heads, sp, gp, head_dim), f32)
+        self.part = take("part", (2, batch, n_kv_heads, splits, 3, gp), f32)  # wave parity
+        self.acc_part = take("acc_part", (batch, n_kv_heads, splits, gp, head_dim), f32)
+        # The kept rows' launch has buffers of its own: it runs beside the waves launch.
+        ks = self.kept_splits
+        self.kept_part = take("kept_part", (batch, n_kv_heads, ks, 3, gp), f32)
+        self.kept_acc_part = take("kept_acc_part", (batch, n_kv_heads, ks, gp, head_dim), f32)
         # The split barrier's arrival counters: zero between launches (each resets its own).
         self.counters = take("counters", (batch * n_kv_heads,), torch.int32)
 
@@ -1165,21 +1174,7 @@ class WaveAttention:
         if kept is not None and (code_planes is not None or self.rule != "heuristic"):
             raise ValueError("a kept selection serves the heuristic rule and top-k only")
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
-            order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
             kept = None
-        elif kept is not None:
-            order, n_forced, ub_suffix = self.rank(
-                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, None, meta_scale,
-                kept=kept[:3],
-            )  # fmt: skip
-            rloc = loc
-        else:
-            codes = None if code_planes is None else (code_planes, code_lo, code_hi)
-            order, n_forced, ub_suffix = self.rank(
-                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale,
-                codes,
-            )  # fmt: skip
-            rloc = self.ranked_loc
         # The stop rule's rows keep their read count for the steps that reuse their order.
         budget = kept is not None and not self.one_wave
         limit = self.limit if code_planes is None else self.limit - CODE_LIMIT_MARGIN
@@ -1196,7 +1191,8 @@ class WaveAttention:
         descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
         tile = self.tile_tokens or (bs if descs else 64)
 
-        def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages):
+        def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages, order, n_forced,
+                   ub_suffix, rloc, part, acc_part):  # fmt: skip
             _wave_attention_kernel[(B, Hkv, S)](
                 q,
                 k_slots,
@@ -1215,8 +1211,8 @@ class WaveAttention:
                 self.lse,
                 self.n_read,
                 self.n_waves,
-                self.part,
-                self.acc_part,
+                part,
+                acc_part,
                 self.counters,
                 meta_pages if stamps is not None else self.n_read,
                 stamps if stamps is not None else self.n_read,
@@ -1267,17 +1263,42 @@ class WaveAttention:
                 launch_cooperative_grid=S > 1 and not one_wave,
             )
 
+        side = self.side if budget and q.is_cuda and self.kept_beside else None
         if budget:
             # The rows that read their kept selection know their blocks: one wave, programs
-            # that never wait for each other, the per-row gather (what top-k's runs use).
+            # that never wait for each other. On the side stream (a branch of the captured
+            # graph), beside the fresh rows' scoring, ranking and waves, which on most steps
+            # have no row and end at once: they no longer add to the step. The two launches
+            # write disjoint rows, each with buffers of its own.
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(q.device))
             kd = descs if self.kept_tma else None  # tensor descriptors: one block a tile
-            launch(self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
-                   self.kept_warps, self.kept_prefetch, self.kept_stages)  # fmt: skip
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                launch(self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
+                       self.kept_warps, self.kept_prefetch, self.kept_stages, kept[0],
+                       self.n_forced, self.lse, loc, self.kept_part,
+                       self.kept_acc_part)  # fmt: skip
+        if self.one_wave and max_read_blocks is None:  # dense: every block, block order
+            order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
+        elif kept is not None:
+            order, n_forced, ub_suffix = self.rank(
+                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, None, meta_scale,
+                kept=kept[:3],
+            )  # fmt: skip
+            rloc = loc
+        else:
+            codes = None if code_planes is None else (code_planes, code_lo, code_hi)
+            order, n_forced, ub_suffix = self.rank(
+                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale,
+                codes,
+            )  # fmt: skip
+            rloc = self.ranked_loc
         prefetch = not self.one_wave if self.prefetch is None else self.prefetch
         while True:
             try:
                 launch(self.splits, self.one_wave, 1 if budget else 0, descs, tile, self.warps,
-                       prefetch, self.num_stages)  # fmt: skip
+                       prefetch, self.num_stages, order, n_forced, ub_suffix, rloc, self.part,
+                       self.acc_part)  # fmt: skip
                 break
             except RuntimeError as e:
                 # Too many programs for one cooperative launch (they must all be
@@ -1290,4 +1311,6 @@ class WaveAttention:
                     self.splits, B, self.splits // 2,
                 )  # fmt: skip
                 self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
+        if side is not None:  # the kept rows' branch joins before the output is read
+            torch.cuda.current_stream(q.device).wait_stream(side)
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)
