@@ -13,6 +13,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
     python benchmark/kernels/bench_wave.py --launch-probe   # fixed cost by launch and read size
     python benchmark/kernels/bench_wave.py --kept-sweep   # the kept rows' launch, one knob at a time
+    python benchmark/kernels/bench_wave.py --ncu-kept     # a kept step, eager, for Nsight Compute
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
         --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
     python benchmark/kernels/bench_wave.py --readers --ctx=16000  # what else reads the pages
@@ -440,6 +441,7 @@ def server_case(
     splits: int | None = None,
     profile: bool = False,
     bookkeeping: bool = True,
+    eager_runs: int = 0,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -453,8 +455,10 @@ def server_case(
     wave) or "dense" (ε 1, every block: `--psa-threshold 1`). A `_kept` suffix ("psa_kept",
     "psa_mixed_kept"): a step between rankings (`--psa-rerank-interval`): the selection
     and read counts an eager ranking step left, read with no scoring, ranking or stop
-    rule; `_halfkept`: the same with half the rows new in the batch (they rank). Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use
-    stamps or read counters (what they cost)."""
+    rule; `_halfkept`: the same with half the rows new in the batch (they rank).
+    Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use stamps
+    or read counters (what they cost). `eager_runs > 0`: only that many runs, eager, no
+    timing (for a profiler: `--ncu-kept`)."""
     nb = plan_ctx // BS
     half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
     mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
@@ -499,6 +503,11 @@ def server_case(
             sel.invalidate(rows[: batch // 2])
         sel.assign(rows, lengths, step + 1)  # the steps between: no other row ranks
         assert int(sel.rows(batch)[1].sum()) == (batch // 2 if half else 0)
+    if eager_runs:
+        for _ in range(eager_runs):
+            run()
+        torch.cuda.synchronize()
+        return {"mode": mode, "eager_runs": eager_runs}
     graph, res = _captured(run, layers)
     t = _time(graph.replay, reps=30, warmup=5) / layers
     n_read = res.n_read.float()
@@ -943,6 +952,18 @@ if __name__ == "__main__":
     if "--readers" in sys.argv:
         print(json.dumps(readers(int(option("ctx") or 16000), shape=option("shape") or "qwen05b"),
                          indent=1))  # fmt: skip
+    elif "--ncu-kept" in sys.argv:
+        # Kept steps, eager, for Nsight Compute. The wave kernel's launches: the ranking run's
+        # two (0, 1), then each kept run's kept-rows launch and its empty waves launch, so
+        # skip 4 is the second kept run's kept-rows launch:
+        #   ncu --kernel-name _wave_attention_kernel --launch-skip 4 --launch-count 1 \
+        #     --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        #     --section MemoryWorkloadAnalysis --section LaunchStats \
+        #     python3 benchmark/kernels/bench_wave.py --ncu-kept
+        use_shape("qwen05b")
+        ctx = int(option("ctx") or 16000)
+        frac = float(option("frac") or 0.3)
+        print(json.dumps(server_case("psa_kept", 32, ctx, 32768, frac, eager_runs=3)))
     elif "--kept-sweep" in sys.argv:
         print(json.dumps(kept_sweep(), indent=1))
     elif "--launch-probe" in sys.argv:
