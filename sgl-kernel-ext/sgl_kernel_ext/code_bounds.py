@@ -13,8 +13,10 @@ kernel's certified rule ranks blocks by `ub` and bounds the unread mass with it
 
 `encode_planes` writes the planes of whole blocks on the GPU, the same cells as
 `algo.token_bounds.encode_keys`. The adaptive suite's kernel rows run both
-(`hf.attention.KernelRows`); not yet on the serving path: the KV pool's pages keep no
-planes (docs/design.md).
+(`hf.attention.KernelRows`). For the server, `encode_pages` writes the planes and
+ranges of whole pages of SGLang's key pool per page, and `code_bounds(pages=)` reads
+them through the page table; not yet on the serving path: the pool's pages keep no
+planes yet (docs/design.md).
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ def _encode_kernel(
     k = k.to(tl.float32)
     lo = tl.load(lo_ptr + row * D + offs_d)[None, :]
     hi = tl.load(hi_ptr + row * D + offs_d)[None, :]
+    _write_planes(k, lo, hi, planes_ptr + row.to(tl.int64) * (BITS * BS * (D // 8)), D, BS, BITS)
+
+
+@triton.jit
+def _write_planes(k, lo, hi, out, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr):
+    """The cells of keys `k [BS, D]` (float32) in `[lo, hi]` (`[1, D]`) as `BITS` bit planes
+    of `BS x D / 8` bytes at `out`."""
+    offs_t = tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
     n = tl.full((1, D), 2**BITS, tl.int32)
     inv_n = 1.0 / (2**BITS)
     # The last cell whose lower edge is <= the key, bit by bit (the reference's search).
@@ -79,7 +90,6 @@ def _encode_kernel(
         cand = c + (1 << p)
         c = tl.where(k >= _edge(lo, hi, cand, n, inv_n), cand, c)
     bit_w = (1 << (offs_d % 8))[None, :]
-    out = planes_ptr + row.to(tl.int64) * (BITS * BS * (D // 8))
     offs_b = tl.arange(0, D // 8)
     for p in range(BITS):
         bits = ((c >> p) & 1) * bit_w  # [BS, D]
@@ -116,6 +126,64 @@ def encode_planes(
 
 
 @triton.jit
+def _encode_pages_kernel(
+    k_ptr,  # SGLang's key pool of one layer, [tokens, Hkv, D] (a page: BS tokens)
+    pages_ptr,  # [N] int32: pages to encode (< 0: none)
+    planes_ptr,  # [P, Hkv, BITS, BS, D // 8] uint8
+    lo_ptr,  # [P, Hkv, D] float32
+    hi_ptr,
+    tok_stride,
+    head_stride,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    page = tl.load(pages_ptr + tl.program_id(0))
+    if page < 0:
+        return
+    h = tl.program_id(1)
+    row = page.to(tl.int64) * tl.num_programs(1) + h
+    offs_t = tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    tok = page.to(tl.int64) * BS + offs_t
+    k = tl.load(k_ptr + (tok * tok_stride + h * head_stride)[:, None] + offs_d[None, :])
+    k = k.to(tl.float32)
+    lo = tl.min(k, axis=0)[None, :]  # the block's own range: every key in it
+    hi = tl.max(k, axis=0)[None, :]
+    tl.store(lo_ptr + row * D + offs_d[None, :], lo)
+    tl.store(hi_ptr + row * D + offs_d[None, :], hi)
+    _write_planes(k, lo, hi, planes_ptr + row * (BITS * BS * (D // 8)), D, BS, BITS)
+
+
+def encode_pages(
+    k_buffer: torch.Tensor,
+    pages: torch.Tensor,
+    planes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+) -> None:
+    """Key codes of whole pages of SGLang's key pool `k_buffer [tokens, Hkv, d]` (a page
+    is `bs` consecutive tokens): for each page in `pages [N]` (int32; entries < 0 are
+    skipped, so a fixed-shape step names a page only where a block filled), the
+    block's own per-channel range into `lo, hi [P, Hkv, d]` (float32) and its keys' cells
+    into `planes [P, Hkv, bits, bs, d / 8]` (uint8, `pack_planes`' planes per page): the
+    cells `algo.token_bounds.encode_keys` gives in that range. No host sync."""
+    P, Hkv, bits, bs, _ = planes.shape
+    d = k_buffer.shape[-1]
+    if k_buffer.stride(-1) != 1 or k_buffer.shape[1] != Hkv:
+        raise ValueError("k_buffer must be [tokens, Hkv, d] with contiguous channels")
+    if lo.shape != (P, Hkv, d) or hi.shape != (P, Hkv, d):
+        raise ValueError(f"lo, hi must be [{P}, {Hkv}, {d}] float32")
+    if pages.numel() == 0:
+        return
+    _encode_pages_kernel[(pages.numel(), Hkv)](
+        k_buffer, pages, planes, lo, hi, k_buffer.stride(0), k_buffer.stride(1),
+        D=d, BS=bs, BITS=bits,
+        enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
+    )  # fmt: skip
+
+
+@triton.jit
 def _code_bounds_kernel(
     q_ptr,  # [B, Hq, D] float32
     planes_ptr,  # [B, Hkv, NB, BITS, BS, D // 8] uint8
@@ -123,6 +191,7 @@ def _code_bounds_kernel(
     hi_ptr,
     len_ptr,  # [B] int
     out_ptr,  # [B, Hq, NB] float32
+    pages_ptr,  # [B, NB] int32 with PAGED: planes and ranges are per page [P, Hkv, ..]
     scale,
     NB,
     G: tl.constexpr,
@@ -131,6 +200,7 @@ def _code_bounds_kernel(
     BS: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,  # blocks per program
+    PAGED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -155,8 +225,12 @@ def _code_bounds_kernel(
     bit_of = offs_d % 8
     for j in range(BLOCKS):
         blk = tl.program_id(2) * BLOCKS + j
-        row = (b * Hkv + h) * NB + blk
         in_range = blk < NB
+        if PAGED:
+            page = tl.load(pages_ptr + b * NB + blk, mask=in_range, other=0)
+            row = page.to(tl.int64) * Hkv + h
+        else:
+            row = (b * Hkv + h) * NB + blk
         # past the last block every channel is masked (a tensor mask: the interpreter
         # takes no scalar one)
         d_ok = offs_d < D * in_range.to(tl.int32)
@@ -202,14 +276,20 @@ def code_bounds(
     out: torch.Tensor | None = None,
     blocks_per_program: int = 4,
     num_warps: int = 4,
+    pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q [B, Hq, d]`; `planes [B, Hkv, NB, bits, bs, d / 8]` (`pack_planes`); `lo, hi
     [B, Hkv, NB, d]` float32, the ranges the codes cut; `lengths [B]`. Returns `ub [B, Hq,
     NB]` float32: per query head, an upper bound of the log of each block's unnormalised
     softmax mass (at least `block_lse` of the float32 scores, up to the float32 rounding
-    of the log-sum-exp itself), `-inf` past each length. No host sync; `out` reused."""
+    of the log-sum-exp itself), `-inf` past each length. No host sync; `out` reused.
+    With the page table `pages [B, NB]` (int32), planes and ranges are per page, `[P, Hkv,
+    bits, bs, d / 8]` and `[P, Hkv, d]` (`encode_pages`), and NB is the table's."""
     B, Hq, d = q.shape
-    _, Hkv, NB, bits, bs, _ = planes.shape
+    if pages is None:
+        _, Hkv, NB, bits, bs, _ = planes.shape
+    else:
+        (_, Hkv, bits, bs, _), NB = planes.shape, pages.shape[1]
     G = Hq // Hkv
     if out is None:
         out = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
@@ -221,6 +301,7 @@ def code_bounds(
         hi.contiguous(),
         lengths,
         out,
+        out if pages is None else pages,
         scale,
         NB,
         G=G,
@@ -229,6 +310,7 @@ def code_bounds(
         BS=bs,
         BITS=bits,
         BLOCKS=blocks_per_program,
+        PAGED=pages is not None,
         num_warps=num_warps,
         enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
     )

@@ -79,6 +79,101 @@ def test_code_bounds_kernel_at_real_shapes(d, G, bits):
     assert bool((got[finite].double() >= true[finite] - 1e-5).all())
 
 
+def _paged(x: torch.Tensor, pages: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """Per-request, per-block rows `x [B, Hkv, NB, ...]` placed per page `[P, Hkv, ...]` by
+    the page table `pages [B, NB]` (page 0 and unused pages zero)."""
+    B, Hkv, NB = x.shape[:3]
+    out = torch.zeros(n_pages, Hkv, *x.shape[3:], dtype=x.dtype)
+    out[pages.long().flatten()] = x.transpose(1, 2).flatten(0, 1)
+    return out
+
+
+def _paged_bounds_case(device, d, G, bits, nb):
+    """Bounds per request and through a shuffled page table, from the same codes."""
+    from sgl_kernel_ext.code_bounds import code_bounds, pack_planes
+
+    B, Hkv, bs = 2, 2, 32
+    q, k, lengths, kept = _case(d * G + bits, B, Hkv, G, d, nb)
+    codes = encode_keys(k, lengths, kept.kmin, kept.kmax, bs, bits)
+    planes = pack_planes(codes.codes, bits, bs)
+    lo, hi = kept.kmin.float(), kept.kmax.float()
+    n_pages = B * nb + 1  # page 0: SGLang's padding page
+    pages = torch.randperm(n_pages - 1, generator=torch.Generator().manual_seed(5)) + 1
+    pages = pages.view(B, nb).to(torch.int32)
+    scale = 1 / math.sqrt(d)
+    on = dict(device=device)
+    want = code_bounds(q.to(**on), planes.to(**on), lo.to(**on), hi.to(**on),
+                       lengths.to(**on), scale).cpu()  # fmt: skip
+    got = code_bounds(
+        q.to(**on), _paged(planes, pages, n_pages).to(**on), _paged(lo, pages, n_pages).to(**on),
+        _paged(hi, pages, n_pages).to(**on), lengths.to(**on), scale, pages=pages.to(**on),
+    ).cpu()  # fmt: skip
+    return got, want
+
+
+@pytest.mark.parametrize("d, G, bits, nb", [(64, 4, 5, 9), (128, 8, 4, 6)])
+def test_code_bounds_through_a_page_table_equal_per_request_bounds(device, d, G, bits, nb):
+    """Planes and ranges kept per page (the server's layout) and read through a shuffled
+    page table bound each block exactly as the same codes kept per request."""
+    got, want = _paged_bounds_case(device, d, G, bits, nb)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, G, bits", [(64, 7, 5), (128, 4, 4), (128, 8, 6)])
+def test_code_bounds_through_a_page_table_at_real_shapes(d, G, bits):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    got, want = _paged_bounds_case("cuda", d, G, bits, 600)
+    assert torch.equal(got, want)
+
+
+def _encode_pages_case(device, d, Hkv, bits, n_pages=40):
+    """SGLang-layout key pool `[tokens, Hkv, d]` (bf16; page 3 with a constant channel
+    and keys on its range's ends), pages to encode with skipped (-1) entries, and the
+    reference: each page's own min/max range and `encode_keys`' cells in it, packed."""
+    from sgl_kernel_ext.code_bounds import encode_pages, pack_planes
+
+    bs = 32
+    g = torch.Generator().manual_seed(d + bits + Hkv)
+    pool = (torch.randn(n_pages * bs, Hkv, d, generator=g) * 3).to(torch.bfloat16)
+    pool[3 * bs : 4 * bs, :, 0] = 1.5  # zero width
+    todo = torch.tensor([7, -1, 3, 12, -1, 39, 1], dtype=torch.int32)
+    sentinel = 0xA5
+    planes = torch.full((n_pages, Hkv, bits, bs, d // 8), sentinel, dtype=torch.uint8)
+    lo = torch.full((n_pages, Hkv, d), float("nan"))
+    hi = lo.clone()
+    on = dict(device=device)
+    got = [planes.to(**on), lo.to(**on), hi.to(**on)]
+    encode_pages(pool.to(**on), todo.to(**on), *got)
+    got = [t.cpu() for t in got]
+    for p in todo[todo >= 0].tolist():
+        kk = pool[p * bs : (p + 1) * bs].transpose(0, 1)[None]  # [1, Hkv, bs, d]
+        plo = kk.float().amin(2, keepdim=True)  # [1, Hkv, 1, d]: one block
+        phi = kk.float().amax(2, keepdim=True)
+        codes = encode_keys(kk, torch.tensor([bs]), plo, phi, bs, bits).codes
+        assert torch.equal(got[0][p], pack_planes(codes, bits, bs)[0, :, 0]), p
+        assert torch.equal(got[1][p], plo[0, :, 0]) and torch.equal(got[2][p], phi[0, :, 0])
+    others = torch.ones(n_pages, dtype=torch.bool)
+    others[todo[todo >= 0].long()] = False
+    assert (got[0][others] == sentinel).all() and got[1][others].isnan().all()
+
+
+@pytest.mark.parametrize("d, Hkv, bits", [(64, 2, 4), (128, 2, 5), (64, 1, 8)])
+def test_encode_pages_writes_each_pages_range_and_reference_cells(device, d, Hkv, bits):
+    """`encode_pages` over SGLang's pool: the named pages get their own keys' range and
+    `encode_keys`' cells in it; skipped entries and other pages are left as they were."""
+    _encode_pages_case(device, d, Hkv, bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, Hkv, bits", [(64, 2, 5), (128, 8, 6)])
+def test_encode_pages_at_real_shapes(d, Hkv, bits):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    _encode_pages_case("cuda", d, Hkv, bits, n_pages=600)
+
+
 def test_pack_planes_round_trip():
     from sgl_kernel_ext.code_bounds import pack_planes
 
