@@ -128,7 +128,8 @@ def encode_planes(
 @triton.jit
 def _encode_pages_kernel(
     k_ptr,  # SGLang's key pool of one layer, [tokens, Hkv, D] (a page: BS tokens)
-    pages_ptr,  # [N] int32: pages to encode (< 0: none)
+    at_ptr,  # [N] int: pages (with counts), or token slots (FROM_LOCS); < 0: none
+    count_ptr,  # [N] int32: the page's tokens written so far (not FROM_LOCS)
     planes_ptr,  # [P, Hkv, BITS, BS, D // 8] uint8
     lo_ptr,  # [P, Hkv, D] float32
     hi_ptr,
@@ -137,48 +138,65 @@ def _encode_pages_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     BITS: tl.constexpr,
+    FROM_LOCS: tl.constexpr,
 ):
-    page = tl.load(pages_ptr + tl.program_id(0))
-    if page < 0:
+    at = tl.load(at_ptr + tl.program_id(0)).to(tl.int64)
+    if at < 0:
         return
+    if FROM_LOCS:  # a token was written at slot `at`: its page holds it and those before
+        page = at // BS
+        count = at % BS + 1
+    else:
+        page = at
+        count = tl.load(count_ptr + tl.program_id(0))
     h = tl.program_id(1)
-    row = page.to(tl.int64) * tl.num_programs(1) + h
+    row = page * tl.num_programs(1) + h
     offs_t = tl.arange(0, BS)
     offs_d = tl.arange(0, D)
-    tok = page.to(tl.int64) * BS + offs_t
-    k = tl.load(k_ptr + (tok * tok_stride + h * head_stride)[:, None] + offs_d[None, :])
-    k = k.to(tl.float32)
-    lo = tl.min(k, axis=0)[None, :]  # the block's own range: every key in it
-    hi = tl.max(k, axis=0)[None, :]
+    tok = page * BS + offs_t
+    written = (offs_t < count)[:, None]
+    k = tl.load(
+        k_ptr + (tok * tok_stride + h * head_stride)[:, None] + offs_d[None, :],
+        mask=written,
+        other=0.0,
+    ).to(tl.float32)
+    # The range of the keys written so far; rows past them take its low end (cell 0).
+    lo = tl.min(tl.where(written, k, float("inf")), axis=0)[None, :]
+    hi = tl.max(tl.where(written, k, float("-inf")), axis=0)[None, :]
     tl.store(lo_ptr + row * D + offs_d[None, :], lo)
     tl.store(hi_ptr + row * D + offs_d[None, :], hi)
+    k = tl.where(written, k, lo)
     _write_planes(k, lo, hi, planes_ptr + row * (BITS * BS * (D // 8)), D, BS, BITS)
 
 
 def encode_pages(
     k_buffer: torch.Tensor,
-    pages: torch.Tensor,
+    at: torch.Tensor,
     planes: torch.Tensor,
     lo: torch.Tensor,
     hi: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> None:
-    """Key codes of whole pages of SGLang's key pool `k_buffer [tokens, Hkv, d]` (a page
-    is `bs` consecutive tokens): for each page in `pages [N]` (int32; entries < 0 are
-    skipped, so a fixed-shape step names a page only where a block filled), the
-    block's own per-channel range into `lo, hi [P, Hkv, d]` (float32) and its keys' cells
-    into `planes [P, Hkv, bits, bs, d / 8]` (uint8, `pack_planes`' planes per page): the
-    cells `algo.token_bounds.encode_keys` gives in that range. No host sync."""
+    """Key codes of pages of SGLang's key pool `k_buffer [tokens, Hkv, d]` (a page is `bs`
+    consecutive tokens), as far as they are written: with `counts [N]` (int32), `at [N]`
+    names pages whose first `counts` tokens hold keys; without, `at` holds token slots
+    just written (a decode step's `out_cache_loc`), each page holding its slot and the
+    slots before it. Entries < 0 are skipped. Each page gets the range of its keys
+    into `lo, hi [P, Hkv, d]` (float32) and their cells in it into `planes [P, Hkv, bits,
+    bs, d / 8]` (uint8, `pack_planes`' planes per page; rows past the keys: cell 0): what
+    `algo.token_bounds.encode_keys` gives for the block. No host sync."""
     P, Hkv, bits, bs, _ = planes.shape
     d = k_buffer.shape[-1]
     if k_buffer.stride(-1) != 1 or k_buffer.shape[1] != Hkv:
         raise ValueError("k_buffer must be [tokens, Hkv, d] with contiguous channels")
     if lo.shape != (P, Hkv, d) or hi.shape != (P, Hkv, d):
         raise ValueError(f"lo, hi must be [{P}, {Hkv}, {d}] float32")
-    if pages.numel() == 0:
+    if at.numel() == 0:
         return
-    _encode_pages_kernel[(pages.numel(), Hkv)](
-        k_buffer, pages, planes, lo, hi, k_buffer.stride(0), k_buffer.stride(1),
-        D=d, BS=bs, BITS=bits,
+    _encode_pages_kernel[(at.numel(), Hkv)](
+        k_buffer, at, at if counts is None else counts, planes, lo, hi,
+        k_buffer.stride(0), k_buffer.stride(1),
+        D=d, BS=bs, BITS=bits, FROM_LOCS=counts is None,
         enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
     )  # fmt: skip
 

@@ -129,40 +129,55 @@ def test_code_bounds_through_a_page_table_at_real_shapes(d, G, bits):
 
 
 def _encode_pages_case(device, d, Hkv, bits, n_pages=40):
-    """SGLang-layout key pool `[tokens, Hkv, d]` (bf16; page 3 with a constant channel
-    and keys on its range's ends), pages to encode with skipped (-1) entries, and the
-    reference: each page's own min/max range and `encode_keys`' cells in it, packed."""
+    """SGLang-layout key pool `[tokens, Hkv, d]` (bf16; page 3 with a constant channel;
+    NaN in the rows no page count covers, as a page handed out again holds), pages to
+    encode by (page, tokens written) and by the token slots a decode step wrote, with
+    skipped (-1) entries; each against the reference: the range of the page's written keys
+    and `encode_keys`' cells in it, packed."""
     from sgl_kernel_ext.code_bounds import encode_pages, pack_planes
 
     bs = 32
     g = torch.Generator().manual_seed(d + bits + Hkv)
     pool = (torch.randn(n_pages * bs, Hkv, d, generator=g) * 3).to(torch.bfloat16)
     pool[3 * bs : 4 * bs, :, 0] = 1.5  # zero width
-    todo = torch.tensor([7, -1, 3, 12, -1, 39, 1], dtype=torch.int32)
-    sentinel = 0xA5
-    planes = torch.full((n_pages, Hkv, bits, bs, d // 8), sentinel, dtype=torch.uint8)
-    lo = torch.full((n_pages, Hkv, d), float("nan"))
-    hi = lo.clone()
-    on = dict(device=device)
-    got = [planes.to(**on), lo.to(**on), hi.to(**on)]
-    encode_pages(pool.to(**on), todo.to(**on), *got)
-    got = [t.cpu() for t in got]
-    for p in todo[todo >= 0].tolist():
-        kk = pool[p * bs : (p + 1) * bs].transpose(0, 1)[None]  # [1, Hkv, bs, d]
-        plo = kk.float().amin(2, keepdim=True)  # [1, Hkv, 1, d]: one block
-        phi = kk.float().amax(2, keepdim=True)
-        codes = encode_keys(kk, torch.tensor([bs]), plo, phi, bs, bits).codes
-        assert torch.equal(got[0][p], pack_planes(codes, bits, bs)[0, :, 0]), p
-        assert torch.equal(got[1][p], plo[0, :, 0]) and torch.equal(got[2][p], phi[0, :, 0])
-    others = torch.ones(n_pages, dtype=torch.bool)
-    others[todo[todo >= 0].long()] = False
-    assert (got[0][others] == sentinel).all() and got[1][others].isnan().all()
+    pages = torch.tensor([7, -1, 3, 12, -1, n_pages - 1, 1], dtype=torch.int32)
+    counts = torch.tensor([32, 5, 32, 1, 9, 17, 31], dtype=torch.int32)
+    slots = torch.tensor([5 * bs + 31, -1, 9 * bs, 20 * bs + 13], dtype=torch.int64)
+    by_locs = [(int(s) // bs, int(s) % bs + 1) for s in slots if s >= 0]
+    cases = (("counts", pages, counts, [(int(p), int(c)) for p, c in zip(pages, counts) if p >= 0]),
+             ("slots", slots, None, by_locs))  # fmt: skip
+    for name, at, cnt, want_pages in cases:
+        kpool = pool.clone()
+        for p, c in want_pages:  # rows past what is written: stale, even NaN
+            kpool[p * bs + c : (p + 1) * bs] = float("nan")
+        sentinel = 0xA5
+        planes = torch.full((n_pages, Hkv, bits, bs, d // 8), sentinel, dtype=torch.uint8)
+        lo = torch.full((n_pages, Hkv, d), float("nan"))
+        on = dict(device=device)
+        got = [planes.to(**on), lo.to(**on), lo.clone().to(**on)]
+        encode_pages(
+            kpool.to(**on), at.to(**on), *got, counts=None if cnt is None else cnt.to(**on)
+        )
+        got = [t.cpu() for t in got]
+        for p, c in want_pages:
+            kk = kpool[p * bs : (p + 1) * bs].transpose(0, 1)[None]  # [1, Hkv, bs, d]
+            plo = kk[:, :, :c].float().amin(2, keepdim=True)  # [1, Hkv, 1, d]: one block
+            phi = kk[:, :, :c].float().amax(2, keepdim=True)
+            codes = encode_keys(kk, torch.tensor([c]), plo, phi, bs, bits).codes
+            assert torch.equal(got[0][p], pack_planes(codes, bits, bs)[0, :, 0]), (name, p)
+            assert torch.equal(got[1][p], plo[0, :, 0]), (name, p)
+            assert torch.equal(got[2][p], phi[0, :, 0]), (name, p)
+        others = torch.ones(n_pages, dtype=torch.bool)
+        others[[p for p, _ in want_pages]] = False
+        assert (got[0][others] == sentinel).all() and got[1][others].isnan().all(), name
 
 
 @pytest.mark.parametrize("d, Hkv, bits", [(64, 2, 4), (128, 2, 5), (64, 1, 8)])
 def test_encode_pages_writes_each_pages_range_and_reference_cells(device, d, Hkv, bits):
-    """`encode_pages` over SGLang's pool: the named pages get their own keys' range and
-    `encode_keys`' cells in it; skipped entries and other pages are left as they were."""
+    """`encode_pages` over SGLang's pool, pages named with their written token counts
+    (an extend) or by the slots just written (a decode step): each gets the range of its
+    written keys and `encode_keys`' cells in it (rows past them: cell 0, whatever they
+    hold); skipped entries and other pages are left as they were."""
     _encode_pages_case(device, d, Hkv, bits)
 
 
