@@ -94,6 +94,11 @@ class PSAConfig:
     # Key bounds kept per block in 16 bits (the KV dtype) or as 8-bit codes with a scale
     # per block and KV head: half the metadata bytes decode reads for every block.
     bound_bits: int = 8
+    # The certified rule's key codes: each key kept as a cell of its block's per-channel
+    # range, this many bits a channel, beside the page (`mem_cache.page_codes`); the
+    # ranking and the rule's bound on the unread mass come from them, far tighter than the
+    # block's min/max bound (benchmark/results/adaptive_budget.json: certified policies).
+    code_bits: int = 5
     # Tiered store.
     # HBM for working sets: an admission cap at hbm home.
     gpu_cache_gb: float | None = None
@@ -151,6 +156,7 @@ class PSAConfig:
             )
         need(self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         need(self.bound_bits in (8, 16), "bound_bits", "must be 8 or 16")
+        need(_is_int(self.code_bits) and 1 <= self.code_bits <= 8, "code_bits", "must be 1 to 8")
         for name in ("sink_blocks", "recent_blocks", "later_wave_blocks"):
             need(
                 _is_int(getattr(self, name)) and getattr(self, name) >= 0,
@@ -215,6 +221,11 @@ class PSAConfig:
     def needs_key_bounds(self) -> bool:
         """Blocks keep per-channel key min/max (bound ranking or the certified rule)."""
         return self.stop_rule == "certified" or self.score == "bound"
+
+    @property
+    def needs_key_codes(self) -> bool:
+        """Pages keep their keys' codes (`code_bits`): psa's certified rule below ε = 1."""
+        return self.sparse_mode == "psa" and self.stop_rule == "certified" and self.threshold < 1
 
     @property
     def keeps_selection(self) -> bool:

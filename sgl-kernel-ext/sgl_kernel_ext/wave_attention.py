@@ -999,7 +999,7 @@ class WaveAttention:
         B, Hq, _ = q.shape
         Hkv, bs = self.Hkv, self.bs
         if codes is not None:
-            return self._rank_codes(q, codes, lengths, scale, loc)
+            return self._rank_codes(q, codes, lengths, scale, loc, meta_pages)
         fused = self.NB <= self.fused_rank_max_blocks
         if kept is not None and not fused:
             raise ValueError(
@@ -1078,15 +1078,21 @@ class WaveAttention:
         ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
         return ub_suffix.float().contiguous()
 
-    def _rank_codes(self, q, codes, lengths, scale, loc):
+    def _rank_codes(self, q, codes, lengths, scale, loc, pages=None):
         """`rank` on the key-code bound: `code_bounds` writes each block's bound log-mass
         per query head (in the plan's logits buffer), the ranking orders blocks by it, and
         its suffix sums (in float64; `run` leaves `CODE_LIMIT_MARGIN` for the float32 the
-        rule compares them in) bound the unread mass."""
+        rule compares them in) bound the unread mass. Planes kept per page (5-D) are
+        read through the page table `pages`."""
         if self.rule != "certified":
             raise ValueError("key codes bound the unread mass of the certified rule only")
         planes, lo, hi = codes
-        ub = code_bounds(q, planes, lo, hi, lengths, scale, out=self.logits)
+        paged = planes.dim() == 5
+        if paged and pages is None:
+            raise ValueError("key codes kept per page need the page table (meta_pages)")
+        ub = code_bounds(
+            q, planes, lo, hi, lengths, scale, out=self.logits, pages=pages if paged else None
+        )
         order, n_forced = rank_blocks(
             ub,
             lengths,
@@ -1153,7 +1159,8 @@ class WaveAttention:
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
         token's key as a cell of its block's range `code_lo/code_hi [B, Hkv, NB, d]`
-        float32; `sgl_kernel_ext.code_bounds`) replace the min/max bound, for the ranking
+        float32; `sgl_kernel_ext.code_bounds`), or per page `[P, Hkv, bits, bs, d / 8]`
+        and `[P, Hkv, d]` read through `meta_pages`, replace the min/max bound, for the ranking
         and the stop rule alike; the rule then asks for `CODE_LIMIT_MARGIN` more in log
         space (the float32 mass the kernel sums may differ from the float64 one by
         rounding), so every query head covers at least ε of its true mass.

@@ -289,7 +289,7 @@ def _code_plan(device, seed, B, Hkv, G, d, nb, bits, eps, dtype=torch.float32):
     cfg = PSAConfig(stop_rule="certified", threshold=eps, bound_bits=8, block_size=bs)
     scale = 1 / math.sqrt(d)
     exact = block_metadata(k, lengths, bs)
-    lo, hi = kept.kmin.float(), kept.kmax.float()
+    lo, hi = exact.kmin.float(), exact.kmax.float()  # each block's own range, as the server's
     # keys past a request's length take code 0 (`encode_keys`' padding; never read)
     T = k.shape[2]
     valid = (torch.arange(T)[None, :] < lengths[:, None])[:, None, :, None]

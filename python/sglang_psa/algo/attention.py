@@ -209,8 +209,8 @@ def progressive_attention(
     Stop when uncovered / covered ≤ (1 - ε) / ε, evaluated in log space so that
     ε = 1 reads everything (dense attention).
 
-    `code_bits` > 0 (certified rule only; not on the serving path yet): the unread mass
-    is bounded token by token from `code_bits`-bit key codes in each block's kept key
+    `code_bits` > 0 (certified rule only; `--psa-code-bits` in the server): the unread mass
+    is bounded token by token from `code_bits`-bit key codes in each block's own key
     range (`token_bounds`; their bytes count as read for every block), blocks are ranked
     by that bounded mass, and the rule is evaluated in float64, so the guarantee holds
     for the float32 scores the output is computed from.
@@ -235,14 +235,16 @@ def progressive_attention(
     Hkv = k.shape[1]
     G = Hq // Hkv
     bs = cfg.block_size
-    meta = as_kept(block_metadata(k, lengths, bs) if meta is None else meta, cfg)
+    exact = block_metadata(k, lengths, bs) if meta is None else meta
+    meta = as_kept(exact, cfg)
     nb = meta.count.shape[1]
     nblk = num_blocks(lengths, bs)
     scores = token_scores(q, k, lengths, scale)
     if code_bits:
         if cfg.stop_rule != "certified":
             raise ValueError("code_bits bound the unread mass of the certified rule only")
-        codes = encode_keys(k, lengths, meta.kmin, meta.kmax, bs, code_bits)
+        # The cells cut each block's own key range (what the server keeps beside a page).
+        codes = encode_keys(k, lengths, exact.kmin.float(), exact.kmax.float(), bs, code_bits)
         code_ub = block_lse(token_score_bounds(q, codes, lengths, scale).double(), bs)
         order, n_forced = order_blocks(criticality_from_logits(code_ub.float(), Hkv), lengths, cfg)
     elif prior is not None:

@@ -358,6 +358,7 @@ class PSAAttnBackend(AttentionBackend):
         kept = None
         if step.kept:
             kept = self._selection.kept(lid, q.shape[0])
+        codes = self.meta.codes(lid) or (None, None, None)  # the certified rule's key codes
         res = plan.run(
             q,
             kbuf,
@@ -380,6 +381,9 @@ class PSAAttnBackend(AttentionBackend):
             unit_slot=unit_slot,
             cache_pages=cache_pages,
             meta_scale=kscale,
+            code_planes=codes[0],
+            code_lo=codes[1],
+            code_hi=codes[2],
             kept=kept,
         )
         return res.out
@@ -398,7 +402,10 @@ class PSAAttnBackend(AttentionBackend):
         if self.cfg.sparse_mode == "topk":
             res = topk_attention(q, kc, vc, lengths, self.cfg, scale=layer.scaling)
         else:
-            res = progressive_attention(q, kc, vc, lengths, self.cfg, scale=layer.scaling)
+            code_bits = self.cfg.code_bits if self.cfg.needs_key_codes else 0
+            res = progressive_attention(
+                q, kc, vc, lengths, self.cfg, scale=layer.scaling, code_bits=code_bits
+            )
         lid = layer.layer_id - self.first_layer
         nb = -(-T // bs)
         pages = torch.where(

@@ -395,14 +395,12 @@ class KernelRows:
     @staticmethod
     def key_codes(k, meta: BlockMeta, cfg: PSAConfig, bits: int):
         """`(planes, lo, hi)` of keys `k [B, Hkv, T, d]` for `WaveAttention.run(code_planes=)`:
-        each key a `bits`-bit cell of its block's kept range (`as_kept(meta)`, float32),
+        each key a `bits`-bit cell of its block's own range (the exact `meta`, float32),
         written by `sgl_kernel_ext.code_bounds.encode_planes` (a partial last block is
         padded with its lower bound: code 0, never read)."""
         from sgl_kernel_ext.code_bounds import encode_planes
-        from sglang_psa.algo.metadata import as_kept
 
-        kept = as_kept(meta, cfg)
-        lo, hi = kept.kmin.float().contiguous(), kept.kmax.float().contiguous()
+        lo, hi = meta.kmin.float().contiguous(), meta.kmax.float().contiguous()
         bs, T = cfg.block_size, k.shape[2]
         pad = -T % bs
         if pad:

@@ -19,7 +19,9 @@ def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg
     """HBM bytes of block metadata per token: per (layer, KV head) per block of
     `block_size` tokens, the key vectors the ranking and the stop rule read (the mean
     for the mean score, min and max for key bounds), in `metadata_dtype`; 8-bit bounds
-    (`cfg.bound_bits`) take a byte a channel and a float32 scale per (layer, KV head)."""
+    (`cfg.bound_bits`) take a byte a channel and a float32 scale per (layer, KV head);
+    the certified rule's key codes `cfg.code_bits` bits a channel and token, and a float32
+    range per channel."""
     kv_elem = torch.empty((), dtype=kv_dtype).element_size()
     meta_elem = torch.empty((), dtype=metadata_dtype(kv_dtype)).element_size()
     # kv_bytes_per_token = 2 (K, V) x layers x heads x d x kv_elem
@@ -29,6 +31,8 @@ def metadata_bytes_per_token(kv_bytes_per_token: int, kv_dtype: torch.dtype, cfg
         per_block += 2 * per_vector_token + 4 * max(1, per_vector_token // 32)  # d >= 32
     elif cfg.needs_key_bounds:
         per_block += 2 * per_vector_token * meta_elem
+    if cfg.needs_key_codes:  # the certified rule's key codes: planes, and float32 ranges
+        per_block += per_vector_token * (cfg.block_size * cfg.code_bits // 8 + 2 * 4)
     return math.ceil(per_block / cfg.block_size)
 
 

@@ -14,12 +14,19 @@ float32): the mean key when the score is the mean, per-channel min and max when
 the score or the stop rule needs key bounds, nothing it would not read. With
 `bound_bits=8` the bounds are int8 codes with a float32 scale per (page, KV head)
 (`kscale`), rounded outward: half the bytes the ranking reads per block.
+
+With `code_bits` (the certified rule) a page also keeps its keys' codes: per (layer, page,
+KV head) the per-channel range of its keys `[code_lo, code_hi]` (float32) and each key
+as a cell of it in `code_bits` bit planes (`sgl_kernel_ext.code_bounds.encode_pages`),
+written on the same path, as far as the page is written; the wave kernel bounds each
+block's mass from them (`code_bounds(pages=)`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sgl_kernel_ext.code_bounds import encode_pages
 from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
 
 
@@ -38,6 +45,7 @@ class PageMeta:
         device: torch.device | str,
         host_rows: int = 0,
         bound_bits: int = 16,
+        code_bits: int = 0,
     ):
         if not (mean or bounds):
             raise ValueError("PageMeta keeps the mean key, the key bounds, or both")
@@ -51,21 +59,39 @@ class PageMeta:
         self.kmin = torch.zeros(shape, **bkw) if bounds else None
         self.kmax = torch.zeros(shape, **bkw) if bounds else None
         self.kscale = torch.zeros(shape[:-1], device=device) if codes else None
+        self.planes = self.code_lo = self.code_hi = None
+        if code_bits:
+            if head_dim % 8:
+                raise ValueError(f"key codes need head_dim a multiple of 8, got {head_dim}")
+            planes = (*shape[:-1], code_bits, page_size, head_dim // 8)
+            self.planes = torch.zeros(planes, dtype=torch.uint8, device=device)
+            self.code_lo = torch.zeros(shape, device=device)
+            self.code_hi = torch.zeros(shape, device=device)
 
     @property
     def _tensors(self):
-        return (self.mean, self.kmin, self.kmax, self.kscale)
+        return (self.mean, self.kmin, self.kmax, self.kscale, self.planes, self.code_lo,
+                self.code_hi)  # fmt: skip
+
+    def codes(self, layer: int):
+        """`(planes, lo, hi)` of `layer`'s pages (`[rows, Hkv, bits, bs, d / 8]` uint8,
+        `[rows, Hkv, d]` float32 twice), or None without key codes."""
+        if self.planes is None:
+            return None
+        return self.planes[layer], self.code_lo[layer], self.code_hi[layer]
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors if t is not None)
 
     def _kept(self, layer: int):
-        return tuple(None if t is None else t[layer] for t in self._tensors)
+        return tuple(None if t is None else t[layer] for t in self._tensors[:4])
 
     def on_decode(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> None:
         """A decode step wrote one key per request at token slots `locs [B]`."""
         page_meta_from_locs(k_buffer, locs, self.page_size, *self._kept(layer))
+        if self.planes is not None:  # each slot's page, as far as written
+            encode_pages(k_buffer, locs, *self.codes(layer))
 
     def on_extend(
         self,
@@ -83,6 +109,10 @@ class PageMeta:
             k_buffer, req_to_token, rows, starts, ends, max_pages, self.page_size,
             *self._kept(layer),
         )  # fmt: skip
+        if self.planes is not None:
+            pages, counts = _extended_pages(req_to_token, rows, starts, ends, max_pages,
+                                            self.page_size)  # fmt: skip
+            encode_pages(k_buffer, pages, *self.codes(layer), counts=counts)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's metadata of rows `src` into rows `dst` (int64 device tensors)."""
@@ -100,3 +130,18 @@ class PageMeta:
             return mean, mean, mean, None
         scale = None if self.kscale is None else self.kscale[layer]
         return mean, self.kmin[layer], self.kmax[layer], scale
+
+
+def _extended_pages(req_to_token, rows, starts, ends, max_pages: int, bs: int):
+    """`(pages, counts)` `[rows x max_pages]` int32: every page an extend of tokens
+    `[starts, ends)` wrote into (-1 past a request's), with the tokens it holds now
+    (device ops, no sync)."""
+    starts, ends = starts.long(), ends.long()
+    j = (starts // bs)[:, None] + torch.arange(max_pages, device=starts.device)[None, :]
+    first_tok = j * bs
+    written = (first_tok < ends[:, None]) & (ends > starts)[:, None]
+    col = first_tok.clamp(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[rows.long()[:, None], col]
+    pages = torch.where(written, slots // bs, -1).to(torch.int32)
+    counts = (ends[:, None] - first_tok).clamp(1, bs).to(torch.int32)
+    return pages.flatten(), counts.flatten()

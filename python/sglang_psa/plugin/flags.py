@@ -61,6 +61,9 @@ _HELP = {
     "bound_bits": "bits per channel of the per-block key bounds: 16 (the KV dtype) or 8 "
     "(codes with a float32 scale per block and KV head, rounded outward so they still "
     "bound every key: half the metadata bytes read per step)",
+    "code_bits": "with --psa-stop-rule certified: bits a channel of the key codes kept per "
+    "page (each key as a cell of its block's range), from which the rule ranks blocks and "
+    "bounds the unread mass (HBM: code_bits / 16 of the keys' bytes, and the ranges)",
     "gpu_cache_gb": "GiB of HBM for working sets: a cap on the working sets admitted "
     "together, at either --psa-kv-home (default: SGLang's whole KV pool)",
     "host_pool_gb": "pinned host memory in GiB for the host tier of --psa-kv-home tiered "
@@ -99,6 +102,7 @@ ONLY_WITH = {
     "host_pool_gb": ("kv_home", "tiered"),
     "cold_fraction": ("kv_home", "tiered"),
     "topk_tokens": ("sparse_mode", "topk"),
+    "code_bits": ("stop_rule", "certified"),
 }
 
 

@@ -121,6 +121,7 @@ def assemble(
             mean=cfg.needs_key_mean, bounds=cfg.needs_key_bounds,
             key_dtype=kv_budget.metadata_dtype(pool.dtype), device=device,
             host_rows=host_blocks, bound_bits=cfg.bound_bits,
+            code_bits=cfg.code_bits if cfg.needs_key_codes else 0,
         )  # fmt: skip
         stamps = ReadStamps(
             pool.layer_num, pool.head_num, num_pages + host_blocks, cfg.ws_window,

@@ -235,8 +235,8 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
     attention over exactly the blocks the backend reports it read (its working-set stamps);
     those blocks hold the sink and tail block, all blocks at ε = 1 (plain dense attention),
     top-k's budget, a prefix of Quest's ranking (16-bit bounds), at least ε of every query
-    head's mass under the certified rule, and the heuristic rule's stop condition (or its
-    read cap) otherwise."""
+    head's mass under the certified rule (ranked and bounded by the key codes the pages
+    keep), and the heuristic rule's stop condition (or its read cap) otherwise."""
     cfg = PSAConfig(
         bound_bits=bits,
         stop_rule=rule,
@@ -251,6 +251,7 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
     # Clustered keys for the certified rule: with i.i.d. keys its bound never lets it stop.
     runner, fb, g = _rig(cfg, lengths, spread=0.1 if rule == "certified" else None)
     backend = PSAAttnBackend(runner, use_kernel=use_kernel)
+    assert (backend.meta.codes(1) is not None) == (rule == "certified")  # pages keep codes
     _prefill(backend, fb)
     backend.init_forward_metadata(fb)
     layer = _layer(1)
@@ -268,8 +269,11 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
             want = topk_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
         elif threshold == 1.0:
             want = dense_attention(qb, kc, vc, lens, scale=layer.scaling)
-        else:
-            want = progressive_attention(qb, kc, vc, lens, cfg, scale=layer.scaling).out
+        else:  # the certified rule on the key codes the pages keep
+            bits = cfg.code_bits if cfg.needs_key_codes else 0
+            want = progressive_attention(
+                qb, kc, vc, lens, cfg, scale=layer.scaling, code_bits=bits
+            ).out
         torch.testing.assert_close(out.view(-1, HQ, D), want.float(), atol=2e-4, rtol=2e-4)
 
     reads = _reported_reads(backend, runner, fb, 1)
@@ -287,7 +291,10 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
         got = out[b].view(HQ, D).cpu().double()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"request {b}")
         logmass = _block_logmass(_scores(qd, k, layer.scaling))  # [Hq, NB]
-        crit = _bound_criticality(qd, k, layer.scaling) if bits == 16 else None
+        # Quest's order where blocks are ranked by it (16-bit bounds; the certified rule
+        # ranks by its key codes' bound, and its guarantee is checked below).
+        quest = bits == 16 and not cfg.needs_key_codes
+        crit = _bound_criticality(qd, k, layer.scaling) if quest else None
         for h, got_blocks in enumerate(reads[b]):
             assert got_blocks <= set(range(nblk))
             assert {0, nblk - 1} <= got_blocks, (b, h, got_blocks)  # sink and tail: forced

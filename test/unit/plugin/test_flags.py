@@ -101,7 +101,8 @@ def test_flags_that_act_together_are_accepted_together():
         argv = ["--sparse-mode", "psa", flag_name(other), value]
         if other == "sparse_mode":
             argv = [flag_name(other), value]
-        given = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.25"}
+        given = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.25",
+                 "code_bits": "4"}  # fmt: skip
         argv += [flag_name(name), given.get(name, "1024")]
         cfg = flags.config_from_namespace(_parser().parse_args(argv))
         assert getattr(cfg, other) == value

@@ -39,8 +39,12 @@ def test_hbm_budget_counts_block_metadata():
     # 24 layers x 2 heads x 64 x 2 B per 32 tokens = 192 B per token.
     flags.export(PSAConfig(score="mean"))  # the mean key only
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 192
-    flags.export(PSAConfig(score="mean", stop_rule="certified", bound_bits=16))  # mean, min, max
-    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 3 * 192
+    # The certified rule: mean, min, max, and its key codes: 5 bits a channel and token
+    # (24 x 2 x 64 x 5 / 8 = 1920 B) and a float32 range per channel and block
+    # (24 x 2 x 64 x 8 B per 32 tokens = 768 B).
+    flags.export(PSAConfig(score="mean", stop_rule="certified", bound_bits=16))
+    want = PER_TOKEN + 3 * 192 + 1920 + 768
+    assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == want
     flags.export(PSAConfig(bound_bits=16))  # the bound ranks: min and max, no mean
     assert kv_pool.after_compute_cell_size(PER_TOKEN, conf, KVC, 24) == PER_TOKEN + 2 * 192
     # The default keeps them as 8-bit codes: a byte a channel, a float32 scale per
