@@ -210,6 +210,7 @@ def _code_bounds_kernel(
     len_ptr,  # [B] int
     out_ptr,  # [B, Hq, NB] float32
     pages_ptr,  # [B, NB] int32 with PAGED: planes and ranges are per page [P, Hkv, ..]
+    part_ptr,  # [B, Hq, programs, 2] float32 with WANT_PART: (max, sum of exp below it)
     scale,
     NB,
     G: tl.constexpr,
@@ -219,6 +220,7 @@ def _code_bounds_kernel(
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,  # blocks per program
     PAGED: tl.constexpr,
+    WANT_PART: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -241,6 +243,8 @@ def _code_bounds_kernel(
     margin = (2 * D + _MARGIN_ULPS) * 5.9604644775390625e-08  # 2^-24
     byte_of = offs_d // 8
     bit_of = offs_d % 8
+    p_max = tl.full([GP], float("-inf"), tl.float32)  # this program's blocks, per head
+    p_sum = tl.zeros([GP], tl.float32)
     for j in range(BLOCKS):
         blk = tl.program_id(2) * BLOCKS + j
         in_range = blk < NB
@@ -282,6 +286,17 @@ def _code_bounds_kernel(
             lse,
             mask=offs_g < G * in_range.to(tl.int32),
         )
+        if WANT_PART:
+            new_max = tl.maximum(p_max, lse)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p_sum = p_sum * tl.exp(p_max - safe) + tl.where(
+                lse == float("-inf"), 0.0, tl.exp(lse - safe)
+            )
+            p_max = new_max
+    if WANT_PART:
+        at = ((b * Hkv * G + h * G + offs_g) * tl.num_programs(2) + tl.program_id(2)) * 2
+        tl.store(part_ptr + at, p_max, mask=offs_g < G)
+        tl.store(part_ptr + at + 1, p_sum, mask=offs_g < G)
 
 
 def code_bounds(
@@ -295,6 +310,7 @@ def code_bounds(
     blocks_per_program: int = 4,
     num_warps: int = 4,
     pages: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q [B, Hq, d]`; `planes [B, Hkv, NB, bits, bs, d / 8]` (`pack_planes`); `lo, hi
     [B, Hkv, NB, d]` float32, the ranges the codes cut; `lengths [B]`. Returns `ub [B, Hq,
@@ -302,7 +318,10 @@ def code_bounds(
     softmax mass (at least `block_lse` of the float32 scores, up to the float32 rounding
     of the log-sum-exp itself), `-inf` past each length. No host sync; `out` reused.
     With the page table `pages [B, NB]` (int32), planes and ranges are per page, `[P, Hkv,
-    bits, bs, d / 8]` and `[P, Hkv, d]` (`encode_pages`), and NB is the table's."""
+    bits, bs, d / 8]` and `[P, Hkv, d]` (`encode_pages`), and NB is the table's.
+    `partials [B, Hq, ceil(NB / blocks_per_program), 2]` (float32) receives each program's
+    (max, sum of exp below it) of the bounds it wrote, per query head: what
+    `ranking.rank_blocks(partials=)` combines into each row's log-sum-exp."""
     B, Hq, d = q.shape
     if pages is None:
         _, Hkv, NB, bits, bs, _ = planes.shape
@@ -320,6 +339,7 @@ def code_bounds(
         lengths,
         out,
         out if pages is None else pages,
+        out if partials is None else partials,
         scale,
         NB,
         G=G,
@@ -329,7 +349,78 @@ def code_bounds(
         BITS=bits,
         BLOCKS=blocks_per_program,
         PAGED=pages is not None,
+        WANT_PART=partials is not None,
         num_warps=num_warps,
         enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
     )
+    return out
+
+
+@triton.jit
+def _log_add(a, b):
+    m = tl.maximum(a, b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = m_safe + tl.log(tl.exp(a - m_safe) + tl.exp(b - m_safe))
+    return tl.where(m == float("-inf"), float("-inf"), s)
+
+
+@triton.jit
+def _suffix_kernel(
+    ub_ptr,  # [B, Hq, NB] float32
+    order_ptr,  # [B, Hkv, NB] int32
+    len_ptr,  # [B] int
+    out_ptr,  # [B, Hq, NB + 1] float32
+    NB,
+    G: tl.constexpr,
+    BS: tl.constexpr,
+    C: tl.constexpr,  # positions a chunk
+    DOUBLE: tl.constexpr,
+):
+    """One program per (request, query head): chunks from the last position back, each
+    scanned in reverse and added to the sum of the chunks after it."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    Hq = tl.num_programs(1)
+    h = hq // G
+    nblk = (tl.load(len_ptr + b) + BS - 1) // BS
+    row = (b * Hq + hq).to(tl.int64)
+    orow = (b * (Hq // G) + h).to(tl.int64) * NB
+    i = tl.arange(0, C)
+    if DOUBLE:
+        carry = tl.full([1], float("-inf"), tl.float64)
+    else:
+        carry = tl.full([1], float("-inf"), tl.float32)
+    tl.store(out_ptr + row * (NB + 1) + NB, float("-inf"))
+    n_chunks = tl.cdiv(NB, C)
+    for back in range(n_chunks):
+        pos = (n_chunks - 1 - back) * C + i
+        inb = pos < NB
+        blk = tl.minimum(tl.load(order_ptr + orow + pos, mask=inb, other=0), NB - 1)
+        x = tl.load(ub_ptr + row * NB + blk, mask=inb & (pos < nblk), other=float("-inf"))
+        if DOUBLE:
+            x = x.to(tl.float64)
+        x = tl.where(pos < nblk, x, float("-inf"))
+        s = _log_add(tl.associative_scan(x, 0, _log_add, reverse=True), carry)
+        tl.store(out_ptr + row * (NB + 1) + pos, s.to(tl.float32), mask=inb)
+        carry = tl.max(tl.where(i == 0, s, float("-inf")), axis=0)[None]
+
+
+def suffix_bounds(
+    ub: torch.Tensor,
+    order: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    double: bool = True,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """`out [B, Hq, NB + 1]` float32 (written and returned): the log of the bound mass
+    `ub [B, Hq, NB]` of the blocks read from each position of `order [B, Hkv, NB]` on,
+    summed in float64 (`double`) or float32; -inf from each request's last block on
+    (spec: `algo.token_bounds.suffix_log_mass`). No allocation, no host sync."""
+    B, Hq, NB = ub.shape
+    _suffix_kernel[(B, Hq)](
+        ub, order, lengths, out, NB,
+        G=Hq // order.shape[1], BS=block_size, C=chunk, DOUBLE=double,
+    )  # fmt: skip
     return out

@@ -32,7 +32,7 @@ try:  # host-side tensor descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover - older Triton: the per-row gather reads every block
     TensorDescriptor = None
 
-from sgl_kernel_ext.code_bounds import code_bounds
+from sgl_kernel_ext.code_bounds import code_bounds, suffix_bounds
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
 
@@ -645,6 +645,8 @@ def _wave_attention_kernel(
 # above the float32 rounding of a sum over a request's blocks) before it stops, so the
 # guarantee holds for the true mass.
 CODE_LIMIT_MARGIN = 1e-4
+# Blocks per program of the key-code bound kernel (`code_bounds`).
+CODE_BLOCKS = 4
 
 
 @dataclass
@@ -700,9 +702,8 @@ class WaveAttention:
     """Plan once for a batch shape, run per layer: scoring, ranking and the wave kernel.
 
     `plan()` fixes the wave schedule and every buffer a run writes (from a shared
-    `Workspace` when given); `run()` allocates nothing with the heuristic rule (the
-    certified rule's suffix sums still do) and never synchronises with the host, so a
-    decode step of runs is captured in a CUDA graph.
+    `Workspace` when given); `run()` allocates no buffer of its own (either stop rule) and
+    never synchronises with the host, so a decode step of runs is captured in a CUDA graph.
     """
 
     # Up to this many blocks per request (2M tokens of 32) the ranking kernels sort
@@ -914,6 +915,10 @@ class WaveAttention:
         self.n_forced = take("n_forced", (B,), i32)
         self.n_waves = take("n_waves", (B, Hkv), i32)
         self.logits = take("logits", (B, Hq, NB), f32)
+        if self.rule == "certified":  # the bound mass left after each read position,
+            # and the key-code bounds' partial log-sum-exps (`_rank_codes`)
+            self.ub_suffix = take("ub_suffix", (B, Hq, NB + 1), f32)
+            self.code_partials = take("code_partials", (B, Hq, -(-NB // CODE_BLOCKS), 2), f32)
         self.partials = take("partials", (B, Hq, partial_chunks(NB, self.score_blocks), 2), f32)
         n = rank_scratch_numel(B, Hkv, NB, self.rank_chunk_blocks)
         self.rank_scratch = take("rank_scratch", (n,), torch.int64) if n else None
@@ -1060,23 +1065,10 @@ class WaveAttention:
             if loc is not None:
                 torch.gather(loc, -1, order.long(), out=self.ranked_loc)
         if self.rule == "certified":
-            ub_suffix = self._suffix(ub, order, lengths)
+            ub_suffix = suffix_bounds(ub, order, lengths, bs, self.ub_suffix, double=False)
         else:
             ub_suffix = self.lse  # unused by the heuristic rule
         return order, n_forced, ub_suffix
-
-    def _suffix(self, ub, order, lengths, dtype=torch.float32):
-        """`[B, Hq, NB + 1]` float32: the log of the bound mass from each read position on
-        (summed in `dtype`). Past a request's blocks `order` and `ub` hold stale values:
-        masked by rank."""
-        G = self.Hq // self.Hkv
-        ub_o = ub.gather(-1, order.long().clamp(max=self.NB - 1).repeat_interleave(G, 1))
-        nblk = (lengths + self.bs - 1) // self.bs
-        past = torch.arange(self.NB, device=ub.device) >= nblk[:, None, None]
-        ub_o = ub_o.to(dtype).masked_fill(past, -torch.inf)
-        tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
-        ub_suffix = torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1)
-        return ub_suffix.float().contiguous()
 
     def _rank_codes(self, q, codes, lengths, scale, loc, pages=None):
         """`rank` on the key-code bound: `code_bounds` writes each block's bound log-mass
@@ -1091,8 +1083,9 @@ class WaveAttention:
         if paged and pages is None:
             raise ValueError("key codes kept per page need the page table (meta_pages)")
         ub = code_bounds(
-            q, planes, lo, hi, lengths, scale, out=self.logits, pages=pages if paged else None
-        )
+            q, planes, lo, hi, lengths, scale, out=self.logits, pages=pages if paged else None,
+            blocks_per_program=CODE_BLOCKS, partials=self.code_partials,
+        )  # fmt: skip
         order, n_forced = rank_blocks(
             ub,
             lengths,
@@ -1106,8 +1099,9 @@ class WaveAttention:
             loc=loc,
             ranked_loc=self.ranked_loc,
             scratch=self.rank_scratch,
+            partials=self.code_partials,
         )
-        return order, n_forced, self._suffix(ub, order, lengths, torch.float64)
+        return order, n_forced, suffix_bounds(ub, order, lengths, self.bs, self.ub_suffix)
 
     def run(
         self,

@@ -398,3 +398,66 @@ def test_certified_rule_on_key_codes_replays_in_a_cuda_graph_without_a_sync():
     assert torch.equal(got_read, eager.read_mask())
     assert float(got_read.float().mean()) < 0.7  # it stopped early
     torch.testing.assert_close(got_out, eager.out, rtol=0, atol=0)
+
+
+def _suffix_case(device, G, nb, double):
+    """Suffix sums of random bounds in a random read order (one request shorter, its
+    positions past its blocks -inf), kernel and reference."""
+    from sgl_kernel_ext.code_bounds import suffix_bounds
+    from sglang_psa.algo.token_bounds import suffix_log_mass
+
+    g = torch.Generator().manual_seed(nb + G)
+    B, Hkv, bs = 2, 2, 32
+    ub = torch.randn(B, Hkv * G, nb, generator=g) * 5
+    ub[0, 0, 3] = -torch.inf  # an empty block
+    order = torch.stack([torch.randperm(nb, generator=g) for _ in range(B * Hkv)])
+    order = order.view(B, Hkv, nb).to(torch.int32)
+    lengths = torch.tensor([nb * bs - 5, (nb // 2) * bs + 7])
+    want = suffix_log_mass(ub, order, lengths, bs, torch.float64 if double else torch.float32)
+    out = torch.full((B, Hkv * G, nb + 1), float("nan"), device=device)
+    on = dict(device=device)
+    got = suffix_bounds(ub.to(**on), order.to(**on), lengths.to(**on), bs, out, double=double)
+    return got.cpu(), want
+
+
+@pytest.mark.parametrize("G, nb, double", [(4, 300, True), (7, 37, False), (1, 600, True)])
+def test_suffix_bounds_kernel_matches_the_reference(device, G, nb, double):
+    """The certified rule's unread-mass bound after each read position: the same -inf
+    (past each request's blocks, and at the end), and the same sums (float64 ones exact
+    once rounded to float32, up to summation order)."""
+    got, want = _suffix_case(device, G, nb, double)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and not got.isnan().any()
+    tol = 1e-6 if double else 2e-5
+    torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_suffix_bounds_kernel_at_real_shapes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    for G, double in ((4, True), (8, False)):
+        got, want = _suffix_case("cuda", G, 700, double)
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got))
+        torch.testing.assert_close(got[fin], want[fin], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("d, G, bits, nb", [(64, 4, 5, 9), (128, 7, 4, 6)])
+def test_code_bounds_partials_give_each_rows_log_sum_exp(device, d, G, bits, nb):
+    """The partials `code_bounds` writes (per program: max and the sum of exp below it)
+    combine into each row's log-sum-exp of the bounds: what the ranking normalises by."""
+    from sgl_kernel_ext.code_bounds import code_bounds, pack_planes
+
+    q, k, lengths, kept = _case(7 + d, 2, 2, G, d, nb)
+    planes = pack_planes(encode_keys(k, lengths, kept.kmin, kept.kmax, 32, bits).codes, bits, 32)
+    on = dict(device=device)
+    parts = torch.full((2, 2 * G, -(-nb // 4), 2), float("nan"), **on)
+    ub = code_bounds(q.to(**on), planes.to(**on), kept.kmin.float().to(**on),
+                     kept.kmax.float().to(**on), lengths.to(**on), 1 / math.sqrt(d),
+                     blocks_per_program=4, partials=parts).cpu()  # fmt: skip
+    parts = parts.cpu().double()
+    m, s = parts[..., 0], parts[..., 1]
+    top = m.amax(-1, keepdim=True)
+    lse = top[..., 0] + torch.log((s * torch.exp(m - top)).sum(-1))
+    torch.testing.assert_close(lse, ub.double().logsumexp(-1), rtol=1e-5, atol=1e-5)

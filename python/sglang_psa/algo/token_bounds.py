@@ -169,3 +169,24 @@ def allocate_bits(weights: torch.Tensor, mean_bits: int, max_bits: int = 8) -> t
         gain = torch.where(bits < max_bits, w * torch.exp2(-(bits + 1).double()), -1.0)
         bits.scatter_add_(-1, gain.argmax(-1, keepdim=True), torch.ones_like(bits[..., :1]))
     return bits
+
+
+def suffix_log_mass(
+    ub: torch.Tensor,
+    order: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`[B, Hq, NB + 1]` float32: the log of the bound mass `ub [B, Hq, NB]` of the blocks
+    read from each position of `order [B, Hkv, NB]` on (summed in `dtype`; -inf from a
+    request's last block on): what the certified rule leaves unread after each position
+    (`sgl_kernel_ext.code_bounds.suffix_bounds` computes it on the GPU)."""
+    B, Hq, NB = ub.shape
+    G = Hq // order.shape[1]
+    ub_o = ub.gather(-1, order.long().clamp(max=NB - 1).repeat_interleave(G, 1))
+    nblk = (lengths.to(ub.device) + block_size - 1) // block_size
+    past = torch.arange(NB, device=ub.device) >= nblk[:, None, None]
+    ub_o = ub_o.to(dtype).masked_fill(past, -torch.inf)
+    tail = torch.logcumsumexp(ub_o.flip(-1), dim=-1).flip(-1)
+    return torch.cat([tail, torch.full_like(tail[..., :1], -torch.inf)], -1).float()

@@ -28,6 +28,7 @@ import torch
 
 from sgl_kernel_ext.code_bounds import encode_pages
 from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
+from sglang_psa.config import PSAConfigError
 
 
 class PageMeta:
@@ -62,7 +63,10 @@ class PageMeta:
         self.planes = self.code_lo = self.code_hi = None
         if code_bits:
             if head_dim % 8:
-                raise ValueError(f"key codes need head_dim a multiple of 8, got {head_dim}")
+                raise PSAConfigError(
+                    "stop_rule", f"certified: key codes need a head dim that is a multiple of "
+                    f"8; this model's is {head_dim}",
+                )  # fmt: skip
             planes = (*shape[:-1], code_bits, page_size, head_dim // 8)
             self.planes = torch.zeros(planes, dtype=torch.uint8, device=device)
             self.code_lo = torch.zeros(shape, device=device)
