@@ -43,6 +43,7 @@ INVALID = {
     "max_read_fraction": ["0", "1.5", "nan", "x"],
     "topk_tokens": ["16", "0"],
     "bound_bits": ["4", "x"],
+    "code_bits": ["0", "9", "x"],
     "rerank_interval": ["0", "1.5", "x"],
     "gpu_cache_gb": ["-1"],
     "host_pool_gb": ["0", "-4"],
@@ -86,7 +87,7 @@ def _cases():
                 argv = ["--sparse-mode", v]
             yield name, argv, ""
     # A flag that acts only with another flag's value, given (with a valid value) without it.
-    valid = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.5"}
+    valid = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.5", "code_bits": "4"}
     for name, (other, value) in flags.ONLY_WITH.items():
         mode = "topk" if other == "kv_home" else "psa"
         argv = ["--sparse-mode", mode, flag_name(name), valid.get(name, "1024")]
