@@ -377,7 +377,7 @@ def _suffix_kernel(
     DOUBLE: tl.constexpr,
 ):
     """One program per (request, query head): chunks from the last position back, each
-    scanned in reverse and added to the sum of the chunks after it."""
+    loaded last position first, scanned, and added to the sum of the chunks after it."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     Hq = tl.num_programs(1)
@@ -393,16 +393,16 @@ def _suffix_kernel(
     tl.store(out_ptr + row * (NB + 1) + NB, float("-inf"))
     n_chunks = tl.cdiv(NB, C)
     for back in range(n_chunks):
-        pos = (n_chunks - 1 - back) * C + i
+        pos = (n_chunks - back) * C - 1 - i  # descending: a forward scan sums the suffix
         inb = pos < NB
         blk = tl.minimum(tl.load(order_ptr + orow + pos, mask=inb, other=0), NB - 1)
         x = tl.load(ub_ptr + row * NB + blk, mask=inb & (pos < nblk), other=float("-inf"))
         if DOUBLE:
             x = x.to(tl.float64)
         x = tl.where(pos < nblk, x, float("-inf"))
-        s = _log_add(tl.associative_scan(x, 0, _log_add, reverse=True), carry)
+        s = _log_add(tl.associative_scan(x, 0, _log_add), carry)
         tl.store(out_ptr + row * (NB + 1) + pos, s.to(tl.float32), mask=inb)
-        carry = tl.max(tl.where(i == 0, s, float("-inf")), axis=0)[None]
+        carry = tl.max(tl.where(i == C - 1, s, float("-inf")), axis=0)[None]
 
 
 def suffix_bounds(
