@@ -104,7 +104,7 @@ HEADLINE = [
      "accuracy, >= 0.9 identical)", "lower is better"),
     ("adaptive_budget", "kv_fraction_certified_16k",
      "KV read at 16K-32K, certified rule on 5-bit key codes (ε 0.9 of every head's mass "
-     "guaranteed; codes counted; kernels, not yet in the server)", "lower is better"),
+     "guaranteed; codes counted; the suite's kernels)", "lower is better"),
     ("store_h100", "save_ratio_to_d2h_peak",
      "write-back to the host tier / D2H memcpy peak", "higher is better"),
     ("store_h100", "prefill_slowdown_with_save",
