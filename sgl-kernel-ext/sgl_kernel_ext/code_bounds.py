@@ -278,7 +278,8 @@ def _code_bounds_kernel(
         bound = tl.where(tok_ok[None, :], bound, float("-inf"))
         m = tl.max(bound, axis=1)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.maximum(tl.sum(tl.exp(bound - m_safe[:, None]), axis=1), 1e-38)
+        # (a floor an fp32 normal: a literal below it would be typed float64)
+        total = tl.maximum(tl.sum(tl.exp(bound - m_safe[:, None]), axis=1), 1e-30)
         lse = m_safe + tl.log(total)
         lse = tl.where(m == float("-inf"), float("-inf"), lse)
         tl.store(
