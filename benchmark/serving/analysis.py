@@ -376,6 +376,10 @@ SUMMARY_KEYS = (
     # server's (batched greedy decoding does not repeat itself exactly), one a16 run.
     "identical_fraction_server_psa",
     "identical_fraction_server_plain_vs_plain",
+    # The certified rule served (`psa_certified`, a16, its coverage audited every step):
+    # the KV fraction it read and the smallest share of a head's true mass it covered.
+    "kv_fraction_certified_server_16k",
+    "certified_server_min_true_coverage",
     # Prefix caching (workloads f, g and their capped variants): the tiered home against
     # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
     "throughput_ratio_tiered_vs_fastest_shared",
@@ -399,6 +403,8 @@ TTFT_MEAN = ("metrics", "ttft_s", "mean")
 PEAK = ("metrics", "peak_running")
 HIT = ("metrics", "prefix_cache", "hit_fraction")
 SAME = ("identical_to_plain", "identical")
+READ = ("counters", "kv_fraction_read")
+COVERAGE = ("server_info_after", "psa", "coverage_audit", "min_true_coverage")
 
 
 def _runs(rec: dict) -> dict[str, dict]:
@@ -714,6 +720,10 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     pair = (measured(both, "psa"), measured(both, "plain_repeat"))
     put("identical_fraction_server_psa", same_run_value(pair, 0, SAME))
     put("identical_fraction_server_plain_vs_plain", same_run_value(pair, 1, SAME))
+    both = newest_with(parts, "a16", "psa_certified", "plain")
+    pair = (measured(both, "psa_certified"), measured(both, "plain"))
+    put("kv_fraction_certified_server_16k", same_run_value(pair, 0, READ))
+    put("certified_server_min_true_coverage", same_run_value(pair, 0, COVERAGE))
     for key, workload, ref, path in PREFIX_KEYS:
         put(key, same_run_ratio(*tiered_pair(parts, workload, ref), path))
     for key, workload, which in HIT_KEYS:

@@ -130,6 +130,16 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_certified",
+            "sglang-psa --sparse-mode psa --psa-stop-rule certified (at least ε = 0.98 of "
+            "every head's mass, ranked and bounded by the 5-bit key codes the pages keep) "
+            "with --psa-audit-coverage 1: every step's true coverage checked by a dense "
+            "pass per layer, so its speed is not the rule's; decode CUDA graphs",
+            ("--sparse-mode", "psa", "--psa-stop-rule", "certified", "--psa-audit-coverage", "1"),
+            False,
+            True,
+        ),
+        System(
             "psa_eps1",
             "sglang-psa --sparse-mode psa --psa-threshold 1.0 (reads every block: the "
             "sparse path's overhead over plain), decode CUDA graphs",

@@ -197,6 +197,7 @@ WORKLOADS: dict[str, Workload] = {
                 "plain_repeat",
                 "psa",
                 "psa_r1",
+                "psa_certified",
                 "topk",
                 "topk_r8",
             ),

@@ -92,7 +92,7 @@ def _diagnose_call(q, k, v, lengths, cfg, meta, sc, res: SparseResult) -> None:
     bs = cfg.block_size
     B, Hq, _ = q.shape
     Hkv = k.shape[1]
-    cov = true_coverage(q, k, v, lengths, res.read, bs, scale=sc)[0]  # [Hq]
+    cov = true_coverage(q, k, lengths, res.read, bs, scale=sc)[0]  # [Hq]
     nblk = int((lengths[0] + bs - 1) // bs)
     frac = res.read[0, :, :nblk].float().mean(-1)  # [Hkv]
     scores = token_scores(q, k, lengths, sc)

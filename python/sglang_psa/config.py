@@ -117,6 +117,11 @@ class PSAConfig:
     # Scheduler.
     ws_window: int = 12
     max_inject_tokens: int = 8192
+    # Diagnosis: every decode step also scores every key of every request (a dense pass
+    # per layer) and keeps the smallest share of a query head's true softmax mass that
+    # the blocks it read held (server info `coverage_audit`): the stop rule's guarantee
+    # checked in the server. Slow; the keys are read from SGLang's pool (hbm home only).
+    audit_coverage: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +137,12 @@ class PSAConfig:
         need(self.score in SCORE_METHODS, "score", f"must be one of {SCORE_METHODS}")
         need(self.kv_home in KV_HOMES, "kv_home", f"must be one of {KV_HOMES}")
         need(self.writeback in WRITEBACKS, "writeback", f"must be one of {WRITEBACKS}")
+        need(isinstance(self.audit_coverage, bool), "audit_coverage", "must be true or false")
+        need(
+            not (self.audit_coverage and self.kv_home == "tiered"),
+            "audit_coverage",
+            "reads every key from SGLang's pool: --psa-kv-home hbm only",
+        )
         need(
             isinstance(self.threshold, (int, float))
             and math.isfinite(self.threshold)

@@ -159,6 +159,41 @@ def test_sparse_decode_and_64_concurrent_requests_complete(model_dir):
         eng.shutdown()
 
 
+def test_the_certified_rule_covers_eps_of_every_heads_true_mass_in_a_live_server(model_dir):
+    """`--psa-stop-rule certified` at ε = 0.9 on 8K-token tasks, decode inside CUDA graphs,
+    its coverage audited every step (every key scored, float32): the smallest share of
+    any query head's true softmax mass that the blocks it read held, over every layer and
+    step, is at least ε, while it read well under every block."""
+    from transformers import AutoTokenizer
+
+    from sglang_psa.eval.tasks import make_tasks
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    kinds = ["niah_1key", "variable_tracking", "doc_qa"]
+    tasks = make_tasks(kinds, 8000, 2, 0, count)
+    eps = 0.9
+    eng = _engine(
+        model_dir, sparse_mode="psa", psa_stop_rule="certified", psa_threshold=eps,
+        psa_audit_coverage=True, cuda_graph_max_bs_decode=8,
+    )  # fmt: skip
+    try:
+        outs = eng.generate(
+            prompt=[t.prompt + "\n" + t.question for t in tasks],
+            sampling_params={"temperature": 0, "max_new_tokens": 24},
+        )
+        assert all(o["text"] for o in outs)
+        state = eng.get_server_info()["internal_states"][0]["psa"]
+    finally:
+        eng.shutdown()
+    audit = state["coverage_audit"]
+    # every (query head, layer) of every decode step: 6 requests, 14 heads, 24 layers, a
+    # step at least each (one may stop at its end-of-text token)
+    assert audit["heads_checked"] >= 6 * 14 * 24, audit
+    assert audit["min_true_coverage"] >= eps - 1e-4, audit
+    assert state["blocks_read_fraction"] < 0.8, state["blocks_read_fraction"]
+
+
 @pytest.fixture(scope="module")
 def http_server(model_dir, tmp_path_factory):
     """`python -m sglang.launch_server --sparse-mode psa` on the small model."""

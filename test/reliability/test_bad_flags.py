@@ -52,6 +52,7 @@ INVALID = {
     "cold_fraction": ["-0.1", "1.5", "nan", "x"],
     "ws_window": ["0", "x"],
     "max_inject_tokens": ["0", "2.5"],
+    "audit_coverage": ["maybe", "2"],
 }
 
 SCRIPT = """
@@ -92,6 +93,9 @@ def _cases():
         mode = "topk" if other == "kv_home" else "psa"
         argv = ["--sparse-mode", mode, flag_name(name), valid.get(name, "1024")]
         yield name, argv, f"acts only with {flag_name(other)} {value}"
+    # The coverage audit reads keys from SGLang's pool: not at the tiered home.
+    argv = ["--sparse-mode", "psa", "--psa-kv-home", "tiered", flag_name("audit_coverage"), "1"]
+    yield "audit_coverage", argv, "--psa-kv-home hbm only"
     # A kept selection where no rule could use it: the certified rule, and ε = 1.
     for extra in (["--psa-stop-rule", "certified"], ["--psa-threshold", "1"]):
         argv = ["--sparse-mode", "psa", *extra, flag_name("rerank_interval"), "8"]

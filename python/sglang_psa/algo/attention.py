@@ -355,15 +355,23 @@ def topk_attention(
 def true_coverage(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
     lengths: torch.Tensor,
     read: torch.Tensor,
     block_size: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Fraction of each query head's true softmax mass inside the read blocks: `[B, Hq]`."""
-    scores = token_scores(q, k, lengths, _default_scale(q, scale))
-    _, covered = attend(scores, v, read, block_size)
+    """Fraction of each query head's true softmax mass inside the read blocks: `[B, Hq]`
+    (`k [B, Hkv, T, d]`, `read [B, Hkv, NB]` with NB * block_size >= T)."""
+    return read_share(token_scores(q, k, lengths, _default_scale(q, scale)), read, block_size)
+
+
+def read_share(scores: torch.Tensor, read: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Share of each query head's softmax mass over `scores [B, Hq, T]` (-inf: no key)
+    that the blocks `read [B, Hkv, NB]` hold, `[B, Hq]` float32. No host sync."""
+    B, Hq, T = scores.shape
+    tok = read.repeat_interleave(block_size, dim=-1)[..., :T]  # [B, Hkv, T]
+    tok = tok.repeat_interleave(Hq // read.shape[1], dim=1)
+    covered = torch.logsumexp(scores.masked_fill(~tok, -torch.inf), dim=-1)
     return torch.exp(covered - torch.logsumexp(scores, dim=-1))
 
 

@@ -39,6 +39,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sgl_kernel_ext.selection import SelectionCache
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
+from sglang_psa.attention.coverage_audit import audit
 from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.sched.process import assemble
 
@@ -386,6 +387,9 @@ class PSAAttnBackend(AttentionBackend):
             code_hi=codes[2],
             kept=kept,
         )
+        if self.counters.coverage is not None:  # --psa-audit-coverage
+            audit(self.counters.coverage, q, kbuf, step.pages, step.lengths, res.read_mask(),
+                  layer.scaling, bs)  # fmt: skip
         return res.out
 
     def _decode_reference(self, q, layer, forward_batch):
@@ -415,6 +419,9 @@ class PSAAttnBackend(AttentionBackend):
         )
         read = res.read[..., :nb]
         self.ws.mark(lid, pages, read)
+        if self.counters.coverage is not None:  # --psa-audit-coverage
+            kbuf = pool.get_key_buffer(layer.layer_id)
+            audit(self.counters.coverage, q, kbuf, pages, lengths, read, layer.scaling, bs)
         own = ((lengths + bs - 1) // bs).sum() * read.shape[1]
         self.stats[lid, :2] += torch.stack([read.sum(), own]).to(self.stats.device)
         return res.out

@@ -176,16 +176,30 @@ class ReadCounters:
     """What decode read, counted on the GPU: per layer, the (layer, KV head, block) units
     read, the units readable and those read from the host tier (`stats [layers, 3]`, the
     wave kernel adds to its layer's row). The scheduler reads them without a sync through
-    a pinned copy that trails by one call; `read_fraction` syncs (server info only)."""
+    a pinned copy that trails by one call; `read_fraction` syncs (server info only).
+    With `audit` (`--psa-audit-coverage`), `coverage [2]` float64 keeps the smallest
+    true-mass share a query head's read blocks held and how many heads were checked
+    (`attention.coverage_audit` writes it)."""
 
-    def __init__(self, layers: int, device: torch.device | str):
+    def __init__(self, layers: int, device: torch.device | str, audit: bool = False):
         dev = torch.device(device)
         self.stats = torch.zeros(layers, 3, dtype=torch.int64, device=dev)
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.coverage = torch.tensor([1.0, 0.0], dtype=torch.float64, device=dev) if audit else None
 
     @property
     def bytes(self) -> int:
-        return self.stats.numel() * self.stats.element_size()
+        extra = 0 if self.coverage is None else self.coverage.numel() * 8
+        return self.stats.numel() * self.stats.element_size() + extra
+
+    def coverage_report(self) -> dict | None:
+        """`--psa-audit-coverage`'s result so far (syncs; server info only): the smallest
+        share of a query head's true softmax mass its read blocks held (None before any
+        step) and the (query head, step, layer) triples checked; None without the audit."""
+        if self.coverage is None:
+            return None
+        low, heads = self.coverage.tolist()
+        return {"min_true_coverage": low if heads else None, "heads_checked": int(heads)}
 
     def read_counts(self) -> tuple[int, int]:
         """(units read, units readable) over all layers as of an earlier call, without a
@@ -213,3 +227,5 @@ class ReadCounters:
 
     def reset(self) -> None:
         self.stats.zero_()
+        if self.coverage is not None:
+            self.coverage.copy_(torch.tensor([1.0, 0.0], dtype=torch.float64))

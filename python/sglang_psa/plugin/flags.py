@@ -82,6 +82,9 @@ _HELP = {
     "its page holding single hot units of evicted blocks instead (0: only when SGLang "
     "needs pages)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
+    "audit_coverage": "diagnosis (slow): every decode step also scores every key (a dense "
+    "pass per layer) and server info's coverage_audit keeps the smallest share of a query "
+    "head's true softmax mass the blocks it read held (1/0; --psa-kv-home hbm only)",
     "max_inject_tokens": "prefill tokens per batch: long prompts are chunked at this size "
     "(sets --chunked-prefill-size unless given; layer-segmented prefill is not implemented)",
 }
@@ -143,6 +146,13 @@ def _convert(name: str, value: Any) -> Any:
     kind = _field_type(f)
     if not isinstance(value, str) or kind is str:
         return value
+    if kind is bool:
+        word = value.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise PSAConfigError(name, f"must be 1/true or 0/false, got {value!r}")
     try:
         return kind(value)
     except ValueError:

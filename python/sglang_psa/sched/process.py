@@ -128,7 +128,7 @@ def assemble(
             req_to_token.shape[0], bs, device,
             heat_blocks=table_shape[1] if tiered else 0,  # residency's heat
         )  # fmt: skip
-        counters = ReadCounters(pool.layer_num, device)
+        counters = ReadCounters(pool.layer_num, device, audit=cfg.audit_coverage)
     except torch.OutOfMemoryError as e:
         raise PSAConfigError(
             "sparse_mode",
@@ -160,7 +160,11 @@ def assemble(
         host_tokens=host_blocks * bs if tiered else None,
         hbm_tokens=int(pool.size),
         readouts=BackendReadouts(
-            stamps.read, counters.read_fraction, counters.read_counts, hbm_bytes
+            stamps.read,
+            counters.read_fraction,
+            counters.read_counts,
+            hbm_bytes,
+            counters.coverage_report if cfg.audit_coverage else None,
         ),
         writeback=writeback,
         residency=residency,

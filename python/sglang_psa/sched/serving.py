@@ -53,6 +53,8 @@ class BackendReadouts:
     read_fraction: Callable[[], float] | None = None  # blocks read / readable, server info
     read_counts: Callable[[], tuple[int, int]] | None = None  # (blocks read, readable)
     hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's GPU buffers
+    # `--psa-audit-coverage`: the smallest true-mass share read, heads checked (syncs)
+    coverage: Callable[[], dict | None] | None = None
 
 
 class PSAServing:
@@ -92,7 +94,7 @@ class PSAServing:
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
         r = readouts or BackendReadouts()
         self.measure, self.read_fraction = r.measure, r.read_fraction
-        self.read_counts, self.hbm_bytes = r.read_counts, r.hbm_bytes
+        self.read_counts, self.hbm_bytes, self.coverage = r.read_counts, r.hbm_bytes, r.coverage
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
         self.agreement = agreement or RankAgreement()
@@ -429,6 +431,8 @@ class PSAServing:
             "plugin_hbm_bytes": self.hbm_bytes() if self.hbm_bytes else None,
             **memory,
             "blocks_read_fraction": self.read_fraction() if self.read_fraction else None,
+            # --psa-audit-coverage: {min_true_coverage, heads_checked}, else None
+            "coverage_audit": self.coverage() if self.coverage else None,
             "kv_home": self.cfg.kv_home,
             # Write-back to the host tier (--psa-kv-home tiered), else None.
             "writeback": self.writeback.report() if self.writeback is not None else None,
@@ -504,7 +508,8 @@ PER_RANK = ("plugin_hbm_bytes", "gpu_reserved_bytes", "pinned_bytes", "writeback
 def combine_ranks(states: list[dict]) -> dict:
     """One server-info entry from every TP rank's (rank order): the agreed entries as
     rank 0 has them, the `PER_RANK` ones summed over the ranks, the read fraction
-    averaged (every rank reads the same blocks' count of its own heads), and with
+    averaged (every rank reads the same blocks' count of its own heads), the coverage
+    audit's smallest share the smallest of any rank's (each checks its own heads), and with
     several ranks each rank's own entry under `tp_ranks`, the summed keys under
     `tp_summed`."""
     if len(states) == 1:
@@ -515,6 +520,13 @@ def combine_ranks(states: list[dict]) -> dict:
     fractions = [s["blocks_read_fraction"] for s in states]
     if None not in fractions:
         out["blocks_read_fraction"] = sum(fractions) / len(fractions)
+    audits = [s.get("coverage_audit") for s in states]
+    if all(audits):
+        lows = [a["min_true_coverage"] for a in audits if a["min_true_coverage"] is not None]
+        out["coverage_audit"] = {
+            "min_true_coverage": min(lows) if lows else None,
+            "heads_checked": sum(a["heads_checked"] for a in audits),
+        }
     out["tp_summed"] = list(PER_RANK)
     out["tp_ranks"] = states
     return out

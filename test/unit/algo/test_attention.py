@@ -184,7 +184,7 @@ def test_certified_rule_covers_at_least_eps_of_the_true_mass(seed, eps, spread, 
     q, k, v, lengths = adversarial(seed) if adv else make(seed, spread=spread)
     cfg = PSAConfig(threshold=eps, stop_rule="certified", score=score, block_size=32)
     res = progressive_attention(q, k, v, lengths, cfg)
-    cov = true_coverage(q, k, v, lengths, res.read, 32)
+    cov = true_coverage(q, k, lengths, res.read, 32)
     assert bool((cov >= eps - 1e-5).all()), cov.min()
 
 
@@ -215,13 +215,13 @@ def test_heuristic_rule_is_not_a_bound_on_adversarial_input():
     heur = progressive_attention(q, k, v, lengths, cfg)
     cert = progressive_attention(q, k, v, lengths, cfg.replace(stop_rule="certified"))
     assert not heur.read[0, 0, 40] and heur.read.sum() < 64
-    assert true_coverage(q, k, v, lengths, heur.read, 32).min() < 0.5
+    assert true_coverage(q, k, lengths, heur.read, 32).min() < 0.5
     assert cert.read[0, 0, 40]
-    assert true_coverage(q, k, v, lengths, cert.read, 32).min() >= 0.95
+    assert true_coverage(q, k, lengths, cert.read, 32).min() >= 0.95
     # Ranking by Quest's bound (the default) sees the spike's key max and reads it first.
     bound = progressive_attention(q, k, v, lengths, cfg.replace(score="bound"))
     assert bound.read[0, 0, 40]
-    assert true_coverage(q, k, v, lengths, bound.read, 32).min() >= 0.95
+    assert true_coverage(q, k, lengths, bound.read, 32).min() >= 0.95
 
 
 @settings(max_examples=20, deadline=None)
@@ -302,7 +302,7 @@ def test_oracle_is_the_smallest_true_mass_prefix(seed, eps):
     q, k, v, lengths = make(seed, spread=2.0)
     cfg = PSAConfig(threshold=eps)
     res = oracle_attention(q, k, v, lengths, cfg)
-    cov = true_coverage(q, k, v, lengths, res.read, 32)
+    cov = true_coverage(q, k, lengths, res.read, 32)
     assert bool((cov >= eps - 1e-5).all())
     # Dropping the least massive read non-forced block breaks the target for some head.
     forced = forced_blocks(lengths, res.read.shape[-1], cfg)
@@ -320,7 +320,7 @@ def test_oracle_is_the_smallest_true_mass_prefix(seed, eps):
             j = int(torch.where(cand, share[b, h], torch.inf).argmin())
             fewer = res.read.clone()
             fewer[b, h, j] = False
-            c = true_coverage(q, k, v, lengths, fewer, 32)[b, h * G : (h + 1) * G]
+            c = true_coverage(q, k, lengths, fewer, 32)[b, h * G : (h + 1) * G]
             assert bool((c < eps + 1e-6).any())
 
 
@@ -371,7 +371,7 @@ def test_certified_rule_holds_with_8_bit_bounds(seed, eps):
     q, k, v, lengths = make(seed)
     meta = quantize_bounds(block_metadata(k, lengths, 8), 8)
     res = progressive_attention(q, k, v, lengths, cfg, meta=meta)
-    cov = true_coverage(q, k, v, lengths, res.read, 8)
+    cov = true_coverage(q, k, lengths, res.read, 8)
     assert bool((cov >= eps - 1e-5).all()), cov.min()
 
 
@@ -452,7 +452,7 @@ def test_certified_rule_on_key_codes_covers_eps_and_reads_no_more_than_the_box(
         wave_fraction=0.0,
     )
     res = progressive_attention(q, k, v, lengths, one, code_bits=bits)
-    cov = true_coverage(q, k, v, lengths, res.read, 32)
+    cov = true_coverage(q, k, lengths, res.read, 32)
     assert bool((cov >= eps).all()), cov.min()
     box = progressive_attention(q, k, v, lengths, one.replace(score="bound"))
     assert int(res.read.sum()) <= int(box.read.sum())
@@ -475,7 +475,7 @@ def test_key_codes_certify_a_peaked_head_early_where_the_box_reads_everything():
     cfg = PSAConfig(threshold=0.9, stop_rule="certified", wave_blocks=4, wave_fraction=0.0)
     codes = progressive_attention(q, k, v, lengths, cfg, code_bits=5)
     box = progressive_attention(q, k, v, lengths, cfg)
-    assert true_coverage(q, k, v, lengths, codes.read, 32).min() >= 0.9
+    assert true_coverage(q, k, lengths, codes.read, 32).min() >= 0.9
     assert codes.read.float().mean() < 0.5 and box.read.float().mean() == 1.0
     with pytest.raises(ValueError, match="certified rule only"):
         progressive_attention(q, k, v, lengths, cfg.replace(stop_rule="heuristic"), code_bits=5)

@@ -347,6 +347,47 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
     assert [int(lens[r]) for r in rows] == lengths
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize("rule", ["certified", "heuristic"])
+def test_coverage_audit_reports_the_smallest_true_share_read(rule, use_kernel):
+    """`--psa-audit-coverage`: after a decode step, the server-info readout holds the
+    smallest share of a query head's true mass (recomputed here in float64 from the pool
+    over the blocks the backend reports it read) and the heads checked; the certified
+    rule's share is at least ε, the heuristic rule's here below it."""
+    cfg = PSAConfig(
+        stop_rule=rule, threshold=0.95, wave_blocks=1, max_wave_blocks=2, audit_coverage=True,
+        max_read_fraction=0.3 if rule == "heuristic" else 0.5,
+    )  # fmt: skip
+    lengths = [300, 77, 545]
+    runner, fb, g = _rig(cfg, lengths, spread=0.1 if rule == "certified" else None)
+    backend = PSAAttnBackend(runner, use_kernel=use_kernel)
+    report = backend.process.serving.coverage
+    assert report() == {"min_true_coverage": None, "heads_checked": 0}
+    _prefill(backend, fb)
+    backend.init_forward_metadata(fb)
+    layer = _layer(1)
+    q = torch.randn(len(lengths), HQ * D, generator=g).to(DEV)
+    kv = [torch.randn(len(lengths), HKV, D, generator=g).to(DEV) for _ in range(2)]
+    backend.forward_decode(q, *kv, layer, fb)
+    reads = _reported_reads(backend, runner, fb, 1)
+    G, shares = HQ // HKV, []
+    for b, (r, n) in enumerate(zip(fb.req_pool_indices.tolist(), lengths)):
+        k, _ = _request_kv(runner, r, n, 1)
+        logmass = _block_logmass(_scores(q[b].view(HQ, D).cpu().double(), k, layer.scaling))
+        for hq in range(HQ):
+            covered = torch.logsumexp(logmass[hq, sorted(reads[b][hq // G])], -1)
+            shares.append(math.exp(covered - torch.logsumexp(logmass[hq], -1)))
+    got = report()
+    assert got["heads_checked"] == len(lengths) * HQ
+    assert got["min_true_coverage"] == pytest.approx(min(shares), abs=1e-5)
+    if rule == "certified":
+        assert got["min_true_coverage"] >= cfg.threshold - 1e-6
+    else:  # the read cap ends a head before ε: the audit sees it
+        assert got["min_true_coverage"] < cfg.threshold
+    state = backend.process.serving.server_info({}, {})
+    assert state["coverage_audit"] == got
+
+
 class _Capped(torch.nn.Module):
     """An attention layer with logit capping, as SGLang's RadixAttention marks it."""
 

@@ -577,6 +577,30 @@ def test_psas_identical_fraction_stands_beside_a_second_plain_servers_from_one_r
     assert systems.SYSTEMS["plain_repeat"].attention_backend == "triton"
 
 
+def test_the_certified_rules_server_keys_come_from_its_audited_a16_run_beside_plain():
+    """`kv_fraction_certified_server_16k` and `certified_server_min_true_coverage` are the
+    a16 `psa_certified` run's KV fraction and its coverage audit's smallest share, from
+    the newest a16 run that measured it beside plain; none without such a run."""
+
+    def certified(read, low):
+        info = {"psa": {"coverage_audit": {"min_true_coverage": low, "heads_checked": 9}}}
+        return dict(_rec(3, 12), counters={"kv_fraction_read": read}, server_info_after=info)
+
+    old = _part("a16", "02-01", "c1", plain=_rec(4, 10), psa_certified=certified(0.41, 0.981))
+    alone = _part("a16", "03-01", "c2", psa_certified=certified(0.9, 0.5))  # no plain beside
+    s, where = analysis.summarize([old, alone])
+    assert s["kv_fraction_certified_server_16k"] == 0.41
+    assert s["certified_server_min_true_coverage"] == 0.981
+    assert where["certified_server_min_true_coverage"]["run_id"] == "a16-02-01"
+    assert where["certified_server_min_true_coverage"]["of"] == "psa_certified"
+    s, _ = analysis.summarize([alone])
+    assert s["kv_fraction_certified_server_16k"] is None
+    assert s["certified_server_min_true_coverage"] is None
+    flags = systems.SYSTEMS["psa_certified"].flags
+    assert "certified" in flags and "--psa-audit-coverage" in flags
+    assert "psa_certified" in workloads.WORKLOADS["a16"].systems
+
+
 def test_the_parallel_summary_takes_tp2_ratios_from_one_run_and_the_router_and_kill_parts(
     tmp_path,
 ):

@@ -38,6 +38,14 @@ def test_only_given_flags_override_defaults():
     assert topk.sparse_mode == "topk" and topk.topk_tokens == 1024
 
 
+@pytest.mark.parametrize("word, want", [("1", True), ("true", True), ("off", False)])
+def test_a_switch_takes_1_true_or_0_false_and_refuses_anything_else(word, want):
+    argv = ["--sparse-mode", "psa", "--psa-audit-coverage"]
+    assert flags.config_from_namespace(_parser().parse_args([*argv, word])).audit_coverage is want
+    with pytest.raises(PSAConfigError, match="^--psa-audit-coverage .*must be 1/true or 0/false"):
+        flags.config_from_namespace(_parser().parse_args([*argv, "maybe"]))
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
