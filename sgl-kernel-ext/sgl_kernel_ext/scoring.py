@@ -99,6 +99,7 @@ def _logits(
 @triton.jit
 def _score_kernel(
     q_ptr,
+    q_stride,
     mean_ptr,
     min_ptr,
     max_ptr,
@@ -146,7 +147,7 @@ def _score_kernel(
         hq = h * G + g
         q = (
             tl.load(
-                q_ptr + (b * Hkv * G + hq)[:, None] * D + dd[None, :],
+                q_ptr + b.to(tl.int64) * q_stride + hq[:, None] * D + dd[None, :],
                 mask=gmask[:, None],
                 other=0.0,
             ).to(tl.float32)
@@ -239,8 +240,10 @@ def block_scores(
         raise ValueError(f"meta_scale must be {tuple(meta_min.shape[:-1])}, one per bound pair")
     if partials is not None and partials.shape != (B, Hq, triton.cdiv(NB, nbc), 2):
         raise ValueError(f"partials must be [B, Hq, {triton.cdiv(NB, nbc)}, 2] float32")
+    if q.stride(2) != 1 or q.stride(1) != D:  # rows may be apart (a view of the fused qkv)
+        q = q.contiguous()
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
-        q.contiguous(), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
+        q, q.stride(0), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
         meta_scale.contiguous() if codes else lengths32,  # unread without codes
         lengths32, pages_arg, logits, ub, logits if partials is None else partials,
         lengths32 if fresh is None else fresh, scale, Hkv, NB,

@@ -41,10 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 @triton.jit
-def _group_query(q_ptr, rows, gmask, dd, D: tl.constexpr):
-    """The GQA group's queries `[GP, D]` (padding rows zero) in their dtype. Not pre-scaled:
+def _group_query(q_ptr, b, q_stride, hq, gmask, dd, D: tl.constexpr):
+    """The GQA group's queries `[GP, D]` (padding rows zero) in their dtype, request `b`'s
+    row `q_stride` elements apart (SGLang's q is a view of the fused qkv). Not pre-scaled:
     rounding q * scale to bf16 would shift every logit (1/sqrt(128) is no power of two)."""
-    return tl.load(q_ptr + rows[:, None] * D + dd[None, :], mask=gmask[:, None], other=0.0)
+    at = q_ptr + b.to(tl.int64) * q_stride + hq[:, None] * D + dd[None, :]
+    return tl.load(at, mask=gmask[:, None], other=0.0)
 
 
 @triton.jit
@@ -243,6 +245,7 @@ def _stop(
 @triton.jit
 def _wave_attention_kernel(
     q_ptr,
+    q_stride,
     k_slots,
     v_slots,
     k_desc,
@@ -384,7 +387,7 @@ def _wave_attention_kernel(
     gmask = g < G
     dd = tl.arange(0, D)
     hq = h * G + g
-    q = _group_query(q_ptr, b * Hkv * G + hq, gmask, dd, D)
+    q = _group_query(q_ptr, b, q_stride, hq, gmask, dd, D)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -1169,7 +1172,8 @@ class WaveAttention:
             "run() shapes differ from plan()"
         )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
-        q = q.contiguous()  # once for scoring and the wave kernel (SGLang's q is a view)
+        if q.stride(2) != 1 or q.stride(1) != D:  # rows may be apart (SGLang's q: a view)
+            q = q.contiguous()
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
         if kept is not None and (code_planes is not None or self.rule != "heuristic"):
@@ -1196,6 +1200,7 @@ class WaveAttention:
                    ub_suffix, rloc, part, acc_part):  # fmt: skip
             _wave_attention_kernel[(B, Hkv, S)](
                 q,
+                q.stride(0),
                 k_slots,
                 v_slots,
                 *(descs or (k_slots, v_slots, 0, 0)),

@@ -278,6 +278,20 @@ def test_ranking_in_torch_or_in_merged_chunks_gives_the_same_result(
     _assert_matches_psa(cfg, _case(13, device=device), 0.3, 4, device)
 
 
+@pytest.mark.parametrize("rule, eps", [("heuristic", 0.9), ("certified", 0.95)])
+def test_queries_read_in_place_from_a_view_of_the_fused_qkv(device, rule, eps):
+    """SGLang's q is a view of the fused qkv projection (rows further apart than a row):
+    scoring and the wave kernel read it in place, as the reference reads a copy."""
+    q, k, v, lengths = _case(21, device=device)
+    B, Hq, d = q.shape
+    qkv = torch.zeros(B, (Hq + 2 * k.shape[1]) * d, device=device)
+    view = qkv[:, : Hq * d].view(B, Hq, d)
+    view.copy_(q)
+    assert not view.is_contiguous()
+    cfg = PSAConfig(threshold=eps, stop_rule=rule, **SMALL_WAVES)
+    _assert_matches_psa(cfg, (view, k, v, lengths), 0.3, 4, device)
+
+
 def test_wave_attention_with_a_block_budget_is_topk(device):
     from sglang_psa.algo import topk_attention
 
