@@ -21,6 +21,7 @@ import copy
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -1133,6 +1134,7 @@ class WaveAttention:
         code_lo: torch.Tensor | None = None,
         code_hi: torch.Tensor | None = None,
         kept: tuple[torch.Tensor, ...] | None = None,
+        before_rank: Callable[[], None] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
 
@@ -1165,6 +1167,9 @@ class WaveAttention:
         views of `SelectionCache` (`order[layer]`, `rows(B)`, `budget[layer]`): fresh rows
         rank into their slot and, under the stop rule, leave their ranked read count in
         `budget [slots, Hkv]`; the others read their slot's order, at that count.
+        `before_rank()` issues work the ranking needs and the kept rows' launch does not
+        read (the page metadata of the step's new keys): on the current stream after
+        that launch forks off, so it is not on the kept rows' path.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -1284,6 +1289,8 @@ class WaveAttention:
                        self.kept_warps, self.kept_prefetch, self.kept_stages, kept[0],
                        self.n_forced, self.lse, loc, self.kept_part,
                        self.kept_acc_part)  # fmt: skip
+        if before_rank is not None:
+            before_rank()
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
             order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
         elif kept is not None:

@@ -345,7 +345,6 @@ class PSAAttnBackend(AttentionBackend):
         kbuf = self.token_to_kv_pool.get_key_buffer(lid)
         vbuf = self.token_to_kv_pool.get_value_buffer(lid)
         lid -= self.first_layer  # index into this rank's layers (pipeline parallel)
-        self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc)
         plan = self._plan(step, q, layer)
         Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
         strides = (bs * Hkv * d, Hkv * d, d)
@@ -386,6 +385,8 @@ class PSAAttnBackend(AttentionBackend):
             code_lo=codes[1],
             code_hi=codes[2],
             kept=kept,
+            # the new keys' page metadata: the ranking reads it, the kept rows' read not
+            before_rank=lambda: self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc),
         )
         if self.counters.coverage is not None:  # --psa-audit-coverage
             audit(self.counters.coverage, q, kbuf, step.pages, step.lengths, res.read_mask(),
