@@ -240,8 +240,7 @@ def block_scores(
         raise ValueError(f"meta_scale must be {tuple(meta_min.shape[:-1])}, one per bound pair")
     if partials is not None and partials.shape != (B, Hq, triton.cdiv(NB, nbc), 2):
         raise ValueError(f"partials must be [B, Hq, {triton.cdiv(NB, nbc)}, 2] float32")
-    if q.stride(2) != 1 or q.stride(1) != D:  # rows may be apart (a view of the fused qkv)
-        q = q.contiguous()
+    q = queries_in_place(q)
     _score_kernel[(B * Hkv, triton.cdiv(NB, nbc))](
         q, q.stride(0), meta_mean.contiguous(), meta_min.contiguous(), meta_max.contiguous(),
         meta_scale.contiguous() if codes else lengths32,  # unread without codes
@@ -255,6 +254,12 @@ def block_scores(
     )  # fmt: skip
     out = logits if not normalize else criticality_from_logits(logits, Hkv)
     return out, (ub if want_bound else None)
+
+
+def queries_in_place(q: torch.Tensor) -> torch.Tensor:
+    """`q [B, Hq, d]` as the kernels read it: in place when each row's heads are packed
+    (rows may lie apart, `q.stride(0)`: SGLang's q is a view of the fused qkv), else a copy."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
 
 
 def partial_chunks(n_blocks: int, blocks_per_program: int = 32) -> int:

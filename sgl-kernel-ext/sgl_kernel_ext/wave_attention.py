@@ -35,7 +35,12 @@ except ImportError:  # pragma: no cover - older Triton: the per-row gather reads
 
 from sgl_kernel_ext.code_bounds import code_bounds, suffix_bounds
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
-from sgl_kernel_ext.scoring import block_scores, criticality_from_logits, partial_chunks
+from sgl_kernel_ext.scoring import (
+    block_scores,
+    criticality_from_logits,
+    partial_chunks,
+    queries_in_place,
+)
 
 HEURISTIC, CERTIFIED = 0, 1
 logger = logging.getLogger(__name__)
@@ -1177,8 +1182,7 @@ class WaveAttention:
             "run() shapes differ from plan()"
         )
         scale = 1.0 / math.sqrt(D) if scale is None else scale
-        if q.stride(2) != 1 or q.stride(1) != D:  # rows may be apart (SGLang's q: a view)
-            q = q.contiguous()
+        q = queries_in_place(q)  # once for scoring and the wave kernel
         loc = loc.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
         if kept is not None and (code_planes is not None or self.rule != "heuristic"):

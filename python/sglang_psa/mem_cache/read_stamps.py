@@ -185,7 +185,8 @@ class ReadCounters:
         dev = torch.device(device)
         self.stats = torch.zeros(layers, 3, dtype=torch.int64, device=dev)
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.coverage = torch.tensor([1.0, 0.0], dtype=torch.float64, device=dev) if audit else None
+        self.coverage = torch.empty(2, dtype=torch.float64, device=dev) if audit else None
+        self.reset()
 
     @property
     def bytes(self) -> int:
@@ -228,4 +229,4 @@ class ReadCounters:
     def reset(self) -> None:
         self.stats.zero_()
         if self.coverage is not None:
-            self.coverage.copy_(torch.tensor([1.0, 0.0], dtype=torch.float64))
+            self.coverage[0], self.coverage[1] = 1.0, 0.0  # no share seen, no head checked

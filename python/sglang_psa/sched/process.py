@@ -164,7 +164,7 @@ def assemble(
             counters.read_fraction,
             counters.read_counts,
             hbm_bytes,
-            counters.coverage_report if cfg.audit_coverage else None,
+            counters.coverage_report,  # None without --psa-audit-coverage
         ),
         writeback=writeback,
         residency=residency,
