@@ -5,8 +5,9 @@ Contract: `Server` owns a `python -m sglang.launch_server` process group (it and
 the scheduler/detokenizer processes it spawns); leaving the `with` block
 terminates the whole group, so the next system starts on a free GPU. A server
 that exits or stays unhealthy raises `ServerFailed` with the tail of its log.
-`bench_serving` runs as its own process (`python -m sglang.bench_serving`,
-unchanged) with `stubs/` on its path for the `datasets` import it does not use.
+`bench_serving` runs as its own process (`python -m sglang.bench_serving`, unchanged,
+or `client_ids.py`: the same client sending prompts as token ids) with `stubs/` on
+its path for the `datasets` import it does not use.
 `bench_serving` cannot wait for an answer before sending the next turn, so chat
 workloads are driven by `run_chat`, which writes the same per-request record.
 """
@@ -30,6 +31,7 @@ import requests
 HERE = Path(__file__).resolve().parent
 STUBS = HERE / "stubs"
 LOG_TAIL_LINES = 60
+PROMPT_FORMATS = ("ids", "text")  # how bench_serving sends prompts (bench_command)
 PROFILE_POLL_S = 0.25  # how often `profile_decode` reads the server's new log lines
 
 
@@ -183,9 +185,17 @@ def bench_command(
     fixed_output: int | None,
     seed: int,
     out_file: Path,
+    prompt_format: str = "ids",
 ) -> list[str]:
+    """`bench_serving`'s command line. `prompt_format`: "ids" sends each prompt as token
+    ids (`client_ids.py`: TTFT without the tokenizer manager's backlog), "text" as text."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format {prompt_format!r}: one of {', '.join(PROMPT_FORMATS)}")
+    client = (
+        [str(HERE / "client_ids.py")] if prompt_format == "ids" else ["-m", "sglang.bench_serving"]
+    )
     cmd = [
-        python, "-m", "sglang.bench_serving",
+        python, *client,
         "--backend", "sglang",
         "--base-url", url,
         "--model", model_dir, "--tokenizer", model_dir,

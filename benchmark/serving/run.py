@@ -412,6 +412,7 @@ def timed_run(
             w.fixed_output,
             w.seed,
             out,
+            ctx["prompt_format"],
         )
         bench = driver.run_bench(
             cmd,
@@ -672,6 +673,7 @@ def stage(args) -> int:
             "max_batch": w.max_batch,
             "launcher": shlex.split(args.launcher) if args.launcher else None,
             "tp": args.tp,
+            "prompt_format": args.prompt_format,
         }
     if several:
         check_shared_server(ws, names, ctxs, args.port)
@@ -696,6 +698,7 @@ def stage(args) -> int:
                 "decode_log_interval": systems_mod.DECODE_LOG_INTERVAL,
                 "smoke": args.smoke,
                 "tp": args.tp,
+                "prompt_format": args.prompt_format,
             },
             "systems": {},
         }
@@ -810,6 +813,10 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
         ),
         "smoke": (part["config"].get("smoke"), fresh["config"]["smoke"]),
         "tp": (tp_of(part), tp_of(fresh)),
+        "prompt_format": (
+            part["config"].get("prompt_format", "text"),
+            fresh["config"]["prompt_format"],
+        ),
         # the tree that ran: a GIT_COMMIT given by hand does not vouch for it
         "source_sha256": (part.get("source_sha256"), fresh["source_sha256"]),
     }
@@ -1071,6 +1078,13 @@ def main(argv: list[str] | None = None) -> int:
         help="requests per run instead of the workload's (its batch where it is set from "
         "capacity: the most that plain SGLang's pool holds, up to this), e.g. an 8B-shape "
         "batch that one GPU's HBM cannot hold, at --tp 2",
+    )
+    st.add_argument(
+        "--prompt-format",
+        choices=driver.PROMPT_FORMATS,
+        default="ids",
+        help="how the client sends prompts: ids (token ids, the default: TTFT without SGLang's "
+        "tokenizer-manager backlog of 32 long prompts arriving at once) or text",
     )
     st.add_argument("--model-dir", help="serve this model folder instead of the workload's")
     st.add_argument(

@@ -127,11 +127,18 @@ def main() -> None:
             f"gen throughput (token/s): {gen:.2f}, #queue-req: 0"
         )
 
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(args.model_path) / "tokenizer.json"))
+
     async def generate(request):
         body = await request.json()
         n = body["sampling_params"]["max_new_tokens"]
-        words = reply_words(body["text"], n)
-        prompt = re.findall(WORD_RE, body["text"])
+        # a prompt sent as token ids reads as its decoded text, as SGLang's server reads it
+        text = body["text"] if "text" in body else tokenizer.decode(body["input_ids"])
+        log(f"generate: prompt as {'text' if 'text' in body else 'input_ids'}")
+        words = reply_words(text, n)
+        prompt = re.findall(WORD_RE, text)
         cached = max((len(os.path.commonprefix([prompt, seq])) for seq in cache), default=0)
         cache.extend([prompt, prompt + words])
         state["running"] += 1

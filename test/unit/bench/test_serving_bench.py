@@ -24,6 +24,8 @@ sys.path.insert(0, str(REPO / "benchmark" / "serving"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import analysis  # noqa: E402
+import client_ids  # noqa: E402
+import driver  # noqa: E402
 import fake_sglang  # noqa: E402
 import systems  # noqa: E402
 import workloads  # noqa: E402
@@ -895,9 +897,36 @@ def test_stage_c_smoke_end_to_end(tmp_path):
             assert cache["prompt_tokens"] == sum(r["prompt_len"] for r in got)
     assert part["systems"]["psa"]["counters"]["kv_fraction_read"] == 0.25
     assert part["systems"]["plain"]["counters"]["kv_fraction_read"] == 1.0
+    # bench_serving sent every timed prompt as token ids (client_ids.py); the fake server
+    # decodes them, so the answers above are read from the same text
+    assert part["config"]["prompt_format"] == "ids"
+    timed = SMOKE_C.prompts * len(rates) * len(part["systems"])
+    logs = "".join(p.read_text() for p in (tmp_path / "work" / "logs").rglob("*.server.log"))
+    assert logs.count("generate: prompt as input_ids") == timed
     summary = json.loads((out / "serving_smoke.json").read_text())["summary"]
     assert summary["goodput_ratio_vs_plain_strict"] is not None
     assert summary["goodput_ratio_vs_plain_relaxed"] is not None
+
+
+def test_client_ids_sends_the_tokens_bench_serving_counted():
+    tok = fake_sglang.WordCounter()
+    rows = [
+        SimpleNamespace(prompt="a b c", prompt_len=3),
+        SimpleNamespace(prompt="d", prompt_len=1),
+    ]
+    assert client_ids.to_ids(rows, tok) is rows
+    assert [r.prompt for r in rows] == [[0, 0, 0], [0]]
+    with pytest.raises(SystemExit, match="counts 2 tokens, bench_serving counted 3"):
+        client_ids.to_ids([SimpleNamespace(prompt="a b", prompt_len=3)], tok)
+    with pytest.raises(SystemExit, match="a prompt of type list"):
+        client_ids.to_ids(rows, tok)  # already ids
+    assert driver.bench_command("py", "u", "m", Path("d"), 1, 1.0, None, 0, Path("o"))[1] == str(
+        REPO / "benchmark" / "serving" / "client_ids.py"
+    )
+    text = driver.bench_command("py", "u", "m", Path("d"), 1, 1.0, None, 0, Path("o"), "text")
+    assert text[1:3] == ["-m", "sglang.bench_serving"]
+    with pytest.raises(ValueError, match="prompt_format 'json'"):
+        driver.bench_command("py", "u", "m", Path("d"), 1, 1.0, None, 0, Path("o"), "json")
 
 
 def test_missing_lists_the_default_plan_minus_what_was_measured():
