@@ -321,6 +321,7 @@ def _wave_attention_kernel(
     ONE_EXP: tl.constexpr,
     TRACK: tl.constexpr,
     ROWS: tl.constexpr = 0,
+    BUDGET: tl.constexpr = True,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -350,13 +351,14 @@ def _wave_attention_kernel(
     `sel_nbr_ptr[b]` blocks; the forced blocks (`sink` first ones, and every block from
     the tail block at ranking time on, `recent` of them then) come first.
 
-    ROWS (a kept selection under the heuristic rule) splits the rows between two
-    launches; programs of the other rows return at once. 1: the rows that rank this step
-    (`sel_fresh_ptr[b]`) read under the stop rule, in waves, and leave how many ranked
-    blocks they read in `budget_ptr[slot * Hkv + h]`; 2 (the ONE_WAVE launch): the rows
-    reading a kept selection read their forced blocks and that many ranked ones, in one
-    wave, with no stop rule (spec: `algo.attention.progressive_attention(prior=(..,
-    budget))`).
+    ROWS (a kept selection) splits the rows between two launches; programs of the other
+    rows return at once. 1: the rows that rank this step (`sel_fresh_ptr[b]`) read as
+    a run without ROWS does (under the stop rule, in waves; or top-k's budget) and, with
+    BUDGET (the stop rule's), leave how many ranked blocks they read in
+    `budget_ptr[slot * Hkv + h]`; 2 (a ONE_WAVE launch): the rows reading a kept
+    selection read their forced blocks and, with BUDGET, that many ranked ones (spec:
+    `algo.attention.progressive_attention(prior=(.., budget))`), without it top-k's
+    `max_read` blocks (`topk_attention(prior=...)`), in one wave, with no stop rule.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -386,9 +388,10 @@ def _wave_attention_kernel(
     # Blocks this request's heads read at most: the budget, and `cap_frac` of its blocks
     # (the ceiling of the float32 product; never below the forced blocks).
     mr = tl.minimum(max_read, tl.maximum(nf, tl.ceil(cap_frac * nb.to(tl.float32)).to(tl.int32)))
-    if ROWS == 2:  # a kept selection read at its kept budget, in one wave
-        kept_n = tl.load(budget_ptr + slot * Hkv + h)
-        mr = tl.minimum(nb, nf + tl.maximum(kept_n, 0))
+    if ROWS == 2:
+        if BUDGET:  # a kept selection read at its kept budget, in one wave
+            kept_n = tl.load(budget_ptr + slot * Hkv + h)
+            mr = tl.minimum(nb, nf + tl.maximum(kept_n, 0))
     g = tl.arange(0, GP)
     gmask = g < G
     dd = tl.arange(0, D)
@@ -640,8 +643,9 @@ def _wave_attention_kernel(
         tl.store(lse_ptr + b * Hkv * G + hq, lse, mask=gmask)
         tl.store(nread_ptr + bh, wstart)
         tl.store(nwaves_ptr + bh, w)
-        if ROWS == 1:  # ranked this step: the budget the kept steps read at
-            tl.store(budget_ptr + slot * Hkv + h, wstart - nf)
+        if ROWS == 1:
+            if BUDGET:  # ranked this step: the budget the kept steps read at
+                tl.store(budget_ptr + slot * Hkv + h, wstart - nf)
         if STATS:
             tl.atomic_add(stats_ptr, wstart.to(tl.int64))
             tl.atomic_add(stats_ptr + 1, nb.to(tl.int64))
@@ -891,11 +895,15 @@ class WaveAttention:
         if splits & (splits - 1):
             splits = 1 << (splits.bit_length() - 1)  # a power of two for tl.arange
         # A kept selection's rows read in one wave (`run`'s second launch): up to
-        # `kept_most_splits` programs a (request, KV head), of what the read cap lets a head
-        # read (bench_wave --launch-probe: psa's kept reads of 50-200 blocks at 32 x 16K).
+        # `kept_most_splits` programs a (request, KV head), of what the read cap (top-k:
+        # its budget) lets a head read (bench_wave --launch-probe: psa's kept reads of
+        # 50-200 blocks at 32 x 16K). A dense plan keeps no selection.
         self.kept_splits = 1
-        if compiled and not self.one_wave:
-            cap = int(self.max_read_fraction * max_blocks)
+        if compiled and (not self.one_wave or read_blocks is not None):
+            if self.one_wave:
+                cap = min(read_blocks, max_blocks)
+            else:
+                cap = int(self.max_read_fraction * max_blocks)
             kept = _one_wave_splits(sms, programs, cap, self.kept_warps, self.kept_most_splits)
             self.kept_splits = 1 << (kept.bit_length() - 1)
         self.B, self.Hq, self.Hkv, self.D, self.NB = (
@@ -1189,8 +1197,11 @@ class WaveAttention:
             raise ValueError("a kept selection serves the heuristic rule and top-k only")
         if self.one_wave and max_read_blocks is None:  # dense: every block, block order
             kept = None
-        # The stop rule's rows keep their read count for the steps that reuse their order.
-        budget = kept is not None and not self.one_wave
+        # The rows reading a kept selection run in a launch of their own (`split`); the stop
+        # rule's rows keep their read count for the steps that reuse their order (`budget`;
+        # top-k's rows read its fixed budget).
+        split = kept is not None
+        budget = split and not self.one_wave
         limit = self.limit if code_planes is None else self.limit - CODE_LIMIT_MARGIN
         has_host = k_host is not None
         k_host = k_slots if k_host is None else k_host
@@ -1237,7 +1248,7 @@ class WaveAttention:
                 cache_pages if cached else self.n_read,
                 kept[1] if kept is not None else self.n_read,
                 kept[3] if kept is not None else self.n_read,
-                kept[2] if budget else self.n_read,
+                kept[2] if split else self.n_read,
                 kept[4] if budget else self.n_read,
                 self.sink,
                 self.recent,
@@ -1275,11 +1286,12 @@ class WaveAttention:
                 # asked: a one-wave run reads to its end whatever the mass.
                 TRACK=self.rule == "heuristic" and not one_wave,
                 ROWS=rows,
+                BUDGET=budget,
                 launch_cooperative_grid=S > 1 and not one_wave,
             )
 
-        side = self.side if budget and q.is_cuda and self.kept_beside else None
-        if budget:
+        side = self.side if split and q.is_cuda and self.kept_beside else None
+        if split:
             # The rows that read their kept selection know their blocks: one wave, programs
             # that never wait for each other. On the side stream (a branch of the captured
             # graph), beside the fresh rows' scoring, ranking and waves, which on most steps
@@ -1313,7 +1325,7 @@ class WaveAttention:
         prefetch = not self.one_wave if self.prefetch is None else self.prefetch
         while True:
             try:
-                launch(self.splits, self.one_wave, 1 if budget else 0, descs, tile, self.warps,
+                launch(self.splits, self.one_wave, 1 if split else 0, descs, tile, self.warps,
                        prefetch, self.num_stages, order, n_forced, ub_suffix, rloc, self.part,
                        self.acc_part)  # fmt: skip
                 break

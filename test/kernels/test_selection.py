@@ -197,3 +197,77 @@ def test_wave_reads_kept_order(device, mode, shape):
         assert torch.equal(n_read.long(), ref.read.sum(-1)), f"step {step}"
         torch.testing.assert_close(res.out.cpu(), ref.out.float(), atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(res.lse.cpu(), ref.lse, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("shape", ["small", "qwen05b"])
+@pytest.mark.parametrize("mode", ["psa", "topk"])
+def test_fresh_and_kept_rows_in_one_run(device, mode, shape):
+    """One step where a request new to the cache ranks while the others read their kept
+    order: the kept rows' launch (on a side stream on the GPU) and the fresh rows' launch
+    each give their rows what the reference gives a row of that kind: the fresh row the
+    order ranked now, under the stop rule (psa) or at top-k's budget; the kept rows the
+    order and, for psa, the ranked read count kept at step 0."""
+    from sgl_kernel_ext.selection import SelectionCache
+    from sgl_kernel_ext.wave_attention import WaveAttention
+
+    B, Hq, Hkv, T, d, bs, first = SHAPES[shape]
+    if shape != "small" and device == "cpu":
+        pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
+    small = dict(CFG, block_size=bs) if shape == "small" else dict(bound_bits=16)
+    cfg = PSAConfig(sparse_mode=mode, threshold=0.9, topk_tokens=6 * bs, **small)
+    topk = mode == "topk"
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(B, Hkv, T, d, generator=g) * 1.5
+    v = torch.randn(B, Hkv, T, d, generator=g)
+    len1 = torch.tensor(first)
+    len2 = len1 + torch.tensor([5, 17, 1][:B])
+    nb_max = -(-T // bs)
+    max_read = cfg.topk_tokens // bs if topk else None
+    wa = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
+    wa = wa.plan(B, Hq, Hkv, d, nb_max, device, read_blocks=max_read)
+    cache = SelectionCache(1, B, Hkv, nb_max, 1000, bs, 2, device)
+    k_slots, v_slots, loc = _paged(k, v, bs, device)
+    step = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def run(rows, lengths, q):
+        meta = block_metadata(k, lengths, bs)
+        cache.assign(torch.tensor(rows, device=device), lengths.to(device), step)
+        res = wa.run(
+            q.to(device), k_slots, v_slots, loc, lengths.to(device),
+            meta.mean.to(device), meta.kmin.to(device), meta.kmax.to(device),
+            max_read_blocks=max_read, kept=cache.kept(0, B),
+        )  # fmt: skip
+        return [t.cpu() for t in cache.rows(B)], res
+
+    run([5, 2, 9][:B], len1, torch.randn(B, Hq, d, generator=g) * 1.5)
+    (slot0, _, _) = cache.rows(B)
+    kept0 = cache.order[0][slot0.long()].cpu()  # every row ranked at step 0
+    budget0 = cache.budget[0][slot0.long()].cpu().long()
+    nbs0 = (len1 + bs - 1) // bs
+    step.fill_(1)
+    q = torch.randn(B, Hq, d, generator=g) * 1.5
+    (slot, fresh, nbr), res = run([7, 2, 9][:B], len2, q)  # request 0 is new: it ranks
+    assert fresh.tolist() == [1] + [0] * (B - 1)
+    assert nbr[1:].tolist() == nbs0[1:].tolist()
+    nbs = (len2 + bs - 1) // bs
+    now = cache.order[0][slot.long()].cpu()  # the fresh row's order ranked this step
+    if shape == "small":  # the kernel's ranking is the reference's
+        ref_order, _ = read_order(q, block_metadata(k, len2, bs), len2, cfg, d**-0.5)
+        n0 = int(nbs[0])
+        assert torch.equal(now[0, :, :n0], ref_order[0, :, :n0])
+    fn = topk_attention if topk else progressive_attention
+    ref_fresh = fn(q, k, v, len2, cfg, prior=(now, nbs))
+    prior = (kept0, nbs0) if topk else (kept0, nbs0, budget0)
+    ref_kept = fn(q, k, v, len2, cfg, prior=prior)
+    out = torch.cat([ref_fresh.out[:1], ref_kept.out[1:]]).float()
+    lse = torch.cat([ref_fresh.lse[:1], ref_kept.lse[1:]])
+    n_read = torch.cat([ref_fresh.read[:1], ref_kept.read[1:]]).sum(-1)
+    assert torch.equal(res.n_read.cpu().long(), n_read)
+    if topk:  # the fixed budget, whether ranked now or kept
+        assert (n_read <= max_read).all() and (n_read == max_read).any()
+    torch.testing.assert_close(res.out.cpu(), out, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(res.lse.cpu(), lse, atol=2e-4, rtol=2e-4)
+    if not topk:  # the fresh row left its ranked read count for the steps after
+        _, n_forced = read_order(q, block_metadata(k, len2, bs), len2, cfg, d**-0.5)
+        left = cache.budget[0][int(slot[0])].cpu().long()
+        assert torch.equal(left, ref_fresh.read[0].sum(-1) - n_forced[0])
