@@ -297,21 +297,30 @@ def psa_counters(info: dict | None) -> dict | None:
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict:
-    """KV fraction read (cumulative over the server's life, warm-up included), the HBM
-    hit rate over the timed window (at the tiered home the (layer, KV head, block) units
-    decode read from HBM over all units it read) and, with a host tier, what the
-    write-back saved in the window (blocks, bytes, engine restarts, jobs still
+    """KV fraction read over the timed window (`kv_fraction_scope` "window": the blocks
+    read and readable between the two readings; "server life", warm-up and any earlier
+    workload on the same server included, where the server reports only its cumulative
+    fraction), the HBM hit rate over the window (at the tiered home the (layer, KV head,
+    block) units decode read from HBM over all units it read) and, with a host tier, what
+    the write-back saved in the window (blocks, bytes, engine restarts, jobs still
     unacknowledged at the end)."""
     a, b = psa_counters(after), psa_counters(before)
     if a is None:
         return {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
+    fraction, scope = a.get("blocks_read_fraction"), "server life"
+    if b and all(
+        isinstance(c.get(k), int) for c in (a, b) for k in ("blocks_read", "blocks_readable")
+    ):
+        readable = a["blocks_readable"] - b["blocks_readable"]
+        if readable > 0:
+            fraction, scope = (a["blocks_read"] - b["blocks_read"]) / readable, "window"
     hit = None
     ca, cb = a.get("residency"), (b or {}).get("residency")
     if ca and cb:
         hits = ca["units_read_hbm"] - cb["units_read_hbm"]
         host = ca["units_read_host"] - cb["units_read_host"]
         hit = hits / (hits + host) if hits + host else None
-    out = {"kv_fraction_read": a.get("blocks_read_fraction"), "hbm_hit_rate": hit}
+    out = {"kv_fraction_read": fraction, "kv_fraction_scope": scope, "hbm_hit_rate": hit}
     wa, wb = a.get("writeback"), (b or {}).get("writeback")
     if wa and wb:
         out["writeback"] = {

@@ -208,6 +208,8 @@ def _rank_state(rank: int) -> dict:
         "running": 3,
         "kv_held_tokens": 0,
         "blocks_read_fraction": 0.2 + 0.1 * rank,
+        "blocks_read": 20 + 10 * rank,
+        "blocks_readable": 100,
         "plugin_hbm_bytes": {"block_metadata": 100, "working_sets": 10 + rank},
         "gpu_reserved_bytes": 1000,
         "pinned_bytes": 50,
@@ -225,6 +227,7 @@ def test_server_info_reports_agreed_entries_once_and_sums_per_rank_ones(tmp_path
     assert info["writeback"] == {"blocks_saved": 15, "engine_pid": [4000, 4001]}
     assert info["gpu_reserved_bytes"] == 2000 and info["residency"] == {"evictions": 1}
     assert info["blocks_read_fraction"] == pytest.approx(0.25)
+    assert (info["blocks_read"], info["blocks_readable"]) == (50, 200)  # each rank's heads
     assert info["tp_summed"] == list(PER_RANK) and info["tp_ranks"] == states[0]
     assert combine_ranks([_rank_state(0)]) == _rank_state(0)  # one rank: as it is
     # at the hbm home there is no host tier: absent on every rank stays absent (found at

@@ -174,12 +174,13 @@ class ReadStamps:
 
 class ReadCounters:
     """What decode read, counted on the GPU: per layer, the (layer, KV head, block) units
-    read, the units readable and those read from the host tier (`stats [layers, 3]`, the
-    wave kernel adds to its layer's row). The scheduler reads them without a sync through
-    a pinned copy that trails by one call; `read_fraction` syncs (server info only).
-    With `audit` (`--psa-audit-coverage`), `coverage [2]` float64 keeps the smallest
-    true-mass share a query head's read blocks held and how many heads were checked
-    (`attention.coverage_audit` writes it)."""
+        read, the units readable and those read from the host tier (`stats [layers, 3]`, the
+        wave kernel adds to its layer's row). The scheduler reads them without a sync through
+        a pinned copy that trails by one call; `totals` and `read_fraction` sync (server info
+    only).
+        With `audit` (`--psa-audit-coverage`), `coverage [2]` float64 keeps the smallest
+        true-mass share a query head's read blocks held and how many heads were checked
+        (`attention.coverage_audit` writes it)."""
 
     def __init__(self, layers: int, device: torch.device | str, audit: bool = False):
         dev = torch.device(device)
@@ -221,9 +222,15 @@ class ReadCounters:
         self._host.copy_(self.stats.sum(0), non_blocking=True)
         return got
 
+    def totals(self) -> tuple[int, int]:
+        """(units read, units readable) by decode so far, over all layers (syncs; server
+        info only): a client takes the difference of two to measure a window."""
+        read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
+        return read, total
+
     def read_fraction(self) -> float:
         """Fraction of the units decode read so far, over all layers (syncs)."""
-        read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
+        read, total = self.totals()
         return read / total if total else 0.0
 
     def reset(self) -> None:

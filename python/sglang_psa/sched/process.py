@@ -161,7 +161,7 @@ def assemble(
         hbm_tokens=int(pool.size),
         readouts=BackendReadouts(
             stamps.read,
-            counters.read_fraction,
+            counters.totals,
             counters.read_counts,
             hbm_bytes,
             counters.coverage_report,  # None without --psa-audit-coverage

@@ -50,7 +50,8 @@ class BackendReadouts:
     # Working sets by request-table row as the GPU last published them: (sizes, lengths
     # measured at).
     measure: Callable[[], tuple[Any, Any]] | None = None
-    read_fraction: Callable[[], float] | None = None  # blocks read / readable, server info
+    # (blocks read, readable) since start, synced: server info (its fraction and counts)
+    read_totals: Callable[[], tuple[int, int]] | None = None
     read_counts: Callable[[], tuple[int, int]] | None = None  # (blocks read, readable)
     hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's GPU buffers
     # `--psa-audit-coverage`: the smallest true-mass share read, heads checked (syncs)
@@ -93,7 +94,7 @@ class PSAServing:
         self.hbm_tokens = hbm_tokens
         self.controller = AdmissionController(hbm_units, WorkingSetTracker.from_config(cfg))
         r = readouts or BackendReadouts()
-        self.measure, self.read_fraction = r.measure, r.read_fraction
+        self.measure, self.read_totals = r.measure, r.read_totals
         self.read_counts, self.hbm_bytes, self.coverage = r.read_counts, r.hbm_bytes, r.coverage
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
@@ -407,6 +408,16 @@ class PSAServing:
         )
         return {**self.residency.report(), **staged, **self.requests.report()}
 
+    def _read_totals(self) -> dict:
+        """Decode's KV blocks read and readable since start, and their fraction (0 before
+        any decode step; all None without a decode backend): a client measures a window
+        by the difference of two readings."""
+        if self.read_totals is None:
+            return dict.fromkeys(("blocks_read_fraction", "blocks_read", "blocks_readable"))
+        read, total = self.read_totals()
+        fraction = read / total if total else 0.0
+        return {"blocks_read_fraction": fraction, "blocks_read": read, "blocks_readable": total}
+
     def server_info(self, kv: dict, memory: dict) -> dict:
         """This process's `psa` entry of server info: admission's counters, SGLang's KV
         pages and request slots (`kv`, as the hook counts them), the plugin's GPU buffers,
@@ -430,7 +441,7 @@ class PSAServing:
             **kv,
             "plugin_hbm_bytes": self.hbm_bytes() if self.hbm_bytes else None,
             **memory,
-            "blocks_read_fraction": self.read_fraction() if self.read_fraction else None,
+            **self._read_totals(),
             # --psa-audit-coverage: {min_true_coverage, heads_checked}, else None
             "coverage_audit": self.coverage() if self.coverage else None,
             "kv_home": self.cfg.kv_home,
@@ -502,7 +513,10 @@ def _writeback_metrics(rep: dict[str, int]) -> dict[str, int]:
 
 # Server-info entries each TP rank holds its own of (its GPU buffers, its host tier and
 # copy engine, its unit cache); every other entry is agreed, the same on every rank.
-PER_RANK = ("plugin_hbm_bytes", "gpu_reserved_bytes", "pinned_bytes", "writeback", "residency")
+PER_RANK = (
+    "plugin_hbm_bytes", "gpu_reserved_bytes", "pinned_bytes", "writeback", "residency",
+    "blocks_read", "blocks_readable",
+)  # fmt: skip
 
 
 def combine_ranks(states: list[dict]) -> dict:

@@ -334,6 +334,10 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
     frac = backend.read_fraction()
     total = sum(-(-n // BS) for n in lengths) * HKV
     assert frac == sum(len(s) for rq in reads for s in rq) / total  # what was stamped
+    # server info: the counts behind the fraction (a client's window is their difference)
+    state = backend.process.serving.server_info({}, {})
+    assert state["blocks_read"] == sum(len(s) for rq in reads for s in rq)
+    assert state["blocks_readable"] == total and state["blocks_read_fraction"] == frac
     if threshold == 1.0 and mode == "psa":
         assert frac == 1.0
     else:

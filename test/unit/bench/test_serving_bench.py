@@ -212,7 +212,19 @@ def test_counter_delta():
         return {"internal_states": [{"psa": {"blocks_read_fraction": frac, "residency": res}}]}
 
     d = analysis.counter_delta(tiered(10, 0, 0.2), tiered(70, 20, 0.3))
-    assert d == {"kv_fraction_read": 0.3, "hbm_hit_rate": 0.75}  # (70-10) / (60 + 20)
+    # a server without read counts: its fraction since start, said so
+    want = {"kv_fraction_read": 0.3, "kv_fraction_scope": "server life", "hbm_hit_rate": 0.75}
+    assert d == want  # hit rate (70-10) / (60 + 20)
+
+    def counted(read, readable):  # the fraction since start, and the counts behind it
+        psa = {"blocks_read_fraction": read / readable, "blocks_read": read}
+        return {"internal_states": [{"psa": psa | {"blocks_readable": readable}}]}
+
+    # a workload after another on one server: the window's blocks, not the server's life
+    d = analysis.counter_delta(counted(700, 1000), counted(760, 1500))
+    assert d["kv_fraction_read"] == pytest.approx(60 / 500) and d["kv_fraction_scope"] == "window"
+    d = analysis.counter_delta(counted(700, 1000), counted(700, 1000))  # no decode step
+    assert d["kv_fraction_read"] == 0.7 and d["kv_fraction_scope"] == "server life"
     assert analysis.counter_delta(tiered(5, 5), tiered(5, 5))["hbm_hit_rate"] is None
     assert analysis.counter_delta(None, tiered(5, 5))["hbm_hit_rate"] is None
     plain = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}

@@ -81,7 +81,7 @@ def test_a_tiered_scheduler_process_is_assembled_whole_and_wired_to_itself():
         assert s.requests is p.requests and s.stage is p.stage and s.stages_prefill
         assert s.agreement is p.agreement and s.metrics is None
         assert s.measure == p.stamps.read and s.read_counts == p.counters.read_counts
-        assert s.read_fraction == p.counters.read_fraction
+        assert s.read_totals == p.counters.totals
         res, wb = p.residency, p.writeback  # residency evicts what the decode step reads
         assert res.wb is wb and res.records is wb.records
         assert res.meta is p.meta and res.ws is p.stamps and res.allocator is alloc
