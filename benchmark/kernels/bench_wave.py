@@ -62,6 +62,7 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "kept_most_splits",
         "kept_tma",
         "kept_beside",
+        "kept_split",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -658,7 +659,9 @@ def launch_probe(ctx: int = 16000) -> dict:
 def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     """The kept rows' launch (`--kept-sweep`): psa's step between rankings at workload
     a16's and a's shapes (32 x ctx, Qwen 0.5B heads), reading the share of blocks psa reads
-    there in the server, at the library's launch and around it; a ranking step, and a step
+    there in the server, at the library's launch and around it (top-k's, at its 2048-token
+    budget, first: `topk_ctx*`, with its kept rows in one launch with the fresh rows as
+    `one_launch`); a ranking step, and a step
     where half the rows rank (`half_`), each with and without the bookkeeping (stamps,
     counters) and with the kept rows' launch after the fresh rows' (`one_stream`) instead
     of beside them; wall time per
@@ -690,6 +693,29 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
             kept_tma=True, kept_warps=1, kept_prefetch=True, kept_most_splits=16
         ),
     }
+    # top-k (2048 tokens a head): its kept rows in a launch of their own, on the side
+    # stream (the default), against one launch with the fresh rows (`one_launch`, the path
+    # before) and the kept launch's shape around the default
+    topk_knobs = {
+        key: knobs[key]
+        for key in ("default", "no_bookkeeping", "one_stream", "tile64_warps2", "most16", "most4")
+    } | {"one_launch": dict(kept_split=False)}
+    for ctx in sorted({c for c, _ in cases}):
+        row = {}
+        ranking = ("default", "one_launch")
+        modes = (("topk_kept", topk_knobs), ("topk", ranking), ("topk_halfkept", ranking))
+        for mode, keys in modes:
+            for key in keys:
+                launch = dict(topk_knobs[key])
+                bench = functools.partial(server_case, mode, 32, ctx, 32768, 2048 / ctx,
+                                          profile=True, bookkeeping=launch.pop("book", True))  # fmt: skip
+                name = {"topk_kept": key, "topk": f"ranking_step_{key}"}.get(mode, f"half_{key}")
+                _sweep_one(row, f"topk {ctx} {name}", name, bench, None, launch, pick)
+        ok = {k: v["t"] for k, v in row.items() if isinstance(v, dict)}
+        row["best"] = min(ok, key=ok.get)
+        out[f"topk_ctx{ctx}"] = row
+        print(json.dumps({f"topk {ctx}": {row["best"]: ok[row["best"]], "default": ok.get("default")}}),
+              file=sys.stderr, flush=True)  # fmt: skip
     for ctx, frac in cases:
         row: dict = {}
         ranking = ("default", "no_bookkeeping", "one_stream")

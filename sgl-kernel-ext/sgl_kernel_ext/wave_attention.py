@@ -776,6 +776,10 @@ class WaveAttention:
         self.kept_prefetch, self.kept_most_splits, self.kept_tma = False, 8, False
         # The kept rows' launch runs on a side stream, beside the fresh rows' launches (`run`).
         self.kept_beside = True
+        # Top-k's kept rows read in that launch of their own; False: in one launch with the
+        # fresh rows, after their ranking (bench_wave --kept-sweep's comparison; the stop
+        # rule's kept rows always have their own, which reads their kept budget).
+        self.kept_split = True
         # The heuristic rule's block-at-a-time merge takes one exponential pass per block
         # (its log-mass and its merge from the same exponentials), not two.
         self.one_exp = True
@@ -1200,7 +1204,7 @@ class WaveAttention:
         # The rows reading a kept selection run in a launch of their own (`split`); the stop
         # rule's rows keep their read count for the steps that reuse their order (`budget`;
         # top-k's rows read its fixed budget).
-        split = kept is not None
+        split = kept is not None and (self.kept_split or not self.one_wave)
         budget = split and not self.one_wave
         limit = self.limit if code_planes is None else self.limit - CODE_LIMIT_MARGIN
         has_host = k_host is not None

@@ -199,14 +199,17 @@ def test_wave_reads_kept_order(device, mode, shape):
         torch.testing.assert_close(res.lse.cpu(), ref.lse, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("kept_split", [True, False], ids=["own_launch", "one_launch"])
 @pytest.mark.parametrize("shape", ["small", "qwen05b"])
 @pytest.mark.parametrize("mode", ["psa", "topk"])
-def test_fresh_and_kept_rows_in_one_run(device, mode, shape):
+def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     """One step where a request new to the cache ranks while the others read their kept
     order: the kept rows' launch (on a side stream on the GPU) and the fresh rows' launch
     each give their rows what the reference gives a row of that kind: the fresh row the
     order ranked now, under the stop rule (psa) or at top-k's budget; the kept rows the
-    order and, for psa, the ranked read count kept at step 0."""
+    order and, for psa, the ranked read count kept at step 0. `one_launch`
+    (`kept_split=False`): top-k's rows all in one launch, the same result (psa's kept rows
+    keep their own launch)."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -225,6 +228,7 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape):
     max_read = cfg.topk_tokens // bs if topk else None
     wa = WaveAttention.from_config(cfg.replace(threshold=1.0) if topk else cfg)
     wa = wa.plan(B, Hq, Hkv, d, nb_max, device, read_blocks=max_read)
+    wa.kept_split = kept_split
     cache = SelectionCache(1, B, Hkv, nb_max, 1000, bs, 2, device)
     k_slots, v_slots, loc = _paged(k, v, bs, device)
     step = torch.zeros(1, dtype=torch.int32, device=device)
