@@ -19,12 +19,15 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     both address the same slot, so that backend is given page size 1 (SGLang's own
     kernels at its own default).
 
-    At the tiered home that backend, at page size 1, can also read a prefix staged from
+    At the tiered home a Triton backend at page size 1 also reads a prefix staged from
     HBM and the host tier (`mem_cache.prefill_stage`), so a prompt larger than HBM is
-    served in chunks whose saved blocks leave HBM. The scheduler process was assembled
-    with its prefill stage or without before SGLang built this prefill backend
-    (`sched.process.stages_prefill`, from the server args); here that decision meets the
-    backend SGLang built: a mismatch raises, staging off is said once."""
+    served in chunks whose saved blocks leave HBM. Where SGLang built another prefill
+    backend (FA3 by default on a Hopper GPU), a Triton one is built beside it for the
+    staged batches alone (`attention.prefill_switch.StagedPrefill`); every other batch
+    prefills on SGLang's. The scheduler process was assembled with its prefill stage or
+    without before SGLang built this prefill backend (`sched.process.stages_prefill`,
+    from the pool's layout); here that decision meets the backends SGLang built: a
+    mismatch raises, staging off is said once."""
     from sglang_psa.attention.psa_backend import PSAAttnBackend
     from sglang_psa.mem_cache.prefill_stage import reads_token_major
 
@@ -33,31 +36,49 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     if not isinstance(decode, PSAAttnBackend):
         return result
     pool = backend.token_to_kv_pool
-    per_token = _is_triton(prefill) and reads_token_major(pool)
-    if per_token and getattr(prefill, "page_size", 1) != 1:
+    token_major = reads_token_major(pool)
+    if _is_triton(prefill) and token_major and getattr(prefill, "page_size", 1) != 1:
         logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
         prefill.page_size = 1
     process = decode.process
     if process.residency is None:  # the KV in HBM only: nothing to stage
         return result
-    if (process.stage is not None) != per_token:
+    if (process.stage is not None) != token_major:
         raise RuntimeError(
             f"sglang-psa: the scheduler process was assembled "
             f"{'with' if process.stage is not None else 'without'} staged prefill, but "
-            f"SGLang built {type(prefill).__name__} as the prefill backend over "
-            f"{'a token-major' if reads_token_major(pool) else 'another'} KV pool"
+            f"SGLang's KV pool is {'' if token_major else 'not '}contiguous and token-major"
         )
     if process.stage is None:
         # The tiered home without staged prefill: a prefix off HBM cannot be read back by
         # the prefill, so SGLang's own limit (a prompt must fit its pool) stays (said once,
         # at startup).
         logger.warning(
-            "sglang-psa: staged prefill is off (it needs SGLang's Triton prefill over a "
-            "contiguous token-major pool; prefill is %s): prompts larger than HBM are "
-            "refused by SGLang's own length check",
-            type(prefill).__name__,
+            "sglang-psa: staged prefill is off (it needs a contiguous token-major KV pool, "
+            "which %s is not): prompts larger than HBM are refused by SGLang's own length "
+            "check",
+            type(pool).__name__,
         )
+    elif not _is_triton(prefill):
+        backend.prefill_backend = staged_prefill(prefill, model_runner or backend.model_runner,
+                                                 process.stage)  # fmt: skip
     return result
+
+
+def staged_prefill(fast, model_runner, stage):
+    """`fast` (the prefill backend SGLang built) with SGLang's Triton backend at page size
+    1 beside it for the extend batches whose prefix `stage` planned to stage."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from sglang_psa.attention.prefill_switch import StagedPrefill
+
+    staging = TritonAttnBackend(model_runner)
+    staging.page_size = 1
+    logger.info(
+        "sglang-psa: prefill on %s; a prefix staged from the host tier on Triton",
+        type(fast).__name__,
+    )
+    return StagedPrefill(fast, staging, lambda: stage.plan is not None)
 
 
 def around_triton_forward_extend(original, backend, q, k, v, layer, forward_batch,

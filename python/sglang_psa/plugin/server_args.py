@@ -56,11 +56,9 @@ def default_prefill_backend(cfg: PSAConfig) -> tuple[str, str]:
     """(backend, why): the dense prefill backend when none is given. SGLang's fastest on
     this machine for a dense GQA model, as SGLang itself defaults: FA3 on a Hopper GPU
     (compute capability 9.x) with SGLang's FA3 kernels, else FlashInfer where installed,
-    else triton. The tiered home prefills on triton: its staged prefill (a prompt larger
-    than HBM, resumption from the host tier) reads a staged prefix through SGLang's
-    Triton extend kernel only."""
-    if cfg.kv_home == "tiered":
-        return "triton", "--psa-kv-home tiered stages prefixes through the Triton extend kernel"
+    else triton. At the tiered home too: its staged prefill (a prompt larger than HBM,
+    resumption from the host tier) runs those batches on a Triton backend built beside
+    it (`attention.prefill_switch`)."""
     try:
         import torch
 
@@ -110,11 +108,11 @@ _INCOMPATIBLE = (
 )
 
 
-def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any], prefill: str | None) -> None:
+def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     """`--radix-cache-backend psa`: prefix caching at the tiered home (SGLang's tree over
     the tiered store, `mem_cache.psa_radix_cache`). It reads prefixes the host tier alone
-    holds through the staged prefill, which runs on SGLang's Triton prefill (`prefill`:
-    the prefill backend once known, None before)."""
+    holds through the staged prefill (a Triton backend for those batches, whatever the
+    prefill backend: `attention.prefill_switch`)."""
     why = None
     if not releases.has("psa_radix_cache"):
         why = (
@@ -125,11 +123,6 @@ def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any], prefill: str 
         why = "needs --psa-kv-home tiered (the hbm home keeps SGLang's own radix cache)"
     elif fields.get("disable_radix_cache"):
         why = "contradicts --disable-radix-cache"
-    elif prefill not in (None, "triton"):
-        why = (
-            "reads prefixes held only in the host tier through the staged prefill, which "
-            f"needs --prefill-attention-backend triton (got {prefill})"
-        )
     if why is not None:
         raise PSAConfigError("kv_home", f"--radix-cache-backend psa {why}")
 
@@ -168,7 +161,7 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         )
     psa_radix = fields.get("radix_cache_backend") == "psa"
     if psa_radix:
-        _check_psa_radix_cache(cfg, fields, None)
+        _check_psa_radix_cache(cfg, fields)
     prefill = fields.get("prefill_attention_backend") or fields.get("attention_backend")
     if not prefill:
         prefill, why = default_prefill_backend(cfg)
@@ -186,7 +179,6 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
             "kv_home", "tiered copies SGLang's token-major KV pages; unset SGLANG_USE_HND_KVCACHE"
         )
     if psa_radix:
-        _check_psa_radix_cache(cfg, fields, prefill)
         logger.warning(
             "sglang-psa: prefix caching at the tiered home (--radix-cache-backend psa) is "
             "experimental: tested on CPU against SGLang's tree, not yet served on a GPU"

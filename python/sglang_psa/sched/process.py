@@ -20,8 +20,9 @@ outside afterwards; `SchedulerProcess` holds them, frozen:
 | `serving` | `sched.serving.PSAServing` | admission, and the scheduler hooks' calls |
 
 The tiered store (`writeback` to `stage`) exists at `--psa-kv-home tiered` only, the
-stage only where SGLang's Triton prefill reads the token-major pool, `metrics` only
-with `--enable-metrics`; each is None otherwise.
+stage only over SGLang's token-major pool (which a Triton prefill reads per token:
+SGLang's, or one built beside it for the staged batches), `metrics` only with
+`--enable-metrics`; each is None otherwise.
 
 Who holds what: the `psa` decode backend calls `assemble` once, in its constructor,
 and reads `meta`, `stamps`, `counters`, `writeback`, `residency` and `stage`; the plugin
@@ -91,8 +92,8 @@ def assemble(
     table. `pool`: SGLang's KV pool (`MHATokenToKVPool`: its layers' buffers, sizes,
     `start_layer`); `req_to_token`: SGLang's request table; `allocator`: SGLang's page
     allocator (residency gives pages back to it; None: the one the hooks pass in first);
-    `server_args`: SGLang's (read: `chunked_prefill_size`, `enable_metrics`, the prefill
-    attention backend); `context_len`: the model's; `tp_size`/`tp_rank`: this process's
+    `server_args`: SGLang's (read: `chunked_prefill_size`, `enable_metrics`);
+    `context_len`: the model's; `tp_size`/`tp_rank`: this process's
     TP group (`--tp` > 1 without SGLang's TP group set up raises); `hbm_bytes`: the
     decode backend's report of its GPU buffers, for server info.
 
@@ -145,7 +146,7 @@ def assemble(
             unit_reads=counters.unit_reads, agreement=agreement,
         )  # fmt: skip
         requests = TieredRequests(writeback, residency, pool, req_to_token, bs)
-        if stages_prefill(server_args, pool):
+        if stages_prefill(pool):
             stage = PrefillStage(writeback, pool, bs, pool.start_layer)
     metrics = None
     if getattr(server_args, "enable_metrics", False):
@@ -179,19 +180,16 @@ def assemble(
     )  # fmt: skip
 
 
-def stages_prefill(server_args, pool) -> bool:
+def stages_prefill(pool) -> bool:
     """Whether a prompt larger than HBM is prefilled over a staged prefix at the tiered
-    home: SGLang's Triton prefill (the attention backend SGLang builds for prefill, as
-    its `get_attention_backends` resolves it) over a contiguous token-major pool, which
-    that backend then addresses per token (`plugin.extend.after_hybrid_init` checks the
-    backends SGLang built against this). Decided before SGLang builds the prefill
-    backend: it builds the decode backend first."""
+    home: over a contiguous token-major pool, which SGLang's Triton prefill backend reads
+    per token (SGLang's prefill backend where it is Triton, else one built beside it for
+    the staged batches: `plugin.extend.after_hybrid_init` checks the backends SGLang
+    built against this). Decided before SGLang builds the prefill backend: it builds the
+    decode backend first."""
     from sglang_psa.mem_cache.prefill_stage import reads_token_major
 
-    prefill = getattr(server_args, "prefill_attention_backend", None) or getattr(
-        server_args, "attention_backend", None
-    )
-    return prefill == "triton" and reads_token_major(pool)
+    return reads_token_major(pool)
 
 
 def hbm_units(cfg: PSAConfig, pool) -> int:

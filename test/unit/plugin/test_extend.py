@@ -54,39 +54,106 @@ def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
     assert theirs.prefill_backend.page_size == 32
 
 
-def test_the_tiered_home_stages_prefill_on_triton_or_says_why_not(caplog):
-    """Staged prefill (prompts larger than HBM) is assembled for the Triton prefill over
-    the token-major pool (`sched.process.stages_prefill`, from the server args, before
-    SGLang builds the prefill backend), also when it already runs at page size 1; with
-    another prefill the startup log says it is off; a process assembled for one prefill
-    backend and run with another stops at startup."""
+def test_the_tiered_home_stages_prefill_beside_any_prefill_or_says_why_not(caplog, monkeypatch):
+    """Staged prefill (prompts larger than HBM) is assembled wherever the pool is
+    token-major (`sched.process.stages_prefill`, before SGLang builds the prefill
+    backend): on SGLang's Triton prefill it runs there (page size 1); beside another
+    (FA3, FlashInfer) a Triton backend at page size 1 is built for the staged batches and
+    SGLang's stays for the rest (`StagedPrefill`); on another pool layout the startup log
+    says it is off; a process assembled one way and run over the other layout stops at
+    startup."""
+    from sglang_psa.attention.prefill_switch import StagedPrefill
     from sglang_psa.sched.process import stages_prefill
 
     pool = types.SimpleNamespace(k_buffer=[torch.zeros(96, 2, 8)], v_buffer=[torch.zeros(96, 2, 8)])
     paged = types.SimpleNamespace(k_buffer=[torch.zeros(3, 32, 2, 8)], v_buffer=[])
-    triton = types.SimpleNamespace(prefill_attention_backend="triton", attention_backend="triton")
-    fa3 = types.SimpleNamespace(prefill_attention_backend="fa3", attention_backend="fa3")
-    assert stages_prefill(triton, pool) and not stages_prefill(fa3, pool)
-    assert not stages_prefill(triton, paged) and not stages_prefill(types.SimpleNamespace(), pool)
-    assert stages_prefill(types.SimpleNamespace(attention_backend="triton"), pool)
+    assert stages_prefill(pool) and not stages_prefill(paged)
 
     staged = _ours(tiered=True, staged=True)
     h = _hybrid(staged, torch.zeros(96, 2, 8), page_size=1)
     with caplog.at_level("WARNING", logger="sglang_psa.plugin.extend"):
         after_hybrid_init(None, h)
+    assert isinstance(h.prefill_backend, TritonAttnBackend)  # Triton's own: it stages
     assert h.prefill_backend.page_size == 1 and "staged prefill is off" not in caplog.text
+
+    built = []
+
+    def triton_init(self, model_runner, *args, **kwargs):
+        built.append(model_runner)
+        self.page_size = 32  # SGLang's backend at the server's page size
+
+    monkeypatch.setattr(TritonAttnBackend, "__init__", triton_init)
+    staged.process.stage = types.SimpleNamespace(plan=None)
+    fast = object()  # not SGLang's Triton backend (FA3, FlashInfer)
+    h = _hybrid(staged, torch.zeros(96, 2, 8))
+    h.prefill_backend = fast
+    runner = object()
+    after_hybrid_init(None, h, runner)
+    switch = h.prefill_backend
+    assert isinstance(switch, StagedPrefill) and switch.fast is fast and built == [runner]
+    assert isinstance(switch.staging, TritonAttnBackend) and switch.staging.page_size == 1
+    assert not switch._staged()
+    staged.process.stage.plan = object()  # a batch planned to stage its prefix
+    assert switch._staged()
+
     unstaged = _ours(tiered=True)
-    other = _hybrid(unstaged, torch.zeros(96, 2, 8))
-    other.prefill_backend = object()  # not SGLang's Triton backend (FA3, FlashInfer)
+    other = _hybrid(unstaged, torch.zeros(3, 32, 2, 8))  # a pool Triton cannot stage into
+    other.prefill_backend = object()
     with caplog.at_level("WARNING", logger="sglang_psa.plugin.extend"):
         after_hybrid_init(None, other)
-    assert "staged prefill is off" in caplog.text and "object" in caplog.text
-    for ours, prefill in ((staged, object()), (unstaged, None)):
-        wrong = _hybrid(ours, torch.zeros(96, 2, 8))
-        if prefill is not None:
-            wrong.prefill_backend = prefill
+    assert "staged prefill is off" in caplog.text
+    for ours, k in ((staged, torch.zeros(3, 32, 2, 8)), (unstaged, torch.zeros(96, 2, 8))):
         with pytest.raises(RuntimeError, match="assembled with"):
-            after_hybrid_init(None, wrong)
+            after_hybrid_init(None, _hybrid(ours, k))
+
+
+def test_staged_prefill_runs_each_extend_batch_on_one_backend():
+    """`StagedPrefill`: an extend batch whose prefix is staged runs on the staging
+    backend, metadata and forward alike; any other batch (and SGLang's other questions)
+    on the fast one; the choice holds from a batch's metadata to its forward."""
+    from sglang_psa.attention.prefill_switch import StagedPrefill
+
+    class Backend:
+        def __init__(self, name):
+            self.name, self.calls, self.needs_cpu_seq_lens = name, [], name == "fast"
+
+        def init_forward_metadata(self, fb):
+            self.calls.append(("meta", fb.id))
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.calls.append(("out", fb.id, in_capture))
+
+        def init_forward_metadata_in_graph(self, fb):
+            self.calls.append(("in", fb.id))
+
+        def forward(self, q, k, v, layer, fb, save_kv_cache=True):
+            self.calls.append(("forward", fb.id, layer))
+            return self.name
+
+        def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+            self.calls.append(("extend", fb.id, layer))
+            return self.name
+
+    def batch(i, extend=True):
+        mode = types.SimpleNamespace(is_extend=lambda: extend)
+        return types.SimpleNamespace(id=i, forward_mode=mode)
+
+    fast, staging, planned = Backend("fast"), Backend("staging"), [False]
+    sw = StagedPrefill(fast, staging, lambda: planned[0])
+    b1 = batch(1)
+    sw.init_forward_metadata(b1)
+    assert sw.forward(None, None, None, 0, b1) == "fast"
+    planned[0] = True
+    b2 = batch(2)
+    sw.init_forward_metadata_out_graph(b2)
+    sw.init_forward_metadata_in_graph(b2)
+    assert sw.forward_extend(None, None, None, 0, b2) == "staging"
+    assert sw.forward(None, None, None, 1, b2) == "staging"
+    sw.init_forward_metadata(batch(3, extend=False))  # not an extend: never staged
+    assert sw.active is fast and sw.staged_batches == 1
+    assert staging.calls == [("out", 2, False), ("in", 2), ("extend", 2, 0), ("forward", 2, 1)]
+    assert fast.calls == [("meta", 1), ("forward", 1, 0), ("meta", 3)]
+    assert sw.needs_cpu_seq_lens is True  # the fast backend's answer
 
 
 def test_the_extend_kernel_at_page_size_one_equals_page_size_32(kernel_device):
