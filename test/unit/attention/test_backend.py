@@ -902,7 +902,8 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
         for r, n in zip(reqs, lengths):
             assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=64)
         prompt = [n - 1 for n in lengths]  # prefill writes all but the newest token
-        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt))
+        # a first prefill: no prefix (the tiered home's prefill stage plans none)
+        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
         scheduling.after_prepare_for_extend(None, batch)
         _prefill(backend, fb)
         wait_saved(wb)
@@ -988,9 +989,8 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         for r, n in zip(reqs, lengths):
             assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
         prompt = [n - 1 for n in lengths]
-        scheduling.after_prepare_for_extend(
-            None, SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt))
-        )
+        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
+        scheduling.after_prepare_for_extend(None, batch)  # a first prefill: no prefix
         _prefill(backend, fb)
         wait_saved(wb)
         wb.poll()
