@@ -41,6 +41,10 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
         logger.info("sglang-psa: Triton prefill addresses the token-major pool per token")
         prefill.page_size = 1
     process = decode.process
+    serving = getattr(process, "serving", None)
+    names = {"prefill": type(prefill).__name__, "staged": None}
+    if serving is not None:  # server info says which backends prefill
+        serving.prefill_backends = names
     if process.residency is None:  # the KV in HBM only: nothing to stage
         return result
     if (process.stage is not None) != token_major:
@@ -59,9 +63,11 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
             "check",
             type(pool).__name__,
         )
-    elif not _is_triton(prefill):
-        backend.prefill_backend = staged_prefill(prefill, model_runner or backend.model_runner,
-                                                 process.stage)  # fmt: skip
+    else:
+        if not _is_triton(prefill):
+            backend.prefill_backend = staged_prefill(prefill, model_runner or backend.model_runner,
+                                                     process.stage)  # fmt: skip
+        names["staged"] = "TritonAttnBackend"
     return result
 
 

@@ -98,6 +98,10 @@ class PSAServing:
         self.read_counts, self.hbm_bytes, self.coverage = r.read_counts, r.hbm_bytes, r.coverage
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
+        # The dense prefill backends SGLang runs (`plugin.extend.after_hybrid_init` sets it
+        # once SGLang built them): {"prefill": its class, "staged": the one a prefix staged
+        # from the host tier runs on, or None}; None before.
+        self.prefill_backends: dict | None = None
         self.agreement = agreement or RankAgreement()
         # Several TP ranks: flush_step calls with running requests (the same count on every
         # rank), and rid -> its decode steps since its size was last recorded.
@@ -445,6 +449,7 @@ class PSAServing:
             # --psa-audit-coverage: {min_true_coverage, heads_checked}, else None
             "coverage_audit": self.coverage() if self.coverage else None,
             "kv_home": self.cfg.kv_home,
+            "prefill_backends": self.prefill_backends,
             # Write-back to the host tier (--psa-kv-home tiered), else None.
             "writeback": self.writeback.report() if self.writeback is not None else None,
             # Blocks whose HBM pages were given back, parked and resumed requests (tiered

@@ -33,8 +33,9 @@ def _ours(tiered: bool = False, staged: bool = False) -> PSAAttnBackend:
     (tiered) or without a host tier, and with or without a prefill stage."""
     ours = object.__new__(PSAAttnBackend)
     ours.process = types.SimpleNamespace(
-        residency=object() if tiered else None, stage=object() if staged else None
-    )
+        residency=object() if tiered else None, stage=object() if staged else None,
+        serving=types.SimpleNamespace(prefill_backends=None),
+    )  # fmt: skip
     return ours
 
 
@@ -43,6 +44,8 @@ def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
     h = _hybrid(ours, torch.zeros(96, 2, 8))
     after_hybrid_init(None, h)
     assert h.prefill_backend.page_size == 1
+    # server info names the prefill backend (the hbm home stages nothing)
+    assert ours.process.serving.prefill_backends == {"prefill": "TritonAttnBackend", "staged": None}
     paged = _hybrid(ours, torch.zeros(3, 32, 2, 8))  # a [pages, page, Hkv, d] pool
     after_hybrid_init(None, paged)
     assert paged.prefill_backend.page_size == 32
@@ -75,6 +78,8 @@ def test_the_tiered_home_stages_prefill_beside_any_prefill_or_says_why_not(caplo
         after_hybrid_init(None, h)
     assert isinstance(h.prefill_backend, TritonAttnBackend)  # Triton's own: it stages
     assert h.prefill_backend.page_size == 1 and "staged prefill is off" not in caplog.text
+    triton_both = {"prefill": "TritonAttnBackend", "staged": "TritonAttnBackend"}
+    assert staged.process.serving.prefill_backends == triton_both
 
     built = []
 
@@ -91,6 +96,8 @@ def test_the_tiered_home_stages_prefill_beside_any_prefill_or_says_why_not(caplo
     after_hybrid_init(None, h, runner)
     switch = h.prefill_backend
     assert isinstance(switch, StagedPrefill) and switch.fast is fast and built == [runner]
+    beside = {"prefill": "object", "staged": "TritonAttnBackend"}
+    assert staged.process.serving.prefill_backends == beside
     assert isinstance(switch.staging, TritonAttnBackend) and switch.staging.page_size == 1
     assert not switch._staged()
     staged.process.stage.plan = object()  # a batch planned to stage its prefix
@@ -102,6 +109,7 @@ def test_the_tiered_home_stages_prefill_beside_any_prefill_or_says_why_not(caplo
     with caplog.at_level("WARNING", logger="sglang_psa.plugin.extend"):
         after_hybrid_init(None, other)
     assert "staged prefill is off" in caplog.text
+    assert unstaged.process.serving.prefill_backends == {"prefill": "object", "staged": None}
     for ours, k in ((staged, torch.zeros(3, 32, 2, 8)), (unstaged, torch.zeros(96, 2, 8))):
         with pytest.raises(RuntimeError, match="assembled with"):
             after_hybrid_init(None, _hybrid(ours, k))
