@@ -174,13 +174,12 @@ class ReadStamps:
 
 class ReadCounters:
     """What decode read, counted on the GPU: per layer, the (layer, KV head, block) units
-        read, the units readable and those read from the host tier (`stats [layers, 3]`, the
-        wave kernel adds to its layer's row). The scheduler reads them without a sync through
-        a pinned copy that trails by one call; `totals` and `read_fraction` sync (server info
-    only).
-        With `audit` (`--psa-audit-coverage`), `coverage [2]` float64 keeps the smallest
-        true-mass share a query head's read blocks held and how many heads were checked
-        (`attention.coverage_audit` writes it)."""
+    read, the units readable and those read from the host tier (`stats [layers, 3]`, the
+    wave kernel adds to its layer's row). The scheduler reads them without a sync through
+    a pinned copy that trails by one call; `totals` and `read_fraction` sync (server info
+    only). With `audit` (`--psa-audit-coverage`), `coverage [2]` float64 keeps the
+    smallest true-mass share a query head's read blocks held and how many heads were
+    checked (`attention.coverage_audit` writes it)."""
 
     def __init__(self, layers: int, device: torch.device | str, audit: bool = False):
         dev = torch.device(device)

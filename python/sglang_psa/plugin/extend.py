@@ -25,7 +25,7 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     backend (FA3 by default on a Hopper GPU), a Triton one is built beside it for the
     staged batches alone (`attention.prefill_switch.StagedPrefill`); every other batch
     prefills on SGLang's. The scheduler process was assembled with its prefill stage or
-    without before SGLang built this prefill backend (`sched.process.stages_prefill`,
+    without before SGLang built this prefill backend (`sched.process.assemble`,
     from the pool's layout); here that decision meets the backends SGLang built: a
     mismatch raises, staging off is said once."""
     from sglang_psa.attention.psa_backend import PSAAttnBackend

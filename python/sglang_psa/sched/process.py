@@ -100,7 +100,7 @@ def assemble(
     Raises `PSAConfigError` naming the flag when the host tier holds no block or cannot
     be set up, or when the GPU has no room for the block metadata and stamps."""
     from sglang_psa.mem_cache.page_meta import PageMeta
-    from sglang_psa.mem_cache.prefill_stage import PrefillStage
+    from sglang_psa.mem_cache.prefill_stage import PrefillStage, reads_token_major
     from sglang_psa.mem_cache.read_stamps import ReadCounters, ReadStamps
     from sglang_psa.mem_cache.request_kv import TieredRequests
     from sglang_psa.mem_cache.residency import Residency
@@ -146,7 +146,10 @@ def assemble(
             unit_reads=counters.unit_reads, agreement=agreement,
         )  # fmt: skip
         requests = TieredRequests(writeback, residency, pool, req_to_token, bs)
-        if stages_prefill(pool):
+        # Decided before SGLang builds the prefill backend (it builds the decode backend
+        # first): SGLang's Triton prefill reads a staging per token, or one built beside
+        # another backend for the staged batches (`plugin.extend.after_hybrid_init` checks).
+        if reads_token_major(pool):
             stage = PrefillStage(writeback, pool, bs, pool.start_layer)
     metrics = None
     if getattr(server_args, "enable_metrics", False):
@@ -178,18 +181,6 @@ def assemble(
         cfg, meta, stamps, counters, agreement, writeback, residency, requests, stage, metrics,
         serving,
     )  # fmt: skip
-
-
-def stages_prefill(pool) -> bool:
-    """Whether a prompt larger than HBM is prefilled over a staged prefix at the tiered
-    home: over a contiguous token-major pool, which SGLang's Triton prefill backend reads
-    per token (SGLang's prefill backend where it is Triton, else one built beside it for
-    the staged batches: `plugin.extend.after_hybrid_init` checks the backends SGLang
-    built against this). Decided before SGLang builds the prefill backend: it builds the
-    decode backend first."""
-    from sglang_psa.mem_cache.prefill_stage import reads_token_major
-
-    return reads_token_major(pool)
 
 
 def hbm_units(cfg: PSAConfig, pool) -> int:

@@ -59,18 +59,18 @@ def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
 
 def test_the_tiered_home_stages_prefill_beside_any_prefill_or_says_why_not(caplog, monkeypatch):
     """Staged prefill (prompts larger than HBM) is assembled wherever the pool is
-    token-major (`sched.process.stages_prefill`, before SGLang builds the prefill
-    backend): on SGLang's Triton prefill it runs there (page size 1); beside another
-    (FA3, FlashInfer) a Triton backend at page size 1 is built for the staged batches and
+    token-major (`sched.process.assemble`, before SGLang builds the prefill backend): on
+    SGLang's Triton prefill it runs there (page size 1); beside another (FA3,
+    FlashInfer) a Triton backend at page size 1 is built for the staged batches and
     SGLang's stays for the rest (`StagedPrefill`); on another pool layout the startup log
     says it is off; a process assembled one way and run over the other layout stops at
     startup."""
     from sglang_psa.attention.prefill_switch import StagedPrefill
-    from sglang_psa.sched.process import stages_prefill
+    from sglang_psa.mem_cache.prefill_stage import reads_token_major
 
     pool = types.SimpleNamespace(k_buffer=[torch.zeros(96, 2, 8)], v_buffer=[torch.zeros(96, 2, 8)])
     paged = types.SimpleNamespace(k_buffer=[torch.zeros(3, 32, 2, 8)], v_buffer=[])
-    assert stages_prefill(pool) and not stages_prefill(paged)
+    assert reads_token_major(pool) and not reads_token_major(paged)  # the stage's condition
 
     staged = _ours(tiered=True, staged=True)
     h = _hybrid(staged, torch.zeros(96, 2, 8), page_size=1)
