@@ -28,12 +28,10 @@ class StagedPrefill:
     def __init__(self, fast, staging, staged: Callable[[], bool]):
         self.fast, self.staging, self._staged = fast, staging, staged
         self.active = fast
-        self.staged_batches = 0  # extend batches the staging backend ran, ever
 
     def _choose(self, forward_batch) -> Any:
         extend = forward_batch.forward_mode.is_extend()
         self.active = self.staging if extend and self._staged() else self.fast
-        self.staged_batches += self.active is self.staging
         return self.active
 
     def init_forward_metadata(self, forward_batch) -> None:

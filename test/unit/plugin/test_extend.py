@@ -158,7 +158,7 @@ def test_staged_prefill_runs_each_extend_batch_on_one_backend():
     assert sw.forward_extend(None, None, None, 0, b2) == "staging"
     assert sw.forward(None, None, None, 1, b2) == "staging"
     sw.init_forward_metadata(batch(3, extend=False))  # not an extend: never staged
-    assert sw.active is fast and sw.staged_batches == 1
+    assert sw.active is fast  # one batch staged: the staging backend's calls below
     assert staging.calls == [("out", 2, False), ("in", 2), ("extend", 2, 0), ("forward", 2, 1)]
     assert fast.calls == [("meta", 1), ("forward", 1, 0), ("meta", 3)]
     assert sw.needs_cpu_seq_lens is True  # the fast backend's answer
