@@ -165,10 +165,20 @@ def path(key: str) -> str:
     raise KeyError(f"no READS entry {key!r} for sglang=={release()}")
 
 
-def _paths(key: str) -> list[str]:
-    """`key`'s locations, the installed release's first (test doubles may model another)."""
+@functools.cache
+def _paths(key: str) -> tuple[tuple[str, ...], ...]:
+    """`key`'s locations as attribute chains, the installed release's first (test doubles
+    may model another). Cached like `path` (the scheduler reads a request's row every
+    step); `forget()` clears both."""
     own = path(key)
-    return [own, *dict.fromkeys(r.path for r in READS if r.key == key and r.path != own)]
+    others = dict.fromkeys(r.path for r in READS if r.key == key and r.path != own)
+    return tuple(tuple(p.split(".")) for p in (own, *others))
+
+
+def forget() -> None:
+    """Drop the cached locations (after a test changes the release or the tables)."""
+    path.cache_clear()
+    _paths.cache_clear()
 
 
 _MISSING = object()
@@ -176,9 +186,9 @@ _MISSING = object()
 
 def read(obj, key: str, default=None):
     """The attribute `key` of `READS` on an SGLang object (`default` where it has none)."""
-    for p in _paths(key):
+    for names in _paths(key):
         value = obj
-        for name in p.split("."):
+        for name in names:
             value = getattr(value, name, _MISSING)
             if value is _MISSING:
                 break
@@ -190,15 +200,15 @@ def read(obj, key: str, default=None):
 def write(obj, key: str, value) -> None:
     """Set the attribute `key` of `READS`: where `obj` has it, the installed release's
     location first; else where the installed release keeps it."""
-    for p in _paths(key):
-        *head, last = p.split(".")
+    for names in _paths(key):
+        *head, last = names
         target = obj
         for name in head:
             target = getattr(target, name, _MISSING)
             if target is _MISSING:
                 break
         else:
-            if hasattr(target, last) or p == path(key):
+            if hasattr(target, last) or ".".join(names) == path(key):
                 setattr(target, last, value)
                 return
     raise AttributeError(f"{type(obj).__name__} has no {path(key)} ({key})")

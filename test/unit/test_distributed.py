@@ -20,8 +20,8 @@ from sglang_psa.mem_cache import kv_budget
 from sglang_psa.mem_cache.request_kv import RequestKV
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.sched.serving import (
-    AGREE_EVERY_STEPS,
     PER_RANK,
+    RECORD_EVERY_STEPS,
     BackendReadouts,
     PSAServing,
     combine_ranks,
@@ -97,12 +97,12 @@ def _admissions(agreement: RankAgreement, rank: int, units_by_rank: list[int]) -
                 sizes[r.req_pool_idx] = units_by_rank[rank]
                 lengths[r.req_pool_idx] = TOKENS
         # two agreed steps: the running requests' sets are warm (`ws_window` 2)
-        for _ in range(2 * AGREE_EVERY_STEPS):
+        for _ in range(2 * RECORD_EVERY_STEPS):
             s.flush_step(reqs)
         log.append(s.controller.used_units)
     s.controller.check_integrity()
-    # several ranks meet in a collective every AGREE_EVERY_STEPS steps, one rank each step
-    assert len(calls) == 8 * 2 * (1 if agreement.world_size > 1 else AGREE_EVERY_STEPS)
+    # sizes are recorded (several ranks: in a collective) every RECORD_EVERY_STEPS steps
+    assert len(calls) == 8 * 2
     return log
 
 
@@ -118,7 +118,7 @@ def test_ranks_measuring_different_working_sets_admit_the_same_requests(tmp_path
 
 
 def _idle_calls_on_one_rank(agreement: RankAgreement, rank: int) -> tuple:
-    """Two running requests decode 4 x AGREE_EVERY_STEPS steps; rank 1's scheduler also
+    """Two running requests decode 4 x RECORD_EVERY_STEPS steps; rank 1's scheduler also
     calls flush_step with no running request now and then (a call the other rank does
     not make). Returns (collectives, units held)."""
     sizes = torch.full((2,), 10 + 30 * rank, dtype=torch.int64)
@@ -127,7 +127,7 @@ def _idle_calls_on_one_rank(agreement: RankAgreement, rank: int) -> tuple:
     reqs = [_req(i) for i in range(2)]
     for r in reqs:
         assert s.try_admit(r.rid, TOKENS, alone=False)
-    for step in range(4 * AGREE_EVERY_STEPS):
+    for step in range(4 * RECORD_EVERY_STEPS):
         s.flush_step(reqs)
         if rank == 1 and step % 3 == 0:
             s.flush_step([])  # nothing running: no step of any request

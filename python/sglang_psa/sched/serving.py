@@ -38,9 +38,11 @@ WAIT_REASONS = (
     "kv_pages",  # SGLang's own budget refused it (too few KV pages, after make_room)
 )
 WAIT_LOG_INTERVAL_S = 10.0
-# With several TP ranks, working-set sizes are agreed (and recorded) every this many decode
-# steps; below `PSAConfig.ws_window`, so a recorded size is never older than the window.
-AGREE_EVERY_STEPS = 8
+# Working-set sizes are recorded (with several TP ranks: agreed) on the first decode step
+# and every this many after: the steps between cost the scheduler one count, not a pass
+# over the batch (host time the decode loop waits for once a step is ~2 ms). The GPU
+# measures each size over the last `PSAConfig.ws_window` steps, whenever it is read.
+RECORD_EVERY_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,10 @@ class PSAServing:
         # from the host tier runs on, or None}; None before.
         self.prefill_backends: dict | None = None
         self.agreement = agreement or RankAgreement()
-        # Several TP ranks: flush_step calls with running requests (the same count on every
-        # rank), and rid -> its decode steps since its size was last recorded.
+        # flush_step calls with running requests (the same count on every TP rank), and
+        # rid -> its length when its size was last recorded.
         self._decode_steps = 0
-        self._unrecorded: dict = {}
+        self._recorded_at: dict = {}
         self.metrics = metrics
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
@@ -251,37 +253,39 @@ class PSAServing:
 
     # -- decode steps -------------------------------------------------------------
     def flush_step(self, reqs: Sequence) -> None:
-        """Record the working-set sizes the GPU last published (before the next step). A
+        """Record the working-set sizes the GPU last published (before the next step), on
+        the first step with running requests and every `RECORD_EVERY_STEPS` after. A
         row's value counts only if it was measured at most a window of steps ago for this
         request (its length then is close to the request's now); otherwise the row is
         stale or belongs to the row's previous request. With several TP ranks each row's
-        size and length are the largest any rank measured (`agreement`), recorded every
-        `AGREE_EVERY_STEPS` steps: the agreement is a collective on the host that blocks
-        every rank's scheduler until all arrive. Only steps with running requests count:
-        those are the steps every rank takes alike (a call with none may come on one
-        rank only, and counting it would put that rank's collective on another step than
-        the others', where all would wait); a record counts the steps a request decoded
-        since its last (its window fills as fast as with one rank)."""
+        size and length are the largest any rank measured (`agreement`, a collective on
+        the host that blocks every rank's scheduler until all arrive). Only steps with
+        running requests count: those are the steps every rank takes alike (a call with
+        none may come on one rank only, and counting it would put that rank's collective
+        on another step than the others', where all would wait). A record counts the
+        steps a request decoded since its last (the tokens it gained; one at its first),
+        so its window fills by the steps it decoded."""
         if self.measure is None:
             return
-        running = [r for r in reqs if req_row(r) is not None and r.rid in self.controller.running]
-        steps, due = None, True  # one rank: every step, one step a record
-        if self.agreement.world_size > 1 and running:
+        running = self.controller.running
+        if any(r.rid in running and req_row(r) is not None for r in reqs):
             self._decode_steps += 1
-            due = self._decode_steps % AGREE_EVERY_STEPS == 0
-            steps = {r.rid: self._unrecorded.get(r.rid, 0) + 1 for r in running}
-            self._unrecorded = {} if due else steps
-        if running and due:
-            sizes, lengths = self.measure()
-            rows = np.array([req_row(r) for r in running], dtype=np.int64)
-            sizes, lengths = self.agreement.max(np.asarray(sizes)[rows], np.asarray(lengths)[rows])
-            window = self.cfg.ws_window
-            for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
-                if n > 0 and 0 <= req.seqlen - n <= window:
-                    self.controller.on_step_size(
-                        req.rid, size, self.total_units(n), steps=steps[req.rid] if steps else 1
-                    )
+            if self._decode_steps % RECORD_EVERY_STEPS == 1 % RECORD_EVERY_STEPS:
+                self._record([r for r in reqs if r.rid in running and req_row(r) is not None])
         self._refresh_metrics()
+
+    def _record(self, running: list) -> None:
+        sizes, lengths = self.measure()
+        rows = np.array([req_row(r) for r in running], dtype=np.int64)
+        sizes, lengths = self.agreement.max(np.asarray(sizes)[rows], np.asarray(lengths)[rows])
+        window, last = self.cfg.ws_window, self._recorded_at
+        self._recorded_at = {}
+        for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
+            now = req.seqlen
+            steps = max(1, now - last.get(req.rid, now - 1))
+            self._recorded_at[req.rid] = now
+            if n > 0 and 0 <= now - n <= window:
+                self.controller.on_step_size(req.rid, size, self.total_units(n), steps=steps)
 
     def _refresh_metrics(self) -> None:
         if self.metrics is not None and self.metrics.due():
@@ -314,6 +318,8 @@ class PSAServing:
         if not self.retracts_by_working_set:
             return True
         ctl = self.controller
+        if ctl.used_units <= ctl.capacity_units:  # all running requests fit: so do these
+            return True
         load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
         return load <= ctl.capacity_units
 

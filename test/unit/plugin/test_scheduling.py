@@ -13,7 +13,7 @@ from sglang_psa.config import PSAConfig
 from sglang_psa.plugin import scheduling
 from sglang_psa.sched import process
 from sglang_psa.sched.admission import Candidate
-from sglang_psa.sched.serving import PSAServing
+from sglang_psa.sched.serving import RECORD_EVERY_STEPS, PSAServing
 
 pytestmark = pytest.mark.sglang  # SGLang's own modules: CI runs these on every release
 
@@ -118,6 +118,11 @@ def test_sglang_refusing_after_admission_is_rolled_back(serving, answer, kv_wait
     serving.controller.check_integrity()
 
 
+def _decode_steps(batch, steps: int) -> None:
+    for _ in range(steps):
+        scheduling.around_check_decode_mem(lambda *a: True, batch)
+
+
 def test_decode_steps_record_working_sets_and_force_retraction(serving):
     adder = _adder()
     reqs = [_req("a", 640, pool_idx=1), _req("b", 640, pool_idx=2)]
@@ -132,12 +137,21 @@ def test_decode_steps_record_working_sets_and_force_retraction(serving):
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is False  # 120 > 100: retract
     assert scheduling.around_check_decode_mem(lambda *a: True, batch, selected_indices=[0]) is True
     assert serving.controller.tracker.size("a") == 60
+    # Sizes are recorded every RECORD_EVERY_STEPS steps (the first step recorded): a new
+    # value waits for the next record.
+    sizes[1] = 50
+    _decode_steps(batch, RECORD_EVERY_STEPS - 3)  # steps 3 to 7
+    assert serving.controller.tracker.size("a") == 60
+    _decode_steps(batch, 2)  # step 9 records
+    assert serving.controller.tracker.size("a") == 50
     # A row measured at another length (a new request in a reused row, or a value older
     # than the window) is not taken.
     sizes[1], lengths[1] = 7, 600
-    scheduling.around_check_decode_mem(lambda *a: True, batch)
-    assert serving.controller.tracker.size("a") == 60
+    _decode_steps(batch, RECORD_EVERY_STEPS)
+    assert serving.controller.tracker.size("a") == 50
     sizes[1], lengths[1] = 60, 639
+    _decode_steps(batch, RECORD_EVERY_STEPS)
+    assert serving.controller.tracker.size("a") == 60
     # SGLang retracts "b" (release without insert, not finished): paused, history kept.
     scheduling.around_release_kv_cache(_noop, reqs[1], None, **_insert(False))
     assert "b" in serving.controller.paused and serving.controller.tracker.size("b") == 60

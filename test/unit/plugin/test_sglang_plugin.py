@@ -71,7 +71,7 @@ def test_each_supported_release_has_its_table_and_only_its_own_passes(monkeypatc
     for hook in hooks.HOOKS:
         assert callable(hooks.hook_function(hook)), hook.fn
     monkeypatch.setattr(releases, "release", lambda version=None: other)
-    releases.path.cache_clear()
+    releases.forget()
     try:
         for key in ("req.row", "req.prefix", "adder.total_offset", "adder.current_offset",
                     "release.insert"):  # fmt: skip
@@ -82,7 +82,7 @@ def test_each_supported_release_has_its_table_and_only_its_own_passes(monkeypatc
             with pytest.raises(hooks.SGLangChanged, match=f"table of sglang=={other}"):
                 hooks.check_targets()
     finally:
-        releases.path.cache_clear()
+        releases.forget()
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,8 @@ def test_always_attended_units_and_from_config():
 
 
 def test_a_size_recorded_after_several_steps_fills_the_window_by_them():
-    """A size counted on the GPU and recorded every few steps (several TP ranks agree on
-    it every `AGREE_EVERY_STEPS`) counts the steps it covers: the window fills after as
+    """A size counted on the GPU and recorded every few steps (`sched.serving` records
+    it every `RECORD_EVERY_STEPS`) counts the steps it covers: the window fills after as
     many decode steps as when recorded every step, never more than the window."""
     t = WorkingSetTracker(window=12)
     t.record_size("a", 40, 100, steps=8)
