@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from timing import cuda_time
 
+from sgl_kernel_ext.metadata import page_meta_from_locs
 from sgl_kernel_ext.wave_attention import WaveAttention
 from sglang_psa.config import PSAConfig
 
@@ -63,6 +64,7 @@ DEFAULT_LAUNCH = dict.fromkeys(
         "kept_tma",
         "kept_beside",
         "kept_split",
+        "fresh_first",
     )
 )
 LAUNCH = dict(DEFAULT_LAUNCH)
@@ -457,6 +459,8 @@ def server_case(
     "psa_mixed_kept"): a step between rankings (`--psa-rerank-interval`): the selection
     and read counts an eager ranking step left, read with no scoring, ranking or stop
     rule; `_halfkept`: the same with half the rows new in the batch (they rank).
+    Each run first writes the page metadata of the step's new keys, as the server does
+    before the ranking (`run(before_rank=)`).
     Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use stamps
     or read counters (what they cost). `eager_runs > 0`: only that many runs, eager, no
     timing (for a profiler: `--ncu-kept`)."""
@@ -492,11 +496,16 @@ def server_case(
         rows = torch.arange(batch, device="cuda")
         sel.assign(rows, lengths, step)  # no slot yet: every row ranks
         kept = sel.kept(0, batch)
+    # The step's new keys: each request's last token, whose page gets its metadata again
+    # before the ranking (the server's `before_rank`; the keys stay as they are).
+    last = (lengths.long() - 1) // BS
+    new_locs = pages.gather(1, last[:, None])[:, 0].long() * BS + (lengths.long() - 1) % BS
+    new_meta = lambda: page_meta_from_locs(kbuf, new_locs, BS, mean, qlo, qhi, mscale)
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
         slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages,
         stamps=stamps if bookkeeping else None, step=step, stats=stats if bookkeeping else None,
-        meta_scale=mscale, kept=kept,
+        meta_scale=mscale, kept=kept, before_rank=new_meta,
     )  # fmt: skip
     if kept_sel:
         run()
@@ -663,17 +672,20 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     budget, first: `topk_ctx*`, with its kept rows in one launch with the fresh rows as
     `one_launch`); a ranking step, and a step
     where half the rows rank (`half_`), each with and without the bookkeeping (stamps,
-    counters) and with the kept rows' launch after the fresh rows' (`one_stream`) instead
-    of beside them; wall time per
-    layer (`t`) and the wave kernel's own (`wave`), microseconds; beside it the page
-    gather alone over the same share (`read_pages`, no attention), GB/s."""
+    counters), with the kept rows' launch after the fresh rows' (`one_stream`) instead
+    of beside them, and with the fresh rows' chain at the kept launch's priority
+    (`same_priority`); wall time per layer (`t`), the wave kernel's own (`wave`) and the
+    new keys' page metadata's (`meta`, which waits for SMs beside the kept launch),
+    microseconds; beside it the page gather alone over the same share (`read_pages`, no
+    attention), GB/s."""
     use_shape("qwen05b")
     out: dict = {"hbm_peak_gbps": hbm_peak_gbps()}
 
     def pick(r: dict) -> dict:
         k = r["kernels_us_per_layer"]
         wave = next((v for n, v in k.items() if n.startswith("_wave")), None)
-        return dict(t=r["time_us"], wave=wave, blk=r["blocks_read_per_head"],
+        meta = next((v for n, v in k.items() if n.startswith("_page_meta")), None)
+        return dict(t=r["time_us"], wave=wave, meta=meta, blk=r["blocks_read_per_head"],
                     gbps=r["gbps_on_bytes_read"])  # fmt: skip
 
     t64 = dict(kept_tile_tokens=64, kept_warps=2)  # the launch before 128-token tiles
@@ -681,6 +693,7 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
         "default": {},
         "no_bookkeeping": dict(book=False),
         "one_stream": dict(kept_beside=False),  # kept rows after the fresh rows' launches
+        "same_priority": dict(fresh_first=False),  # the fresh rows' chain not ahead
         "prefetch": dict(kept_prefetch=True),
         "stages3": dict(kept_stages=3),
         "tile64_warps2": t64,
@@ -698,7 +711,15 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     # before) and the kept launch's shape around the default
     topk_knobs = {
         key: knobs[key]
-        for key in ("default", "no_bookkeeping", "one_stream", "tile64_warps2", "most16", "most4")
+        for key in (
+            "default",
+            "no_bookkeeping",
+            "one_stream",
+            "same_priority",
+            "tile64_warps2",
+            "most16",
+            "most4",
+        )  # fmt: skip
     } | {"one_launch": dict(kept_split=False)}
     for ctx in sorted({c for c, _ in cases}):
         row = {}

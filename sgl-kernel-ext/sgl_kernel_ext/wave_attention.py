@@ -776,6 +776,13 @@ class WaveAttention:
         self.kept_prefetch, self.kept_most_splits, self.kept_tma = False, 8, False
         # The kept rows' launch runs on a side stream, beside the fresh rows' launches (`run`).
         self.kept_beside = True
+        # Beside it, the fresh rows' chain (the new keys' page metadata, scoring, ranking,
+        # the waves launch) runs on a stream of higher priority: on the steps between
+        # rankings that chain has no row but its launches still take SMs, and the kept
+        # launch's programs filled them first (in a 16K top-k server step the 64-program
+        # page-metadata launch waited behind them, 15 us a layer against ~3 alone: the
+        # chain, not the bytes, ended the layer). False: both at the default priority.
+        self.fresh_first = True
         # Top-k's kept rows read in that launch of their own; False: in one launch with the
         # fresh rows, after their ranking (bench_wave --kept-sweep's comparison; the stop
         # rule's kept rows always have their own, which reads their kept budget).
@@ -921,6 +928,10 @@ class WaveAttention:
         # A kept selection's rows read on this stream, beside the fresh rows' scoring,
         # ranking and waves (`run`); made here, before any graph capture.
         self.side = torch.cuda.Stream(dev) if compiled else None
+        # ... and the fresh rows' chain on this one, ahead of the kept rows for free SMs (a
+        # captured kernel keeps its stream's priority: PyTorch instantiates graphs with
+        # per-node priorities).
+        self.urgent = torch.cuda.Stream(dev, priority=-1) if compiled else None
         key = (max_blocks, self.one_wave, str(dev))
         if key not in self._tables:
             self._tables[key] = tuple(t.to(dev) for t in self._wave_table(max_blocks))
@@ -1185,8 +1196,9 @@ class WaveAttention:
         rank into their slot and, under the stop rule, leave their ranked read count in
         `budget [slots, Hkv]`; the others read their slot's order, at that count.
         `before_rank()` issues work the ranking needs and the kept rows' launch does not
-        read (the page metadata of the step's new keys): on the current stream after
-        that launch forks off, so it is not on the kept rows' path.
+        read (the page metadata of the step's new keys): first in the fresh rows' branch
+        (the `urgent` stream, or the current one), after the kept rows' launch forks off,
+        so it is not on their path.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -1295,6 +1307,8 @@ class WaveAttention:
             )
 
         side = self.side if split and q.is_cuda and self.kept_beside else None
+        urgent = self.urgent if side is not None and self.fresh_first else None
+        here = torch.cuda.current_stream(q.device) if side is not None else None
         if split:
             # The rows that read their kept selection know their blocks: one wave, programs
             # that never wait for each other. On the side stream (a branch of the captured
@@ -1302,48 +1316,53 @@ class WaveAttention:
             # have no row and end at once: they no longer add to the step. The two launches
             # write disjoint rows, each with buffers of its own.
             if side is not None:
-                side.wait_stream(torch.cuda.current_stream(q.device))
+                side.wait_stream(here)
             kd = descs if self.kept_tma else None  # tensor descriptors: one block a tile
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 launch(self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
                        self.kept_warps, self.kept_prefetch, self.kept_stages, kept[0],
                        self.n_forced, self.lse, loc, self.kept_part,
                        self.kept_acc_part)  # fmt: skip
-        if before_rank is not None:
-            before_rank()
-        if self.one_wave and max_read_blocks is None:  # dense: every block, block order
-            order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
-        elif kept is not None:
-            order, n_forced, ub_suffix = self.rank(
-                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, None, meta_scale,
-                kept=kept[:3],
-            )  # fmt: skip
-            rloc = loc
-        else:
-            codes = None if code_planes is None else (code_planes, code_lo, code_hi)
-            order, n_forced, ub_suffix = self.rank(
-                q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale,
-                codes,
-            )  # fmt: skip
-            rloc = self.ranked_loc
-        prefetch = not self.one_wave if self.prefetch is None else self.prefetch
-        while True:
-            try:
-                launch(self.splits, self.one_wave, 1 if split else 0, descs, tile, self.warps,
-                       prefetch, self.num_stages, order, n_forced, ub_suffix, rloc, self.part,
-                       self.acc_part)  # fmt: skip
-                break
-            except RuntimeError as e:
-                # Too many programs for one cooperative launch (they must all be
-                # resident): halve the split and try again; the plan keeps the result.
-                if self.splits == 1 or "cooperative" not in str(e):
-                    raise
-                logger.warning(
-                    "wave attention: %d programs a (request, KV head) do not fit one "
-                    "cooperative launch at batch %d; this plan runs %d (slower reads)",
-                    self.splits, B, self.splits // 2,
+        if urgent is not None:
+            urgent.wait_stream(here)
+        with torch.cuda.stream(urgent) if urgent is not None else contextlib.nullcontext():
+            if before_rank is not None:
+                before_rank()
+            if self.one_wave and max_read_blocks is None:  # dense: every block, block order
+                order, n_forced, ub_suffix, rloc = self.identity, self.no_forced, self.lse, loc
+            elif kept is not None:
+                order, n_forced, ub_suffix = self.rank(
+                    q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, None, meta_scale,
+                    kept=kept[:3],
                 )  # fmt: skip
-                self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
-        if side is not None:  # the kept rows' branch joins before the output is read
-            torch.cuda.current_stream(q.device).wait_stream(side)
+                rloc = loc
+            else:
+                codes = None if code_planes is None else (code_planes, code_lo, code_hi)
+                order, n_forced, ub_suffix = self.rank(
+                    q, meta_mean, meta_min, meta_max, lengths, scale, meta_pages, loc, meta_scale,
+                    codes,
+                )  # fmt: skip
+                rloc = self.ranked_loc
+            prefetch = not self.one_wave if self.prefetch is None else self.prefetch
+            while True:
+                try:
+                    launch(self.splits, self.one_wave, 1 if split else 0, descs, tile, self.warps,
+                           prefetch, self.num_stages, order, n_forced, ub_suffix, rloc, self.part,
+                           self.acc_part)  # fmt: skip
+                    break
+                except RuntimeError as e:
+                    # Too many programs for one cooperative launch (they must all be
+                    # resident): halve the split and try again; the plan keeps the result.
+                    if self.splits == 1 or "cooperative" not in str(e):
+                        raise
+                    logger.warning(
+                        "wave attention: %d programs a (request, KV head) do not fit one "
+                        "cooperative launch at batch %d; this plan runs %d (slower reads)",
+                        self.splits, B, self.splits // 2,
+                    )  # fmt: skip
+                    self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
+        if side is not None:  # the branches join before the output is read
+            here.wait_stream(side)
+        if urgent is not None:
+            here.wait_stream(urgent)
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)
