@@ -41,16 +41,31 @@ TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exa
 
 
 @contextlib.contextmanager
-def live_server(args: list[str], port: int, log: Path, api_key: str | None = None):
+def live_server(
+    args: list[str],
+    port: int,
+    log: Path,
+    api_key: str | None = None,
+    prefill: str | None = "triton",
+):
     """A `--sparse-mode psa` server on the GPU test model with `args`, healthy: yields
     (`Server`, its process) and stops it afterwards (its log tail printed if it did not
-    stop cleanly). A server that exits before it is healthy raises `SystemExit`."""
-    with live_servers([(args, port, log)], api_key) as [(s, proc)]:
+    stop cleanly). A server that exits before it is healthy raises `SystemExit`. The
+    server prefills on `prefill` (`--attention-backend`) unless `args` name a backend;
+    None: the plugin's default (SGLang's fastest on the machine)."""
+    with live_servers([(args, port, log)], api_key, prefill) as [(s, proc)]:
         yield s, proc
 
 
+BACKEND_FLAGS = ("--attention-backend", "--prefill-attention-backend")
+
+
 @contextlib.contextmanager
-def live_servers(specs: list[tuple[list[str], int, Path]], api_key: str | None = None):
+def live_servers(
+    specs: list[tuple[list[str], int, Path]],
+    api_key: str | None = None,
+    prefill: str | None = "triton",
+):
     """`live_server` for several (args, port, log) at once: every server is launched
     before the first is waited for (their start-ups overlap); yields [(`Server`, process)]
     in order and stops them all afterwards."""
@@ -61,6 +76,8 @@ def live_servers(specs: list[tuple[list[str], int, Path]], api_key: str | None =
     procs = []
     try:
         for args, port, log in specs:
+            if prefill and not any(a in BACKEND_FLAGS for a in args):
+                args = ["--attention-backend", prefill, *args]
             procs.append((serve_demo.launch(model, port, args, log), port, log))
         out = []
         for proc, port, log in procs:

@@ -990,3 +990,57 @@ def kernel_profile(traces: list[Path], steps: int, top: int = 25) -> dict:
         ],
         "other_us": sum(us for _, us in ranked[top:]) / n,
     }
+
+
+def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list[dict]]:
+    """What bounds each profiled server's decode step: `--profile-decode` parts (their
+    servers stalled for the profiler's export, so their steps are not measurements) joined
+    with the unperturbed stage run of the same workload and commit (the newest).
+
+    Per workload W and profiled system S: `gpu_busy_ms_{S}_{W}` (GPU time per step, the
+    profile's `busy_us`), `step_ms_{S}_{W}` (the unperturbed run's steady step) and
+    `gpu_idle_ms_{S}_{W}` (their difference: the GPU waiting for the host); against the
+    profile's plain backend P with the highest throughput in the unperturbed run,
+    `gpu_busy_ratio_{S}_vs_{P}_{W}` (S's GPU time over P's, both from the profile) and
+    `gpu_busy_vs_step_{S}_vs_{P}_{W}` (S's GPU time over P's unperturbed step: where S's
+    step would be if the host never held it). Returns (summary, pairs)."""
+    summary: dict = {}
+    pairs: list[dict] = []
+    for prof in profiled:
+        w, commit = prof["workload"], prof["git_commit"]
+        runs = [p for p in parts if p["workload"] == w and p["git_commit"] == commit]
+        if not runs:
+            continue
+        run = max(runs, key=lambda p: p["date"])
+        busy = {
+            name: rec["decode_profile"]["busy_us"] / 1e3
+            for name, rec in prof["systems"].items()
+            if isinstance(rec.get("decode_profile"), dict) and "busy_us" in rec["decode_profile"]
+        }
+        step = {n: (measured(run, n) and measured(run, n).metric(STEP)) for n in busy}
+        plains = [n for n in PLAIN_RACE if n in busy and step.get(n)]
+        ref = max(plains, key=lambda n: measured(run, n).metric(TOK_S) or 0, default=None)
+        for name, b in busy.items():
+            summary[f"gpu_busy_ms_{name}_{w}"] = b
+            if step.get(name):
+                summary[f"step_ms_{name}_{w}"] = step[name]
+                summary[f"gpu_idle_ms_{name}_{w}"] = step[name] - b
+            if ref and name != ref and name not in PLAIN_RACE:
+                summary[f"gpu_busy_ratio_{name}_vs_{ref}_{w}"] = b / busy[ref]
+                summary[f"gpu_busy_vs_step_{name}_vs_{ref}_{w}"] = b / step[ref]
+        pairs.append(
+            {
+                "workload": w,
+                "git_commit": commit,
+                "profile_run_id": prof["run_id"],
+                "serving_run_id": run["run_id"],
+                "plain_raced": [n for n in PLAIN_RACE if n in run["systems"]],
+                "reference": ref,
+                "profiles": {
+                    n: rec["decode_profile"]
+                    for n, rec in prof["systems"].items()
+                    if rec.get("decode_profile")
+                },
+            }
+        )
+    return summary, pairs

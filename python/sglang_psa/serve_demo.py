@@ -24,8 +24,7 @@ from sglang_psa.models import ensure_model
 def launch(model_dir: Path, port: int, extra: list[str], log: Path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-        "--port", str(port), "--sparse-mode", "psa",
-        "--attention-backend", "triton", "--sampling-backend", "pytorch", *extra,
+        "--port", str(port), "--sparse-mode", "psa", "--sampling-backend", "pytorch", *extra,
     ]  # fmt: skip
     print("$", " ".join(cmd), f"> {log}", flush=True)
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -27,14 +27,15 @@ BASE = [
 
 
 def _serve(args, port, log, top2: bool = False):
-    """(completion ids, with `top2` each step's top-2 (log-prob, token id) pairs (else
-    None), server info after, what is still held, the counters once nothing runs)."""
+    """Prefilled where `args` say, else on the plugin's default backend: (completion ids,
+    with `top2` each step's top-2 (log-prob, token id) pairs (else None), server info
+    after, what is still held, the counters once nothing runs)."""
     ids = probes.prompt(PROMPT, seed=7)
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
     body = {"input_ids": ids, "sampling_params": sp}
     if top2:
         body |= {"return_logprob": True, "top_logprobs_num": 2}
-    with probes.live_server(args, port, log) as (s, proc):
+    with probes.live_server(args, port, log, prefill=None) as (s, proc):
         outs = []
         for _ in range(2):  # twice: the same answer once every kernel is compiled
             r = s.post("/generate", body, timeout=900)

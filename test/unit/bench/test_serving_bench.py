@@ -1284,6 +1284,36 @@ def test_kernel_profile_of_eager_steps_uses_the_requested_count_and_needs_gpu_ev
 
 
 @pytest.mark.slow
+def test_profile_summary_pairs_gpu_time_with_the_same_commits_unperturbed_steps():
+    """GPU time per step from a profiled run, against the steady steps of the newest stage
+    run of the same workload at the same commit (never another commit's), the reference
+    being the plain backend with the highest throughput there."""
+
+    def prof(busy_us):
+        return {"decode_profile": {"busy_us": busy_us, "kernels": []}}
+
+    profiled = {
+        **_part("a16", "05-01", "c9", plain=prof(4000.0), plain_fa3=prof(2500.0)),
+        "profiled": 16,
+    }
+    profiled["systems"]["topk"] = prof(1500.0)
+    parts = [
+        _part("a16", "04-01", "c9", plain=_rec(9.0, 1), plain_fa3=_rec(9.0, 2), topk=_rec(9.0, 3)),
+        _part("a16", "04-02", "c9", plain=_rec(4.5, 10), plain_fa3=_rec(3.0, 20), topk=_rec(2.0, 30)),
+        _part("a16", "04-03", "c8", plain=_rec(1.0, 10), plain_fa3=_rec(1.0, 20), topk=_rec(1.0, 30)),
+    ]  # fmt: skip
+    summary, pairs = analysis.profile_summary([profiled], parts)
+    assert summary["gpu_busy_ms_topk_a16"] == 1.5 and summary["step_ms_topk_a16"] == 2.0
+    assert summary["gpu_idle_ms_topk_a16"] == pytest.approx(0.5)
+    assert summary["gpu_busy_ratio_topk_vs_plain_fa3_a16"] == pytest.approx(1.5 / 2.5)
+    assert summary["gpu_busy_vs_step_topk_vs_plain_fa3_a16"] == pytest.approx(1.5 / 3.0)
+    assert "gpu_busy_ratio_plain_vs_plain_fa3_a16" not in summary  # plain is no sparse system
+    assert pairs[0]["serving_run_id"] == "a16-04-02" and pairs[0]["reference"] == "plain_fa3"
+    assert pairs[0]["plain_raced"] == ["plain", "plain_fa3"]
+    # no run of the profile's commit: nothing is paired
+    assert analysis.profile_summary([profiled], parts[2:]) == ({}, [])
+
+
 def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_results(tmp_path):
     # decoding outlasts the driver's log poll
     cmd, env = _fake_stage(tmp_path, SMOKE_A, FAKE_SGLANG_STEP_S="0.02")
