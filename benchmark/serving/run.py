@@ -77,7 +77,8 @@ newest run of each workload; `--rates` and `--profile-decode` take one workload.
 `stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
 SGLang's profiler records STEPS decode steps of each server, and each system's record
 gets a table of GPU time per step by kernel (`decode_profile`). The profiler's export
-stalls the server, so that run goes to WORK/serving_profile.json and `merge` skips it.
+stalls the server, so that run goes to WORK/serving_profile.json and `merge` skips it;
+`profile-summary` pairs it with the same commit's unprofiled steps.
 """
 
 from __future__ import annotations
