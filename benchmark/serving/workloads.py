@@ -203,6 +203,17 @@ WORKLOADS: dict[str, Workload] = {
             ),
         ),
         Workload(
+            "a2k",
+            "the host loop's floor: 32 x 2K-token prompts, 1024 output tokens, all at once; "
+            "attention is a small part of each step here, so a step longer than the GPU's "
+            "work (a --profile-decode run's busy time) is the scheduler's host time at batch 32",
+            "qwen2.5-0.5b",
+            32,
+            (2_000,),
+            (1024,),
+            ("plain", "plain_fa3", "plain_flashinfer", "psa", "topk"),
+        ),
+        Workload(
             "b",
             "capacity: workload a with the HBM for KV capped so that plain SGLang holds 4 "
             "requests; every system gets the same HBM",
