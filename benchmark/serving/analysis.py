@@ -389,6 +389,10 @@ SUMMARY_KEYS = (
     # the KV fraction it read and the smallest share of a head's true mass it covered.
     "kv_fraction_certified_server_16k",
     "certified_server_min_true_coverage",
+    # Capacity (workloads b and b256: HBM for KV capped to plain's 4 requests): the tiered
+    # home against the fastest plain backend of one run (the *_capped keys above: triton).
+    "throughput_ratio_tiered_vs_fastest_capped",
+    "throughput_ratio_tiered_vs_fastest_capped_256",
     # Prefix caching (workloads f, g and their capped variants): the tiered home against
     # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
     "throughput_ratio_tiered_vs_fastest_shared",
@@ -640,6 +644,9 @@ FASTEST_KEYS = (  # (key, workload, system, metric)
 )
 PLAIN_BACKEND_KEYS = {"plain_backend": "a", "plain_backend_a16": "a16", "plain_backend_8b": "d"}
 PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against the reference
+    # (capacity, b and b256, then prefix caching)
+    ("throughput_ratio_tiered_vs_fastest_capped", "b", FASTEST, TOK_S),
+    ("throughput_ratio_tiered_vs_fastest_capped_256", "b256", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_shared", "f", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_shared_capped", "f_capped", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_hicache_shared_capped", "f_capped", "plain_hicache", TOK_S),
@@ -666,9 +673,9 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     backend of the newest stage run that raced them all (`plain_race`; `plain_backend*`
     name it). `ttft_p99_ratio_host_vs_hbm` and `throughput_ratio_tiered_vs_hbm` compare
     the two sglang-psa homes (tiered, HBM only) in the newest run that measured both.
-    The prefix-caching keys (`PREFIX_KEYS`) take the tiered home against the fastest
-    plain backend or `plain_hicache` from the newest run of f, g or their capped variants
-    that measured both at one rate; `prefix_hit_fraction_*` are the tiered home's and the
+    The capacity and prefix-caching keys (`PREFIX_KEYS`) take the tiered home against the
+    fastest plain backend or `plain_hicache` from the newest run of b, b256, f, g or the
+    capped variants of f and g that measured both at one rate; `prefix_hit_fraction_*` are the tiered home's and the
     fastest plain backend's cached prompt tokens in the run of the matching
     `throughput_ratio_tiered_vs_fastest_*` key, and have no value without it.
     """

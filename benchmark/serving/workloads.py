@@ -221,7 +221,25 @@ WORKLOADS: dict[str, Workload] = {
             32,
             (28_000,),
             (1024,),
-            ("plain", "psa_tiered_uva", "topk_tiered", "plain_hicache"),
+            (
+                "plain",
+                "plain_fa3",
+                "plain_flashinfer",
+                "psa_tiered_uva",
+                "topk_tiered",
+                "plain_hicache",
+            ),  # fmt: skip
+            kv_cap_requests=4,
+        ),
+        Workload(
+            "b256",
+            "capacity at short outputs: workload b with 256 output tokens (HBM for KV capped "
+            "so that plain SGLang holds 4 requests; every system gets the same HBM)",
+            "qwen2.5-0.5b",
+            32,
+            (28_000,),
+            (256,),
+            ("plain", "plain_fa3", "plain_flashinfer", "psa_tiered_uva", "plain_hicache"),
             kv_cap_requests=4,
         ),
         Workload(

@@ -1644,9 +1644,20 @@ def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
         _prefix_run("f_capped", "06-02", tiered=450.0, hicache=300.0),
         _prefix_run("g", "06-03", rate="2"),
         _prefix_run("g_capped", "06-04", rate="2", tiered=330.0, hicache=220.0),
+        _prefix_run("b", "06-05", rate="inf", tiered=450.0, psa=None),
+        # b256 with FlashInfer not raced: no fastest plain backend, no ratio (below) ...
+        _prefix_run("b256", "06-06", rate="inf", tiered=600.0, psa=None, plain_flashinfer=None),
     ]
     merged = analysis.merge(parts)
     s, where = merged["summary"], merged["summary_provenance"]
+    assert s["throughput_ratio_tiered_vs_fastest_capped"] == 3.0  # 450 / fa3's 150
+    assert s["throughput_ratio_tiered_vs_fastest_capped_256"] is None
+    # ... and with the race complete, fa3's run is the reference
+    parts.append(_prefix_run("b256", "06-07", rate="inf", tiered=225.0, psa=None))
+    merged = analysis.merge(parts)
+    s, where = merged["summary"], merged["summary_provenance"]
+    assert s["throughput_ratio_tiered_vs_fastest_capped_256"] == 1.5
+    assert where["throughput_ratio_tiered_vs_fastest_capped_256"]["run_id"] == "b256-06-07"
     assert s["throughput_ratio_tiered_vs_fastest_shared"] == 2.0  # 300 / fa3's 150
     assert s["throughput_ratio_tiered_vs_fastest_shared_capped"] == 3.0
     assert s["throughput_ratio_tiered_vs_hicache_shared_capped"] == 1.5
