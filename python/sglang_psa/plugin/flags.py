@@ -67,7 +67,8 @@ _HELP = {
     "gpu_cache_gb": "GiB of HBM for working sets: a cap on the working sets admitted "
     "together, at either --psa-kv-home (default: SGLang's whole KV pool)",
     "host_pool_gb": "pinned host memory in GiB for the host tier of --psa-kv-home tiered "
-    "(a request needing more is refused)",
+    "(a request needing more is refused; default: 40%% of the memory the host has "
+    "available at startup, at most 32; at most 80%% of it)",
     "kv_home": "where the KV lives: hbm (SGLang's pool in GPU memory); tiered (GPU "
     "memory, and every full block is also written back "
     "to a host tier of --psa-host-pool-gb (see --psa-writeback); saved blocks leave HBM "
@@ -128,7 +129,7 @@ def add_psa_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         shown = "none" if f.name == "sparse_mode" else default
         help_text = _HELP.get(f.name, f.name)
-        if shown is not None:
+        if shown is not None and "default:" not in help_text:  # else the text says it
             help_text += f" (default: {shown})"
         choices = _CHOICES.get(f.name)
         group.add_argument(
@@ -188,12 +189,55 @@ def config_from_namespace(ns: argparse.Namespace | object) -> PSAConfig | None:
                     f"acts only with {flag_name(other)} {value}; "
                     f"got {flag_name(other)} {getattr(cfg, other)}",
                 )
+    if cfg.kv_home == "tiered":
+        cfg = sized_host_pool(cfg, given="host_pool_gb" in given)
     if given.get("rerank_interval", 1) > 1 and not cfg.keeps_selection:
         raise PSAConfigError(
             "rerank_interval",
             "keeps a selection for topk and for psa's heuristic rule with "
             f"{flag_name('threshold')} < 1 only; got {flag_name('stop_rule')} "
             f"{cfg.stop_rule}, {flag_name('threshold')} {cfg.threshold}",
+        )
+    return cfg
+
+
+# The tiered home's host tier is pinned memory, which the kernel never swaps out. Unless
+# --psa-host-pool-gb is given it takes this share of the memory the host has available
+# at startup (at most PSAConfig's default); a given size may take at most the second.
+HOST_POOL_DEFAULT_SHARE = 0.4
+HOST_POOL_MAX_SHARE = 0.8
+
+
+def host_memory_available_gib() -> float | None:
+    """The memory this host has available now (Linux `MemAvailable`), GiB; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def sized_host_pool(cfg: PSAConfig, given: bool) -> PSAConfig:
+    """The tiered home's host tier sized for this host (resolved once, at startup, in the
+    launching process: every scheduler process gets the same size). Not given: the
+    smaller of the default and `HOST_POOL_DEFAULT_SHARE` of the available memory, in
+    steps of 0.5 GiB. Given: refused naming the flag beyond `HOST_POOL_MAX_SHARE` of it."""
+    avail = host_memory_available_gib()
+    if avail is None:
+        return cfg
+    if not given:
+        share = int(HOST_POOL_DEFAULT_SHARE * avail * 2) / 2
+        return cfg.replace(host_pool_gb=max(0.5, min(cfg.host_pool_gb, share)))
+    if cfg.host_pool_gb > HOST_POOL_MAX_SHARE * avail:
+        raise PSAConfigError(
+            "host_pool_gb",
+            f"asks for {cfg.host_pool_gb:g} GiB of pinned host memory, which is never "
+            f"swapped out; this host has {avail:.1f} GiB available: give at most "
+            f"{HOST_POOL_MAX_SHARE * avail:.1f} (or leave the flag out: "
+            f"{HOST_POOL_DEFAULT_SHARE:.0%} of it, at most {PSAConfig().host_pool_gb:g})",
         )
     return cfg
 

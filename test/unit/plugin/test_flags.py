@@ -127,3 +127,31 @@ def test_no_flag_means_plain_sglang_and_config_reaches_children(monkeypatch):
     assert flags.imported() == cfg
     flags.export(None)
     assert flags.imported() is None
+
+
+def test_the_host_tier_is_sized_for_the_host_and_a_size_it_cannot_give_is_refused(monkeypatch):
+    """Pinned host memory is never swapped out: left out, --psa-host-pool-gb takes 40% of
+    what the host has available (at most the default), in 0.5 GiB steps; given, more than
+    80% of it is refused at startup naming the flag; the hbm home needs no host tier."""
+    tiered = ["--sparse-mode", "psa", "--psa-kv-home", "tiered"]
+    parse = lambda argv: flags.config_from_namespace(_parser().parse_args(argv))  # noqa: E731
+    monkeypatch.setattr(flags, "host_memory_available_gib", lambda: 20.0)
+    assert parse(tiered).host_pool_gb == 8.0
+    assert parse([*tiered, "--psa-host-pool-gb", "16"]).host_pool_gb == 16.0
+    with pytest.raises(PSAConfigError, match=r"^--psa-host-pool-gb .*20\.0 GiB available"):
+        parse([*tiered, "--psa-host-pool-gb", "17"])
+    assert parse(["--sparse-mode", "psa"]).host_pool_gb == PSAConfig().host_pool_gb
+    monkeypatch.setattr(flags, "host_memory_available_gib", lambda: 500.0)
+    assert parse(tiered).host_pool_gb == PSAConfig().host_pool_gb  # the default, at most
+    monkeypatch.setattr(flags, "host_memory_available_gib", lambda: None)  # not Linux
+    assert parse([*tiered, "--psa-host-pool-gb", "4096"]).host_pool_gb == 4096.0
+
+
+def test_this_hosts_available_memory_is_read():
+    import sys
+
+    got = flags.host_memory_available_gib()
+    if sys.platform.startswith("linux"):
+        assert got is not None and 0 < got < 1 << 20  # GiB
+    else:
+        assert got is None
