@@ -93,6 +93,10 @@ def _cases():
         mode = "topk" if other == "kv_home" else "psa"
         argv = ["--sparse-mode", mode, flag_name(name), valid.get(name, "1024")]
         yield name, argv, f"acts only with {flag_name(other)} {value}"
+    # A host tier larger than any host's memory: pinned memory is never swapped out.
+    argv = ["--sparse-mode", "psa", "--psa-kv-home", "tiered", flag_name("host_pool_gb"),
+            "1000000"]  # fmt: skip
+    yield "host_pool_gb", argv, "GiB available: give at most"
     # The coverage audit reads keys from SGLang's pool: not at the tiered home.
     argv = ["--sparse-mode", "psa", "--psa-kv-home", "tiered", flag_name("audit_coverage"), "1"]
     yield "audit_coverage", argv, "--psa-kv-home hbm only"
