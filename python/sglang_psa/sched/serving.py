@@ -263,8 +263,8 @@ class PSAServing:
         running requests count: those are the steps every rank takes alike (a call with
         none may come on one rank only, and counting it would put that rank's collective
         on another step than the others', where all would wait). A record counts the
-        steps a request decoded since its last (the tokens it gained; one at its first),
-        so its window fills by the steps it decoded."""
+        steps a request decoded since its last (the tokens it gained; at its first, the
+        steps behind its output), so its window fills by the steps it decoded."""
         if self.measure is None:
             return
         running = self.controller.running
@@ -282,7 +282,10 @@ class PSAServing:
         self._recorded_at = {}
         for req, size, n in zip(running, sizes.tolist(), lengths.tolist()):
             now = req.seqlen
-            steps = max(1, now - last.get(req.rid, now - 1))
+            if req.rid in last:  # the tokens it gained since
+                steps = max(1, now - last[req.rid])
+            else:  # its first record: the decode steps behind its output (prefill gave one)
+                steps = max(1, len(getattr(req, "output_ids", None) or ()) - 1)
             self._recorded_at[req.rid] = now
             if n > 0 and 0 <= now - n <= window:
                 self.controller.on_step_size(req.rid, size, self.total_units(n), steps=steps)

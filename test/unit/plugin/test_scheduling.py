@@ -123,6 +123,32 @@ def _decode_steps(batch, steps: int) -> None:
         scheduling.around_check_decode_mem(lambda *a: True, batch)
 
 
+def test_a_record_credits_the_steps_a_request_decoded():
+    """Recorded every RECORD_EVERY_STEPS steps, a request's window fills by the decode
+    steps it made: at its first record those behind its output (the prefill gave one
+    token), after that the tokens it gained since its last record."""
+    s = PSAServing(PSAConfig(ws_window=12), layers=2, kv_heads=2, hbm_units=10_000)
+    sizes, lengths = [0, 30, 30], [0, 0, 0]
+    s.measure = lambda: (sizes, lengths)
+    old = SimpleNamespace(rid="old", req_pool_idx=1, seqlen=700, output_ids=[0] * 6)
+    new = SimpleNamespace(rid="new", req_pool_idx=2, seqlen=641, output_ids=[0])
+    for r in (old, new):
+        assert s.try_admit(r.rid, 640, alone=False)
+    tracker = s.controller.tracker
+    for step in range(2 * RECORD_EVERY_STEPS + 1):
+        lengths[1:] = [old.seqlen - 1, new.seqlen - 1]  # what the last step measured
+        s.flush_step([old, new])
+        if step == 0:  # the first record: 5 steps behind old's 6 tokens, 1 for new
+            assert (tracker.num_steps("old"), tracker.num_steps("new")) == (5, 1)
+        for r in (old, new):
+            r.seqlen += 1
+            r.output_ids.append(0)
+    # two more records, 8 tokens each: old's window is full, new's has 1 + 8 + 8 > 12
+    assert tracker.num_steps("old") == tracker.num_steps("new") == 12
+    assert tracker.is_warm("new")
+    s.controller.check_integrity()
+
+
 def test_decode_steps_record_working_sets_and_force_retraction(serving):
     adder = _adder()
     reqs = [_req("a", 640, pool_idx=1), _req("b", 640, pool_idx=2)]
