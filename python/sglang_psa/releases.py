@@ -66,6 +66,9 @@ READS: tuple[Read, ...] = (
     # the prefix's length, whose slots are already in the row.
     Read("req.prefix", "sglang.srt.managers.schedule_batch.Req", "prefix_indices", ("0.5.17",)),
     Read("req.prefix", "sglang.srt.managers.schedule_batch.Req", "prefix_len", ("0.5.23",)),
+    # A request's output token ids (the same in every release; read, so the check at
+    # plugin load notices a rename).
+    Read("req.output", "sglang.srt.managers.schedule_batch.Req", "output_ids", SUPPORTED),
     # PrefillAdder's token budget offsets: its own, then its PrefillBudget's.
     Read(
         "adder.total_offset",

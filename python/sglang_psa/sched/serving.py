@@ -25,7 +25,7 @@ import numpy as np
 
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
-from sglang_psa.releases import has, req_row
+from sglang_psa.releases import has, read, req_row
 from sglang_psa.sched.admission import AdmissionController, Candidate
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
@@ -285,7 +285,7 @@ class PSAServing:
             if req.rid in last:  # the tokens it gained since
                 steps = max(1, now - last[req.rid])
             else:  # its first record: the decode steps behind its output (prefill gave one)
-                steps = max(1, len(getattr(req, "output_ids", None) or ()) - 1)
+                steps = max(1, len(read(req, "req.output", None) or ()) - 1)
             self._recorded_at[req.rid] = now
             if n > 0 and 0 <= now - n <= window:
                 self.controller.on_step_size(req.rid, size, self.total_units(n), steps=steps)
