@@ -71,7 +71,7 @@ workload. Workloads share a server only when every system's launch is the same f
 (same model, `max_batch`, flags) and none caps the KV (`b`, `e`, `*_capped`); otherwise
 the stage exits naming the flag that differs. A system needs 90 s plus 30 s per further
 workload of the budget (FlashInfer +120 s) to start; `--continue-run last` continues the
-newest run of each workload; `--rates` and `--profile-decode` take one workload. Without
+newest run of each workload; `--rates` takes one workload. Without
 `--systems` it runs the systems every listed workload runs by default.
 
 `stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
@@ -612,8 +612,6 @@ def stage(args) -> int:
     several = len(keys) > 1
     if several and args.rates:
         raise SystemExit("--rates: a rate sweep's subset is for one workload; name one")
-    if several and args.profile_decode:
-        raise SystemExit("--profile-decode: a diagnosis of one workload; name one")
     ws = []
     for key in keys:
         w = workloads_mod.WORKLOADS[key]

@@ -1315,8 +1315,9 @@ def test_profile_summary_pairs_gpu_time_with_the_same_commits_unperturbed_steps(
 
 
 def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_results(tmp_path):
+    # two workloads on one server start per system, each timed run profiled in turn;
     # decoding outlasts the driver's log poll
-    cmd, env = _fake_stage(tmp_path, SMOKE_A, FAKE_SGLANG_STEP_S="0.02")
+    cmd, env = _fake_stage(tmp_path, SMOKE_A, SMOKE_A16, FAKE_SGLANG_STEP_S="0.02")
     work, out = tmp_path / "work", tmp_path / "out"
     cmd += ["--export", str(out), "--systems", "psa", "--profile-decode", "5"]
     cmd += ["--port", str(_free_port_pair())]
@@ -1324,13 +1325,16 @@ def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_resu
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     (part_file,) = (out / "parts").glob("a.*.json")
-    part = json.loads(part_file.read_text())
-    assert part["profiled"] == 5
-    for name in ("plain", "psa"):
-        prof = part["systems"][name]["decode_profile"]
-        assert prof["steps"] == 5 and prof["steps_from"] == "graph launches", name
-        assert [k["name"] for k in prof["kernels"]] == ["fake_gemm", "fake_attention_kernel"]
-        assert prof["busy_us"] == pytest.approx(80.0) and prof["span_us"] == pytest.approx(96.0)
+    (part16,) = (out / "parts").glob("a16.*.json")
+    parts = [json.loads(f.read_text()) for f in (part_file, part16)]
+    for p in parts:
+        assert p["profiled"] == 5
+        for name in ("plain", "psa"):
+            prof = p["systems"][name]["decode_profile"]
+            assert prof["steps"] == 5 and prof["steps_from"] == "graph launches", name
+            assert [k["name"] for k in prof["kernels"]] == ["fake_gemm", "fake_attention_kernel"]
+            assert prof["busy_us"] == pytest.approx(80.0)
+            assert prof["span_us"] == pytest.approx(96.0)
     assert (work / "serving_profile.json").exists()
     assert not (work / "serving_smoke.json").exists()
     # `merge` keeps such a part out of a result
