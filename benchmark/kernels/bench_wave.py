@@ -498,8 +498,8 @@ def server_case(
         kept = sel.kept(0, batch)
     # The step's new keys: each request's last token, whose page gets its metadata again
     # before the ranking (the server's `before_rank`; the keys stay as they are).
-    last = (lengths.long() - 1) // BS
-    new_locs = pages.gather(1, last[:, None])[:, 0].long() * BS + (lengths.long() - 1) % BS
+    last = lengths.long() - 1  # the new token's position
+    new_locs = pages.gather(1, (last // BS)[:, None])[:, 0].long() * BS + last % BS
     new_meta = lambda: page_meta_from_locs(kbuf, new_locs, BS, mean, qlo, qhi, mscale)
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,

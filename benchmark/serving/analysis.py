@@ -1024,9 +1024,10 @@ def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list
             for name, rec in prof["systems"].items()
             if isinstance(rec.get("decode_profile"), dict) and "busy_us" in rec["decode_profile"]
         }
-        step = {n: (measured(run, n) and measured(run, n).metric(STEP)) for n in busy}
-        plains = [n for n in PLAIN_RACE if n in busy and step.get(n)]
-        ref = max(plains, key=lambda n: measured(run, n).metric(TOK_S) or 0, default=None)
+        runs_of = {n: m for n in busy if (m := measured(run, n)) is not None}
+        step = {n: m.metric(STEP) for n, m in runs_of.items()}
+        plains = [n for n in PLAIN_RACE if step.get(n)]
+        ref = max(plains, key=lambda n: runs_of[n].metric(TOK_S) or 0, default=None)
         for name, b in busy.items():
             summary[f"gpu_busy_ms_{name}_{w}"] = b
             if step.get(name):

@@ -203,7 +203,7 @@ def read(obj, key: str, default=None):
 def write(obj, key: str, value) -> None:
     """Set the attribute `key` of `READS`: where `obj` has it, the installed release's
     location first; else where the installed release keeps it."""
-    for names in _paths(key):
+    for i, names in enumerate(_paths(key)):  # the installed release's location first
         *head, last = names
         target = obj
         for name in head:
@@ -211,7 +211,7 @@ def write(obj, key: str, value) -> None:
             if target is _MISSING:
                 break
         else:
-            if hasattr(target, last) or ".".join(names) == path(key):
+            if hasattr(target, last) or i == 0:
                 setattr(target, last, value)
                 return
     raise AttributeError(f"{type(obj).__name__} has no {path(key)} ({key})")

@@ -268,10 +268,14 @@ class PSAServing:
         if self.measure is None:
             return
         running = self.controller.running
-        if any(r.rid in running and req_row(r) is not None for r in reqs):
+
+        def decoding(req) -> bool:
+            return req.rid in running and req_row(req) is not None
+
+        if any(map(decoding, reqs)):
             self._decode_steps += 1
-            if self._decode_steps % RECORD_EVERY_STEPS == 1 % RECORD_EVERY_STEPS:
-                self._record([r for r in reqs if r.rid in running and req_row(r) is not None])
+            if (self._decode_steps - 1) % RECORD_EVERY_STEPS == 0:
+                self._record([r for r in reqs if decoding(r)])
         self._refresh_metrics()
 
     def _record(self, running: list) -> None:
