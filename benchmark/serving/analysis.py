@@ -392,7 +392,7 @@ SUMMARY_KEYS = (
     # Capacity (workloads b and b256: HBM for KV capped to plain's 4 requests): the tiered
     # home against the fastest plain backend of one run (the *_capped keys above: triton).
     "throughput_ratio_tiered_vs_fastest_capped",
-    "throughput_ratio_tiered_vs_fastest_capped_256",
+    "throughput_ratio_tiered_vs_fastest_capped_short",
     # Prefix caching (workloads f, g and their capped variants): the tiered home against
     # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
     "throughput_ratio_tiered_vs_fastest_shared",
@@ -646,7 +646,7 @@ PLAIN_BACKEND_KEYS = {"plain_backend": "a", "plain_backend_a16": "a16", "plain_b
 PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against the reference
     # (capacity, b and b256, then prefix caching)
     ("throughput_ratio_tiered_vs_fastest_capped", "b", FASTEST, TOK_S),
-    ("throughput_ratio_tiered_vs_fastest_capped_256", "b256", FASTEST, TOK_S),
+    ("throughput_ratio_tiered_vs_fastest_capped_short", "b256", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_shared", "f", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_shared_capped", "f_capped", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_hicache_shared_capped", "f_capped", "plain_hicache", TOK_S),

@@ -1655,13 +1655,13 @@ def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
     merged = analysis.merge(parts)
     s, where = merged["summary"], merged["summary_provenance"]
     assert s["throughput_ratio_tiered_vs_fastest_capped"] == 3.0  # 450 / fa3's 150
-    assert s["throughput_ratio_tiered_vs_fastest_capped_256"] is None
+    assert s["throughput_ratio_tiered_vs_fastest_capped_short"] is None
     # ... and with the race complete, fa3's run is the reference
     parts.append(_prefix_run("b256", "06-07", rate="inf", tiered=225.0, psa=None))
     merged = analysis.merge(parts)
     s, where = merged["summary"], merged["summary_provenance"]
-    assert s["throughput_ratio_tiered_vs_fastest_capped_256"] == 1.5
-    assert where["throughput_ratio_tiered_vs_fastest_capped_256"]["run_id"] == "b256-06-07"
+    assert s["throughput_ratio_tiered_vs_fastest_capped_short"] == 1.5
+    assert where["throughput_ratio_tiered_vs_fastest_capped_short"]["run_id"] == "b256-06-07"
     assert s["throughput_ratio_tiered_vs_fastest_shared"] == 2.0  # 300 / fa3's 150
     assert s["throughput_ratio_tiered_vs_fastest_shared_capped"] == 3.0
     assert s["throughput_ratio_tiered_vs_hicache_shared_capped"] == 1.5
