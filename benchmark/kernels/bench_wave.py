@@ -673,8 +673,8 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     `one_launch`); a ranking step, and a step
     where half the rows rank (`half_`), each with and without the bookkeeping (stamps,
     counters), with the kept rows' launch after the fresh rows' (`one_stream`) instead
-    of beside them, and with the fresh rows' chain at the kept launch's priority
-    (`same_priority`); wall time per layer (`t`), the wave kernel's own (`wave`) and the
+    of beside them, and with the fresh rows' chain ahead of the kept launch (`fresh_first`)
+    or at its priority (`same_priority`; one of the two is the plan's default); wall time per layer (`t`), the wave kernel's own (`wave`) and the
     new keys' page metadata's (`meta`, which waits for SMs beside the kept launch),
     microseconds; beside it the page gather alone over the same share (`read_pages`, no
     attention), GB/s."""
@@ -693,7 +693,8 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
         "default": {},
         "no_bookkeeping": dict(book=False),
         "one_stream": dict(kept_beside=False),  # kept rows after the fresh rows' launches
-        "same_priority": dict(fresh_first=False),  # the fresh rows' chain not ahead
+        "fresh_first": dict(fresh_first=True),  # the fresh rows' chain ahead (top-k's default)
+        "same_priority": dict(fresh_first=False),  # ... not ahead (the stop rule's default)
         "prefetch": dict(kept_prefetch=True),
         "stages3": dict(kept_stages=3),
         "tile64_warps2": t64,

@@ -777,12 +777,15 @@ class WaveAttention:
         # The kept rows' launch runs on a side stream, beside the fresh rows' launches (`run`).
         self.kept_beside = True
         # Beside it, the fresh rows' chain (the new keys' page metadata, scoring, ranking,
-        # the waves launch) runs on a stream of higher priority: on the steps between
+        # the waves launch) may run on a stream of higher priority: on the steps between
         # rankings that chain has no row but its launches still take SMs, and the kept
         # launch's programs filled them first (in a 16K top-k server step the 64-program
-        # page-metadata launch waited behind them, 15 us a layer against ~3 alone: the
-        # chain, not the bytes, ended the layer). False: both at the default priority.
-        self.fresh_first = True
+        # page-metadata launch waited behind them, 15 us a layer against ~3 alone).
+        # None: by the plan. Top-k's kept launch is short and the chain ends its layer:
+        # ahead (a 16K layer 20.4 us against 22.8, 28K even); the stop rule's kept launch
+        # reads more and ends the layer itself: not ahead (34.9 us against 37.3 at 16K,
+        # 37.5 against 39.2 at 28K; bench_wave --kept-sweep, H200).
+        self.fresh_first: bool | None = None
         # Top-k's kept rows read in that launch of their own; False: in one launch with the
         # fresh rows, after their ranking (bench_wave --kept-sweep's comparison; the stop
         # rule's kept rows always have their own, which reads their kept budget).
@@ -1307,7 +1310,8 @@ class WaveAttention:
             )
 
         side = self.side if split and q.is_cuda and self.kept_beside else None
-        urgent = self.urgent if side is not None and self.fresh_first else None
+        first = self.one_wave if self.fresh_first is None else self.fresh_first
+        urgent = self.urgent if side is not None and first else None
         here = torch.cuda.current_stream(q.device) if side is not None else None
         if split:
             # The rows that read their kept selection know their blocks: one wave, programs
