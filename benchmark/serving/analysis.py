@@ -15,6 +15,7 @@ import statistics
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 try:
@@ -100,7 +101,8 @@ def steady_step(lines: list[dict], batch: int | None = None) -> dict:
     at once: the largest batch it held for `STEADY_MIN_INTERVALS` busy intervals (a peak
     seen in one interval, a prefill landing as others finish, is no steady state), else the
     most it ran. The first interval is dropped when there are others (it may hold the last
-    prefill)."""
+    prefill). `step_ms_p10` / `step_ms_p90`: the spread over those intervals (a sparse
+    step's phases: a median between two modes reads neither)."""
     if not lines:
         return {"step_ms": None, "batch": None, "intervals": 0, "graph": None}
     most = max(ln["running"] for ln in lines)
@@ -116,10 +118,48 @@ def steady_step(lines: list[dict], batch: int | None = None) -> dict:
     steps = [1000.0 * ln["running"] / ln["gen_tok_s"] for ln in at]
     return {
         "step_ms": statistics.median(steps),
+        "step_ms_p10": pct(steps, 10),
+        "step_ms_p90": pct(steps, 90),
         "batch": batch,
         "intervals": len(at),
         "graph": all(ln["graph"] for ln in at),
     }
+
+
+def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) -> dict | None:
+    """`machine_samples` of a run over its steady decode window (the seconds of its decode
+    log lines at `batch` running, else all of them): the GPU's median and 10th-percentile
+    SM clock, median power and use; the busiest server thread (highest median CPU %) with
+    its median and 90th percentile. None without samples or decode lines."""
+    at = [ln for ln in lines if ln["running"] == batch] or lines
+    if not samples or not at:
+        return None
+    secs = [datetime.strptime(ln["time"], "%Y-%m-%d %H:%M:%S").timestamp() for ln in at]
+    t0, t1 = min(secs), max(secs) + 1.0  # the log's times are whole seconds
+
+    def inside(series: dict, key: str) -> list[float]:
+        return [v for t, v in zip(series["t"], series[key]) if t0 <= t < t1 and v is not None]
+
+    out: dict = {"window_s": t1 - t0}
+    gpu = samples.get("gpu")
+    if gpu:
+        sm = inside(gpu, "sm_mhz")
+        out |= {
+            "sm_mhz": pct(sm, 50),
+            "sm_mhz_p10": pct(sm, 10),
+            "power_w": pct(inside(gpu, "power_w"), 50),
+            "util_pct": pct(inside(gpu, "util_pct"), 50),
+        }
+    busy = {k: inside(v, "pct") for k, v in samples.get("threads", {}).items()}
+    busy = {k: v for k, v in busy.items() if v}
+    if busy:
+        name = max(busy, key=lambda k: pct(busy[k], 50))
+        out |= {
+            "busiest_thread": name,
+            "busiest_thread_pct": pct(busy[name], 50),
+            "busiest_thread_pct_p90": pct(busy[name], 90),
+        }
+    return out
 
 
 def pct(values: Iterable[float], q: float) -> float | None:

@@ -102,6 +102,7 @@ sys.path.insert(0, str(HERE))
 
 import analysis  # noqa: E402
 import driver  # noqa: E402
+import machine_samples  # noqa: E402
 import systems as systems_mod  # noqa: E402
 import workloads as workloads_mod  # noqa: E402
 from driver import Server, ServerFailed, log  # noqa: E402
@@ -397,10 +398,12 @@ def timed_run(
     steps = ctx.get("profile_steps") if math.isinf(rate) else None
     folder = ctx["work"] / "profiles" / ctx["run_id"] / f"{w.name}-{name}"
     profile = (steps, folder) if steps else None
+    session = server.proc.pid if server.proc is not None else None  # its own session
+    sampler = machine_samples.MachineSamples(session)
     if w.turns:
         convs = workloads_mod.conversations(workloads_mod.load_rows(ctx["dataset"]))
         starts = workloads_mod.conversation_starts(w, rate)
-        with driver.watching(server, profile):
+        with driver.watching(server, profile), sampler:
             bench = driver.run_chat(server.url, convs, starts, deadline - STOP_MARGIN_S)
         out.write_text(json.dumps(bench) + "\n")  # beside bench_serving's records
     else:
@@ -416,14 +419,15 @@ def timed_run(
             out,
             ctx["prompt_format"],
         )
-        bench = driver.run_bench(
-            cmd,
-            server,
-            logs / f"{w.name}-{name}-{key}.bench.log",
-            out,
-            timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
-            profile=profile,
-        )
+        with sampler:
+            bench = driver.run_bench(
+                cmd,
+                server,
+                logs / f"{w.name}-{name}-{key}.bench.log",
+                out,
+                timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
+                profile=profile,
+            )
     profile = decode_profile(server, folder, steps) if steps else None
     text = server.log_text(start, server.log_size())
     lines = analysis.parse_decode_lines(text)
@@ -440,7 +444,10 @@ def timed_run(
         ),
         "decode_log": lines,
         "rows": rows,
+        # the GPU's clocks and the server's busy threads over the run (machine_samples)
+        "machine_samples": sampler.result(),
     }
+    run["metrics"]["machine"] = analysis.machine_summary(run["machine_samples"], lines, batch)
     if profile is not None:
         run["decode_profile"] = profile
     m = run["metrics"]
@@ -452,6 +459,17 @@ def timed_run(
         f"{m['server_prefill']['tok_s'] or float('nan'):.0f} tok/s, accuracy "
         f"{m['accuracy']:.2f}, {m['failed']} failed"
     )
+    if mach := m["machine"]:
+        sd = m["steady_decode"]
+        log(
+            f"{w.name}/{name}: step p10-p90 {sd.get('step_ms_p10') or float('nan'):.2f}-"
+            f"{sd.get('step_ms_p90') or float('nan'):.2f} ms; SM clock "
+            f"{mach.get('sm_mhz') or float('nan'):.0f} MHz (p10 "
+            f"{mach.get('sm_mhz_p10') or float('nan'):.0f}), "
+            f"{mach.get('power_w') or float('nan'):.0f} W; busiest server thread "
+            f"{mach.get('busiest_thread')} at {mach.get('busiest_thread_pct') or float('nan'):.0f}% "
+            f"(p90 {mach.get('busiest_thread_pct_p90') or float('nan'):.0f}%)"
+        )
     return run
 
 

@@ -122,6 +122,7 @@ def test_steady_step_is_the_median_at_the_batch_without_the_first_interval():
     )
     s = analysis.steady_step(lines, 32)
     assert s["step_ms"] == pytest.approx(11.0)
+    assert (s["step_ms_p10"], s["step_ms_p90"]) == (pytest.approx(10.2), pytest.approx(11.8))
     assert (s["batch"], s["intervals"], s["graph"]) == (32, 3, True)
     assert analysis.steady_step(lines, None)["step_ms"] == pytest.approx(11.0)  # the max
     assert analysis.steady_step(lines, 64)["batch"] == 32  # never ran 64: the most it ran
@@ -907,6 +908,11 @@ def test_stage_c_smoke_end_to_end(tmp_path):
             assert all(isinstance(r["cached_tokens"], int) for r in got)
             cache = run_["metrics"]["prefix_cache"]
             assert cache["prompt_tokens"] == sum(r["prompt_len"] for r in got)
+            # the machine sampled over the run (no nvidia-smi here: no GPU series)
+            samples = run_["machine_samples"]
+            assert samples["period_s"] == 0.1 and samples["gpu"] is None
+            for key, series in samples["threads"].items():
+                assert len(key.split("/")) == 4 and len(series["t"]) == len(series["pct"])
     assert part["systems"]["psa"]["counters"]["kv_fraction_read"] == 0.25
     assert part["systems"]["plain"]["counters"]["kv_fraction_read"] == 1.0
     # bench_serving sent every timed prompt as token ids (client_ids.py); the fake server

@@ -1,0 +1,146 @@
+"""What the machine did while a timed run ran, to tell a slow phase of the GPU from one of
+the host: the GPU's SM clock, power and use (`nvidia-smi -lms`), and the CPU share of every
+busy thread of the server's processes (`/proc`), both every `PERIOD_S`.
+
+Contract: `MachineSamples(session)` is a context manager; inside it a reader thread
+follows `nvidia-smi` (none where the machine has no `nvidia-smi`) and another reads
+`/proc/<pid>/task/<tid>/stat` of every process whose session id is `session` (the
+server's: `Server` starts it in a session of its own). `result()` after the block:
+`{"period_s", "gpu": {"t", "sm_mhz", "mem_mhz", "power_w", "util_pct", "temp_c"} | None,
+"threads": {"<process>/<pid>/<thread>/<tid>": {"t", "pct"}}}`, times in `time.time()`
+seconds (the decode log's clock), only threads that used at least `BUSY_PCT` of a core
+in some interval. Sampling costs the host a few percent of one core; the timed window
+pays it on every system alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+PERIOD_S = 0.1
+BUSY_PCT = 5.0
+GPU_FIELDS = ("sm_mhz", "mem_mhz", "power_w", "util_pct", "temp_c")
+QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu"
+PROC = Path("/proc")
+
+
+def parse_smi_line(line: str) -> tuple[float, list[float | None]] | None:
+    """One `nvidia-smi --query-gpu=QUERY --format=csv,noheader,nounits` line: its time
+    (`time.time()` seconds; nvidia-smi prints local time) and the fields of `GPU_FIELDS`
+    (None where it prints `[N/A]` or the like); None for a line that is no sample."""
+    cells = [c.strip() for c in line.split(",")]
+    if len(cells) != 1 + len(GPU_FIELDS):
+        return None
+    try:
+        t = datetime.datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+    values = []
+    for c in cells[1:]:
+        try:
+            values.append(float(c))
+        except ValueError:
+            values.append(None)
+    return t, values
+
+
+def thread_times(session: int, proc: Path = PROC) -> dict[str, float]:
+    """CPU seconds so far of every thread of every process in `session`, keyed
+    `<process>/<pid>/<thread>/<tid>`. Processes and threads that end while read are
+    left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for p in proc.iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            head = (p / "stat").read_text()
+            pname, rest = _split_stat(head)
+            if int(rest[3]) != session:  # field 6: the session id
+                continue
+            for t in (p / "task").iterdir():
+                tname, trest = _split_stat((t / "stat").read_text())
+                cpu = (int(trest[11]) + int(trest[12])) / tick  # utime + stime
+                out[f"{pname}/{p.name}/{tname}/{t.name}"] = cpu
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _split_stat(text: str) -> tuple[str, list[str]]:
+    """`/proc/.../stat`: the command name (it may hold spaces and parentheses) and the
+    fields after it, from field 3 (the state) on."""
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    return name, text[text.rindex(")") + 2 :].split()
+
+
+class MachineSamples:
+    def __init__(self, session: int | None, period_s: float = PERIOD_S, proc: Path = PROC):
+        self.session, self.period_s, self.proc = session, period_s, proc
+        self._stop = threading.Event()
+        self._gpu: list[tuple[float, list[float | None]]] = []
+        self._threads: dict[str, tuple[list[float], list[float]]] = {}
+        self._smi: subprocess.Popen | None = None
+        self._workers: list[threading.Thread] = []
+
+    def __enter__(self) -> MachineSamples:
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            cmd = [smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                   f"-lms={max(1, round(self.period_s * 1000))}", "--id=0"]  # fmt: skip
+            self._smi = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            self._workers.append(threading.Thread(target=self._read_smi, daemon=True))
+        if self.session is not None and self.proc.is_dir():
+            self._workers.append(threading.Thread(target=self._read_proc, daemon=True))
+        for w in self._workers:
+            w.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._smi is not None:
+            self._smi.terminate()
+            try:
+                self._smi.wait(5)
+            except subprocess.TimeoutExpired:
+                self._smi.kill()
+        for w in self._workers:
+            w.join(5)
+
+    def _read_smi(self) -> None:
+        for line in self._smi.stdout:
+            if (s := parse_smi_line(line)) is not None:
+                self._gpu.append(s)
+
+    def _read_proc(self) -> None:
+        last_t, last = time.time(), thread_times(self.session, self.proc)
+        while not self._stop.wait(self.period_s):
+            now, cur = time.time(), thread_times(self.session, self.proc)
+            dt = now - last_t
+            for key, cpu in cur.items():
+                if key in last and dt > 0:
+                    ts, pct = self._threads.setdefault(key, ([], []))
+                    ts.append(round(now, 3))
+                    pct.append(round(100.0 * (cpu - last[key]) / dt, 1))
+            last_t, last = now, cur
+
+    def result(self) -> dict:
+        gpu = None
+        if self._gpu:
+            gpu = {"t": [round(t, 3) for t, _ in self._gpu]}
+            for i, name in enumerate(GPU_FIELDS):
+                gpu[name] = [v[i] for _, v in self._gpu]
+        threads = {
+            k: {"t": ts, "pct": pct}
+            for k, (ts, pct) in self._threads.items()
+            if pct and max(pct) >= BUSY_PCT
+        }
+        return {"period_s": self.period_s, "gpu": gpu, "threads": threads}
