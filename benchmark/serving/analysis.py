@@ -129,8 +129,9 @@ def steady_step(lines: list[dict], batch: int | None = None) -> dict:
 def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) -> dict | None:
     """`machine_samples` of a run over its steady decode window (the seconds of its decode
     log lines at `batch` running, else all of them): the GPU's median and 10th-percentile
-    SM clock, median power and use; the busiest server thread (highest median CPU %) with
-    its median and 90th percentile. None without samples or decode lines."""
+    SM clock, median power and use; the busiest thread of the server's processes
+    (highest median CPU %) with its median and 90th percentile, and the busiest thread
+    outside them (the client's, the stage's). None without samples or decode lines."""
     at = [ln for ln in lines if ln["running"] == batch] or lines
     if not samples or not at:
         return None
@@ -150,15 +151,15 @@ def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) 
             "power_w": pct(inside(gpu, "power_w"), 50),
             "util_pct": pct(inside(gpu, "util_pct"), 50),
         }
+    server = {str(p) for p in samples.get("server_pids", [])}
     busy = {k: inside(v, "pct") for k, v in samples.get("threads", {}).items()}
     busy = {k: v for k, v in busy.items() if v}
-    if busy:
-        name = max(busy, key=lambda k: pct(busy[k], 50))
-        out |= {
-            "busiest_thread": name,
-            "busiest_thread_pct": pct(busy[name], 50),
-            "busiest_thread_pct_p90": pct(busy[name], 90),
-        }
+    for label, keep in (("busiest_thread", True), ("busiest_other_thread", False)):
+        of = {k: v for k, v in busy.items() if (k.split("/", 1)[0] in server) == keep}
+        if of:
+            name = max(of, key=lambda k: pct(of[k], 50))
+            out |= {label: name, f"{label}_pct": pct(of[name], 50)}
+            out[f"{label}_pct_p90"] = pct(of[name], 90)
     return out
 
 

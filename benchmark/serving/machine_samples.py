@@ -1,16 +1,17 @@
 """What the machine did while a timed run ran, to tell a slow phase of the GPU from one of
 the host: the GPU's SM clock, power and use (`nvidia-smi -lms`), and the CPU share of every
-busy thread of the server's processes (`/proc`), both every `PERIOD_S`.
+busy thread on the machine (`/proc`), both every `PERIOD_S`.
 
 Contract: `MachineSamples(session)` is a context manager; inside it a reader thread
 follows `nvidia-smi` (none where the machine has no `nvidia-smi`) and another reads
-`/proc/<pid>/task/<tid>/stat` of every process whose session id is `session` (the
-server's: `Server` starts it in a session of its own). `result()` after the block:
-`{"period_s", "gpu": {"t", "sm_mhz", "mem_mhz", "power_w", "util_pct", "temp_c"} | None,
-"threads": {"<process>/<pid>/<thread>/<tid>": {"t", "pct"}}}`, times in `time.time()`
-seconds (the decode log's clock), only threads that used at least `BUSY_PCT` of a core
-in some interval. Sampling costs the host a few percent of one core; the timed window
-pays it on every system alike.
+`/proc/<pid>/task/<tid>/stat` of every process (the client and the stage compete with
+the server for the same cores). `result()` after the block: `{"period_s", "gpu": {"t",
+"sm_mhz", "mem_mhz", "power_w", "util_pct", "temp_c"} | None, "threads":
+{"<pid>/<tid> <process>/<thread>": {"t", "pct"}}, "server_pids": [...]}`: times in
+`time.time()` seconds (the decode log's clock), only threads that used at least
+`BUSY_PCT` of a core in some interval; `server_pids` the processes whose session id is
+`session` (the server's: `Server` starts it in a session of its own). Sampling costs the
+host a few percent of one core; the timed window pays it on every system alike.
 """
 
 from __future__ import annotations
@@ -50,27 +51,27 @@ def parse_smi_line(line: str) -> tuple[float, list[float | None]] | None:
     return t, values
 
 
-def thread_times(session: int, proc: Path = PROC) -> dict[str, float]:
-    """CPU seconds so far of every thread of every process in `session`, keyed
-    `<process>/<pid>/<thread>/<tid>`. Processes and threads that end while read are
-    left out."""
+def thread_times(session: int | None, proc: Path = PROC) -> tuple[dict[str, float], set[int]]:
+    """CPU seconds so far of every thread of every process, keyed
+    `<pid>/<tid> <process>/<thread>`, and the pids whose session id is `session`.
+    Processes and threads that end while read are left out."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
+    mine: set[int] = set()
     for p in proc.iterdir():
         if not p.name.isdigit():
             continue
         try:
-            head = (p / "stat").read_text()
-            pname, rest = _split_stat(head)
-            if int(rest[3]) != session:  # field 6: the session id
-                continue
+            pname, rest = _split_stat((p / "stat").read_text())
+            if session is not None and int(rest[3]) == session:  # field 6: the session id
+                mine.add(int(p.name))
             for t in (p / "task").iterdir():
                 tname, trest = _split_stat((t / "stat").read_text())
                 cpu = (int(trest[11]) + int(trest[12])) / tick  # utime + stime
-                out[f"{pname}/{p.name}/{tname}/{t.name}"] = cpu
+                out[f"{p.name}/{t.name} {pname}/{tname}"] = cpu
         except (OSError, ValueError, IndexError):
             continue
-    return out
+    return out, mine
 
 
 def _split_stat(text: str) -> tuple[str, list[str]]:
@@ -86,6 +87,7 @@ class MachineSamples:
         self._stop = threading.Event()
         self._gpu: list[tuple[float, list[float | None]]] = []
         self._threads: dict[str, tuple[list[float], list[float]]] = {}
+        self._server: set[int] = set()
         self._smi: subprocess.Popen | None = None
         self._workers: list[threading.Thread] = []
 
@@ -98,7 +100,7 @@ class MachineSamples:
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
             )
             self._workers.append(threading.Thread(target=self._read_smi, daemon=True))
-        if self.session is not None and self.proc.is_dir():
+        if self.proc.is_dir():
             self._workers.append(threading.Thread(target=self._read_proc, daemon=True))
         for w in self._workers:
             w.start()
@@ -121,9 +123,11 @@ class MachineSamples:
                 self._gpu.append(s)
 
     def _read_proc(self) -> None:
-        last_t, last = time.time(), thread_times(self.session, self.proc)
+        last_t, (last, mine) = time.time(), thread_times(self.session, self.proc)
+        self._server |= mine
         while not self._stop.wait(self.period_s):
-            now, cur = time.time(), thread_times(self.session, self.proc)
+            now, (cur, mine) = time.time(), thread_times(self.session, self.proc)
+            self._server |= mine
             dt = now - last_t
             for key, cpu in cur.items():
                 if key in last and dt > 0:
@@ -143,4 +147,9 @@ class MachineSamples:
             for k, (ts, pct) in self._threads.items()
             if pct and max(pct) >= BUSY_PCT
         }
-        return {"period_s": self.period_s, "gpu": gpu, "threads": threads}
+        return {
+            "period_s": self.period_s,
+            "gpu": gpu,
+            "threads": threads,
+            "server_pids": sorted(self._server),
+        }

@@ -468,7 +468,9 @@ def timed_run(
             f"{mach.get('sm_mhz_p10') or float('nan'):.0f}), "
             f"{mach.get('power_w') or float('nan'):.0f} W; busiest server thread "
             f"{mach.get('busiest_thread')} at {mach.get('busiest_thread_pct') or float('nan'):.0f}% "
-            f"(p90 {mach.get('busiest_thread_pct_p90') or float('nan'):.0f}%)"
+            f"(p90 {mach.get('busiest_thread_pct_p90') or float('nan'):.0f}%); busiest other "
+            f"{mach.get('busiest_other_thread')} at "
+            f"{mach.get('busiest_other_thread_pct') or float('nan'):.0f}%"
         )
     return run
 

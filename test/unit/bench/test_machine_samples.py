@@ -62,22 +62,24 @@ def test_a_spinning_thread_of_the_session_is_sampled_busy_and_others_are_not():
     assert out["period_s"] == 0.1
     threads = out["threads"]
     assert threads, "no thread of the session was seen busy"
-    assert all(f"/{proc.pid}/" in k for k in threads), threads.keys()
-    assert not any(f"/{os.getpid()}/" in k for k in threads)
-    busiest = max(threads.values(), key=lambda v: sorted(v["pct"])[len(v["pct"]) // 2])
+    assert proc.pid in out["server_pids"] and os.getpid() not in out["server_pids"]
+    mine = {k: v for k, v in threads.items() if k.startswith(f"{proc.pid}/")}
+    assert mine, threads.keys()
+    busiest = max(mine.values(), key=lambda v: sorted(v["pct"])[len(v["pct"]) // 2])
     pct = sorted(busiest["pct"])
     assert pct[len(pct) // 2] > 30.0, pct  # a spinning thread: a good share of a core
     assert len(busiest["t"]) == len(busiest["pct"]) >= 5
     assert all(b > a for a, b in zip(busiest["t"], busiest["t"][1:]))
     # the sleeping main thread never reached BUSY_PCT, so it is left out
-    assert len(threads) == 1, threads.keys()
+    assert len(mine) == 1, mine.keys()
 
 
-def test_without_a_session_or_nvidia_smi_nothing_is_sampled(monkeypatch):
+def test_without_a_session_or_nvidia_smi_no_gpu_and_no_server_process(monkeypatch):
     monkeypatch.setattr(ms.shutil, "which", lambda name: None)
     with ms.MachineSamples(None, period_s=0.05) as s:
         time.sleep(0.1)
-    assert s.result() == {"period_s": 0.05, "gpu": None, "threads": {}}
+    out = s.result()
+    assert out["gpu"] is None and out["server_pids"] == []
 
 
 def test_the_summary_reads_the_samples_inside_the_steady_decode_window():
@@ -102,16 +104,20 @@ def test_the_summary_reads_the_samples_inside_the_steady_decode_window():
             "temp_c": [60] * 5,
         },  # fmt: skip
         "threads": {
-            "sched/1/python/1": {"t": ts, "pct": [0, 99, 97, 98, 0]},
-            "detok/2/python/2": {"t": ts, "pct": [90, 10, 20, 30, 90]},
+            "11/11 sglang::scheduler/python": {"t": ts, "pct": [0, 99, 97, 98, 0]},
+            "12/12 sglang::detoken/python": {"t": ts, "pct": [90, 10, 20, 30, 90]},
+            "40/41 python3/client": {"t": ts, "pct": [0, 50, 60, 70, 0]},
         },
+        "server_pids": [11, 12],
     }
     m = analysis.machine_summary(samples, lines, 32)
     assert m["window_s"] == pytest.approx(2.0)  # :11 to the end of :12
     assert m["sm_mhz"] == 1700 and m["sm_mhz_p10"] == pytest.approx(1540)
     assert (m["power_w"], m["util_pct"]) == (400, 95)
-    assert m["busiest_thread"] == "sched/1/python/1"
+    assert m["busiest_thread"] == "11/11 sglang::scheduler/python"
     assert m["busiest_thread_pct"] == 98 and m["busiest_thread_pct_p90"] == pytest.approx(98.8)
+    assert m["busiest_other_thread"] == "40/41 python3/client"
+    assert m["busiest_other_thread_pct"] == 60
     assert analysis.machine_summary(None, lines, 32) is None
     assert analysis.machine_summary(samples, [], 32) is None
     no_gpu = analysis.machine_summary(samples | {"gpu": None}, lines, 64)  # never 64: all

@@ -912,7 +912,7 @@ def test_stage_c_smoke_end_to_end(tmp_path):
             samples = run_["machine_samples"]
             assert samples["period_s"] == 0.1 and samples["gpu"] is None
             for key, series in samples["threads"].items():
-                assert len(key.split("/")) == 4 and len(series["t"]) == len(series["pct"])
+                assert key.split("/", 1)[0].isdigit() and len(series["t"]) == len(series["pct"])
     assert part["systems"]["psa"]["counters"]["kv_fraction_read"] == 0.25
     assert part["systems"]["plain"]["counters"]["kv_fraction_read"] == 1.0
     # bench_serving sent every timed prompt as token ids (client_ids.py); the fake server
