@@ -445,6 +445,7 @@ def server_case(
     profile: bool = False,
     bookkeeping: bool = True,
     eager_runs: int = 0,
+    meta_in_chain: bool = False,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -459,8 +460,10 @@ def server_case(
     "psa_mixed_kept"): a step between rankings (`--psa-rerank-interval`): the selection
     and read counts an eager ranking step left, read with no scoring, ranking or stop
     rule; `_halfkept`: the same with half the rows new in the batch (they rank).
-    Each run first writes the page metadata of the step's new keys, as the server does
-    before the ranking (`run(before_rank=)`).
+    Each run writes the page metadata of the step's new keys as the server does
+    (`run(new_keys=)`: the rows that rank before their ranking, the others in the kept
+    rows' launch); `meta_in_chain`: every row's in one launch before the ranking (the
+    path before).
     Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use stamps
     or read counters (what they cost). `eager_runs > 0`: only that many runs, eager, no
     timing (for a profiler: `--ncu-kept`)."""
@@ -497,15 +500,17 @@ def server_case(
         sel.assign(rows, lengths, step)  # no slot yet: every row ranks
         kept = sel.kept(0, batch)
     # The step's new keys: each request's last token, whose page gets its metadata again
-    # before the ranking (the server's `before_rank`; the keys stay as they are).
+    # (the server's `new_keys`; the keys stay as they are).
     last = lengths.long() - 1  # the new token's position
     new_locs = pages.gather(1, (last // BS)[:, None])[:, 0].long() * BS + last % BS
-    new_meta = lambda: page_meta_from_locs(kbuf, new_locs, BS, mean, qlo, qhi, mscale)
+    new_keys = (kbuf, new_locs, mean, qlo, qhi, mscale)
+    new_meta = lambda: page_meta_from_locs(*new_keys[:2], BS, *new_keys[2:])  # noqa: E731
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
         slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages,
         stamps=stamps if bookkeeping else None, step=step, stats=stats if bookkeeping else None,
-        meta_scale=mscale, kept=kept, before_rank=new_meta,
+        meta_scale=mscale, kept=kept, new_keys=None if meta_in_chain else new_keys,
+        before_rank=new_meta if meta_in_chain else None,
     )  # fmt: skip
     if kept_sel:
         run()
@@ -695,6 +700,7 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
         "one_stream": dict(kept_beside=False),  # kept rows after the fresh rows' launches
         "fresh_first": dict(fresh_first=True),  # the fresh rows' chain ahead (top-k's default)
         "same_priority": dict(fresh_first=False),  # ... not ahead (the stop rule's default)
+        "meta_in_chain": dict(chain_meta=True),  # every new key's page before the ranking
         "prefetch": dict(kept_prefetch=True),
         "stages3": dict(kept_stages=3),
         "tile64_warps2": t64,
@@ -717,6 +723,7 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
             "no_bookkeeping",
             "one_stream",
             "same_priority",
+            "meta_in_chain",
             "tile64_warps2",
             "most16",
             "most4",
@@ -730,7 +737,8 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
             for key in keys:
                 launch = dict(topk_knobs[key])
                 bench = functools.partial(server_case, mode, 32, ctx, 32768, 2048 / ctx,
-                                          profile=True, bookkeeping=launch.pop("book", True))  # fmt: skip
+                                          profile=True, bookkeeping=launch.pop("book", True),
+                                          meta_in_chain=launch.pop("chain_meta", False))  # fmt: skip
                 name = {"topk_kept": key, "topk": f"ranking_step_{key}"}.get(mode, f"half_{key}")
                 _sweep_one(row, f"topk {ctx} {name}", name, bench, None, launch, pick)
         ok = {k: v["t"] for k, v in row.items() if isinstance(v, dict)}
@@ -745,7 +753,8 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
             for key in keys:
                 launch = dict(knobs[key])
                 bench = functools.partial(server_case, mode, 32, ctx, 32768, frac, profile=True,
-                                          bookkeeping=launch.pop("book", True))  # fmt: skip
+                                          bookkeeping=launch.pop("book", True),
+                                          meta_in_chain=launch.pop("chain_meta", False))  # fmt: skip
                 name = {"psa_kept": key, "psa": f"ranking_step_{key}"}.get(mode, f"half_{key}")
                 _sweep_one(row, f"{ctx} {name}", name, bench, None, launch, pick)
         q, kbuf, vbuf, table, n = _chosen_pages(32, ctx, 32768, frac)

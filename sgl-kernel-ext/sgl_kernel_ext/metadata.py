@@ -36,45 +36,29 @@ CODE_STEP = float(torch.tensor((1 + 2**-20) / 127, dtype=torch.float32))
 
 
 @triton.jit
-def _page_meta_kernel(
+def store_page_meta(
     k_ptr,
-    locs_ptr,
-    table_ptr,
-    rows_ptr,
-    starts_ptr,
-    ends_ptr,
+    page,
+    count,
+    h,
+    Hkv,
     mean_ptr,
     min_ptr,
     max_ptr,
     scale_ptr,
-    table_stride,
-    Hkv,
     code_step,
     BS: tl.constexpr,
     D: tl.constexpr,
     BS_P: tl.constexpr,
     D_P: tl.constexpr,
-    FROM_LOCS: tl.constexpr,
     MEAN: tl.constexpr,
     BOUNDS: tl.constexpr,
     CODES: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    h = tl.program_id(2)
-    if FROM_LOCS:
-        loc = tl.load(locs_ptr + b).to(tl.int64)
-        page = loc // BS
-        count = (loc % BS + 1).to(tl.int32)
-    else:
-        start = tl.load(starts_ptr + b)
-        end = tl.load(ends_ptr + b)
-        p = start // BS + j  # the request's j-th page touched by the extend
-        row = tl.load(rows_ptr + b).to(tl.int64)
-        live = p * BS < end
-        slot = tl.load(table_ptr + row * table_stride + tl.where(live, p * BS, 0))
-        page = slot.to(tl.int64) // BS
-        count = tl.where(live, tl.minimum(end - p * BS, BS), 0).to(tl.int32)
+    """KV head `h` of page `page` of SGLang's key buffer (`[tokens, Hkv, D]` at `k_ptr`):
+    the mean, or the bounds (8-bit codes and their scale with CODES), of its first
+    `count` keys, stored at row `page` of the metadata (`[pages, Hkv, D]`). Nothing for
+    `count` 0. Called by `_page_meta_kernel` and by the wave kernel's kept-rows launch."""
     t = tl.arange(0, BS_P)
     d = tl.arange(0, D_P)
     dm = d < D
@@ -106,6 +90,55 @@ def _page_meta_kernel(
             tl.store(max_ptr + out, hi, mask=sm)
 
 
+@triton.jit
+def _page_meta_kernel(
+    k_ptr,
+    locs_ptr,
+    table_ptr,
+    rows_ptr,
+    starts_ptr,
+    ends_ptr,
+    mean_ptr,
+    min_ptr,
+    max_ptr,
+    scale_ptr,
+    gate_ptr,
+    table_stride,
+    Hkv,
+    code_step,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BS_P: tl.constexpr,
+    D_P: tl.constexpr,
+    FROM_LOCS: tl.constexpr,
+    MEAN: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    CODES: tl.constexpr,
+    GATE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    h = tl.program_id(2)
+    if GATE:  # only the rows whose gate is set
+        if tl.load(gate_ptr + b) == 0:
+            return
+    if FROM_LOCS:
+        loc = tl.load(locs_ptr + b).to(tl.int64)
+        page = loc // BS
+        count = (loc % BS + 1).to(tl.int32)
+    else:
+        start = tl.load(starts_ptr + b)
+        end = tl.load(ends_ptr + b)
+        p = start // BS + j  # the request's j-th page touched by the extend
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        live = p * BS < end
+        slot = tl.load(table_ptr + row * table_stride + tl.where(live, p * BS, 0))
+        page = slot.to(tl.int64) // BS
+        count = tl.where(live, tl.minimum(end - p * BS, BS), 0).to(tl.int32)
+    store_page_meta(k_ptr, page, count, h, Hkv, mean_ptr, min_ptr, max_ptr, scale_ptr,
+                    code_step, BS, D, BS_P, D_P, MEAN, BOUNDS, CODES)  # fmt: skip
+
+
 def _check(k_buffer, block_size, mean, kmin, kmax, kscale=None):
     if k_buffer.dim() != 3 or not k_buffer.is_contiguous():
         raise ValueError("k_buffer must be SGLang's contiguous [tokens, Hkv, d] key buffer")
@@ -127,18 +160,20 @@ def _check(k_buffer, block_size, mean, kmin, kmax, kscale=None):
 
 
 def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, table=None,
-            rows=None, starts=None, ends=None):  # fmt: skip
-    """Decode passes `locs`, prefill the request table and its rows; the kernel never
-    reads what its mode does not use, so those slots get a placeholder tensor."""
+            rows=None, starts=None, ends=None, gate=None):  # fmt: skip
+    """Decode passes `locs` (and maybe a `gate`), prefill the request table and its rows;
+    the kernel never reads what its mode does not use, so those slots get a placeholder
+    tensor."""
     _, H, d = k_buffer.shape
     dummy = mean if mean is not None else kmin
-    args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale)
+    args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale, gate)
     _page_meta_kernel[grid](
         k_buffer, *(dummy if t is None else t for t in args),
         0 if table is None else table.stride(0), H, CODE_STEP,
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
         D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
         MEAN=mean is not None, BOUNDS=kmin is not None, CODES=kscale is not None,
+        GATE=gate is not None,
     )  # fmt: skip
 
 
@@ -176,20 +211,26 @@ def page_meta_from_locs(
     kmin: torch.Tensor | None,
     kmax: torch.Tensor | None,
     kscale: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """Decode: for each token slot in `locs [B]` (the step's new tokens), the metadata of
-    its page over the `loc % block_size + 1` tokens the page holds. Slot 0 is SGLang's
-    padding sink (page 0, never part of a request). One launch, no host sync."""
+    its page over the `loc % block_size + 1` tokens the page holds; with `gate [B]`
+    (int32) only for the rows whose gate is not 0. Slot 0 is SGLang's padding sink (page
+    0, never part of a request). One launch, no host sync."""
     _check(k_buffer, block_size, mean, kmin, kmax, kscale)
     B = locs.numel()
     if B == 0:
         return
+    if gate is not None and gate.shape != (B,):
+        raise ValueError(f"gate must be [{B}] like locs, got {tuple(gate.shape)}")
     if triton_enabled(k_buffer.device):
         grid = (B, 1, k_buffer.shape[1])
-        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, locs=locs)
+        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, locs=locs, gate=gate)
         return
     locs = locs.long()
     pages, counts = locs // block_size, locs % block_size + 1
+    if gate is not None:
+        counts = torch.where(gate != 0, counts, 0)
     _torch_pages(k_buffer, block_size, pages, counts, mean, kmin, kmax, kscale)
 
 

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - older Triton: the per-row gather reads
     TensorDescriptor = None
 
 from sgl_kernel_ext.code_bounds import code_bounds, suffix_bounds
+from sgl_kernel_ext.metadata import CODE_STEP, page_meta_from_locs, store_page_meta
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import (
     block_scores,
@@ -284,6 +285,13 @@ def _wave_attention_kernel(
     sel_nbr_ptr,
     sel_fresh_ptr,
     budget_ptr,
+    nk_k_ptr,
+    nk_loc_ptr,
+    nk_mean_ptr,
+    nk_min_ptr,
+    nk_max_ptr,
+    nk_scale_ptr,
+    code_step,
     sink,
     recent,
     stamp_stride,
@@ -322,6 +330,11 @@ def _wave_attention_kernel(
     TRACK: tl.constexpr,
     ROWS: tl.constexpr = 0,
     BUDGET: tl.constexpr = True,
+    NEWMETA: tl.constexpr = False,
+    NK_MEAN: tl.constexpr = False,
+    NK_BOUNDS: tl.constexpr = False,
+    NK_CODES: tl.constexpr = False,
+    NK_BSP: tl.constexpr = 16,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -359,6 +372,11 @@ def _wave_attention_kernel(
     selection read their forced blocks and, with BUDGET, that many ranked ones (spec:
     `algo.attention.progressive_attention(prior=(.., budget))`), without it top-k's
     `max_read` blocks (`topk_attention(prior=...)`), in one wave, with no stop rule.
+
+    NEWMETA (with ROWS 2): each row's first program also writes the metadata of its KV
+    head's page of the step's new key (slot `nk_loc_ptr[b]` of SGLang's key buffer
+    `nk_k_ptr`; `store_page_meta`), so that those rows' new keys cost no launch on the
+    ranking's path (the rows that rank wrote theirs before ranking).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -375,6 +393,12 @@ def _wave_attention_kernel(
     elif ROWS == 2:  # the rows that read their kept selection
         if tl.load(sel_fresh_ptr + b) != 0:
             return
+        if NEWMETA:
+            if sid == 0:
+                nk = tl.load(nk_loc_ptr + b).to(tl.int64)
+                store_page_meta(nk_k_ptr, nk // BS, (nk % BS + 1).to(tl.int32), h, Hkv,
+                                nk_mean_ptr, nk_min_ptr, nk_max_ptr, nk_scale_ptr, code_step,
+                                BS, D, NK_BSP, D, NK_MEAN, NK_BOUNDS, NK_CODES)  # fmt: skip
     nb = (length + BS - 1) // BS
     if KEPT:
         n_sink = tl.minimum(sink, nbr)
@@ -1165,6 +1189,7 @@ class WaveAttention:
         code_lo: torch.Tensor | None = None,
         code_hi: torch.Tensor | None = None,
         kept: tuple[torch.Tensor, ...] | None = None,
+        new_keys: tuple[torch.Tensor | None, ...] | None = None,
         before_rank: Callable[[], None] | None = None,
     ) -> WaveResult:
         """q `[B, Hq, d]`; loc `[B, Hkv, NB]`; meta_* `[B, Hkv, NB, d]` float32; lengths `[B]`.
@@ -1198,10 +1223,15 @@ class WaveAttention:
         views of `SelectionCache` (`order[layer]`, `rows(B)`, `budget[layer]`): fresh rows
         rank into their slot and, under the stop rule, leave their ranked read count in
         `budget [slots, Hkv]`; the others read their slot's order, at that count.
-        `before_rank()` issues work the ranking needs and the kept rows' launch does not
-        read (the page metadata of the step's new keys): first in the fresh rows' branch
-        (the `urgent` stream, or the current one), after the kept rows' launch forks off,
-        so it is not on their path.
+        `new_keys = (k_buffer, locs, mean, kmin, kmax, kscale)`: the step's new keys, at
+        slots `locs [B]` of SGLang's key buffer `[tokens, Hkv, d]`, whose pages' metadata
+        (`[pages, Hkv, d]`; `kscale [pages, Hkv]` with 8-bit bounds, else None) this run
+        writes (`page_meta_from_locs`): before the ranking, which reads it; with a kept
+        selection read in a launch of its own, only the rows that rank there, the others'
+        in that launch (NEWMETA), off the ranking's path. `before_rank()` issues other work
+        the ranking needs and the kept rows' launch does not read (the certified rule's key
+        codes): first in the fresh rows' branch (the `urgent` stream, or the current one),
+        after the kept rows' launch forks off, so it is not on their path.
         """
         B, Hq, D = q.shape
         Hkv, NB, bs = self.Hkv, self.NB, self.bs
@@ -1230,13 +1260,21 @@ class WaveAttention:
             raise ValueError("the unit cache needs the host tier and its cache pages")
         if stamps is not None and (meta_pages is None or step is None):
             raise ValueError("stamps need the page table (meta_pages) and the step counter")
+        if new_keys is not None:
+            nk_k, nk_locs, nk_mean, nk_min, nk_max, nk_scale = new_keys
+            if nk_locs.shape != (B,) or nk_k.dim() != 3 or nk_k.shape[1:] != (Hkv, D):
+                raise ValueError(
+                    f"new_keys: locs [{B}] into a [tokens, {Hkv}, {D}] key buffer, got "
+                    f"{tuple(nk_locs.shape)} and {tuple(nk_k.shape)}"
+                )
         G = Hq // Hkv
         slot_strides = slot_strides or (bs * D, D, 0)
         descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
         tile = self.tile_tokens or (bs if descs else 64)
 
         def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages, order, n_forced,
-                   ub_suffix, rloc, part, acc_part):  # fmt: skip
+                   ub_suffix, rloc, part, acc_part, newmeta=False):  # fmt: skip
+            nk = new_keys if newmeta else (None,) * 6
             _wave_attention_kernel[(B, Hkv, S)](
                 q,
                 q.stride(0),
@@ -1269,6 +1307,8 @@ class WaveAttention:
                 kept[3] if kept is not None else self.n_read,
                 kept[2] if split else self.n_read,
                 kept[4] if budget else self.n_read,
+                *(self.n_read if t is None else t for t in nk),
+                CODE_STEP,
                 self.sink,
                 self.recent,
                 stamps.stride(0) if stamps is not None else 0,
@@ -1306,6 +1346,11 @@ class WaveAttention:
                 TRACK=self.rule == "heuristic" and not one_wave,
                 ROWS=rows,
                 BUDGET=budget,
+                NEWMETA=newmeta,
+                NK_MEAN=nk[2] is not None,
+                NK_BOUNDS=nk[3] is not None,
+                NK_CODES=nk[5] is not None,
+                NK_BSP=triton.next_power_of_2(bs),
                 launch_cooperative_grid=S > 1 and not one_wave,
             )
 
@@ -1326,10 +1371,13 @@ class WaveAttention:
                 launch(self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
                        self.kept_warps, self.kept_prefetch, self.kept_stages, kept[0],
                        self.n_forced, self.lse, loc, self.kept_part,
-                       self.kept_acc_part)  # fmt: skip
+                       self.kept_acc_part, newmeta=new_keys is not None)  # fmt: skip
         if urgent is not None:
             urgent.wait_stream(here)
         with torch.cuda.stream(urgent) if urgent is not None else contextlib.nullcontext():
+            if new_keys is not None:  # with a kept launch: the rows that rank (the others' there)
+                page_meta_from_locs(nk_k, nk_locs, bs, nk_mean, nk_min, nk_max, nk_scale,
+                                    gate=kept[2] if split else None)  # fmt: skip
             if before_rank is not None:
                 before_rank()
             if self.one_wave and max_read_blocks is None:  # dense: every block, block order

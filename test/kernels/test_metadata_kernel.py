@@ -107,6 +107,32 @@ def test_decode_updates_the_new_tokens_page_whatever_it_holds(kernel_device, mea
         assert all((t[page] == 7.0).all() for t in meta if t is not None)
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_a_gated_decode_updates_only_the_gated_rows_pages(kernel_device, monkeypatch, path):
+    """`gate`: the kept-selection step writes the new keys of the rows that rank before
+    their ranking, the others' in the kept rows' launch (`store_page_meta`)."""
+    if path == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dev = kernel_device if path == "kernel" else "cpu"
+    g = torch.Generator().manual_seed(11)
+    bs, H, d, dtype = 32, 2, 64, torch.bfloat16
+    lengths = [3 * bs, 2 * bs + 1, 40, 7]
+    pool, table, P = _pool(g, lengths, bs, H, d, dtype)
+    meta = _bufs(P, H, d, dtype, dev)
+    locs = torch.tensor([int(table[r + 1, n - 1]) for r, n in enumerate(lengths)])
+    gate = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+    page_meta_from_locs(pool.to(dev), locs.to(dev), bs, *meta, gate=gate.to(dev))
+    ref = _ref(pool, table, lengths, bs)
+    for r, n in enumerate(lengths):
+        page = int(locs[r]) // bs
+        if gate[r]:
+            _assert_page(meta, ref, page, r, (n - 1) // bs, exact_bounds=True)
+        else:
+            assert all((t[page] == 7.0).all() for t in meta), r
+    with pytest.raises(ValueError, match=r"gate must be \[4\]"):
+        page_meta_from_locs(pool, locs, bs, *_bufs(P, H, d, dtype, "cpu"), gate=gate[:2])
+
+
 def test_bad_arguments_are_refused():
     pool = torch.zeros(64, 2, 8)
     with pytest.raises(ValueError, match="whole pages"):

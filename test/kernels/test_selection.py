@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from sgl_kernel_ext.metadata import page_meta_from_locs
 from sglang_psa.algo import block_metadata, progressive_attention, topk_attention
 from sglang_psa.algo import selection as ref_sel
 from sglang_psa.algo.attention import read_order, reuse_order
@@ -209,7 +210,10 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     order ranked now, under the stop rule (psa) or at top-k's budget; the kept rows the
     order and, for psa, the ranked read count kept at step 0. `one_launch`
     (`kept_split=False`): top-k's rows all in one launch, the same result (psa's kept rows
-    keep their own launch)."""
+    keep their own launch). The step's new keys (`new_keys`, in an SGLang-layout pool of
+    their own here) get their pages' metadata whichever launch writes them: the fresh
+    row's before its ranking, the kept rows' in their launch (NEWMETA) where they have
+    one; no other page is written."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -232,14 +236,20 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     cache = SelectionCache(1, B, Hkv, nb_max, 1000, bs, 2, device)
     k_slots, v_slots, loc = _paged(k, v, bs, device)
     step = torch.zeros(1, dtype=torch.int32, device=device)
+    # The new keys: one per row, in pages of a token-major pool (page 0: SGLang's padding).
+    P = 4 * B + 1
+    pool = (torch.randn(P * bs, Hkv, d, generator=g) * 1.5).to(device)
+    new_locs = torch.tensor([(4 * b + 2) * bs + (3 * b) % bs for b in range(B)], device=device)
+    fill = lambda: torch.full((P, Hkv, d), 7.0, device=device)  # noqa: E731
+    nk_meta = (fill(), fill(), fill())
 
-    def run(rows, lengths, q):
+    def run(rows, lengths, q, new_keys=None):
         meta = block_metadata(k, lengths, bs)
         cache.assign(torch.tensor(rows, device=device), lengths.to(device), step)
         res = wa.run(
             q.to(device), k_slots, v_slots, loc, lengths.to(device),
             meta.mean.to(device), meta.kmin.to(device), meta.kmax.to(device),
-            max_read_blocks=max_read, kept=cache.kept(0, B),
+            max_read_blocks=max_read, kept=cache.kept(0, B), new_keys=new_keys,
         )  # fmt: skip
         return [t.cpu() for t in cache.rows(B)], res
 
@@ -250,8 +260,17 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     nbs0 = (len1 + bs - 1) // bs
     step.fill_(1)
     q = torch.randn(B, Hq, d, generator=g) * 1.5
-    (slot, fresh, nbr), res = run([7, 2, 9][:B], len2, q)  # request 0 is new: it ranks
+    (slot, fresh, nbr), res = run(  # request 0 is new: it ranks
+        [7, 2, 9][:B], len2, q, new_keys=(pool, new_locs, *nk_meta, None)
+    )
     assert fresh.tolist() == [1] + [0] * (B - 1)
+    want = (fill(), fill(), fill())
+    page_meta_from_locs(pool, new_locs, bs, *want)  # every row's new key, one launch
+    torch.testing.assert_close(nk_meta[0].cpu(), want[0].cpu(), rtol=1e-6, atol=1e-6)
+    for got, ref in zip(nk_meta[1:], want[1:]):  # the bounds: exact
+        assert torch.equal(got.cpu(), ref.cpu())
+    assert {int(x) // bs for x in new_locs} == set(range(2, P, 4))  # (others stay at 7)
+    assert (nk_meta[0][1].cpu() == 7.0).all()
     assert nbr[1:].tolist() == nbs0[1:].tolist()
     nbs = (len2 + bs - 1) // bs
     now = cache.order[0][slot.long()].cpu()  # the fresh row's order ranked this step

@@ -359,6 +359,7 @@ class PSAAttnBackend(AttentionBackend):
         if step.kept:
             kept = self._selection.kept(lid, q.shape[0])
         codes = self.meta.codes(lid) or (None, None, None)  # the certified rule's key codes
+        locs = forward_batch.out_cache_loc  # the step's new keys
         res = plan.run(
             q,
             kbuf,
@@ -386,7 +387,10 @@ class PSAAttnBackend(AttentionBackend):
             code_hi=codes[2],
             kept=kept,
             # the new keys' page metadata: the ranking reads it, the kept rows' read not
-            before_rank=lambda: self.meta.on_decode(lid, kbuf, forward_batch.out_cache_loc),
+            new_keys=self.meta.new_keys(lid, kbuf, locs),
+            before_rank=(lambda: self.meta.encode_new_keys(lid, kbuf, locs))
+            if codes[0] is not None
+            else None,
         )
         if self.counters.coverage is not None:  # --psa-audit-coverage
             audit(self.counters.coverage, q, kbuf, step.pages, step.lengths, res.read_mask(),

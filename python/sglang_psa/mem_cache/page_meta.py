@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kernel_ext.code_bounds import encode_pages
-from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
+from sgl_kernel_ext.metadata import page_meta_from_table
 from sglang_psa.config import PSAConfigError
 
 
@@ -91,10 +91,16 @@ class PageMeta:
     def _kept(self, layer: int):
         return tuple(None if t is None else t[layer] for t in self._tensors[:4])
 
-    def on_decode(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> None:
-        """A decode step wrote one key per request at token slots `locs [B]`."""
-        page_meta_from_locs(k_buffer, locs, self.page_size, *self._kept(layer))
-        if self.planes is not None:  # each slot's page, as far as written
+    def new_keys(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> tuple:
+        """A decode step wrote one key per request at token slots `locs [B]`: the wave
+        kernel's `run(new_keys=)`, which writes their pages' metadata (before the ranking
+        that reads it, or beside it for rows that keep their selection)."""
+        return (k_buffer, locs, *self._kept(layer))
+
+    def encode_new_keys(self, layer: int, k_buffer: torch.Tensor, locs: torch.Tensor) -> None:
+        """The certified rule's key codes of the pages of the step's new keys at `locs
+        [B]`, as far as written (nothing without `code_bits`)."""
+        if self.planes is not None:
             encode_pages(k_buffer, locs, *self.codes(layer))
 
     def on_extend(
