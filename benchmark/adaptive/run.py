@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.eval.results import write_result
+from sglang_psa.eval.results import dump_result, write_result
 from sglang_psa.eval.runner import chat_parts, stop_ids
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
@@ -332,6 +332,25 @@ def combine(files: list[Path], out: Path, budgets: list[int], args) -> None:
     print("dropped (not on every task):", dropped)
 
 
+def attach(src: Path, dest: Path, suffix: str) -> dict:
+    """Copy `src`'s summary keys, each with `suffix`, into `dest`'s summary (a second
+    model's run beside the test model's: `--model qwen2.5-1.5b --name adaptive_budget_1p5b`,
+    then `--attach` it with `_1p5b`), and record where they come from under `dest`'s
+    `attached[suffix]` (file, model, date, commit, command). `dest` keeps its own data;
+    the attached run's rows stay in `src`. Returns the keys written."""
+    if not suffix.startswith("_"):
+        raise SystemExit(f"--suffix {suffix!r}: a key suffix starts with '_' (say _1p5b)")
+    got, doc = json.loads(src.read_text()), json.loads(dest.read_text())
+    keys = {f"{k}{suffix}": v for k, v in got["summary"].items()}
+    doc["summary"] = {**doc["summary"], **keys}
+    doc.setdefault("attached", {})[suffix] = {
+        "file": src.name,
+        **{k: got.get(k) for k in ("model", "date", "git_commit", "command")},
+    }
+    dest.write_text(dump_result(doc))
+    return keys
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
@@ -369,6 +388,13 @@ def main() -> None:
     )
     ap.add_argument("--report", metavar="NAME.json", help="print a result's table and exit")
     ap.add_argument(
+        "--attach",
+        metavar="FILE",
+        help="no model: copy FILE's summary keys, each with --suffix, into OUT/NAME.json "
+        "(a second model's run beside the test model's)",
+    )
+    ap.add_argument("--suffix", default="_1p5b", help="the key suffix of --attach")
+    ap.add_argument(
         "--combine",
         nargs="+",
         metavar="FILE",
@@ -378,6 +404,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.report:
         print(report(json.loads(Path(args.report).read_text())), end="")
+        return
+    if args.attach:
+        keys = attach(Path(args.attach), Path(args.out) / f"{args.name}.json", args.suffix)
+        print(json.dumps(keys, indent=1))
         return
     if args.combine:
         budgets = [int(b) for b in args.budgets.split(",")]

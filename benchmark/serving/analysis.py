@@ -426,6 +426,10 @@ SUMMARY_KEYS = (
     # server's (batched greedy decoding does not repeat itself exactly), one a16 run.
     "identical_fraction_server_psa",
     "identical_fraction_server_plain_vs_plain",
+    "accuracy_delta_psa_vs_plain_1p5b",
+    "accuracy_delta_topk_vs_plain_1p5b",
+    "identical_fraction_server_psa_1p5b",
+    "identical_fraction_server_plain_vs_plain_1p5b",
     # The certified rule served (`psa_certified`, a16, its coverage audited every step):
     # the KV fraction it read and the smallest share of a head's true mass it covered.
     "kv_fraction_certified_server_16k",
@@ -457,6 +461,8 @@ TTFT_MEAN = ("metrics", "ttft_s", "mean")
 PEAK = ("metrics", "peak_running")
 HIT = ("metrics", "prefix_cache", "hit_fraction")
 SAME = ("identical_to_plain", "identical")
+TEST_MODEL = "qwen2.5-0.5b"  # sglang_psa.models.DEFAULT_MODEL: the scored answers' model
+SECOND_MODEL = "qwen2.5-1.5b"  # workloads.QWEN_1P5B: the *_1p5b keys' (a16_1p5b, a_1p5b)
 READ = ("counters", "kv_fraction_read")
 COVERAGE = ("server_info_after", "psa", "coverage_audit", "min_true_coverage")
 
@@ -777,6 +783,17 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     pair = (measured(both, "psa"), measured(both, "plain_repeat"))
     put("identical_fraction_server_psa", same_run_value(pair, 0, SAME))
     put("identical_fraction_server_plain_vs_plain", same_run_value(pair, 1, SAME))
+    # The second real model (workloads a16_1p5b, a_1p5b): answers against plain (triton) in
+    # the same run, identical completions beside a second plain server's.
+    for system in ("psa", "topk"):
+        put(
+            f"accuracy_delta_{system}_vs_plain_1p5b",
+            accuracy_delta(list(best.items()), system, model=SECOND_MODEL),
+        )
+    both = newest_with(parts, "a16_1p5b", "psa", "plain_repeat", "plain")
+    pair = (measured(both, "psa"), measured(both, "plain_repeat"))
+    put("identical_fraction_server_psa_1p5b", same_run_value(pair, 0, SAME))
+    put("identical_fraction_server_plain_vs_plain_1p5b", same_run_value(pair, 1, SAME))
     both = newest_with(parts, "a16", "psa_certified", "plain")
     pair = (measured(both, "psa_certified"), measured(both, "plain"))
     put("kv_fraction_certified_server_16k", same_run_value(pair, 0, READ))
@@ -832,16 +849,18 @@ def sweep_ratio(parts: list[dict], system: str, key: str) -> tuple[float | None,
     return same_run_ratio(measured(part, system, rate), measured(part, "plain", rate), (key,))
 
 
-def accuracy_delta(pairs, system: str, fastest: bool = False) -> tuple[float | None, dict | None]:
+def accuracy_delta(
+    pairs, system: str, fastest: bool = False, model: str = TEST_MODEL
+) -> tuple[float | None, dict | None]:
     """`system`'s accuracy minus plain's over every scored prompt both answered in the same
-    stage run, summed over `pairs` ((workload, system, rate), part) of `system`
-    (workloads with real-model tasks; those with random weights are left out). Plain is
-    `plain` (triton), or with `fastest` the fastest plain backend of each run."""
+    stage run, summed over `pairs` ((workload, system, rate), part) of `system` on the
+    real model `model` (the test model by default; the 8B shape's random weights are never
+    scored). Plain is `plain` (triton), or with `fastest` the fastest plain backend of each
+    run."""
     ours = theirs = n = 0
     used = []
     for (_, name, rate), part in pairs:
-        model = part.get("config", {}).get("workload", {}).get("model", "")
-        if name != system or model.endswith("-dummy"):  # workloads.LLAMA_8B_DUMMY
+        if name != system or part.get("config", {}).get("workload", {}).get("model") != model:
             continue
         run = measured(part, system, rate)
         ref = fastest_plain(part, rate) if fastest else measured(part, "plain", rate)

@@ -291,6 +291,18 @@ WORKLOADS: dict[str, Workload] = {
         ),
     )
 }
+# Answers on a second, larger real model (head dim 128, 6 query heads a KV head): a16 and
+# a on Qwen2.5-Coder-1.5B, plain against psa and top-k, and a second plain server for
+# plain's own identical fraction.
+QWEN_1P5B = "qwen2.5-1.5b"
+for _w in (WORKLOADS["a16"], WORKLOADS["a"]):
+    WORKLOADS[f"{_w.name}_1p5b"] = dataclasses.replace(
+        _w,
+        name=f"{_w.name}_1p5b",
+        what=f"{_w.name} on {QWEN_1P5B} (head dim 128): answers and identical completions",
+        model=QWEN_1P5B,
+        systems=("plain", "plain_fa3", "plain_repeat", "psa", "topk"),
+    )
 
 
 @dataclass(frozen=True)

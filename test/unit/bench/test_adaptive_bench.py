@@ -114,3 +114,31 @@ def test_report_tables_every_policy_overall_and_per_length():
     lengths = sorted(s["by_length"])
     per = s["by_length"][lengths[-1]]
     assert cells[-1] == f"{per['kv_fraction']:.3f} / {per['identical']:.2f}"
+
+
+def test_a_second_models_summary_is_attached_with_its_suffix(tmp_path):
+    """`--attach`: the 1.5B run's summary keys land in the test model's result suffixed
+    `_1p5b`, with where they come from; the test model's keys and data stay."""
+    from sglang_psa.eval.results import dump_result
+
+    main = {"machine": "m", "date": "d0", "git_commit": "c0",
+            "summary": {"kv_fraction_psa": 0.3, "kv_ratio_psa_vs_best_topk": 0.47},
+            "model": "Qwen2.5-Coder-0.5B-Instruct", "data": {"rows": [1, 2]}}  # fmt: skip
+    big = {"machine": "m", "date": "d1", "git_commit": "c1", "command": "run.py --model x",
+           "summary": {"kv_fraction_psa": 0.25, "kv_ratio_psa_vs_best_topk": 0.4},
+           "model": "Qwen2.5-Coder-1.5B-Instruct", "data": {"rows": [3]}}  # fmt: skip
+    (tmp_path / "adaptive_budget.json").write_text(dump_result(main))
+    (tmp_path / "adaptive_budget_1p5b.json").write_text(dump_result(big))
+    keys = adaptive.attach(tmp_path / "adaptive_budget_1p5b.json",
+                           tmp_path / "adaptive_budget.json", "_1p5b")  # fmt: skip
+    assert keys == {"kv_fraction_psa_1p5b": 0.25, "kv_ratio_psa_vs_best_topk_1p5b": 0.4}
+    doc = json.loads((tmp_path / "adaptive_budget.json").read_text())
+    assert doc["summary"] == {**main["summary"], **keys}
+    assert doc["data"] == main["data"] and doc["date"] == "d0"
+    assert doc["attached"]["_1p5b"] == {
+        "file": "adaptive_budget_1p5b.json", "model": "Qwen2.5-Coder-1.5B-Instruct",
+        "date": "d1", "git_commit": "c1", "command": "run.py --model x",
+    }  # fmt: skip
+    with pytest.raises(SystemExit, match="starts with '_'"):
+        adaptive.attach(tmp_path / "adaptive_budget_1p5b.json",
+                        tmp_path / "adaptive_budget.json", "1p5b")  # fmt: skip

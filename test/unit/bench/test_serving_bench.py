@@ -592,6 +592,49 @@ def test_psas_identical_fraction_stands_beside_a_second_plain_servers_from_one_r
     assert systems.SYSTEMS["plain_repeat"].attention_backend == "triton"
 
 
+def test_the_second_models_keys_take_its_own_runs_and_leave_the_test_models_alone():
+    """The *_1p5b keys: psa's and top-k's answers against plain's in the same runs of
+    a16_1p5b and a_1p5b, and the identical fractions of an a16_1p5b run that measured
+    plain, plain_repeat and psa; the test model's keys never count those runs, and the
+    1.5B keys never count the test model's."""
+    import sglang_psa.models as models
+
+    def same(x):
+        return {"identical": x, "compared": 32}
+
+    small = _part("a16", "02-01", "c1", plain=_rec(4, 10, correct=(True, True)),
+                  psa=_rec(3, 12, correct=(True, False)))  # fmt: skip
+    big16 = _part(
+        "a16_1p5b", "02-02", "c1", model="qwen2.5-1.5b",
+        plain=_rec(5, 9, correct=(True, False, True, True)),
+        plain_repeat=dict(_rec(5, 9), identical_to_plain=same(0.95)),
+        psa=dict(_rec(4, 11, correct=(True, True, True, True)), identical_to_plain=same(0.9)),
+        topk=_rec(3, 12, correct=(False, False, True, True)),
+    )  # fmt: skip
+    big28 = _part("a_1p5b", "02-03", "c1", model="qwen2.5-1.5b",
+                  plain=_rec(9, 5, correct=(True, True)), psa=_rec(6, 7, correct=(True, False)))  # fmt: skip
+    s, where = analysis.summarize([small, big16, big28])
+    assert s["accuracy_delta_psa_vs_plain_1p5b"] == pytest.approx((5 - 5) / 6)  # 5 of 6 each
+    assert s["accuracy_delta_topk_vs_plain_1p5b"] == pytest.approx((2 - 3) / 4)  # a16 only
+    assert where["accuracy_delta_psa_vs_plain_1p5b"]["prompts"] == 6
+    assert s["accuracy_delta_vs_plain"] == pytest.approx(-1 / 2)  # the 0.5B run alone
+    assert (s["identical_fraction_server_psa_1p5b"],
+            s["identical_fraction_server_plain_vs_plain_1p5b"]) == (0.9, 0.95)  # fmt: skip
+    assert s["identical_fraction_server_psa"] is None  # no a16 run of the test model had both
+    s, _ = analysis.summarize([small])
+    assert s["accuracy_delta_psa_vs_plain_1p5b"] is None
+    assert s["identical_fraction_server_psa_1p5b"] is None
+    # the names the analysis keys on are the registry's and the workloads'
+    assert analysis.TEST_MODEL == models.DEFAULT_MODEL
+    assert analysis.SECOND_MODEL == workloads.QWEN_1P5B and workloads.QWEN_1P5B in models.MODELS
+    for name in ("a16_1p5b", "a_1p5b"):
+        w = workloads.WORKLOADS[name]
+        base = workloads.WORKLOADS[name.removesuffix("_1p5b")]
+        assert w.model == workloads.QWEN_1P5B
+        assert (w.prompt_tokens, w.output_tokens) == (base.prompt_tokens, base.output_tokens)
+        assert {"plain", "plain_repeat", "psa", "topk"} <= set(w.systems)
+
+
 def test_the_certified_rules_server_keys_come_from_its_audited_a16_run_beside_plain():
     """`kv_fraction_certified_server_16k` and `certified_server_min_true_coverage` are the
     a16 `psa_certified` run's KV fraction and its coverage audit's smallest share, from
