@@ -7,6 +7,7 @@ Pure functions of JSON-able data, so the GPU run and the CPU tests share them.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import math
@@ -32,22 +33,28 @@ DECODE_RE = re.compile(
 )
 
 
-def parse_decode_lines(text: str) -> list[dict]:
+def parse_decode_lines(text: str, base: int | None = None) -> list[dict]:
     """SGLang's "Decode batch" log lines: running and queued requests, KV tokens held,
-    whether the step ran in a CUDA graph, and generated tokens/s over the interval."""
+    whether the step ran in a CUDA graph, and generated tokens/s over the interval. With
+    `base` (the byte of the log file where `text` starts) each line also gets `at`, the
+    byte of the file where it ends (`machine_samples`' log sizes time it)."""
     out = []
+    done_chars = done_bytes = 0
     for m in DECODE_RE.finditer(text):
-        out.append(
-            {
-                "time": m["time"],
-                "running": int(m["running"]),
-                "tokens": int(m["tokens"]),
-                "usage": float(m["usage"]),
-                "graph": m["graph_on"] == "True",
-                "gen_tok_s": float(m["gen"]),
-                "queue": int(m["queue"]),
-            }
-        )
+        line = {
+            "time": m["time"],
+            "running": int(m["running"]),
+            "tokens": int(m["tokens"]),
+            "usage": float(m["usage"]),
+            "graph": m["graph_on"] == "True",
+            "gen_tok_s": float(m["gen"]),
+            "queue": int(m["queue"]),
+        }
+        if base is not None:
+            done_bytes += len(text[done_chars : m.end()].encode())
+            done_chars = m.end()
+            line["at"] = base + done_bytes
+        out.append(line)
     return out
 
 
@@ -126,17 +133,51 @@ def steady_step(lines: list[dict], batch: int | None = None) -> dict:
     }
 
 
+def line_times(samples: dict, lines: list[dict]) -> list[float | None] | None:
+    """When each decode line (with its byte `at`) was first seen in the server's log by
+    the samples' log sizes (`machine_samples`: it was printed within the period before);
+    None without log sizes or byte offsets."""
+    log = samples.get("log")
+    if not log or not log["t"] or any("at" not in ln for ln in lines):
+        return None
+    out = []
+    for ln in lines:
+        i = bisect.bisect_left(log["bytes"], ln["at"])
+        out.append(log["t"][i] if i < len(log["t"]) else None)
+    return out
+
+
+def _nearest(series: dict, key: str, t: float):
+    """The value of `series[key]` sampled nearest to time `t`."""
+    ts = series["t"]
+    i = bisect.bisect_left(ts, t)
+    j = min((k for k in (i - 1, i) if 0 <= k < len(ts)), key=lambda k: abs(ts[k] - t))
+    return series[key][j]
+
+
+SLOW_STEP = 1.15  # a decode interval slower than this times the run's fast mode (p10)
+
+
 def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) -> dict | None:
-    """`machine_samples` of a run over its steady decode window (the seconds of its decode
-    log lines at `batch` running, else all of them): the GPU's median and 10th-percentile
-    SM clock, median power and use; the busiest thread of the server's processes
-    (highest median CPU %) with its median and 90th percentile, and the busiest thread
-    outside them (the client's, the stage's). None without samples or decode lines."""
+    """`machine_samples` of a run over its steady decode window (from the first to the last
+    decode log line at `batch` running, else of all lines; timed by the log sizes, else
+    by the lines' whole seconds): the GPU's median and 10th-percentile SM clock, median
+    power and use; the busiest thread of the server's processes (highest median CPU %)
+    with its median and 90th percentile, and the busiest thread outside them (the
+    client's, the stage's). With timed lines, `phases`: the intervals slower than
+    `SLOW_STEP` times the fast mode against the others, each with its median step, and
+    the SM clock and the busiest server thread's CPU share sampled nearest to them. None
+    without samples or decode lines."""
     at = [ln for ln in lines if ln["running"] == batch] or lines
     if not samples or not at:
         return None
-    secs = [datetime.strptime(ln["time"], "%Y-%m-%d %H:%M:%S").timestamp() for ln in at]
-    t0, t1 = min(secs), max(secs) + 1.0  # the log's times are whole seconds
+    seen = line_times(samples, at)
+    if seen and seen[0] is not None and seen[-1] is not None:
+        t0, t1 = seen[0] - samples["period_s"], seen[-1] + 1e-3
+    else:
+        seen = None
+        secs = [datetime.strptime(ln["time"], "%Y-%m-%d %H:%M:%S").timestamp() for ln in at]
+        t0, t1 = min(secs), max(secs) + 1.0  # the log's times are whole seconds
 
     def inside(series: dict, key: str) -> list[float]:
         return [v for t, v in zip(series["t"], series[key]) if t0 <= t < t1 and v is not None]
@@ -160,6 +201,37 @@ def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) 
             name = max(of, key=lambda k: pct(of[k], 50))
             out |= {label: name, f"{label}_pct": pct(of[name], 50)}
             out[f"{label}_pct_p90"] = pct(of[name], 90)
+    if seen and len(at) > 2:
+        out["phases"] = _phases(samples, at[1:], seen[1:], out.get("busiest_thread"))
+    return out
+
+
+def _phases(samples: dict, lines: list[dict], seen: list, thread: str | None) -> dict:
+    """Slow and fast decode intervals (see `machine_summary`) side by side."""
+    steps = [1000.0 * ln["running"] / ln["gen_tok_s"] if ln["gen_tok_s"] else None for ln in lines]
+    fast = pct([x for x in steps if x], 10)
+    out: dict = {
+        "fast_mode_step_ms": fast,
+        "slow_above_ms": None if fast is None else SLOW_STEP * fast,
+    }
+    if fast is None:
+        return out
+    gpu, threads = samples.get("gpu"), samples.get("threads", {})
+    for name, slow in (("slow", True), ("fast", False)):
+        idx = [
+            i
+            for i, x in enumerate(steps)
+            if x and seen[i] is not None and (x > SLOW_STEP * fast) == slow
+        ]
+        group = {"intervals": len(idx), "step_ms": pct([steps[i] for i in idx], 50)}
+        if idx and gpu:
+            group["sm_mhz"] = pct([_nearest(gpu, "sm_mhz", seen[i]) for i in idx], 50)
+            group["power_w"] = pct([_nearest(gpu, "power_w", seen[i]) for i in idx], 50)
+        if idx and thread in threads:
+            group["busiest_thread_pct"] = pct(
+                [_nearest(threads[thread], "pct", seen[i]) for i in idx], 50
+            )
+        out[name] = group
     return out
 
 

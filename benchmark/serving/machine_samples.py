@@ -10,8 +10,11 @@ the server for the same cores). `result()` after the block: `{"period_s", "gpu":
 {"<pid>/<tid> <process>/<thread>": {"t", "pct"}}, "server_pids": [...]}`: times in
 `time.time()` seconds (the decode log's clock), only threads that used at least
 `BUSY_PCT` of a core in some interval; `server_pids` the processes whose session id is
-`session` (the server's: `Server` starts it in a session of its own). Sampling costs the
-host a few percent of one core; the timed window pays it on every system alike.
+`session` (the server's: `Server` starts it in a session of its own). With `log_path`
+(the server's log) the result also has `"log": {"t", "bytes"}`, the log's size at each
+sample, which times the decode log's lines (SGLang stamps them to the second only; a
+line was printed before the first sample that saw its bytes). Sampling costs the host a
+few percent of one core; the timed window pays it on every system alike.
 """
 
 from __future__ import annotations
@@ -82,8 +85,15 @@ def _split_stat(text: str) -> tuple[str, list[str]]:
 
 
 class MachineSamples:
-    def __init__(self, session: int | None, period_s: float = PERIOD_S, proc: Path = PROC):
-        self.session, self.period_s, self.proc = session, period_s, proc
+    def __init__(
+        self,
+        session: int | None,
+        period_s: float = PERIOD_S,
+        proc: Path = PROC,
+        log_path: Path | None = None,
+    ):
+        self.session, self.period_s, self.proc, self.log_path = session, period_s, proc, log_path
+        self._log: tuple[list[float], list[int]] = ([], [])
         self._stop = threading.Event()
         self._gpu: list[tuple[float, list[float | None]]] = []
         self._threads: dict[str, tuple[list[float], list[float]]] = {}
@@ -122,11 +132,23 @@ class MachineSamples:
             if (s := parse_smi_line(line)) is not None:
                 self._gpu.append(s)
 
+    def _log_size(self, now: float) -> None:
+        if self.log_path is None:
+            return
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            return
+        self._log[0].append(round(now, 3))
+        self._log[1].append(size)
+
     def _read_proc(self) -> None:
         last_t, (last, mine) = time.time(), thread_times(self.session, self.proc)
+        self._log_size(last_t)
         self._server |= mine
         while not self._stop.wait(self.period_s):
             now, (cur, mine) = time.time(), thread_times(self.session, self.proc)
+            self._log_size(now)
             self._server |= mine
             dt = now - last_t
             for key, cpu in cur.items():
@@ -147,9 +169,12 @@ class MachineSamples:
             for k, (ts, pct) in self._threads.items()
             if pct and max(pct) >= BUSY_PCT
         }
-        return {
+        out = {
             "period_s": self.period_s,
             "gpu": gpu,
             "threads": threads,
             "server_pids": sorted(self._server),
         }
+        if self.log_path is not None:
+            out["log"] = {"t": self._log[0], "bytes": self._log[1]}
+        return out

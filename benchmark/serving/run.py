@@ -399,7 +399,7 @@ def timed_run(
     folder = ctx["work"] / "profiles" / ctx["run_id"] / f"{w.name}-{name}"
     profile = (steps, folder) if steps else None
     session = server.proc.pid if server.proc is not None else None  # its own session
-    sampler = machine_samples.MachineSamples(session)
+    sampler = machine_samples.MachineSamples(session, log_path=server.log_path)
     if w.turns:
         convs = workloads_mod.conversations(workloads_mod.load_rows(ctx["dataset"]))
         starts = workloads_mod.conversation_starts(w, rate)
@@ -430,7 +430,7 @@ def timed_run(
             )
     profile = decode_profile(server, folder, steps) if steps else None
     text = server.log_text(start, server.log_size())
-    lines = analysis.parse_decode_lines(text)
+    lines = analysis.parse_decode_lines(text, base=start)
     rows = analysis.per_request(
         bench,
         ctx["meta"],

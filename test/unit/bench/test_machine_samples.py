@@ -122,3 +122,77 @@ def test_the_summary_reads_the_samples_inside_the_steady_decode_window():
     assert analysis.machine_summary(samples, [], 32) is None
     no_gpu = analysis.machine_summary(samples | {"gpu": None}, lines, 64)  # never 64: all
     assert "sm_mhz" not in no_gpu and no_gpu["window_s"] == pytest.approx(3.0)
+
+
+def test_decode_lines_are_timed_by_the_log_sizes_and_split_into_phases(tmp_path):
+    """Lines carry the byte where they end (non-ASCII text before them counts in bytes);
+    the first sample whose log size reached it times a line; the window runs from the
+    first timed line at full batch to the last; slow and fast intervals each get the SM
+    clock and the scheduler thread's share sampled nearest to them."""
+    import analysis
+
+    def line(sec, running, gen):
+        return (
+            f"[2026-11-29 14:50:{sec:02d}] Decode batch, #running-req: {running}, #token: 1, "
+            f"token usage: 0.10, cuda graph: True, gen throughput (token/s): {gen:.2f}, "
+            f"#queue-req: 0\n"
+        )
+
+    head = "[2026-11-29 14:50:00] warmup done — ü\n"  # 3 bytes more than characters
+    gens = [1000.0] + [32000 / 2.0] * 3 + [32000 / 3.0] * 3 + [32000 / 2.0] * 2  # ms: 2, 3
+    body = "".join(line(10, 32, g) for g in gens)
+    text = head + body
+    lines = analysis.parse_decode_lines(text, base=100)
+    ends, pos = [], 100 + len(head.encode())
+    for ln_ in body.splitlines(True):
+        pos += len(ln_.encode())
+        ends.append(pos - 1)  # the match ends before the newline
+    assert [ln["at"] for ln in lines] == ends
+    assert "at" not in analysis.parse_decode_lines(text)[0]
+
+    def at(k):  # line k printed at 1000.0 + 0.05 k s, seen by the next 0.1 s sample
+        return 1000.0 + 0.05 * k
+
+    ts = [1000.0 + 0.1 * i for i in range(8)]
+    sizes = [max([100] + [ends[k] for k in range(len(ends)) if at(k) <= t]) for t in ts]
+    clock = [1980, 1980, 1980, 1500, 1500, 1980, 1980, 1980]  # slow lines 4-6: seen at .2-.3 s
+    sched = [100.0, 50.0, 50.0, 99.0, 99.0, 50.0, 50.0, 50.0]
+    samples = {
+        "period_s": 0.1,
+        "gpu": {
+            "t": ts,
+            "sm_mhz": clock,
+            "power_w": [400] * 8,
+            "util_pct": [99] * 8,
+            "mem_mhz": [3201] * 8,
+            "temp_c": [60] * 8,
+        },  # fmt: skip
+        "threads": {"11/11 sched/python": {"t": ts, "pct": sched}},
+        "server_pids": [11],
+        "log": {"t": ts, "bytes": sizes},
+    }
+    seen = analysis.line_times(samples, lines)
+    assert seen == [pytest.approx(1000.0 + 0.1 * -(-k // 2)) for k in range(len(lines))]
+    m = analysis.machine_summary(samples, lines, 32)
+    assert m["window_s"] == pytest.approx(seen[-1] + 1e-3 - (seen[0] - 0.1))
+    ph = m["phases"]
+    assert ph["fast_mode_step_ms"] == pytest.approx(2.0)
+    assert (ph["slow"]["intervals"], ph["fast"]["intervals"]) == (3, 5)
+    assert ph["slow"]["step_ms"] == pytest.approx(3.0) and ph["fast"]["step_ms"] == pytest.approx(
+        2.0
+    )
+    assert ph["slow"]["sm_mhz"] == 1500 and ph["fast"]["sm_mhz"] == 1980
+    assert ph["slow"]["busiest_thread_pct"] == 99.0 and ph["fast"]["busiest_thread_pct"] == 50.0
+
+
+def test_the_sampler_records_the_logs_size_as_it_grows(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("start\n")
+    with ms.MachineSamples(None, period_s=0.05, log_path=log) as s:
+        time.sleep(0.2)
+        with log.open("a") as f:
+            f.write("x" * 100)
+        time.sleep(0.2)
+    sizes = s.result()["log"]["bytes"]
+    assert sizes[0] == 6 and sizes[-1] == 106 and sizes == sorted(sizes)
+    assert "log" not in ms.MachineSamples(None).result()
