@@ -102,6 +102,12 @@ def prefill_rate(lines: list[dict]) -> dict:
 STEADY_MIN_INTERVALS = 3  # log intervals at one batch that make it a steady state
 
 
+def interval_step_ms(line: dict) -> float | None:
+    """A decode log line's step over its interval: running requests over generated
+    tokens per second (None for an idle interval)."""
+    return 1000.0 * line["running"] / line["gen_tok_s"] if line["gen_tok_s"] else None
+
+
 def steady_step(lines: list[dict], batch: int | None = None) -> dict:
     """The decode step at full batch: the median over log intervals at `batch` running
     requests of running / generated tokens per second. When the server never ran `batch`
@@ -122,7 +128,7 @@ def steady_step(lines: list[dict], batch: int | None = None) -> dict:
         at = at[1:]
     if not at:
         return {"step_ms": None, "batch": batch, "intervals": 0, "graph": None}
-    steps = [1000.0 * ln["running"] / ln["gen_tok_s"] for ln in at]
+    steps = [interval_step_ms(ln) for ln in at]
     return {
         "step_ms": statistics.median(steps),
         "step_ms_p10": pct(steps, 10),
@@ -208,7 +214,7 @@ def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) 
 
 def _phases(samples: dict, lines: list[dict], seen: list, thread: str | None) -> dict:
     """Slow and fast decode intervals (see `machine_summary`) side by side."""
-    steps = [1000.0 * ln["running"] / ln["gen_tok_s"] if ln["gen_tok_s"] else None for ln in lines]
+    steps = [interval_step_ms(ln) for ln in lines]
     fast = pct([x for x in steps if x], 10)
     out: dict = {
         "fast_mode_step_ms": fast,

@@ -91,6 +91,14 @@ def store_page_meta(
 
 
 @triton.jit
+def new_key_page(loc, BS: tl.constexpr):
+    """The page of the key a decode step wrote at token slot `loc`, and how many keys that
+    page holds (the new one last)."""
+    loc = loc.to(tl.int64)
+    return loc // BS, (loc % BS + 1).to(tl.int32)
+
+
+@triton.jit
 def _page_meta_kernel(
     k_ptr,
     locs_ptr,
@@ -123,9 +131,7 @@ def _page_meta_kernel(
         if tl.load(gate_ptr + b) == 0:
             return
     if FROM_LOCS:
-        loc = tl.load(locs_ptr + b).to(tl.int64)
-        page = loc // BS
-        count = (loc % BS + 1).to(tl.int32)
+        page, count = new_key_page(tl.load(locs_ptr + b), BS)
     else:
         start = tl.load(starts_ptr + b)
         end = tl.load(ends_ptr + b)

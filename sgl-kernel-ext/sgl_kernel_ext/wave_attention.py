@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - older Triton: the per-row gather reads
     TensorDescriptor = None
 
 from sgl_kernel_ext.code_bounds import code_bounds, suffix_bounds
-from sgl_kernel_ext.metadata import CODE_STEP, page_meta_from_locs, store_page_meta
+from sgl_kernel_ext.metadata import CODE_STEP, new_key_page, page_meta_from_locs, store_page_meta
 from sgl_kernel_ext.ranking import rank_blocks, rank_scratch_numel
 from sgl_kernel_ext.scoring import (
     block_scores,
@@ -395,10 +395,10 @@ def _wave_attention_kernel(
             return
         if NEWMETA:
             if sid == 0:
-                nk = tl.load(nk_loc_ptr + b).to(tl.int64)
-                store_page_meta(nk_k_ptr, nk // BS, (nk % BS + 1).to(tl.int32), h, Hkv,
-                                nk_mean_ptr, nk_min_ptr, nk_max_ptr, nk_scale_ptr, code_step,
-                                BS, D, NK_BSP, D, NK_MEAN, NK_BOUNDS, NK_CODES)  # fmt: skip
+                nk_page, nk_count = new_key_page(tl.load(nk_loc_ptr + b), BS)
+                store_page_meta(nk_k_ptr, nk_page, nk_count, h, Hkv, nk_mean_ptr, nk_min_ptr,
+                                nk_max_ptr, nk_scale_ptr, code_step, BS, D, NK_BSP, D,
+                                NK_MEAN, NK_BOUNDS, NK_CODES)  # fmt: skip
     nb = (length + BS - 1) // BS
     if KEPT:
         n_sink = tl.minimum(sink, nbr)
