@@ -13,6 +13,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
     python benchmark/kernels/bench_wave.py --launch-probe   # fixed cost by launch and read size
     python benchmark/kernels/bench_wave.py --kept-sweep   # the kept rows' launch, one knob at a time
+        [--knobs=default,meta_in_chain]                    # ... only these
     python benchmark/kernels/bench_wave.py --ncu-kept     # a kept step, eager, for Nsight Compute
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
         --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
@@ -670,7 +671,7 @@ def launch_probe(ctx: int = 16000) -> dict:
     return out
 
 
-def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
+def kept_sweep(cases=((16000, 0.3), (28000, 0.2)), only: tuple[str, ...] = ()) -> dict:
     """The kept rows' launch (`--kept-sweep`): psa's step between rankings at workload
     a16's and a's shapes (32 x ctx, Qwen 0.5B heads), reading the share of blocks psa reads
     there in the server, at the library's launch and around it (top-k's, at its 2048-token
@@ -682,7 +683,7 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
     or at its priority (`same_priority`; one of the two is the plan's default); wall time per layer (`t`), the wave kernel's own (`wave`) and the
     new keys' page metadata's (`meta`, which waits for SMs beside the kept launch),
     microseconds; beside it the page gather alone over the same share (`read_pages`, no
-    attention), GB/s."""
+    attention), GB/s. `only` keeps those knobs (and the ranking steps' `default`)."""
     use_shape("qwen05b")
     out: dict = {"hbm_peak_gbps": hbm_peak_gbps()}
 
@@ -729,9 +730,12 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
             "most4",
         )  # fmt: skip
     } | {"one_launch": dict(kept_split=False)}
+    if only:
+        knobs = {k: v for k, v in knobs.items() if k in only or k == "default"}
+        topk_knobs = {k: v for k, v in topk_knobs.items() if k in only or k == "default"}
     for ctx in sorted({c for c, _ in cases}):
         row = {}
-        ranking = ("default", "one_launch")
+        ranking = tuple(k for k in ("default", "one_launch") if k in topk_knobs)
         modes = (("topk_kept", topk_knobs), ("topk", ranking), ("topk_halfkept", ranking))
         for mode, keys in modes:
             for key in keys:
@@ -748,7 +752,7 @@ def kept_sweep(cases=((16000, 0.3), (28000, 0.2))) -> dict:
               file=sys.stderr, flush=True)  # fmt: skip
     for ctx, frac in cases:
         row: dict = {}
-        ranking = ("default", "no_bookkeeping", "one_stream")
+        ranking = tuple(k for k in ("default", "no_bookkeeping", "one_stream") if k in knobs)
         for mode, keys in (("psa_kept", knobs), ("psa", ranking), ("psa_halfkept", ranking)):
             for key in keys:
                 launch = dict(knobs[key])
@@ -1022,7 +1026,8 @@ if __name__ == "__main__":
         frac = float(option("frac") or 0.3)
         print(json.dumps(server_case("psa_kept", 32, ctx, 32768, frac, eager_runs=3)))
     elif "--kept-sweep" in sys.argv:
-        print(json.dumps(kept_sweep(), indent=1))
+        only = tuple(v.split(",")) if (v := option("knobs")) else ()
+        print(json.dumps(kept_sweep(only=only), indent=1))
     elif "--launch-probe" in sys.argv:
         print(json.dumps(launch_probe(int(option("ctx") or 16000)), indent=1))
     elif "--serving-8b" in sys.argv:
