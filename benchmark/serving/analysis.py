@@ -162,6 +162,31 @@ def _nearest(series: dict, key: str, t: float):
 
 
 SLOW_STEP = 1.15  # a decode interval slower than this times the run's fast mode (p10)
+SHARING_BUSY_PCT = 50.0  # a thread this busy in a sample slows an SMT sibling down
+
+
+def core_sharing(samples: dict, thread: str) -> dict | None:
+    """For each sample of `thread` (`machine_samples`, with the CPUs threads last ran on):
+    `shared` 100 where another thread at least `SHARING_BUSY_PCT` busy in the same sample
+    last ran on the same physical core (the same CPU or an SMT sibling), else 0; `with`
+    the thread that did so most often. None without CPU ids or topology."""
+    cores, threads = samples.get("cpu_core") or {}, samples.get("threads", {})
+    me = threads.get(thread)
+    if not cores or not me or "cpu" not in me:
+        return None
+    busy: dict[float, list[tuple[str, str | None]]] = {}
+    for k, v in threads.items():
+        if k != thread and "cpu" in v:
+            for t, p, c in zip(v["t"], v["pct"], v["cpu"]):
+                if p >= SHARING_BUSY_PCT:
+                    busy.setdefault(t, []).append((k, cores.get(str(c))))
+    shared, who = [], Counter()
+    for t, c in zip(me["t"], me["cpu"]):
+        core = cores.get(str(c))
+        hits = [k for k, other in busy.get(t, ()) if core is not None and other == core]
+        who.update(hits)
+        shared.append(100.0 if hits else 0.0)
+    return {"t": me["t"], "shared": shared, "with": who.most_common(1)[0][0] if who else None}
 
 
 def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) -> dict | None:
@@ -172,8 +197,10 @@ def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) 
     with its median and 90th percentile, and the busiest thread outside them (the
     client's, the stage's). With timed lines, `phases`: the intervals slower than
     `SLOW_STEP` times the fast mode against the others, each with its median step, and
-    the SM clock and the busiest server thread's CPU share sampled nearest to them. None
-    without samples or decode lines."""
+    the SM clock and the busiest server thread's CPU share sampled nearest to them; with
+    the CPUs threads ran on, `busiest_thread_shared_core_pct` (`core_sharing`: how often
+    another busy thread ran on its physical core; `..._with`: which, most often), in the
+    phases too. None without samples or decode lines."""
     at = [ln for ln in lines if ln["running"] == batch] or lines
     if not samples or not at:
         return None
@@ -207,12 +234,21 @@ def machine_summary(samples: dict | None, lines: list[dict], batch: int | None) 
             name = max(of, key=lambda k: pct(of[k], 50))
             out |= {label: name, f"{label}_pct": pct(of[name], 50)}
             out[f"{label}_pct_p90"] = pct(of[name], 90)
+    sharing = core_sharing(samples, out["busiest_thread"]) if "busiest_thread" in out else None
+    if sharing is not None:
+        inside_shared = inside(sharing, "shared")
+        out["busiest_thread_shared_core_pct"] = (
+            statistics.fmean(inside_shared) if inside_shared else None
+        )
+        out["busiest_thread_shared_core_with"] = sharing["with"]
     if seen and len(at) > 2:
-        out["phases"] = _phases(samples, at[1:], seen[1:], out.get("busiest_thread"))
+        out["phases"] = _phases(samples, at[1:], seen[1:], out.get("busiest_thread"), sharing)
     return out
 
 
-def _phases(samples: dict, lines: list[dict], seen: list, thread: str | None) -> dict:
+def _phases(
+    samples: dict, lines: list[dict], seen: list, thread: str | None, sharing: dict | None
+) -> dict:
     """Slow and fast decode intervals (see `machine_summary`) side by side."""
     steps = [interval_step_ms(ln) for ln in lines]
     fast = pct([x for x in steps if x], 10)
@@ -236,6 +272,10 @@ def _phases(samples: dict, lines: list[dict], seen: list, thread: str | None) ->
         if idx and thread in threads:
             group["busiest_thread_pct"] = pct(
                 [_nearest(threads[thread], "pct", seen[i]) for i in idx], 50
+            )
+        if idx and sharing is not None and sharing["t"]:
+            group["busiest_thread_shared_core_pct"] = statistics.fmean(
+                [_nearest(sharing, "shared", seen[i]) for i in idx]
             )
         out[name] = group
     return out

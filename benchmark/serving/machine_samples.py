@@ -7,10 +7,13 @@ follows `nvidia-smi` (none where the machine has no `nvidia-smi`) and another re
 `/proc/<pid>/task/<tid>/stat` of every process (the client and the stage compete with
 the server for the same cores). `result()` after the block: `{"period_s", "gpu": {"t",
 "sm_mhz", "mem_mhz", "power_w", "util_pct", "temp_c"} | None, "threads":
-{"<pid>/<tid> <process>/<thread>": {"t", "pct"}}, "server_pids": [...]}`: times in
+{"<pid>/<tid> <process>/<thread>": {"t", "pct", "cpu"}}, "server_pids": [...],
+"cpu_core": {"<cpu>": "<package>/<core>"}}`: times in
 `time.time()` seconds (the decode log's clock), only threads that used at least
 `BUSY_PCT` of a core in some interval; `server_pids` the processes whose session id is
-`session` (the server's: `Server` starts it in a session of its own). With `log_path`
+`session` (the server's: `Server` starts it in a session of its own); `cpu` the CPU a
+thread last ran on at each sample and `cpu_core` each CPU's physical core (SMT siblings
+share one: two busy threads on one core slow each other down). With `log_path`
 (the server's log) the result also has `"log": {"t", "bytes"}`, the log's size at each
 sample, which times the decode log's lines (SGLang stamps them to the second only; a
 line was printed before the first sample that saw its bytes). Sampling costs the host a
@@ -32,6 +35,7 @@ BUSY_PCT = 5.0
 GPU_FIELDS = ("sm_mhz", "mem_mhz", "power_w", "util_pct", "temp_c")
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu"
 PROC = Path("/proc")
+SYS_CPU = Path("/sys/devices/system/cpu")
 
 
 def parse_smi_line(line: str) -> tuple[float, list[float | None]] | None:
@@ -54,12 +58,28 @@ def parse_smi_line(line: str) -> tuple[float, list[float | None]] | None:
     return t, values
 
 
-def thread_times(session: int | None, proc: Path = PROC) -> tuple[dict[str, float], set[int]]:
-    """CPU seconds so far of every thread of every process, keyed
-    `<pid>/<tid> <process>/<thread>`, and the pids whose session id is `session`.
+def cpu_cores(root: Path = SYS_CPU) -> dict[int, str]:
+    """Each online CPU's physical core, `<package>/<core>` (SMT siblings share one); {}
+    where the topology is not readable."""
+    out = {}
+    for d in root.glob("cpu[0-9]*"):
+        try:
+            top = d / "topology"
+            pkg = (top / "physical_package_id").read_text().strip()
+            out[int(d.name[3:])] = f"{pkg}/{(top / 'core_id').read_text().strip()}"
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def thread_times(
+    session: int | None, proc: Path = PROC
+) -> tuple[dict[str, tuple[float, int]], set[int]]:
+    """CPU seconds so far and the CPU it last ran on of every thread of every process,
+    keyed `<pid>/<tid> <process>/<thread>`, and the pids whose session id is `session`.
     Processes and threads that end while read are left out."""
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, int]] = {}
     mine: set[int] = set()
     for p in proc.iterdir():
         if not p.name.isdigit():
@@ -71,7 +91,8 @@ def thread_times(session: int | None, proc: Path = PROC) -> tuple[dict[str, floa
             for t in (p / "task").iterdir():
                 tname, trest = _split_stat((t / "stat").read_text())
                 cpu = (int(trest[11]) + int(trest[12])) / tick  # utime + stime
-                out[f"{p.name}/{t.name} {pname}/{tname}"] = cpu
+                # field 39: the CPU it last ran on
+                out[f"{p.name}/{t.name} {pname}/{tname}"] = (cpu, int(trest[36]))
         except (OSError, ValueError, IndexError):
             continue
     return out, mine
@@ -96,7 +117,7 @@ class MachineSamples:
         self._log: tuple[list[float], list[int]] = ([], [])
         self._stop = threading.Event()
         self._gpu: list[tuple[float, list[float | None]]] = []
-        self._threads: dict[str, tuple[list[float], list[float]]] = {}
+        self._threads: dict[str, tuple[list[float], list[float], list[int]]] = {}
         self._server: set[int] = set()
         self._smi: subprocess.Popen | None = None
         self._workers: list[threading.Thread] = []
@@ -151,11 +172,12 @@ class MachineSamples:
             self._log_size(now)
             self._server |= mine
             dt = now - last_t
-            for key, cpu in cur.items():
+            for key, (cpu, on) in cur.items():
                 if key in last and dt > 0:
-                    ts, pct = self._threads.setdefault(key, ([], []))
+                    ts, pct, cpus = self._threads.setdefault(key, ([], [], []))
                     ts.append(round(now, 3))
-                    pct.append(round(100.0 * (cpu - last[key]) / dt, 1))
+                    pct.append(round(100.0 * (cpu - last[key][0]) / dt, 1))
+                    cpus.append(on)
             last_t, last = now, cur
 
     def result(self) -> dict:
@@ -165,8 +187,8 @@ class MachineSamples:
             for i, name in enumerate(GPU_FIELDS):
                 gpu[name] = [v[i] for _, v in self._gpu]
         threads = {
-            k: {"t": ts, "pct": pct}
-            for k, (ts, pct) in self._threads.items()
+            k: {"t": ts, "pct": pct, "cpu": cpus}
+            for k, (ts, pct, cpus) in self._threads.items()
             if pct and max(pct) >= BUSY_PCT
         }
         out = {
@@ -174,6 +196,7 @@ class MachineSamples:
             "gpu": gpu,
             "threads": threads,
             "server_pids": sorted(self._server),
+            "cpu_core": {str(c): core for c, core in sorted(cpu_cores().items())},
         }
         if self.log_path is not None:
             out["log"] = {"t": self._log[0], "bytes": self._log[1]}

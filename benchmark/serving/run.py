@@ -282,7 +282,9 @@ def run_server(
     recs = {key: {"what": what, "launch": cmd, "error": None} for key in order}
     done: set[str] = set()  # measured, failed or skipped
     logs = ctx0["work"] / "logs" / ctx0["run_id"]
-    server = Server(cmd, port, logs / f"{'+'.join(order)}-{name}.server.log")
+    server = Server(
+        cmd, port, logs / f"{'+'.join(order)}-{name}.server.log", cpus=ctx0.get("server_cpus")
+    )
     try:
         with server:
             server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
@@ -628,6 +630,17 @@ class Plan:
         self.live = True
 
 
+def compact(cpus: list[int]) -> str:
+    """`[0, 1, 2, 5]` as `0-2,5`."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def stage(args) -> int:
     from transformers import AutoTokenizer
 
@@ -668,6 +681,16 @@ def stage(args) -> int:
     t0 = time.time()
     deadline = t0 + args.budget_s
     work = Path(args.work)
+    cpus = driver.split_cpus(
+        args.client_cores, machine_samples.cpu_cores(), os.sched_getaffinity(0)
+    )
+    if cpus is not None:  # this process (the client, the sampler) and its children
+        os.sched_setaffinity(0, cpus["client"])
+        log(f"CPUs: servers on {compact(cpus['server'])}, client and stage on "
+            f"{compact(cpus['client'])} (--client-cores {args.client_cores})")  # fmt: skip
+    else:
+        log(f"CPUs: not split (--client-cores {args.client_cores}, "
+            f"{len(os.sched_getaffinity(0))} CPUs)")  # fmt: skip
     for w in ws:
         log(f"stage {w.name}: {w.what}; systems {', '.join(names)}; budget {args.budget_s:.0f} s")
     if several:
@@ -697,6 +720,7 @@ def stage(args) -> int:
             "launcher": shlex.split(args.launcher) if args.launcher else None,
             "tp": args.tp,
             "prompt_format": args.prompt_format,
+            "server_cpus": cpus["server"] if cpus else None,
         }
     if several:
         check_shared_server(ws, names, ctxs, args.port)
@@ -722,6 +746,7 @@ def stage(args) -> int:
                 "smoke": args.smoke,
                 "tp": args.tp,
                 "prompt_format": args.prompt_format,
+                "cpus": cpus,
             },
             "systems": {},
         }
@@ -840,6 +865,7 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
             part["config"].get("prompt_format", "text"),
             fresh["config"]["prompt_format"],
         ),
+        "cpus": (part["config"].get("cpus"), fresh["config"]["cpus"]),
         # the tree that ran: a GIT_COMMIT given by hand does not vouch for it
         "source_sha256": (part.get("source_sha256"), fresh["source_sha256"]),
     }
@@ -1091,6 +1117,13 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--budget-s", type=float, default=560, help="wall-clock budget of the stage")
     st.add_argument("--work", default=str(DEFAULT_WORK), help="datasets, logs, parts")
     st.add_argument("--port", type=int, default=31000)
+    st.add_argument(
+        "--client-cores",
+        type=int,
+        default=2,
+        help="physical cores kept for the client and the stage, the rest for the servers "
+        "(0: no split; none either on machines of fewer than this + 4 cores)",
+    )
     st.add_argument("--export", help="mirror parts and the merged result here (e.g. $OUT)")
     st.add_argument("--out", help="merged result file (default results/serving_<gpu>.json)")
     st.add_argument(

@@ -196,3 +196,53 @@ def test_the_sampler_records_the_logs_size_as_it_grows(tmp_path):
     sizes = s.result()["log"]["bytes"]
     assert sizes[0] == 6 and sizes[-1] == 106 and sizes == sorted(sizes)
     assert "log" not in ms.MachineSamples(None).result()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_each_sample_names_the_cpu_the_thread_ran_on():
+    proc = subprocess.Popen([sys.executable, "-c", BUSY], start_new_session=True)
+    try:
+        time.sleep(1.0)
+        with ms.MachineSamples(proc.pid, period_s=0.1) as s:
+            time.sleep(0.8)
+        out = s.result()
+    finally:
+        proc.kill()
+        proc.wait()
+    allowed = os.sched_getaffinity(0)
+    mine = [v for k, v in out["threads"].items() if k.startswith(f"{proc.pid}/")]
+    assert mine and all(len(v["cpu"]) == len(v["t"]) for v in mine)
+    assert {c for v in mine for c in v["cpu"]} <= allowed
+    cores = ms.cpu_cores()
+    if cores:  # the machine's topology is readable: every CPU has its core
+        assert set(out["cpu_core"]) >= {str(c) for c in allowed}
+
+
+def test_cpu_cores_reads_each_cpus_package_and_core(tmp_path):
+    for cpu, (pkg, core) in {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1), 4: (1, 0)}.items():
+        top = tmp_path / f"cpu{cpu}" / "topology"
+        top.mkdir(parents=True)
+        (top / "physical_package_id").write_text(f"{pkg}\n")
+        (top / "core_id").write_text(f"{core}\n")
+    (tmp_path / "cpufreq").mkdir()  # not a CPU
+    (tmp_path / "cpu5").mkdir()  # offline: no topology
+    assert ms.cpu_cores(tmp_path) == {0: "0/0", 1: "0/1", 2: "0/0", 3: "0/1", 4: "1/0"}
+
+
+def test_core_sharing_counts_busy_threads_on_the_same_physical_core():
+    import analysis
+
+    ts = [1.0, 1.1, 1.2, 1.3]
+    samples = {
+        "cpu_core": {"0": "0/0", "1": "0/1", "8": "0/0", "9": "0/1"},  # 8 is 0's sibling
+        "threads": {
+            "11/11 sglang::scheduler/python": {"t": ts, "pct": [99] * 4, "cpu": [0, 0, 1, 0]},
+            # on 0's sibling at 1.0 and 1.3, busy only at 1.0; on 1's at 1.2, busy
+            "40/41 python3/client": {"t": ts, "pct": [90, 80, 70, 20], "cpu": [8, 9, 9, 8]},
+            "12/12 sglang::detoken/python": {"t": ts, "pct": [30] * 4, "cpu": [0, 0, 1, 0]},
+        },
+    }
+    got = analysis.core_sharing(samples, "11/11 sglang::scheduler/python")
+    assert got["shared"] == [100.0, 0.0, 100.0, 0.0]
+    assert got["with"] == "40/41 python3/client"
+    assert analysis.core_sharing({"threads": samples["threads"]}, "11/11 x") is None

@@ -1055,7 +1055,7 @@ def _one_server(monkeypatch, tmp_path, flush_status=200):
     class FakeServer:
         startup_s = 7.0
 
-        def __init__(self, cmd, port, log_path):
+        def __init__(self, cmd, port, log_path, cpus=None):
             self.log_path = log_path
             events.append(("launch", log_path.name))
 
@@ -1802,3 +1802,23 @@ def test_stage_g_smoke_end_to_end(tmp_path):
         assert 0.5 < m["prefix_cache"]["hit_fraction"] < 1.0
     same = part["systems"]["psa"]["rates"][rate]["identical_to_plain"]
     assert same["compared"] == SMOKE_G.prompts and same["identical"] == 1.0
+
+
+def test_the_client_gets_the_last_physical_cores_and_the_server_the_rest():
+    smt = {c: f"0/{c % 8}" for c in range(16)}  # 8 cores, CPUs c and c + 8 siblings
+    got = driver.split_cpus(2, smt, set(range(16)))
+    assert got == {"server": [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13], "client": [6, 7, 14, 15]}
+    assert driver.split_cpus(2, {}, set(range(8))) == {"server": list(range(6)), "client": [6, 7]}
+    assert driver.split_cpus(2, smt, {0, 1, 2, 8, 9, 10, 11}) is None  # 4 cores: too few
+    assert driver.split_cpus(0, smt, set(range(16))) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_a_server_with_cpus_runs_on_them_and_the_stage_keeps_its_own(tmp_path):
+    mine = os.sched_getaffinity(0)
+    one = [min(mine)]
+    cmd = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with driver.Server(cmd, 1, tmp_path / "s.log", cpus=one) as server:
+        server.proc.wait(30)
+    assert (tmp_path / "s.log").read_text().strip() == str(one)
+    assert os.sched_getaffinity(0) == mine
