@@ -58,6 +58,36 @@ def parse_smi_line(line: str) -> tuple[float, list[float | None]] | None:
     return t, values
 
 
+def cpu_info(cpuinfo: Path = PROC / "cpuinfo", root: Path = SYS_CPU) -> dict:
+    """The host CPU a stage ran on, to compare runs on different machines: its model name,
+    CPUs this process may use, physical cores among them (`cpu_cores`), and
+    `python_loop_ms`, the best of 5 runs of a fixed pure-Python loop (the scheduler's
+    host loop is Python: a slower core, or one shared with a busy sibling, shows here)."""
+    model = None
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    allowed = os.sched_getaffinity(0)
+    cores = cpu_cores(root)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(200_000):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return {
+        "model": model,
+        "cpus": len(allowed),
+        "cores": len({cores.get(c, f"cpu{c}") for c in allowed}),
+        "python_loop_ms": round(best * 1e3, 3),
+    }
+
+
 def cpu_cores(root: Path = SYS_CPU) -> dict[int, str]:
     """Each online CPU's physical core, `<package>/<core>` (SMT siblings share one); {}
     where the topology is not readable."""

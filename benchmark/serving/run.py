@@ -684,6 +684,8 @@ def stage(args) -> int:
     cpus = driver.split_cpus(
         args.client_cores, machine_samples.cpu_cores(), os.sched_getaffinity(0)
     )
+    host_cpu = machine_samples.cpu_info()
+    log(f"host CPU: {host_cpu}")
     if cpus is not None:  # this process (the client, the sampler) and its children
         os.sched_setaffinity(0, cpus["client"])
         log(f"CPUs: servers on {compact(cpus['server'])}, client and stage on "
@@ -734,6 +736,7 @@ def stage(args) -> int:
             "workload": w.name,
             "run_id": run_id,
             "boot_id": boot_id(),
+            "cpu": host_cpu,
             **provenance(),
             "config": {
                 "workload": w.to_json(),

@@ -232,3 +232,20 @@ def test_core_sharing_counts_busy_threads_on_the_same_physical_core():
     assert got["shared"] == [100.0, 0.0, 100.0, 0.0]
     assert got["with"] == "40/41 python3/client"
     assert analysis.core_sharing({"threads": samples["threads"]}, "11/11 x") is None
+
+
+def test_cpu_info_names_the_model_its_cores_and_a_python_loop_time(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU 9000 @ 3GHz\n")
+    allowed = sorted(os.sched_getaffinity(0))
+    root = tmp_path / "sys"
+    for cpu in allowed:  # every CPU on one core: SMT siblings all
+        top = root / f"cpu{cpu}" / "topology"
+        top.mkdir(parents=True)
+        (top / "physical_package_id").write_text("0\n")
+        (top / "core_id").write_text("0\n")
+    got = ms.cpu_info(info, root)
+    assert got["model"] == "Some CPU 9000 @ 3GHz"
+    assert (got["cpus"], got["cores"]) == (len(allowed), 1)
+    assert 0 < got["python_loop_ms"] < 10_000
+    assert ms.cpu_info(tmp_path / "none", tmp_path / "nosys")["model"] is None
