@@ -499,7 +499,36 @@ def server_info_digest(info: dict | None) -> dict | None:
         "cuda_graph_backend_decode": info.get("cuda_graph_backend_decode"),
         "memory_usage": state.get("memory_usage"),
         "psa": state.get("psa"),
+        "psa_host_timing": state.get("psa_host_timing"),
     }
+
+
+HOST_PHASES = ("schedule", "launch", "gpu_wait", "results")
+
+
+def host_loop(before: dict | None, after: dict | None, min_iterations: int = 10) -> dict:
+    """The scheduler loop's host time per decode iteration over the window between two
+    server-info digests (`psa_host_timing`, sums per `decode/<batch size>`), for each
+    decode batch size with at least `min_iterations` iterations in it: milliseconds per
+    iteration (`iteration_ms`, the step as the loop saw it), per phase, `other_ms` (the
+    rest: receiving requests) and `host_ms` (the iteration less `gpu_wait_ms`: the host's
+    own time). {} where the servers did not time their loops."""
+    a = (after or {}).get("psa_host_timing") or {}
+    b = (before or {}).get("psa_host_timing") or {}
+    out = {}
+    for key, sums in a.items():
+        kind, _, size = key.partition("/")
+        prev = b.get(key, {})
+        n = sums["n"] - prev.get("n", 0)
+        if kind != "decode" or n < min_iterations:
+            continue
+        ms = {p: 1e3 * (sums[f"{p}_s"] - prev.get(f"{p}_s", 0.0)) / n
+              for p in ("iteration", *HOST_PHASES)}  # fmt: skip
+        row = {"iterations": n} | {f"{p}_ms": v for p, v in ms.items()}
+        row["other_ms"] = ms["iteration"] - sum(ms[p] for p in HOST_PHASES)
+        row["host_ms"] = ms["iteration"] - ms["gpu_wait"]
+        out[size] = row
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 # ---------------------------------------------------------------------------------------

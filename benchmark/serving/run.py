@@ -370,6 +370,14 @@ def measure(
     after = server.get("/get_server_info")
     rec["server_info_after"] = analysis.server_info_digest(after)
     rec["counters"] = analysis.counter_delta(info, after)
+    rec["host_loop"] = analysis.host_loop(rec["server_info_before"], rec["server_info_after"])
+    if rec["host_loop"]:  # the largest decode batch's
+        size, h = list(rec["host_loop"].items())[-1]
+        log(f"{w.name}/{name}: host loop at decode batch {size}: {h['iteration_ms']:.2f} ms "
+            f"an iteration, {h['host_ms']:.2f} of it the host's (schedule "
+            f"{h['schedule_ms']:.2f}, launch {h['launch_ms']:.2f}, results "
+            f"{h['results_ms']:.2f}, other {h['other_ms']:.2f}), GPU wait "
+            f"{h['gpu_wait_ms']:.2f}")  # fmt: skip
     if w.is_sweep:
         rec["rates"] = runs
         rec["rates_failed"] = failed_rates
@@ -681,6 +689,8 @@ def stage(args) -> int:
     t0 = time.time()
     deadline = t0 + args.budget_s
     work = Path(args.work)
+    # every server (plain ones too) times its scheduler loop (sglang_psa.sched.host_timing)
+    os.environ.setdefault("SGLANG_PSA_HOST_TIMING", "1")
     cpus = driver.split_cpus(
         args.client_cores, machine_samples.cpu_cores(), os.sched_getaffinity(0)
     )

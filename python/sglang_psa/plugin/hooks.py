@@ -238,6 +238,28 @@ HOOKS: tuple[Hook, ...] = (
         "block metadata of the pages each prefill extend wrote, per layer",
     ),
     Hook(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        "around",
+        "host_timing:around_get_next_batch_to_run",
+        ("self", "running_batch", "last_batch"),
+        "SGLANG_PSA_HOST_TIMING=1: the scheduler loop's iteration and its scheduling time",
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "around",
+        "host_timing:around_run_batch",
+        ("self", "batch"),
+        "SGLANG_PSA_HOST_TIMING=1: a forward's host side (launch)",
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+        "around",
+        "host_timing:around_process_batch_result",
+        ("self", "batch", "result"),
+        "SGLANG_PSA_HOST_TIMING=1: waiting for a batch's results (the GPU) and processing "
+        "them (the host)",
+    ),
+    Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
         "after",
         "scheduling:after_get_internal_state",

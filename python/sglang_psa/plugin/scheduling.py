@@ -36,6 +36,7 @@ hooks below find it with one lookup (`_serving`) and call its methods; with no
 from __future__ import annotations
 
 from sglang_psa import releases
+from sglang_psa.plugin import host_timing
 from sglang_psa.releases import req_prefix_len, req_row
 from sglang_psa.sched import prefill_budget
 from sglang_psa.sched.process import current
@@ -362,7 +363,10 @@ def after_init_next_round_input(result, req, tree_cache=None, cow_mamba=None):
 
 def after_get_internal_state(result, scheduler, recv_req):
     """`/get_server_info` (and `Engine.get_server_info()`) report PSA's counters, and the KV
-    pages neither free nor held by the prefix cache: what the leak tests read."""
+    pages neither free nor held by the prefix cache: what the leak tests read. With
+    `SGLANG_PSA_HOST_TIMING=1`, every server (plain too) reports its scheduler loop's host
+    time (`host_timing`)."""
+    host_timing.server_info(result.internal_state)
     serving = _serving()
     if serving is None:
         return result

@@ -1822,3 +1822,31 @@ def test_a_server_with_cpus_runs_on_them_and_the_stage_keeps_its_own(tmp_path):
         server.proc.wait(30)
     assert (tmp_path / "s.log").read_text().strip() == str(one)
     assert os.sched_getaffinity(0) == mine
+
+
+def test_host_loop_is_the_windows_time_per_decode_iteration_by_phase():
+    def sums(n, it, sched, launch, wait, res):
+        return {"n": n, "iteration_s": it, "schedule_s": sched, "launch_s": launch,
+                "gpu_wait_s": wait, "results_s": res}  # fmt: skip
+
+    before = {"psa_host_timing": {"decode/32": sums(100, 0.2, 0.03, 0.02, 0.1, 0.04)}}
+    after = {
+        "psa_host_timing": {
+            # 200 more decode iterations at batch 32: 2 ms each, 1.2 of it waiting
+            "decode/32": sums(300, 0.6, 0.09, 0.06, 0.34, 0.12),
+            "decode/8": sums(5, 0.01, 0.0, 0.0, 0.0, 0.0),  # too few to count
+            "extend/3": sums(50, 1.0, 0.1, 0.5, 0.0, 0.2),  # not decode
+        }
+    }
+    got = analysis.host_loop(before, after)
+    assert list(got) == ["32"]
+    row = got["32"]
+    assert row["iterations"] == 200
+    assert row["iteration_ms"] == pytest.approx(2.0)
+    assert row["gpu_wait_ms"] == pytest.approx(1.2)
+    assert row["host_ms"] == pytest.approx(0.8)
+    assert row["schedule_ms"] == pytest.approx(0.3) and row["launch_ms"] == pytest.approx(0.2)
+    assert row["results_ms"] == pytest.approx(0.4)
+    assert row["other_ms"] == pytest.approx(2.0 - 0.3 - 0.2 - 1.2 - 0.4)
+    assert analysis.host_loop({}, {"psa_host_timing": None}) == {}
+    assert analysis.host_loop(None, after)["32"]["iterations"] == 300

@@ -1,0 +1,70 @@
+"""Where SGLang's scheduler loop spends its host time, per batch kind and size: a
+diagnostic that runs only with `SGLANG_PSA_HOST_TIMING=1` in the server's environment
+(in every server, plain or `--sparse-mode`: the plugin's hooks wrap the loop alike).
+
+A decode step short enough leaves the scheduler's host loop no slack: the GPU then waits
+for the host between replays. The loop's iteration (from one `get_next_batch_to_run` to
+the next) splits into `schedule` (choosing and preparing the next batch), `launch`
+(`run_batch`: the forward's host side), `gpu_wait` (blocked on the last batch's results:
+the GPU's share), `results` (processing them: tokens, finish checks, streaming) and the
+rest (receiving requests). An iteration counts under the batch it launched; `gpu_wait`
+and `results` under the batch they processed (in a steady decode, the same kind).
+
+Contract: `TIMING.snapshot()` gives cumulative sums (seconds, iterations) per
+`"<kind>/<batch size>"` (kind: decode, extend, idle), for `/get_server_info`
+(`internal_states[0].psa_host_timing`); a client takes the difference of two. Host-only
+and sync-free except `gpu_wait`, which times the synchronize SGLang itself does first
+when it processes a decode batch's results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "SGLANG_PSA_HOST_TIMING"
+PHASES = ("iteration", "schedule", "launch", "gpu_wait", "results")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def batch_key(batch) -> str:
+    """`"decode/<size>"`, `"extend/<size>"` or `"idle/0"` (no batch, or another mode)."""
+    if batch is None:
+        return "idle/0"
+    mode = batch.forward_mode
+    kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "idle"
+    return f"{kind}/{len(batch.reqs) if kind != 'idle' else 0}"
+
+
+class HostTiming:
+    """Cumulative host time of the scheduler loop by phase and batch (`PHASES`)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.sums: dict[str, dict[str, float]] = {}
+        self._started: float | None = None
+        self._launched = "idle/0"
+
+    def add(self, key: str, phase: str, seconds: float) -> None:
+        entry = self.sums.setdefault(key, {"n": 0} | {f"{p}_s": 0.0 for p in PHASES})
+        entry[f"{phase}_s"] += seconds
+        if phase == "iteration":
+            entry["n"] += 1
+
+    def begin_iteration(self, now: float) -> None:
+        """A new loop iteration starts (`get_next_batch_to_run`): the last one ends."""
+        if self._started is not None:
+            self.add(self._launched, "iteration", now - self._started)
+        self._started, self._launched = now, "idle/0"
+
+    def launched(self, key: str) -> None:
+        self._launched = key
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in sorted(self.sums.items())}
+
+
+TIMING = HostTiming()
