@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 def server(tmp_path_factory):
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with probes.live_server(probes.SERVER_ARGS, 30127, log, probes.API_KEY) as (s, _):
-        yield s
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGLANG_PSA_HOST_TIMING", "1")  # the scheduler loop times itself
+        with probes.live_server(probes.SERVER_ARGS, 30127, log, probes.API_KEY) as (s, _):
+            yield s
 
 
 def test_bad_inputs_get_an_answer_or_a_clear_4xx(server):
@@ -46,3 +48,24 @@ def test_faults_leave_nothing_held(server, fault):
 def test_psa_gauges_are_in_metrics(server):
     o = probes.metrics_endpoint(server)
     assert o.ok, o
+
+
+def test_the_scheduler_loop_times_its_decode_iterations(server):
+    """A lone request's 64 decode steps show in `psa_host_timing` under decode batch 1:
+    every phase took time, and an iteration holds its phases."""
+
+    def timing() -> dict:
+        return server.info()["internal_states"][0]["psa_host_timing"].get("decode/1", {})
+
+    before = timing()
+    r = server.generate(probes.prompt(2000, seed=7), 64)
+    assert r.status_code == 200, r.text
+    after = timing()
+    n = after["n"] - before.get("n", 0)
+    assert n >= 60, (before, after)
+    spent = {k: after[k] - before.get(k, 0.0) for k in after if k.endswith("_s")}
+    assert all(v > 0 for v in spent.values()), spent
+    phases = sum(v for k, v in spent.items() if k != "iteration_s")
+    # gpu_wait and results count under the batch processed, one iteration later
+    assert phases <= spent["iteration_s"] * 1.1, spent
+    assert spent["iteration_s"] / n < 0.1, spent  # ms-scale steps, not a stall
