@@ -1074,8 +1074,23 @@ def merge(parts: list[dict]) -> dict:
             "machines": sorted({p["device"] for p in kept}),
             "git_commits": sorted({p["git_commit"] for p in kept}),
         },
-        "parts": kept,
+        "parts": [without_raw_samples(p) for p in kept],
     }
+
+
+def without_raw_samples(part: dict) -> dict:
+    """`part` as a merged result keeps it: each run's raw `machine_samples` (megabytes a
+    run: every busy thread's series) left out, its summary `metrics.machine` kept; the
+    raw samples stay in the stage's part files (WORK/parts, `--export`). The part given is
+    not changed."""
+
+    def strip(run: dict) -> dict:
+        out = {k: v for k, v in run.items() if k != "machine_samples"}
+        if "rates" in out:
+            out["rates"] = {r: strip(x) for r, x in out["rates"].items()}
+        return out
+
+    return part | {"systems": {n: strip(rec) for n, rec in part["systems"].items()}}
 
 
 def table_rows(doc: dict) -> list[dict]:

@@ -1850,3 +1850,18 @@ def test_host_loop_is_the_windows_time_per_decode_iteration_by_phase():
     assert row["other_ms"] == pytest.approx(2.0 - 0.3 - 0.2 - 1.2 - 0.4)
     assert analysis.host_loop({}, {"psa_host_timing": None}) == {}
     assert analysis.host_loop(None, after)["32"]["iterations"] == 300
+
+
+def test_a_merged_result_keeps_the_machine_summary_not_the_raw_samples():
+    raw = {"period_s": 0.1, "threads": {"1/1 x/x": {"t": [1.0], "pct": [99.0], "cpu": [0]}}}
+    run = {"metrics": {"machine": {"util_pct": 80.0}}, "machine_samples": raw}
+    part = {
+        "workload": "a",
+        "systems": {"psa": dict(run), "swept": {"rates": {"1": dict(run)}}},
+    }
+    got = analysis.without_raw_samples(part)
+    assert "machine_samples" not in got["systems"]["psa"]
+    assert "machine_samples" not in got["systems"]["swept"]["rates"]["1"]
+    assert got["systems"]["psa"]["metrics"]["machine"] == {"util_pct": 80.0}
+    assert part["systems"]["psa"]["machine_samples"] is raw  # the part itself unchanged
+    assert got["workload"] == "a"
