@@ -50,22 +50,6 @@ def tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def split_cpus(client_cores: int, cores: dict[int, str], allowed: set[int]) -> dict | None:
-    """The CPUs of the last `client_cores` physical cores (`cores`: CPU -> core, SMT
-    siblings share one) among `allowed` for the client and the stage (load generator,
-    sampler), the others for the server, so that neither slows the other's threads down
-    (a client is on another machine in production); None when fewer than
-    `client_cores + 4` cores are allowed, or `client_cores` is 0."""
-    by_core: dict[str, list[int]] = {}
-    for cpu in sorted(allowed):
-        by_core.setdefault(cores.get(cpu, f"cpu{cpu}"), []).append(cpu)
-    groups = sorted(by_core.values())
-    if client_cores <= 0 or len(groups) < client_cores + 4:
-        return None
-    client = sorted(c for g in groups[-client_cores:] for c in g)
-    return {"server": sorted(set(allowed) - set(client)), "client": client}
-
-
 class Server:
     def __init__(
         self,
@@ -75,7 +59,8 @@ class Server:
         env: dict | None = None,
         cpus: list[int] | None = None,
     ):
-        """`cpus`: the server's processes run on these CPUs only (`split_cpus`)."""
+        """`cpus`: the server's processes run on these CPUs only
+        (`machine_samples.split_cpus`)."""
         self.cmd, self.port, self.log_path = cmd, port, log_path
         self.url = f"http://127.0.0.1:{port}"
         self.env, self.cpus = env, cpus

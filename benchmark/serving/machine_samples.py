@@ -72,7 +72,6 @@ def cpu_info(cpuinfo: Path = PROC / "cpuinfo", root: Path = SYS_CPU) -> dict:
     except OSError:
         pass
     allowed = os.sched_getaffinity(0)
-    cores = cpu_cores(root)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
@@ -83,7 +82,7 @@ def cpu_info(cpuinfo: Path = PROC / "cpuinfo", root: Path = SYS_CPU) -> dict:
     return {
         "model": model,
         "cpus": len(allowed),
-        "cores": len({cores.get(c, f"cpu{c}") for c in allowed}),
+        "cores": len(physical_cores(cpu_cores(root), allowed)),
         "python_loop_ms": round(best * 1e3, 3),
     }
 
@@ -100,6 +99,28 @@ def cpu_cores(root: Path = SYS_CPU) -> dict[int, str]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def physical_cores(cores: dict[int, str], cpus: set[int]) -> list[list[int]]:
+    """`cpus` grouped by physical core (`cores`: CPU -> core, from `cpu_cores`; a CPU it
+    does not name is a core of its own), each group sorted, the groups by their first CPU."""
+    by_core: dict[str, list[int]] = {}
+    for cpu in sorted(cpus):
+        by_core.setdefault(cores.get(cpu, f"cpu{cpu}"), []).append(cpu)
+    return sorted(by_core.values())
+
+
+def split_cpus(client_cores: int, cores: dict[int, str], allowed: set[int]) -> dict | None:
+    """The CPUs of the last `client_cores` physical cores (`physical_cores`) among
+    `allowed` for the client and the stage (load generator, sampler), the others for the
+    server, so that neither slows the other's threads down (a client is on another
+    machine in production); None when fewer than `client_cores + 4` cores are allowed, or
+    `client_cores` is 0."""
+    groups = physical_cores(cores, allowed)
+    if client_cores <= 0 or len(groups) < client_cores + 4:
+        return None
+    client = sorted(c for g in groups[-client_cores:] for c in g)
+    return {"server": sorted(set(allowed) - set(client)), "client": client}
 
 
 def thread_times(

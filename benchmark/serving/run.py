@@ -691,7 +691,7 @@ def stage(args) -> int:
     work = Path(args.work)
     # every server (plain ones too) times its scheduler loop (sglang_psa.sched.host_timing)
     os.environ.setdefault("SGLANG_PSA_HOST_TIMING", "1")
-    cpus = driver.split_cpus(
+    cpus = machine_samples.split_cpus(
         args.client_cores, machine_samples.cpu_cores(), os.sched_getaffinity(0)
     )
     host_cpu = machine_samples.cpu_info()

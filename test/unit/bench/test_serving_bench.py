@@ -27,6 +27,7 @@ import analysis  # noqa: E402
 import client_ids  # noqa: E402
 import driver  # noqa: E402
 import fake_sglang  # noqa: E402
+import machine_samples  # noqa: E402
 import systems  # noqa: E402
 import workloads  # noqa: E402
 
@@ -1806,11 +1807,14 @@ def test_stage_g_smoke_end_to_end(tmp_path):
 
 def test_the_client_gets_the_last_physical_cores_and_the_server_the_rest():
     smt = {c: f"0/{c % 8}" for c in range(16)}  # 8 cores, CPUs c and c + 8 siblings
-    got = driver.split_cpus(2, smt, set(range(16)))
+    got = machine_samples.split_cpus(2, smt, set(range(16)))
     assert got == {"server": [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13], "client": [6, 7, 14, 15]}
-    assert driver.split_cpus(2, {}, set(range(8))) == {"server": list(range(6)), "client": [6, 7]}
-    assert driver.split_cpus(2, smt, {0, 1, 2, 8, 9, 10, 11}) is None  # 4 cores: too few
-    assert driver.split_cpus(0, smt, set(range(16))) is None
+    assert machine_samples.split_cpus(2, {}, set(range(8))) == {
+        "server": list(range(6)),
+        "client": [6, 7],
+    }
+    assert machine_samples.split_cpus(2, smt, {0, 1, 2, 8, 9, 10, 11}) is None  # 4 cores: too few
+    assert machine_samples.split_cpus(0, smt, set(range(16))) is None
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
