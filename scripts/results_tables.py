@@ -161,6 +161,16 @@ def against(doc: dict, key: str) -> str:
     return ""
 
 
+def run_date(doc: dict, key: str) -> str:
+    """The day of the run a summary key comes from (of its newest run where it pairs
+    several, e.g. accuracy over two workloads); the file's date only for a key without
+    provenance."""
+    where = (doc.get("summary_provenance") or {}).get(key) or {}
+    dates = [r.get("date") for r in where.get("runs", [])] + [where.get("date")]
+    dates = [str(d) for d in dates if d]
+    return (max(dates) if dates else str(doc.get("date", "?")))[:10]
+
+
 def headline() -> str:
     rows = [
         "| measure | value | how to read | against | machine, run date | file |",
@@ -168,8 +178,7 @@ def headline() -> str:
     ]
     for name, key, what, read in HEADLINE:
         doc = load(name)
-        where = (doc.get("summary_provenance") or {}).get(key) or {}
-        when = f"{device(doc)}, {str(where.get('date') or doc.get('date', '?'))[:10]}"
+        when = f"{device(doc)}, {run_date(doc, key)}"
         val = fmt(doc["summary"].get(key))
         vs = against(doc, key) if name.startswith("serving_") else ""
         rows.append(f"| {what} | {val} | {read} | {vs} | {when} | `{name}.json` |")

@@ -22,3 +22,21 @@ def test_every_headline_row_names_a_summary_key_its_file_has():
 
     for name, key, *_ in results_tables.HEADLINE:
         assert key in results_tables.load(name)["summary"], (name, key)
+
+
+def test_a_row_is_dated_by_the_run_its_key_comes_from():
+    """A key paired from several runs shows its newest run's day, not the file's (which
+    moves whenever any stage is merged); a key without provenance shows the file's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import results_tables
+
+    doc = {
+        "date": "2026-12-01T19:29:02+00:00",
+        "summary_provenance": {
+            "one": {"date": "2026-11-28T10:00:00+00:00"},
+            "two": {"runs": [{"date": "2026-11-27T01:00:00"}, {"date": "2026-11-29T02:00:00"}]},
+        },
+    }
+    assert results_tables.run_date(doc, "one") == "2026-11-28"
+    assert results_tables.run_date(doc, "two") == "2026-11-29"
+    assert results_tables.run_date(doc, "three") == "2026-12-01"
