@@ -500,6 +500,7 @@ def server_info_digest(info: dict | None) -> dict | None:
         "memory_usage": state.get("memory_usage"),
         "psa": state.get("psa"),
         "psa_host_timing": state.get("psa_host_timing"),
+        "psa_host_profile": state.get("psa_host_profile"),
     }
 
 
@@ -528,6 +529,51 @@ def host_loop(before: dict | None, after: dict | None, min_iterations: int = 10)
         row["other_ms"] = ms["iteration"] - sum(ms[p] for p in HOST_PHASES)
         row["host_ms"] = ms["iteration"] - ms["gpu_wait"]
         out[size] = row
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def host_profile(before: dict | None, after: dict | None, loop: dict, top: int = 20) -> dict:
+    """Where the scheduler loop's host time went, per decode batch size that `loop`
+    (`host_loop`'s rows of the same window) times: the sampling profile's counts between
+    two server-info digests (`psa_host_profile`), each sample worth the window's
+    iteration time over its samples. Per size: `samples`, `phase_ms` (per iteration),
+    `self_ms` (the `top` innermost functions, any phase) and `inclusive_ms` (per phase,
+    the `top` functions on the stack). {} where the servers were not profiled."""
+    a = (after or {}).get("psa_host_profile") or {}
+    b = (before or {}).get("psa_host_profile") or {}
+    out = {}
+    for key, prof in a.items():
+        size = key.partition("/")[2]
+        prev = b.get(key, {})
+        n = prof["samples"] - prev.get("samples", 0)
+        if size not in loop or n <= 0:
+            continue
+        each = loop[size]["iteration_ms"] / n
+        was = prev.get("functions", {})
+        fns = {}
+        for name, (incl, own) in prof["functions"].items():
+            i0, s0 = was.get(name, (0, 0))
+            if incl > i0:
+                fns[name] = (incl - i0, own - s0)
+        phases = {
+            ph: (c - prev.get("phases", {}).get(ph, 0)) * each for ph, c in prof["phases"].items()
+        }
+        # most time first, ties by name
+        by_self = sorted((-own, f) for f, (_, own) in fns.items() if own > 0)
+        inclusive = {}
+        for ph in phases:
+            rows = sorted((-i, f) for f, (i, _) in fns.items() if f.startswith(ph + "|"))
+            rows = [(-i, f) for i, f in rows[:top]]
+            inclusive[ph] = [{"fn": f.partition("|")[2], "ms": i * each} for i, f in rows]
+        out[size] = {
+            "samples": n,
+            "phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+            "self_ms": [
+                {"phase": f.partition("|")[0], "fn": f.partition("|")[2], "ms": -neg * each}
+                for neg, f in by_self[:top]
+            ],
+            "inclusive_ms": inclusive,
+        }
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 

@@ -79,6 +79,11 @@ SGLang's profiler records STEPS decode steps of each server, and each system's r
 gets a table of GPU time per step by kernel (`decode_profile`). The profiler's export
 stalls the server, so that run goes to WORK/serving_profile.json and `merge` skips it;
 `profile-summary` pairs it with the same commit's unprofiled steps.
+
+`stage W --host-profile HZ` is a diagnosis run of the host side: every server's
+scheduler loop is sampled HZ times a second (`sglang_psa.sched.host_profile`) and each
+record gets `host_profile`, the loop's time per decode iteration by phase and by Python
+function. Sampling slows the loop, so that run goes to WORK/serving_profile.json too.
 """
 
 from __future__ import annotations
@@ -378,6 +383,16 @@ def measure(
             f"{h['schedule_ms']:.2f}, launch {h['launch_ms']:.2f}, results "
             f"{h['results_ms']:.2f}, other {h['other_ms']:.2f}), GPU wait "
             f"{h['gpu_wait_ms']:.2f}")  # fmt: skip
+    prof = analysis.host_profile(
+        rec["server_info_before"], rec["server_info_after"], rec["host_loop"]
+    )
+    if prof:
+        rec["host_profile"] = prof
+        size, h = list(prof.items())[-1]
+        top = ", ".join(f"{r['fn'].split(':')[-2]} ({r['phase']}) {r['ms']:.3f}"
+                        for r in h["self_ms"][:8])  # fmt: skip
+        log(f"{w.name}/{name}: host profile at decode batch {size} ({h['samples']} samples), "
+            f"ms an iteration by innermost function: {top}")  # fmt: skip
     if w.is_sweep:
         rec["rates"] = runs
         rec["rates_failed"] = failed_rates
@@ -691,6 +706,8 @@ def stage(args) -> int:
     work = Path(args.work)
     # every server (plain ones too) times its scheduler loop (sglang_psa.sched.host_timing)
     os.environ.setdefault("SGLANG_PSA_HOST_TIMING", "1")
+    if args.host_profile:  # and samples it (a diagnosis run)
+        os.environ["SGLANG_PSA_HOST_PROFILE"] = f"{args.host_profile:g}"
     cpus = machine_samples.split_cpus(
         args.client_cores, machine_samples.cpu_cores(), os.sched_getaffinity(0)
     )
@@ -765,6 +782,8 @@ def stage(args) -> int:
         }
         if args.profile_decode:
             part["profiled"] = args.profile_decode
+        if args.host_profile:
+            part["host_profiled"] = args.host_profile
         ctx |= {"run_id": run_id, "dataset": dataset, "meta": workloads_mod.load_meta(dataset)}
         part_path = work / "parts" / f"{w.name}.{run_id}.json"
         if args.continue_run:
@@ -830,7 +849,7 @@ def stage(args) -> int:
     for p in plans:
         save_part(p.part, p.path, args)  # with the systems left unstarted, if any
     out = Path(args.out) if args.out else None
-    if args.profile_decode and out is None:
+    if (args.profile_decode or args.host_profile) and out is None:
         out = Path(args.work) / "serving_profile.json"  # perturbed runs: diagnosis only
     if args.smoke and out is None:
         out = Path(args.work) / "serving_smoke.json"  # never merged into a real result
@@ -879,6 +898,9 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
             fresh["config"]["prompt_format"],
         ),
         "cpus": (part["config"].get("cpus"), fresh["config"]["cpus"]),
+        # a diagnosis run (perturbed servers) continues only as one
+        "profiled": (part.get("profiled"), fresh.get("profiled")),
+        "host_profiled": (part.get("host_profiled"), fresh.get("host_profiled")),
         # the tree that ran: a GIT_COMMIT given by hand does not vouch for it
         "source_sha256": (part.get("source_sha256"), fresh["source_sha256"]),
     }
@@ -1035,12 +1057,14 @@ def plot(merged: dict, path: Path) -> None:
 
 def merge_cmd(args) -> int:
     parts = load_parts([Path(p) for p in args.parts])
-    profiled = [p for p in parts if p.get("profiled")]
-    if profiled:  # their servers stalled for the profiler's export: not measurements
-        log(f"merge: skipping {len(profiled)} part(s) of --profile-decode runs")
-        parts = [p for p in parts if not p.get("profiled")]
+    profiled = [p for p in parts if p.get("profiled") or p.get("host_profiled")]
+    if profiled:  # their servers stalled for the profiler's export or sampling: perturbed
+        log(f"merge: skipping {len(profiled)} part(s) of --profile-decode/--host-profile runs")
+        parts = [p for p in parts if p not in profiled]
         if not parts:
-            raise SystemExit("merge: only --profile-decode parts given: diagnosis, not results")
+            raise SystemExit(
+                "merge: only --profile-decode/--host-profile parts given: diagnosis, not results"
+            )
     if not parts:
         raise SystemExit("merge: no parts found in " + ", ".join(args.parts))
     merged = merge_into(Path(args.out) if args.out else None, parts, args)
@@ -1164,6 +1188,15 @@ def main(argv: list[str] | None = None) -> int:
         "system with SGLang's profiler and keep a table of GPU time by kernel; the "
         "profiler's export stalls the server, so the run goes to WORK/serving_profile.json, "
         "never into a real result",
+    )
+    st.add_argument(
+        "--host-profile",
+        type=float,
+        default=0,
+        metavar="HZ",
+        help="diagnosis: sample every server's scheduler loop HZ times a second and keep "
+        "its host time per decode iteration by phase and Python function; sampling slows "
+        "the loop, so the run goes to WORK/serving_profile.json, never into a real result",
     )
     st.add_argument(
         "--prompts",

@@ -28,6 +28,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SGLANG_PSA_HOST_TIMING", "1")  # the scheduler loop times itself
+        mp.setenv("SGLANG_PSA_HOST_PROFILE", "200")  # and samples its stack
         with probes.live_server(probes.SERVER_ARGS, 30127, log, probes.API_KEY) as (s, _):
             yield s
 
@@ -69,3 +70,27 @@ def test_the_scheduler_loop_times_its_decode_iterations(server):
     # gpu_wait and results count under the batch processed, one iteration later
     assert phases <= spent["iteration_s"] * 1.1, spent
     assert spent["iteration_s"] / n < 0.1, spent  # ms-scale steps, not a stall
+
+
+def test_the_scheduler_loop_profile_samples_sglangs_own_functions(server):
+    """With `SGLANG_PSA_HOST_PROFILE` the loop's samples of a lone request's decode land
+    under decode batch 1, in the loop's phases, with SGLang's `run_batch` on the stack of
+    the launch-phase samples (all but those landing in the timing hook around it)."""
+
+    def profile() -> dict:
+        state = server.info()["internal_states"][0]
+        return state["psa_host_profile"].get("decode/1", {"samples": 0, "functions": {}})
+
+    before = profile()
+    r = server.generate(probes.prompt(2000, seed=8), 256)
+    assert r.status_code == 200, r.text
+    after = profile()
+    assert after["samples"] - before["samples"] >= 10, (before, after)
+    launch = after["phases"].get("launch", 0) - before.get("phases", {}).get("launch", 0)
+    assert launch > 0, after["phases"]
+    run_batch = [
+        v[0] - before["functions"].get(k, [0, 0])[0]
+        for k, v in after["functions"].items()
+        if k.startswith("launch|sglang/srt/managers/scheduler.py:run_batch:")
+    ]
+    assert len(run_batch) == 1 and run_batch[0] >= 0.9 * launch, (launch, run_batch)

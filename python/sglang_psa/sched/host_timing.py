@@ -63,6 +63,11 @@ class HostTiming:
     def launched(self, key: str) -> None:
         self._launched = key
 
+    @property
+    def launched_key(self) -> str:
+        """The batch the current iteration launched so far (`"idle/0"`: none yet)."""
+        return self._launched
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {k: dict(v) for k, v in sorted(self.sums.items())}
 

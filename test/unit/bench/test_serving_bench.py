@@ -1869,3 +1869,45 @@ def test_a_merged_result_keeps_the_machine_summary_not_the_raw_samples():
     assert got["systems"]["psa"]["metrics"]["machine"] == {"util_pct": 80.0}
     assert part["systems"]["psa"]["machine_samples"] is raw  # the part itself unchanged
     assert got["workload"] == "a"
+
+
+def test_host_profile_turns_the_windows_samples_into_time_per_iteration():
+    def prof(samples, phases, functions):
+        return {"decode/32": {"hz": 1000, "samples": samples, "phases": phases,
+                              "functions": functions}}  # fmt: skip
+
+    f, g, h = "schedule|m.py:alloc:1", "schedule|m.py:loop:9", "results|m.py:send:5"
+    before = {"psa_host_profile": prof(10, {"schedule": 10}, {f: [4, 4], g: [10, 6]})}
+    after = {
+        "psa_host_profile": prof(
+            # 100 more samples: alloc innermost in 30, loop on the stack in 60, send 40
+            110,
+            {"schedule": 70, "results": 40},
+            {f: [34, 34], g: [70, 36], h: [40, 40]},
+        )
+    }
+    loop = {"32": {"iteration_ms": 2.0}}  # the same window: 100 samples over 2 ms each
+    got = analysis.host_profile(before, after, loop)["32"]
+    assert got["samples"] == 100
+    assert got["phase_ms"] == pytest.approx({"schedule": 1.2, "results": 0.8})
+    assert [(r["fn"], r["phase"]) for r in got["self_ms"]] == [
+        ("m.py:send:5", "results"),
+        ("m.py:alloc:1", "schedule"),
+        ("m.py:loop:9", "schedule"),
+    ]
+    assert [r["ms"] for r in got["self_ms"]] == pytest.approx([0.8, 0.6, 0.6])
+    assert got["inclusive_ms"]["schedule"][0] == {"fn": "m.py:loop:9", "ms": pytest.approx(1.2)}
+    assert analysis.host_profile(before, after, {}) == {}  # no timing for the size
+    assert analysis.host_profile(None, {"psa_host_profile": None}, loop) == {}
+
+
+def test_merge_keeps_a_host_profiled_part_out_of_results(tmp_path):
+    part = tmp_path / "a.20261201T000000Z.json"
+    part.write_text(json.dumps({"workload": "a", "run_id": "x", "host_profiled": 500,
+                                "systems": {}}))  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    merged = subprocess.run(
+        [sys.executable, "benchmark/serving/run.py", "merge", str(part)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert merged.returncode != 0 and "diagnosis, not results" in merged.stderr

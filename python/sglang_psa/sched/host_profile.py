@@ -1,0 +1,146 @@
+"""A sampling profile of SGLang's scheduler loop by phase: which Python functions the
+host spends a decode iteration in. A diagnostic that runs only with
+`SGLANG_PSA_HOST_PROFILE=<samples per second>` beside `SGLANG_PSA_HOST_TIMING=1` in the
+server's environment (plain servers too: the plugin's hooks wrap the loop alike).
+
+`host_timing` says how long each phase of an iteration takes; this says where inside a
+phase the time goes. A thread of the scheduler process wakes `hz` times a second, reads
+the scheduler thread's Python stack (`sys._current_frames`) and counts it under the
+phase the loop is in (`host_timing.PHASES`, or `other`). At the iteration's end the
+samples are filed under the batch the iteration launched (`"decode/32"`), as its time is.
+
+Costs and limits: each sample holds the GIL while it walks the stack (tens of us), so a
+profiled loop runs slower: runs with it are diagnosis, never results. A function in C
+that keeps the GIL shows as its Python caller; a sample that lands while the scheduler
+thread waits on the GIL counts where that thread stands.
+
+Contract: `PROFILE.snapshot()` gives, per decode batch key, cumulative `samples`, samples
+per phase and, per `"<phase>|<function>"`, `[inclusive, self]` sample counts (inclusive:
+the function was on the stack; self: it was the innermost frame); a client takes the
+difference of two snapshots and turns counts into time with the loop's own timing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import CodeType
+
+ENV = "SGLANG_PSA_HOST_PROFILE"
+MAX_DEPTH = 64  # frames kept from the innermost one; SGLang's loop runs ~20-40 deep
+MAX_HZ = 10_000
+
+
+def rate_hz(environ=os.environ) -> float:
+    """Samples per second asked for in `SGLANG_PSA_HOST_PROFILE` (0: off). A value that
+    is not a number in (0, 10000] stops the server's start with a message naming it."""
+    text = environ.get(ENV, "").strip()
+    if not text or text == "0":
+        return 0.0
+    try:
+        hz = float(text)
+    except ValueError:
+        hz = -1.0
+    if not 0 < hz <= MAX_HZ:
+        raise ValueError(f"{ENV}={text!r}: expected samples per second in (0, {MAX_HZ}]")
+    return hz
+
+
+def function_name(code: CodeType) -> str:
+    """`sglang/srt/managers/scheduler.py:run_batch:2140`: the file from its package root
+    (site-packages or the repository's `python/`), the function and its first line."""
+    path = code.co_filename.replace("\\", "/")
+    for root in ("/site-packages/", "/dist-packages/", "/python/"):
+        if root in path:
+            path = path.rsplit(root, 1)[1]
+            break
+    else:
+        path = "/".join(path.split("/")[-2:])
+    return f"{path}:{code.co_name}:{code.co_firstlineno}"
+
+
+class HostProfile:
+    """Stack samples of one thread, filed by loop phase and by the iteration's batch."""
+
+    def __init__(self, hz: float, frames=sys._current_frames):
+        self.hz = hz
+        self.phase = "other"  # set by the host-timing hooks on the profiled thread
+        self.thread_id: int | None = None
+        self._frames = frames
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, tuple[CodeType, ...]], int] = {}
+        self._stacks: dict[str, dict[tuple[str, tuple[CodeType, ...]], int]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- the sampler ---------------------------------------------------------------
+    def start(self, thread_id: int) -> None:
+        """Sample `thread_id` from a daemon thread from now on (once; later calls keep
+        the first thread)."""
+        if self._thread is not None:
+            return
+        self.thread_id = thread_id
+        self._thread = threading.Thread(target=self._run, name="psa-host-profile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        interval = 1.0 / self.hz
+        while not self._stop.wait(interval):
+            self.sample()
+
+    def sample(self) -> None:
+        """Count the profiled thread's stack once, under the phase it is in."""
+        frame = self._frames().get(self.thread_id)
+        codes = []
+        while frame is not None and len(codes) < MAX_DEPTH:
+            codes.append(frame.f_code)
+            frame = frame.f_back
+        if not codes:
+            return
+        key = (self.phase, tuple(codes))
+        with self._lock:
+            self._pending[key] = self._pending.get(key, 0) + 1
+
+    # -- the loop's side -----------------------------------------------------------
+    def end_iteration(self, batch_key: str) -> None:
+        """The iteration that launched `batch_key` ended: its samples are that batch's
+        (only decode batches are kept)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending or not batch_key.startswith("decode/"):
+            return
+        stacks = self._stacks.setdefault(batch_key, {})
+        for key, n in pending.items():
+            stacks[key] = stacks.get(key, 0) + n
+
+    def snapshot(self) -> dict[str, dict]:
+        out = {}
+        for batch_key, stacks in sorted(self._stacks.items()):
+            phases: dict[str, int] = {}
+            functions: dict[str, list[int]] = {}
+            for (phase, codes), n in stacks.items():
+                phases[phase] = phases.get(phase, 0) + n
+                for code in set(codes):
+                    functions.setdefault(f"{phase}|{function_name(code)}", [0, 0])[0] += n
+                functions.setdefault(f"{phase}|{function_name(codes[0])}", [0, 0])[1] += n
+            out[batch_key] = {
+                "hz": self.hz,
+                "samples": sum(phases.values()),
+                "phases": phases,
+                "functions": functions,
+            }
+        return out
+
+
+def make() -> HostProfile | None:
+    hz = rate_hz()
+    return HostProfile(hz) if hz else None
+
+
+PROFILE = make()
