@@ -147,6 +147,10 @@ FEATURES: dict[str, tuple[str, ...]] = {
     # `RadixCache` and overrides its calls as they are there (tested against it): SGLang's
     # registry then offers it as `--radix-cache-backend psa`.
     "psa_radix_cache": ("0.5.17",),
+    # `alloc_for_decode` advances a request's committed KV length with its allocated one
+    # (0.5.17: `prepare_for_decode` advances `Req.kv_committed_len` after it);
+    # `mem_cache.decode_alloc` does as the release does.
+    "decode_alloc_commits": ("0.5.23",),
 }
 
 

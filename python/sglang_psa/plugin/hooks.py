@@ -139,6 +139,13 @@ HOOKS: tuple[Hook, ...] = (
         "--psa-kv-home tiered: plan the write-back of the blocks an extend completes",
     ),
     Hook(
+        "sglang.srt.mem_cache.allocation.alloc_for_decode",
+        "around",
+        "scheduling:around_alloc_for_decode",
+        ("batch", "token_per_req"),
+        "--sparse-mode: a decode step's paged KV slots in one launch (mem_cache.decode_alloc)",
+    ),
+    Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
         "after",
         "scheduling:after_prepare_for_decode",

@@ -312,6 +312,21 @@ def after_prepare_for_extend(result, batch):
     return result
 
 
+def around_alloc_for_decode(original, batch, token_per_req):
+    """Under `--sparse-mode` the paged decode allocation is one launch
+    (`mem_cache.decode_alloc`); where that does not apply, or the pool lacks the pages,
+    SGLang's own path (which then reports the shortage as SGLang does)."""
+    if _serving() is None:
+        return original(batch, token_per_req)
+    from sglang_psa.mem_cache import decode_alloc  # Triton: imported in the scheduler only
+
+    if decode_alloc.handles(batch, token_per_req):
+        out = decode_alloc.allocate(batch)
+        if out is not None:
+            return out
+    return original(batch, token_per_req)
+
+
 def after_prepare_for_decode(result, batch):
     """A decode batch is set up: the write-back plans the blocks earlier steps completed
     (and takes the copy engine's acknowledgements)."""
