@@ -7,7 +7,6 @@ of pages, go to SGLang's path, errors included."""
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 
 import pytest
@@ -49,11 +48,14 @@ def _batch(bs, seed, need_sort=False, spare_pages=600):
         page_size=PAGE,
         token_to_kv_pool_allocator=alloc,
         is_chunk_cache=lambda: False,
-        evict=lambda params: evicted.append(params.num_tokens),
+        supports_prefix_sharing=lambda: True,
+        evict=lambda params: evicted.append(params.num_tokens),  # 0.5.17
+        evict_for_alloc=lambda params, **kw: evicted.append(params.num_tokens),  # 0.5.23
         pretty_print=lambda: None,
         available_and_evictable_str=lambda: "(test pool)",
     )
-    pool = SimpleNamespace(req_to_token=table)
+    pool = SimpleNamespace(req_to_token=table, _aux_cache=None)
+    pool.alloc_aux_to_lengths = lambda **kw: None  # 0.5.23: no auxiliary cache here
     pool.write = lambda idx, values: pool.req_to_token.__setitem__(idx, values)
     reqs = [
         SimpleNamespace(kv=SimpleNamespace(kv_allocated_len=n, kv_committed_len=n))
@@ -69,17 +71,15 @@ def _batch(bs, seed, need_sort=False, spare_pages=600):
         token_to_kv_pool_allocator=alloc,
         model_config=SimpleNamespace(is_encoder_decoder=False),
         hisparse_coordinator=None,
+        device="cpu",
+        req_pool_indices_cpu=rows.clone(),
         maybe_evict_swa=lambda: None,
         evicted=evicted,
     )
 
 
 def _twins(*args, **kw):
-    a = _batch(*args, **kw)
-    b = copy.deepcopy(a)
-    b.tree_cache.evict = lambda params: b.evicted.append(params.num_tokens)
-    b.req_to_token_pool.write = lambda idx, v: b.req_to_token_pool.req_to_token.__setitem__(idx, v)
-    return a, b
+    return _batch(*args, **kw), _batch(*args, **kw)  # the same seed: the same batch
 
 
 @pytest.fixture
