@@ -17,7 +17,7 @@ import triton.language as tl
 from sgl_kernel_ext.runtime import triton_enabled
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs"])  # one compile per power-of-two batch bound, not per size
 def _decode_slots_kernel(
     req_to_token,
     row_stride,
