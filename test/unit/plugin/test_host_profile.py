@@ -5,6 +5,7 @@ thread reads a real busy thread's stack."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -110,13 +111,17 @@ def test_a_sampler_thread_reads_a_busy_threads_real_stack():
     worker = threading.Thread(target=spin, args=(stop,))
     worker.start()
     p = host_profile.HostProfile(2000)
+    switch = sys.getswitchinterval()
     try:
         p.start(worker.ident)
+        # the GIL handed over within a quarter period, so samples come when asked
+        assert sys.getswitchinterval() <= 0.25 / 2000
         time.sleep(0.3)
     finally:
         p.stop()
         stop.set()
         worker.join()
+        sys.setswitchinterval(switch)
     p.end_iteration("decode/1")
     d = p.snapshot()["decode/1"]
     spin_key = f"other|{host_profile.function_name(spin.__code__)}"
