@@ -18,11 +18,18 @@ every supported release.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from sgl_kernel_ext.decode_slots import decode_slots
 from sglang_psa import releases
+
+
+@functools.cache
+def _commits() -> bool:
+    return releases.has("decode_alloc_commits")
 
 
 def handles(batch, token_per_req: int) -> bool:
@@ -68,7 +75,7 @@ def allocate(batch) -> torch.Tensor | None:
         out,
     )
     alloc.free_pages = alloc.free_pages[new_pages:]
-    commits = releases.has("decode_alloc_commits")
+    commits = _commits()
     for req in batch.reqs:
         req.kv.kv_allocated_len += 1
         if commits:
