@@ -24,6 +24,7 @@ difference of two snapshots and turns counts into time with the loop's own timin
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -49,17 +50,31 @@ def rate_hz(environ=os.environ) -> float:
     return hz
 
 
-def function_name(code: CodeType) -> str:
-    """`sglang/srt/managers/scheduler.py:run_batch:2140`: the file from its package root
-    (site-packages or the repository's `python/`), the function and its first line."""
-    path = code.co_filename.replace("\\", "/")
-    for root in ("/site-packages/", "/dist-packages/", "/python/"):
-        if root in path:
-            path = path.rsplit(root, 1)[1]
-            break
-    else:
-        path = "/".join(path.split("/")[-2:])
-    return f"{path}:{code.co_name}:{code.co_firstlineno}"
+@functools.lru_cache(maxsize=1)
+def _import_roots() -> tuple[str, ...]:
+    """The folders modules are imported from (`sys.path`), longest first."""
+    roots = {os.path.abspath(p) for p in sys.path if p}
+    return tuple(sorted(roots, key=len, reverse=True))
+
+
+def function_name(code: CodeType, roots: tuple[str, ...] | None = None) -> str:
+    """`sglang/srt/managers/scheduler.py:run_batch:2140`: the file from the import root
+    it was loaded from (site-packages, a `pip --target` folder, a checkout's `python/`),
+    the function and its first line."""
+    return f"{_relative(code.co_filename, roots)}:{code.co_name}:{code.co_firstlineno}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _relative(path: str, roots: tuple[str, ...] | None) -> str:
+    for root in _import_roots() if roots is None else roots:
+        if path.startswith(root.rstrip("/") + "/"):
+            return path[len(root.rstrip("/")) + 1 :]
+    # not under an import root (an editable install's finder): above its package folders
+    parts = path.split("/")
+    top = len(parts) - 1
+    while top > 1 and os.path.exists("/".join(parts[:top] + ["__init__.py"])):
+        top -= 1
+    return "/".join(parts[top:]) if top < len(parts) - 1 else "/".join(parts[-2:])
 
 
 class HostProfile:

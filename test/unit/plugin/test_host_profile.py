@@ -51,15 +51,35 @@ def test_rate_is_read_from_the_environment_and_a_bad_one_names_the_variable():
             host_profile.rate_hz({host_profile.ENV: bad})
 
 
-def test_function_names_start_at_the_package_root():
+def _package(root):
+    for d in (root / "pkg", root / "pkg" / "sub"):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "__init__.py").write_text("")
+    return root / "pkg"
+
+
+def test_function_names_start_at_the_import_root(tmp_path):
+    roots = ("/tmp/psa-site", "/opt/v/lib/python3.12/site-packages", "/work/main/python")
     code = SimpleNamespace(
         co_filename="/opt/v/lib/python3.12/site-packages/sglang/srt/managers/scheduler.py",
         co_name="run_batch",
         co_firstlineno=2140,
     )
-    assert host_profile.function_name(code) == "sglang/srt/managers/scheduler.py:run_batch:2140"
+    name = "sglang/srt/managers/scheduler.py:run_batch:2140"
+    assert host_profile.function_name(code, roots) == name
+    code.co_filename = "/tmp/psa-site/sglang/srt/managers/scheduler.py"  # pip --target
+    assert host_profile.function_name(code, roots) == name
     code.co_filename = "/work/main/python/sglang_psa/sched/serving.py"
-    assert host_profile.function_name(code).startswith("sglang_psa/sched/serving.py:")
+    assert host_profile.function_name(code, roots).startswith("sglang_psa/sched/serving.py:")
+    code.co_filename = "/elsewhere/deep/pkg/mod.py"  # not under a root: its last two parts
+    assert host_profile.function_name(code, roots).startswith("pkg/mod.py:")
+    # under no root (an editable install's import finder): from above its package folders
+    loose = SimpleNamespace(co_name="f", co_firstlineno=1)
+    loose.co_filename = str(_package(tmp_path) / "sub" / "mod.py")
+    assert host_profile.function_name(loose, roots) == "pkg/sub/mod.py:f:1"
+    # this process's own roots: this package from wherever it was imported
+    real = host_profile.function_name(host_profile.function_name.__code__)
+    assert real.startswith("sglang_psa/sched/host_profile.py:function_name:")
 
 
 def test_samples_count_by_phase_and_function_under_their_iterations_batch():
