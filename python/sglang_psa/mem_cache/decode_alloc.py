@@ -39,6 +39,7 @@ def handles(batch, token_per_req: int) -> bool:
     alloc = batch.token_to_kv_pool_allocator
     return (
         token_per_req == 1
+        and getattr(batch, "seq_lens_cpu", None) is not None
         and type(alloc) is PagedTokenToKVPoolAllocator
         and alloc.page_size > 1
         and batch.tree_cache.page_size == alloc.page_size

@@ -134,6 +134,9 @@ def test_what_it_does_not_handle_is_sglangs_path(sparse, monkeypatch):
     b.token_to_kv_pool_allocator.__class__ = Widened
     assert not scheduling_handles(b)
     assert not scheduling_handles(_batch(4, seed=1), token_per_req=2)
+    b = _batch(4, seed=1)
+    b.seq_lens_cpu = None  # no host copy of the lengths: nothing to count pages from
+    assert not scheduling_handles(b)
     assert scheduling_handles(_batch(4, seed=1))
     monkeypatch.setattr(scheduling, "_serving", lambda: None)  # plain SGLang: its own path
     assert scheduling.around_alloc_for_decode(lambda b, n: "sglang", _batch(4, seed=1), 1) == "sglang"
