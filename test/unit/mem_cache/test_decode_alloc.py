@@ -7,7 +7,8 @@ of pages, go to SGLang's path, errors included."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,63 +20,14 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # 
 
 from sglang_psa.plugin import scheduling  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "scheduler"))
+import alloc_step  # noqa: E402  (its stand-in batch: the benchmark's baseline is checked here)
+
 pytestmark = pytest.mark.sglang
-PAGE = 32
 
 
 def _batch(bs, seed, need_sort=False, spare_pages=600):
-    """`bs` decoding requests on pages of their own, a third at a page boundary; the
-    allocator's free list shuffled (`spare_pages` of them)."""
-    g = torch.Generator().manual_seed(seed)
-    rows_total, width = bs + 8, 24 * PAGE
-    pages = bs * 24 + spare_pages + 1
-    alloc = PagedTokenToKVPoolAllocator(pages * PAGE, PAGE, torch.float32, "cpu", None, need_sort)
-    order = torch.randperm(pages - 1, generator=g) + 1
-    rows = torch.randperm(rows_total, generator=g)[:bs]
-    lens = torch.randint(1, width - 1, (bs,), generator=g)
-    edge = torch.rand(bs, generator=g) < 0.33
-    lens[edge] = (lens[edge] // PAGE).clamp(min=1) * PAGE
-    table = torch.zeros(rows_total, width, dtype=torch.int32)
-    k = 0
-    for r, n in zip(rows.tolist(), lens.tolist()):
-        for p in range((n + PAGE - 1) // PAGE):
-            table[r, p * PAGE : (p + 1) * PAGE] = torch.arange(PAGE) + int(order[k]) * PAGE
-            k += 1
-        table[r, n:] = 0
-    alloc.free_pages = order[k : k + spare_pages].clone()
-    evicted = []
-    tree = SimpleNamespace(
-        page_size=PAGE,
-        token_to_kv_pool_allocator=alloc,
-        is_chunk_cache=lambda: False,
-        supports_prefix_sharing=lambda: True,
-        evict=lambda params: evicted.append(params.num_tokens),  # 0.5.17
-        evict_for_alloc=lambda params, **kw: evicted.append(params.num_tokens),  # 0.5.23
-        pretty_print=lambda: None,
-        available_and_evictable_str=lambda: "(test pool)",
-    )
-    pool = SimpleNamespace(req_to_token=table, _aux_cache=None)
-    pool.alloc_aux_to_lengths = lambda **kw: None  # 0.5.23: no auxiliary cache here
-    pool.write = lambda idx, values: pool.req_to_token.__setitem__(idx, values)
-    reqs = [
-        SimpleNamespace(kv=SimpleNamespace(kv_allocated_len=n, kv_committed_len=n))
-        for n in lens.tolist()
-    ]
-    return SimpleNamespace(
-        reqs=reqs,
-        seq_lens=lens.clone(),
-        seq_lens_cpu=lens.clone(),
-        req_pool_indices=rows,
-        req_to_token_pool=pool,
-        tree_cache=tree,
-        token_to_kv_pool_allocator=alloc,
-        model_config=SimpleNamespace(is_encoder_decoder=False),
-        hisparse_coordinator=None,
-        device="cpu",
-        req_pool_indices_cpu=rows.clone(),
-        maybe_evict_swa=lambda: None,
-        evicted=evicted,
-    )
+    return alloc_step.fake_batch(bs, seed, need_sort=need_sort, spare_pages=spare_pages)
 
 
 def _twins(*args, **kw):
@@ -139,10 +91,24 @@ def test_what_it_does_not_handle_is_sglangs_path(sparse, monkeypatch):
     assert not scheduling_handles(b)
     assert scheduling_handles(_batch(4, seed=1))
     monkeypatch.setattr(scheduling, "_serving", lambda: None)  # plain SGLang: its own path
-    assert scheduling.around_alloc_for_decode(lambda b, n: "sglang", _batch(4, seed=1), 1) == "sglang"
+    assert (
+        scheduling.around_alloc_for_decode(lambda b, n: "sglang", _batch(4, seed=1), 1) == "sglang"
+    )
 
 
 def scheduling_handles(batch, token_per_req=1) -> bool:
     from sglang_psa.mem_cache import decode_alloc
 
     return decode_alloc.handles(batch, token_per_req)
+
+
+def test_the_alloc_benchmark_runs_both_paths_through_its_steps():
+    """`benchmark/scheduler/alloc_step.py` on CPU (the interpreter): every step of both
+    paths finds its pages and its row's room, from 16K-token requests up."""
+    from sglang.srt.mem_cache import allocation
+
+    from sglang_psa.mem_cache import decode_alloc
+
+    for path in (lambda b: allocation.alloc_for_decode(b, 1), decode_alloc.allocate):
+        times = alloc_step.host_us(path, bs=4, steps=40, warmup=2, device="cpu")
+        assert len(times) == 40 and min(times) > 0
