@@ -36,7 +36,7 @@ for sub in ("benchmark/reliability", "benchmark/serving", "python"):
 import analysis  # noqa: E402
 import probes  # noqa: E402
 
-from sglang_psa.eval.results import write_result  # noqa: E402
+from sglang_psa.eval.results import gpu_tag, write_result  # noqa: E402
 
 RESULTS = ROOT / "benchmark" / "results"
 ROUTER_ARGS = ["--max-running-requests", "16", "--cuda-graph-max-bs", "16"]
@@ -173,8 +173,7 @@ def _serving_run():
 
 def result_path(device: str, tp: int) -> Path:
     """results/parallel_<gpu>x<tp>.json, the GPU named as the serving results name it."""
-    tag = _serving_run().result_name(device).split("_", 1)[1]
-    return RESULTS / f"parallel_{tag}x{tp}.json"
+    return RESULTS / f"parallel_{gpu_tag(device)}x{tp}.json"
 
 
 def summarize(args) -> int:

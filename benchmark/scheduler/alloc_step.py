@@ -126,7 +126,7 @@ def main(argv=None) -> None:
         raise SystemExit("alloc_step: needs a CUDA GPU (the paths' host side includes launches)")
     from sglang.srt.mem_cache import allocation
 
-    from sglang_psa.eval.results import write_result
+    from sglang_psa.eval.results import gpu_tag, write_result
     from sglang_psa.mem_cache import decode_alloc
 
     allocation._alloc_page_size = lambda batch: batch.tree_cache.page_size  # DCP off
@@ -151,8 +151,7 @@ def main(argv=None) -> None:
         "host_us_saved_b32": b32["saved_us"],
         "by_batch": by_batch,
     }
-    gpu = torch.cuda.get_device_name(0)
-    tag = next((t.lower() for t in ("H100", "H200", "B200", "A100") if t in gpu), "gpu")
+    tag = gpu_tag(torch.cuda.get_device_name(0))
     out = args.out or ROOT / "benchmark" / "results" / f"alloc_step_{tag}.json"
     print(write_result(Path(out), summary, {"steps": args.steps, "prompt_tokens": PROMPT}))
 

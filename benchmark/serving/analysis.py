@@ -558,19 +558,24 @@ def host_profile(before: dict | None, after: dict | None, loop: dict, top: int =
         phases = {
             ph: (c - prev.get("phases", {}).get(ph, 0)) * each for ph, c in prof["phases"].items()
         }
-        # most time first, ties by name
-        by_self = sorted((-own, f) for f, (_, own) in fns.items() if own > 0)
-        inclusive = {}
-        for ph in phases:
-            rows = sorted((-i, f) for f, (i, _) in fns.items() if f.startswith(ph + "|"))
-            rows = [(-i, f) for i, f in rows[:top]]
-            inclusive[ph] = [{"fn": f.partition("|")[2], "ms": i * each} for i, f in rows]
+
+        def most(counts):  # (name, count) pairs, most first, ties by name
+            return sorted(counts, key=lambda kv: (-kv[1], kv[0]))[:top]
+
+        by_self = most((f, own) for f, (_, own) in fns.items() if own > 0)
+        inclusive = {
+            ph: [
+                {"fn": f.partition("|")[2], "ms": i * each}
+                for f, i in most((f, i) for f, (i, _) in fns.items() if f.startswith(ph + "|"))
+            ]
+            for ph in phases
+        }
         out[size] = {
             "samples": n,
             "phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
             "self_ms": [
-                {"phase": f.partition("|")[0], "fn": f.partition("|")[2], "ms": -neg * each}
-                for neg, f in by_self[:top]
+                {"phase": f.partition("|")[0], "fn": f.partition("|")[2], "ms": own * each}
+                for f, own in by_self
             ],
             "inclusive_ms": inclusive,
         }

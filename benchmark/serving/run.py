@@ -151,12 +151,10 @@ def device_name() -> str:
 
 
 def result_name(device: str) -> str:
-    """serving_h100 / serving_h200 / serving_gpu: a run on another kind never lands under
-    the H100's name."""
-    for tag in ("H100", "H200", "B200", "A100"):
-        if tag in device:
-            return f"serving_{tag.lower()}"
-    return "serving_gpu" if device != "no GPU" else "serving_cpu"
+    """serving_h100 / serving_h200 / serving_gpu (`eval.results.gpu_tag`)."""
+    from sglang_psa.eval.results import gpu_tag
+
+    return f"serving_{gpu_tag(device)}"
 
 
 def provenance() -> dict:

@@ -35,6 +35,16 @@ def machine() -> str:
     return ", ".join(parts)
 
 
+def gpu_tag(device: str) -> str:
+    """A result file's GPU suffix from a device name: h100, h200, b200 or a100; gpu for
+    another GPU, cpu for "no GPU" (a run on another kind never lands under an H100's
+    name)."""
+    for tag in ("H100", "H200", "B200", "A100"):
+        if tag in device:
+            return tag.lower()
+    return "gpu" if device != "no GPU" else "cpu"
+
+
 def git_commit(repo: Path | None = None) -> str:
     """`GIT_COMMIT` when set (the GPU machine's copy of .git can be stale), else git's HEAD."""
     if os.environ.get("GIT_COMMIT"):

@@ -13,7 +13,7 @@ plain paged case (SGLang's `PagedTokenToKVPoolAllocator`, one token per request,
 encoder, no auxiliary per-request cache); anything else, and a pool without the free
 pages the step needs, is SGLang's own path (`None`), which also reports the
 out-of-memory error as SGLang does. A test drives both on the same batches, against
-every supported release.
+every supported release. It imports SGLang: the scheduler's hook imports it, lazily.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import functools
 
 import numpy as np
 import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.common import evict_from_tree_cache
 
 from sgl_kernel_ext.decode_slots import decode_slots
 from sglang_psa import releases
@@ -34,8 +36,6 @@ def _commits() -> bool:
 
 def handles(batch, token_per_req: int) -> bool:
     """Whether `allocate` serves this batch's decode allocation."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-
     alloc = batch.token_to_kv_pool_allocator
     return (
         token_per_req == 1
@@ -53,8 +53,6 @@ def allocate(batch) -> torch.Tensor | None:
     """The batch's next-token slots (int64 [bs]), written into its request-to-token rows
     and taken from the allocator's free pages; None (nothing changed) where the free
     pages, after the tree cache's eviction, cannot hold the step's new pages."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
-
     batch.maybe_evict_swa()
     alloc = batch.token_to_kv_pool_allocator
     page = alloc.page_size

@@ -318,7 +318,7 @@ def around_alloc_for_decode(original, batch, token_per_req):
     SGLang's own path (which then reports the shortage as SGLang does)."""
     if _serving() is None:
         return original(batch, token_per_req)
-    from sglang_psa.mem_cache import decode_alloc  # Triton: imported in the scheduler only
+    from sglang_psa.mem_cache import decode_alloc  # SGLang, Triton: in the scheduler only
 
     if decode_alloc.handles(batch, token_per_req):
         out = decode_alloc.allocate(batch)

@@ -12,9 +12,9 @@ samples are filed under the batch the iteration launched (`"decode/32"`), as its
 Costs and limits: each sample holds the GIL while it walks the stack (tens of us), and
 the process's GIL switch interval is shortened to a quarter of the sampling period so
 that a sample is taken when asked (Python's default, 5 ms, would cap samples at ~200 a
-second); a profiled loop runs slower: runs with it are diagnosis, never results. A function in C
-that keeps the GIL shows as its Python caller; a sample that lands while the scheduler
-thread waits on the GIL counts where that thread stands.
+second); a profiled loop runs slower: runs with it are diagnosis, never results. A
+function in C that keeps the GIL shows as its Python caller; a sample that lands while
+the scheduler thread waits on the GIL counts where that thread stands.
 
 Contract: `PROFILE.snapshot()` gives, per decode batch key, cumulative `samples`, samples
 per phase and, per `"<phase>|<function>"`, `[inclusive, self]` sample counts (inclusive:
@@ -66,9 +66,9 @@ def function_name(code: CodeType, roots: tuple[str, ...] | None = None) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _relative(path: str, roots: tuple[str, ...] | None) -> str:
-    for root in _import_roots() if roots is None else roots:
-        if path.startswith(root.rstrip("/") + "/"):
-            return path[len(root.rstrip("/")) + 1 :]
+    for root in _import_roots() if roots is None else roots:  # absolute, no trailing /
+        if path.startswith(root + "/"):
+            return path[len(root) + 1 :]
     # not under an import root (an editable install's finder): above its package folders
     parts = path.split("/")
     top = len(parts) - 1
