@@ -26,8 +26,10 @@ import alloc_step  # noqa: E402  (its stand-in batch: the benchmark's baseline i
 pytestmark = pytest.mark.sglang
 
 
-def _batch(bs, seed, need_sort=False, spare_pages=600):
-    return alloc_step.fake_batch(bs, seed, need_sort=need_sort, spare_pages=spare_pages)
+def _batch(bs, seed, need_sort=False, spare_pages=600, device="cpu"):
+    return alloc_step.fake_batch(
+        bs, seed, device=device, need_sort=need_sort, spare_pages=spare_pages
+    )
 
 
 def _twins(*args, **kw):
@@ -50,8 +52,9 @@ def _ours(batch):
 
 
 @pytest.mark.parametrize("bs,need_sort", [(1, False), (32, False), (32, True), (200, False)])
-def test_the_same_slots_table_and_free_pages_as_sglangs_path(sparse, bs, need_sort):
-    ours, theirs = _twins(bs, seed=bs, need_sort=need_sort)
+def test_the_same_slots_table_and_free_pages_as_sglangs_path(sparse, kernel_device, bs, need_sort):
+    """On CPU both kernels run under Triton's interpreter; on a GPU both compiled."""
+    ours, theirs = _twins(bs, seed=bs, need_sort=need_sort, device=kernel_device)
     want = alloc_for_decode(theirs, 1)
     got, fell_back = _ours(ours)
     assert fell_back == []  # served by the one launch
