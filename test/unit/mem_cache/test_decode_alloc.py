@@ -41,6 +41,17 @@ def sparse(monkeypatch):
     monkeypatch.setattr(scheduling, "_serving", lambda: object())  # --sparse-mode on
 
 
+def _dcp_off(monkeypatch):
+    """No server set the process's arguments here: SGLang's page size is the tree
+    cache's, as `benchmark/scheduler/alloc_step.py` gives it (decode context parallelism
+    off)."""
+    from sglang.srt.mem_cache import allocation
+
+    monkeypatch.setattr(
+        allocation, "_alloc_page_size", lambda b: b.tree_cache.page_size, raising=False
+    )
+
+
 def _ours(batch):
     calls = []
 
@@ -52,8 +63,12 @@ def _ours(batch):
 
 
 @pytest.mark.parametrize("bs,need_sort", [(1, False), (32, False), (32, True), (200, False)])
-def test_the_same_slots_table_and_free_pages_as_sglangs_path(sparse, kernel_device, bs, need_sort):
+def test_the_same_slots_table_and_free_pages_as_sglangs_path(
+    sparse, monkeypatch, kernel_device, bs, need_sort
+):
     """On CPU both kernels run under Triton's interpreter; on a GPU both compiled."""
+    if kernel_device == "cuda":  # on CUDA SGLang asks the server's args whether DCP is on
+        _dcp_off(monkeypatch)
     ours, theirs = _twins(bs, seed=bs, need_sort=need_sort, device=kernel_device)
     want = alloc_for_decode(theirs, 1)
     got, fell_back = _ours(ours)
