@@ -371,6 +371,11 @@ def abort_queued(s: Server, running: int = MAX_RUNNING) -> Outcome:
 
     def run():
         fill = [_in_background(s.generate, prompt(512, i), 4000) for i in range(running)]
+        # The queued requests leave only once the fill holds every slot: sent together,
+        # one could overtake a fill request, run, and finish its 64 tokens before the abort.
+        deadline = time.time() + 120
+        while s.psa_state()["running"] < running and time.time() < deadline:
+            time.sleep(0.2)
         rids = [f"queued-{uuid.uuid4().hex}" for _ in range(4)]
         queued = [_in_background(s.generate, prompt(512, 100 + i), 64, r)
                   for i, r in enumerate(rids)]  # fmt: skip

@@ -43,7 +43,7 @@ def test_bad_inputs_get_an_answer_or_a_clear_4xx(server):
 def test_faults_leave_nothing_held(server, fault):
     """Each fault leaves nothing held (the client-disconnect probe: the request aborted)."""
     o = fault(server)
-    assert o.ok, o
+    assert o.ok, f"{o.name}: expected {o.expected}; got {o.got} ({o.detail})"
 
 
 def test_psa_gauges_are_in_metrics(server):
