@@ -455,6 +455,9 @@ def psa_counters(info: dict | None) -> dict | None:
         return None
 
 
+RANKS = ("rows_ranked", "rows_kept_slot")  # server info: decode rows ranked, rows kept
+
+
 def counter_delta(before: dict | None, after: dict | None) -> dict:
     """KV fraction read over the timed window (`kv_fraction_scope` "window": the blocks
     read and readable between the two readings; "server life", warm-up and any earlier
@@ -462,7 +465,9 @@ def counter_delta(before: dict | None, after: dict | None) -> dict:
     fraction), the HBM hit rate over the window (at the tiered home the (layer, KV head,
     block) units decode read from HBM over all units it read) and, with a host tier, what
     the write-back saved in the window (blocks, bytes, engine restarts, jobs still
-    unacknowledged at the end)."""
+    unacknowledged at the end) and, where a selection is kept across steps, the share of
+    the window's decode rows in a kept slot that scored and ranked (`rank_fraction`:
+    1 / `--psa-rerank-interval` when only the interval's steps rank)."""
     a, b = psa_counters(after), psa_counters(before)
     if a is None:
         return {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
@@ -480,6 +485,10 @@ def counter_delta(before: dict | None, after: dict | None) -> dict:
         host = ca["units_read_host"] - cb["units_read_host"]
         hit = hits / (hits + host) if hits + host else None
     out = {"kv_fraction_read": fraction, "kv_fraction_scope": scope, "hbm_hit_rate": hit}
+    if b and all(isinstance(c.get(k), int) for c in (a, b) for k in RANKS):
+        ranked, slotted = (a[k] - b[k] for k in RANKS)
+        if slotted > 0:  # how often a kept selection was scored and ranked again
+            out["rank_fraction"] = ranked / slotted
     wa, wb = a.get("writeback"), (b or {}).get("writeback")
     if wa and wb:
         out["writeback"] = {

@@ -61,6 +61,7 @@ def _assign_kernel(
     slot_ptr,
     fresh_ptr,
     nbr_ptr,
+    count_ptr,
     B,
     C,
     interval,
@@ -69,10 +70,12 @@ def _assign_kernel(
     RB: tl.constexpr,
     CP: tl.constexpr,
     MAXNEW: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """One program. Slots `[0, C - 1)` hold requests (tag: request-table row, -1 free);
     slot `C - 1` is scratch. Pass 1 finds the slots the batch's requests hold; pass 2
-    gives each request without one a free slot (the k-th such request the k-th free)."""
+    gives each request without one a free slot (the k-th such request the k-th free).
+    With COUNT, `count_ptr[0:2]` (int64) gains the rows that rank and the rows in a slot."""
     s = tl.arange(0, CP)
     sm = s < C - 1
     tags = tl.load(tag_ptr + s, mask=sm, other=-2)
@@ -86,6 +89,8 @@ def _assign_kernel(
     free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
     every = (tl.load(step_ptr) % interval) == 0
     k0 = 0
+    n_fresh = 0
+    n_slotted = 0
     for r0 in range(0, B, RB):
         b, bm, row, nb, long, hit = _rows_vs_slots(
             rows_ptr, lengths_ptr, tags, r0, B, short_blocks, BS, RB
@@ -113,6 +118,11 @@ def _assign_kernel(
         mine = bm & (fresh > 0)
         tl.store(tag_ptr + slot, row, mask=mine)
         tl.store(ranked_ptr + slot, nb, mask=mine)
+        n_fresh += tl.sum(mine.to(tl.int32), axis=0)
+        n_slotted += tl.sum((bm & cached).to(tl.int32), axis=0)
+    if COUNT:  # one program: a plain read-modify-write
+        tl.store(count_ptr, tl.load(count_ptr) + n_fresh.to(tl.int64))
+        tl.store(count_ptr + 1, tl.load(count_ptr + 1) + n_slotted.to(tl.int64))
 
 
 class SelectionCache:
@@ -165,9 +175,17 @@ class SelectionCache:
         """`(slot, fresh, nbr)` `[B]` int32 views: the step's map of the first B rows."""
         return self._slot[:B], self._fresh[:B], self._nbr[:B]
 
-    def assign(self, rows: torch.Tensor, lengths: torch.Tensor, step: torch.Tensor) -> None:
+    def assign(
+        self,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+        step: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> None:
         """Map batch rows (request-table rows `rows [B]`, `lengths [B]`) to slots for the
-        step `step [1]` (int32, device)."""
+        step `step [1]` (int32, device). `counts [2]` (int64, device), if given, gains the
+        step's rows that rank and its rows in a slot (their ratio: how often a kept
+        selection is scored again; 1 / interval when only the interval ranks)."""
         B = rows.shape[0]
         if B > self.max_batch:
             raise ValueError(f"batch {B} exceeds the selection cache's {self.max_batch}")
@@ -175,9 +193,10 @@ class SelectionCache:
         slot, fresh, nbr = self.rows(B)
         _assign_kernel[(1,)](
             rows, lengths, step, self.tag, self.ranked, slot, fresh, nbr,
+            counts if counts is not None else self.ranked,  # (unread without counts)
             B, C, self.interval, self.short_blocks,
             BS=self.block_size, RB=16, CP=triton.next_power_of_2(max(C, 2)),
-            MAXNEW=MAX_NEW_BLOCKS, num_warps=4,
+            MAXNEW=MAX_NEW_BLOCKS, COUNT=counts is not None, num_warps=4,
         )  # fmt: skip
 
     def invalidate(self, rows: torch.Tensor) -> None:

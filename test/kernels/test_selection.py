@@ -58,6 +58,8 @@ def test_assign_matches_reference(device):
     rnd = random.Random(1)
     live = {r: rnd.randint(1, 200) for r in rnd.sample(range(1, 40), 6)}
     step = torch.zeros(1, dtype=torch.int32, device=device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    ranked = slotted = 0
     for t in range(1, 61):
         if rnd.random() < 0.3 and len(live) < max_batch:  # a request joins (prefilled)
             r = rnd.choice([x for x in range(1, 40) if x not in live])
@@ -79,11 +81,16 @@ def test_assign_matches_reference(device):
         )  # padding rows: row 0, length 1 (SGLang's fill value)
         rows, lengths = rows + [0] * pad, lengths + [1] * pad
         step.fill_(t)
-        cache.assign(torch.tensor(rows, device=device), torch.tensor(lengths, device=device), step)
+        rows_t, lengths_t = torch.tensor(rows, device=device), torch.tensor(lengths, device=device)
+        cache.assign(rows_t, lengths_t, step, counts=counts)
         want = ref_sel.assign_slots(state, rows, lengths, t, interval, short, bs)
         got = tuple(x.tolist() for x in cache.rows(len(rows)))
         assert got == want, f"step {t}"
         assert _kernel_state(cache) == (state.tag, state.ranked), f"step {t}"
+        ranked += sum(want[1])  # rows that rank, and rows in a slot (not the scratch)
+        slotted += sum(s < max_batch for s in want[0])
+        assert counts.tolist() == [ranked, slotted], f"step {t}"
+    assert 0 < ranked < slotted  # the interval's steps and the joins ranked, not every row
 
 
 CFG = dict(

@@ -252,7 +252,7 @@ class PSAAttnBackend(AttentionBackend):
         sel = self._selection
         st.kept = sel is not None and st.lengths.shape[0] <= sel.max_batch
         if st.kept:
-            sel.assign(rows, st.lengths, self.ws.step)
+            sel.assign(rows, st.lengths, self.ws.step, counts=self.counters.ranks)
 
     def on_after_cuda_graph_warmup(self) -> None:
         """Warmup ran decode steps on dummy batches: forget their stamps, counts and kept

@@ -179,11 +179,14 @@ class ReadCounters:
     a pinned copy that trails by one call; `totals` and `read_fraction` sync (server info
     only). With `audit` (`--psa-audit-coverage`), `coverage [2]` float64 keeps the
     smallest true-mass share a query head's read blocks held and how many heads were
-    checked (`attention.coverage_audit` writes it)."""
+    checked (`attention.coverage_audit` writes it). `ranks [2]`: decode steps' rows that
+    scored and ranked their blocks and rows that held a kept selection
+    (`SelectionCache.assign` adds to it)."""
 
     def __init__(self, layers: int, device: torch.device | str, audit: bool = False):
         dev = torch.device(device)
         self.stats = torch.zeros(layers, 3, dtype=torch.int64, device=dev)
+        self.ranks = torch.zeros(2, dtype=torch.int64, device=dev)
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.coverage = torch.empty(2, dtype=torch.float64, device=dev) if audit else None
         self.reset()
@@ -191,7 +194,7 @@ class ReadCounters:
     @property
     def bytes(self) -> int:
         extra = 0 if self.coverage is None else self.coverage.numel() * 8
-        return self.stats.numel() * self.stats.element_size() + extra
+        return (self.stats.numel() + self.ranks.numel()) * self.stats.element_size() + extra
 
     def coverage_report(self) -> dict | None:
         """`--psa-audit-coverage`'s result so far (syncs; server info only): the smallest
@@ -227,6 +230,12 @@ class ReadCounters:
         read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
         return read, total
 
+    def rank_totals(self) -> tuple[int, int]:
+        """(rows ranked, rows in a kept-selection slot) by decode so far (syncs; server
+        info only)."""
+        ranked, slotted = self.ranks.tolist()
+        return int(ranked), int(slotted)
+
     def read_fraction(self) -> float:
         """Fraction of the units decode read so far, over all layers (syncs)."""
         read, total = self.totals()
@@ -234,5 +243,6 @@ class ReadCounters:
 
     def reset(self) -> None:
         self.stats.zero_()
+        self.ranks.zero_()
         if self.coverage is not None:
             self.coverage[0], self.coverage[1] = 1.0, 0.0  # no share seen, no head checked

@@ -169,6 +169,7 @@ def assemble(
             counters.read_counts,
             hbm_bytes,
             counters.coverage_report,  # None without --psa-audit-coverage
+            counters.rank_totals if cfg.keeps_selection else None,
         ),
         writeback=writeback,
         residency=residency,

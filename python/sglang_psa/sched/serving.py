@@ -58,6 +58,8 @@ class BackendReadouts:
     hbm_bytes: Callable[[], dict[str, int]] | None = None  # the backend's GPU buffers
     # `--psa-audit-coverage`: the smallest true-mass share read, heads checked (syncs)
     coverage: Callable[[], dict | None] | None = None
+    # (rows that ranked, rows in a kept-selection slot) since start, synced: server info
+    rank_totals: Callable[[], tuple[int, int]] | None = None
 
 
 class PSAServing:
@@ -98,6 +100,7 @@ class PSAServing:
         r = readouts or BackendReadouts()
         self.measure, self.read_totals = r.measure, r.read_totals
         self.read_counts, self.hbm_bytes, self.coverage = r.read_counts, r.hbm_bytes, r.coverage
+        self.rank_totals = r.rank_totals
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
         # The dense prefill backends SGLang runs (`plugin.extend.after_hybrid_init` sets it
@@ -427,13 +430,23 @@ class PSAServing:
 
     def _read_totals(self) -> dict:
         """Decode's KV blocks read and readable since start, and their fraction (0 before
-        any decode step; all None without a decode backend): a client measures a window
-        by the difference of two readings."""
+        any decode step; all None without a decode backend), and the decode rows that
+        scored and ranked their blocks against those that held a kept selection (None
+        where no selection is kept): a client measures a window by the difference of two
+        readings."""
+        ranked, slotted = self.rank_totals() if self.rank_totals else (None, None)
+        out = {"rows_ranked": ranked, "rows_kept_slot": slotted}
         if self.read_totals is None:
-            return dict.fromkeys(("blocks_read_fraction", "blocks_read", "blocks_readable"))
+            keys = ("blocks_read_fraction", "blocks_read", "blocks_readable")
+            return {**dict.fromkeys(keys), **out}
         read, total = self.read_totals()
         fraction = read / total if total else 0.0
-        return {"blocks_read_fraction": fraction, "blocks_read": read, "blocks_readable": total}
+        return {
+            "blocks_read_fraction": fraction,
+            "blocks_read": read,
+            "blocks_readable": total,
+            **out,
+        }
 
     def server_info(self, kv: dict, memory: dict) -> dict:
         """This process's `psa` entry of server info: admission's counters, SGLang's KV

@@ -649,6 +649,9 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mo
             torch.testing.assert_close(out.view(2, HQ, D), want.out.float(), atol=2e-4, rtol=2e-4)
     # The step counter starts at 1 after prefill: steps 4 and 8 (t = 3, 7, 11) rank all.
     assert [f[0] for f in fresh_steps] == [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    # server info counts the rows that ranked and the rows a kept selection served
+    state = backend.process.serving.server_info({}, {})
+    assert (state["rows_ranked"], state["rows_kept_slot"]) == (sum(map(sum, fresh_steps)), 24)
     if mode == "psa":  # the rule stopped short of some rows' blocks, and not everywhere alike
         kept_counts = torch.stack(budgets)
         assert (kept_counts > 0).any() and kept_counts.unique().numel() > 1

@@ -232,6 +232,17 @@ def test_counter_delta():
     plain = {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
     assert analysis.counter_delta(plain, plain) == {"kv_fraction_read": 1.0, "hbm_hit_rate": None}
 
+    def ranked(rows, slotted):  # a kept selection: rows ranked and rows in a slot since start
+        out = counted(700, 1000)
+        out["internal_states"][0]["psa"] |= {"rows_ranked": rows, "rows_kept_slot": slotted}
+        return out
+
+    # the window's share: (90 - 10) / (740 - 100), not the server life's 90 / 740
+    d = analysis.counter_delta(ranked(10, 100), ranked(90, 740))
+    assert d["rank_fraction"] == pytest.approx(80 / 640)
+    assert "rank_fraction" not in analysis.counter_delta(ranked(10, 100), ranked(10, 100))
+    assert "rank_fraction" not in analysis.counter_delta(ranked(None, None), ranked(None, None))
+
 
 # --- 3. per-request records -----------------------------------------------------------
 
