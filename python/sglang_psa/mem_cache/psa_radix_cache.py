@@ -65,17 +65,29 @@ OVERRIDES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 class _HbmOnly:
-    """SGLang's allocator as the tree's frees see it: entries at page 0 are dropped."""
+    """SGLang's allocator as the tree's frees see it: entries at page 0 are not freed.
+    `page0(free_index, start_pos)` names the segment's blocks at page 0 (block `b` holds
+    positions `[b * page, (b + 1) * page)` of the segment's frame) from host-side records,
+    so the runs between them are freed as slices, without reading the entries; `verify`
+    checks it against the entries (a sync: tests)."""
 
-    def __init__(self, allocator, page_size: int):
-        self._alloc, self._ps = allocator, page_size
+    def __init__(self, allocator, page_size: int, page0, verify: bool = False):
+        self._alloc, self._ps, self._page0, self._verify = allocator, page_size, page0, verify
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-        keep = free_index >= self._ps
-        if bool(keep.all()):
-            self._alloc.free_segment(free_index, start_pos=start_pos)
-        elif bool(keep.any()):
-            self._alloc.free(free_index[keep])
+        n, ps = free_index.numel(), self._ps
+        zero = self._page0(free_index, start_pos) if n else set()
+        if self._verify:
+            want = [(start_pos + i) // ps in zero for i in range(n)]
+            assert (free_index < ps).tolist() == want, f"page-0 entries at {start_pos}: {zero}"
+        i = 0
+        while i < n:  # the runs of blocks not at page 0
+            j = i
+            while j < n and (start_pos + j) // ps not in zero:
+                j = min(n, ((start_pos + j) // ps + 1) * ps - start_pos)
+            if j > i:
+                self._alloc.free_segment(free_index[i:j], start_pos=start_pos + i)
+            i = min(n, ((start_pos + j) // ps + 1) * ps - start_pos) if j < n else n
 
     def free_segments(self, segments) -> None:
         for idx, start in segments:
@@ -99,6 +111,9 @@ class PsaRadixCache(RadixCache):
         self.wb = requests.wb
         self.blocks = self.wb.blocks
         self._inserting = None  # the record whose row SGLang inserts
+        # Page-0 entries are known from host-side records, never read from the GPU;
+        # `verify` (tests) checks each such answer against the entries (a sync).
+        self.verify = False
         self._maybe_page0: set = set()  # rids whose rows may have entries at page 0
         self._reqs: dict = {}  # rid -> SGLang's request, from its first match to its release
         index.listeners.append(self._cut)
@@ -151,7 +166,16 @@ class PsaRadixCache(RadixCache):
             if rec is not None and rec.rid in self._maybe_page0:
                 ps = self.page_size
                 start = (len(key) - len(last.key)) // ps
-                zero = (last.value[::ps] < ps).tolist()
+                # The node's blocks are the request's own (the tree ended before them,
+                # and its lock keeps the path to its protected length): at page 0 where
+                # they left HBM, or were read from the host tier (`evicted`).
+                gone = rec.evicted
+                zero = [
+                    gone is not None and start + j < len(gone) and bool(gone[start + j])
+                    for j in range(len(last.key) // ps)
+                ]
+                if self.verify:
+                    assert (last.value[::ps] < ps).tolist() == zero, (rec.rid, start, zero)
                 if any(zero):
                     last.psa_host = [rec.host[start + j] if z else None for j, z in enumerate(zero)]
                     for i in last.psa_host:
@@ -186,8 +210,10 @@ class PsaRadixCache(RadixCache):
     def _hbm_frees(self):
         """SGLang's frees within skip page 0 (entries of blocks read from the host tier)."""
         alloc = self.token_to_kv_pool_allocator
-        if self._maybe_page0 or self._host_nodes:  # (a mask per free: a sync on the GPU)
-            self.token_to_kv_pool_allocator = _HbmOnly(alloc, self.page_size)
+        if self._maybe_page0 or self._host_nodes:
+            nodes = {id(n.value): n for n in set(self._host_nodes.values())}
+            page0 = lambda idx, start: self._page0_freed(nodes, idx, start)  # noqa: E731
+            self.token_to_kv_pool_allocator = _HbmOnly(alloc, self.page_size, page0, self.verify)
         try:
             yield
         finally:
@@ -296,19 +322,41 @@ class PsaRadixCache(RadixCache):
         out.reverse()
         return out
 
+    def _page0_freed(self, nodes: dict, free_index: torch.Tensor, start_pos: int) -> set:
+        """The blocks at page 0 of a segment SGLang frees inside an override: a tree
+        node's value (`nodes`: those with page-0 entries, by their value's identity),
+        else a stretch of the inserting request's row from `start_pos` on, which holds
+        its own blocks (the tree's lie before its protected length): at page 0 where
+        they are `evicted`."""
+        node = nodes.get(id(free_index))
+        if node is not None and node.value is free_index:
+            return {k for k, i in enumerate(node.psa_host) if i is not None}
+        rec, ps = self._inserting, self.page_size
+        gone = None if rec is None else rec.evicted
+        if gone is None:
+            return set()
+        first, end = start_pos // ps, min(len(gone), -(-(start_pos + free_index.numel()) // ps))
+        return {b for b in range(first, end) if gone[b]}
+
     def page0_prefix(self, req) -> list[int]:
         """For residency, when `req`'s extend is set up (`Residency.read_prefix_from_host`):
-        the blocks of its matched prefix at page 0 (held only in the host tier: extended by
-        the index, or the tree's own entries there), from its prefix indices; [] without
-        reading them (a sync on the GPU) while neither can be."""
+        the blocks of its matched prefix at page 0 (held only in the host tier): the
+        tree's entries there on its path, then the blocks the index extended the match
+        with (their entries at page 0 up to its prefix's end); from the tree, no GPU read."""
         if req.prefix_indices is None or not (req.rid in self._maybe_page0 or self._host_nodes):
             return []
-        return self._page0_of(req.prefix_indices)
+        path = sum(len(n.key) for n in self._nodes(req.last_node)) // self.page_size
+        zero = self._page0_blocks(req.last_node)
+        zero += range(path, len(req.prefix_indices) // self.page_size)
+        self._verify_page0(req.prefix_indices, zero)
+        return zero
 
-    def _page0_of(self, slots: torch.Tensor) -> list[int]:
-        """The blocks of a row's `slots` (a prefix, block-aligned) at page 0 (a sync)."""
-        ps = self.page_size
-        return (slots[::ps] < ps).nonzero().flatten().tolist()
+    def _verify_page0(self, slots: torch.Tensor, zero: list[int]) -> None:
+        """With `verify`: `zero` is every block of `slots` (block-aligned) at page 0."""
+        if self.verify:
+            ps = self.page_size
+            got = (slots[::ps] < ps).nonzero().flatten().tolist()
+            assert got == zero, f"page-0 blocks {got}, named {zero}"
 
     def _page0_blocks(self, node: TreeNode) -> list[int]:
         """The blocks of the tree path to `node` at page 0 (from the nodes' `psa_host`)."""
@@ -424,12 +472,13 @@ class PsaRadixCache(RadixCache):
         self.index.saved(rec)
         if rec.row is not None and switched:
             # Decode reads these blocks from the host tier where it did: at the new ids.
-            loc = self.wb.host_loc[rec.row, switched].tolist()
-            self.wb.read_from_host(req.rid, [b for b, v in zip(switched, loc) if v])
+            self.wb.read_from_host(req.rid, [b for b in switched if b in rec.host_read])
 
     def _first_page0(self, res: MatchResult) -> int:
-        """The first block of a match at page 0 (its length in blocks if none)."""
-        zero = self._page0_of(res.device_indices)
+        """The first block of a match at page 0 (its length in blocks if none): SGLang's
+        match is the tree's path, whose page-0 blocks the nodes name."""
+        zero = self._page0_blocks(res.last_device_node)
+        self._verify_page0(res.device_indices, zero)
         return zero[0] if zero else len(res.device_indices) // self.page_size
 
     def _cut_match(self, res: MatchResult, blocks: int) -> MatchResult:

@@ -59,9 +59,16 @@ class RequestKV:
     reserved: int = 0  # host blocks promised to it beyond `host`
     saved: int = 0  # blocks [0, saved) are acknowledged
     row: int | None = None  # SGLang's request-table row (None: not planned yet, or parked)
-    on_host: bool = False  # its location-table row sends decode to the host tier somewhere
+    # the blocks its location-table row sends decode to the host tier for (a host-side
+    # copy of that row's nonzero entries: read without a sync)
+    host_read: set[int] = field(default_factory=set)
     evicted: np.ndarray | None = None  # bool by block: its HBM page went back (None: never)
     parked: bool = False  # retracted, its saved blocks kept in the host tier
+
+    @property
+    def on_host(self) -> bool:
+        """Whether its location-table row sends decode to the host tier somewhere."""
+        return bool(self.host_read)
 
     @property
     def planned(self) -> int:
@@ -283,6 +290,9 @@ class TieredRequests:
             assert 0 <= rec.saved <= rec.planned and rec.reserved >= 0, rid
             if rec.evicted is not None:
                 assert not rec.evicted[rec.saved :].any(), f"{rid!r}: an unsaved block evicted"
+            if rec.row is not None:  # (a sync: tests only)
+                loc = self.wb.host_loc[rec.row].nonzero().flatten().tolist()
+                assert set(loc) == rec.host_read, f"{rid!r}: host reads {loc}, {rec.host_read}"
             if rec.parked:
                 assert rec.row is None and not rec.on_host, f"{rid!r}: parked with a row"
                 assert rec.planned == rec.saved > 0, f"{rid!r}: parked beyond its saved blocks"

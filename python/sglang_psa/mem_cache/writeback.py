@@ -181,7 +181,7 @@ class WriteBack:
         """`rec` leaves its request-table row: the row's location table reads HBM again."""
         if rec.on_host and rec.row is not None:
             self.host_loc[rec.row, : len(rec.host)] = 0
-        rec.on_host = False
+        rec.host_read.clear()
 
     def drop_plans(self, rid, blocks=None) -> None:
         """Planned, unissued saves of `rid` (of its `blocks` only, if given) are dropped
@@ -330,7 +330,7 @@ class WriteBack:
         if ok:
             val = to_device([-rec.host[b] - 1 for b in ok], self.device, torch.int32)
             self.host_loc[rec.row].index_copy_(0, to_device(ok, self.device), val)
-            rec.on_host = True
+            rec.host_read.update(ok)
         return ok
 
     @property

@@ -100,6 +100,7 @@ class _Store:
             page_size=BS,
         )  # fmt: skip
         self.cache = PsaRadixCache(params, self.tiered, self.index)
+        self.cache.verify = True  # each page-0 answer from host records against the entries
         self.rows = list(range(ROWS - 1, 0, -1))
         self.live: dict[str, SimpleNamespace] = {}  # matched, not released
 
