@@ -38,6 +38,12 @@ SERVER_ARGS = [
     "--cuda-graph-max-bs", str(MAX_RUNNING), "--mem-fraction-static", "0.3",
 ]  # fmt: skip
 TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exact
+# The same server at the tiered home, SGLang's radix cache on over the host tier
+# (`--kv-home tiered` in the benchmark; the GPU test runs both homes).
+TIERED_ARGS = [
+    "--psa-kv-home", "tiered", "--radix-cache-backend", "psa", "--psa-host-pool-gb", "4",
+]  # fmt: skip
+KV_HOMES = {"hbm": [], "tiered": TIERED_ARGS}
 
 
 @contextlib.contextmanager
@@ -558,6 +564,77 @@ def overload(s: Server, n: int = 500, rate: float = 50.0, seed: int = 0) -> Outc
     return _fault(s, f"overload: {n} requests at {rate:g}/s", "every request answered", run)
 
 
+def _cached(r: requests.Response) -> int:
+    return int(r.json()["meta_info"].get("cached_tokens") or 0) if r.status_code == 200 else 0
+
+
+def shared_prefix_aborts(s: Server, n: int = 8, stem_tokens: int = 4096) -> Outcome:
+    """`n` requests sharing one prompt stem, sent at once: two aborted as they start
+    (prefilling or queued), two while decoding, the rest finish; then a request with the
+    stem is served from the prefix cache (most of the stem cached), and nothing is held."""
+
+    def run():
+        stem = prompt(stem_tokens, 21)
+        rids = [f"shared-{i}-{uuid.uuid4().hex}" for i in range(n)]
+        bg = [_in_background(s.generate, stem + prompt(64, 210 + i), 1000, r)
+              for i, r in enumerate(rids)]  # fmt: skip
+        time.sleep(0.2)
+        for r in rids[:2]:
+            s.abort(r)
+        time.sleep(1.5)
+        for r in rids[2:4]:
+            s.abort(r)
+        for b in bg:
+            b["t"].join(300)
+        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
+        again = s.generate(stem + prompt(64, 299), 8)
+        cached = _cached(again)
+        ok = (
+            ends[:4] == ["abort"] * 4
+            and ends[4:] == ["length"] * (n - 4)
+            and _finish(again) == "length"
+            and cached >= stem_tokens - 64  # its whole blocks (a tail block may be computed)
+        )
+        detail = {"ends": ends, "cached_tokens_after": cached}
+        return ok, f"ends {ends}; a later request with the stem had {cached} cached", detail
+
+    return _fault(s, "requests sharing a prefix aborted", "4 abort, the rest finish, "
+                  "the stem still cached", run)  # fmt: skip
+
+
+def prefix_evicted_then_reread(s: Server, doc_tokens: int = 6000, new: int = 16) -> Outcome:
+    """A document's prefix pushed out of HBM by other prompts, then asked for again: the
+    same answer as when it was computed or read from HBM (its first 4 tokens: the prefill
+    paths round differently), and at the tiered home the prefix read from the host tier
+    (counted in cached tokens) instead of computed again."""
+
+    def run():
+        doc = prompt(doc_tokens, 31) + prompt(32, 301)
+        first = s.generate(doc, new)  # computes and caches the document
+        warm = s.generate(doc, new)  # its prefix from HBM
+        flood = -(-2 * s.max_total_tokens // doc_tokens)  # twice the KV the server holds
+        for i in range(flood):
+            s.generate(prompt(doc_tokens, 400 + i), 4)
+        cold = s.generate(doc, new)
+        outs = [
+            r.json()["output_ids"] if r.status_code == 200 else None for r in (first, warm, cold)
+        ]
+        tiered = s.psa_state()["kv_home"] == "tiered"
+        cached = (_cached(warm), _cached(cold))
+        ok = (
+            None not in outs
+            and all(len(o) == new for o in outs)
+            and outs[2][:4] in (outs[0][:4], outs[1][:4])
+            and cached[0] >= doc_tokens - 64
+            and (cached[1] >= doc_tokens - 64 if tiered else True)
+        )
+        detail = {"cached_tokens_warm_cold": cached, "flood_prompts": flood, "tiered": tiered}
+        return ok, f"cached {cached[0]} then {cached[1]} after {flood} other prompts", detail
+
+    return _fault(s, "a prefix evicted from HBM, then asked again",
+                  "the same first tokens; tiered: read from the host tier", run)  # fmt: skip
+
+
 def _as_list(x):
     return x if isinstance(x, list) else [x]
 
@@ -721,7 +798,8 @@ def mixed_load(url: str, n: int, new: int, chats: int = 4, long_every: int = 4) 
 
 # Every fault probe, in the order they run (the benchmark and the GPU test both use this).
 FAULTS = (abort_queued, abort_mid_prefill, abort_mid_decode, client_disconnect,
-          abort_retracted, abort_storm, overload)  # fmt: skip
+          abort_retracted, abort_storm, overload, shared_prefix_aborts,
+          prefix_evicted_then_reread)  # fmt: skip
 
 
 def faults(s: Server):

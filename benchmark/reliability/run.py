@@ -1,6 +1,7 @@
 """Reliability benchmark: bad inputs, faults and a soak against one live sglang-psa server.
 
-    python benchmark/reliability/run.py [--soak-s 420] [--skip-probes] [--out DIR]
+    python benchmark/reliability/run.py [--kv-home hbm|tiered] [--soak-s 420] [--skip-probes]
+                                        [--out DIR]
 
 Starts `python -m sglang.launch_server --sparse-mode psa` on the GPU test model with
 `probes.SERVER_ARGS`, runs the bad-input and fault catalogue of `probes.py`, then a soak:
@@ -115,11 +116,20 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmark" / "results")
     ap.add_argument("--port", type=int, default=30131)
+    ap.add_argument(
+        "--kv-home",
+        choices=sorted(probes.KV_HOMES),
+        default="hbm",
+        help="the server's KV home (tiered: SGLang's radix cache over the host tier)",
+    )
     args = ap.parse_args()
 
+    from importlib.metadata import version
+
+    server_args = probes.SERVER_ARGS + probes.KV_HOMES[args.kv_home]
     log = args.out / "reliability_server.log"
     args.out.mkdir(parents=True, exist_ok=True)
-    with probes.live_server(probes.SERVER_ARGS, args.port, log, probes.API_KEY) as (s, proc):
+    with probes.live_server(server_args, args.port, log, probes.API_KEY) as (s, proc):
         outcomes = []
         if not args.skip_probes:
             for o in probes.bad_inputs(s):
@@ -151,6 +161,8 @@ def main() -> None:
         "metrics_check_ok": next((o.ok for o in outcomes if o.kind == "check"), None),
         "soak_rss_growth_mb": soaked and soaked["rss_growth_mb"],
         "soak_gpu_growth_mb": soaked and soaked["gpu_growth_mb"],
+        "kv_home": args.kv_home,
+        "sglang_version": version("sglang"),
     }
     path = write_result(
         args.out / "reliability.json",
@@ -160,7 +172,7 @@ def main() -> None:
             "soak": soaked,
             "probes_from": earlier and {k: earlier[k] for k in ("git_commit", "date", "command")},
         },
-        server_args=probes.SERVER_ARGS,
+        server_args=server_args,
     )
     print(f"wrote {path}: {summary}")
     sys.exit(0 if all(o.ok for o in outcomes) else 1)

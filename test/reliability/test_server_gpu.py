@@ -1,9 +1,11 @@
 """A live `--sparse-mode psa` server under hostile input, aborts and overload (GPU machine).
 
-One server (Qwen2.5-Coder-0.5B with `probes.SERVER_ARGS`: `--api-key`, `--enable-metrics`,
-KV capped so that queueing and retraction happen) takes the probe catalogue of
-`benchmark/reliability/probes.py`: every bad input gets its answer or a clear 4xx, every
-fault leaves no request slot, KV page or admission entry held. The soak is the
+A server at each KV home (Qwen2.5-Coder-0.5B with `probes.SERVER_ARGS`: `--api-key`,
+`--enable-metrics`, KV capped so that queueing and retraction happen; the tiered home with
+SGLang's radix cache over the host tier, `probes.TIERED_ARGS`) takes the probe catalogue
+of `benchmark/reliability/probes.py`: every bad input gets its answer or a clear 4xx, every
+fault (requests sharing a prefix aborted, a prefix evicted from HBM and asked again among
+them) leaves no request slot, KV page or admission entry held. The soak is the
 benchmark's (`benchmark/reliability/run.py`), not a test.
 """
 
@@ -22,14 +24,17 @@ import probes  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(probes.KV_HOMES))
+def server(request, tmp_path_factory):
+    """The probes' server at each KV home (tiered: SGLang's radix cache over the host tier)."""
     pytest.importorskip("sglang.srt.entrypoints.engine", reason="SGLang is not installed")
     log = tmp_path_factory.mktemp("server") / "server.log"
+    args = probes.SERVER_ARGS + probes.KV_HOMES[request.param]
+    port = 30127 + 2 * list(probes.KV_HOMES).index(request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SGLANG_PSA_HOST_TIMING", "1")  # the scheduler loop times itself
         mp.setenv("SGLANG_PSA_HOST_PROFILE", "200")  # and samples its stack
-        with probes.live_server(probes.SERVER_ARGS, 30127, log, probes.API_KEY) as (s, _):
+        with probes.live_server(args, port, log, probes.API_KEY) as (s, _):
             yield s
 
 

@@ -1,5 +1,6 @@
-"""benchmark/reliability/probes.py's copy-engine kill on CPU, against a stand-in server:
-which rank's engine is killed, and how lost and changed completions are counted."""
+"""benchmark/reliability/probes.py on CPU, against stand-in servers: the copy-engine kill
+(which rank's engine is killed, how lost and changed completions are counted) and the
+prefix-sharing faults (what each accepts and what fails it)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,109 @@ def test_engine_kill_kills_the_ranks_engine_and_counts_lost_and_changed(monkeypa
     with pytest.raises(AssertionError):
         s2.post = lambda path, timeout=None: _Response(None, status=503)
         probes.engine_kill(s2, [[1]], new=2)
+
+
+class _Answer:
+    def __init__(self, ids, cached=0, finish="length"):
+        self.status_code, self._ids, self._cached, self._finish = 200, ids, cached, finish
+
+    def json(self):
+        meta = {"cached_tokens": self._cached, "finish_reason": {"type": self._finish}}
+        return {"output_ids": self._ids, "meta_info": meta}
+
+
+class _PrefixServer:
+    """A document's answers: computed, from HBM, then after the flood (`cold`); at the
+    tiered home the flood leaves its prefix in the host tier (`cold_cached`)."""
+
+    max_total_tokens = 40000
+
+    def __init__(self, home, cold_ids, cold_cached):
+        self.home, self.cold_ids, self.cold_cached, self.docs = home, cold_ids, cold_cached, 0
+        self.doc = None
+
+    def generate(self, ids, new, rid=None):
+        if self.doc is None:
+            self.doc = ids
+        if ids != self.doc:  # the flood
+            return _Answer([5] * new)
+        self.docs += 1
+        if self.docs == 3:
+            return _Answer(self.cold_ids[:new], self.cold_cached)
+        return _Answer([1, 2, 3, 4] + [9] * (new - 4), 0 if self.docs == 1 else 5984)
+
+    def psa_state(self):
+        return {"kv_home": self.home}
+
+    def leaks(self):
+        return {"running": 0, "kv_held_tokens": 0}
+
+    def healthy(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "home,cold_ids,cold_cached,ok",
+    [
+        ("tiered", [1, 2, 3, 4] + [8] * 12, 5984, True),  # later tokens may round apart
+        ("tiered", [1, 2, 3, 4] + [9] * 12, 0, False),  # recomputed, not read from the host
+        ("tiered", [1, 7, 3, 4] + [9] * 12, 5984, False),  # a wrong answer
+        ("hbm", [1, 2, 3, 4] + [9] * 12, 0, True),  # evicted and recomputed: nothing kept
+        ("hbm", [6, 2, 3, 4] + [9] * 12, 0, False),
+    ],
+)
+def test_a_prefix_evicted_then_asked_again_needs_its_answer_and_the_host_tier(
+    home, cold_ids, cold_cached, ok
+):
+    s = _PrefixServer(home, cold_ids, cold_cached)
+    o = probes.prefix_evicted_then_reread(s)
+    assert o.ok is ok, o
+    assert s.docs == 3 and o.detail["flood_prompts"] == 14  # twice the 40K the server holds
+
+
+class _SharedServer:
+    """Requests that run 2.5 s unless aborted first (`honours_aborts`); a request without a
+    rid (the later one with the stem) finishes at once with `cached` tokens cached."""
+
+    def __init__(self, honours_aborts=True, cached=4064):
+        import threading
+
+        self.aborted, self.honours, self.cached = set(), honours_aborts, cached
+        self.lock = threading.Lock()
+
+    def generate(self, ids, new, rid=None):
+        import time
+
+        if rid is None:
+            return _Answer([1] * new, self.cached)
+        end = time.time() + 2.5
+        while time.time() < end:
+            with self.lock:
+                if rid in self.aborted:
+                    return _Answer([1], 0, "abort")
+            time.sleep(0.02)
+        return _Answer([1] * new, 0)
+
+    def abort(self, rid=None):
+        if self.honours:
+            with self.lock:
+                self.aborted.add(rid)
+        return 200
+
+    psa_state = _PrefixServer.psa_state
+    leaks = _PrefixServer.leaks
+    healthy = _PrefixServer.healthy
+
+
+@pytest.mark.parametrize(
+    "server,ok",
+    [
+        (_SharedServer(), True),
+        (_SharedServer(honours_aborts=False), False),  # the aborted ones ran to the end
+        (_SharedServer(cached=0), False),  # the stem was not kept
+    ],
+)
+def test_requests_sharing_a_prefix_four_aborted_the_rest_finish_the_stem_kept(server, ok):
+    o = probes.shared_prefix_aborts(server)
+    assert o.ok is ok, o
+    assert len(o.detail["ends"]) == 8
