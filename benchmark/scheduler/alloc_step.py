@@ -120,7 +120,7 @@ def host_us(path, bs: int, steps: int, warmup: int = 50, device: str = "cuda") -
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None, help="default: benchmark/results/alloc_step_<gpu>.json")
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=500)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("alloc_step: needs a CUDA GPU (the paths' host side includes launches)")
