@@ -16,6 +16,50 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# SGLANG_PSA_RECORD_LAUNCHES=<file>: every kernel launch the tests make in Triton's
+# interpreter is recorded there (kernel, argument types, constexpr-able values, launch
+# options), for `scripts/compile_sm90.py` to compile each for the GPU without a GPU.
+if os.environ.get("SGLANG_PSA_RECORD_LAUNCHES") and os.environ.get("TRITON_INTERPRET") == "1":
+    import json
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _run = InterpretedFunction.run
+    _recorded: set = set()
+
+    def _arg(value) -> dict:
+        from triton.runtime.jit import mangle_type
+
+        if value is None:
+            return {"kind": "none"}
+        if isinstance(value, str):  # always a constexpr
+            return {"kind": "str", "value": value}
+        out = {"kind": type(value).__name__, "type": mangle_type(value)}
+        if isinstance(value, (bool, int, float)):  # a constexpr's value, where it is one
+            out["value"] = value
+        return out
+
+    def _recording_run(self, *args, grid, warmup, **kwargs):
+        names = self.arg_names
+        bound = dict(zip(names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        rec = {
+            "module": self.fn.__module__,
+            "kernel": self.fn.__name__,
+            "args": {k: _arg(v) for k, v in bound.items()},
+            "options": {k: v for k, v in options.items() if isinstance(v, (int, float, bool))},
+        }
+        line = json.dumps(rec, sort_keys=True)
+        if line not in _recorded:
+            _recorded.add(line)
+            with open(os.environ["SGLANG_PSA_RECORD_LAUNCHES"], "a") as f:
+                f.write(line + "\n")
+        return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = _recording_run
+
+
 # Under pytest-xdist (README's test command: `-n auto`) each worker gets its share of the
 # cores for torch's threads, and so do the processes tests start: two workers of two
 # threads each on two cores made one matmul-heavy test 11x slower than alone.
