@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
     ap.add_argument("--triton", type=Path, help="a folder holding the Triton to compile with")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("TRITON_INTERPRET=1 is set: kernels load as interpreted functions, not compiled")
     if args.triton is not None:
         if not (args.triton / "triton" / "__init__.py").is_file():
             ap.error(f"--triton {args.triton}: no triton package there")
