@@ -228,3 +228,47 @@ def test_kernel_rows_decode_as_the_reference_rows_on_the_gpu():
     assert kl_ker[0] == 0.0
     for a, b in zip(kl_ker, kl_ref):
         assert abs(a - b) < 1e-3 + 0.1 * b, (kl_ker, kl_ref)
+
+
+@pytest.mark.parametrize("kind", ["psa", "topk"])
+def test_a_kept_selection_ranks_every_interval_and_reads_as_many_between(
+    session, kind, monkeypatch
+):
+    """`keep_selection` (the server's `--psa-rerank-interval`): each layer ranks on its 1st
+    and 5th decode calls (interval 4), the first reading the same blocks as a fresh policy;
+    between them, while no block is gained, every (layer, KV head) reads as many blocks as
+    it did when it ranked. A policy that cannot keep a selection is refused."""
+    from sglang_psa.hf import attention as hf_attention
+
+    cfg = PSAConfig(threshold=0.9, rerank_interval=4, topk_tokens=128)
+    fresh, kept = DecodePolicy(kind, cfg), DecodePolicy(kind, cfg, keep_selection=True)
+    assert kept.label.endswith("-kept4")
+    rt = runtime()
+    ranked = []
+    real = hf_attention.PSARuntime._rank
+
+    def rank(self, layer, *a):
+        ranked.append((layer, self.kept_calls[layer] - 1))  # (layer, its decode call)
+        return real(self, layer, *a)
+
+    monkeypatch.setattr(hf_attention.PSARuntime, "_rank", rank)
+    traces = {}
+    for p in (fresh, kept):
+        rt.trace = []
+        session.decode(p, 7)
+        traces[p.label] = rt.trace
+    rt.trace = None
+    layers = max(t.layer for t in traces[kept.label]) + 1
+    assert sorted(ranked) == [(layer, c) for layer in range(layers) for c in (0, 4)]
+    steps = [traces[kept.label][i : i + layers] for i in range(0, 6 * layers, layers)]
+    ref = traces[fresh.label][:layers]
+    for layer in range(layers):
+        assert torch.equal(steps[0][layer].read, ref[layer].read), layer  # a fresh ranking
+        for s in (1, 2, 3):
+            if int(steps[s][layer].n_blocks[0]) == int(steps[0][layer].n_blocks[0]):
+                counts = steps[s][layer].read.sum(-1)
+                assert torch.equal(counts, steps[0][layer].read.sum(-1)), (layer, s)
+    with pytest.raises(ValueError, match="keep_selection"):
+        DecodePolicy("psa", PSAConfig(rerank_interval=1), keep_selection=True)
+    with pytest.raises(ValueError, match="decodes alone"):
+        session.decode_rows([DecodePolicy("dense"), kept], 2)

@@ -50,6 +50,11 @@ class DecodePolicy:
     # bits (`progressive_attention(code_bits=)`; kernel rows: `WaveAttention.run(
     # code_planes=)`).
     code_bits: int = 0
+    # The server's selection kept across steps (`cfg.rerank_interval`, `cfg.keeps_selection`):
+    # blocks are ranked every `rerank_interval` decode calls of a layer and read in the
+    # kept order between, psa at the ranked read count its rule took then. Off: every
+    # step ranks (what the suites measured). One policy at a time (`Session.decode`).
+    keep_selection: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "psa", "topk", "oracle"):
@@ -60,6 +65,11 @@ class DecodePolicy:
             raise ValueError("code_bits apply to psa policies with the certified rule only")
         if not 0 <= self.code_bits <= 8:
             raise ValueError(f"code_bits must be in [0, 8], got {self.code_bits}")
+        if self.keep_selection and not (self.kind in ("psa", "topk") and self.cfg.keeps_selection):
+            raise ValueError(
+                "keep_selection applies to top-k and psa's heuristic rule with ε < 1 and a "
+                f"rerank interval above 1 (kind {self.kind!r}, interval {self.cfg.rerank_interval})"
+            )
 
     @property
     def label(self) -> str:
@@ -76,6 +86,8 @@ class DecodePolicy:
             suffix += f"-mr{self.cfg.max_read_fraction:g}"
         if self.code_bits:
             suffix += f"-c{self.code_bits}"
+        if self.keep_selection:
+            suffix += f"-kept{self.cfg.rerank_interval}"
         suffix += self.tag
         if self.kind == "psa":
             return f"psa-{self.cfg.stop_rule}-{self.cfg.threshold:g}{suffix}"
@@ -139,13 +151,49 @@ class PSARuntime:
         self.kernel_rows: KernelRows | None = None
         self.row_fraction_sum: torch.Tensor | None = None  # [B]: Σ over calls
         self.row_calls = 0
+        # A selection kept across decode steps (`cfg.keeps_selection`), per layer: the
+        # decode calls so far and the last ranking's (order, blocks then, psa's budget).
+        self.kept_calls: dict[int, int] = defaultdict(int)
+        self.kept: dict[int, tuple] = {}
 
     def reset(self) -> None:
-        """Forget metadata and stats (not `trace`); call before a new or rewound sequence."""
+        """Forget metadata, kept selections and stats (not `trace`); call before a new or
+        rewound sequence."""
         self.meta.clear()
         self.meta_tokens.clear()
         self.reads.clear()
+        self.kept_calls.clear()
+        self.kept.clear()
         self.row_fraction_sum, self.row_calls = None, 0
+
+    def _prior(self, layer: int, cfg: PSAConfig, nb: int, B: int):
+        """The kept selection a decode call of `layer` reads, or None where it ranks: as
+        the server's `SelectionCache` decides (every `rerank_interval` calls, the first
+        included, or when the blocks shrank or grew by more than `MAX_NEW_BLOCKS`)."""
+        from sglang_psa.algo.selection import MAX_NEW_BLOCKS
+
+        n = self.kept_calls[layer]
+        self.kept_calls[layer] = n + 1
+        kept = self.kept.get(layer)
+        if kept is None or n % cfg.rerank_interval == 0 or kept[0].shape[0] != B:
+            return None
+        blocks = int(kept[1][0])
+        if nb < blocks or nb - blocks > MAX_NEW_BLOCKS:
+            return None
+        order = kept[0]
+        if order.shape[-1] < nb:  # as wide as this call's summaries (the rest is unread)
+            more = torch.arange(order.shape[-1], nb, device=order.device, dtype=order.dtype)
+            order = torch.cat([order, more.expand(*order.shape[:-1], -1)], -1)
+        return (order, *kept[1:])
+
+    def _rank(self, layer, q, meta, lengths, cfg, scale) -> torch.Tensor:
+        """A ranking call of a kept selection: its order kept for the calls to come."""
+        from sglang_psa.algo import as_kept
+        from sglang_psa.algo.attention import _default_scale, read_order
+
+        order, n_forced = read_order(q, as_kept(meta, cfg), lengths, cfg, _default_scale(q, scale))
+        self.kept[layer] = (order, num_blocks(lengths, cfg.block_size))
+        return n_forced
 
     @contextlib.contextmanager
     def use(self, policy: DecodePolicy) -> Iterator[PSARuntime]:
@@ -162,6 +210,8 @@ class PSARuntime:
         call per layer, which is what makes a suite of policies affordable. With
         `kernels` (CUDA) the sparse rows run the server's Triton kernels instead of the
         PyTorch reference (`KernelRows`)."""
+        if any(p.keep_selection for p in policies):
+            raise ValueError("use_rows: a kept selection (keep_selection) decodes alone")
         old = self.rows, self.kernel_rows
         self.rows = _row_groups(policies)
         self.kernel_rows = KernelRows() if kernels else None
@@ -235,6 +285,12 @@ class PSARuntime:
         nb = -(-key.shape[2] // policy.cfg.block_size)
         cfg = policy.cfg
         meta = self._meta_for(module.layer_idx, key, cfg.block_size).meta(nb)
+        layer = module.layer_idx
+        keeps = policy.keep_selection
+        prior = self._prior(layer, cfg, nb, B) if keeps else None
+        n_forced = None
+        if keeps and prior is None:  # ranks now: the order is kept for the calls between
+            n_forced = self._rank(layer, q, meta, lengths, cfg, scaling)
         if policy.kind == "psa":
             cap = None
             if policy.cap_tokens:
@@ -249,13 +305,19 @@ class PSARuntime:
                 scale=scaling,
                 cap_tokens=cap,
                 code_bits=policy.code_bits,
+                prior=prior,
             )
+            if n_forced is not None:  # the ranked blocks the rule read: the steps between's
+                order, blocks = self.kept[layer]
+                budget = res.read.sum(-1) - n_forced[:, None]
+                self.kept[layer] = (order, blocks, budget)
         elif policy.kind == "oracle":
             res = oracle_attention(q, key, value, lengths, cfg, scale=scaling)
         else:
             res = topk_attention(
-                q, key, value, lengths, cfg, policy.budget_tokens, meta=meta, scale=scaling
-            )
+                q, key, value, lengths, cfg, policy.budget_tokens, meta=meta, scale=scaling,
+                prior=None if prior is None else prior[:2],
+            )  # fmt: skip
         nblk = num_blocks(lengths, cfg.block_size)
         self._record(
             module.layer_idx, res.read.sum(-1).flatten(), nblk.repeat_interleave(res.read.shape[1])
