@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
+
+from study import parser, run, save
 
 from sglang_psa.config import PSAConfig, flag_name
-from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import evaluate, policy_summary
-from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
-from sglang_psa.hf.decode import load_model
-from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 from sglang_psa.plugin.flags import add_psa_args, config_from_namespace
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 POLICIES = {
     "dense": DecodePolicy("dense"),
     # Spelled out: PSAConfig's defaults became the candidate's after this comparison.
@@ -46,23 +41,17 @@ def extra_policy(spec: str) -> tuple[str, DecodePolicy]:
     """`NAME:field=value,...` -> PSA at the current defaults (ε 0.98) with those fields,
     parsed and checked as the server's `--psa-<field>` flags are."""
     name, _, fields = spec.partition(":")
-    parser = argparse.ArgumentParser(prog=f"--extra {name!r}")
-    add_psa_args(parser)
+    flags = argparse.ArgumentParser(prog=f"--extra {name!r}")
+    add_psa_args(flags)
     argv = ["--sparse-mode", "psa", "--psa-threshold", "0.98"]
     for item in filter(None, fields.split(",")):
         key, _, value = item.partition("=")
         argv += [flag_name(key), value]
-    return name, DecodePolicy("psa", config_from_namespace(parser.parse_args(argv)))
+    return name, DecodePolicy("psa", config_from_namespace(flags.parse_args(argv)))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    ap.add_argument("--context-tokens", type=int, default=8192)
-    ap.add_argument("--per-kind", type=int, default=1)
-    ap.add_argument("--kinds", default=",".join(GENERATORS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="defaults_cpu_8k")
+    ap = parser(__doc__.split("\n\n")[0], "defaults_cpu_8k")
     ap.add_argument(
         "--extra",
         action="append",
@@ -74,23 +63,8 @@ def main() -> None:
     args = ap.parse_args()
     policies = dict(POLICIES)
     policies.update(extra_policy(spec) for spec in args.extra)
-    model, tok = load_model(ensure_model(args.model))
-    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    kinds = args.kinds.split(",")
-    tasks = make_tasks(kinds, args.context_tokens, args.per_kind, args.seed, count)
-    print(f"[defaults] {len(tasks)} tasks x {len(policies)} policies", flush=True)
-    outs = evaluate(model, tok, tasks, list(policies.values()), progress=True)
+    tasks, table = run(args, policies)
     names = list(policies)
-    table = {}
-    for i, name in enumerate(names):
-        rows = outs[i :: len(names)]
-        table[name] = {
-            **policy_summary(rows),
-            "tasks": [
-                {"task": o.task, "correct": o.correct, "kv_fraction": o.kv_fraction} for o in rows
-            ],
-        }
-        print(name, {k: v for k, v in table[name].items() if k != "tasks"}, flush=True)
     summary = {
         "n_tasks": len(tasks),
         "accuracy_dense": table["dense"]["accuracy"],
@@ -104,17 +78,7 @@ def main() -> None:
             for key, field in (("accuracy", "accuracy"), ("kv_fraction", "kv_fraction"))
         },
     }
-    write_result(
-        RESULTS / f"{args.name}.json",
-        summary,
-        {"policies": table},
-        model=MODELS[args.model].name,
-        context_tokens=args.context_tokens,
-        kinds=kinds,
-        per_kind=args.per_kind,
-        seed=args.seed,
-    )
-    print(summary)
+    save(args, summary, table)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,11 @@ benchmark/results/archive/<name>.json.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-from pathlib import Path
+from study import parser, run, save
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.eval.results import write_result
-from sglang_psa.eval.runner import evaluate, policy_summary
-from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
-from sglang_psa.hf.decode import load_model
-from sglang_psa.models import DEFAULT_MODEL, MODELS, ensure_model
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 NEW_TOKENS = 64
 
 
@@ -43,41 +35,10 @@ def policies(interval: int) -> dict[str, DecodePolicy]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    ap.add_argument("--context-tokens", type=int, default=8192)
-    ap.add_argument("--per-kind", type=int, default=1)
-    ap.add_argument("--kinds", default=",".join(GENERATORS))
-    ap.add_argument("--seed", type=int, default=7)
+    ap = parser(__doc__.split("\n\n")[0], "kept_selection_cpu_8k", seed=7)
     ap.add_argument("--interval", type=int, default=PSAConfig().rerank_interval)
-    ap.add_argument("--name", default="kept_selection_cpu_8k")
     args = ap.parse_args()
-    pols = policies(args.interval)
-    model, tok = load_model(ensure_model(args.model))
-    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    kinds = args.kinds.split(",")
-    tasks = make_tasks(kinds, args.context_tokens, args.per_kind, args.seed, count)
-    tasks = [dataclasses.replace(t, max_new_tokens=NEW_TOKENS) for t in tasks]
-    print(f"[kept selection] {len(tasks)} tasks x {len(pols)} policies", flush=True)
-    outs = evaluate(model, tok, tasks, list(pols.values()), progress=True)
-    names = list(pols)
-    table = {}
-    for i, name in enumerate(names):
-        rows = outs[i :: len(names)]
-        table[name] = {
-            **policy_summary(rows),
-            "identical": sum(o.agrees_with_dense for o in rows),
-            "tasks": [
-                {
-                    "task": o.task,
-                    "correct": o.correct,
-                    "identical": o.agrees_with_dense,
-                    "kv_fraction": o.kv_fraction,
-                }
-                for o in rows
-            ],  # fmt: skip
-        }
-        print(name, {k: v for k, v in table[name].items() if k != "tasks"}, flush=True)
+    tasks, table = run(args, policies(args.interval), NEW_TOKENS)
     key = {"psa fresh": "psa_fresh", "psa kept": "psa_kept", "topk fresh": "topk_fresh",
            "topk kept": "topk_kept"}  # fmt: skip
     summary = {
@@ -87,19 +48,7 @@ def main() -> None:
         **{f"accuracy_{key[n]}": table[n]["accuracy"] for n in key},
         **{f"kv_fraction_{key[n]}": table[n]["kv_fraction"] for n in key},
     }
-    write_result(
-        RESULTS / f"{args.name}.json",
-        summary,
-        {"policies": table},
-        model=MODELS[args.model].name,
-        context_tokens=args.context_tokens,
-        kinds=kinds,
-        per_kind=args.per_kind,
-        seed=args.seed,
-        interval=args.interval,
-        new_tokens=NEW_TOKENS,
-    )
-    print(summary)
+    save(args, summary, table, interval=args.interval, new_tokens=NEW_TOKENS)
 
 
 if __name__ == "__main__":
