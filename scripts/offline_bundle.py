@@ -202,9 +202,8 @@ TARGET_MARKERS = {  # the GPU host, for checking the bundle's requirements again
 }
 
 MIB = 1 << 20
-DEFAULT_PART_MIB = (
-    48  # a device call carries 64 MiB with the working tree (~10 MiB tracked, growing)
-)
+# a device call carries 64 MiB with the working tree (~10 MiB tracked, growing)
+DEFAULT_PART_MIB = 48
 PART_PREFIX = "psa-bundle.part-"
 MANIFEST_NAME = "MANIFEST.json"
 BUNDLE_ROOT = "psa-bundle"  # top folder inside bundle.tar

@@ -96,6 +96,13 @@ def fake_batch(bs, seed, device="cpu", need_sort=False, spare_pages=600, prompt=
     )
 
 
+def tree_page_size(batch) -> int:
+    """SGLang's `_alloc_page_size` without a server: the tree cache's page size (on CUDA it
+    asks the process's server arguments whether decode context parallelism is on; no
+    server set them here, and it is off)."""
+    return batch.tree_cache.page_size
+
+
 def host_us(path, bs: int, steps: int, warmup: int = 50, device: str = "cuda") -> list[float]:
     """Host microseconds of each of `steps` decode allocations by `path(batch)`."""
     room = steps + warmup + PAGE  # every step's token fits its row
@@ -129,7 +136,7 @@ def main(argv=None) -> None:
     from sglang_psa.eval.results import gpu_tag, write_result
     from sglang_psa.mem_cache import decode_alloc
 
-    allocation._alloc_page_size = lambda batch: batch.tree_cache.page_size  # DCP off
+    allocation._alloc_page_size = tree_page_size
     paths = {
         "sglang": lambda b: allocation.alloc_for_decode(b, 1),
         "psa": decode_alloc.allocate,

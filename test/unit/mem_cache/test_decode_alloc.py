@@ -42,14 +42,11 @@ def sparse(monkeypatch):
 
 
 def _dcp_off(monkeypatch):
-    """No server set the process's arguments here: SGLang's page size is the tree
-    cache's, as `benchmark/scheduler/alloc_step.py` gives it (decode context parallelism
-    off)."""
+    """No server set the process's arguments: SGLang's page size as the alloc benchmark
+    gives it (`alloc_step.tree_page_size`)."""
     from sglang.srt.mem_cache import allocation
 
-    monkeypatch.setattr(
-        allocation, "_alloc_page_size", lambda b: b.tree_cache.page_size, raising=False
-    )
+    monkeypatch.setattr(allocation, "_alloc_page_size", alloc_step.tree_page_size, raising=False)
 
 
 def _ours(batch):
