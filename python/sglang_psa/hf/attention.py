@@ -291,6 +291,7 @@ class PSARuntime:
         n_forced = None
         if keeps and prior is None:  # ranks now: the order is kept for the calls between
             n_forced = self._rank(layer, q, meta, lengths, cfg, scaling)
+            prior = self.kept[layer]  # read as kept it is the fresh order: not ranked twice
         if policy.kind == "psa":
             cap = None
             if policy.cap_tokens:
