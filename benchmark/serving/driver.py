@@ -95,18 +95,10 @@ class Server:
         t0 = time.time()
         last = t0
         while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise ServerFailed(
-                    f"the server exited with code {self.proc.returncode} during start-up; "
-                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
-                )
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    self.startup_s = time.time() - t0
-                    log(f"healthy after {self.startup_s:.0f} s")
-                    return self.startup_s
-            except requests.RequestException:
-                pass
+            if self.healthy():
+                self.startup_s = time.time() - t0
+                log(f"healthy after {self.startup_s:.0f} s")
+                return self.startup_s
             if time.time() - last > 30:
                 last = time.time()
                 log(
@@ -153,10 +145,31 @@ class Server:
             data = f.read() if end is None else f.read(max(0, end - start))
         return data.decode(errors="replace")
 
+    def healthy(self) -> bool:
+        """Whether `/health` answers 200 now; raises ServerFailed if the server exited."""
+        if self.proc.poll() is not None:
+            raise ServerFailed(
+                f"the server exited with code {self.proc.returncode} during start-up; "
+                f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+            )
+        try:
+            return requests.get(self.url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def pause(self) -> None:
+        """Stop every process of the server (SIGSTOP to its group): it keeps its GPU memory
+        and takes no CPU, so a server started beside the measured one costs it nothing."""
+        _signal_group(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        _signal_group(self.proc.pid, signal.SIGCONT)
+
     def stop(self, grace: float = 15) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGCONT)  # a paused server, to shut down
             _signal_group(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(grace)

@@ -74,6 +74,16 @@ workload of the budget (FlashInfer +120 s) to start; `--continue-run last` conti
 newest run of each workload; `--rates` takes one workload. Without
 `--systems` it runs the systems every listed workload runs by default.
 
+`--start-together` starts every system's server at once and pauses each (SIGSTOP to its
+process group) as soon as it is healthy; then each in turn is resumed, measured and
+stopped, while the others, paused, hold GPU memory and no CPU. The start-ups overlap, so
+a stage waits for the slowest one instead of their sum (a five-system race on the H200
+spent ~530 s starting servers one after another). Every server then gets the same KV
+pool, `--max-total-tokens` sized for the largest workload's requests with 30% to spare
+(`kv_tokens_per_server` in the part's config), and the stage refuses to start when the
+servers would not fit the GPU's memory together; a run continues only with the same pool
+size.
+
 `stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
 SGLang's profiler records STEPS decode steps of each server, and each system's record
 gets a table of GPU time per step by kernel (`decode_profile`). The profiler's export
@@ -239,6 +249,8 @@ def launch(name: str, w: workloads_mod.Workload, ctx: dict, port: int) -> list[s
     extra = []
     if ctx["cap"] is not None:
         extra += systems_mod.cap_flags(system, ctx["cap"])
+    elif ctx.get("together_tokens"):  # stage --start-together: one pool size for all
+        extra += ["--max-total-tokens", str(ctx["together_tokens"])]
     if ctx.get("tp", 1) > 1:
         extra += ["--tp-size", str(ctx["tp"])]
     return systems_mod.launch_command(
@@ -278,44 +290,189 @@ def run_server(
     workload's record carries the start-up and, with several, `shared_server_with`. A
     workload reached with less than MIN_WORKLOAD_BUDGET_S of the budget left is not
     measured and has no record. Returns workload name -> record."""
+    server, recs = new_server(name, plans, port)
+    try:
+        with server:
+            server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
+            measure_server(server, name, plans, recs, deadline)
+    except (ServerFailed, OSError, ValueError, KeyError) as e:
+        for key, rec in recs.items():
+            if not rec.get("_done"):
+                failed(rec, e, server, f"{key}/{name}")
+    return finished(recs)
+
+
+def new_server(
+    name: str, plans: list[tuple[workloads_mod.Workload, dict]], port: int
+) -> tuple[Server, dict[str, dict]]:
+    """`name`'s server for `plans` (not started) and an empty record per workload."""
     w0, ctx0 = plans[0]
     cmd = launch(name, w0, ctx0, port)
     what = systems_mod.SYSTEMS[name].what
     order = [w.name for w, _ in plans]
     recs = {key: {"what": what, "launch": cmd, "error": None} for key in order}
-    done: set[str] = set()  # measured, failed or skipped
     logs = ctx0["work"] / "logs" / ctx0["run_id"]
     server = Server(
         cmd, port, logs / f"{'+'.join(order)}-{name}.server.log", cpus=ctx0.get("server_cpus")
     )
-    try:
-        with server:
-            server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
-            for i, (w, ctx) in enumerate(plans):
-                rec = recs[w.name]
-                left = deadline - time.time()
-                if i and left < MIN_WORKLOAD_BUDGET_S:
-                    log(f"{w.name}/{name}: not run, {left:.0f} s of the stage budget left")
-                    del recs[w.name]
-                    done.add(w.name)
-                    continue
-                rec["startup_s"] = server.startup_s
-                if len(plans) > 1:
-                    rec["shared_server_with"] = [k for k in order if k != w.name]
+    return server, recs
+
+
+def measure_server(
+    server: Server,
+    name: str,
+    plans: list[tuple[workloads_mod.Workload, dict]],
+    recs: dict[str, dict],
+    deadline: float,
+) -> None:
+    """Measure each workload of `plans` on the healthy `server` (`run_server`'s loop); a
+    record measured, failed or skipped is marked done (`_done`, dropped by `finished`)."""
+    order = [w.name for w, _ in plans]
+    for i, (w, ctx) in enumerate(plans):
+        rec = recs[w.name]
+        left = deadline - time.time()
+        if i and left < MIN_WORKLOAD_BUDGET_S:
+            log(f"{w.name}/{name}: not run, {left:.0f} s of the stage budget left")
+            rec["_skipped"] = rec["_done"] = True
+            continue
+        rec["startup_s"] = server.startup_s
+        if len(plans) > 1:
+            rec["shared_server_with"] = [k for k in order if k != w.name]
+        try:
+            measure(server, name, w, ctx, rec, deadline, flush_after=order[i - 1] if i else None)
+        except (ServerFailed, OSError, ValueError, KeyError) as e:
+            if len(plans) == 1:
+                raise  # recorded by the caller, with the log's tail after the shutdown
+            failed(rec, e, server, f"{w.name}/{name}")
+        rec["_done"] = True
+
+
+def finished(recs: dict[str, dict]) -> dict[str, dict]:
+    """The records of the workloads measured (or failed), without the bookkeeping marks."""
+    out = {}
+    for key, rec in recs.items():
+        if rec.pop("_skipped", False):
+            continue
+        rec.pop("_done", None)
+        out[key] = rec
+    return out
+
+
+class StartedTogether:
+    """`stage --start-together`: every system's server started at once, each paused
+    (`Server.pause`) as soon as it is healthy, then measured one at a time, resumed for
+    its turn and stopped after it. The start-ups overlap (a stage pays the slowest, not
+    the sum: FlashInfer's JIT and triton's compiles beside the rest) while a measured
+    server shares the machine only with paused ones, which hold GPU memory and no CPU.
+    Every server gets the same KV pool (`--max-total-tokens`, `together_tokens`), so that
+    all fit in the GPU's memory at once (`check_together_fits`)."""
+
+    def __init__(self, names: list[str], plans: list[tuple[workloads_mod.Workload, dict]],
+                 port: int, deadline: float):  # fmt: skip
+        self.servers: dict[str, tuple[Server, dict[str, dict]]] = {}
+        self.errors: dict[str, Exception] = {}
+        self.plans = plans
+        for i, name in enumerate(names):
+            self.servers[name] = new_server(name, plans, port + i)
+        t0 = time.time()
+        waiting = dict.fromkeys(names)
+        for name in names:
+            self.servers[name][0].__enter__()
+        log(f"started {len(names)} servers together: {', '.join(names)}")
+        last = t0
+        while waiting and time.time() < min(t0 + STARTUP_TIMEOUT_S, deadline):
+            for name in list(waiting):
+                server = self.servers[name][0]
                 try:
-                    measure(
-                        server, name, w, ctx, rec, deadline, flush_after=order[i - 1] if i else None
-                    )
-                except (ServerFailed, OSError, ValueError, KeyError) as e:
-                    if len(plans) == 1:
-                        raise  # recorded below, with the log's tail after the shutdown
-                    failed(rec, e, server, f"{w.name}/{name}")
-                done.add(w.name)
-    except (ServerFailed, OSError, ValueError, KeyError) as e:
-        for key in order:
-            if key not in done:
-                failed(recs[key], e, server, f"{key}/{name}")
-    return recs
+                    up = server.healthy()
+                except ServerFailed as e:  # its subprocesses may live on: stop them
+                    self.errors[name] = e
+                    server.stop()
+                    del waiting[name]
+                    continue
+                if up:
+                    server.startup_s = time.time() - t0
+                    server.pause()
+                    log(f"{name}: healthy after {server.startup_s:.0f} s, paused")
+                    del waiting[name]
+            if time.time() - last > 30:
+                last = time.time()
+                log(f"waiting for {', '.join(waiting)} ({time.time() - t0:.0f} s)")
+            time.sleep(1.0)
+        for name in waiting:  # still starting: stopped, so as not to load the others' runs
+            self.servers[name][0].stop()
+            self.errors[name] = ServerFailed(
+                f"the server was not healthy after {time.time() - t0:.0f} s (started "
+                f"together with {len(names) - 1} others); last lines of "
+                f"{self.servers[name][0].log_path}:\n{driver.tail(self.servers[name][0].log_path)}"
+            )
+
+    def measure(self, name: str, plans: list[tuple[workloads_mod.Workload, dict]],
+                deadline: float) -> dict[str, dict]:  # fmt: skip
+        """`name`'s records for `plans` (a subset of the started workloads: those still
+        live), its server resumed, measured and stopped."""
+        server, recs = self.servers[name]
+        recs = {w.name: recs[w.name] for w, _ in plans}
+        together = [n for n in self.servers if n != name]
+        for rec in recs.values():
+            rec["started_together_with"] = together
+        try:
+            if name in self.errors:
+                raise self.errors[name]
+            server.resume()
+            measure_server(server, name, plans, recs, deadline)
+        except (ServerFailed, OSError, ValueError, KeyError) as e:
+            server.stop()  # the log's tail after the shutdown
+            for key, rec in recs.items():
+                if not rec.get("_done"):
+                    failed(rec, e, server, f"{key}/{name}")
+        finally:
+            server.stop()
+        return finished(recs)
+
+    def stop_all(self) -> None:
+        for server, _ in self.servers.values():
+            server.stop()
+
+
+def together_tokens(ws: list[workloads_mod.Workload]) -> int:
+    """The KV pool (tokens) each server gets under `--start-together`: every request of the
+    largest workload at its longest prompt and output, with 30% to spare for SGLang's
+    admission, which reserves a share of each running request's remaining output."""
+    need = max(w.prompts * w.max_request_tokens for w in ws)
+    return -(-int(need * 1.3) // 1024) * 1024
+
+
+def check_together_fits(
+    names: list[str], tokens: int, kv_bytes: int, meta_bytes: int, model_dir: Path
+) -> str:
+    """Exit naming the flag unless `names`' servers, each with a `tokens` KV pool (and
+    sglang-psa's block metadata for the sparse ones), fit the GPU's memory at once (the
+    weights counted by the model folder's files, 4 GiB a server for activations and
+    graphs); returns what it checked, for the log. Without a GPU there is nothing to
+    check (a test's fake servers)."""
+    try:
+        import torch
+
+        total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001  (no usable CUDA: nothing to check against)
+        total = None
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    per = {
+        n: weights + tokens * (kv_bytes + (0 if systems_mod.SYSTEMS[n].plain else meta_bytes))
+        + 4 * 2**30
+        for n in names
+    }  # fmt: skip
+    need = sum(per.values())
+    if total is None:
+        return f"{need / 2**30:.1f} GiB for {len(names)} servers (no GPU: not checked)"
+    if need > 0.9 * total:
+        raise SystemExit(
+            f"--start-together: {len(names)} servers with {tokens} KV tokens each need about "
+            f"{need / 2**30:.1f} GiB, more than 90% of the GPU's {total / 2**30:.1f} GiB; run "
+            "without --start-together, or name fewer --systems"
+        )
+    return f"{need / 2**30:.1f} GiB for {len(names)} servers of the GPU's {total / 2**30:.1f}"
 
 
 def failed(rec: dict, e: Exception, server: Server, label: str) -> None:
@@ -748,6 +905,7 @@ def stage(args) -> int:
             "tp": args.tp,
             "prompt_format": args.prompt_format,
             "server_cpus": cpus["server"] if cpus else None,
+            "together_tokens": together_tokens(ws) if args.start_together else None,
         }
     if several:
         check_shared_server(ws, names, ctxs, args.port)
@@ -775,6 +933,8 @@ def stage(args) -> int:
                 "tp": args.tp,
                 "prompt_format": args.prompt_format,
                 "cpus": cpus,
+                "started_together": bool(args.start_together),
+                "kv_tokens_per_server": ctx["together_tokens"],
             },
             "systems": {},
         }
@@ -815,18 +975,27 @@ def stage(args) -> int:
         if name not in p.part.setdefault("not_run", []):
             p.part["not_run"].append(name)
 
-    for i, name in enumerate(names):
+    def measure_system(i: int, name: str, together: StartedTogether | None) -> bool:
+        """Measure `name` on every live workload (its server started now, or resumed from
+        `together`) and save the parts; False once no workload is live."""
         todo = [p for p in plans if p.live]
         if not todo:
-            break
+            return False
         left = deadline - time.time()
-        if left < system_budget_s(name, len(todo)):
+        # a server started together already runs: only its workloads' time is needed
+        need = MIN_WORKLOAD_BUDGET_S * len(todo)
+        if together is None:
+            need = system_budget_s(name, len(todo))
+        if left < need:
             log(f"{label}/{name}: not started, {left:.0f} s of the stage budget left")
             for p in todo:
                 not_run(p, name)
-            continue
+            return True
         log(f"[{i + 1}/{len(names)}] {label}/{name} ({left:.0f} s of the budget left)")
-        recs = run_server(name, [(p.w, p.ctx) for p in todo], args.port + i, deadline)
+        if together is None:
+            recs = run_server(name, [(p.w, p.ctx) for p in todo], args.port + i, deadline)
+        else:
+            recs = together.measure(name, [(p.w, p.ctx) for p in todo], deadline)
         for p in todo:
             if p.w.name not in recs:  # the budget ran out before this workload's turn
                 not_run(p, name)
@@ -844,6 +1013,21 @@ def stage(args) -> int:
                 continue
             finish_part(p.part, p.w, p.ctx)
             save_part(p.part, p.path, args)
+        return True
+
+    together = None
+    if args.start_together:
+        ctx0 = plans[0].ctx
+        tokens = ctx0["cap"].tokens if ctx0["cap"] else ctx0["together_tokens"]
+        log("--start-together: " + check_together_fits(names, tokens, kv, meta_bytes, model_dir))
+        together = StartedTogether(names, [(p.w, p.ctx) for p in plans], args.port, deadline)
+    try:
+        for i, name in enumerate(names):
+            if not measure_system(i, name, together):
+                break
+    finally:
+        if together is not None:
+            together.stop_all()
     for p in plans:
         save_part(p.part, p.path, args)  # with the systems left unstarted, if any
     out = Path(args.out) if args.out else None
@@ -896,6 +1080,11 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
             fresh["config"]["prompt_format"],
         ),
         "cpus": (part["config"].get("cpus"), fresh["config"]["cpus"]),
+        # --start-together sizes every KV pool alike: a run continues with the same pools
+        "kv_tokens_per_server": (
+            part["config"].get("kv_tokens_per_server"),
+            fresh["config"]["kv_tokens_per_server"],
+        ),
         # a diagnosis run (perturbed servers) continues only as one
         "profiled": (part.get("profiled"), fresh.get("profiled")),
         "host_profiled": (part.get("host_profiled"), fresh.get("host_profiled")),
@@ -1176,6 +1365,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RUN_ID",
         help="add --systems to an earlier run of this stage on this machine (same boot, "
         "commit and workload; `last`: the newest): a stage that does not fit one call",
+    )
+    st.add_argument(
+        "--start-together",
+        action="store_true",
+        help="start every system's server at once, pause each once healthy and measure "
+        "them one at a time (the stage waits for the slowest start-up, not the sum); every "
+        "server gets the same KV pool, sized for the largest workload, and they must fit "
+        "the GPU's memory together",
     )
     st.add_argument(
         "--profile-decode",

@@ -10,6 +10,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -1182,6 +1183,144 @@ def test_a_refused_flush_is_that_workloads_error_and_the_budget_ends_a_server(
     events, plans = _one_server(monkeypatch, tmp_path)
     recs = run.run_server("topk", plans, 31999, run.time.time() + run.MIN_WORKLOAD_BUDGET_S - 5)
     assert set(recs) == {"a"} and ("warm", "a16") not in events
+
+
+def _together(monkeypatch, tmp_path, fails=(), slow=()):
+    """StartedTogether over recording stand-ins: `fails` exit during start-up, `slow`
+    become healthy a poll later than the rest."""
+    events, plans = _one_server(monkeypatch, tmp_path)
+    state: dict[str, str] = {}
+
+    class Stand:
+        def __init__(self, name):
+            self.name, self.polls, self.startup_s = name, 0, float("nan")
+            self.log_path = tmp_path / f"{name}.log"
+
+        def __enter__(self):
+            state[self.name] = "starting"
+            events.append(("start", self.name))
+            return self
+
+        def healthy(self):
+            self.polls += 1
+            if self.name in fails:
+                raise run.ServerFailed(f"{self.name} exited during start-up")
+            return self.polls > (2 if self.name in slow else 1)
+
+        def pause(self):
+            state[self.name] = "paused"
+            events.append(("pause", self.name))
+
+        def resume(self):
+            state[self.name] = "running"
+            events.append(("resume", self.name))
+            others = {n: s for n, s in state.items() if n != self.name}
+            # while one server is measured every other one is paused or gone
+            assert set(others.values()) <= {"paused", "stopped"}, others
+
+        def stop(self):
+            if state.get(self.name) != "stopped":
+                state[self.name] = "stopped"
+                events.append(("stop", self.name))
+
+        def get(self, path):
+            return {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
+
+        def flush_cache(self, check=False):
+            events.append(("flush", check))
+
+    monkeypatch.setattr(run, "new_server", lambda name, plans, port: (
+        Stand(name), {w.name: {"what": name, "launch": [], "error": None} for w, _ in plans}
+    ))  # fmt: skip
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    return events, plans, state
+
+
+def test_servers_started_together_are_paused_when_healthy_and_measured_one_at_a_time(
+    monkeypatch, tmp_path
+):
+    events, plans, state = _together(monkeypatch, tmp_path, fails=("topk",), slow=("plain",))
+    deadline = run.time.time() + 300
+    names = ["plain", "psa", "topk"]
+    together = run.StartedTogether(names, plans, 31000, deadline)
+    starts = [e for e in events if e[0] == "start"]
+    assert starts == [("start", n) for n in names]  # all launched before any is paused
+    assert events.index(("pause", "psa")) < events.index(("pause", "plain"))  # when healthy
+    assert state == {"plain": "paused", "psa": "paused", "topk": "stopped"}  # failed: stopped
+    events.clear()
+    recs = together.measure("plain", plans, deadline)
+    assert events[0] == ("resume", "plain") and events[-1] == ("stop", "plain")
+    assert [e for e in events if e[0] == "run"] == [("run", "a"), ("run", "a16")]
+    for rec in recs.values():
+        assert rec["error"] is None and rec["started_together_with"] == ["psa", "topk"]
+    assert state["psa"] == "paused"  # still waiting for its turn
+    recs = together.measure("psa", plans[:1], deadline)  # a16 no longer live: a only
+    assert set(recs) == {"a"} and recs["a"]["error"] is None
+    events.clear()
+    recs = together.measure("topk", plans, deadline)  # its start-up failed: its error
+    assert all("exited during start-up" in r["error"] for r in recs.values())
+    assert ("resume", "topk") not in events and ("run", "a") not in events
+    together.stop_all()
+    assert set(state.values()) == {"stopped"}
+
+
+def test_start_together_sizes_one_pool_for_all_and_refuses_what_the_gpu_cannot_hold(
+    monkeypatch, tmp_path
+):
+    W = workloads.WORKLOADS
+    tokens = run.together_tokens([W["a"], W["a16"]])
+    need = W["a"].prompts * W["a"].max_request_tokens  # the larger workload's requests
+    assert tokens % 1024 == 0 and 1.3 * need <= tokens < 1.3 * need + 1024
+    ctx = _server_ctx(W["a"]) | {"together_tokens": tokens}
+    cmd = run.launch("psa", W["a"], ctx, 31000)
+    assert run.launch_flags(cmd)["--max-total-tokens"] == str(tokens)
+    capped = _server_ctx(W["b"], cap=systems.KVCap(1000, 10, 1, 2000)) | {"together_tokens": 7}
+    assert run.launch_flags(run.launch("plain", W["b"], capped, 1))["--max-total-tokens"] == "1000"
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, 141 * 2**30))
+    names = ["plain", "plain_fa3", "plain_flashinfer", "topk", "psa"]
+    ok = run.check_together_fits(names, tokens, 12_288, 2_000, tmp_path)
+    assert "GiB for 5 servers" in ok
+    with pytest.raises(SystemExit, match="--start-together: 5 servers"):
+        run.check_together_fits(names, tokens * 3, 12_288, 2_000, tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "not checked" in run.check_together_fits(names, tokens * 3, 12_288, 2_000, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stage_started_together_measures_every_system_with_one_pool_size(tmp_path):
+    """`stage a,a16 --start-together` against fake servers (real processes, paused with
+    SIGSTOP and resumed): every system measured on both workloads, each launch with the
+    same --max-total-tokens, the parts saying so; a run continued without the flag (other
+    pool sizes) is refused."""
+    base, env = _fake_stage(tmp_path, SMOKE_A, SMOKE_A16)
+    out = tmp_path / "out"
+
+    def stage(*extra):
+        cmd = base + ["--port", str(_free_port_pair()), "--export", str(out), *extra]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    first = stage("--systems", "psa,topk", "--start-together")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "started 3 servers together" in first.stdout
+    tokens = run.together_tokens([SMOKE_A, SMOKE_A16])
+    launches = [ln for ln in first.stdout.splitlines() if "fake_sglang.py --model-path" in ln]
+    assert len(launches) == 3 and all(f"--max-total-tokens {tokens}" in ln for ln in launches)
+    for name in ("plain", "psa", "topk"):
+        assert re.search(rf"{name}: healthy after \d+ s, paused", first.stdout), name
+    for path in (out / "parts").glob("*.json"):
+        part = json.loads(path.read_text())
+        config = part["config"]
+        assert config["started_together"] and config["kv_tokens_per_server"] == tokens
+        assert set(part["systems"]) == {"plain", "psa", "topk"}
+        for name, rec in part["systems"].items():
+            assert rec["error"] is None and len(rec["rows"]) == 8, (path.name, name)
+            assert sorted(rec["started_together_with"]) == sorted({"plain", "psa", "topk"} - {name})
+    alone = stage("--systems", "plain_fa3", "--continue-run", "last")
+    assert alone.returncode != 0 and "kv_tokens_per_server" in alone.stderr
 
 
 @pytest.mark.slow
