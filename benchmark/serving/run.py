@@ -372,8 +372,8 @@ class StartedTogether:
         self.servers: dict[str, tuple[Server, dict[str, dict]]] = {}
         self.errors: dict[str, Exception] = {}
         self.plans = plans
-        for i, name in enumerate(names):
-            self.servers[name] = new_server(name, plans, port + i)
+        for i, name in enumerate(names):  # ports 10 apart: each server's own beside it
+            self.servers[name] = new_server(name, plans, port + 10 * i)
         t0 = time.time()
         waiting = dict.fromkeys(names)
         for name in names:

@@ -897,22 +897,25 @@ def test_stage_order_runs_the_plain_backends_first():
 # --- 7. the whole stage against the fake server ---------------------------------------
 
 
-def _free_port_pair() -> int:
-    """Two consecutive free ports below Linux's ephemeral range (32768 and up by default):
-    a port the kernel handed out for binding to port 0 may be taken meanwhile by another
-    test's outgoing connection before the stage's server binds it."""
+def _free_port_pair(n: int = 2, step: int = 1) -> int:
+    """A port P with P, P + step, ... (n ports) free, below Linux's ephemeral range (32768
+    and up by default): a port the kernel handed out for binding to port 0 may be taken
+    meanwhile by another test's outgoing connection before the stage's server binds it.
+    The default: two consecutive ports (a stage's servers, one after another)."""
+    import contextlib
     import random
 
     for _ in range(200):
-        port = random.randrange(20000, 32000)
+        port = random.randrange(20000, 32000 - n * step)
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
+            with contextlib.ExitStack() as stack:
+                for k in range(n):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port + k * step))
             return port
         except OSError:
             continue
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {n} free ports {step} apart")
 
 
 def _fake_stage(tmp_path, smoke_workload, *more, **env_extra) -> tuple[list[str], dict]:
@@ -1300,7 +1303,8 @@ def test_a_stage_started_together_measures_every_system_with_one_pool_size(tmp_p
     out = tmp_path / "out"
 
     def stage(*extra):
-        cmd = base + ["--port", str(_free_port_pair()), "--export", str(out), *extra]
+        port = _free_port_pair(3, 10)  # started together: ports 10 apart
+        cmd = base + ["--port", str(port), "--export", str(out), *extra]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
     first = stage("--systems", "psa,topk", "--start-together")
