@@ -509,10 +509,19 @@ def measure(
     if w.name == "c" and name == "plain":
         ctx["probe"] = probe(server, ctx["tok"], w)
     runs, failed_rates = {}, {}
+    repeats = 1 if w.is_sweep or ctx.get("profile_steps") else ctx.get("repeats") or 1
     for rate in w.rates:
         key = "inf" if math.isinf(rate) else f"{rate:g}"
         try:
-            runs[key] = timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline)
+            tries = [
+                timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline, k)
+                for k in range(repeats)
+            ]
+            runs[key] = median_run(tries)
+            if repeats > 1:
+                seen = ", ".join(f"{t['output_tok_s']:.0f}" for t in runs[key]["repeats"])
+                log(f"{w.name}/{name} @ {key}/s: output tok/s over {repeats} runs {seen}; "
+                    f"kept run {runs[key]['median_of'] + 1} (the median)")  # fmt: skip
         except ServerFailed as e:
             if not w.is_sweep:
                 raise
@@ -566,15 +575,19 @@ def timed_run(
     ctx: dict,
     logs: Path,
     deadline: float,
+    repeat: int = 0,
 ) -> dict:
     """One `bench_serving` run at `rate` (a chat workload: one `driver.run_chat` run, its
     conversations starting at `rate`) against a warm server with an empty prefix cache:
-    its metrics, the decode log lines of its window, and one row per request."""
+    its metrics, the decode log lines of its window, and one row per request. `repeat`:
+    which run of `stage --repeats` this is (its files' names say so from the second on)."""
     key = "inf" if math.isinf(rate) else f"{rate:g}"
-    log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s")
+    again = f" (repeat {repeat + 1})" if repeat else ""
+    log(f"{w.name}/{name}: {num_prompts} requests at rate {key}/s{again}")
     server.flush_cache()  # the same prompts again at each rate: no prefix hits
     start = server.log_size()
-    out = logs / f"{w.name}-{name}-{key}.bench.jsonl"
+    key_file = f"{key}.r{repeat + 1}" if repeat else key
+    out = logs / f"{w.name}-{name}-{key_file}.bench.jsonl"
     steps = ctx.get("profile_steps") if math.isinf(rate) else None
     folder = ctx["work"] / "profiles" / ctx["run_id"] / f"{w.name}-{name}"
     profile = (steps, folder) if steps else None
@@ -603,7 +616,7 @@ def timed_run(
             bench = driver.run_bench(
                 cmd,
                 server,
-                logs / f"{w.name}-{name}-{key}.bench.log",
+                logs / f"{w.name}-{name}-{key_file}.bench.log",
                 out,
                 timeout=max(60.0, deadline - time.time() - STOP_MARGIN_S),
                 profile=profile,
@@ -652,6 +665,30 @@ def timed_run(
             f"{mach.get('busiest_other_thread')} at "
             f"{mach.get('busiest_other_thread_pct') or float('nan'):.0f}%"
         )
+    return run
+
+
+def median_run(tries: list[dict]) -> dict:
+    """Of `stage --repeats` runs of one system at one rate, the run of median output
+    tokens/s (the lower of the two middle ones for an even count), whole: its step, TTFT
+    and answers are one run's, never a mix. With several runs it lists each one's headline
+    figures under `repeats` and its own index under `median_of`."""
+    if len(tries) == 1:
+        return tries[0]
+    order = sorted(range(len(tries)), key=lambda i: tries[i]["metrics"]["output_tok_s"])
+    pick = order[(len(tries) - 1) // 2]
+    run = tries[pick]
+    run["median_of"] = pick
+    run["repeats"] = [
+        {
+            "output_tok_s": t["metrics"]["output_tok_s"],
+            "step_ms": t["metrics"]["steady_decode"]["step_ms"],
+            "ttft_mean_s": t["metrics"]["ttft_s"]["mean"],
+            "server_prefill_tok_s": (t["metrics"].get("server_prefill") or {}).get("tok_s"),
+            "accuracy": t["metrics"]["accuracy"],
+        }
+        for t in tries
+    ]
     return run
 
 
@@ -823,6 +860,8 @@ def stage(args) -> int:
     from transformers import AutoTokenizer
 
     keys = args.workload
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: at least 1 run a system; got {args.repeats}")
     several = len(keys) > 1
     if several and args.rates:
         raise SystemExit("--rates: a rate sweep's subset is for one workload; name one")
@@ -906,6 +945,7 @@ def stage(args) -> int:
             "prompt_format": args.prompt_format,
             "server_cpus": cpus["server"] if cpus else None,
             "together_tokens": together_tokens(ws) if args.start_together else None,
+            "repeats": args.repeats,
         }
     if several:
         check_shared_server(ws, names, ctxs, args.port)
@@ -935,6 +975,7 @@ def stage(args) -> int:
                 "cpus": cpus,
                 "started_together": bool(args.start_together),
                 "kv_tokens_per_server": ctx["together_tokens"],
+                "repeats": args.repeats,
             },
             "systems": {},
         }
@@ -1080,6 +1121,7 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
             fresh["config"]["prompt_format"],
         ),
         "cpus": (part["config"].get("cpus"), fresh["config"]["cpus"]),
+        "repeats": (part["config"].get("repeats", 1), fresh["config"]["repeats"]),
         # --start-together sizes every KV pool alike: a run continues with the same pools
         "kv_tokens_per_server": (
             part["config"].get("kv_tokens_per_server"),
@@ -1373,6 +1415,15 @@ def main(argv: list[str] | None = None) -> int:
         "them one at a time (the stage waits for the slowest start-up, not the sum); every "
         "server gets the same KV pool, sized for the largest workload, and they must fit "
         "the GPU's memory together",
+    )
+    st.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time each system's run N times on its warm server (the prefix cache flushed "
+        "before each) and keep the run of median output tokens/s whole, the others' "
+        "headline figures beside it (not for rate sweeps or profiled runs)",
     )
     st.add_argument(
         "--profile-decode",

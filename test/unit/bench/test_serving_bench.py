@@ -1188,6 +1188,36 @@ def test_a_refused_flush_is_that_workloads_error_and_the_budget_ends_a_server(
     assert set(recs) == {"a"} and ("warm", "a16") not in events
 
 
+def test_repeats_keep_the_median_run_whole(monkeypatch, tmp_path):
+    """`stage --repeats N`: the timed run N times on the warm server, the run of median
+    output tokens/s kept whole (step, TTFT and answers of one run), the others' figures
+    beside it; an even count keeps the lower middle run."""
+    events, plans = _one_server(monkeypatch, tmp_path)
+    rates = iter([5.0, 9.0, 7.0, 4.0, 8.0])
+
+    def timed(server, w, name, rate, num_prompts, ctx, logs, deadline, repeat=0):
+        events.append(("run", w.name, repeat))
+        tok_s = next(rates)
+        metrics = {"output_tok_s": tok_s, "steady_decode": {"step_ms": 10 / tok_s},
+                   "ttft_s": {"mean": tok_s / 10}, "accuracy": tok_s / 100}  # fmt: skip
+        return {"metrics": metrics, "rows": [tok_s]}
+
+    monkeypatch.setattr(run, "timed_run", timed)
+    w, ctx = plans[0]
+    ctx["repeats"] = 3
+    rec = run.run_system("psa", w, ctx, 31999, run.time.time() + 300)
+    assert [e for e in events if e[0] == "run"] == [("run", "a", k) for k in range(3)]
+    assert rec["metrics"]["output_tok_s"] == 7.0 and rec["rows"] == [7.0]
+    assert rec["metrics"]["steady_decode"]["step_ms"] == 10 / 7.0 and rec["median_of"] == 2
+    assert [r["output_tok_s"] for r in rec["repeats"]] == [5.0, 9.0, 7.0]
+    assert [r["step_ms"] for r in rec["repeats"]] == [2.0, 10 / 9.0, 10 / 7.0]
+    ctx["repeats"] = 2
+    rec = run.run_system("psa", w, ctx, 31999, run.time.time() + 300)
+    assert rec["metrics"]["output_tok_s"] == 4.0 and rec["median_of"] == 0
+    one = {"metrics": {"output_tok_s": 1.0}}
+    assert run.median_run([one]) == one and "repeats" not in one  # one run: as it came
+
+
 def _together(monkeypatch, tmp_path, fails=(), slow=()):
     """StartedTogether over recording stand-ins: `fails` exit during start-up, `slow`
     become healthy a poll later than the rest."""
@@ -1295,10 +1325,10 @@ def test_start_together_sizes_one_pool_for_all_and_refuses_what_the_gpu_cannot_h
 
 @pytest.mark.slow
 def test_a_stage_started_together_measures_every_system_with_one_pool_size(tmp_path):
-    """`stage a,a16 --start-together` against fake servers (real processes, paused with
-    SIGSTOP and resumed): every system measured on both workloads, each launch with the
-    same --max-total-tokens, the parts saying so; a run continued without the flag (other
-    pool sizes) is refused."""
+    """`stage a,a16 --start-together --repeats 2` against fake servers (real processes,
+    paused with SIGSTOP and resumed): every system measured twice on both workloads, each
+    launch with the same --max-total-tokens, the parts saying so; a run continued without
+    the flags (other pool sizes) is refused."""
     base, env = _fake_stage(tmp_path, SMOKE_A, SMOKE_A16)
     out = tmp_path / "out"
 
@@ -1307,8 +1337,9 @@ def test_a_stage_started_together_measures_every_system_with_one_pool_size(tmp_p
         cmd = base + ["--port", str(port), "--export", str(out), *extra]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
-    first = stage("--systems", "psa,topk", "--start-together")
+    first = stage("--systems", "psa,topk", "--start-together", "--repeats", "2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert first.stdout.count("over 2 runs") == 6  # 3 systems x 2 workloads
     assert "started 3 servers together" in first.stdout
     tokens = run.together_tokens([SMOKE_A, SMOKE_A16])
     launches = [ln for ln in first.stdout.splitlines() if "fake_sglang.py --model-path" in ln]
@@ -1322,6 +1353,7 @@ def test_a_stage_started_together_measures_every_system_with_one_pool_size(tmp_p
         assert set(part["systems"]) == {"plain", "psa", "topk"}
         for name, rec in part["systems"].items():
             assert rec["error"] is None and len(rec["rows"]) == 8, (path.name, name)
+            assert len(rec["repeats"]) == 2 and rec["median_of"] in (0, 1)
             assert sorted(rec["started_together_with"]) == sorted({"plain", "psa", "topk"} - {name})
     alone = stage("--systems", "plain_fa3", "--continue-run", "last")
     assert alone.returncode != 0 and "kv_tokens_per_server" in alone.stderr
