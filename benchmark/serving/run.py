@@ -80,9 +80,10 @@ stopped, while the others, paused, hold GPU memory and no CPU. The start-ups ove
 a stage waits for the slowest one instead of their sum (a five-system race on the H200
 spent ~530 s starting servers one after another). Every server then gets the same KV
 pool, `--max-total-tokens` sized for the largest workload's requests with 30% to spare
-(`kv_tokens_per_server` in the part's config), and the stage refuses to start when the
-servers would not fit the GPU's memory together; a run continues only with the same pool
-size.
+(`kv_tokens_per_server` in the part's config; a capped workload keeps its cap), and the
+stage refuses to start when the servers would not fit the share of the GPU's memory that
+SGLang lets them take (`--mem-fraction-static`); a server that still reports a smaller
+pool is that system's error. A run continues only with the same pool size.
 
 `stage W --profile-decode STEPS` is a diagnosis run: once every prompt is prefilled,
 SGLang's profiler records STEPS decode steps of each server, and each system's record
@@ -368,12 +369,22 @@ class StartedTogether:
     all fit in the GPU's memory at once (`check_together_fits`)."""
 
     def __init__(self, names: list[str], plans: list[tuple[workloads_mod.Workload, dict]],
-                 port: int, deadline: float):  # fmt: skip
+                 port: int, deadline: float, pool_tokens: int | None = None):  # fmt: skip
+        """`pool_tokens`: the KV pool each server was given; one that reports less (SGLang
+        takes what fits, with a warning, when the GPU's memory is short) is that system's
+        error, not a run on a smaller pool."""
         self.servers: dict[str, tuple[Server, dict[str, dict]]] = {}
         self.errors: dict[str, Exception] = {}
-        self.plans = plans
+        self.pool_tokens = pool_tokens
         for i, name in enumerate(names):  # ports 10 apart: each server's own beside it
             self.servers[name] = new_server(name, plans, port + 10 * i)
+        try:
+            self._start(names, deadline)
+        except BaseException:  # a failed launch, an interrupt: no server left behind
+            self.stop_all()
+            raise
+
+    def _start(self, names: list[str], deadline: float) -> None:
         t0 = time.time()
         waiting = dict.fromkeys(names)
         for name in names:
@@ -384,17 +395,16 @@ class StartedTogether:
             for name in list(waiting):
                 server = self.servers[name][0]
                 try:
-                    up = server.healthy()
-                except ServerFailed as e:  # its subprocesses may live on: stop them
-                    self.errors[name] = e
-                    server.stop()
-                    del waiting[name]
-                    continue
-                if up:
+                    if not server.healthy():
+                        continue
                     server.startup_s = time.time() - t0
+                    self._check_pool(name, server)
                     server.pause()
                     log(f"{name}: healthy after {server.startup_s:.0f} s, paused")
-                    del waiting[name]
+                except (ServerFailed, OSError, ValueError, KeyError) as e:
+                    self.errors[name] = e  # and its subprocesses, which may live on, stopped
+                    server.stop()
+                del waiting[name]
             if time.time() - last > 30:
                 last = time.time()
                 log(f"waiting for {', '.join(waiting)} ({time.time() - t0:.0f} s)")
@@ -405,6 +415,17 @@ class StartedTogether:
                 f"the server was not healthy after {time.time() - t0:.0f} s (started "
                 f"together with {len(names) - 1} others); last lines of "
                 f"{self.servers[name][0].log_path}:\n{driver.tail(self.servers[name][0].log_path)}"
+            )
+
+    def _check_pool(self, name: str, server: Server) -> None:
+        if self.pool_tokens is None:
+            return
+        got = server.get("/get_server_info").get("max_total_num_tokens")
+        if got is not None and got < 0.99 * self.pool_tokens:  # page rounding aside
+            raise ServerFailed(
+                f"{name} started with a KV pool of {got} tokens, not the {self.pool_tokens} "
+                "asked for: the servers started together did not fit the GPU's memory "
+                "(name fewer --systems)"
             )
 
     def measure(self, name: str, plans: list[tuple[workloads_mod.Workload, dict]],
@@ -443,20 +464,30 @@ def together_tokens(ws: list[workloads_mod.Workload]) -> int:
     return -(-int(need * 1.3) // 1024) * 1024
 
 
+def gpu_memory_bytes() -> int | None:
+    """The first GPU's memory (nvidia-smi; no CUDA context in this process), or None."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        return int(float(out.strip().splitlines()[0]) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def check_together_fits(
     names: list[str], tokens: int, kv_bytes: int, meta_bytes: int, model_dir: Path
 ) -> str:
     """Exit naming the flag unless `names`' servers, each with a `tokens` KV pool (and
-    sglang-psa's block metadata for the sparse ones), fit the GPU's memory at once (the
-    weights counted by the model folder's files, 4 GiB a server for activations and
-    graphs); returns what it checked, for the log. Without a GPU there is nothing to
-    check (a test's fake servers)."""
-    try:
-        import torch
-
-        total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
-    except Exception:  # noqa: BLE001  (no usable CUDA: nothing to check against)
-        total = None
+    sglang-psa's block metadata for the sparse ones), fit the share of the GPU's memory
+    that SGLang lets static memory take (`--mem-fraction-static`: each server keeps the
+    rest of what was free at its start for activations), with the weights counted by the
+    model folder's files and 4 GiB a server for activations and graphs; returns what it
+    checked, for the log. Without a GPU there is nothing to check (a test's fake
+    servers). A server that still gets a smaller pool is caught once it is up
+    (`StartedTogether`)."""
+    total = gpu_memory_bytes()
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     per = {
         n: weights + tokens * (kv_bytes + (0 if systems_mod.SYSTEMS[n].plain else meta_bytes))
@@ -466,13 +497,15 @@ def check_together_fits(
     need = sum(per.values())
     if total is None:
         return f"{need / 2**30:.1f} GiB for {len(names)} servers (no GPU: not checked)"
-    if need > 0.9 * total:
+    room = systems_mod.MEM_FRACTION_STATIC * total
+    if need > room:
         raise SystemExit(
             f"--start-together: {len(names)} servers with {tokens} KV tokens each need about "
-            f"{need / 2**30:.1f} GiB, more than 90% of the GPU's {total / 2**30:.1f} GiB; run "
-            "without --start-together, or name fewer --systems"
+            f"{need / 2**30:.1f} GiB, more than the {room / 2**30:.1f} GiB "
+            f"({systems_mod.MEM_FRACTION_STATIC:g} of the GPU's {total / 2**30:.1f}) that "
+            "they may take together; run without --start-together, or name fewer --systems"
         )
-    return f"{need / 2**30:.1f} GiB for {len(names)} servers of the GPU's {total / 2**30:.1f}"
+    return f"{need / 2**30:.1f} GiB for {len(names)} servers, of {room / 2**30:.1f} they may take"
 
 
 def failed(rec: dict, e: Exception, server: Server, label: str) -> None:
@@ -513,14 +546,13 @@ def measure(
     for rate in w.rates:
         key = "inf" if math.isinf(rate) else f"{rate:g}"
         try:
-            tries = [
-                timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline, k)
-                for k in range(repeats)
-            ]
+            tries = timed_runs(server, w, name, rate, num_prompts, ctx, logs, deadline, repeats)
             runs[key] = median_run(tries)
-            if repeats > 1:
+            if len(tries) < repeats:
+                runs[key]["repeats_asked"] = repeats
+            if len(tries) > 1:
                 seen = ", ".join(f"{t['output_tok_s']:.0f}" for t in runs[key]["repeats"])
-                log(f"{w.name}/{name} @ {key}/s: output tok/s over {repeats} runs {seen}; "
+                log(f"{w.name}/{name} @ {key}/s: output tok/s over {len(tries)} runs {seen}; "
                     f"kept run {runs[key]['median_of'] + 1} (the median)")  # fmt: skip
         except ServerFailed as e:
             if not w.is_sweep:
@@ -530,6 +562,8 @@ def measure(
             break
     if not runs:
         raise ServerFailed(f"no rate completed: {failed_rates}")
+    if repeats > 1:  # the server's counters and loop timing below span every repeat
+        rec["server_figures_span_runs"] = True
     cached.append(triton_cache_entries())
     if None not in cached:  # Triton kernels compiled on this host (the server's)
         rec["triton_compiled"] = {"warmup": cached[1] - cached[0], "timed": cached[2] - cached[1]}
@@ -666,6 +700,38 @@ def timed_run(
             f"{mach.get('busiest_other_thread_pct') or float('nan'):.0f}%"
         )
     return run
+
+
+def timed_runs(
+    server: Server,
+    w: workloads_mod.Workload,
+    name: str,
+    rate: float,
+    num_prompts: int,
+    ctx: dict,
+    logs: Path,
+    deadline: float,
+    repeats: int,
+) -> list[dict]:
+    """`timed_run` up to `repeats` times: a further run starts only with 1.5 times the
+    longest so far left before the budget's stop margin, and a further run that fails
+    ends the repeats keeping those done (the first run's failure is raised)."""
+    tries: list[dict] = []
+    for k in range(repeats):
+        if tries:
+            longest = max(t["metrics"].get("duration_s") or 0.0 for t in tries)
+            left = deadline - time.time() - STOP_MARGIN_S
+            if left < 1.5 * longest:
+                log(f"{w.name}/{name}: {k} of {repeats} runs, {left:.0f} s left for the next")
+                break
+        try:
+            tries.append(timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline, k))
+        except ServerFailed as e:
+            if not tries:
+                raise
+            log(f"{w.name}/{name}: run {k + 1} of {repeats} FAILED ({e}); keeping {k}")
+            break
+    return tries
 
 
 def median_run(tries: list[dict]) -> dict:
@@ -944,7 +1010,8 @@ def stage(args) -> int:
             "tp": args.tp,
             "prompt_format": args.prompt_format,
             "server_cpus": cpus["server"] if cpus else None,
-            "together_tokens": together_tokens(ws) if args.start_together else None,
+            # --start-together, uncapped: one pool size for all (a cap sets its own)
+            "together_tokens": together_tokens(ws) if args.start_together and not cap else None,
             "repeats": args.repeats,
         }
     if several:
@@ -975,7 +1042,7 @@ def stage(args) -> int:
                 "cpus": cpus,
                 "started_together": bool(args.start_together),
                 "kv_tokens_per_server": ctx["together_tokens"],
-                "repeats": args.repeats,
+                "repeats": 1 if w.is_sweep or args.profile_decode else args.repeats,
             },
             "systems": {},
         }
@@ -1061,7 +1128,9 @@ def stage(args) -> int:
         ctx0 = plans[0].ctx
         tokens = ctx0["cap"].tokens if ctx0["cap"] else ctx0["together_tokens"]
         log("--start-together: " + check_together_fits(names, tokens, kv, meta_bytes, model_dir))
-        together = StartedTogether(names, [(p.w, p.ctx) for p in plans], args.port, deadline)
+        together = StartedTogether(
+            names, [(p.w, p.ctx) for p in plans], args.port, deadline, pool_tokens=tokens
+        )
     try:
         for i, name in enumerate(names):
             if not measure_system(i, name, together):

@@ -15,6 +15,8 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1214,13 +1216,35 @@ def test_repeats_keep_the_median_run_whole(monkeypatch, tmp_path):
     ctx["repeats"] = 2
     rec = run.run_system("psa", w, ctx, 31999, run.time.time() + 300)
     assert rec["metrics"]["output_tok_s"] == 4.0 and rec["median_of"] == 0
+    assert rec["server_figures_span_runs"] and "repeats_asked" not in rec
+    # a repeat that fails ends the repeats, keeping the runs done
+    rates = iter([6.0, None])
+
+    def failing(server, w, name, rate, num_prompts, ctx, logs, deadline, repeat=0):
+        tok_s = next(rates)
+        if tok_s is None:
+            raise run.ServerFailed("bench_serving exited with 1")
+        return {"metrics": {"output_tok_s": tok_s, "duration_s": 1.0}, "rows": [tok_s]}
+
+    monkeypatch.setattr(run, "timed_run", failing)
+    ctx["repeats"] = 3
+    rec = run.run_system("psa", w, ctx, 31999, run.time.time() + 300)
+    assert rec["error"] is None and rec["metrics"]["output_tok_s"] == 6.0
+    assert rec["repeats_asked"] == 3
+    # a further run starts only with 1.5x the longest run left before the stop margin
+    rates = iter([6.0, 7.0])
+    events.clear()
+    deadline = run.time.time() + run.STOP_MARGIN_S + 1.2  # < 1.5 x a 1 s run
+    rec = run.run_system("psa", w, ctx, 31999, deadline)
+    assert rec["metrics"]["output_tok_s"] == 6.0 and rec["repeats_asked"] == 3
     one = {"metrics": {"output_tok_s": 1.0}}
     assert run.median_run([one]) == one and "repeats" not in one  # one run: as it came
 
 
-def _together(monkeypatch, tmp_path, fails=(), slow=()):
+def _together(monkeypatch, tmp_path, fails=(), slow=(), pools=None):
     """StartedTogether over recording stand-ins: `fails` exit during start-up, `slow`
-    become healthy a poll later than the rest."""
+    become healthy a poll later than the rest; `pools`: name -> the KV pool a server
+    reports (default 1000)."""
     events, plans = _one_server(monkeypatch, tmp_path)
     state: dict[str, str] = {}
 
@@ -1257,7 +1281,10 @@ def _together(monkeypatch, tmp_path, fails=(), slow=()):
                 events.append(("stop", self.name))
 
         def get(self, path):
-            return {"internal_states": [{"memory_usage": {"kvcache": 1.0}}]}
+            return {
+                "internal_states": [{"memory_usage": {"kvcache": 1.0}}],
+                "max_total_num_tokens": (pools or {}).get(self.name, 1000),
+            }
 
         def flush_cache(self, check=False):
             events.append(("flush", check))
@@ -1295,6 +1322,23 @@ def test_servers_started_together_are_paused_when_healthy_and_measured_one_at_a_
     assert ("resume", "topk") not in events and ("run", "a") not in events
     together.stop_all()
     assert set(state.values()) == {"stopped"}
+    # a server that got a smaller KV pool than asked is stopped, its runs an error
+    events, plans, state = _together(monkeypatch, tmp_path, pools={"psa": 900})
+    together = run.StartedTogether(["plain", "psa"], plans, 31000, deadline, pool_tokens=1000)
+    assert state == {"plain": "paused", "psa": "stopped"}
+    recs = together.measure("psa", plans, deadline)
+    assert all("KV pool of 900 tokens, not the 1000" in r["error"] for r in recs.values())
+    together.stop_all()
+    # an interrupt while they start leaves no server behind
+    events, plans, state = _together(monkeypatch, tmp_path, slow=("psa",))
+
+    def interrupted(s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run.StartedTogether(["plain", "psa"], plans, 31000, deadline)
+    assert set(state.values()) == {"stopped"}
 
 
 def test_start_together_sizes_one_pool_for_all_and_refuses_what_the_gpu_cannot_hold(
@@ -1310,16 +1354,16 @@ def test_start_together_sizes_one_pool_for_all_and_refuses_what_the_gpu_cannot_h
     capped = _server_ctx(W["b"], cap=systems.KVCap(1000, 10, 1, 2000)) | {"together_tokens": 7}
     assert run.launch_flags(run.launch("plain", W["b"], capped, 1))["--max-total-tokens"] == "1000"
     (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, 141 * 2**30))
+    monkeypatch.setattr(run, "gpu_memory_bytes", lambda: 141 * 2**30)  # an H200
     names = ["plain", "plain_fa3", "plain_flashinfer", "topk", "psa"]
     ok = run.check_together_fits(names, tokens, 12_288, 2_000, tmp_path)
-    assert "GiB for 5 servers" in ok
-    with pytest.raises(SystemExit, match="--start-together: 5 servers"):
-        run.check_together_fits(names, tokens * 3, 12_288, 2_000, tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "GiB for 5 servers, of 112.8 they may take" in ok  # 0.8 of the GPU: static
+    with pytest.raises(SystemExit, match="--start-together: 6 servers"):  # one more: ~113
+        run.check_together_fits([*names, "psa_eps1"], tokens, 12_288, 2_000, tmp_path)
+    monkeypatch.setattr(run, "gpu_memory_bytes", lambda: 80 * 2**30)  # an H100
+    with pytest.raises(SystemExit, match="fewer --systems"):
+        run.check_together_fits(names, tokens, 12_288, 2_000, tmp_path)
+    monkeypatch.setattr(run, "gpu_memory_bytes", lambda: None)
     assert "not checked" in run.check_together_fits(names, tokens * 3, 12_288, 2_000, tmp_path)
 
 
@@ -1332,13 +1376,40 @@ def test_a_stage_started_together_measures_every_system_with_one_pool_size(tmp_p
     base, env = _fake_stage(tmp_path, SMOKE_A, SMOKE_A16)
     out = tmp_path / "out"
 
+    seen: dict[int, set[str]] = {}  # fake server pid -> the process states seen
+
+    def watch(port: int) -> None:
+        """Note the state (R, S, T: stopped...) of every fake server of this stage."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if len(cmdline) > 1 and cmdline[1].endswith(b"fake_sglang.py"):  # not the stage
+                if any(str(port + 10 * k).encode() in cmdline for k in range(3)):
+                    seen.setdefault(int(stat.parent.name), set()).add(state)
+
     def stage(*extra):
         port = _free_port_pair(3, 10)  # started together: ports 10 apart
         cmd = base + ["--port", str(port), "--export", str(out), *extra]
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        with ThreadPoolExecutor(2) as pool:  # drain the pipes while watching
+            outs = [pool.submit(proc.stdout.read), pool.submit(proc.stderr.read)]
+            t0 = time.time()
+            while proc.poll() is None and time.time() - t0 < 300:
+                watch(port)
+                time.sleep(0.05)
+            proc.wait(10)
+            return SimpleNamespace(
+                returncode=proc.returncode, stdout=outs[0].result(), stderr=outs[1].result()
+            )
 
     first = stage("--systems", "psa,topk", "--start-together", "--repeats", "2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # the three servers were seen, each stopped (paused) for a while and running at others
+    assert len(seen) == 3 and all({"T"} < states for states in seen.values()), seen
     assert first.stdout.count("over 2 runs") == 6  # 3 systems x 2 workloads
     assert "started 3 servers together" in first.stdout
     tokens = run.together_tokens([SMOKE_A, SMOKE_A16])
