@@ -546,7 +546,14 @@ def measure(
     for rate in w.rates:
         key = "inf" if math.isinf(rate) else f"{rate:g}"
         try:
-            tries = timed_runs(server, w, name, rate, num_prompts, ctx, logs, deadline, repeats)
+            tries = timed_runs(
+                lambda k, rate=rate: timed_run(
+                    server, w, name, rate, num_prompts, ctx, logs, deadline, k
+                ),
+                repeats,
+                deadline,
+                f"{w.name}/{name}",
+            )
             runs[key] = median_run(tries)
             if len(tries) < repeats:
                 runs[key]["repeats_asked"] = repeats
@@ -702,34 +709,25 @@ def timed_run(
     return run
 
 
-def timed_runs(
-    server: Server,
-    w: workloads_mod.Workload,
-    name: str,
-    rate: float,
-    num_prompts: int,
-    ctx: dict,
-    logs: Path,
-    deadline: float,
-    repeats: int,
-) -> list[dict]:
-    """`timed_run` up to `repeats` times: a further run starts only with 1.5 times the
-    longest so far left before the budget's stop margin, and a further run that fails
-    ends the repeats keeping those done (the first run's failure is raised)."""
+def timed_runs(run_once, repeats: int, deadline: float, label: str) -> list[dict]:
+    """`run_once(k)` (a `timed_run`, k counting from 0) up to `repeats` times: a further
+    run starts only with 1.5 times the longest so far left before the budget's stop
+    margin, and a further run that fails ends the repeats keeping those done (the first
+    run's failure is raised)."""
     tries: list[dict] = []
     for k in range(repeats):
         if tries:
             longest = max(t["metrics"].get("duration_s") or 0.0 for t in tries)
             left = deadline - time.time() - STOP_MARGIN_S
             if left < 1.5 * longest:
-                log(f"{w.name}/{name}: {k} of {repeats} runs, {left:.0f} s left for the next")
+                log(f"{label}: {k} of {repeats} runs, {left:.0f} s left for the next")
                 break
         try:
-            tries.append(timed_run(server, w, name, rate, num_prompts, ctx, logs, deadline, k))
+            tries.append(run_once(k))
         except ServerFailed as e:
             if not tries:
                 raise
-            log(f"{w.name}/{name}: run {k + 1} of {repeats} FAILED ({e}); keeping {k}")
+            log(f"{label}: run {k + 1} of {repeats} FAILED ({e}); keeping {k}")
             break
     return tries
 
