@@ -240,6 +240,16 @@ def bench_command(
     ]  # fmt: skip
     if fixed_output is not None:
         cmd += ["--sharegpt-output-len", str(fixed_output)]
+        # bench_serving's own sampling parameters (greedy, EOS ignored, every request this
+        # long), plus the end-of-turn token kept in the text: the completion a user would
+        # see ends there (`workloads.answer_ids`). The body replaces its sampling_params.
+        sampling = {
+            "temperature": 0.0,
+            "max_new_tokens": fixed_output,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        }
+        cmd += ["--extra-request-body", json.dumps({"sampling_params": sampling})]
     return cmd
 
 

@@ -574,15 +574,31 @@ def ensure_dataset(w: Workload, tok, work_dir: Path) -> Path:
     return path
 
 
+def until_end(tok, generated: str) -> str:
+    """The completion as a user would get it: up to and including the first special token
+    in its text (the end of the turn; the benchmark ignores EOS to fix the output length,
+    and asks the server to keep special tokens in the text so that the end shows), or all
+    of it when none shows (a server that skipped them, or an answer that never ended)."""
+    marks = set(getattr(tok, "all_special_tokens", ()))
+    marks |= {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special}
+    if getattr(tok, "unk_token", None) != getattr(tok, "eos_token", None):
+        marks.discard(getattr(tok, "unk_token", None))  # a word the vocabulary lacks
+    ends = [i + len(t) for t in marks if t and (i := generated.find(t)) >= 0]
+    return generated[: min(ends)] if ends else generated
+
+
 def answer_ids(tok, generated: str) -> list[int]:
-    """The first ANSWER_WINDOW token ids of a completion, re-tokenized from its text."""
-    return tok.encode(generated, add_special_tokens=False)[:ANSWER_WINDOW]
+    """The first ANSWER_WINDOW token ids of a completion up to its end (`until_end`, the
+    end-of-turn token included), re-tokenized from its text. Tokens the model writes past
+    its end (EOS ignored) are not compared: they diverge between any two servers."""
+    return tok.encode(until_end(tok, generated), add_special_tokens=False)[:ANSWER_WINDOW]
 
 
 def is_correct(tok, generated: str, task: dict) -> bool:
-    """`Task.score` on the completion's first `answer_tokens` tokens: with EOS ignored the
-    model keeps writing past its answer, so only the answer counts."""
-    head = tok.decode(tok.encode(generated, add_special_tokens=False)[: task["answer_tokens"]])
+    """`Task.score` on the completion's first `answer_tokens` tokens up to its end: with EOS
+    ignored the model keeps writing past its answer, so only the answer counts."""
+    ids = tok.encode(until_end(tok, generated), add_special_tokens=False)
+    head = tok.decode(ids[: task["answer_tokens"]], skip_special_tokens=True)
     return Task(task["kind"], "", "", tuple(task["answers"]), task["answer_tokens"]).score(head)
 
 

@@ -992,6 +992,36 @@ def test_stage_c_smoke_end_to_end(tmp_path):
     assert summary["goodput_ratio_vs_plain_relaxed"] is not None
 
 
+def test_a_completion_is_compared_and_scored_up_to_the_end_of_its_turn():
+    """EOS is ignored to fix the output length, and the server is asked to keep special
+    tokens in the text: answers are compared and scored up to the first one (the end of
+    the turn, included), not on what the model writes past it."""
+    cmd = driver.bench_command("py", "u", "m", Path("d"), 4, 1.0, 64, 0, Path("o"))
+    body = json.loads(cmd[cmd.index("--extra-request-body") + 1])
+    assert body == {"sampling_params": {"temperature": 0.0, "max_new_tokens": 64,
+                                        "ignore_eos": True, "skip_special_tokens": False}}  # fmt: skip
+    assert "--extra-request-body" not in driver.bench_command(
+        "py", "u", "m", Path("d"), 4, 1.0, None, 0, Path("o")
+    )  # outputs of several lengths (workload c): no body replaces bench_serving's own
+
+    class Tok:  # a chat model's: EOS and an end-of-turn token flagged special
+        all_special_tokens = ["<eos>", "<unk>"]
+        added_tokens_decoder = {9: SimpleNamespace(content="<end>", special=True),
+                                8: SimpleNamespace(content="<tool>", special=False)}  # fmt: skip
+        eos_token, unk_token = "<eos>", "<unk>"
+
+        def encode(self, s, add_special_tokens=False):
+            return [len(w) for w in s.replace("<", " <").replace(">", "> ").split()]
+
+    tok = Tok()
+    assert workloads.until_end(tok, "Oslo is it.<end> I apologize") == "Oslo is it.<end>"
+    assert workloads.until_end(tok, "a <eos> b <end>") == "a <eos>"  # the first end
+    assert workloads.until_end(tok, "a <unk> b <tool> c") == "a <unk> b <tool> c"  # no end
+    ended = workloads.answer_ids(tok, "Oslo.<end> I apologize, but")
+    assert ended == workloads.answer_ids(tok, "Oslo.<end> I'm sorry, I cannot")
+    assert ended != workloads.answer_ids(tok, "Oslo. I'm sorry, I cannot")  # never ended
+
+
 def test_client_ids_sends_the_tokens_bench_serving_counted():
     tok = fake_sglang.WordCounter()
     rows = [
