@@ -297,9 +297,7 @@ def run_server(
             server.wait_healthy(min(STARTUP_TIMEOUT_S, deadline - time.time()))
             measure_server(server, name, plans, recs, deadline)
     except (ServerFailed, OSError, ValueError, KeyError) as e:
-        for key, rec in recs.items():
-            if not rec.get("_done"):
-                failed(rec, e, server, f"{key}/{name}")
+        fail_unfinished(recs, e, server, name)
     return finished(recs)
 
 
@@ -346,6 +344,13 @@ def measure_server(
                 raise  # recorded by the caller, with the log's tail after the shutdown
             failed(rec, e, server, f"{w.name}/{name}")
         rec["_done"] = True
+
+
+def fail_unfinished(recs: dict[str, dict], e: Exception, server: Server, name: str) -> None:
+    """`e` is the error of every record of `name` not yet measured, failed or skipped."""
+    for key, rec in recs.items():
+        if not rec.get("_done"):
+            failed(rec, e, server, f"{key}/{name}")
 
 
 def finished(recs: dict[str, dict]) -> dict[str, dict]:
@@ -444,9 +449,7 @@ class StartedTogether:
             measure_server(server, name, plans, recs, deadline)
         except (ServerFailed, OSError, ValueError, KeyError) as e:
             server.stop()  # the log's tail after the shutdown
-            for key, rec in recs.items():
-                if not rec.get("_done"):
-                    failed(rec, e, server, f"{key}/{name}")
+            fail_unfinished(recs, e, server, name)
         finally:
             server.stop()
         return finished(recs)
@@ -489,12 +492,11 @@ def check_together_fits(
     (`StartedTogether`)."""
     total = gpu_memory_bytes()
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    per = {
-        n: weights + tokens * (kv_bytes + (0 if systems_mod.SYSTEMS[n].plain else meta_bytes))
+    need = sum(
+        weights + tokens * (kv_bytes + (0 if systems_mod.SYSTEMS[n].plain else meta_bytes))
         + 4 * 2**30
         for n in names
-    }  # fmt: skip
-    need = sum(per.values())
+    )  # fmt: skip
     if total is None:
         return f"{need / 2**30:.1f} GiB for {len(names)} servers (no GPU: not checked)"
     room = systems_mod.MEM_FRACTION_STATIC * total
@@ -542,7 +544,7 @@ def measure(
     if w.name == "c" and name == "plain":
         ctx["probe"] = probe(server, ctx["tok"], w)
     runs, failed_rates = {}, {}
-    repeats = 1 if w.is_sweep or ctx.get("profile_steps") else ctx.get("repeats") or 1
+    repeats = ctx.get("repeats") or 1
     for rate in w.rates:
         key = "inf" if math.isinf(rate) else f"{rate:g}"
         try:
@@ -1010,7 +1012,8 @@ def stage(args) -> int:
             "server_cpus": cpus["server"] if cpus else None,
             # --start-together, uncapped: one pool size for all (a cap sets its own)
             "together_tokens": together_tokens(ws) if args.start_together and not cap else None,
-            "repeats": args.repeats,
+            # a rate sweep and a profiled run time each rate once
+            "repeats": 1 if w.is_sweep or args.profile_decode else args.repeats,
         }
     if several:
         check_shared_server(ws, names, ctxs, args.port)
@@ -1040,7 +1043,7 @@ def stage(args) -> int:
                 "cpus": cpus,
                 "started_together": bool(args.start_together),
                 "kv_tokens_per_server": ctx["together_tokens"],
-                "repeats": 1 if w.is_sweep or args.profile_decode else args.repeats,
+                "repeats": ctx["repeats"],
             },
             "systems": {},
         }
