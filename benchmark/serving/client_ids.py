@@ -1,9 +1,11 @@
 """`python -m sglang.bench_serving`, unchanged except that the custom dataset's prompts
-go to the server as token ids (`input_ids`) instead of text.
+go to the server as token ids (`input_ids`) instead of text; and, with `--worker`, one
+client process for many runs.
 
     python benchmark/serving/client_ids.py <bench_serving arguments>
+    python benchmark/serving/client_ids.py --worker     (driven by driver.Client)
 
-Why: SGLang's tokenizer manager tokenizes a text prompt inside its event loop. When
+Why ids: SGLang's tokenizer manager tokenizes a text prompt inside its event loop. When
 32 prompts of 16-28K tokens arrive in one instant (the a/a16 workloads), it can
 tokenize all of them (~50 ms per 28K-token prompt) before it hands any first token
 back, so the prompts prefilled meanwhile all report their first token at one shared
@@ -13,13 +15,54 @@ every system. The ids are exactly what the server's own tokenization of the text
 gives (`tokenizer.encode`, as `bench_serving` counts prompt lengths), so the answers
 do not change.
 
+Why a worker: each run used to start a client: import SGLang's benchmark, load the
+tokenizer, tokenize the 32 prompts twice (10 s on the CPU machine for a16: 7.2 s, 1.7
+s and 1.2 s; on the GPU host no decode step had begun 20 s after a client's launch for
+a run whose serving took ~5 s). The worker imports once, keeps each tokenizer and each
+prompt's ids (a later run of the same prompts starts in ~0 s), and runs
+`bench_serving`'s own command line once per request it reads.
+
+Worker protocol: one JSON object a line on stdin, `{"argv": [bench_serving
+arguments], "log": path, "prompt_format": "ids" | "text"}`; the run's output goes to
+`log` (the process's stdout and stderr point there during the run, to /dev/null
+between runs), and one line `{"rc": exit code}` goes back on the stdout the worker
+started with. EOF on stdin ends it.
+
 Contract: the rows keep their `prompt_len`; a prompt whose ids do not count
-`prompt_len` tokens stops the client. Relies on SGLang 0.5.17's
-`sglang.benchmark.datasets.custom.CustomDataset.load` (checked: a clear error
-names it when it moved).
+`prompt_len` tokens stops the run. Relies on SGLang 0.5.17's
+`sglang.benchmark.datasets.custom.CustomDataset.load` and
+`sglang.benchmark.serving.cli_main` / `get_tokenizer` (checked: a clear error names
+what moved).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+SEND_IDS = True  # the worker sets it per run from the request's prompt_format
+_ENCODED: dict[str, list[int]] = {}  # prompt text -> its ids, kept across a worker's runs
+
+
+class _Memo:
+    """A tokenizer whose plain `encode(text)` answers from `_ENCODED` (every other use
+    goes to the tokenizer itself)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text, *args, **kwargs):
+        if args or kwargs or not isinstance(text, str):
+            return self._tok.encode(text, *args, **kwargs)
+        ids = _ENCODED.get(text)
+        if ids is None:
+            ids = _ENCODED[text] = self._tok.encode(text)
+        return list(ids)
 
 
 def to_ids(rows: list, tokenizer) -> list:
@@ -37,8 +80,9 @@ def to_ids(rows: list, tokenizer) -> list:
     return rows
 
 
-def patch() -> None:
-    """Make bench_serving's custom dataset load its prompts as token ids."""
+def patch(memo: bool = False) -> None:
+    """Make bench_serving's custom dataset load its prompts as token ids (while
+    `SEND_IDS`); with `memo`, each prompt tokenized once per process."""
     try:
         from sglang.benchmark.datasets import custom
     except ImportError as e:
@@ -51,13 +95,76 @@ def patch() -> None:
         raise SystemExit("client_ids: sglang.benchmark.datasets.custom.CustomDataset.load is gone")
 
     def load_ids(self, tokenizer, model_id=None):
-        return to_ids(load(self, tokenizer, model_id), tokenizer)
+        tok = _Memo(tokenizer) if memo else tokenizer
+        rows = load(self, tok, model_id)
+        return to_ids(rows, tok) if SEND_IDS else rows
 
     custom.CustomDataset.load = load_ids
 
 
-if __name__ == "__main__":
-    patch()
-    from sglang.benchmark.serving import cli_main
+def _bench_serving():
+    """SGLang's benchmark module, its tokenizer loader made to load each tokenizer once."""
+    import functools
 
-    cli_main()
+    from sglang.benchmark import serving
+
+    for name in ("cli_main", "get_tokenizer"):
+        if not callable(getattr(serving, name, None)):
+            raise SystemExit(f"client_ids: sglang.benchmark.serving.{name} is gone")
+    serving.get_tokenizer = functools.cache(serving.get_tokenizer)
+    return serving
+
+
+def _run(serving, argv: list[str]) -> int:
+    """bench_serving's command line once, in this process; its exit code."""
+    sys.argv = ["bench_serving", *argv]
+    try:
+        serving.cli_main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def serve() -> None:
+    """The worker loop (see the module docstring's protocol)."""
+    global SEND_IDS
+    control = os.fdopen(os.dup(1), "w")
+    requests_in = sys.stdin
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    patch(memo=True)
+    serving = _bench_serving()
+    control.write(json.dumps({"ready": True}) + "\n")
+    control.flush()
+    while line := requests_in.readline():
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        SEND_IDS = req.get("prompt_format", "ids") == "ids"
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        try:
+            rc = _run(serving, req["argv"])
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+        control.write(json.dumps({"rc": rc}) + "\n")
+        control.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        serve()
+    else:
+        patch()
+        from sglang.benchmark.serving import cli_main
+
+        cli_main()

@@ -5,9 +5,9 @@ Contract: `Server` owns a `python -m sglang.launch_server` process group (it and
 the scheduler/detokenizer processes it spawns); leaving the `with` block
 terminates the whole group, so the next system starts on a free GPU. A server
 that exits or stays unhealthy raises `ServerFailed` with the tail of its log.
-`bench_serving` runs as its own process (`python -m sglang.bench_serving`, unchanged,
-or `client_ids.py`: the same client sending prompts as token ids) with `stubs/` on
-its path for the `datasets` import it does not use.
+`bench_serving` runs in one worker process per stage (`Client`: `client_ids.py
+--worker`, SGLang's own client run once per command line, sending prompts as token ids
+or as text) with `stubs/` on its path for the `datasets` import it does not use.
 `bench_serving` cannot wait for an answer before sending the next turn, so chat
 workloads are driven by `run_chat`, which writes the same per-request record.
 """
@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import contextlib
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -253,7 +254,96 @@ def bench_command(
     return cmd
 
 
+class Client:
+    """`bench_serving` for every timed run of a stage, in one worker process
+    (`client_ids.py --worker`): SGLang's benchmark imported, each tokenizer loaded and
+    each prompt tokenized once per stage rather than once per run (~10 s a run on the
+    CPU machine at 16K, more on the GPU host). A run is still the command line
+    `bench_command` gives, logged, so
+    it can be replayed alone. `start` launches the worker early (its imports overlap
+    the servers' start-up); a worker that dies is reported with the run's log and the
+    next run starts a fresh one; one that outlives a run's time is killed."""
+
+    WORKER = HERE / "client_ids.py"  # run as `WORKER --worker`
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._python: str | None = None
+        self._ready = False
+
+    def start(self, python: str) -> None:
+        if self._proc is not None and self._proc.poll() is None and self._python == python:
+            return
+        self.close()
+        cmd = [python, str(self.WORKER), "--worker"]
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=client_env(), text=True, start_new_session=True,
+        )  # fmt: skip
+        self._python, self._ready = python, False
+
+    def run(self, cmd: list[str], log_path: Path, timeout: float) -> int:
+        """Run `cmd` (a `bench_command`) in the worker, its output to `log_path`; its exit
+        code. Raises ServerFailed when the worker dies or the run outlives `timeout`."""
+        python, fmt, argv = split_command(cmd)
+        self.start(python)
+        deadline = time.time() + timeout
+        if not self._ready:  # the worker's imports, once
+            self._reply(deadline, log_path, "ready")
+            self._ready = True
+        msg = {"argv": argv, "log": str(log_path), "prompt_format": fmt}
+        try:
+            self._proc.stdin.write(json.dumps(msg) + "\n")
+            self._proc.stdin.flush()
+        except OSError:
+            pass  # it died: _reply says so
+        return int(self._reply(deadline, log_path, "rc"))
+
+    def _reply(self, deadline: float, log_path: Path, key: str):
+        proc = self._proc
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if not sel.select(max(0.0, deadline - time.time())):
+                self.close()
+                raise ServerFailed(
+                    "bench_serving had not finished when the stage's time budget ran out; "
+                    f"see {log_path}"
+                )
+        line = proc.stdout.readline()
+        if not line:
+            rc = proc.wait()
+            self.close()
+            raise ServerFailed(
+                f"the bench_serving worker exited with code {rc}; last lines of {log_path}:\n"
+                f"{tail(log_path)}"
+            )
+        return json.loads(line)[key]
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+
+
+def split_command(cmd: list[str]) -> tuple[str, str, list[str]]:
+    """A `bench_command` as (python, prompt format, bench_serving's arguments)."""
+    if len(cmd) > 1 and cmd[1] == str(HERE / "client_ids.py"):
+        return cmd[0], "ids", cmd[2:]
+    if cmd[1:3] == ["-m", "sglang.bench_serving"]:
+        return cmd[0], "text", cmd[3:]
+    raise ValueError(f"not a bench_command: {cmd[:3]}")
+
+
 def run_bench(
+    client: Client,
     cmd: list[str],
     server: Server,
     log_path: Path,
@@ -261,22 +351,14 @@ def run_bench(
     timeout: float,
     profile: tuple[int, Path] | None = None,
 ) -> dict:
-    """Run `bench_serving`; show progress from the server's decode log lines meanwhile.
-    Returns the JSON line it wrote (with per-request details). `profile` (steps, folder):
-    once decoding runs with no request queued, SGLang's profiler records that many
-    forward passes into the folder (`profile_decode`)."""
+    """Run `bench_serving` (`cmd`, by `client`); show progress from the server's decode
+    log lines meanwhile. Returns the JSON line it wrote (with per-request details).
+    `profile` (steps, folder): once decoding runs with no request queued, SGLang's
+    profiler records that many forward passes into the folder (`profile_decode`)."""
     out_file.unlink(missing_ok=True)
     log("$ " + " ".join(cmd))
-    with log_path.open("w") as f, watching(server, profile):
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=client_env())
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise ServerFailed(
-                f"bench_serving had not finished when the stage's time budget ran out "
-                f"({timeout:.0f} s left for it); see {log_path}"
-            ) from None
+    with watching(server, profile):
+        rc = client.run(cmd, log_path, timeout)
     if rc != 0 or not out_file.exists():
         raise ServerFailed(
             f"bench_serving exited with code {rc}; last lines of {log_path}:\n{tail(log_path)}"

@@ -657,6 +657,7 @@ def timed_run(
         )
         with sampler:
             bench = driver.run_bench(
+                ctx["client"],
                 cmd,
                 server,
                 logs / f"{w.name}-{name}-{key_file}.bench.log",
@@ -1124,19 +1125,25 @@ def stage(args) -> int:
             save_part(p.part, p.path, args)
         return True
 
+    client = driver.Client()  # one bench_serving process for every run of the stage
     together = None
-    if args.start_together:
-        ctx0 = plans[0].ctx
-        tokens = ctx0["cap"].tokens if ctx0["cap"] else ctx0["together_tokens"]
-        log("--start-together: " + check_together_fits(names, tokens, kv, meta_bytes, model_dir))
-        together = StartedTogether(
-            names, [(p.w, p.ctx) for p in plans], args.port, deadline, pool_tokens=tokens
-        )
     try:
+        client.start(driver.python())  # its imports overlap the servers' start-up
+        for p in plans:
+            p.ctx["client"] = client
+        if args.start_together:
+            ctx0 = plans[0].ctx
+            tokens = ctx0["cap"].tokens if ctx0["cap"] else ctx0["together_tokens"]
+            fits = check_together_fits(names, tokens, kv, meta_bytes, model_dir)
+            log("--start-together: " + fits)
+            together = StartedTogether(
+                names, [(p.w, p.ctx) for p in plans], args.port, deadline, pool_tokens=tokens
+            )
         for i, name in enumerate(names):
             if not measure_system(i, name, together):
                 break
     finally:
+        client.close()
         if together is not None:
             together.stop_all()
     for p in plans:

@@ -16,8 +16,15 @@ import triton.language as tl
 
 from sgl_kernel_ext.runtime import triton_enabled
 
+CHUNK = 128  # requests a pass of the kernel's loop takes
 
-@triton.jit(do_not_specialize=["bs"])  # one compile per power-of-two batch bound, not per size
+
+# One compiled variant whatever the batch (neither the batch size nor the table's row
+# stride is specialised, and the batch is walked in fixed chunks), so it compiles at the
+# server's first decode step (SGLang's own start-up warm-up) and never again while
+# requests wait: a variant per power-of-two batch bound compiled up to six times in the
+# scheduling phase as a batch grew to 32.
+@triton.jit(do_not_specialize=["row_stride", "bs"])
 def _decode_slots_kernel(
     req_to_token,
     row_stride,
@@ -26,21 +33,24 @@ def _decode_slots_kernel(
     free_ptr,
     out_ptr,
     bs,
-    BS: tl.constexpr,
+    CHUNK: tl.constexpr,
     PAGE: tl.constexpr,
 ):
-    i = tl.arange(0, BS)
-    live = i < bs
-    row = tl.load(rows_ptr + i, mask=live, other=0).to(tl.int64)
-    n = tl.load(lens_ptr + i, mask=live, other=1).to(tl.int64)  # tokens before this one
-    fresh = live & (n % PAGE == 0)  # the token opens a page
-    rank = tl.cumsum(fresh.to(tl.int32), 0) - fresh.to(tl.int32)  # its page among the new
-    page = tl.load(free_ptr + rank, mask=fresh, other=0).to(tl.int64)
-    base = req_to_token + row * row_stride
-    last = tl.load(base + n - 1, mask=live & ~fresh, other=0).to(tl.int64)
-    slot = tl.where(fresh, page * PAGE, last + 1)
-    tl.store(out_ptr + i, slot, mask=live)
-    tl.store(base + n, slot.to(tl.int32), mask=live)
+    taken = tl.full([], 0, tl.int32)  # free pages handed to earlier chunks
+    for start in range(0, bs, CHUNK):
+        i = start + tl.arange(0, CHUNK)
+        live = i < bs
+        row = tl.load(rows_ptr + i, mask=live, other=0).to(tl.int64)
+        n = tl.load(lens_ptr + i, mask=live, other=1).to(tl.int64)  # tokens before this one
+        fresh = (live & (n % PAGE == 0)).to(tl.int32)  # the token opens a page
+        rank = taken + tl.cumsum(fresh, 0) - fresh  # its page among the batch's new ones
+        page = tl.load(free_ptr + rank, mask=fresh != 0, other=0).to(tl.int64)
+        base = req_to_token + row * row_stride
+        last = tl.load(base + n - 1, mask=live & (fresh == 0), other=0).to(tl.int64)
+        slot = tl.where(fresh != 0, page * PAGE, last + 1)
+        tl.store(out_ptr + i, slot, mask=live)
+        tl.store(base + n, slot.to(tl.int32), mask=live)
+        taken += tl.sum(fresh, 0)
 
 
 def decode_slots(
@@ -64,5 +74,5 @@ def decode_slots(
         return
     _decode_slots_kernel[(1,)](
         req_to_token, req_to_token.stride(0), rows, lens, free_pages, out, bs,
-        BS=triton.next_power_of_2(bs), PAGE=page_size,
+        CHUNK=CHUNK, PAGE=page_size,
     )  # fmt: skip

@@ -74,3 +74,20 @@ def test_an_empty_batch_writes_nothing(kernel_device):
     empty = torch.zeros(0, dtype=torch.int64, device=kernel_device)
     decode_slots(table, empty, empty, torch.arange(1, 5, device=kernel_device), 32, empty)
     assert int(table.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_one_compiled_variant_whatever_the_batch():
+    """Batches of 1 to 300 requests run on the one variant compiled at the first call:
+    nothing compiles in the scheduling phase while requests wait."""
+    from sgl_kernel_ext.decode_slots import _decode_slots_kernel
+
+    caches = getattr(_decode_slots_kernel, "device_caches", None)
+    assert caches is not None, "Triton's JITFunction.device_caches moved: count variants anew"
+    for bs in (1, 2, 5, 16, 17, 32, 33, 200, 300):
+        s = _state(bs, 32, seed=bs, dev="cuda")
+        out = torch.empty(bs, dtype=torch.int64, device="cuda")
+        decode_slots(s["req_to_token"], s["rows"], s["lens"], s["free_pages"], 32, out)
+    torch.cuda.synchronize()
+    dev = torch.cuda.current_device()
+    assert len(caches[dev][0]) == 1, f"{len(caches[dev][0])} variants compiled"

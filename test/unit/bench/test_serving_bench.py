@@ -1043,6 +1043,79 @@ def test_client_ids_sends_the_tokens_bench_serving_counted():
         driver.bench_command("py", "u", "m", Path("d"), 1, 1.0, None, 0, Path("o"), "json")
 
 
+def test_a_worker_tokenizes_each_prompt_once_across_runs():
+    """The worker's tokenizer answers a prompt it has seen from memory: bench_serving's
+    count and the ids sent, over every run of a stage, cost one tokenization each."""
+    calls = []
+
+    class Tok(fake_sglang.WordCounter):
+        def encode(self, text, *a, **k):
+            calls.append(text)
+            return super().encode(text, *a, **k)
+
+    memo = client_ids._Memo(Tok())
+    client_ids._ENCODED.clear()
+    for _ in range(3):  # three runs, each counting then converting two prompts
+        rows = [SimpleNamespace(prompt=t, prompt_len=len(memo.encode(t))) for t in ("a b", "c")]
+        client_ids.to_ids(rows, memo)
+        assert [r.prompt for r in rows] == [[0, 0], [0]]
+    assert calls == ["a b", "c"]
+    ids = memo.encode("a b")
+    ids.append(9)  # a caller's list is its own
+    assert memo.encode("a b") == [0, 0]
+    client_ids._ENCODED.clear()
+
+
+FAKE_WORKER = """
+import json, os, sys, time
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    arg = req["argv"][0]
+    with open(req["log"], "w") as f:
+        f.write(f"pid {os.getpid()} {req['prompt_format']} {arg}\\n")
+    if arg == "die":
+        sys.exit(3)
+    if arg == "hang":
+        time.sleep(60)
+    print(json.dumps({"rc": int(arg)}), flush=True)
+"""
+
+
+def test_the_client_runs_a_stages_commands_in_one_worker_and_replaces_a_dead_one(
+    monkeypatch, tmp_path
+):
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAKE_WORKER)
+    monkeypatch.setattr(driver.Client, "WORKER", worker)
+    ids = [sys.executable, str(REPO / "benchmark" / "serving" / "client_ids.py")]
+    text = [sys.executable, "-m", "sglang.bench_serving"]
+    logs = [tmp_path / f"run{i}.log" for i in range(6)]
+    pid = lambda i: logs[i].read_text().split()[1]  # noqa: E731
+    client = driver.Client()
+    try:
+        assert client.run([*ids, "0"], logs[0], 30) == 0
+        assert client.run([*text, "5"], logs[1], 30) == 5
+        assert pid(0) == pid(1)  # one worker for both
+        assert logs[1].read_text().split()[2] == "text"
+        with pytest.raises(driver.ServerFailed, match="exited with code 3(.|\n)*die"):
+            client.run([*ids, "die"], logs[2], 30)
+        assert client.run([*ids, "0"], logs[3], 30) == 0  # a fresh worker
+        assert pid(3) != pid(0)
+        t0 = time.time()
+        with pytest.raises(driver.ServerFailed, match="had not finished"):
+            client.run([*ids, "hang"], logs[4], 1.5)
+        assert time.time() - t0 < 10
+        with pytest.raises(ProcessLookupError):  # the hung worker was killed
+            for _ in range(50):
+                os.kill(int(pid(4)), 0)
+                time.sleep(0.1)
+        with pytest.raises(ValueError, match="not a bench_command"):
+            client.run([sys.executable, "other.py"], logs[5], 30)
+    finally:
+        client.close()
+
+
 def test_missing_lists_the_default_plan_minus_what_was_measured():
     doc = {"data": {"parts": _parts()}}
     todo = run.missing(doc)
