@@ -555,6 +555,7 @@ def measure(
                 repeats,
                 deadline,
                 f"{w.name}/{name}",
+                ctx["still_to_come"](name, w.name) if "still_to_come" in ctx else 0,
             )
             runs[key] = median_run(tries)
             if len(tries) < repeats:
@@ -712,19 +713,28 @@ def timed_run(
     return run
 
 
-def timed_runs(run_once, repeats: int, deadline: float, label: str) -> list[dict]:
-    """`run_once(k)` (a `timed_run`, k counting from 0) up to `repeats` times: a further
-    run starts only with 1.5 times the longest so far left before the budget's stop
-    margin, and a further run that fails ends the repeats keeping those done (the first
-    run's failure is raised)."""
+def timed_runs(
+    run_once, repeats: int, deadline: float, label: str, still_to_come: int = 0
+) -> list[dict]:
+    """`run_once(k)` (a `timed_run`, k counting from 0) up to `repeats` times. A run's
+    cost is its wall time (the client's and the scoring's included) or its benchmark
+    duration, the larger; a further run starts only with 1.5 times the costliest so far
+    left before the budget's stop margin, plus one first run's cost for each of the
+    `still_to_come` measurements (system, workload) the stage has yet to make: every
+    system gets its one run before any gets its repeats. A further run that fails ends
+    the repeats keeping those done (the first run's failure is raised)."""
     tries: list[dict] = []
+    costs: list[float] = []
     for k in range(repeats):
         if tries:
-            longest = max(t["metrics"].get("duration_s") or 0.0 for t in tries)
+            need = 1.5 * max(costs) + still_to_come * costs[0]
             left = deadline - time.time() - STOP_MARGIN_S
-            if left < 1.5 * longest:
-                log(f"{label}: {k} of {repeats} runs, {left:.0f} s left for the next")
+            if left < need:
+                log(f"{label}: {k} of {repeats} runs; {left:.0f} s left, {need:.0f} s needed "
+                    f"for another beside one run of each of the {still_to_come} "
+                    "measurements still to come")  # fmt: skip
                 break
+        t0 = time.time()
         try:
             tries.append(run_once(k))
         except ServerFailed as e:
@@ -732,6 +742,7 @@ def timed_runs(run_once, repeats: int, deadline: float, label: str) -> list[dict
                 raise
             log(f"{label}: run {k + 1} of {repeats} FAILED ({e}); keeping {k}")
             break
+        costs.append(max(time.time() - t0, tries[-1]["metrics"].get("duration_s") or 0.0))
     return tries
 
 
@@ -1080,6 +1091,16 @@ def stage(args) -> int:
 
     for p in plans:
         p.ctx["measured"] = measured(p)
+
+    def still_to_come(name: str, workload: str) -> int:
+        """The (system, workload) measurements the stage makes after this one."""
+        live = [p.w.name for p in plans if p.live]
+        later = names[names.index(name) + 1 :] if name in names else []
+        after = live[live.index(workload) + 1 :] if workload in live else []
+        return len(later) * len(live) + len(after)
+
+    for p in plans:
+        p.ctx["still_to_come"] = still_to_come
 
     def not_run(p: Plan, name: str) -> None:
         if name not in p.part.setdefault("not_run", []):

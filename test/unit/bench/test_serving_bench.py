@@ -1340,6 +1340,22 @@ def test_repeats_keep_the_median_run_whole(monkeypatch, tmp_path):
     deadline = run.time.time() + run.STOP_MARGIN_S + 1.2  # < 1.5 x a 1 s run
     rec = run.run_system("psa", w, ctx, 31999, deadline)
     assert rec["metrics"]["output_tok_s"] == 6.0 and rec["repeats_asked"] == 3
+
+    # ... and one first run's cost more for each measurement the stage has still to make:
+    # every system's one run comes before any system's repeats
+    def second(server, w, name, rate, num_prompts, ctx, logs, deadline, repeat=0):
+        res = timed(server, w, name, rate, num_prompts, ctx, logs, deadline, repeat)
+        res["metrics"]["duration_s"] = 1.0
+        return res
+
+    monkeypatch.setattr(run, "timed_run", second)
+    for still, runs in ((3, 1), (1, 3)):
+        rates = iter([6.0, 7.0, 8.0])
+        ctx["still_to_come"] = lambda name, workload, still=still: still
+        deadline = run.time.time() + run.STOP_MARGIN_S + 3.5  # 1.5 + 3 x 1 s > 3.5 > 1.5 + 1
+        rec = run.run_system("psa", w, ctx, 31999, deadline)
+        assert len(rec.get("repeats", [rec])) == runs
+    del ctx["still_to_come"]
     one = {"metrics": {"output_tok_s": 1.0}}
     assert run.median_run([one]) == one and "repeats" not in one  # one run: as it came
 
