@@ -24,9 +24,10 @@ prompt's ids (a later run of the same prompts starts in ~0 s), and runs
 
 Worker protocol: one JSON object a line on stdin, `{"argv": [bench_serving
 arguments], "log": path, "prompt_format": "ids" | "text"}`; the run's output goes to
-`log` (the process's stdout and stderr point there during the run, to /dev/null
-between runs), and one line `{"rc": exit code}` goes back on the stdout the worker
-started with. EOF on stdin ends it.
+`log` (the process's stdout and stderr point there during the run, to the stderr the
+worker started with otherwise: its own log), and one line `{"rc": exit code}` goes back
+on the stdout the worker started with, after one `{"ready": true}` once its imports are
+done. EOF on stdin ends it.
 
 Contract: the rows keep their `prompt_len`; a prompt whose ids do not count
 `prompt_len` tokens stops the run. Relies on SGLang 0.5.17's
@@ -133,9 +134,8 @@ def serve() -> None:
     global SEND_IDS
     control = os.fdopen(os.dup(1), "w")
     requests_in = sys.stdin
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
+    own_log = os.dup(2)  # the worker's own output between runs
+    os.dup2(own_log, 1)
     patch(memo=True)
     serving = _bench_serving()
     control.write(json.dumps({"ready": True}) + "\n")
@@ -154,8 +154,8 @@ def serve() -> None:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            os.dup2(own_log, 1)
+            os.dup2(own_log, 2)
         control.write(json.dumps({"rc": rc}) + "\n")
         control.flush()
 

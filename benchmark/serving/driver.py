@@ -266,7 +266,8 @@ class Client:
 
     WORKER = HERE / "client_ids.py"  # run as `WORKER --worker`
 
-    def __init__(self) -> None:
+    def __init__(self, log_path: Path | None = None) -> None:
+        self.log_path = log_path  # the worker's own output (its start, between runs)
         self._proc: subprocess.Popen | None = None
         self._python: str | None = None
         self._ready = False
@@ -276,10 +277,18 @@ class Client:
             return
         self.close()
         cmd = [python, str(self.WORKER), "--worker"]
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=client_env(), text=True, start_new_session=True,
-        )  # fmt: skip
+        err = subprocess.DEVNULL
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            err = self.log_path.open("a")
+        try:
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                env=client_env(), text=True, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            if err is not subprocess.DEVNULL:
+                err.close()
         self._python, self._ready = python, False
 
     def run(self, cmd: list[str], log_path: Path, timeout: float) -> int:
@@ -313,9 +322,10 @@ class Client:
         if not line:
             rc = proc.wait()
             self.close()
+            own = f"\nits own log {self.log_path}:\n{tail(self.log_path)}" if self.log_path else ""
             raise ServerFailed(
                 f"the bench_serving worker exited with code {rc}; last lines of {log_path}:\n"
-                f"{tail(log_path)}"
+                f"{tail(log_path)}{own}"
             )
         return json.loads(line)[key]
 

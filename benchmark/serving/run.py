@@ -1146,7 +1146,7 @@ def stage(args) -> int:
             save_part(p.part, p.path, args)
         return True
 
-    client = driver.Client()  # one bench_serving process for every run of the stage
+    client = driver.Client(work / "logs" / f"client-{run_id}.log")  # one for every run
     together = None
     try:
         client.start(driver.python())  # its imports overlap the servers' start-up

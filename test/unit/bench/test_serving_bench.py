@@ -1068,6 +1068,7 @@ def test_a_worker_tokenizes_each_prompt_once_across_runs():
 
 FAKE_WORKER = """
 import json, os, sys, time
+print("worker up", file=sys.stderr, flush=True)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -1092,13 +1093,13 @@ def test_the_client_runs_a_stages_commands_in_one_worker_and_replaces_a_dead_one
     text = [sys.executable, "-m", "sglang.bench_serving"]
     logs = [tmp_path / f"run{i}.log" for i in range(6)]
     pid = lambda i: logs[i].read_text().split()[1]  # noqa: E731
-    client = driver.Client()
+    client = driver.Client(tmp_path / "worker.log")
     try:
         assert client.run([*ids, "0"], logs[0], 30) == 0
         assert client.run([*text, "5"], logs[1], 30) == 5
         assert pid(0) == pid(1)  # one worker for both
         assert logs[1].read_text().split()[2] == "text"
-        with pytest.raises(driver.ServerFailed, match="exited with code 3(.|\n)*die"):
+        with pytest.raises(driver.ServerFailed, match="code 3(.|\n)*die(.|\n)*worker up"):
             client.run([*ids, "die"], logs[2], 30)
         assert client.run([*ids, "0"], logs[3], 30) == 0  # a fresh worker
         assert pid(3) != pid(0)
