@@ -555,7 +555,8 @@ def measure(
                 repeats,
                 deadline,
                 f"{w.name}/{name}",
-                ctx["still_to_come"](name, w.name) if "still_to_come" in ctx else 0,
+                ctx["still_to_come"](name, w.name) if "still_to_come" in ctx else (0, 0),
+                server.startup_s if math.isfinite(server.startup_s) else 0.0,
             )
             runs[key] = median_run(tries)
             if len(tries) < repeats:
@@ -714,25 +715,32 @@ def timed_run(
 
 
 def timed_runs(
-    run_once, repeats: int, deadline: float, label: str, still_to_come: int = 0
+    run_once,
+    repeats: int,
+    deadline: float,
+    label: str,
+    still_to_come: tuple[int, int] = (0, 0),
+    start_s: float = 0.0,
 ) -> list[dict]:
     """`run_once(k)` (a `timed_run`, k counting from 0) up to `repeats` times. A run's
     cost is its wall time (the client's and the scoring's included) or its benchmark
     duration, the larger; a further run starts only with 1.5 times the costliest so far
-    left before the budget's stop margin, plus one first run's cost for each of the
-    `still_to_come` measurements (system, workload) the stage has yet to make: every
-    system gets its one run before any gets its repeats. A further run that fails ends
-    the repeats keeping those done (the first run's failure is raised)."""
+    left before the budget's stop margin, plus what the stage has yet to do
+    (`still_to_come`: runs, server starts): one first run's cost a run and `start_s`
+    (this server's start-up) a start. So every system gets its one run before any gets
+    its repeats. A further run that fails ends the repeats keeping those done (the first
+    run's failure is raised)."""
     tries: list[dict] = []
     costs: list[float] = []
+    runs, starts = still_to_come
     for k in range(repeats):
         if tries:
-            need = 1.5 * max(costs) + still_to_come * costs[0]
+            need = 1.5 * max(costs) + runs * costs[0] + starts * start_s
             left = deadline - time.time() - STOP_MARGIN_S
             if left < need:
                 log(f"{label}: {k} of {repeats} runs; {left:.0f} s left, {need:.0f} s needed "
-                    f"for another beside one run of each of the {still_to_come} "
-                    "measurements still to come")  # fmt: skip
+                    f"for another beside the {runs} runs and {starts} server starts still "
+                    "to come")  # fmt: skip
                 break
         t0 = time.time()
         try:
@@ -1092,12 +1100,13 @@ def stage(args) -> int:
     for p in plans:
         p.ctx["measured"] = measured(p)
 
-    def still_to_come(name: str, workload: str) -> int:
-        """The (system, workload) measurements the stage makes after this one."""
+    def still_to_come(name: str, workload: str) -> tuple[int, int]:
+        """What the stage does after this (system, workload): runs (one a measurement)
+        and server starts (none where the servers were started together)."""
         live = [p.w.name for p in plans if p.live]
         later = names[names.index(name) + 1 :] if name in names else []
         after = live[live.index(workload) + 1 :] if workload in live else []
-        return len(later) * len(live) + len(after)
+        return len(later) * len(live) + len(after), 0 if together else len(later)
 
     for p in plans:
         p.ctx["still_to_come"] = still_to_come
