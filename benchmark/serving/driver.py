@@ -32,7 +32,10 @@ import requests
 HERE = Path(__file__).resolve().parent
 STUBS = HERE / "stubs"
 LOG_TAIL_LINES = 60
-PROMPT_FORMATS = ("ids", "text")  # how bench_serving sends prompts (bench_command)
+CLIENT_IDS = HERE / "client_ids.py"  # bench_serving sending prompts as token ids
+# How bench_command names the client for each prompt format (split_command reads it back)
+CLIENTS = {"ids": [str(CLIENT_IDS)], "text": ["-m", "sglang.bench_serving"]}
+PROMPT_FORMATS = tuple(CLIENTS)  # how bench_serving sends prompts (bench_command)
 PROFILE_POLL_S = 0.25  # how often `profile_decode` reads the server's new log lines
 
 
@@ -221,9 +224,7 @@ def bench_command(
     ids (`client_ids.py`: TTFT without the tokenizer manager's backlog), "text" as text."""
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format {prompt_format!r}: one of {', '.join(PROMPT_FORMATS)}")
-    client = (
-        [str(HERE / "client_ids.py")] if prompt_format == "ids" else ["-m", "sglang.bench_serving"]
-    )
+    client = CLIENTS[prompt_format]
     cmd = [
         python, *client,
         "--backend", "sglang",
@@ -259,12 +260,12 @@ class Client:
     (`client_ids.py --worker`): SGLang's benchmark imported, each tokenizer loaded and
     each prompt tokenized once per stage rather than once per run (~10 s a run on the
     CPU machine at 16K, more on the GPU host). A run is still the command line
-    `bench_command` gives, logged, so
-    it can be replayed alone. `start` launches the worker early (its imports overlap
-    the servers' start-up); a worker that dies is reported with the run's log and the
-    next run starts a fresh one; one that outlives a run's time is killed."""
+    `bench_command` gives, logged, so it can be replayed alone. `start` launches the
+    worker early (its imports overlap the servers' start-up); a worker that dies is
+    reported with the run's log and the next run starts a fresh one; one that outlives a
+    run's time is killed."""
 
-    WORKER = HERE / "client_ids.py"  # run as `WORKER --worker`
+    WORKER = CLIENT_IDS  # run as `WORKER --worker`
 
     def __init__(self, log_path: Path | None = None) -> None:
         self.log_path = log_path  # the worker's own output (its start, between runs)
@@ -345,10 +346,9 @@ class Client:
 
 def split_command(cmd: list[str]) -> tuple[str, str, list[str]]:
     """A `bench_command` as (python, prompt format, bench_serving's arguments)."""
-    if len(cmd) > 1 and cmd[1] == str(HERE / "client_ids.py"):
-        return cmd[0], "ids", cmd[2:]
-    if cmd[1:3] == ["-m", "sglang.bench_serving"]:
-        return cmd[0], "text", cmd[3:]
+    for fmt, client in CLIENTS.items():
+        if cmd[1 : 1 + len(client)] == client:
+            return cmd[0], fmt, cmd[1 + len(client) :]
     raise ValueError(f"not a bench_command: {cmd[:3]}")
 
 
