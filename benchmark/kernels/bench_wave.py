@@ -12,6 +12,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only  # no sweep
     python benchmark/kernels/bench_wave.py --serving-a --knobs=rank,score  # these sweep keys
     python benchmark/kernels/bench_wave.py --launch-probe   # fixed cost by launch and read size
+    python benchmark/kernels/bench_wave.py --graph-launch   # the host's cost to launch the graph
     python benchmark/kernels/bench_wave.py --kept-sweep   # the kept rows' launch, one knob at a time
         [--knobs=default,meta_in_chain]                    # ... only these
     python benchmark/kernels/bench_wave.py --ncu-kept     # a kept step, eager, for Nsight Compute
@@ -31,7 +32,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from timing import cuda_time
+from timing import cuda_time, replay_host_us
 
 from sgl_kernel_ext.metadata import page_meta_from_locs
 from sgl_kernel_ext.wave_attention import WaveAttention
@@ -447,6 +448,7 @@ def server_case(
     bookkeeping: bool = True,
     eager_runs: int = 0,
     meta_in_chain: bool = False,
+    host_launch: bool = False,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -467,7 +469,8 @@ def server_case(
     path before).
     Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use stamps
     or read counters (what they cost). `eager_runs > 0`: only that many runs, eager, no
-    timing (for a profiler: `--ncu-kept`)."""
+    timing (for a profiler: `--ncu-kept`). `host_launch`: also the host's time to launch
+    the graph (`timing.replay_host_us`), into an idle GPU and behind a busy one."""
     nb = plan_ctx // BS
     half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
     mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
@@ -537,6 +540,9 @@ def server_case(
         "waves_per_head": res.n_waves.float().mean().item(),
         "gbps_on_bytes_read": read_bytes / t / 1e9,
     }
+    if host_launch:
+        out["replay_host_us"] = replay_host_us(graph.replay)
+        out["replay_host_us_queued"] = replay_host_us(graph.replay, drain=False)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
@@ -668,6 +674,40 @@ def launch_probe(ctx: int = 16000) -> dict:
         case(f"topk_kept f{frac} prefetch", "topk_kept", frac, prefetch=True)
         case(f"psa_kept f{frac} gather", "psa_kept", frac, tma=False, num_warps=2,
              tile_tokens=64)  # fmt: skip
+    return out
+
+
+def graph_launch(ctx: int = 16000, layers: int = 24) -> dict:
+    """The host's cost of launching a decode graph's attention (`--graph-launch`): the
+    server case captured `layers` deep (the model's 24 layers at workload a16's shape),
+    replayed into an idle GPU (`host_us`: what a host-bound step pays, as top-k's at 16K
+    in the server) and behind busy ones (`queued_host_us`), against GPU time per layer
+    (`t`), microseconds; for top-k's kept step at its default (the fresh rows' chain on a
+    higher-priority stream), at one priority, on one stream and in one launch, psa's
+    kept step both ways, both ranking steps and the dense read."""
+    use_shape("qwen05b")
+    out: dict = {}
+    f = 2048 / ctx  # top-k's 2048-token budget
+
+    def pick(r: dict) -> dict:
+        return dict(host_us=r["replay_host_us"], queued_host_us=r["replay_host_us_queued"],
+                    t=r["time_us"])  # fmt: skip
+
+    cases = {
+        "topk_kept": ("topk_kept", f, {}),
+        "topk_kept_same_priority": ("topk_kept", f, dict(fresh_first=False)),
+        "topk_kept_one_stream": ("topk_kept", f, dict(kept_beside=False)),
+        "topk_kept_one_launch": ("topk_kept", f, dict(kept_split=False)),
+        "topk_ranking": ("topk", f, {}),
+        "psa_kept": ("psa_kept", 0.3, {}),
+        "psa_kept_fresh_first": ("psa_kept", 0.3, dict(fresh_first=True)),
+        "psa_ranking": ("psa", 0.3, {}),
+        "dense": ("dense", 1.0, {}),
+    }
+    for key, (mode, frac, launch) in cases.items():
+        bench = functools.partial(server_case, mode, 32, ctx, 32768, frac, layers=layers,
+                                  host_launch=True)  # fmt: skip
+        _sweep_one(out, f"graph launch {key}", key, bench, None, launch, pick)
     return out
 
 
@@ -1028,6 +1068,8 @@ if __name__ == "__main__":
     elif "--kept-sweep" in sys.argv:
         only = tuple(v.split(",")) if (v := option("knobs")) else ()
         print(json.dumps(kept_sweep(only=only), indent=1))
+    elif "--graph-launch" in sys.argv:
+        print(json.dumps(graph_launch(int(option("ctx") or 16000)), indent=1))
     elif "--launch-probe" in sys.argv:
         print(json.dumps(launch_probe(int(option("ctx") or 16000)), indent=1))
     elif "--serving-8b" in sys.argv:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 
@@ -19,3 +22,19 @@ def cuda_time(fn, reps: int = 20, warmup: int = 3, stream=None) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def replay_host_us(launch, reps: int = 50, warmup: int = 5, drain: bool = True) -> float:
+    """Median microseconds the host spends in `launch()` (a graph's replay): with `drain`
+    the GPU idle before each (a host-bound server's case), else back to back behind the
+    previous launches' work."""
+    times = []
+    for i in range(warmup + reps):
+        if drain:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        launch()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6

@@ -1288,11 +1288,15 @@ def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list
 
     Per workload W and profiled system S: `gpu_busy_ms_{S}_{W}` (GPU time per step, the
     profile's `busy_us`), `step_ms_{S}_{W}` (the unperturbed run's steady step) and
-    `gpu_idle_ms_{S}_{W}` (their difference: the GPU waiting for the host); against the
-    profile's plain backend P with the highest throughput in the unperturbed run,
-    `gpu_busy_ratio_{S}_vs_{P}_{W}` (S's GPU time over P's, both from the profile) and
+    `gpu_idle_ms_{S}_{W}` (their difference: the GPU waiting for the host). Against the
+    unperturbed run's plain backend P with the highest throughput (profiled or not):
     `gpu_busy_vs_step_{S}_vs_{P}_{W}` (S's GPU time over P's unperturbed step: where S's
-    step would be if the host never held it). Returns (summary, pairs)."""
+    step would be if the host never held it) and, when P was profiled too,
+    `gpu_busy_ratio_{S}_vs_{P}_{W}` (S's GPU time over P's). For every system X of the
+    unperturbed run with the scheduler's host timing (`host_loop`, at its steady batch):
+    `host_ms_{X}_{W}`, the host's time per decode iteration outside its wait for the GPU
+    (a step cannot be shorter: SGLang's host loop bounds it), and `gpu_wait_ms_{X}_{W}`.
+    Returns (summary, pairs)."""
     summary: dict = {}
     pairs: list[dict] = []
     for prof in profiled:
@@ -1306,7 +1310,7 @@ def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list
             for name, rec in prof["systems"].items()
             if isinstance(rec.get("decode_profile"), dict) and "busy_us" in rec["decode_profile"]
         }
-        runs_of = {n: m for n in busy if (m := measured(run, n)) is not None}
+        runs_of = {n: m for n in run["systems"] if (m := measured(run, n)) is not None}
         step = {n: m.metric(STEP) for n, m in runs_of.items()}
         plains = [n for n in PLAIN_RACE if step.get(n)]
         ref = max(plains, key=lambda n: runs_of[n].metric(TOK_S) or 0, default=None)
@@ -1316,8 +1320,15 @@ def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list
                 summary[f"step_ms_{name}_{w}"] = step[name]
                 summary[f"gpu_idle_ms_{name}_{w}"] = step[name] - b
             if ref and name != ref and name not in PLAIN_RACE:
-                summary[f"gpu_busy_ratio_{name}_vs_{ref}_{w}"] = b / busy[ref]
+                if ref in busy:
+                    summary[f"gpu_busy_ratio_{name}_vs_{ref}_{w}"] = b / busy[ref]
                 summary[f"gpu_busy_vs_step_{name}_vs_{ref}_{w}"] = b / step[ref]
+        for name, m in runs_of.items():
+            batch = m.metric(("metrics", "steady_decode", "batch"))
+            loop = (m.run.get("host_loop") or {}).get(str(batch))
+            if loop and loop.get("host_ms") is not None:
+                summary[f"host_ms_{name}_{w}"] = loop["host_ms"]
+                summary[f"gpu_wait_ms_{name}_{w}"] = loop.get("gpu_wait_ms")
         pairs.append(
             {
                 "workload": w,

@@ -84,10 +84,12 @@ def test_one_compiled_variant_whatever_the_batch():
 
     caches = getattr(_decode_slots_kernel, "device_caches", None)
     assert caches is not None, "Triton's JITFunction.device_caches moved: count variants anew"
+    dev = torch.cuda.current_device()
+    counts = []  # variants after each batch (other tests may have compiled some before)
     for bs in (1, 2, 5, 16, 17, 32, 33, 200, 300):
         s = _state(bs, 32, seed=bs, dev="cuda")
         out = torch.empty(bs, dtype=torch.int64, device="cuda")
         decode_slots(s["req_to_token"], s["rows"], s["lens"], s["free_pages"], 32, out)
+        counts.append(len(caches[dev][0]))
     torch.cuda.synchronize()
-    dev = torch.cuda.current_device()
-    assert len(caches[dev][0]) == 1, f"{len(caches[dev][0])} variants compiled"
+    assert counts[0] >= 1 and set(counts) == {counts[0]}, f"variants after each batch: {counts}"

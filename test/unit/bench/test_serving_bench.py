@@ -1729,9 +1729,21 @@ def test_profile_summary_pairs_gpu_time_with_the_same_commits_unperturbed_steps(
         "profiled": 16,
     }
     profiled["systems"]["topk"] = prof(1500.0)
+
+    def timed(step, tok_s, host_ms=None, wait_ms=None, batch=32):
+        rec = _rec(step, tok_s)
+        rec["metrics"]["steady_decode"]["batch"] = batch
+        if host_ms is not None:  # the scheduler's host timing at two batch sizes
+            rec["host_loop"] = {
+                str(batch): {"host_ms": host_ms, "gpu_wait_ms": wait_ms},
+                str(batch // 2): {"host_ms": 99.0, "gpu_wait_ms": 0.0},
+            }
+        return rec
+
     parts = [
         _part("a16", "04-01", "c9", plain=_rec(9.0, 1), plain_fa3=_rec(9.0, 2), topk=_rec(9.0, 3)),
-        _part("a16", "04-02", "c9", plain=_rec(4.5, 10), plain_fa3=_rec(3.0, 20), topk=_rec(2.0, 30)),
+        _part("a16", "04-02", "c9", plain=timed(4.5, 10), plain_fa3=timed(3.0, 20, 1.6, 1.3),
+              topk=timed(2.0, 30, 2.0, 0.01)),
         _part("a16", "04-03", "c8", plain=_rec(1.0, 10), plain_fa3=_rec(1.0, 20), topk=_rec(1.0, 30)),
     ]  # fmt: skip
     summary, pairs = analysis.profile_summary([profiled], parts)
@@ -1742,6 +1754,15 @@ def test_profile_summary_pairs_gpu_time_with_the_same_commits_unperturbed_steps(
     assert "gpu_busy_ratio_plain_vs_plain_fa3_a16" not in summary  # plain is no sparse system
     assert pairs[0]["serving_run_id"] == "a16-04-02" and pairs[0]["reference"] == "plain_fa3"
     assert pairs[0]["plain_raced"] == ["plain", "plain_fa3"]
+    # the host loop at each system's steady batch; none where the run did not time it
+    assert summary["host_ms_topk_a16"] == 2.0 and summary["gpu_wait_ms_topk_a16"] == 0.01
+    assert summary["host_ms_plain_fa3_a16"] == 1.6 and "host_ms_plain_a16" not in summary
+    # the reference is the run's fastest plain even when the profile did not include it
+    del profiled["systems"]["plain_fa3"]
+    summary, pairs = analysis.profile_summary([profiled], parts)
+    assert pairs[0]["reference"] == "plain_fa3"
+    assert summary["gpu_busy_vs_step_topk_vs_plain_fa3_a16"] == pytest.approx(1.5 / 3.0)
+    assert "gpu_busy_ratio_topk_vs_plain_fa3_a16" not in summary  # FA3's GPU time unknown
     # no run of the profile's commit: nothing is paired
     assert analysis.profile_summary([profiled], parts[2:]) == ({}, [])
 

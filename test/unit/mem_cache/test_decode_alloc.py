@@ -41,9 +41,12 @@ def sparse(monkeypatch):
     monkeypatch.setattr(scheduling, "_serving", lambda: object())  # --sparse-mode on
 
 
+@pytest.fixture(autouse=True)
 def _dcp_off(monkeypatch):
-    """No server set the process's arguments: SGLang's page size as the alloc benchmark
-    gives it (`alloc_step.tree_page_size`)."""
+    """No server set the process's arguments, which SGLang's page size asks on a machine
+    with CUDA (whether decode context parallelism is on), whatever device the test's
+    tensors are on: the page size as the alloc benchmark gives it
+    (`alloc_step.tree_page_size`; the same where that question is not asked)."""
     from sglang.srt.mem_cache import allocation
 
     monkeypatch.setattr(allocation, "_alloc_page_size", alloc_step.tree_page_size, raising=False)
@@ -64,8 +67,6 @@ def test_the_same_slots_table_and_free_pages_as_sglangs_path(
     sparse, monkeypatch, kernel_device, bs, need_sort
 ):
     """On CPU both kernels run under Triton's interpreter; on a GPU both compiled."""
-    if kernel_device == "cuda":  # on CUDA SGLang asks the server's args whether DCP is on
-        _dcp_off(monkeypatch)
     ours, theirs = _twins(bs, seed=bs, need_sort=need_sort, device=kernel_device)
     want = alloc_for_decode(theirs, 1)
     got, fell_back = _ours(ours)
