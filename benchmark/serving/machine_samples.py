@@ -101,6 +101,116 @@ def cpu_cores(root: Path = SYS_CPU) -> dict[int, str]:
     return out
 
 
+# One pinned spinner per CPU for `sibling_probe`: on "go MS" it spins a pure-Python loop
+# for MS milliseconds and answers how many iterations it ran.
+SPINNER = r"""
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("ready", flush=True)
+for line in sys.stdin:
+    end = time.perf_counter() + float(line.split()[1]) / 1e3
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+    print(n, flush=True)
+"""
+SIBLING_SPIN_MS = 30.0
+SIBLING_RATIO = 0.8  # both spinners of a pair below this share of their solo rate
+
+
+class _Spinners:
+    """A spinner process pinned to each CPU; `run(cpus)` spins the named ones at once and
+    returns each one's iteration count."""
+
+    def __init__(self, cpus: list[int], spin_ms: float):
+        import sys
+
+        self.spin_ms = spin_ms
+        self.procs = {
+            c: subprocess.Popen(
+                [sys.executable, "-c", SPINNER, str(c)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for c in cpus
+        }
+        for proc in self.procs.values():
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("sibling probe: a spinner did not start")
+
+    def run(self, cpus: tuple[int, ...]) -> dict[int, int]:
+        for c in cpus:
+            self.procs[c].stdin.write(f"go {self.spin_ms}\n")
+            self.procs[c].stdin.flush()
+        return {c: int(self.procs[c].stdout.readline()) for c in cpus}
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.stdin.close()
+            proc.wait(5)
+
+
+def sibling_probe(cpus: set[int], spin_ms: float = SIBLING_SPIN_MS, measure=None) -> dict:
+    """CPUs that share a physical core the OS does not show: a VM's vCPUs may sit on SMT
+    threads of one host core while its topology reports a core for each, and two busy
+    threads there slow each other down (the scheduler's Python loop beside a client or
+    tokenizer thread). A pinned pure-Python spin runs on each CPU alone, then on every pair
+    at once; a pair whose two spins both ran below `SIBLING_RATIO` of their solo rate,
+    measured twice, shares a core. `measure(cpus) -> {cpu: iterations}` replaces the
+    spinners (tests). Returns `{"pairs": [[a, b, slower ratio], ...], "solo": {cpu:
+    iterations}, "spin_ms", "seconds"}`; ~5 s on 16 CPUs."""
+    t0 = time.perf_counter()
+    order = sorted(cpus)
+    spinners = None
+    if measure is None:
+        spinners = _Spinners(order, spin_ms)
+        measure = spinners.run
+    try:
+        for c in order:  # a first spin warms each one up (its first ran ~25% slower)
+            measure((c,))
+        solo = {c: measure((c,))[c] for c in order}
+
+        def ratio(a: int, b: int) -> float:
+            got = measure((a, b))
+            return max(got[a] / max(solo[a], 1), got[b] / max(solo[b], 1))
+
+        pairs = []
+        for i, a in enumerate(order):
+            for b in order[i + 1 :]:
+                r = ratio(a, b)
+                if r < SIBLING_RATIO and (r := max(r, ratio(a, b))) < SIBLING_RATIO:
+                    pairs.append([a, b, round(r, 3)])
+    finally:
+        if spinners is not None:
+            spinners.close()
+    return {"pairs": pairs, "solo": {str(c): n for c, n in solo.items()}, "spin_ms": spin_ms,
+            "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+
+
+def merge_siblings(cores: dict[int, str], pairs: list[list]) -> dict[int, str]:
+    """`cores` (CPU -> physical core, `cpu_cores`) with the CPUs of each probed sibling
+    pair (`sibling_probe`), and whatever they share a core with, on one core: the core of
+    the group's first CPU."""
+    group = {c: c for c in cores}
+    for a, b, *_ in pairs:
+        group.setdefault(a, a)
+        group.setdefault(b, b)
+
+    def root(c: int) -> int:
+        while group[c] != c:
+            c = group[c]
+        return c
+
+    for c in sorted(cores):  # CPUs the topology already puts on one core
+        first = min(x for x in cores if cores[x] == cores[c])
+        group[root(c)] = root(first)
+    for a, b, *_ in pairs:
+        ra, rb = root(a), root(b)
+        group[max(ra, rb)] = min(ra, rb)
+    return {c: cores.get(root(c), f"cpu{root(c)}") for c in group}
+
+
 def physical_cores(cores: dict[int, str], cpus: set[int]) -> list[list[int]]:
     """`cpus` grouped by physical core (`cores`: CPU -> core, from `cpu_cores`; a CPU it
     does not name is a core of its own), each group sorted, the groups by their first CPU."""
@@ -163,8 +273,10 @@ class MachineSamples:
         period_s: float = PERIOD_S,
         proc: Path = PROC,
         log_path: Path | None = None,
+        cores: dict[int, str] | None = None,
     ):
         self.session, self.period_s, self.proc, self.log_path = session, period_s, proc, log_path
+        self.cores = cores  # CPU -> physical core; default: the OS's topology (`cpu_cores`)
         self._log: tuple[list[float], list[int]] = ([], [])
         self._stop = threading.Event()
         self._gpu: list[tuple[float, list[float | None]]] = []
@@ -247,7 +359,7 @@ class MachineSamples:
             "gpu": gpu,
             "threads": threads,
             "server_pids": sorted(self._server),
-            "cpu_core": {str(c): core for c, core in sorted(cpu_cores().items())},
+            "cpu_core": {str(c): core for c, core in sorted((self.cores or cpu_cores()).items())},
         }
         if self.log_path is not None:
             out["log"] = {"t": self._log[0], "bytes": self._log[1]}

@@ -637,7 +637,9 @@ def timed_run(
     folder = ctx["work"] / "profiles" / ctx["run_id"] / f"{w.name}-{name}"
     profile = (steps, folder) if steps else None
     session = server.proc.pid if server.proc is not None else None  # its own session
-    sampler = machine_samples.MachineSamples(session, log_path=server.log_path)
+    sampler = machine_samples.MachineSamples(
+        session, log_path=server.log_path, cores=ctx.get("cpu_core")
+    )
     if w.turns:
         convs = workloads_mod.conversations(workloads_mod.load_rows(ctx["dataset"]))
         starts = workloads_mod.conversation_starts(w, rate)
@@ -988,10 +990,18 @@ def stage(args) -> int:
     os.environ.setdefault("SGLANG_PSA_HOST_TIMING", "1")
     if args.host_profile:  # and samples it (a diagnosis run)
         os.environ["SGLANG_PSA_HOST_PROFILE"] = f"{args.host_profile:g}"
-    cpus = machine_samples.split_cpus(
-        args.client_cores, machine_samples.cpu_cores(), os.sched_getaffinity(0)
-    )
+    # Physical cores as the OS shows them, joined where a spin probe finds CPUs that slow
+    # each other down (a VM's vCPUs on one host core): the client's cores and the
+    # samples' core sharing follow them.
+    allowed, cores = os.sched_getaffinity(0), machine_samples.cpu_cores()
+    probe = machine_samples.sibling_probe(allowed) if args.sibling_probe else None
+    if probe and probe["pairs"]:
+        cores = machine_samples.merge_siblings(cores, probe["pairs"])
+    cpus = machine_samples.split_cpus(args.client_cores, cores, allowed)
     host_cpu = machine_samples.cpu_info()
+    if probe is not None:
+        host_cpu["sibling_probe"] = probe
+        host_cpu["cores_probed"] = len(machine_samples.physical_cores(cores, allowed))
     log(f"host CPU: {host_cpu}")
     if cpus is not None:  # this process (the client, the sampler) and its children
         os.sched_setaffinity(0, cpus["client"])
@@ -1030,6 +1040,7 @@ def stage(args) -> int:
             "tp": args.tp,
             "prompt_format": args.prompt_format,
             "server_cpus": cpus["server"] if cpus else None,
+            "cpu_core": cores,
             # --start-together, uncapped: one pool size for all (a cap sets its own)
             "together_tokens": together_tokens(ws) if args.start_together and not cap else None,
             # a rate sweep and a profiled run time each rate once
@@ -1496,6 +1507,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="physical cores kept for the client and the stage, the rest for the servers "
         "(0: no split; none either on machines of fewer than this + 4 cores)",
+    )
+    st.add_argument(
+        "--no-sibling-probe",
+        dest="sibling_probe",
+        action="store_false",
+        help="skip the start's probe for CPUs that share a physical core unseen by the OS "
+        "(~5 s on 16 CPUs; `cpu.sibling_probe` in the parts)",
     )
     st.add_argument("--export", help="mirror parts and the merged result here (e.g. $OUT)")
     st.add_argument("--out", help="merged result file (default results/serving_<gpu>.json)")

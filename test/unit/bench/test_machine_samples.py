@@ -249,3 +249,50 @@ def test_cpu_info_names_the_model_its_cores_and_a_python_loop_time(tmp_path):
     assert (got["cpus"], got["cores"]) == (len(allowed), 1)
     assert 0 < got["python_loop_ms"] < 10_000
     assert ms.cpu_info(tmp_path / "none", tmp_path / "nosys")["model"] is None
+
+
+def test_the_sibling_probe_finds_cpus_that_slow_each_other_and_only_those():
+    """A stand-in machine of 6 CPUs where 0 and 3, and 1 and 4, are one core's SMT threads
+    (each at 55% when both spin), 5 one slowed once by noise: the pairs that stay slow
+    when measured again are found, each once, with the slower side's ratio."""
+    siblings = {frozenset((0, 3)), frozenset((1, 4))}
+    noisy = {frozenset((2, 5))}  # slow on its first measurement only
+    calls = []
+
+    def measure(cpus):
+        calls.append(cpus)
+        if len(cpus) == 1:
+            return {cpus[0]: 1000}
+        pair = frozenset(cpus)
+        slow = pair in siblings or (pair in noisy and calls.count(cpus) == 1)
+        return {c: 550 if slow else 980 for c in cpus}
+
+    got = ms.sibling_probe(set(range(6)), measure=measure)
+    assert got["pairs"] == [[0, 3, 0.55], [1, 4, 0.55]]
+    assert got["solo"] == {str(c): 1000 for c in range(6)}
+    assert sum(len(c) == 2 for c in calls) == 15 + 3  # every pair once, the slow ones again
+    assert sum(len(c) == 1 for c in calls) == 2 * 6  # a warm-up spin, then the solo one
+
+
+def test_probed_siblings_join_the_topologys_cores_and_the_client_keeps_whole_cores():
+    cores = {c: f"0/{c}" for c in range(8)}  # the OS shows 8 cores
+    merged = ms.merge_siblings(cores, [[0, 4, 0.6], [1, 5, 0.6], [2, 6, 0.6], [3, 7, 0.6]])
+    assert merged == {c: f"0/{c % 4}" for c in range(8)}
+    assert ms.physical_cores(merged, set(range(8))) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # a CPU the topology already pairs, probed beside a third: all three on one core
+    smt = {0: "0/0", 1: "0/0", 2: "0/2", 3: "0/3"}
+    assert ms.merge_siblings(smt, [[1, 2, 0.5]]) == {0: "0/0", 1: "0/0", 2: "0/0", 3: "0/3"}
+    assert ms.merge_siblings(cores, []) == cores
+    # with 16 CPUs as 8 probed cores the client's two cores are whole: no server CPU
+    # shares a core with it
+    wide = ms.merge_siblings({c: f"0/{c}" for c in range(16)}, [[c, c + 8, 0.6] for c in range(8)])
+    split = ms.split_cpus(2, wide, set(range(16)))
+    assert split["client"] == [6, 7, 14, 15]
+
+
+def test_the_sibling_probe_runs_real_spinners_on_this_machine():
+    """Pinned spinner processes answer with iteration counts (whatever the topology)."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    got = ms.sibling_probe(set(cpus), spin_ms=5.0)
+    assert set(got["solo"]) == {str(c) for c in cpus} and min(got["solo"].values()) > 0
+    assert all(a in cpus and b in cpus and 0 < r < ms.SIBLING_RATIO for a, b, r in got["pairs"])
