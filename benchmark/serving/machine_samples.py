@@ -233,6 +233,48 @@ def split_cpus(client_cores: int, cores: dict[int, str], allowed: set[int]) -> d
     return {"server": sorted(set(allowed) - set(client)), "client": client}
 
 
+SCHEDULER_THREAD = "sglang::schedul"  # SGLang's scheduler process names itself so (comm: 15 chars)
+
+
+def pin_scheduler(
+    session: int, cores: dict[int, str], cpus: list[int], proc: Path = PROC
+) -> dict | None:
+    """A physical core of its own for each scheduler loop of the server in `session`: the
+    main thread of every process whose name starts with `SCHEDULER_THREAD` is pinned to
+    the CPUs of one physical core among `cpus` (`cores`: CPU -> core, probed siblings
+    joined), and every other thread of the session's processes to the rest of `cpus`, so
+    that no tokenizer, detokenizer or helper thread runs on the loop's core or its SMT
+    sibling. Threads a pinned thread starts later inherit its CPUs. Returns `{"scheduler":
+    {pid: [cpus]}, "others": [cpus], "threads": n}`, or None (nothing changed) where no
+    scheduler process is found or `cpus` hold fewer physical cores than schedulers + 1."""
+    groups = physical_cores(cores, set(cpus))
+    procs: dict[int, tuple[str, list[int]]] = {}
+    for p in proc.iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            name, rest = _split_stat((p / "stat").read_text())
+            if int(rest[3]) != session:
+                continue
+            procs[int(p.name)] = (name, [int(t.name) for t in (p / "task").iterdir()])
+        except (OSError, ValueError, IndexError):
+            continue
+    loops = sorted(pid for pid, (name, _) in procs.items() if name.startswith(SCHEDULER_THREAD))
+    if not loops or len(groups) < len(loops) + 1:
+        return None
+    own = {pid: groups[i] for i, pid in enumerate(loops)}
+    rest = sorted(set(cpus) - {c for g in own.values() for c in g})
+    n = 0
+    for pid, (_, tids) in procs.items():
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, own[pid] if tid in own else rest)
+                n += 1
+            except (ProcessLookupError, PermissionError):
+                continue  # a thread that ended meanwhile
+    return {"scheduler": {str(p): g for p, g in own.items()}, "others": rest, "threads": n}
+
+
 def thread_times(
     session: int | None, proc: Path = PROC
 ) -> tuple[dict[str, tuple[float, int]], set[int]]:

@@ -532,6 +532,10 @@ def measure(
     cached = [triton_cache_entries()]
     rec["warmup_s"] = warm_up(server, ctx["tok"], w)
     cached.append(triton_cache_entries())
+    if ctx.get("pin_scheduler") and server.proc is not None:  # after the warm-up's threads
+        cpus = ctx["server_cpus"] or sorted(os.sched_getaffinity(server.proc.pid))
+        rec["pinned"] = machine_samples.pin_scheduler(server.proc.pid, ctx["cpu_core"], cpus)
+        log(f"{w.name}/{name}: scheduler loop pinned: {rec['pinned']}")
     if flush_after is not None:
         server.flush_cache(check=True)
         log(f"{w.name}/{name}: prefix cache flushed after workload {flush_after}")
@@ -1041,6 +1045,7 @@ def stage(args) -> int:
             "prompt_format": args.prompt_format,
             "server_cpus": cpus["server"] if cpus else None,
             "cpu_core": cores,
+            "pin_scheduler": args.pin_scheduler,
             # --start-together, uncapped: one pool size for all (a cap sets its own)
             "together_tokens": together_tokens(ws) if args.start_together and not cap else None,
             # a rate sweep and a profiled run time each rate once
@@ -1072,6 +1077,7 @@ def stage(args) -> int:
                 "tp": args.tp,
                 "prompt_format": args.prompt_format,
                 "cpus": cpus,
+                "pin_scheduler": args.pin_scheduler,
                 "started_together": bool(args.start_together),
                 "kv_tokens_per_server": ctx["together_tokens"],
                 "repeats": ctx["repeats"],
@@ -1507,6 +1513,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="physical cores kept for the client and the stage, the rest for the servers "
         "(0: no split; none either on machines of fewer than this + 4 cores)",
+    )
+    st.add_argument(
+        "--pin-scheduler",
+        action="store_true",
+        help="after each server's warm-up, pin its scheduler loop's thread to a physical "
+        "core of its own and the server's other threads to the rest of its CPUs "
+        "(`pinned` in the record)",
     )
     st.add_argument(
         "--no-sibling-probe",

@@ -296,3 +296,48 @@ def test_the_sibling_probe_runs_real_spinners_on_this_machine():
     got = ms.sibling_probe(set(cpus), spin_ms=5.0)
     assert set(got["solo"]) == {str(c) for c in cpus} and min(got["solo"].values()) > 0
     assert all(a in cpus and b in cpus and 0 < r < ms.SIBLING_RATIO for a, b, r in got["pairs"])
+
+
+CHILD = """
+import threading, time
+open("/proc/self/comm", "w").write(NAME)
+t = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+t.start()
+print(threading.get_native_id(), t.native_id, flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_the_scheduler_loop_gets_a_core_of_its_own_and_its_neighbours_the_rest():
+    """A stand-in server in a session of its own: its "scheduler" process's main thread is
+    pinned to one core, that process's other thread and a second process's threads to the
+    other; a session without a scheduler is left as it was."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    cores = {c: f"0/{c}" for c in cpus}
+
+    def spawn(name, session=True):
+        code = f"NAME = {name!r}\n" + CHILD
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                start_new_session=session)  # fmt: skip
+
+    sched = spawn("sglang::scheduler_TP0")  # comm keeps 15 characters: sglang::schedul
+    procs = [sched]
+    try:
+        main, helper = (int(x) for x in sched.stdout.readline().split())
+        got = ms.pin_scheduler(sched.pid, cores, cpus)
+        assert got == {"scheduler": {str(sched.pid): [cpus[0]]}, "others": [cpus[1]], "threads": 2}
+        assert os.sched_getaffinity(main) == {cpus[0]}
+        assert os.sched_getaffinity(helper) == {cpus[1]}
+        other = spawn("tokenizer")
+        procs.append(other)
+        other.stdout.readline()
+        assert ms.pin_scheduler(other.pid, cores, cpus) is None  # no scheduler there
+        assert os.sched_getaffinity(other.pid) == os.sched_getaffinity(0)
+        # one core only: no room for the loop and its neighbours
+        assert ms.pin_scheduler(sched.pid, {c: "0/0" for c in cpus}, cpus) is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
