@@ -998,7 +998,13 @@ def stage(args) -> int:
     # each other down (a VM's vCPUs on one host core): the client's cores and the
     # samples' core sharing follow them.
     allowed, cores = os.sched_getaffinity(0), machine_samples.cpu_cores()
-    probe = machine_samples.sibling_probe(allowed) if args.sibling_probe else None
+    probe = None
+    if args.sibling_probe:
+        try:
+            probe = machine_samples.sibling_probe(allowed)
+        except (OSError, RuntimeError, ValueError) as e:  # a diagnosis: the stage goes on
+            probe = {"error": f"{type(e).__name__}: {e}", "pairs": []}
+            log(f"sibling probe failed ({probe['error']}); the OS's topology only")
     if probe and probe["pairs"]:
         cores = machine_samples.merge_siblings(cores, probe["pairs"])
     cpus = machine_samples.split_cpus(args.client_cores, cores, allowed)
