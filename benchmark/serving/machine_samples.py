@@ -122,33 +122,48 @@ class _Spinners:
     """A spinner process pinned to each CPU; `run(cpus)` spins the named ones at once and
     returns each one's iteration count."""
 
-    def __init__(self, cpus: list[int], spin_ms: float):
+    def __init__(self, cpus: list[int], spin_ms: float, timeout_s: float = 10.0, code=None):
+        """`code`: the spinners' program (default `SPINNER`; tests)."""
         import sys
 
-        self.spin_ms = spin_ms
+        self.spin_ms, self.timeout_s = spin_ms, timeout_s
         self.procs = {
             c: subprocess.Popen(
-                [sys.executable, "-c", SPINNER, str(c)],
+                [sys.executable, "-c", code or SPINNER, str(c)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
-            )  # fmt: skip
+            )
             for c in cpus
         }
-        for proc in self.procs.values():
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("sibling probe: a spinner did not start")
+        for c in cpus:
+            if self._line(c) != "ready":
+                raise RuntimeError(f"sibling probe: the spinner of CPU {c} did not start")
+
+    def _line(self, cpu: int) -> str:
+        """The spinner's next line, or RuntimeError after `timeout_s` (a hung spinner
+        must not hang the stage)."""
+        import select
+
+        out = self.procs[cpu].stdout
+        if not select.select([out], [], [], self.timeout_s)[0]:
+            raise RuntimeError(f"sibling probe: the spinner of CPU {cpu} did not answer")
+        return out.readline().strip()
 
     def run(self, cpus: tuple[int, ...]) -> dict[int, int]:
         for c in cpus:
             self.procs[c].stdin.write(f"go {self.spin_ms}\n")
             self.procs[c].stdin.flush()
-        return {c: int(self.procs[c].stdout.readline()) for c in cpus}
+        return {c: int(self._line(c)) for c in cpus}
 
     def close(self) -> None:
         for proc in self.procs.values():
             proc.stdin.close()
-            proc.wait(5)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def sibling_probe(cpus: set[int], spin_ms: float = SIBLING_SPIN_MS, measure=None) -> dict:

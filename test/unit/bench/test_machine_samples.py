@@ -341,3 +341,9 @@ def test_the_scheduler_loop_gets_a_core_of_its_own_and_its_neighbours_the_rest()
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_spinner_that_never_answers_fails_the_probe_instead_of_hanging_it():
+    with pytest.raises(RuntimeError, match="spinner of CPU .* did not answer"):
+        ms._Spinners([sorted(os.sched_getaffinity(0))[0]], 5.0, timeout_s=0.5,
+                     code="import time; time.sleep(5)")  # fmt: skip
