@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import select
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,8 +126,6 @@ class _Spinners:
 
     def __init__(self, cpus: list[int], spin_ms: float, timeout_s: float = 10.0, code=None):
         """`code`: the spinners' program (default `SPINNER`; tests)."""
-        import sys
-
         self.spin_ms, self.timeout_s = spin_ms, timeout_s
         self.procs = {
             c: subprocess.Popen(
@@ -143,8 +143,6 @@ class _Spinners:
     def _line(self, cpu: int) -> str:
         """The spinner's next line, or RuntimeError after `timeout_s` (a hung spinner
         must not hang the stage)."""
-        import select
-
         out = self.procs[cpu].stdout
         if not select.select([out], [], [], self.timeout_s)[0]:
             raise RuntimeError(f"sibling probe: the spinner of CPU {cpu} did not answer")
@@ -206,24 +204,14 @@ def sibling_probe(cpus: set[int], spin_ms: float = SIBLING_SPIN_MS, measure=None
 def merge_siblings(cores: dict[int, str], pairs: list[list]) -> dict[int, str]:
     """`cores` (CPU -> physical core, `cpu_cores`) with the CPUs of each probed sibling
     pair (`sibling_probe`), and whatever they share a core with, on one core: the core of
-    the group's first CPU."""
-    group = {c: c for c in cores}
+    the group's first CPU (a CPU the topology does not name is core `cpu<N>`)."""
+    label = dict(cores)
     for a, b, *_ in pairs:
-        group.setdefault(a, a)
-        group.setdefault(b, b)
-
-    def root(c: int) -> int:
-        while group[c] != c:
-            c = group[c]
-        return c
-
-    for c in sorted(cores):  # CPUs the topology already puts on one core
-        first = min(x for x in cores if cores[x] == cores[c])
-        group[root(c)] = root(first)
-    for a, b, *_ in pairs:
-        ra, rb = root(a), root(b)
-        group[max(ra, rb)] = min(ra, rb)
-    return {c: cores.get(root(c), f"cpu{root(c)}") for c in group}
+        la, lb = label.setdefault(a, f"cpu{a}"), label.setdefault(b, f"cpu{b}")
+        first = {x: min(c for c, y in label.items() if y == x) for x in (la, lb)}
+        keep, drop = sorted((la, lb), key=first.get)
+        label = {c: keep if x == drop else x for c, x in label.items()}
+    return label
 
 
 def physical_cores(cores: dict[int, str], cpus: set[int]) -> list[list[int]]:
@@ -264,14 +252,10 @@ def pin_scheduler(
     scheduler process is found or `cpus` hold fewer physical cores than schedulers + 1."""
     groups = physical_cores(cores, set(cpus))
     procs: dict[int, tuple[str, list[int]]] = {}
-    for p in proc.iterdir():
-        if not p.name.isdigit():
-            continue
+    for pid, name, rest, p in _processes(proc):
         try:
-            name, rest = _split_stat((p / "stat").read_text())
-            if int(rest[3]) != session:
-                continue
-            procs[int(p.name)] = (name, [int(t.name) for t in (p / "task").iterdir()])
+            if int(rest[3]) == session:  # field 6: the session id
+                procs[pid] = (name, [int(t.name) for t in (p / "task").iterdir()])
         except (OSError, ValueError, IndexError):
             continue
     loops = sorted(pid for pid, (name, _) in procs.items() if name.startswith(SCHEDULER_THREAD))
@@ -290,6 +274,19 @@ def pin_scheduler(
     return {"scheduler": {str(p): g for p, g in own.items()}, "others": rest, "threads": n}
 
 
+def _processes(proc: Path = PROC):
+    """(pid, name, the stat fields after the name, folder) of every process whose stat
+    reads now; one that ends meanwhile is left out."""
+    for p in proc.iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            name, rest = _split_stat((p / "stat").read_text())
+        except (OSError, ValueError):
+            continue
+        yield int(p.name), name, rest, p
+
+
 def thread_times(
     session: int | None, proc: Path = PROC
 ) -> tuple[dict[str, tuple[float, int]], set[int]]:
@@ -299,18 +296,15 @@ def thread_times(
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, tuple[float, int]] = {}
     mine: set[int] = set()
-    for p in proc.iterdir():
-        if not p.name.isdigit():
-            continue
+    for pid, pname, rest, p in _processes(proc):
         try:
-            pname, rest = _split_stat((p / "stat").read_text())
             if session is not None and int(rest[3]) == session:  # field 6: the session id
-                mine.add(int(p.name))
+                mine.add(pid)
             for t in (p / "task").iterdir():
                 tname, trest = _split_stat((t / "stat").read_text())
                 cpu = (int(trest[11]) + int(trest[12])) / tick  # utime + stime
                 # field 39: the CPU it last ran on
-                out[f"{p.name}/{t.name} {pname}/{tname}"] = (cpu, int(trest[36]))
+                out[f"{pid}/{t.name} {pname}/{tname}"] = (cpu, int(trest[36]))
         except (OSError, ValueError, IndexError):
             continue
     return out, mine
