@@ -1296,20 +1296,36 @@ def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list
     unperturbed run with the scheduler's host timing (`host_loop`, at its steady batch):
     `host_ms_{X}_{W}`, the host's time per decode iteration outside its wait for the GPU
     (a step cannot be shorter: SGLang's host loop bounds it), and `gpu_wait_ms_{X}_{W}`.
+    A profile whose commit has no unperturbed run of its workload gives GPU time only:
+    `gpu_busy_ms_{S}_{W}` and `gpu_busy_ratio_{S}_vs_{P}_{W}` against the profiled plain
+    backend P with the least GPU time per step (its pair says `reference_by`).
     Returns (summary, pairs)."""
     summary: dict = {}
     pairs: list[dict] = []
     for prof in profiled:
         w, commit = prof["workload"], prof["git_commit"]
-        runs = [p for p in parts if p["workload"] == w and p["git_commit"] == commit]
-        if not runs:
-            continue
-        run = max(runs, key=lambda p: p["date"])
         busy = {
             name: rec["decode_profile"]["busy_us"] / 1e3
             for name, rec in prof["systems"].items()
             if isinstance(rec.get("decode_profile"), dict) and "busy_us" in rec["decode_profile"]
         }
+        profiles = {n: rec["decode_profile"] for n, rec in prof["systems"].items()
+                    if rec.get("decode_profile")}  # fmt: skip
+        runs = [p for p in parts if p["workload"] == w and p["git_commit"] == commit]
+        if not runs:
+            ref = min((n for n in PLAIN_RACE if n in busy), key=busy.get, default=None)
+            for name, b in busy.items():
+                summary[f"gpu_busy_ms_{name}_{w}"] = b
+                if ref and name not in PLAIN_RACE:
+                    summary[f"gpu_busy_ratio_{name}_vs_{ref}_{w}"] = b / busy[ref]
+            pairs.append(
+                {"workload": w, "git_commit": commit, "profile_run_id": prof["run_id"],
+                 "serving_run_id": None, "plain_raced": [n for n in PLAIN_RACE if n in busy],
+                 "reference": ref, "reference_by": "least GPU time per step (no unperturbed "
+                 "run of this commit)", "profiles": profiles}
+            )  # fmt: skip
+            continue
+        run = max(runs, key=lambda p: p["date"])
         runs_of = {n: m for n in run["systems"] if (m := measured(run, n)) is not None}
         step = {n: m.metric(STEP) for n, m in runs_of.items()}
         plains = [n for n in PLAIN_RACE if step.get(n)]
@@ -1337,11 +1353,8 @@ def profile_summary(profiled: list[dict], parts: list[dict]) -> tuple[dict, list
                 "serving_run_id": run["run_id"],
                 "plain_raced": [n for n in PLAIN_RACE if n in run["systems"]],
                 "reference": ref,
-                "profiles": {
-                    n: rec["decode_profile"]
-                    for n, rec in prof["systems"].items()
-                    if rec.get("decode_profile")
-                },
+                "reference_by": "highest output throughput of the unperturbed run",
+                "profiles": profiles,
             }
         )
     return summary, pairs

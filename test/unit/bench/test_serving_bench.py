@@ -1767,8 +1767,18 @@ def test_profile_summary_pairs_gpu_time_with_the_same_commits_unperturbed_steps(
     assert pairs[0]["reference"] == "plain_fa3"
     assert summary["gpu_busy_vs_step_topk_vs_plain_fa3_a16"] == pytest.approx(1.5 / 3.0)
     assert "gpu_busy_ratio_topk_vs_plain_fa3_a16" not in summary  # FA3's GPU time unknown
-    # no run of the profile's commit: nothing is paired
-    assert analysis.profile_summary([profiled], parts[2:]) == ({}, [])
+    assert pairs[0]["reference_by"].startswith("highest output throughput")
+    # no run of the profile's commit: GPU time only, against the profiled plain with the least
+    profiled["systems"]["plain_flashinfer"] = prof(3000.0)
+    summary, pairs = analysis.profile_summary([profiled], parts[2:])
+    assert summary == {
+        "gpu_busy_ms_plain_a16": 4.0,
+        "gpu_busy_ms_plain_flashinfer_a16": 3.0,
+        "gpu_busy_ms_topk_a16": 1.5,
+        "gpu_busy_ratio_topk_vs_plain_flashinfer_a16": pytest.approx(0.5),
+    }
+    assert pairs[0]["serving_run_id"] is None and pairs[0]["reference"] == "plain_flashinfer"
+    assert pairs[0]["reference_by"].startswith("least GPU time")
 
 
 def test_stage_profile_decode_smoke_records_a_kernel_table_and_stays_out_of_results(tmp_path):
