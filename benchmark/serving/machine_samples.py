@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import select
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -103,117 +101,6 @@ def cpu_cores(root: Path = SYS_CPU) -> dict[int, str]:
     return out
 
 
-# One pinned spinner per CPU for `sibling_probe`: on "go MS" it spins a pure-Python loop
-# for MS milliseconds and answers how many iterations it ran.
-SPINNER = r"""
-import os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
-print("ready", flush=True)
-for line in sys.stdin:
-    end = time.perf_counter() + float(line.split()[1]) / 1e3
-    n = 0
-    while time.perf_counter() < end:
-        n += 1
-    print(n, flush=True)
-"""
-SIBLING_SPIN_MS = 30.0
-SIBLING_RATIO = 0.8  # both spinners of a pair below this share of their solo rate
-
-
-class _Spinners:
-    """A spinner process pinned to each CPU; `run(cpus)` spins the named ones at once and
-    returns each one's iteration count."""
-
-    def __init__(self, cpus: list[int], spin_ms: float, timeout_s: float = 10.0, code=None):
-        """`code`: the spinners' program (default `SPINNER`; tests)."""
-        self.spin_ms, self.timeout_s = spin_ms, timeout_s
-        self.procs = {
-            c: subprocess.Popen(
-                [sys.executable, "-c", code or SPINNER, str(c)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for c in cpus
-        }
-        for c in cpus:
-            if self._line(c) != "ready":
-                raise RuntimeError(f"sibling probe: the spinner of CPU {c} did not start")
-
-    def _line(self, cpu: int) -> str:
-        """The spinner's next line, or RuntimeError after `timeout_s` (a hung spinner
-        must not hang the stage)."""
-        out = self.procs[cpu].stdout
-        if not select.select([out], [], [], self.timeout_s)[0]:
-            raise RuntimeError(f"sibling probe: the spinner of CPU {cpu} did not answer")
-        return out.readline().strip()
-
-    def run(self, cpus: tuple[int, ...]) -> dict[int, int]:
-        for c in cpus:
-            self.procs[c].stdin.write(f"go {self.spin_ms}\n")
-            self.procs[c].stdin.flush()
-        return {c: int(self._line(c)) for c in cpus}
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            proc.stdin.close()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def sibling_probe(cpus: set[int], spin_ms: float = SIBLING_SPIN_MS, measure=None) -> dict:
-    """CPUs that share a physical core the OS does not show: a VM's vCPUs may sit on SMT
-    threads of one host core while its topology reports a core for each, and two busy
-    threads there slow each other down (the scheduler's Python loop beside a client or
-    tokenizer thread). A pinned pure-Python spin runs on each CPU alone, then on every pair
-    at once; a pair whose two spins both ran below `SIBLING_RATIO` of their solo rate,
-    measured twice, shares a core. `measure(cpus) -> {cpu: iterations}` replaces the
-    spinners (tests). Returns `{"pairs": [[a, b, slower ratio], ...], "solo": {cpu:
-    iterations}, "spin_ms", "seconds"}`; ~5 s on 16 CPUs."""
-    t0 = time.perf_counter()
-    order = sorted(cpus)
-    spinners = None
-    if measure is None:
-        spinners = _Spinners(order, spin_ms)
-        measure = spinners.run
-    try:
-        for c in order:  # a first spin warms each one up (its first ran ~25% slower)
-            measure((c,))
-        solo = {c: measure((c,))[c] for c in order}
-
-        def ratio(a: int, b: int) -> float:
-            got = measure((a, b))
-            return max(got[a] / max(solo[a], 1), got[b] / max(solo[b], 1))
-
-        pairs = []
-        for i, a in enumerate(order):
-            for b in order[i + 1 :]:
-                r = ratio(a, b)
-                if r < SIBLING_RATIO and (r := max(r, ratio(a, b))) < SIBLING_RATIO:
-                    pairs.append([a, b, round(r, 3)])
-    finally:
-        if spinners is not None:
-            spinners.close()
-    return {"pairs": pairs, "solo": {str(c): n for c, n in solo.items()}, "spin_ms": spin_ms,
-            "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
-
-
-def merge_siblings(cores: dict[int, str], pairs: list[list]) -> dict[int, str]:
-    """`cores` (CPU -> physical core, `cpu_cores`) with the CPUs of each probed sibling
-    pair (`sibling_probe`), and whatever they share a core with, on one core: the core of
-    the group's first CPU (a CPU the topology does not name is core `cpu<N>`)."""
-    label = dict(cores)
-    for a, b, *_ in pairs:
-        la, lb = label.setdefault(a, f"cpu{a}"), label.setdefault(b, f"cpu{b}")
-        first = {x: min(c for c, y in label.items() if y == x) for x in (la, lb)}
-        keep, drop = sorted((la, lb), key=first.get)
-        label = {c: keep if x == drop else x for c, x in label.items()}
-    return label
-
-
 def physical_cores(cores: dict[int, str], cpus: set[int]) -> list[list[int]]:
     """`cpus` grouped by physical core (`cores`: CPU -> core, from `cpu_cores`; a CPU it
     does not name is a core of its own), each group sorted, the groups by their first CPU."""
@@ -234,44 +121,6 @@ def split_cpus(client_cores: int, cores: dict[int, str], allowed: set[int]) -> d
         return None
     client = sorted(c for g in groups[-client_cores:] for c in g)
     return {"server": sorted(set(allowed) - set(client)), "client": client}
-
-
-SCHEDULER_THREAD = "sglang::schedul"  # SGLang's scheduler process names itself so (comm: 15 chars)
-
-
-def pin_scheduler(
-    session: int, cores: dict[int, str], cpus: list[int], proc: Path = PROC
-) -> dict | None:
-    """A physical core of its own for each scheduler loop of the server in `session`: the
-    main thread of every process whose name starts with `SCHEDULER_THREAD` is pinned to
-    the CPUs of one physical core among `cpus` (`cores`: CPU -> core, probed siblings
-    joined), and every other thread of the session's processes to the rest of `cpus`, so
-    that no tokenizer, detokenizer or helper thread runs on the loop's core or its SMT
-    sibling. Threads a pinned thread starts later inherit its CPUs. Returns `{"scheduler":
-    {pid: [cpus]}, "others": [cpus], "threads": n}`, or None (nothing changed) where no
-    scheduler process is found or `cpus` hold fewer physical cores than schedulers + 1."""
-    groups = physical_cores(cores, set(cpus))
-    procs: dict[int, tuple[str, list[int]]] = {}
-    for pid, name, rest, p in _processes(proc):
-        try:
-            if int(rest[3]) == session:  # field 6: the session id
-                procs[pid] = (name, [int(t.name) for t in (p / "task").iterdir()])
-        except (OSError, ValueError, IndexError):
-            continue
-    loops = sorted(pid for pid, (name, _) in procs.items() if name.startswith(SCHEDULER_THREAD))
-    if not loops or len(groups) < len(loops) + 1:
-        return None
-    own = {pid: groups[i] for i, pid in enumerate(loops)}
-    rest = sorted(set(cpus) - {c for g in own.values() for c in g})
-    n = 0
-    for pid, (_, tids) in procs.items():
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, own[pid] if tid in own else rest)
-                n += 1
-            except (ProcessLookupError, PermissionError):
-                continue  # a thread that ended meanwhile
-    return {"scheduler": {str(p): g for p, g in own.items()}, "others": rest, "threads": n}
 
 
 def _processes(proc: Path = PROC):

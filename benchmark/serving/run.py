@@ -532,10 +532,6 @@ def measure(
     cached = [triton_cache_entries()]
     rec["warmup_s"] = warm_up(server, ctx["tok"], w)
     cached.append(triton_cache_entries())
-    if ctx.get("pin_scheduler") and server.proc is not None:  # after the warm-up's threads
-        cpus = ctx["server_cpus"] or sorted(os.sched_getaffinity(server.proc.pid))
-        rec["pinned"] = machine_samples.pin_scheduler(server.proc.pid, ctx["cpu_core"], cpus)
-        log(f"{w.name}/{name}: scheduler loop pinned: {rec['pinned']}")
     if flush_after is not None:
         server.flush_cache(check=True)
         log(f"{w.name}/{name}: prefix cache flushed after workload {flush_after}")
@@ -994,24 +990,11 @@ def stage(args) -> int:
     os.environ.setdefault("SGLANG_PSA_HOST_TIMING", "1")
     if args.host_profile:  # and samples it (a diagnosis run)
         os.environ["SGLANG_PSA_HOST_PROFILE"] = f"{args.host_profile:g}"
-    # Physical cores as the OS shows them, joined where a spin probe finds CPUs that slow
-    # each other down (a VM's vCPUs on one host core): the client's cores and the
-    # samples' core sharing follow them.
+    # Physical cores as the OS shows them: the client's cores and the samples' core
+    # sharing follow them.
     allowed, cores = os.sched_getaffinity(0), machine_samples.cpu_cores()
-    probe = None
-    if args.sibling_probe:
-        try:
-            probe = machine_samples.sibling_probe(allowed)
-        except (OSError, RuntimeError, ValueError) as e:  # a diagnosis: the stage goes on
-            probe = {"error": f"{type(e).__name__}: {e}", "pairs": []}
-            log(f"sibling probe failed ({probe['error']}); the OS's topology only")
-    if probe and probe["pairs"]:
-        cores = machine_samples.merge_siblings(cores, probe["pairs"])
     cpus = machine_samples.split_cpus(args.client_cores, cores, allowed)
     host_cpu = machine_samples.cpu_info()
-    if probe is not None:
-        host_cpu["sibling_probe"] = probe
-        host_cpu["cores_probed"] = len(machine_samples.physical_cores(cores, allowed))
     log(f"host CPU: {host_cpu}")
     if cpus is not None:  # this process (the client, the sampler) and its children
         os.sched_setaffinity(0, cpus["client"])
@@ -1051,7 +1034,6 @@ def stage(args) -> int:
             "prompt_format": args.prompt_format,
             "server_cpus": cpus["server"] if cpus else None,
             "cpu_core": cores,
-            "pin_scheduler": args.pin_scheduler,
             # --start-together, uncapped: one pool size for all (a cap sets its own)
             "together_tokens": together_tokens(ws) if args.start_together and not cap else None,
             # a rate sweep and a profiled run time each rate once
@@ -1083,7 +1065,6 @@ def stage(args) -> int:
                 "tp": args.tp,
                 "prompt_format": args.prompt_format,
                 "cpus": cpus,
-                "pin_scheduler": args.pin_scheduler,
                 "started_together": bool(args.start_together),
                 "kv_tokens_per_server": ctx["together_tokens"],
                 "repeats": ctx["repeats"],
@@ -1515,20 +1496,6 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="physical cores kept for the client and the stage, the rest for the servers "
         "(0: no split; none either on machines of fewer than this + 4 cores)",
-    )
-    st.add_argument(
-        "--pin-scheduler",
-        action="store_true",
-        help="after each server's warm-up, pin its scheduler loop's thread to a physical "
-        "core of its own and the server's other threads to the rest of its CPUs "
-        "(`pinned` in the record)",
-    )
-    st.add_argument(
-        "--no-sibling-probe",
-        dest="sibling_probe",
-        action="store_false",
-        help="skip the start's probe for CPUs that share a physical core unseen by the OS "
-        "(~5 s on 16 CPUs; `cpu.sibling_probe` in the parts)",
     )
     st.add_argument("--export", help="mirror parts and the merged result here (e.g. $OUT)")
     st.add_argument("--out", help="merged result file (default results/serving_<gpu>.json)")

@@ -946,7 +946,7 @@ def _fake_stage(tmp_path, smoke_workload, *more, **env_extra) -> tuple[list[str]
 def test_stage_c_smoke_end_to_end(tmp_path):
     cmd, env = _fake_stage(tmp_path, SMOKE_C)
     out = tmp_path / "out"
-    cmd += ["--export", str(out), "--port", str(_free_port_pair()), "--pin-scheduler"]
+    cmd += ["--export", str(out), "--port", str(_free_port_pair())]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -956,12 +956,8 @@ def test_stage_c_smoke_end_to_end(tmp_path):
     assert {"strict", "relaxed"} <= set(part["slo"])
     rates = {f"{r:g}" for r in SMOKE_C.rates}
     assert len(rates) == 2
-    assert part["config"]["pin_scheduler"] is True
-    # the stage's start probed for CPUs sharing a core (`machine_samples.sibling_probe`)
-    assert set(part["cpu"]["sibling_probe"]) >= {"pairs", "solo", "seconds"}
     for name, rec in part["systems"].items():
         assert rec["error"] is None and set(rec["rates"]) == rates, name
-        assert rec["pinned"] is None  # the fake server runs no scheduler process to pin
         for run_ in rec["rates"].values():
             got = run_["rows"]
             assert len(got) == SMOKE_C.prompts == 8 and run_["metrics"]["failed"] == 0
