@@ -5,11 +5,12 @@
 #
 #   source /tmp/psa-site/psa-env.sh && bash scripts/gpu_validate.sh STEP
 #
-# STEP: tests      kernel and unit tests, compiled kernels (~4 min on the H100)
+# STEP: gpu-tests  every test marked `gpu` (kernels, unit, reliability, end-to-end; ~20 min
+#                  on the H200), over back-to-back calls: each runs what the last left
+#                  (scripts/gpu_tests.py; $OUT/gpu_tests.json; exit 3 = run it again).
+#                  Needs both models in the bundle (--model smollm2-135m,qwen2.5-0.5b)
 #       kernel-tests kernel, store and algorithm tests only: needs no bundle (the GPU image
 #                  has torch, triton and pytest; set PYTHONPATH=python:sgl-kernel-ext)
-#       e2e-tests  GPU end-to-end tests: SGLang engines and an HTTP server (~8 min);
-#                  serving tests on Qwen2.5-0.5B (PSA_E2E_MODEL=smollm2-135m: the small one)
 #       interp     the kernel tests under Triton's interpreter (the CI path)
 #       store      benchmark/store/bench_store.py  -> store_<gpu>.json
 #       kernels    benchmark/kernels/run_all.py    -> kernels_<gpu>.json (no bundle needed)
@@ -30,15 +31,11 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
   grep -oiE '[ABHL][0-9]{2,3}' | head -1 | tr '[:upper:]' '[:lower:]' || true)
 gpu=${gpu:-gpu}
 case "${1:-}" in
-  tests)
+  gpu-tests)
     py -m sglang_psa.models smollm2-135m >/dev/null
-    py -m pytest -q -p no:cacheprovider -rs --timeout=300 test/kernels test/unit 2>&1 |
-      tee "$OUT/tests.log"
-    ;;
-  e2e-tests)
-    py -m sglang_psa.models smollm2-135m >/dev/null
-    py -m sglang_psa.models "${PSA_E2E_MODEL:-qwen2.5-0.5b}" >/dev/null
-    py -m pytest -v -p no:cacheprovider -rs --timeout=300 test/e2e 2>&1 | tee "$OUT/e2e-tests.log"
+    py -m sglang_psa.models qwen2.5-0.5b >/dev/null
+    py scripts/gpu_tests.py --budget-s "${BUDGET_S:-540}" --out "$OUT" 2>&1 | tee "$OUT/gpu-tests.log"
+    exit "${PIPESTATUS[0]}"
     ;;
   kernel-tests)
     py -m pytest -q -p no:cacheprovider -rs test/kernels test/unit/store test/unit/algo 2>&1 |
@@ -57,5 +54,5 @@ case "${1:-}" in
       --context-tokens "${E2E_CONTEXT:-8192}" --out "$OUT" --name "e2e_$gpu" \
       ${2:+--runs "$2"} 2>&1 | tee "$OUT/e2e.log"
     ;;
-  *) echo "usage: $0 tests|kernel-tests|e2e-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
+  *) echo "usage: $0 gpu-tests|kernel-tests|interp|store|kernels|e2e [RUNS]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""The tests marked `gpu`, on the GPU machine, over back-to-back device calls: the whole
+suite takes longer than one 10-minute call, so each call runs what the calls before it
+left, one test file at a time, until its budget ends, and says where the suite stands.
+
+    python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
+
+State lives in `--state` (default /tmp/psa-gpu-tests: outside the working tree, which
+each device call replaces), keyed by `GIT_COMMIT`: another commit starts afresh. Each
+test's outcome is read from pytest's `-v` lines as they stream, so a call cut short
+keeps what finished. The test running when the budget ends is run again by the next
+call; cut twice, it is recorded `timeout`. Files run kernels first, then unit,
+reliability and end-to-end tests (the slow ones), each file's tests in one pytest run.
+
+`--out/gpu_tests.json`: `{"git_commit", "collected", "counts": {outcome: n}, "pending",
+"failed": {id: message}, "skipped": {id: reason}, "files": {file: {outcome: n,
+"seconds"}}}`, and `--out/gpu_tests/<file>.log`, the last log of each file with a
+failure. A skipped test is listed with its reason, never counted as passed. Exit
+status: 0 all ran and none failed, 1 some failed (or errored, or timed out), 3 tests
+are still pending (run it again in the next call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ORDER = {"kernels": 0, "unit": 1, "reliability": 2, "e2e": 3}  # by test/<dir>
+BAD = ("failed", "error", "timeout")
+LINE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b\s*(.*)$")
+SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+::\S+)(?: - (.*))?$")
+WORST = ["passed", "xfail", "xpass", "skipped", "failed", "error"]  # a later one wins
+PER_TEST_S = 300  # pytest-timeout's limit for one test
+
+
+def collect(root: Path, paths: list[str], marker: str) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd + ["-m", marker, *paths], cwd=root, capture_output=True,
+                          text=True)  # fmt: skip
+    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
+    if proc.returncode not in (0, 5) or not ids:  # 5: nothing collected
+        raise SystemExit(
+            f"gpu_tests: collecting failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        )
+    return ids
+
+
+def file_order(test_id: str) -> tuple:
+    path = test_id.split("::")[0]
+    parts = Path(path).parts
+    return (ORDER.get(parts[1] if len(parts) > 2 else "", 9), path)
+
+
+def run_file(
+    root: Path, ids: list[str], marker: str, deadline: float, log: Path, state: dict
+) -> bool:
+    """Run `ids` (one file's pending tests) in one pytest process until they end or
+    `deadline`; outcomes and failure messages into `state`. True when it ran to its end."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE",
+           "--tb=short", f"--timeout={PER_TEST_S}", "-m", marker, *ids]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    done, cut = threading.Event(), threading.Event()
+
+    def watchdog():  # the budget's end kills the run and whatever it started
+        if not done.wait(max(0.0, deadline - time.time())):
+            cut.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    outcomes, messages = state["outcomes"], state["messages"]
+    with log.open("w") as f:
+        for line in proc.stdout:
+            f.write(line)
+            if m := LINE.match(line.rstrip()):
+                test_id, out, rest = m.group(1), m.group(2).lower(), m.group(3)
+                prev = outcomes.get(test_id)
+                if prev not in WORST or WORST.index(out) >= WORST.index(prev):
+                    outcomes[test_id] = out
+                if out == "skipped":
+                    messages[test_id] = re.sub(r"\s*\[\s*\d+%\]$", "", rest).strip(" ()")
+            elif m := SUMMARY.match(line.rstrip()):
+                messages[m.group(2)] = (m.group(3) or m.group(1)).strip()
+    proc.wait()
+    done.set()
+    return not cut.is_set()
+
+
+def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
+    outcomes, messages = state["outcomes"], state["messages"]
+    counts: dict[str, int] = {}
+    files: dict[str, dict] = {}
+    for test_id in ids:
+        o = outcomes.get(test_id, "pending")
+        counts[o] = counts.get(o, 0) + 1
+        f = files.setdefault(test_id.split("::")[0], {})
+        f[o] = f.get(o, 0) + 1
+    for name, secs in state["seconds"].items():
+        files.setdefault(name, {})["seconds"] = round(secs, 1)
+    doc = {
+        "git_commit": state["commit"],
+        "collected": len(ids),
+        "counts": counts,
+        "pending": counts.get("pending", 0),
+        "failed": {t: messages.get(t, o) for t in ids if (o := outcomes.get(t)) in BAD},
+        "skipped": {t: messages.get(t, "") for t in ids if outcomes.get(t) == "skipped"},
+        "files": files,
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_tests.json").write_text(json.dumps(doc, indent=1) + "\n")
+    code = 1 if doc["failed"] else 3 if doc["pending"] else 0
+    return doc, code
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="*", default=["test"], help="test paths (test)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="this call's seconds")
+    ap.add_argument("--state", default="/tmp/psa-gpu-tests")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="where results go ($OUT)")
+    ap.add_argument("--marker", default="gpu")
+    ap.add_argument("--min-left-s", type=float, default=20.0, help="no file starts with less")
+    ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
+    args = ap.parse_args(argv)
+    deadline = time.time() + args.budget_s
+    commit = os.environ.get("GIT_COMMIT", "unknown")
+    state_dir = Path(args.state)
+    state_file = state_dir / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else None
+    if state is None or state.get("commit") != commit or state.get("paths") != args.paths:
+        state = {"commit": commit, "paths": args.paths, "ids": None, "outcomes": {},
+                 "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
+    if state["ids"] is None:
+        state["ids"] = collect(Path(args.root), args.paths, args.marker)
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    ids = state["ids"]
+    out = Path(args.out) if args.out else None
+    by_file: dict[str, list[str]] = {}
+    for test_id in sorted(ids, key=file_order):
+        by_file.setdefault(test_id.split("::")[0], []).append(test_id)
+    for name, file_ids in by_file.items():
+        pending = [t for t in file_ids if t not in state["outcomes"]]
+        if not pending:
+            continue
+        if deadline - time.time() < args.min_left_s:
+            break
+        log = state_dir / "logs" / (name.replace("/", "__") + ".log")
+        print(f"gpu_tests: {name}: {len(pending)} test(s)", flush=True)
+        t0 = time.time()
+        ended = run_file(Path(args.root), pending, args.marker, deadline, log, state)
+        state["seconds"][name] = state["seconds"].get(name, 0.0) + time.time() - t0
+        if not ended:
+            stuck = next((t for t in pending if t not in state["outcomes"]), None)
+            if stuck is not None:
+                state["cuts"][stuck] = state["cuts"].get(stuck, 0) + 1
+                if state["cuts"][stuck] >= 2:
+                    state["outcomes"][stuck] = "timeout"
+                    state["messages"][stuck] = "cut by the call's budget twice"
+        if out is not None and any(state["outcomes"].get(t) in BAD for t in file_ids):
+            (out / "gpu_tests").mkdir(parents=True, exist_ok=True)
+            (out / "gpu_tests" / log.name).write_text(log.read_text())
+        state_file.write_text(json.dumps(state))
+        if not ended:
+            break
+    state_file.write_text(json.dumps(state))
+    doc, code = report(state, ids, out)
+    print(json.dumps({k: doc[k] for k in ("counts", "pending", "failed")}, indent=1))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""scripts/gpu_tests.py: the GPU suite over several budgeted calls, on a stand-in suite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_tests.py"
+
+SUITE = {
+    "pytest.ini": """
+        [pytest]
+        markers =
+            gpu: stand-in
+    """,
+    "test/e2e/test_slow.py": """
+        import time, pytest
+        pytestmark = pytest.mark.gpu
+        def test_hangs():
+            time.sleep(60)
+        def test_after_the_hang():
+            pass
+    """,
+    "test/kernels/test_k.py": """
+        import pytest
+        @pytest.mark.gpu
+        def test_ok():
+            pass
+        @pytest.mark.gpu
+        def test_wrong():
+            assert 1 == 2, "one is not two"
+        @pytest.mark.gpu
+        def test_no_device():
+            pytest.skip("needs two GPUs")
+        def test_cpu_only():
+            pass
+    """,
+}
+
+
+@pytest.fixture
+def suite(tmp_path):
+    for name, text in SUITE.items():
+        path = tmp_path / "suite" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path / "suite"
+
+
+def _call(suite: Path, tmp: Path, budget: float):
+    cmd = [sys.executable, str(SCRIPT), "test", "--root", str(suite), "--budget-s", str(budget),
+           "--state", str(tmp / "state"), "--out", str(tmp / "out"), "--min-left-s", "1"]  # fmt: skip
+    env = {"GIT_COMMIT": "c1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    return proc.returncode, json.loads((tmp / "out" / "gpu_tests.json").read_text())
+
+
+@pytest.mark.slow
+def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(suite, tmp_path):
+    # first call: kernels run to their end (before e2e); the hang is cut by the budget
+    code, doc = _call(suite, tmp_path, 12)
+    assert doc["collected"] == 5  # the CPU-only test is not the GPU suite's
+    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "pending": 2}
+    assert doc["failed"] == {"test/kernels/test_k.py::test_wrong": "AssertionError: one is not two"}
+    assert doc["skipped"] == {"test/kernels/test_k.py::test_no_device": "needs two GPUs"}
+    assert code == 1  # a failure outranks what is still pending
+    assert (tmp_path / "out" / "gpu_tests" / "test__kernels__test_k.py.log").exists()
+    # second call: only the e2e file's tests again; the hang cut a second time
+    code, doc = _call(suite, tmp_path, 8)
+    assert doc["counts"]["timeout"] == 1 and doc["pending"] == 1
+    assert "test/e2e/test_slow.py::test_hangs" in doc["failed"]
+    # third call: the rest runs
+    code, doc = _call(suite, tmp_path, 30)
+    assert doc["pending"] == 0 and doc["counts"]["passed"] == 2
+    assert doc["files"]["test/kernels/test_k.py"]["seconds"] > 0
