@@ -7,17 +7,21 @@
 Per task (`sglang_psa.eval.tasks`, every kind, each length): one dense prefill through
 the transformers hook, then every policy at once, a batch row each: a 64-token greedy
 completion (the task's answer scored, the tokens compared with dense's), then teacher
-forcing along dense's tokens (the mean next-token KL from dense). A policy's KV fraction counts what
-it reads: the blocks, plus the block metadata its ranking reads for every block (key
-min and max, or the mean: 2 or 1 vectors per `block_size` keys and values).
+forcing along dense's tokens (the mean next-token KL from dense). `identical`: all 64
+tokens equal dense's; `answer_identical`: equal up to the stop token, as a server that
+stops there returns them (`first_divergence`: where a row's tokens first differ). A
+policy's KV fraction counts what it reads: the blocks, plus the block metadata its
+ranking reads for every block (key min and max, or the mean: 2 or 1 vectors per
+`block_size` keys and values).
 
 The baseline is the best single top-k budget, as an operator would set it: the smallest
 budget whose accuracy over the suite is within `--accuracy-slack` of dense's and whose
 completions equal dense's for at least `--identical-min` of the tasks. Writes
 `benchmark/results/NAME.json` (default `adaptive_budget`) with the summary keys
 `kv_fraction_psa`, `kv_fraction_best_topk`, `kv_ratio_psa_vs_best_topk`,
-`accuracy_delta_psa_vs_dense`, `identical_fraction_psa`, `mean_kl_psa`,
-`kv_fraction_certified_16k`, and a plot of KL against KV fraction per policy.
+`accuracy_delta_psa_vs_dense`, `identical_fraction_psa`, `answer_identical_fraction_psa`,
+`mean_kl_psa`, `kv_fraction_certified_16k`, and a plot of KL against KV fraction per
+policy.
 """
 
 from __future__ import annotations
@@ -149,19 +153,25 @@ def run_task(
     dec = session.decode_rows(pols, COMPLETION, kernels)
     kls = session.forced_kl_rows(pols, dec.tokens[0], kernels)
     rows = []
+    dense = dec.tokens[0]
     for p, tokens, kv, kl in zip(pols, dec.tokens, dec.kv_fractions, kls):
         answer = []
         for t in tokens:
             if t in stop:
                 break
             answer.append(t)
+        first = next((i for i, (a, b) in enumerate(zip(tokens, dense)) if a != b), None)
         rows.append(
             {
                 "task": task.kind,
                 "length": session.length,
                 "policy": p.label,
                 "correct": task.score(session.tok.decode(answer, skip_special_tokens=True)),
-                "identical": tokens == dec.tokens[0],
+                "identical": tokens == dense,
+                # what a server stopping at the stop token returns: the same answer, and
+                # the stop where dense's is (a divergence after it is unseen)
+                "answer_identical": first is None or first > len(answer),
+                "first_divergence": first,
                 "kl": kl,
                 "kv_fraction": min(1.0, kv + metadata_fraction(p, session.head_dim)),
             }
@@ -180,6 +190,7 @@ def table(rows: list[dict]) -> dict[str, dict]:
         return {
             "accuracy": sum(r["correct"] for r in rs) / n,
             "identical": sum(r["identical"] for r in rs) / n,
+            "answer_identical": sum(r.get("answer_identical", r["identical"]) for r in rs) / n,
             "mean_kl": sum(r["kl"] for r in rs) / n,
             "kv_fraction": sum(r["kv_fraction"] for r in rs) / n,
             "n": n,
@@ -242,6 +253,7 @@ def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float)
         "kv_ratio_psa_vs_best_topk": psa["kv_fraction"] / best[1]["kv_fraction"] if best else None,
         "accuracy_delta_psa_vs_dense": psa["accuracy"] - dense["accuracy"],
         "identical_fraction_psa": psa["identical"],
+        "answer_identical_fraction_psa": psa.get("answer_identical", float("nan")),
         "mean_kl_psa": psa["mean_kl"],
         "kv_fraction_certified_16k": long_kv[certified] if certified else None,
         "certified_16k_policy": certified,
@@ -279,15 +291,16 @@ def report(doc: dict) -> str:
     identical completions per length (the closing notes' and docs' table)."""
     tab = doc["data"]["policies"]
     lengths = sorted({int(k) for s in tab.values() for k in s["by_length"]})
-    head = "| policy | accuracy | identical | mean KL | KV read | " + " | ".join(
+    head = "| policy | accuracy | identical | answer id. | mean KL | KV read | " + " | ".join(
         f"{n // 1024 if n % 1024 == 0 else round(n / 1000)}K KV / id." for n in lengths
     )
-    rows = [head + " |", "|---" * (5 + len(lengths)) + "|"]
+    rows = [head + " |", "|---" * (6 + len(lengths)) + "|"]
     for name, s in tab.items():
         per = [s["by_length"].get(str(n)) or s["by_length"].get(n) for n in lengths]
         cells = [f"{p['kv_fraction']:.3f} / {p['identical']:.2f}" if p else "" for p in per]
         rows.append(
-            f"| {name} | {s['accuracy']:.3f} | {s['identical']:.2f} | {s['mean_kl']:.4f} | "
+            f"| {name} | {s['accuracy']:.3f} | {s['identical']:.2f} | "
+            f"{s.get('answer_identical', float('nan')):.2f} | {s['mean_kl']:.4f} | "
             f"{s['kv_fraction']:.3f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(rows) + "\n"

@@ -81,6 +81,31 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
     assert s["certified_16k_policy"] == CODES and CODES.endswith("-c5")
 
 
+def test_a_row_tells_a_divergence_after_the_answers_stop_from_one_inside_it():
+    """`answer_identical`: the tokens up to and including the stop equal dense's (what a
+    server stopping there returns); `identical`: all of them; `first_divergence`: where
+    they first differ."""
+    from types import SimpleNamespace as NS
+
+    stop = 9
+    dense = [1, 2, stop, 5, 5]
+    rows_tokens = [dense, [1, 2, stop, 6, 6], [1, 3, stop, 5, 5], [1, 2, 4, stop, 5]]
+    pols = [DecodePolicy("dense", PSAConfig())] + [DecodePolicy("psa", PSAConfig())] * 3
+    session = NS(
+        decode_rows=lambda p, n, k: NS(tokens=rows_tokens, kv_fractions=[1.0, 0.3, 0.3, 0.3]),
+        forced_kl_rows=lambda p, toks, k: [0.0, 0.1, 0.1, 0.1],
+        length=5, head_dim=64, tok=NS(decode=lambda ids, skip_special_tokens: str(ids)),
+    )  # fmt: skip
+    task = NS(kind="niah", score=lambda text: text == "[1, 2]")
+    rows = adaptive.run_task(session, task, pols, {stop})
+    got = [(r["identical"], r["answer_identical"], r["first_divergence"]) for r in rows]
+    assert got == [(True, True, None), (False, True, 3), (False, False, 1), (False, False, 2)]
+    assert [r["correct"] for r in rows] == [True, True, False, False]
+    for r in rows:
+        r["length_bucket"] = 4096  # the suite's loop adds it
+    assert adaptive.table(rows)[pols[1].label]["answer_identical"] == pytest.approx(1 / 3)
+
+
 def test_metadata_counts_in_a_sparse_policys_kv_fraction():
     bound = DecodePolicy("psa", PSAConfig(score="bound", bound_bits=16))
     mean = DecodePolicy("topk", PSAConfig(score="mean", topk_tokens=256), 256)
@@ -110,7 +135,8 @@ def test_report_tables_every_policy_overall_and_per_length():
     row = next(line for line in lines if line.startswith(f"| {psa} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     s = tab[psa]
-    assert cells[4] == f"{s['kv_fraction']:.3f}"
+    assert cells[5] == f"{s['kv_fraction']:.3f}"
+    assert cells[3] == f"{s['answer_identical']:.2f}"  # rows without the field: `identical`
     lengths = sorted(s["by_length"])
     per = s["by_length"][lengths[-1]]
     assert cells[-1] == f"{per['kv_fraction']:.3f} / {per['identical']:.2f}"
