@@ -9,7 +9,8 @@ State lives in `--state` (default /tmp/psa-gpu-tests: outside the working tree, 
 each device call replaces), keyed by `GIT_COMMIT`: another commit starts afresh. Each
 test's outcome is read from pytest's `-v` lines as they stream, so a call cut short
 keeps what finished. The test running when the budget ends is run again by the next
-call; cut twice, it is recorded `timeout`. Files run kernels first, then unit,
+call; cut twice, it is recorded `timeout`; one a finished pytest run never reached (its
+module failed to import, pytest crashed) is an `error`. Files run kernels first, then unit,
 reliability and end-to-end tests (the slow ones), each file's tests in one pytest run.
 
 `--out/gpu_tests.json`: `{"git_commit", "collected", "counts": {outcome: n}, "pending",
@@ -42,16 +43,24 @@ WORST = ["passed", "xfail", "xpass", "skipped", "failed", "error"]  # a later on
 PER_TEST_S = 300  # pytest-timeout's limit for one test
 
 
-def collect(root: Path, paths: list[str], marker: str) -> list[str]:
+def collect(root: Path, paths: list[str], marker: str) -> tuple[list[str], dict[str, str]]:
+    """The marked tests' ids, and each module that failed to collect with the error's last
+    line (its tests' ids are unknown; the run records it as `<path>::<collection>`)."""
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd + ["-m", marker, *paths], cwd=root, capture_output=True,
                           text=True)  # fmt: skip
-    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
-    if proc.returncode not in (0, 5) or not ids:  # 5: nothing collected
+    lines = proc.stdout.splitlines()
+    ids = [line.strip() for line in lines if "::" in line and not line.startswith("ERROR")]
+    errors = {}
+    for i, line in enumerate(lines):
+        if m := re.match(r"^_+ ERROR collecting (\S+) _+$", line):
+            last = next((x for x in lines[i + 1 :] if x.startswith("E ")), "E   error")
+            errors[m.group(1)] = last[1:].strip()
+    if proc.returncode not in (0, 2, 5) or not (ids or errors):  # 2: collection errors
         raise SystemExit(
             f"gpu_tests: collecting failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         )
-    return ids
+    return ids, errors
 
 
 def file_order(test_id: str) -> tuple:
@@ -141,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         state = {"commit": commit, "paths": args.paths, "ids": None, "outcomes": {},
                  "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
     if state["ids"] is None:
-        state["ids"] = collect(Path(args.root), args.paths, args.marker)
+        ids, errors = collect(Path(args.root), args.paths, args.marker)
+        for path, message in errors.items():
+            ids.append(f"{path}::<collection>")
+            state["outcomes"][ids[-1]] = "error"
+            state["messages"][ids[-1]] = message
+        state["ids"] = ids
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     ids = state["ids"]
     out = Path(args.out) if args.out else None
@@ -166,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
                 if state["cuts"][stuck] >= 2:
                     state["outcomes"][stuck] = "timeout"
                     state["messages"][stuck] = "cut by the call's budget twice"
+        else:  # pytest ended, yet some never ran (a module that fails to import, a crash)
+            for t in pending:
+                if t not in state["outcomes"]:
+                    state["outcomes"][t] = "error"
+                    state["messages"][t] = f"pytest ended without running it (see {log.name})"
         if out is not None and any(state["outcomes"].get(t) in BAD for t in file_ids):
             (out / "gpu_tests").mkdir(parents=True, exist_ok=True)
             (out / "gpu_tests" / log.name).write_text(log.read_text())

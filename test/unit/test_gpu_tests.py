@@ -26,6 +26,21 @@ SUITE = {
         def test_after_the_hang():
             pass
     """,
+    "test/unit/test_broken.py": """
+        import pytest
+        import no_such_module_here
+        pytestmark = pytest.mark.gpu
+        def test_never_runs():
+            pass
+    """,
+    "test/reliability/test_crash.py": """
+        import os, pytest
+        pytestmark = pytest.mark.gpu
+        def test_kills_pytest():
+            os._exit(3)
+        def test_after_the_crash():
+            pass
+    """,
     "test/kernels/test_k.py": """
         import pytest
         @pytest.mark.gpu
@@ -63,10 +78,18 @@ def _call(suite: Path, tmp: Path, budget: float):
 @pytest.mark.slow
 def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(suite, tmp_path):
     # first call: kernels run to their end (before e2e); the hang is cut by the budget
-    code, doc = _call(suite, tmp_path, 12)
-    assert doc["collected"] == 5  # the CPU-only test is not the GPU suite's
-    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "pending": 2}
-    assert doc["failed"] == {"test/kernels/test_k.py::test_wrong": "AssertionError: one is not two"}
+    code, doc = _call(suite, tmp_path, 20)
+    assert doc["collected"] == 8  # the CPU-only test is not the GPU suite's
+    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 3, "pending": 2}
+    crashed = {k: doc["failed"].pop(k) for k in list(doc["failed"]) if "test_crash" in k}
+    assert len(crashed) == 2  # the crash and the test pytest never reached after it
+    assert all(m.startswith("pytest ended without running it") for m in crashed.values())
+    assert doc["failed"] == {
+        "test/kernels/test_k.py::test_wrong": "AssertionError: one is not two",
+        # a module that does not import: its error, under the module's name
+        "test/unit/test_broken.py::<collection>": "ModuleNotFoundError: No module named "
+        "'no_such_module_here'",
+    }
     assert doc["skipped"] == {"test/kernels/test_k.py::test_no_device": "needs two GPUs"}
     assert code == 1  # a failure outranks what is still pending
     assert (tmp_path / "out" / "gpu_tests" / "test__kernels__test_k.py.log").exists()
