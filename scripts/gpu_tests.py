@@ -83,7 +83,7 @@ def run_file(
     def watchdog():  # the budget's end kills the run and whatever it started
         if not done.wait(max(0.0, deadline - time.time())):
             cut.set()
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
 
     threading.Thread(target=watchdog, daemon=True).start()
     outcomes, messages = state["outcomes"], state["messages"]
@@ -102,6 +102,33 @@ def run_file(
     proc.wait()
     done.set()
     return not cut.is_set()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every process descended from it, servers a
+    test started in sessions of their own included (else they would hold the GPU into the
+    next call)."""
+    parent: dict[int, int] = {}
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit():  # the field after the ")" of the name: state, then ppid
+                parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {c for c, pp in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    for p in sorted(tree, reverse=True):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:

@@ -21,7 +21,11 @@ SUITE = {
     "test/e2e/test_slow.py": """
         import time, pytest
         pytestmark = pytest.mark.gpu
-        def test_hangs():
+        def test_hangs():  # and leaves a server of its own session behind
+            import subprocess, sys
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                     start_new_session=True)
+            open("server.pid", "a").write(str(child.pid) + " ")
             time.sleep(60)
         def test_after_the_hang():
             pass
@@ -75,6 +79,15 @@ def _call(suite: Path, tmp: Path, budget: float):
     return proc.returncode, json.loads((tmp / "out" / "gpu_tests.json").read_text())
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 @pytest.mark.slow
 def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(suite, tmp_path):
     # first call: kernels run to their end (before e2e); the hang is cut by the budget
@@ -93,6 +106,8 @@ def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(s
     assert doc["skipped"] == {"test/kernels/test_k.py::test_no_device": "needs two GPUs"}
     assert code == 1  # a failure outranks what is still pending
     assert (tmp_path / "out" / "gpu_tests" / "test__kernels__test_k.py.log").exists()
+    for pid in map(int, (suite / "server.pid").read_text().split()):  # killed at the cut
+        assert not _alive(pid), pid
     # second call: only the e2e file's tests again; the hang cut a second time
     code, doc = _call(suite, tmp_path, 8)
     assert doc["counts"]["timeout"] == 1 and doc["pending"] == 1
