@@ -90,14 +90,15 @@ def run_file(
     with log.open("w") as f:
         for line in proc.stdout:
             f.write(line)
-            if m := LINE.match(line.rstrip()):
+            line = line.rstrip()
+            if m := LINE.match(line):
                 test_id, out, rest = m.group(1), m.group(2).lower(), m.group(3)
                 prev = outcomes.get(test_id)
                 if prev not in WORST or WORST.index(out) >= WORST.index(prev):
                     outcomes[test_id] = out
                 if out == "skipped":
                     messages[test_id] = re.sub(r"\s*\[\s*\d+%\]$", "", rest).strip(" ()")
-            elif m := SUMMARY.match(line.rstrip()):
+            elif m := SUMMARY.match(line):
                 messages[m.group(2)] = (m.group(3) or m.group(1)).strip()
     proc.wait()
     done.set()

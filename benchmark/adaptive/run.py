@@ -227,7 +227,8 @@ def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float)
     dense = tab["dense"]
     psa = tab.get(DecodePolicy("psa", PSAConfig()).label)
     if psa is None:  # a run of other policies (joined with the default's by --combine)
-        psa = dict.fromkeys(("kv_fraction", "accuracy", "identical", "mean_kl"), float("nan"))
+        keys = ("kv_fraction", "accuracy", "identical", "answer_identical", "mean_kl")
+        psa = dict.fromkeys(keys, float("nan"))
     best = best_topk(tab, budgets, slack, identical_min)
     # Certified mode at 16K+: the certified policy reading least there (each guarantees
     # its own ε of every head's mass at every step).
@@ -253,7 +254,7 @@ def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float)
         "kv_ratio_psa_vs_best_topk": psa["kv_fraction"] / best[1]["kv_fraction"] if best else None,
         "accuracy_delta_psa_vs_dense": psa["accuracy"] - dense["accuracy"],
         "identical_fraction_psa": psa["identical"],
-        "answer_identical_fraction_psa": psa.get("answer_identical", float("nan")),
+        "answer_identical_fraction_psa": psa["answer_identical"],
         "mean_kl_psa": psa["mean_kl"],
         "kv_fraction_certified_16k": long_kv[certified] if certified else None,
         "certified_16k_policy": certified,
