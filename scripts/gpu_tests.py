@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The tests marked `gpu`, on the GPU machine, over back-to-back device calls: the whole
 suite takes longer than one 10-minute call, so each call runs what the calls before it
-left, one test file at a time, until its budget ends, and says where the suite stands.
+left until its budget ends, and says where the suite stands: kernel and unit files
+`--jobs` at once (they share the GPU well; compiling dominates), then reliability and
+end-to-end files (they start servers) one at a time.
 
     python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
 
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where results go ($OUT)")
     ap.add_argument("--marker", default="gpu")
     ap.add_argument("--min-left-s", type=float, default=20.0, help="no file starts with less")
+    ap.add_argument("--jobs", type=int, default=6, help="kernel and unit files run at once")
     ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
@@ -190,17 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     by_file: dict[str, list[str]] = {}
     for test_id in sorted(ids, key=file_order):
         by_file.setdefault(test_id.split("::")[0], []).append(test_id)
-    for name, file_ids in by_file.items():
-        pending = [t for t in file_ids if t not in state["outcomes"]]
-        if not pending:
-            continue
+    root = Path(args.root)
+
+    def run_one(name: str, pending: list[str]) -> tuple | None:
+        """Run one file's pending tests; None when too little of the budget is left."""
         if deadline - time.time() < args.min_left_s:
-            break
+            return None
         log = state_dir / "logs" / (name.replace("/", "__") + ".log")
         print(f"gpu_tests: {name}: {len(pending)} test(s)", flush=True)
         t0 = time.time()
-        ended = run_file(Path(args.root), pending, args.marker, deadline, log, state)
-        state["seconds"][name] = state["seconds"].get(name, 0.0) + time.time() - t0
+        ended = run_file(root, pending, args.marker, deadline, log, state)
+        return name, pending, ended, time.time() - t0, log
+
+    def settle(name: str, pending: list[str], ended: bool, secs: float, log: Path) -> None:
+        state["seconds"][name] = state["seconds"].get(name, 0.0) + secs
         if not ended:
             stuck = next((t for t in pending if t not in state["outcomes"]), None)
             if stuck is not None:
@@ -213,11 +220,30 @@ def main(argv: list[str] | None = None) -> int:
                 if t not in state["outcomes"]:
                     state["outcomes"][t] = "error"
                     state["messages"][t] = f"pytest ended without running it (see {log.name})"
-        if out is not None and any(state["outcomes"].get(t) in BAD for t in file_ids):
+        if out is not None and any(state["outcomes"].get(t) in BAD for t in by_file[name]):
             (out / "gpu_tests").mkdir(parents=True, exist_ok=True)
             (out / "gpu_tests" / log.name).write_text(log.read_text())
         state_file.write_text(json.dumps(state))
-        if not ended:
+
+    work = [(n, [t for t in ids_ if t not in state["outcomes"]]) for n, ids_ in by_file.items()]
+    work = [(n, pending) for n, pending in work if pending]
+    # kernel and unit files share the GPU well (compiling dominates): --jobs at once; the
+    # reliability and end-to-end files start servers: one at a time
+    shared = [w for w in work if file_order(w[0])[0] < ORDER["reliability"]]
+    alone = [w for w in work if w not in shared]
+    all_ended = True
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for f in as_completed([pool.submit(run_one, *w) for w in shared]):
+            if (result := f.result()) is None:
+                all_ended = False
+                continue
+            settle(*result)
+            all_ended &= result[2]
+    for name, pending in alone if all_ended else []:
+        if (result := run_one(name, pending)) is None:
+            break
+        settle(*result)
+        if not result[2]:
             break
     state_file.write_text(json.dumps(state))
     doc, code = report(state, ids, out)

@@ -12,6 +12,16 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_tests.py"
 
+PAIR = """
+    import pathlib, time, pytest
+    @pytest.mark.gpu
+    def test_runs_beside_the_other():
+        pathlib.Path("pair_{me}").touch()
+        end = time.time() + 15
+        while not pathlib.Path("pair_{other}").exists():
+            assert time.time() < end, "ran alone"
+            time.sleep(0.05)
+"""
 SUITE = {
     "pytest.ini": """
         [pytest]
@@ -45,6 +55,9 @@ SUITE = {
         def test_after_the_crash():
             pass
     """,
+    # kernel and unit files run at once: each passes only if the other runs beside it
+    "test/kernels/test_pair_a.py": PAIR.format(me="a", other="b"),
+    "test/unit/test_pair_b.py": PAIR.format(me="b", other="a"),
     "test/kernels/test_k.py": """
         import pytest
         @pytest.mark.gpu
@@ -92,8 +105,8 @@ def _alive(pid: int) -> bool:
 def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(suite, tmp_path):
     # first call: kernels run to their end (before e2e); the hang is cut by the budget
     code, doc = _call(suite, tmp_path, 20)
-    assert doc["collected"] == 8  # the CPU-only test is not the GPU suite's
-    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 3, "pending": 2}
+    assert doc["collected"] == 10  # the CPU-only test is not the GPU suite's
+    assert doc["counts"] == {"passed": 3, "failed": 1, "skipped": 1, "error": 3, "pending": 2}
     crashed = {k: doc["failed"].pop(k) for k in list(doc["failed"]) if "test_crash" in k}
     assert len(crashed) == 2  # the crash and the test pytest never reached after it
     assert all(m.startswith("pytest ended without running it") for m in crashed.values())
@@ -114,5 +127,5 @@ def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(s
     assert "test/e2e/test_slow.py::test_hangs" in doc["failed"]
     # third call: the rest runs
     code, doc = _call(suite, tmp_path, 30)
-    assert doc["pending"] == 0 and doc["counts"]["passed"] == 2
+    assert doc["pending"] == 0 and doc["counts"]["passed"] == 4
     assert doc["files"]["test/kernels/test_k.py"]["seconds"] > 0
