@@ -524,8 +524,11 @@ def _wave_attention_kernel(
                 # otherwise.
                 if CACHED:  # a cached host unit: its slot's page (0 while the slot is torn down)
                     on_host = valid & (where < 0)
-                    slot = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
-                    cpage = tl.load(cpages_ptr + slot, mask=slot >= 0, other=0).to(tl.int64)
+                    # (not `slot`: that name is the kept selection's row, read after the loop)
+                    uslot = tl.load(
+                        uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1
+                    )
+                    cpage = tl.load(cpages_ptr + uslot, mask=uslot >= 0, other=0).to(tl.int64)
                     where = tl.where(cpage > 0, cpage, where)
                 in_hbm = where >= 0
                 if STATS:
