@@ -40,8 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ORDER = {"kernels": 0, "unit": 1, "reliability": 2, "e2e": 3}  # by test/<dir>
 BAD = ("failed", "error", "timeout")
-LINE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b\s*(.*)$")
-SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+::\S+)(?: - (.*))?$")
+# a test id may hold spaces (a parameter's id): the outcome word ends it
+LINE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: +(.*))?$")
+SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+::.+?)(?: - (.*))?$")
 WORST = ["passed", "xfail", "xpass", "skipped", "failed", "error"]  # a later one wins
 PER_TEST_S = 300  # pytest-timeout's limit for one test
 
@@ -79,8 +80,9 @@ def run_file(
     `deadline`; outcomes and failure messages into `state`. True when it ran to its end."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE",
            "--tb=short", f"--timeout={PER_TEST_S}", "-m", marker, *ids]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "1000"}  # pytest cuts summary lines at the terminal width
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+                            text=True, start_new_session=True, env=env)  # fmt: skip
     done, cut = threading.Event(), threading.Event()
 
     def watchdog():  # the budget's end kills the run and whatever it started
@@ -95,7 +97,7 @@ def run_file(
             f.write(line)
             line = line.rstrip()
             if m := LINE.match(line):
-                test_id, out, rest = m.group(1), m.group(2).lower(), m.group(3)
+                test_id, out, rest = m.group(1), m.group(2).lower(), m.group(3) or ""
                 prev = outcomes.get(test_id)
                 if prev not in WORST or WORST.index(out) >= WORST.index(prev):
                     outcomes[test_id] = out

@@ -71,6 +71,10 @@ SUITE = {
             pytest.skip("needs two GPUs")
         def test_cpu_only():
             pass
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("flags", ["--a 1", "--b 2 --c"])  # ids with spaces
+        def test_spaced(flags):
+            assert flags != "--b 2 --c", "spaced out"
     """,
 }
 
@@ -105,13 +109,14 @@ def _alive(pid: int) -> bool:
 def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(suite, tmp_path):
     # first call: kernels run to their end (before e2e); the hang is cut by the budget
     code, doc = _call(suite, tmp_path, 20)
-    assert doc["collected"] == 10  # the CPU-only test is not the GPU suite's
-    assert doc["counts"] == {"passed": 3, "failed": 1, "skipped": 1, "error": 3, "pending": 2}
+    assert doc["collected"] == 12  # the CPU-only test is not the GPU suite's
+    assert doc["counts"] == {"passed": 4, "failed": 2, "skipped": 1, "error": 3, "pending": 2}
     crashed = {k: doc["failed"].pop(k) for k in list(doc["failed"]) if "test_crash" in k}
     assert len(crashed) == 2  # the crash and the test pytest never reached after it
     assert all(m.startswith("pytest ended without running it") for m in crashed.values())
     assert doc["failed"] == {
         "test/kernels/test_k.py::test_wrong": "AssertionError: one is not two",
+        "test/kernels/test_k.py::test_spaced[--b 2 --c]": "AssertionError: spaced out",
         # a module that does not import: its error, under the module's name
         "test/unit/test_broken.py::<collection>": "ModuleNotFoundError: No module named "
         "'no_such_module_here'",
@@ -127,5 +132,5 @@ def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(s
     assert "test/e2e/test_slow.py::test_hangs" in doc["failed"]
     # third call: the rest runs
     code, doc = _call(suite, tmp_path, 30)
-    assert doc["pending"] == 0 and doc["counts"]["passed"] == 4
+    assert doc["pending"] == 0 and doc["counts"]["passed"] == 5
     assert doc["files"]["test/kernels/test_k.py"]["seconds"] > 0
