@@ -693,16 +693,20 @@ CODE_BLOCKS = 4
 class WaveResult:
     out: torch.Tensor  # [B, Hq, d] in the plan's output dtype
     lse: torch.Tensor  # [B, Hq] float32
-    order: torch.Tensor  # [B, Hkv, NB] int32: read order (stale past a request's blocks)
+    # [B, Hkv, NB] int32: read order (stale past a request's blocks); with a kept
+    # selection the cache's `[slots, Hkv, NB]`, row b's order at `slot[b]`
+    order: torch.Tensor
     n_read: torch.Tensor  # [B, Hkv] int32: blocks read = order[..., :n_read]
     n_waves: torch.Tensor  # [B, Hkv] int32
+    slot: torch.Tensor | None = None  # [B] int32: each row's slot of a kept selection
 
     def read_mask(self) -> torch.Tensor:
         """`[B, Hkv, NB]` bool: the blocks read. Past a request's blocks `order` may hold
-        stale entries (repeats): they add nothing."""
-        NB = self.order.shape[-1]
-        sorted_read = torch.arange(NB, device=self.order.device) < self.n_read[..., None]
-        idx = self.order.long().clamp(0, NB - 1)
+        stale entries (repeats): they add nothing. (Allocates: diagnosis and tests.)"""
+        order = self.order if self.slot is None else self.order[self.slot.long()]
+        NB = order.shape[-1]
+        sorted_read = torch.arange(NB, device=order.device) < self.n_read[..., None]
+        idx = order.long().clamp(0, NB - 1)
         hits = torch.zeros_like(idx).scatter_add(-1, idx, sorted_read.long())
         return hits > 0
 
@@ -1420,4 +1424,5 @@ class WaveAttention:
             here.wait_stream(side)
         if urgent is not None:
             here.wait_stream(urgent)
-        return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves)
+        slot = kept[1] if kept is not None else None
+        return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves, slot)

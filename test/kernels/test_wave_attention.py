@@ -13,6 +13,7 @@ from sglang_psa.algo import (
     progressive_attention,
     quantize_bounds,
 )
+from sglang_psa.algo.attention import read_order
 from sglang_psa.algo.criticality import bound_logits
 from sglang_psa.config import PSAConfig
 
@@ -552,12 +553,17 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
-def test_wave_attention_reads_cached_units_from_their_slot_pages(device):
+@pytest.mark.parametrize("kept", [False, True], ids=["ranked", "kept"])
+def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
     """The tiered home's layout: SGLang's token-major pool, a head-major host tier holding
     the evicted blocks, and the unit cache: some host units also in slot pages of the pool
     (`unit_slot`, `cache_pages`). The host copies of cached units are garbage, so the
     result equals the reference only if every cached unit is read from its slot page;
-    `stats[2]` counts the units read from the host."""
+    `stats[2]` counts the units read from the host. `kept`: with a selection kept across
+    steps too (the tiered home's default), ranked fresh this step: the same reads, and each
+    row's ranked read count lands in its own slot of the cache (a kernel whose unit-cache
+    lookup reused the kept slot's name failed to compile on the GPU)."""
+    from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
     cfg = PSAConfig(threshold=0.9, **SMALL_WAVES)
@@ -609,6 +615,11 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device):
     ref = progressive_attention(q, k, v, lengths, cfg)
     wa = WaveAttention.from_config(cfg).plan(B, q.shape[1], Hkv, d, nb, device)
     stats = torch.zeros(3, dtype=torch.int64, device=device)
+    if kept:  # rows 5 and 2 of the request table, ranked this step into slots of their own
+        cache = SelectionCache(1, B, Hkv, nb, 1000, bs, 2, device)
+        cache.assign(torch.tensor([5, 2][:B], device=device), lengths,
+                     torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
+        assert cache.rows(B)[1].tolist() == [1] * B and cache.rows(B)[0].tolist() != [B] * B
     res = wa.run(
         q,
         kbuf,
@@ -625,12 +636,23 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device):
         stats=stats,
         unit_slot=unit_slot.to(device),
         cache_pages=cache_pages.to(device),
+        kept=cache.kept(0, B) if kept else None,
     )
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
     read = ref.read[..., :nb].cpu()
     assert int(stats[0]) == int(read.sum())
     assert int(stats[2]) == int((read & on_host).sum()) > 0
+    if kept:
+        slot = cache.rows(B)[0].long()
+        _, n_forced = read_order(q.cpu(), block_metadata(k.cpu(), lengths.cpu(), bs),
+                                 lengths.cpu(), cfg, d**-0.5)  # fmt: skip
+        budget = read.sum(-1) - n_forced[:, None]  # the ranked blocks the rule read
+        assert (budget > 0).all()
+        assert torch.equal(cache.budget[0][slot].cpu().long(), budget)
+        others = torch.ones(B + 1, dtype=torch.bool)
+        others[slot.cpu()] = False
+        assert (cache.budget[0][others.to(device)] == 0).all()  # no other slot written
 
 
 # (B, G, Hkv, T, d, block size): a small case for the interpreter, and the GPU test model's

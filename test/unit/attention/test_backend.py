@@ -351,13 +351,21 @@ def test_decode_matches_the_reference_on_sglangs_pool(mode, threshold, rule, bit
     assert [int(lens[r]) for r in rows] == lengths
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
-@pytest.mark.parametrize("rule", ["certified", "heuristic"])
+@pytest.mark.parametrize(
+    "rule,use_kernel",
+    [(r, k) for r in ("certified", "heuristic") for k in (True, False)]
+    + [("heuristic_kept", True)],
+    ids=lambda x: {True: "kernel", False: "reference"}.get(x, x),
+)
 def test_coverage_audit_reports_the_smallest_true_share_read(rule, use_kernel):
     """`--psa-audit-coverage`: after a decode step, the server-info readout holds the
     smallest share of a query head's true mass (recomputed here in float64 from the pool
     over the blocks the backend reports it read) and the heads checked; the certified
-    rule's share is at least ε, the heuristic rule's here below it."""
+    rule's share is at least ε, the heuristic rule's here below it. `heuristic_kept`: the
+    decode graphs' state exists, so the heuristic rule keeps its selection across steps
+    (the wave kernel's order is then the selection cache's, by slot, not by row)."""
+    kept = rule == "heuristic_kept"
+    rule = rule.removesuffix("_kept")
     cfg = PSAConfig(
         stop_rule=rule, threshold=0.95, wave_blocks=1, max_wave_blocks=2, audit_coverage=True,
         max_read_fraction=0.3 if rule == "heuristic" else 0.5,
@@ -365,10 +373,18 @@ def test_coverage_audit_reports_the_smallest_true_share_read(rule, use_kernel):
     lengths = [300, 77, 545]
     runner, fb, g = _rig(cfg, lengths, spread=0.1 if rule == "certified" else None)
     backend = PSAAttnBackend(runner, use_kernel=use_kernel)
+    if kept:
+        backend.init_cuda_graph_state(4, 4)
     report = backend.process.serving.coverage
     assert report() == {"min_true_coverage": None, "heads_checked": 0}
     _prefill(backend, fb)
+    if kept:  # the batch's rows hold the selection's slots in reverse order
+        backend._selection.tag[:3] = fb.req_pool_indices.flip(0).to(torch.int32)
+        backend._selection.ranked[:3] = 1 << 20  # more blocks than they have: ranked again
     backend.init_forward_metadata(fb)
+    if kept:
+        slot, fresh, _ = backend._selection.rows(len(lengths))
+        assert slot.tolist() == [2, 1, 0] and fresh.tolist() == [1, 1, 1]
     layer = _layer(1)
     q = torch.randn(len(lengths), HQ * D, generator=g).to(DEV)
     kv = [torch.randn(len(lengths), HKV, D, generator=g).to(DEV) for _ in range(2)]
