@@ -8,7 +8,10 @@ end-to-end files (they start servers) one at a time.
     python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
 
 State lives in `--state` (default /tmp/psa-gpu-tests: outside the working tree, which
-each device call replaces), keyed by `GIT_COMMIT`: another commit starts afresh. Each
+each device call replaces), keyed by the test sources' hash (`source_sha256`): a code
+change starts afresh, a commit of results or docs does not. `--seed-state` resumes a
+state another session's last call brought back (`$OUT/gpu_tests_state.json`): a fresh
+machine goes on where the last one stopped. Each
 test's outcome is read from pytest's `-v` lines as they stream, so a call cut short
 keeps what finished. The test running when the budget ends is run again by the next
 call; cut twice, it is recorded `timeout`; one a finished pytest run never reached (its
@@ -26,6 +29,7 @@ are still pending (run it again in the next call).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -65,6 +69,29 @@ def collect(root: Path, paths: list[str], marker: str) -> tuple[list[str], dict[
             f"gpu_tests: collecting failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         )
     return ids, errors
+
+
+SOURCES = ("python", "sgl-kernel-ext", "test", "scripts", "examples", "benchmark", "pyproject.toml")
+SOURCE_SUFFIXES = {".py", ".sh", ".toml", ".cfg", ".ini"}
+
+
+def source_sha256(root: Path) -> str:
+    """What the tests run: sha256 over the code files under `SOURCES` (results, docs and
+    caches left out), so calls of another commit that changed none of them (results merged,
+    docs) resume the same suite, and any code change starts it again."""
+    h = hashlib.sha256()
+    files = []
+    for top in SOURCES:
+        base = root / top
+        paths = [base] if base.is_file() else base.rglob("*") if base.is_dir() else []
+        for f in paths:
+            rel = f.relative_to(root).as_posix()
+            if f.is_file() and f.suffix in SOURCE_SUFFIXES and "__pycache__" not in rel:
+                if not rel.startswith("benchmark/results/") and ".egg-info/" not in rel:
+                    files.append((rel, f))
+    for rel, f in sorted(files):
+        h.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def file_order(test_id: str) -> tuple:
@@ -149,7 +176,9 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     for name, secs in state["seconds"].items():
         files.setdefault(name, {})["seconds"] = round(secs, 1)
     doc = {
-        "git_commit": state["commit"],
+        "git_commit": state["commits"][-1],  # this call's; every call's in `git_commits`
+        "git_commits": state["commits"],
+        "source_sha256": state["source"],
         "collected": len(ids),
         "counts": counts,
         "pending": counts.get("pending", 0),
@@ -160,6 +189,7 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_tests.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (out / "gpu_tests_state.json").write_text(json.dumps(state))  # --seed-state next time
     code = 1 if doc["failed"] else 3 if doc["pending"] else 0
     return doc, code
 
@@ -174,15 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-left-s", type=float, default=20.0, help="no file starts with less")
     ap.add_argument("--jobs", type=int, default=6, help="kernel and unit files run at once")
     ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
+    ap.add_argument("--seed-state", help="an earlier call's $OUT/gpu_tests_state.json (another "
+                    "session's): resumed where --state has none and the sources match")  # fmt: skip
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
     commit = os.environ.get("GIT_COMMIT", "unknown")
+    source = source_sha256(Path(args.root))
     state_dir = Path(args.state)
     state_file = state_dir / "state.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else None
-    if state is None or state.get("commit") != commit or state.get("paths") != args.paths:
-        state = {"commit": commit, "paths": args.paths, "ids": None, "outcomes": {},
-                 "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
+    seed = Path(args.seed_state) if args.seed_state else None
+    from_file = state_file if state_file.exists() else seed if seed and seed.exists() else None
+    state = json.loads(from_file.read_text()) if from_file else None
+    if state is None or state.get("source") != source or state.get("paths") != args.paths:
+        state = {"source": source, "commits": [], "paths": args.paths, "ids": None,
+                 "outcomes": {}, "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
+    elif from_file == seed:
+        print(f"gpu_tests: resuming the state of {seed} (the same test sources)", flush=True)
+    if commit not in state["commits"]:
+        state["commits"].append(commit)
     if state["ids"] is None:
         ids, errors = collect(Path(args.root), args.paths, args.marker)
         for path, message in errors.items():
