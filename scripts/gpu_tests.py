@@ -8,7 +8,7 @@ end-to-end files (they start servers) one at a time.
     python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
 
 State lives in `--state` (default /tmp/psa-gpu-tests: outside the working tree, which
-each device call replaces), keyed by the test sources' hash (`source_sha256`): a code
+each device call replaces), keyed by the test sources' hash (`source_digest` of `SOURCES`): a code
 change starts afresh, a commit of results or docs does not. `--seed-state` resumes a
 state another session's last call brought back (`$OUT/gpu_tests_state.json`): a fresh
 machine goes on where the last one stopped. Each
@@ -29,7 +29,6 @@ are still pending (run it again in the next call).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+
+from sglang_psa.eval.results import source_digest  # noqa: E402
+
 ORDER = {"kernels": 0, "unit": 1, "reliability": 2, "e2e": 3}  # by test/<dir>
 BAD = ("failed", "error", "timeout")
 # a test id may hold spaces (a parameter's id): the outcome word ends it
@@ -71,27 +74,9 @@ def collect(root: Path, paths: list[str], marker: str) -> tuple[list[str], dict[
     return ids, errors
 
 
+# What the tests run (`source_digest`): code, not results, docs or caches.
 SOURCES = ("python", "sgl-kernel-ext", "test", "scripts", "examples", "benchmark", "pyproject.toml")
-SOURCE_SUFFIXES = {".py", ".sh", ".toml", ".cfg", ".ini"}
-
-
-def source_sha256(root: Path) -> str:
-    """What the tests run: sha256 over the code files under `SOURCES` (results, docs and
-    caches left out), so calls of another commit that changed none of them (results merged,
-    docs) resume the same suite, and any code change starts it again."""
-    h = hashlib.sha256()
-    files = []
-    for top in SOURCES:
-        base = root / top
-        paths = [base] if base.is_file() else base.rglob("*") if base.is_dir() else []
-        for f in paths:
-            rel = f.relative_to(root).as_posix()
-            if f.is_file() and f.suffix in SOURCE_SUFFIXES and "__pycache__" not in rel:
-                if not rel.startswith("benchmark/results/") and ".egg-info/" not in rel:
-                    files.append((rel, f))
-    for rel, f in sorted(files):
-        h.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+SOURCE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", ".ini")
 
 
 def file_order(test_id: str) -> tuple:
@@ -209,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
     commit = os.environ.get("GIT_COMMIT", "unknown")
-    source = source_sha256(Path(args.root))
+    root = Path(args.root)
+    source = source_digest(root, SOURCES, SOURCE_SUFFIXES)
     state_dir = Path(args.state)
     state_file = state_dir / "state.json"
     seed = Path(args.seed_state) if args.seed_state else None
@@ -223,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if commit not in state["commits"]:
         state["commits"].append(commit)
     if state["ids"] is None:
-        ids, errors = collect(Path(args.root), args.paths, args.marker)
+        ids, errors = collect(root, args.paths, args.marker)
         for path, message in errors.items():
             ids.append(f"{path}::<collection>")
             state["outcomes"][ids[-1]] = "error"
@@ -235,7 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     by_file: dict[str, list[str]] = {}
     for test_id in sorted(ids, key=file_order):
         by_file.setdefault(test_id.split("::")[0], []).append(test_id)
-    root = Path(args.root)
 
     def run_one(name: str, pending: list[str]) -> tuple | None:
         """Run one file's pending tests; None when too little of the budget is left."""

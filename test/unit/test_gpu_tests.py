@@ -88,10 +88,12 @@ def suite(tmp_path):
     return tmp_path / "suite"
 
 
-def _call(suite: Path, tmp: Path, budget: float):
+def _call(suite: Path, tmp: Path, budget: float, commit: str = "c1", *extra: str):
+    """One call of the script on `suite`, its state and results under `tmp`."""
     cmd = [sys.executable, str(SCRIPT), "test", "--root", str(suite), "--budget-s", str(budget),
-           "--state", str(tmp / "state"), "--out", str(tmp / "out"), "--min-left-s", "1"]  # fmt: skip
-    env = {"GIT_COMMIT": "c1", "PATH": "/usr/bin:/bin"}
+           "--state", str(tmp / "state"), "--out", str(tmp / "out"), "--min-left-s", "1",
+           *extra]  # fmt: skip
+    env = {"GIT_COMMIT": commit, "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     return proc.returncode, json.loads((tmp / "out" / "gpu_tests.json").read_text())
 
@@ -136,14 +138,6 @@ def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(s
     assert doc["files"]["test/kernels/test_k.py"]["seconds"] > 0
 
 
-def _run(root: Path, state: Path, out: Path, budget: float, commit: str, *extra: str) -> dict:
-    cmd = [sys.executable, str(SCRIPT), "test", "--root", str(root), "--budget-s", str(budget),
-           "--state", str(state), "--out", str(out), "--min-left-s", "1", *extra]  # fmt: skip
-    env = {"GIT_COMMIT": commit, "PATH": "/usr/bin:/bin"}
-    subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=root)
-    return json.loads((out / "gpu_tests.json").read_text())
-
-
 @pytest.mark.slow
 def test_a_fresh_machine_resumes_the_state_brought_back_until_the_code_changes(tmp_path):
     root = tmp_path / "suite"
@@ -169,21 +163,20 @@ def test_a_fresh_machine_resumes_the_state_brought_back_until_the_code_changes(t
         (root / name).write_text(textwrap.dedent(text))
     (root / "hang").touch()
     # session 1: the kernel file passes, the e2e file is cut by the budget
-    doc = _run(root, tmp_path / "s1", tmp_path / "o1", 8, "c1")
+    _, doc = _call(root, tmp_path / "s1", 8, "c1")
     assert doc["counts"] == {"passed": 1, "pending": 1}
-    brought_back = tmp_path / "o1" / "gpu_tests_state.json"
+    brought_back = tmp_path / "s1" / "out" / "gpu_tests_state.json"
     assert brought_back.exists()
     # session 2, another commit of the same sources, a fresh machine (no state): resumed
     (root / "hang").unlink()
-    doc = _run(root, tmp_path / "s2", tmp_path / "o2", 30, "c2", "--seed-state",
-               str(brought_back))  # fmt: skip
+    _, doc = _call(root, tmp_path / "s2", 30, "c2", "--seed-state", str(brought_back))
     assert doc["counts"] == {"passed": 2} and doc["pending"] == 0
     assert doc["git_commits"] == ["c1", "c2"] and doc["git_commit"] == "c2"
     assert (root / "runs_a").read_text() == "x"  # the kernel file did not run again
     # session 3: a code change: the whole suite again, the old state ignored
     with (root / "test/kernels/test_a.py").open("a") as f:
         f.write("# changed\n")
-    doc = _run(root, tmp_path / "s3", tmp_path / "o3", 30, "c3", "--seed-state",
-               str(tmp_path / "o2" / "gpu_tests_state.json"))  # fmt: skip
+    seed = tmp_path / "s2" / "out" / "gpu_tests_state.json"
+    _, doc = _call(root, tmp_path / "s3", 30, "c3", "--seed-state", str(seed))
     assert doc["counts"] == {"passed": 2} and doc["git_commits"] == ["c3"]
     assert (root / "runs_a").read_text() == "xx"

@@ -79,15 +79,17 @@ def _digest(files: list[tuple[str, bytes]]) -> str:
     return h.hexdigest()
 
 
-def source_digest(repo: Path) -> str:
-    """sha256 of the Python sources under `SOURCE_DIRS` in the tree at `repo`, as the
-    tree is (the GPU machine's copy has no trustworthy git): with `commit_digest`, a
-    result's `git_commit` is checked to be the tree that ran."""
+def source_digest(
+    repo: Path, dirs: tuple[str, ...] = SOURCE_DIRS, suffixes: tuple[str, ...] = (".py",)
+) -> str:
+    """sha256 of the sources (files ending in `suffixes`) under `dirs` (folders or files)
+    in the tree at `repo`, as the tree is (the GPU machine's copy has no trustworthy git):
+    with `commit_digest`, a result's `git_commit` is checked to be the tree that ran."""
     files = [
         (f.relative_to(repo).as_posix(), f.read_bytes())
-        for d in SOURCE_DIRS
-        for f in (repo / d).rglob("*.py")
-        if "__pycache__" not in f.parts
+        for d in dirs
+        for f in ([repo / d] if (repo / d).is_file() else (repo / d).rglob("*"))
+        if f.suffix in suffixes and f.is_file() and "__pycache__" not in f.parts
     ]
     return _digest(files)
 
