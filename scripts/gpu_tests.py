@@ -8,12 +8,17 @@ end-to-end files (they start servers) one at a time.
     python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
 
 State lives in `--state` (default /tmp/psa-gpu-tests: outside the working tree, which
-each device call replaces), keyed by the test sources' hash (`source_digest` of `SOURCES`): a code
-change starts afresh, a commit of results or docs does not. `--seed-state` resumes a
-state another session's last call brought back (`$OUT/gpu_tests_state.json`): a fresh
-machine goes on where the last one stopped. Each
-test's outcome is read from pytest's `-v` lines as they stream, so a call cut short
-keeps what finished. The test running when the budget ends is run again by the next
+each device call replaces). Each test file's outcomes are keyed by what they depend on:
+the product (`python`, `sgl-kernel-ext`, `pyproject.toml`), the helpers any test may use
+(`benchmark`, `examples`, every file under `test/` that is not a `test_*.py`) and the file
+itself. A file whose key changed runs again; the others keep their outcomes, so a fix to
+one test file reruns that file alone, while a product change reruns everything. `scripts/`
+(the tools that stage and run the suite, this runner among them) enters no key.
+`--seed-state` resumes a state another session's last call brought back
+(`$OUT/gpu_tests_state.json`): a fresh machine goes on where the last one stopped. Each
+test's outcome is read from pytest's `-v` lines as they stream, and a failure's report is
+written the moment it fails (`scripts/gpu_tests_plugin.py`), so a call cut
+short keeps what finished and why it failed. The test running when the budget ends is run again by the next
 call; cut twice, it is recorded `timeout`; one a finished pytest run never reached (its
 module failed to import, pytest crashed) is an `error`. Files run kernels first, then unit,
 reliability and end-to-end tests (the slow ones), each file's tests in one pytest run.
@@ -29,6 +34,7 @@ are still pending (run it again in the next call).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -40,7 +46,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 
 from sglang_psa.eval.results import source_digest  # noqa: E402
@@ -74,9 +81,38 @@ def collect(root: Path, paths: list[str], marker: str) -> tuple[list[str], dict[
     return ids, errors
 
 
-# What the tests run (`source_digest`): code, not results, docs or caches.
-SOURCES = ("python", "sgl-kernel-ext", "test", "scripts", "examples", "benchmark", "pyproject.toml")
+# What every test file's outcome depends on besides itself (`source_digest`): code, not
+# results, docs or caches; with the non-test files under test/ (conftest, stubs, helpers).
+SHARED = ("python", "sgl-kernel-ext", "pyproject.toml", "benchmark", "examples")
 SOURCE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", ".ini")
+
+
+def is_test_file(path: Path) -> bool:
+    return path.name.startswith("test_") and path.suffix == ".py"
+
+
+def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
+    """(the shared sources' digest, {test file under `paths`: its key}): a key is the
+    shared digest with the file's own bytes."""
+    helpers = [
+        f.relative_to(root).as_posix()
+        for f in (root / "test").rglob("*")
+        if f.is_file() and f.suffix in SOURCE_SUFFIXES and not is_test_file(f)
+        and "__pycache__" not in f.parts
+    ]  # fmt: skip
+    shared = source_digest(root, SHARED + tuple(helpers), SOURCE_SUFFIXES)
+    files = sorted(
+        f for p in paths
+        for f in ([root / p] if (root / p).is_file() else (root / p).rglob("test_*.py"))
+        if is_test_file(f) and "__pycache__" not in f.parts
+    )  # fmt: skip
+    keys = {
+        f.relative_to(root).as_posix(): hashlib.sha256(
+            (shared + hashlib.sha256(f.read_bytes()).hexdigest()).encode()
+        ).hexdigest()
+        for f in files
+    }
+    return shared, keys
 
 
 def file_order(test_id: str) -> tuple:
@@ -91,8 +127,14 @@ def run_file(
     """Run `ids` (one file's pending tests) in one pytest process until they end or
     `deadline`; outcomes and failure messages into `state`. True when it ran to its end."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE",
-           "--tb=short", f"--timeout={PER_TEST_S}", "-m", marker, *ids]  # fmt: skip
-    env = {**os.environ, "COLUMNS": "1000"}  # pytest cuts summary lines at the terminal width
+           "--tb=short", f"--timeout={PER_TEST_S}", "-p", "gpu_tests_plugin", "-m", marker,
+           *ids]  # fmt: skip
+    failures = log.with_suffix(".failures.jsonl")
+    failures.unlink(missing_ok=True)
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    # COLUMNS: pytest cuts summary lines at the terminal width
+    env = {**os.environ, "COLUMNS": "1000", "PYTHONPATH": path,
+           "GPU_TESTS_FAILURES": str(failures)}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)  # fmt: skip
     done, cut = threading.Event(), threading.Event()
@@ -119,6 +161,10 @@ def run_file(
                 messages[m.group(2)] = (m.group(3) or m.group(1)).strip()
     proc.wait()
     done.set()
+    for rec in map(json.loads, failures.read_text().splitlines() if failures.exists() else []):
+        messages.setdefault(rec["id"], rec["message"])  # pytest's summary line, if any, first
+        if outcomes.get(rec["id"]) not in BAD:  # failed in teardown after a PASSED line
+            outcomes[rec["id"]] = "error" if rec["when"] != "call" else "failed"
     return not cut.is_set()
 
 
@@ -163,7 +209,7 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     doc = {
         "git_commit": state["commits"][-1],  # this call's; every call's in `git_commits`
         "git_commits": state["commits"],
-        "source_sha256": state["source"],
+        "shared_sha256": state["shared"],  # with each file's bytes, its key (`file_keys`)
         "collected": len(ids),
         "counts": counts,
         "pending": counts.get("pending", 0),
@@ -190,22 +236,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=6, help="kernel and unit files run at once")
     ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
     ap.add_argument("--seed-state", help="an earlier call's $OUT/gpu_tests_state.json (another "
-                    "session's): resumed where --state has none and the sources match")  # fmt: skip
+                    "session's): resumed where --state has none, each unchanged file's outcomes kept")  # fmt: skip
+    ap.add_argument("--rerun-failed", action="store_true", help="run the failed, errored and "
+                    "timed-out tests of unchanged files again (a failure to see again)")  # fmt: skip
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
     commit = os.environ.get("GIT_COMMIT", "unknown")
     root = Path(args.root)
-    source = source_digest(root, SOURCES, SOURCE_SUFFIXES)
+    shared, keys = file_keys(root, args.paths)
     state_dir = Path(args.state)
     state_file = state_dir / "state.json"
     seed = Path(args.seed_state) if args.seed_state else None
     from_file = state_file if state_file.exists() else seed if seed and seed.exists() else None
     state = json.loads(from_file.read_text()) if from_file else None
-    if state is None or state.get("source") != source or state.get("paths") != args.paths:
-        state = {"source": source, "commits": [], "paths": args.paths, "ids": None,
+    if state is None or "keys" not in state or state.get("paths") != args.paths:
+        state = {"keys": {}, "commits": [], "paths": args.paths, "ids": None,
                  "outcomes": {}, "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
-    elif from_file == seed:
-        print(f"gpu_tests: resuming the state of {seed} (the same test sources)", flush=True)
+    changed = {f for f in set(keys) | set(state["keys"]) if keys.get(f) != state["keys"].get(f)}
+    kept = len(set(keys) - changed)
+    if from_file == seed and state["outcomes"]:
+        print(f"gpu_tests: resuming the state of {seed}: {kept} test file(s) unchanged, "
+              f"{len(changed)} changed", flush=True)  # fmt: skip
+    if changed:  # those files' outcomes go; collect again (their tests may differ)
+        for table in ("outcomes", "messages", "cuts", "seconds"):
+            state[table] = {k: v for k, v in state[table].items()
+                            if k.split("::")[0] not in changed}  # fmt: skip
+        state["keys"], state["ids"] = keys, None
+        if not state["outcomes"]:  # nothing kept: the commits that ran it go too
+            state["commits"] = []
+    if args.rerun_failed:
+        bad = [t for t, o in state["outcomes"].items() if o in BAD and "<collection>" not in t]
+        for t in bad:
+            for table in ("outcomes", "messages", "cuts"):
+                state[table].pop(t, None)
+        print(f"gpu_tests: running {len(bad)} failed test(s) again", flush=True)
+    state["shared"] = shared
     if commit not in state["commits"]:
         state["commits"].append(commit)
     if state["ids"] is None:
@@ -248,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                     state["messages"][t] = f"pytest ended without running it (see {log.name})"
         if out is not None and any(state["outcomes"].get(t) in BAD for t in by_file[name]):
             (out / "gpu_tests").mkdir(parents=True, exist_ok=True)
-            (out / "gpu_tests" / log.name).write_text(log.read_text())
+            for f in (log, log.with_suffix(".failures.jsonl")):
+                if f.exists():
+                    (out / "gpu_tests" / f.name).write_text(f.read_text())
         state_file.write_text(json.dumps(state))
 
     work = [(n, [t for t in ids_ if t not in state["outcomes"]]) for n, ids_ in by_file.items()]

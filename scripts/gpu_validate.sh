@@ -9,7 +9,9 @@
 #                  on the H200), over back-to-back calls: each runs what the last left
 #                  (scripts/gpu_tests.py; $OUT/gpu_tests.json; exit 3 = run it again).
 #                  A later session resumes by carrying the last call's
-#                  $OUT/gpu_tests_state.json as build/gpu-tests-state.json (same test sources).
+#                  $OUT/gpu_tests_state.json as build/gpu-tests-state.json (a test file
+#                  runs again when it or the code under it changed); further arguments go
+#                  to gpu_tests.py (`gpu-tests --rerun-failed`: the failures again, once).
 #                  Needs both models in the bundle (--model smollm2-135m,qwen2.5-0.5b)
 #       kernel-tests kernel, store and algorithm tests only: needs no bundle (the GPU image
 #                  has torch, triton and pytest; set PYTHONPATH=python:sgl-kernel-ext)
@@ -39,7 +41,7 @@ case "${1:-}" in
     py -m sglang_psa.models qwen2.5-0.5b >/dev/null
     seed=build/gpu-tests-state.json  # carried: an earlier session's $OUT/gpu_tests_state.json
     py scripts/gpu_tests.py --budget-s "$(( ${BUDGET_S:-540} - (SECONDS - t0) ))" --out "$OUT" \
-      ${seed:+--seed-state "$seed"} 2>&1 | tee "$OUT/gpu-tests.log"
+      ${seed:+--seed-state "$seed"} "${@:2}" 2>&1 | tee "$OUT/gpu-tests.log"
     exit "${PIPESTATUS[0]}"
     ;;
   kernel-tests)

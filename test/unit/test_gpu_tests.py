@@ -31,6 +31,8 @@ SUITE = {
     "test/e2e/test_slow.py": """
         import time, pytest
         pytestmark = pytest.mark.gpu
+        def test_fails_before_the_hang():  # pytest's summary never comes: the run is cut
+            assert False, "seen before the cut"
         def test_hangs():  # and leaves a server of its own session behind
             import subprocess, sys
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
@@ -111,8 +113,8 @@ def _alive(pid: int) -> bool:
 def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(suite, tmp_path):
     # first call: kernels run to their end (before e2e); the hang is cut by the budget
     code, doc = _call(suite, tmp_path, 20)
-    assert doc["collected"] == 12  # the CPU-only test is not the GPU suite's
-    assert doc["counts"] == {"passed": 4, "failed": 2, "skipped": 1, "error": 3, "pending": 2}
+    assert doc["collected"] == 13  # the CPU-only test is not the GPU suite's
+    assert doc["counts"] == {"passed": 4, "failed": 3, "skipped": 1, "error": 3, "pending": 2}
     crashed = {k: doc["failed"].pop(k) for k in list(doc["failed"]) if "test_crash" in k}
     assert len(crashed) == 2  # the crash and the test pytest never reached after it
     assert all(m.startswith("pytest ended without running it") for m in crashed.values())
@@ -122,29 +124,40 @@ def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(s
         # a module that does not import: its error, under the module's name
         "test/unit/test_broken.py::<collection>": "ModuleNotFoundError: No module named "
         "'no_such_module_here'",
+        # written as it failed: the cut run never printed its summary
+        "test/e2e/test_slow.py::test_fails_before_the_hang": "AssertionError: seen before the "
+        "cut / assert False",
     }
     assert doc["skipped"] == {"test/kernels/test_k.py::test_no_device": "needs two GPUs"}
     assert code == 1  # a failure outranks what is still pending
     assert (tmp_path / "out" / "gpu_tests" / "test__kernels__test_k.py.log").exists()
+    report = tmp_path / "out" / "gpu_tests" / "test__e2e__test_slow.py.failures.jsonl"
+    assert "assert False" in json.loads(report.read_text())["report"]
     for pid in map(int, (suite / "server.pid").read_text().split()):  # killed at the cut
         assert not _alive(pid), pid
     # second call: only the e2e file's tests again; the hang cut a second time
     code, doc = _call(suite, tmp_path, 8)
     assert doc["counts"]["timeout"] == 1 and doc["pending"] == 1
     assert "test/e2e/test_slow.py::test_hangs" in doc["failed"]
-    # third call: the rest runs
+    # third call: the rest runs; the failure before the cut is not run again
     code, doc = _call(suite, tmp_path, 30)
-    assert doc["pending"] == 0 and doc["counts"]["passed"] == 5
-    assert doc["files"]["test/kernels/test_k.py"]["seconds"] > 0
+    assert doc["pending"] == 0 and doc["counts"]["passed"] == 5 and doc["counts"]["failed"] == 3
+    secs = doc["files"]["test/kernels/test_k.py"]["seconds"]
+    assert secs > 0
+    # asked to: the failures again (the kernel file's two), the passes not
+    code, doc = _call(suite, tmp_path, 8, "c1", "--rerun-failed")
+    assert doc["files"]["test/kernels/test_k.py"]["seconds"] > secs
+    assert "test/kernels/test_k.py::test_wrong" in doc["failed"] and doc["counts"]["passed"] >= 4
 
 
 @pytest.mark.slow
-def test_a_fresh_machine_resumes_the_state_brought_back_until_the_code_changes(tmp_path):
+def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_files(tmp_path):
     root = tmp_path / "suite"
     files = {
         "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
+        "python/product.py": "X = 1\n",
         "test/kernels/test_a.py": """
-            import pathlib, pytest
+            import pytest
             @pytest.mark.gpu
             def test_counts_its_runs():
                 with open("runs_a", "a") as f:
@@ -154,6 +167,8 @@ def test_a_fresh_machine_resumes_the_state_brought_back_until_the_code_changes(t
             import pathlib, time, pytest
             @pytest.mark.gpu
             def test_hangs_while_told_to():
+                with open("runs_b", "a") as f:
+                    f.write("x")
                 if pathlib.Path("hang").exists():  # not a source file: no new suite
                     time.sleep(60)
         """,
@@ -162,21 +177,30 @@ def test_a_fresh_machine_resumes_the_state_brought_back_until_the_code_changes(t
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(textwrap.dedent(text))
     (root / "hang").touch()
+    runs = lambda: ((root / "runs_a").read_text(), (root / "runs_b").read_text())  # noqa: E731
+
+    def session(n: int, budget: float) -> dict:
+        seed = tmp_path / f"s{n - 1}" / "out" / "gpu_tests_state.json"
+        extra = ("--seed-state", str(seed)) if n > 1 else ()
+        return _call(root, tmp_path / f"s{n}", budget, f"c{n}", *extra)[1]
+
     # session 1: the kernel file passes, the e2e file is cut by the budget
-    _, doc = _call(root, tmp_path / "s1", 8, "c1")
-    assert doc["counts"] == {"passed": 1, "pending": 1}
-    brought_back = tmp_path / "s1" / "out" / "gpu_tests_state.json"
-    assert brought_back.exists()
+    doc = session(1, 8)
+    assert doc["counts"] == {"passed": 1, "pending": 1} and runs() == ("x", "x")
     # session 2, another commit of the same sources, a fresh machine (no state): resumed
     (root / "hang").unlink()
-    _, doc = _call(root, tmp_path / "s2", 30, "c2", "--seed-state", str(brought_back))
+    doc = session(2, 30)
     assert doc["counts"] == {"passed": 2} and doc["pending"] == 0
     assert doc["git_commits"] == ["c1", "c2"] and doc["git_commit"] == "c2"
-    assert (root / "runs_a").read_text() == "x"  # the kernel file did not run again
-    # session 3: a code change: the whole suite again, the old state ignored
+    assert runs() == ("x", "xx")  # the kernel file did not run again
+    # session 3: one test file changed: it alone runs again
     with (root / "test/kernels/test_a.py").open("a") as f:
         f.write("# changed\n")
-    seed = tmp_path / "s2" / "out" / "gpu_tests_state.json"
-    _, doc = _call(root, tmp_path / "s3", 30, "c3", "--seed-state", str(seed))
-    assert doc["counts"] == {"passed": 2} and doc["git_commits"] == ["c3"]
-    assert (root / "runs_a").read_text() == "xx"
+    doc = session(3, 30)
+    assert doc["counts"] == {"passed": 2} and runs() == ("xx", "xx")
+    assert doc["git_commits"] == ["c1", "c2", "c3"]
+    # session 4: the product changed: every file again, the commits before it gone
+    (root / "python/product.py").write_text("X = 2\n")
+    doc = session(4, 30)
+    assert doc["counts"] == {"passed": 2} and runs() == ("xxx", "xxx")
+    assert doc["git_commits"] == ["c4"]
