@@ -10,8 +10,9 @@ end-to-end files (they start servers) one at a time.
 State lives in `--state` (default /tmp/psa-gpu-tests: outside the working tree, which
 each device call replaces). Each test file's outcomes are keyed by what they depend on:
 the product (`python`, `sgl-kernel-ext`, `pyproject.toml`), the helpers any test may use
-(`benchmark`, `examples`, every file under `test/` that is not a `test_*.py`) and the file
-itself. A file whose key changed runs again; the others keep their outcomes, so a fix to
+(every file under `test/` that is not a `test_*.py`), `benchmark` and `examples` where the
+file names them (the reliability tests load `benchmark/reliability/probes.py`), and the
+file itself. A file whose key changed runs again; the others keep their outcomes, so a fix to
 one test file reruns that file alone, while a product change reruns everything. `scripts/`
 (the tools that stage and run the suite, this runner among them) enters no key.
 `--seed-state` resumes a state another session's last call brought back
@@ -83,7 +84,11 @@ def collect(root: Path, paths: list[str], marker: str) -> tuple[list[str], dict[
 
 # What every test file's outcome depends on besides itself (`source_digest`): code, not
 # results, docs or caches; with the non-test files under test/ (conftest, stubs, helpers).
-SHARED = ("python", "sgl-kernel-ext", "pyproject.toml", "benchmark", "examples")
+SHARED = ("python", "sgl-kernel-ext", "pyproject.toml")
+# Folders of code only some tests run (benchmark/reliability's probes, say): in the key of a
+# test file that names the folder, or of every file when a shared helper names it (a test
+# reaches such code through a path it spells out).
+NAMED = ("benchmark", "examples")
 SOURCE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", ".ini")
 
 
@@ -93,25 +98,29 @@ def is_test_file(path: Path) -> bool:
 
 def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
     """(the shared sources' digest, {test file under `paths`: its key}): a key is the
-    shared digest with the file's own bytes."""
+    shared digest with the named folders' digests (`NAMED`) and the file's own bytes."""
     helpers = [
-        f.relative_to(root).as_posix()
+        f
         for f in (root / "test").rglob("*")
         if f.is_file() and f.suffix in SOURCE_SUFFIXES and not is_test_file(f)
         and "__pycache__" not in f.parts
     ]  # fmt: skip
-    shared = source_digest(root, SHARED + tuple(helpers), SOURCE_SUFFIXES)
+    rel = tuple(f.relative_to(root).as_posix() for f in helpers)
+    shared = source_digest(root, SHARED + rel, SOURCE_SUFFIXES)
+    named = {d: source_digest(root, (d,), SOURCE_SUFFIXES) for d in NAMED}
+    always = {d for d in NAMED if any(d in f.read_text(errors="replace") for f in helpers)}
     files = sorted(
         f for p in paths
         for f in ([root / p] if (root / p).is_file() else (root / p).rglob("test_*.py"))
         if is_test_file(f) and "__pycache__" not in f.parts
     )  # fmt: skip
-    keys = {
-        f.relative_to(root).as_posix(): hashlib.sha256(
-            (shared + hashlib.sha256(f.read_bytes()).hexdigest()).encode()
+    keys = {}
+    for f in files:
+        text = f.read_bytes()
+        parts = [shared] + [named[d] for d in NAMED if d in always or d.encode() in text]
+        keys[f.relative_to(root).as_posix()] = hashlib.sha256(
+            ("".join(parts) + hashlib.sha256(text).hexdigest()).encode()
         ).hexdigest()
-        for f in files
-    }
     return shared, keys
 
 

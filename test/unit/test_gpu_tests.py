@@ -156,6 +156,7 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
     files = {
         "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
         "python/product.py": "X = 1\n",
+        "benchmark/tool.py": "Y = 1\n",
         "test/kernels/test_a.py": """
             import pytest
             @pytest.mark.gpu
@@ -166,7 +167,7 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
         "test/e2e/test_b.py": """
             import pathlib, time, pytest
             @pytest.mark.gpu
-            def test_hangs_while_told_to():
+            def test_hangs_while_told_to():  # (it would load benchmark/tool.py)
                 with open("runs_b", "a") as f:
                     f.write("x")
                 if pathlib.Path("hang").exists():  # not a source file: no new suite
@@ -204,3 +205,7 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
     doc = session(4, 30)
     assert doc["counts"] == {"passed": 2} and runs() == ("xxx", "xxx")
     assert doc["git_commits"] == ["c4"]
+    # session 5: benchmark code changed: only the file that names it runs again
+    (root / "benchmark/tool.py").write_text("Y = 2\n")
+    doc = session(5, 30)
+    assert doc["counts"] == {"passed": 2} and runs() == ("xxx", "xxxx")
