@@ -66,6 +66,23 @@ READS: tuple[Read, ...] = (
     # the prefix's length, whose slots are already in the row.
     Read("req.prefix", "sglang.srt.managers.schedule_batch.Req", "prefix_indices", ("0.5.17",)),
     Read("req.prefix", "sglang.srt.managers.schedule_batch.Req", "prefix_len", ("0.5.23",)),
+    # The length of a request's row the prefix cache owns (matched or inserted): a Req
+    # field, then its KV record's.
+    Read(
+        "req.protected",
+        "sglang.srt.managers.schedule_batch.Req",
+        "cache_protected_len",
+        ("0.5.17",),
+    ),
+    Read(
+        "req.protected",
+        "sglang.srt.managers.schedule_batch.ReqKvInfo",
+        "kv.cache_protected_len",
+        ("0.5.23",),
+    ),
+    # A request's cache salt, which namespaces the prefix tree apart from `extra_key`
+    # (0.5.23; 0.5.17 folds a salt into `extra_key`).
+    Read("req.salt", "sglang.srt.managers.schedule_batch.Req", "cache_salt", ("0.5.23",)),
     # A request's output token ids (the same in every release; read, so the check at
     # plugin load notices a rename).
     Read("req.output", "sglang.srt.managers.schedule_batch.Req", "output_ids", SUPPORTED),
@@ -146,7 +163,13 @@ FEATURES: dict[str, tuple[str, ...]] = {
     # The `psa` radix cache (`mem_cache.psa_radix_cache`) subclasses this release's
     # `RadixCache` and overrides its calls as they are there (tested against it): SGLang's
     # registry then offers it as `--radix-cache-backend psa`.
-    "psa_radix_cache": ("0.5.17",),
+    "psa_radix_cache": ("0.5.17", "0.5.23"),
+    # SGLang caches a request in its tree through `checkpoint(req, up_to=...)` (each chunk
+    # and at release), frees the request's row outside the tree (`free_kv_row`), ends
+    # with `on_release`, and reads a matched prefix's slots at allocation
+    # (`prefix_device_indices`); a match is a length (`MatchResult.device_prefix_len`).
+    # 0.5.17: `cache_unfinished_req` / `cache_finished_req`, a match is its slots.
+    "tree_checkpoint": ("0.5.23",),
     # `alloc_for_decode` advances a request's committed KV length with its allocated one
     # (0.5.17: `prepare_for_decode` advances `Req.kv_committed_len` after it);
     # `mem_cache.decode_alloc` does as the release does.
@@ -224,6 +247,19 @@ def write(obj, key: str, value) -> None:
 def req_row(req) -> int | None:
     """A request's row in SGLang's request table (None: it holds none)."""
     return read(req, "req.row")
+
+
+def req_protected_len(req) -> int:
+    """The length of a request's row the prefix cache owns (its match, then its inserts)."""
+    return read(req, "req.protected", 0)
+
+
+def req_salt(req) -> str | None:
+    """A request's cache salt where the release keeps it apart from `extra_key` (None:
+    no salt, or a release that folds it into `extra_key`)."""
+    if not any(r.key == "req.salt" and applies(r.releases) for r in READS):
+        return None
+    return read(req, "req.salt") or None
 
 
 def req_prefix_len(req) -> int:

@@ -1,9 +1,11 @@
 """The keeper of saved prefix blocks (`PrefixIndex`): chained block hashes -> host ids.
 
 `--psa-kv-home tiered` with the `psa` radix cache (`mem_cache.psa_radix_cache`). Block
-`b` of a request is named by `hash(extra_key, tokens of blocks 0..b)` (each hash chains
+`b` of a request is named by `hash(namespace, tokens of blocks 0..b)` (each hash chains
 the previous one, as nano-vllm's block manager keys blocks), so an entry does not depend
-on SGLang's tree: a node split, merge or deletion changes nothing here, and a node SGLang
+on SGLang's tree: the namespace is the request's `extra_key` and, where SGLang keys its
+tree by it too (0.5.23), its cache salt (`seed`), so requests of different salts never
+share a host block; a node split, merge or deletion changes nothing here, and a node SGLang
 deletes when it leaves HBM keeps its host blocks in the index.
 
 Only acknowledged saves enter (`saved`, called by the write-back's acknowledgement), and
@@ -27,18 +29,31 @@ from sglang_psa.mem_cache.host_blocks import HostBlocks
 from sglang_psa.mem_cache.request_kv import RequestKV
 
 
+def seed(extra_key: str | None, salt: str | None = None) -> bytes:
+    """The start of a namespace's hash chain: `extra_key`'s bytes without a salt (the
+    hashes of unsalted requests do not depend on salting), else a digest of both."""
+    base = (extra_key or "").encode()
+    if salt is None:
+        return base
+    h = hashlib.blake2b(b"cache_salt\0" + salt.encode() + b"\0", digest_size=16)
+    h.update(base)
+    return h.digest()
+
+
 def chain_hashes(
     extra_key: str | None,
     tokens: Sequence[int],
     block_size: int,
     blocks: int,
     known: Sequence[bytes] = (),
+    salt: str | None = None,
 ) -> list[bytes]:
     """The chained hashes of the first `blocks` whole blocks of `tokens` (at most as many
-    as there are), reusing `known` (the hashes of a prefix of them)."""
+    as there are) in the namespace of `extra_key` and `salt`, reusing `known` (the
+    hashes of a prefix of them)."""
     out = list(known[:blocks])
     blocks = min(blocks, len(tokens) // block_size)
-    prev = out[-1] if out else (extra_key or "").encode()
+    prev = out[-1] if out else seed(extra_key, salt)
     for b in range(len(out), blocks):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(array("q", tokens[b * block_size : (b + 1) * block_size]).tobytes())
@@ -67,8 +82,8 @@ class PrefixIndex:
         self._hash: dict[int, bytes] = {}  # host id -> its hash
         self._parent: dict[bytes, bytes | None] = {}
         self._children: dict[bytes, set[bytes]] = {}
-        # rid -> (extra_key, token source, hashes computed so far)
-        self._tracked: dict[Hashable, tuple[str | None, Callable[[], Sequence[int]], list]] = {}
+        # rid -> ((extra_key, salt), token source, hashes computed so far)
+        self._tracked: dict[Hashable, tuple[tuple, Callable[[], Sequence[int]], list]] = {}
         self._walked: dict[Hashable, int] = {}  # rid -> its leading blocks the index names
         self.listeners: list[Callable[[list[int]], None]] = []
         self.orphans = 0  # entries that left because an earlier block's entry left first
@@ -85,8 +100,10 @@ class PrefixIndex:
         return len(self._ids)
 
     # -- lookups ----------------------------------------------------------------------
-    def hashes(self, extra_key: str | None, tokens: Sequence[int], blocks: int) -> list[bytes]:
-        return chain_hashes(extra_key, tokens, self.block_size, blocks)
+    def hashes(
+        self, extra_key: str | None, tokens: Sequence[int], blocks: int, salt: str | None = None
+    ) -> list[bytes]:
+        return chain_hashes(extra_key, tokens, self.block_size, blocks, salt=salt)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Host ids of the longest indexed prefix of `hashes`, in block order."""
@@ -106,11 +123,19 @@ class PrefixIndex:
         return i in self._hash
 
     # -- requests and their acknowledgements --------------------------------------------
-    def track(self, rid: Hashable, extra_key: str | None, tokens: Callable[[], Sequence[int]]):
-        """`rid`'s blocks are hashed from `tokens()` (its tokens so far) when saved."""
+    def track(
+        self,
+        rid: Hashable,
+        extra_key: str | None,
+        tokens: Callable[[], Sequence[int]],
+        salt: str | None = None,
+    ):
+        """`rid`'s blocks are hashed from `tokens()` (its tokens so far) in the namespace
+        of `extra_key` and `salt` when saved."""
+        ns = (extra_key, salt)
         old = self._tracked.get(rid)
-        known = old[2] if old is not None and old[0] == extra_key else []
-        self._tracked[rid] = (extra_key, tokens, known)
+        known = old[2] if old is not None and old[0] == ns else []
+        self._tracked[rid] = (ns, tokens, known)
 
     def untrack(self, rid: Hashable) -> None:
         self._tracked.pop(rid, None)
@@ -122,9 +147,9 @@ class PrefixIndex:
         t = self._tracked.get(rid)
         if t is None:
             return []
-        extra_key, tokens, known = t
+        (extra_key, salt), tokens, known = t
         if len(known) < blocks:
-            known[:] = chain_hashes(extra_key, tokens(), self.block_size, blocks, known)
+            known[:] = chain_hashes(extra_key, tokens(), self.block_size, blocks, known, salt)
         return known[:blocks]
 
     def saved(self, rec: RequestKV) -> int:

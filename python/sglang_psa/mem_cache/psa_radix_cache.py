@@ -7,11 +7,18 @@ Each override calls SGLang's method and adds the tiered store's part:
   resumes); a request (`params.req`) adopts the host ids of its whole matched prefix
   (`TieredRequests.adopt`). Where it cannot (the host tier's reservations are short), the
   match stops before the first block it would read from the host tier.
-- `cache_unfinished_req` / `cache_finished_req`: after SGLang's insert (its duplicate
-  pages freed, the row rewritten with the tree's pages), the request's blocks that the
-  index names with another id switch to that id (`HostBlocks.switch`; their unissued
-  saves dropped) and its own saved blocks the index lacks enter it; the row's prefix is
-  the tree's (a host-only block another request computed meanwhile reads its page).
+  From 0.5.23 on a match is a length (`device_prefix_len`), extended the same way, and
+  SGLang reads its slots at allocation (`prefix_device_indices`: the tree's path, then
+  the extension's entries at page 0).
+- the insert (0.5.17: `cache_unfinished_req` / `cache_finished_req`; 0.5.23:
+  `checkpoint`, each chunk and at release): after SGLang's insert (its duplicate pages
+  freed, the row rewritten with the tree's pages), the request's blocks that the index
+  names with another id switch to that id (`HostBlocks.switch`; their unissued saves
+  dropped) and its own saved blocks the index lacks enter it; the row's prefix is the
+  tree's (a host-only block another request computed meanwhile reads its page).
+- 0.5.23's release: `free_kv_row` (the row's frees outside the tree) skips entries at
+  page 0 as the tree's own frees do; `on_release` drops the request's state (released
+  uninserted, a retraction or an abort: its blocks are switched as at an insert first).
 - `evict`: SGLang's LRU eviction, repeated until `num_tokens` HBM slots are free; entries
   at page 0 never reach the allocator. `evictable_size` / `protected_size` count HBM
   slots only (page-0 tokens per node move between the two in the lock walks).
@@ -27,7 +34,9 @@ Each override calls SGLang's method and adds the tiered store's part:
 
 Tree nodes carry `psa_host`: per block of the node, the host id of a block at page 0
 (None where the block has an HBM page), or None for a node with no block at page 0.
-The page size is the PSA block size.
+The page size is the PSA block size. The prefix index's namespace is the request's
+`extra_key` and its cache salt (0.5.23 keys its tree by both; 0.5.17 has the salt in
+`extra_key`).
 """
 
 from __future__ import annotations
@@ -41,27 +50,44 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang_psa.mem_cache.prefix_index import PrefixIndex
 from sglang_psa.mem_cache.request_kv import TieredRequests
 from sglang_psa.mem_cache.residency import AT_PAGE0
-from sglang_psa.releases import req_row
+from sglang_psa.releases import has, req_protected_len, req_row, req_salt
 
 BACKEND = "psa"
 
-# SGLang 0.5.17's `RadixCache` methods overridden here, with the parameters each override
-# passes on to `super()` (in order): the hook table's signature checks cover them.
-OVERRIDES: tuple[tuple[str, tuple[str, ...]], ...] = (
+# The release caches requests through `checkpoint` / `free_kv_row` / `on_release` and
+# matches a prefix as a length (0.5.23), not through `cache_*_req` with its slots (0.5.17).
+_CHECKPOINT = has("tree_checkpoint")
+
+_SHARED = (
     ("__init__", ("self", "params")),
     ("reset", ("self",)),
     ("match_prefix", ("self", "params")),
-    ("cache_unfinished_req", ("self", "req", "chunked")),
-    ("cache_finished_req", ("self", "req", "is_insert", "kv_len_to_handle")),
     ("evict", ("self", "params")),
     ("inc_lock_ref", ("self", "node")),
     ("dec_lock_ref", ("self", "node", "params")),
     ("evictable_size", ("self",)),
     ("protected_size", ("self",)),
-    ("_insert_helper", ("self", "node", "key", "value", "priority", "chunked")),
     ("_split_node", ("self", "key", "child", "split_len")),
     ("_delete_leaf", ("self", "node")),
 )
+# Per release, SGLang's `RadixCache` methods overridden here, with the parameters each
+# override passes on to `super()` (in order); the test checks them against SGLang's.
+OVERRIDES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "0.5.17": _SHARED
+    + (
+        ("cache_unfinished_req", ("self", "req", "chunked")),
+        ("cache_finished_req", ("self", "req", "is_insert", "kv_len_to_handle")),
+        ("_insert_helper", ("self", "node", "key", "value", "priority", "chunked")),
+    ),
+    "0.5.23": _SHARED
+    + (
+        ("checkpoint", ("self", "req", "up_to")),
+        ("free_kv_row", ("self", "kv", "ranges")),
+        ("on_release", ("self", "req", "checkpointed")),
+        ("prefix_device_indices", ("self", "req")),
+        ("_insert_helper", ("self", "node", "key", "value", "priority", "inserted_len")),
+    ),
+}
 
 
 class _HbmOnly:
@@ -158,8 +184,21 @@ class PsaRadixCache(RadixCache):
         return super().dec_lock_ref(node, params)
 
     # -- tree structure: page-0 blocks follow their nodes -------------------------------
-    def _insert_helper(self, node, key, value, priority=0, chunked=False):
-        prefix_len, last = super()._insert_helper(node, key, value, priority, chunked)
+    if _CHECKPOINT:
+
+        def _insert_helper(self, node, key, value, priority=0, inserted_len=0):
+            return self._psa_insert(node, key, value, priority, inserted_len)
+
+    else:
+
+        def _insert_helper(self, node, key, value, priority=0, chunked=False):
+            return self._psa_insert(node, key, value, priority, chunked)
+
+    def _psa_insert(self, node, key, value, priority, rest):
+        """SGLang's `_insert_helper` (`rest`: its fifth argument, `chunked` in 0.5.17,
+        `inserted_len` from 0.5.23 on); the node it creates for the key's tail names the
+        inserting request's blocks at page 0."""
+        prefix_len, last = super()._insert_helper(node, key, value, priority, rest)
         if not hasattr(last, "psa_host"):  # SGLang created it for the key's tail
             last.psa_host = None
             rec = self._inserting
@@ -230,11 +269,11 @@ class PsaRadixCache(RadixCache):
         if rec is not None and (rec.row is not None or rec.parked):
             return res  # running or parked: its blocks are its own already
         ps, key = self.page_size, params.key
-        self.index.track(req.rid, key.extra_key, lambda: req.origin_input_ids + req.output_ids)
+        self._track(req)
         # The saved run of the key's blocks: beyond the device match it is read from the
         # host tier; short of it (a device block not saved yet) only the run is adopted.
         want = self.index.lookup(self.index.request_hashes(req.rid, len(key) // ps))
-        extra = max(0, len(want) - len(res.device_indices) // ps)
+        extra = max(0, len(want) - _match_len(res) // ps)
         if rec is not None and rec.host == want:
             ok = True
         else:
@@ -247,39 +286,40 @@ class PsaRadixCache(RadixCache):
         if not extra:
             return res
         self._maybe_page0.add(req.rid)
+        if _CHECKPOINT:  # SGLang reads the slots at allocation (`prefix_device_indices`)
+            return res._replace(device_prefix_len=res.device_prefix_len + extra * ps)
         zeros = torch.arange(extra * ps, dtype=torch.int64, device=res.device_indices.device)
         return res._replace(device_indices=torch.cat([res.device_indices, zeros % ps]))
 
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        """(0.5.23) The slots of `req`'s matched prefix (`req.prefix_len`, its locked
+        `req.last_node`): the tree's path, then the blocks the index extended the match
+        with, at page 0."""
+        path = self.path_device_indices(req.last_node)
+        n = req.prefix_len
+        if len(path) >= n:
+            return path[:n]
+        ps = self.page_size
+        assert len(path) % ps == 0 and n % ps == 0, (req.rid, len(path), n)
+        self._verify_page0(path, self._page0_blocks(req.last_node))
+        zeros = torch.arange(n - len(path), dtype=torch.int64, device=path.device) % ps
+        return torch.cat([path.to(torch.int64), zeros])
+
     def cache_unfinished_req(self, req, chunked=False):
-        rec = self._inserting = self.requests.records.get(req.rid)
-        if rec is not None and rec.evicted is not None:
-            self._maybe_page0.add(req.rid)  # (residency gave pages of its blocks back)
+        """(0.5.17) SGLang's insert of a running request, then the tiered store's part."""
+        rec = self._before_insert(req)
         try:
             with self._hbm_frees():
                 super().cache_unfinished_req(req, chunked)
         finally:
             self._inserting = None
-        if rec is None or self.disable:
-            return
-        n = req.cache_protected_len
-        if req.rid in self._maybe_page0:
-            # The row's prefix is the tree's: SGLang rewrote it from the old protected
-            # length on; before it, a block read from the host tier may have been
-            # computed by another request meanwhile (the tree has its page).
-            self.req_to_token_pool.write((req_row(req), slice(0, n)), req.prefix_indices[:n])
-        self._share(req, rec, n // self.page_size)
-        if self._host_nodes and rec.row is not None:
-            # SGLang rewrote the row with the tree's entries, some at page 0 (blocks it
-            # computed that the tree has only in the host tier): decode reads them there.
-            zero = self._page0_blocks(req.last_node)
-            if zero:
-                self._maybe_page0.add(req.rid)
-                self.wb.read_from_host(req.rid, zero)
+        if rec is not None and not self.disable:
+            self._after_insert(req, rec)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
-        rec = self._inserting = self.requests.records.get(req.rid)
-        if rec is not None and rec.evicted is not None:
-            self._maybe_page0.add(req.rid)
+        """(0.5.17) SGLang's insert (`is_insert`) and frees of an ending request, then its
+        blocks switch to the index's ids (inserted or not)."""
+        rec = self._before_insert(req)
         try:
             with self._hbm_frees():
                 super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
@@ -290,6 +330,80 @@ class PsaRadixCache(RadixCache):
         if rec is not None and not self.disable:
             self._share(req, rec, kv_len_to_handle // self.page_size)
         # (the index tracks its tokens until its release: saves in flight still land)
+
+    def checkpoint(self, req, *, up_to: int, **kwargs):
+        """(0.5.23) SGLang's insert of `req`'s row up to `up_to` (a chunk, or at release),
+        then the tiered store's part: a finished request's blocks switch to the index's
+        ids (as `cache_finished_req`), a running one's too, its row's prefix the tree's
+        (as `cache_unfinished_req`)."""
+        rec = self._before_insert(req)
+        try:
+            with self._hbm_frees():
+                super().checkpoint(req, up_to=up_to, **kwargs)
+        finally:
+            self._inserting = None
+        if rec is None or self.disable:
+            return
+        if req.finished():
+            self._share(req, rec, up_to // self.page_size)
+        else:
+            self._after_insert(req, rec)
+
+    def free_kv_row(self, kv, ranges):
+        """(0.5.23) SGLang frees row positions `ranges` of `kv`'s row (outside the tree):
+        the request's entries at page 0 (its blocks that left HBM) are skipped, as in the
+        tree's own frees."""
+        row = kv.req_pool_idx
+        rec = next((r for r in self.requests.records.values() if r.row == row), None)
+        prev, self._inserting = self._inserting, rec
+        if rec is not None and rec.evicted is not None:
+            self._maybe_page0.add(rec.rid)
+        try:
+            with self._hbm_frees():
+                super().free_kv_row(kv, ranges)
+        finally:
+            self._inserting = prev
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        """(0.5.23) `req` left (its row freed, its lock dropped; the tiered store releases
+        it next): its state here goes. Released uninserted (`checkpointed` false: a
+        retraction or an abort), its blocks switch to the index's ids first, as 0.5.17's
+        `cache_finished_req(is_insert=False)` does, so its saves still landing enter the
+        index along the chain."""
+        super().on_release(req, checkpointed=checkpointed)
+        self._maybe_page0.discard(req.rid)
+        self._reqs.pop(req.rid, None)
+        rec = self.requests.records.get(req.rid)
+        if not checkpointed and rec is not None and not self.disable:
+            self._share(req, rec, rec.planned)
+
+    def _before_insert(self, req):
+        """SGLang inserts `req`'s row: its record (None: not at the tiered store), set as
+        the one inserting, its row looked at for page 0 where blocks left HBM."""
+        rec = self._inserting = self.requests.records.get(req.rid)
+        if rec is not None and rec.evicted is not None:
+            self._maybe_page0.add(req.rid)  # (residency gave pages of its blocks back)
+        return rec
+
+    def _after_insert(self, req, rec) -> None:
+        """After SGLang's insert of running `req` (its lock moved to its new `last_node`):
+        its row's prefix is the tree's, its blocks switch to the index's ids, and the
+        tree's entries at page 0 on its path are read from the host tier."""
+        n = req_protected_len(req)
+        if req.rid in self._maybe_page0:
+            # The row's prefix is the tree's: SGLang rewrote it from the old protected
+            # length on; before it, a block read from the host tier may have been
+            # computed by another request meanwhile (the tree has its page).
+            slots = self._path_slots(req.last_node) if _CHECKPOINT else req.prefix_indices
+            self.req_to_token_pool.write((req_row(req), slice(0, n)), slots[:n])
+        self._share(req, rec, n // self.page_size)
+        if self._host_nodes and rec.row is not None:
+            # SGLang rewrote the row with the tree's entries, some at page 0 (blocks it
+            # computed that the tree has only in the host tier): decode reads them there.
+            zero = self._page0_blocks(req.last_node)
+            if zero:
+                self._maybe_page0.add(req.rid)
+                self.wb.read_from_host(req.rid, zero)
 
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
@@ -312,6 +426,21 @@ class PsaRadixCache(RadixCache):
         self.index.untrack(rid)
         self._maybe_page0.discard(rid)
         self._reqs.pop(rid, None)
+
+    def _track(self, req) -> None:
+        """The index hashes `req`'s blocks in its namespace (extra key and cache salt)."""
+        self.index.track(
+            req.rid,
+            req.extra_key,
+            lambda: req.origin_input_ids + req.output_ids,
+            salt=req_salt(req),
+        )
+
+    def _path_slots(self, node: TreeNode) -> torch.Tensor:
+        """The tree's slots on the path to `node` (SGLang's `path_device_indices`, which
+        0.5.17 lacks)."""
+        vals = [n.value for n in self._nodes(node)]
+        return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
 
     def _nodes(self, node: TreeNode) -> list[TreeNode]:
         """The tree path from the root's child to `node`."""
@@ -342,13 +471,16 @@ class PsaRadixCache(RadixCache):
         """For residency, when `req`'s extend is set up (`Residency.read_prefix_from_host`):
         the blocks of its matched prefix at page 0 (held only in the host tier): the
         tree's entries there on its path, then the blocks the index extended the match
-        with (their entries at page 0 up to its prefix's end); from the tree, no GPU read."""
-        if req.prefix_indices is None or not (req.rid in self._maybe_page0 or self._host_nodes):
+        with (their entries at page 0 up to the row's part the tree owns, which is the
+        match before its first insert); from the tree, no GPU read (`verify`: the row)."""
+        own = req_protected_len(req)
+        if not own or not (req.rid in self._maybe_page0 or self._host_nodes):
             return []
         path = sum(len(n.key) for n in self._nodes(req.last_node)) // self.page_size
         zero = self._page0_blocks(req.last_node)
-        zero += range(path, len(req.prefix_indices) // self.page_size)
-        self._verify_page0(req.prefix_indices, zero)
+        zero += range(path, own // self.page_size)
+        if self.verify and req_row(req) is not None:
+            self._verify_page0(self.req_to_token_pool.req_to_token[req_row(req), :own], zero)
         return zero
 
     def _verify_page0(self, slots: torch.Tensor, zero: list[int]) -> None:
@@ -393,7 +525,7 @@ class PsaRadixCache(RadixCache):
             starts.append(at)
             at += len(node.key) // ps
         # Before its first insert, a prefix's blocks after the tree's are at page 0.
-        pre = 0 if req.prefix_indices is None else len(req.prefix_indices) // ps
+        pre = req_protected_len(req) // ps
         waiting = None  # nodes on the paths of requests matched, not admitted
         for b in blocks:
             if b >= at:
@@ -454,7 +586,7 @@ class PsaRadixCache(RadixCache):
     def _share(self, req, rec, blocks: int) -> None:
         """`rec`'s first `blocks` blocks are in the tree: those the index names with
         another id switch to it; its saved blocks the index lacks enter it."""
-        self.index.track(req.rid, req.extra_key, lambda: req.origin_input_ids + req.output_ids)
+        self._track(req)
         n = min(blocks, rec.planned)
         ids = self.index.lookup(self.index.request_hashes(req.rid, n))
         moves = []  # (block, its old id)
@@ -478,15 +610,16 @@ class PsaRadixCache(RadixCache):
         """The first block of a match at page 0 (its length in blocks if none): SGLang's
         match is the tree's path, whose page-0 blocks the nodes name."""
         zero = self._page0_blocks(res.last_device_node)
-        self._verify_page0(res.device_indices, zero)
-        return zero[0] if zero else len(res.device_indices) // self.page_size
+        if self.verify:
+            self._verify_page0(self._path_slots(res.last_device_node), zero)
+        return zero[0] if zero else _match_len(res) // self.page_size
 
     def _cut_match(self, res: MatchResult, blocks: int) -> MatchResult:
         """`res` cut to its first `blocks` blocks (the tree split at the boundary)."""
         ps, end = self.page_size, blocks * self.page_size
-        if end >= len(res.device_indices):
+        if end >= _match_len(res):
             return res
-        node, stop = res.last_device_node, len(res.device_indices)  # node: [stop - len, stop)
+        node, stop = res.last_device_node, _match_len(res)  # node: [stop - len, stop)
         while node is not self.root_node and stop - len(node.key) >= end:
             stop -= len(node.key)
             node = node.parent
@@ -494,8 +627,12 @@ class PsaRadixCache(RadixCache):
         if node is not self.root_node and end - start < len(node.key):
             node = self._split_node(node.key, node, end - start)
         assert end % ps == 0
+        if _CHECKPOINT:
+            cut = {"device_prefix_len": end}
+        else:
+            cut = {"device_indices": res.device_indices[:end]}
         return res._replace(
-            device_indices=res.device_indices[:end],
+            **cut,
             last_device_node=node,
             last_host_node=node,
             best_match_node=node,
@@ -525,7 +662,10 @@ class PsaRadixCache(RadixCache):
                     raise RuntimeError("a locked tree node lost a host block at page 0")
                 self.token_to_kv_pool_allocator.free_segment(n.value, start_pos=0)
                 self._delete_leaf(n)
-                self._record_remove_event(n)
+                if _CHECKPOINT:
+                    self.kv_events.record_remove(n)
+                else:
+                    self._record_remove_event(n)
 
     def check_integrity(self) -> None:
         """The tree's page-0 blocks: each names a kept or held host id the index has, the
@@ -554,6 +694,11 @@ class PsaRadixCache(RadixCache):
         assert (ev, pr) == (self.evictable_size(), self.protected_size()), (
             f"HBM sizes {(self.evictable_size(), self.protected_size())}, tree has {(ev, pr)}"
         )
+
+
+def _match_len(res: MatchResult) -> int:
+    """The tokens of a match on the device (a length from 0.5.23 on, slots before)."""
+    return res.device_prefix_len if _CHECKPOINT else len(res.device_indices)
 
 
 def factory(ctx) -> PsaRadixCache:

@@ -797,7 +797,7 @@ def test_overrides_match_sglang_radix_cache():
 
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    for name, params in psa_radix_cache.OVERRIDES:
+    for name, params in psa_radix_cache.OVERRIDES[releases.release()]:
         theirs = list(inspect.signature(getattr(RadixCache, name)).parameters)
         ours = list(inspect.signature(getattr(PsaRadixCache, name)).parameters)
         assert theirs == list(params), (name, theirs)
