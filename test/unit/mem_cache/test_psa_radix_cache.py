@@ -1,8 +1,11 @@
 """The `psa` radix cache (`PsaRadixCache`, SGLang's `RadixCache` subclassed) over the
 tiered store, on CPU: SGLang's real ReqToTokenPool, paged allocator and tree, the real
 write-back (the uva path), host blocks, prefix index and request records, driven in the
-scheduler's call order (match_prefix -> admit and lock -> prefill -> cache_unfinished_req
--> decode -> cache_finished_req -> release -> evict) for requests sharing prefixes.
+scheduler's call order (match_prefix -> admit and lock -> prefill -> insert -> decode ->
+release -> evict) for requests sharing prefixes, through the installed release's calls:
+0.5.17's `cache_unfinished_req` / `cache_finished_req`, 0.5.23's `checkpoint_kv_cache` /
+`release_kv_cache` (`sglang.srt.mem_cache.common`, which call `checkpoint`,
+`free_kv_row`, `unlock` and `on_release`) and `prefix_device_indices` at allocation.
 After every call (docs/prefix-tiered.md): every host id is held by exactly the records
 naming it, kept, or free (1); a request's row equals its tree path, whose page-0 blocks
 are its own host ids, and right after its insert its indexed blocks are the index's ids
@@ -30,10 +33,10 @@ from sglang_psa import releases  # noqa: E402
 
 if not releases.has("psa_radix_cache"):
     pytest.skip(
-        f"--radix-cache-backend psa is SGLang 0.5.17's; SGLang {releases.release()} "
-        "matches a prefix as a length, not KV indices, and the plugin does not offer it there",
+        f"--radix-cache-backend psa is not offered on SGLang {releases.release()}",
         allow_module_level=True,
     )
+CHECKPOINT = releases.has("tree_checkpoint")  # 0.5.23's calls, else 0.5.17's
 
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
@@ -55,10 +58,33 @@ PAGES, ROWS, CTX, HOST_BLOCKS = 40, 6, 64, 28
 
 
 class _Req(SimpleNamespace):
-    """SGLang's `Req` as the calls here read it (hashed and compared by identity)."""
+    """SGLang's `Req` as the calls here read it (hashed and compared by identity); 0.5.23
+    keeps its row and lengths in `kv` (SGLang's `ReqKvInfo`)."""
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
+
+    @property
+    def row(self) -> int | None:
+        return releases.req_row(self)
+
+    @property
+    def protected(self) -> int:
+        return releases.req_protected_len(self)
+
+    # -- 0.5.23's Req methods and fields as the calls read them
+    @property
+    def full_untruncated_fill_ids(self):
+        return self.origin_input_ids + self.output_ids
+
+    def refresh_fill_ids(self) -> None:
+        pass
+
+    def finished(self) -> bool:
+        return self.done
+
+    def owned_kv_len(self) -> int:
+        return self.kv.kv_committed_len
 
 
 class _Store:
@@ -103,22 +129,64 @@ class _Store:
         self.cache.verify = True  # each page-0 answer from host records against the entries
         self.rows = list(range(ROWS - 1, 0, -1))
         self.live: dict[str, SimpleNamespace] = {}  # matched, not released
+        self._patches = contextlib.ExitStack()
+        if CHECKPOINT:
+            # What `release_kv_cache` reads of the server's configuration (published by
+            # the launch, which this test does not run): no speculation, no stripping.
+            from unittest import mock
+
+            from sglang.srt.mem_cache import common
+
+            for name, bag in (
+                ("get_spec", SimpleNamespace(speculative_algorithm=None)),
+                ("get_serving", SimpleNamespace(strip_thinking_cache=False)),
+            ):
+                self._patches.enter_context(mock.patch.object(common, name, lambda b=bag: b))
 
     # -- SGLang's request and the scheduler's calls ------------------------------------
-    def arrive(self, rid: str, prompt: list[int], max_new: int = 4) -> _Req:
+    def arrive(self, rid: str, prompt: list[int], max_new: int = 4, salt=None) -> _Req:
         req = _Req(
             rid=rid, origin_input_ids=array("q", prompt), output_ids=array("q"),
-            extra_key=None, priority=0, req_pool_idx=None, last_node=None,
-            prefix_indices=torch.empty(0, dtype=torch.int64), cache_protected_len=0,
-            input_embeds=None, return_logprob=False, logprob_start_len=-1, max_new=max_new,
-            kv_len=0,
+            extra_key=None, priority=0, last_node=None, input_embeds=None,
+            return_logprob=False, logprob_start_len=-1, max_new=max_new, kv_len=0,
+            slots=torch.empty(0, dtype=torch.int64), done=False,
         )  # fmt: skip
+        if CHECKPOINT:
+            from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+            vars(req).update(
+                kv=ReqKvInfo(), prefix_len=0, lock=None, cache_salt=salt, extend_end=0,
+                skip_radix_cache_insert=False, finished_len=None,
+                _compute_max_prefix_len=lambda n: n - 1,
+            )  # fmt: skip
+        else:
+            assert salt is None, "0.5.17 keys a salt as extra_key"
+            vars(req).update(
+                req_pool_idx=None, cache_protected_len=0,
+                prefix_indices=torch.empty(0, dtype=torch.int64),
+            )  # fmt: skip
         req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
         self.live[rid] = req
         return req
 
+    def prefix(self, req) -> torch.Tensor:
+        """The slots of `req`'s matched prefix, as its allocation writes them into its row
+        (0.5.23: `prefix_device_indices`, the tree's path and page-0 entries after it)."""
+        if not CHECKPOINT:
+            return req.prefix_indices
+        if req.row is not None:
+            return self.rtp.req_to_token[req.row, : req.prefix_len]
+        return self.cache.prefix_device_indices(req)
+
     def match(self, req) -> int:
         toks = req.get_fill_ids()
+        if CHECKPOINT:  # `Req.init_next_round_input`
+            from sglang.srt.mem_cache.common import match_kv_cache
+
+            match_kv_cache(req, self.cache, toks, max_prefix_len=len(toks) - 1)
+            req.kv.cache_protected_len = req.prefix_len
+            self.check()
+            return req.prefix_len
         res = self.cache.match_prefix(
             MatchPrefixParams(key=RadixKey(toks, req.extra_key, limit=len(toks) - 1), req=req)
         )
@@ -127,13 +195,25 @@ class _Store:
         self.check()
         return len(req.prefix_indices)
 
+    def _set_row(self, req, row) -> None:
+        if CHECKPOINT:
+            req.kv.req_pool_idx = row
+        else:
+            req.req_pool_idx = row
+
+    def _set_len(self, req, n: int) -> None:
+        """`req`'s KV is `n` tokens, allocated and computed (0.5.23 counts both)."""
+        req.kv_len = n
+        if CHECKPOINT:
+            req.kv.kv_committed_len = req.kv.kv_allocated_len = n
+
     def admit(self, req) -> bool:
         """The adder: the host tier's reservation, the lock, a row with the prefix and new
         pages for the rest of its tokens (a retracted request's include its output)."""
         n = len(req.get_fill_ids())
         if not self.wb.reserve(req.rid, n + req.max_new):
             return False
-        pre = len(req.prefix_indices)
+        pre = req.prefix_len if CHECKPOINT else len(req.prefix_indices)
         need = -(-(n - pre) // BS) * BS
         if need > self.alloc.available_size():
             self.cache.evict(EvictParams(num_tokens=need - self.alloc.available_size()))
@@ -141,15 +221,31 @@ class _Store:
         if slots is None:
             self.tiered.release(req.rid)
             return False
-        self.cache.inc_lock_ref(req.last_node)
-        req.req_pool_idx = self.rows.pop()
-        row = self.rtp.req_to_token[req.req_pool_idx]
-        row[:pre] = req.prefix_indices
+        if CHECKPOINT:
+            req.lock = self.cache.lock(req.last_node)
+        else:
+            self.cache.inc_lock_ref(req.last_node)
+        prefix = self.prefix(req)  # (0.5.23: `alloc_for_extend`, the path read now)
+        assert len(prefix) == pre
+        self._set_row(req, self.rows.pop())
+        row = self.rtp.req_to_token[req.row]
+        row[:pre] = prefix
         row[pre:n] = slots[: n - pre]
         req.slots = slots[n - pre :]  # the last page's spare slots
-        req.kv_len = n
+        self._set_len(req, n)
         self.check()
         return True
+
+    def insert(self, req) -> None:
+        """SGLang caches running `req` (a chunk's end, or after its prefill)."""
+        if CHECKPOINT:
+            from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+            req.extend_end = req.kv_len
+            checkpoint_kv_cache(req, self.cache)
+        else:
+            self.cache.cache_unfinished_req(req)
+        self.check(inserted=req)
 
     def prefill(self, req, ack: bool = True, insert: bool = True) -> None:
         """The extend: saves planned and issued; blocks adopted beyond the tree's pages
@@ -158,7 +254,7 @@ class _Store:
         wb.plan_extend([req], [req.kv_len])
         self.res.read_prefix_from_host([req])  # as PSAServing.plan_extend calls it
         rec = self.tiered.records.get(req.rid)
-        zero = (self.rtp.req_to_token[req.req_pool_idx, : req.kv_len : BS] < BS).nonzero()
+        zero = (self.rtp.req_to_token[req.row, : req.kv_len : BS] < BS).nonzero()
         zero = zero.flatten().tolist()
         if zero:  # read from the host tier and counted off HBM, so staging reads them too
             assert rec.evicted is not None and rec.evicted[zero].all(), (req.rid, zero)
@@ -170,8 +266,7 @@ class _Store:
         if ack:
             self.ack()
         if insert:
-            self.cache.cache_unfinished_req(req)
-            self.check(inserted=req)
+            self.insert(req)
 
     def decode(self, req, tokens: list[int]) -> None:
         for t in tokens:
@@ -182,9 +277,9 @@ class _Store:
                     self.cache.evict(EvictParams(num_tokens=BS))
                     page = self.alloc.alloc(BS)
                 req.slots = page
-            self.rtp.req_to_token[req.req_pool_idx, req.kv_len] = req.slots[0]
+            self.rtp.req_to_token[req.row, req.kv_len] = req.slots[0]
             req.slots = req.slots[1:]
-            req.kv_len += 1
+            self._set_len(req, req.kv_len + 1)
             self.wb.plan_decode([req], [req.kv_len])
             self.check()
         self.wb.issue_decode(self.pool.k_buffer, self.pool.v_buffer, self.rtp.req_to_token, True)
@@ -193,13 +288,25 @@ class _Store:
         wait_saved(self.wb)
         self.check()
 
-    def finish(self, req) -> None:
-        """`release_kv_cache`: SGLang caches the finished request, frees its row, then the
-        tiered store releases it."""
-        self.cache.cache_finished_req(req, kv_len_to_handle=req.kv_len)
-        self.rows.append(req.req_pool_idx)
+    def _release(self, req, insert: bool) -> None:
+        """`release_kv_cache`: SGLang caches the request (`insert`) and frees its row."""
+        row = req.row
+        if CHECKPOINT:
+            from sglang.srt.mem_cache.common import release_kv_cache
+
+            release_kv_cache(req, self.cache, checkpoint=insert)
+            assert req.row is None and req.lock is None
+        else:
+            self.cache.cache_finished_req(req, is_insert=insert, kv_len_to_handle=req.kv_len)
+            req.req_pool_idx = None
+        self.rows.append(row)
         self.alloc.free(req.slots) if len(req.slots) and req.kv_len % BS == 0 else None
-        req.req_pool_idx = None
+
+    def finish(self, req) -> None:
+        """SGLang caches the finished request, frees its row, then the tiered store
+        releases it."""
+        req.done = True
+        self._release(req, insert=True)
         self.tiered.release(req.rid, finished=True)
         del self.live[req.rid]
         self.check()
@@ -209,11 +316,14 @@ class _Store:
         SGLang frees what the request holds beyond the tree, the request is released
         (retracted: not finished) and waits with its tokens."""
         assert self.tiered.park(req, self.alloc) == 0  # with the index: nothing parked
-        self.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=req.kv_len)
-        self.rows.append(req.req_pool_idx)
-        self.alloc.free(req.slots) if len(req.slots) and req.kv_len % BS == 0 else None
-        req.req_pool_idx, req.slots = None, req.slots[:0]
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self._release(req, insert=False)
+        req.slots = req.slots[:0]
+        if CHECKPOINT:  # `Req.reset_for_retract`
+            req.prefix_len = req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
+            req.kv.kv_committed_len = 0
+            req.last_node = None
+        else:
+            req.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.tiered.release(req.rid)
         self.check()
 
@@ -245,13 +355,13 @@ class _Store:
         rt = self.rtp.req_to_token
         owned: list[int] = []
         for req in self.live.values():
-            if req.req_pool_idx is None:
+            if req.row is None:
                 continue
-            row = rt[req.req_pool_idx]
+            row = rt[req.row]
             path, ids = self._path(req.last_node)
             # (3) the row's prefix is the tree's path; page-0 blocks are the request's ids
             assert torch.equal(row[: len(path)], path), f"{req.rid}: row and tree diverge"
-            assert (row[len(path) : req.cache_protected_len] < BS).all()
+            assert (row[len(path) : req.protected] < BS).all()
             rec = self.tiered.records.get(req.rid)
             for b, i in enumerate(ids):
                 if i is not None:
@@ -264,11 +374,11 @@ class _Store:
                 # Decode never reads page 0: a block there is read from the host tier.
                 full = req.kv_len // BS
                 zero = (row[: full * BS : BS] < BS).nonzero().flatten().tolist()
-                loc = self.wb.host_loc[req.req_pool_idx]
+                loc = self.wb.host_loc[req.row]
                 assert [int(loc[b]) for b in zero] == [-rec.host[b] - 1 for b in zero], (
                     f"{req.rid}: blocks {zero} at page 0 not read from the host tier"
                 )
-            own = row[req.cache_protected_len : req.kv_len]
+            own = row[req.protected : req.kv_len]
             owned += sorted(set((own[own >= BS] // BS).tolist()))
             owned += sorted(set((req.slots // BS).tolist()) - set((own // BS).tolist()))
         tree: list[int] = []
@@ -278,7 +388,10 @@ class _Store:
             stack.extend(n.children.values())
             v = n.value[::BS]
             tree += (v[v >= BS] // BS).tolist()
-        free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
+        if hasattr(self.alloc, "get_all_free_pages"):  # 0.5.23: free and staged
+            free = self.alloc.get_all_free_pages().tolist()
+        else:
+            free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
         every = free + tree + owned
         assert sorted(every) == list(range(1, self.pages + 1)), "a page lost or held twice"
         assert self.cache.evictable_size() + self.cache.protected_size() == len(tree) * BS
@@ -288,7 +401,8 @@ class _Store:
 def _store(**kw):
     s = _Store(**kw)
     try:
-        yield s
+        with s._patches:
+            yield s
     finally:
         s.wb.close()
 
@@ -337,7 +451,7 @@ def test_a_retracted_request_is_matched_again_from_the_index_not_parked():
         assert len(ids) == full  # every full block, prompt and decoded, indexed and kept
         s.evict(10**6)
         assert s.match(a) == full * BS and s.tiered.records["a"].host == ids
-        assert (a.prefix_indices < BS).all()  # read from the host tier
+        assert (s.prefix(a) < BS).all()  # read from the host tier
         assert s.admit(a)
         s.prefill(a)
         s.decode(a, [7, 7, 7])
@@ -371,7 +485,7 @@ def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
         # b shares the stem: its prefix is a's blocks, read from the host tier (page 0).
         b = s.arrive("b", STEM + [9, 9, 9, 9, 9, 9, 9])
         assert s.match(b) == 3 * BS
-        assert (b.prefix_indices < BS).all() and b.last_node is s.cache.root_node
+        assert (s.prefix(b) < BS).all() and b.last_node is s.cache.root_node
         rec_b = s.tiered.records["b"]
         assert rec_b.host == a_ids[:3] and rec_b.saved == 3
         assert s.admit(b)
@@ -417,8 +531,8 @@ def test_a_refused_adoption_cuts_the_match_before_the_host_tier(hbm_blocks):
             s.evict(10**6)
         b = s.arrive("b", STEM + [9, 9, 9, 9, 9])
         assert s.match(b) == 3 * BS and s.admit(b)
-        assert (b.prefix_indices[hbm_blocks * BS :] < BS).all()
-        assert (b.prefix_indices[: hbm_blocks * BS] >= BS).all()
+        assert (s.prefix(b)[hbm_blocks * BS :] < BS).all()
+        assert (s.prefix(b)[: hbm_blocks * BS] >= BS).all()
         s.prefill(b)
         s.finish(b)
         assert len(s.cache._host_nodes) == 3 - hbm_blocks and s.wb.blocks.cached >= 3
@@ -453,8 +567,7 @@ def test_duplicate_blocks_switch_to_the_indexed_ids():
         rec_e, rec_f = s.tiered.records["e"], s.tiered.records["f"]
         own = list(rec_f.host)
         assert len(own) == 3 and not set(own) & set(rec_e.host)
-        s.cache.cache_unfinished_req(f)
-        s.check(inserted=f)
+        s.insert(f)
         assert rec_f.host == rec_e.host[:3] and (s.wb.blocks.refs[rec_e.host[:3]] == 2).all()
         assert (s.wb.blocks.refs[own] == 0).all()
         s.ack()  # f's saves to its old ids complete: ignored
@@ -476,8 +589,7 @@ def test_acks_after_the_insert_switch_at_the_next_insert():
         assert rec_e.host[:3] == rec_f.host[:3]
         s.decode(e, [1, 2, 3])
         s.ack()
-        s.cache.cache_unfinished_req(e)
-        s.check(inserted=e)
+        s.insert(e)
         s.finish(e)
         s.finish(f)
 
@@ -535,7 +647,7 @@ def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatc
                     wait_queue_entry_time=1.0,
                     trace_ctx=SimpleNamespace(abort=lambda **kw: None),
                 )
-                assert s.match(r) == 3 * BS and (r.prefix_indices < BS).all()
+                assert s.match(r) == 3 * BS and (s.prefix(r) < BS).all()
             assert (s.wb.blocks.refs[stem] == 5).all() and not set(stem) & set(s.wb.blocks.lru)
             assert {"b", "c", "d", "e", "f"} <= s.cache._maybe_page0
 
@@ -614,8 +726,8 @@ def test_residency_evicts_a_shared_block_for_every_holder():
         rec_a, rec_b = s.tiered.records["a"], s.tiered.records["b"]
         assert rec_a.host[:4] == rec_b.host[:4]
         rt = s.rtp.req_to_token
-        pages = (rt[a.req_pool_idx, [BS, 2 * BS]] // BS).tolist()
-        assert pages == (rt[b.req_pool_idx, [BS, 2 * BS]] // BS).tolist() and min(pages) > 0
+        pages = (rt[a.row, [BS, 2 * BS]] // BS).tolist()
+        assert pages == (rt[b.row, [BS, 2 * BS]] // BS).tolist() and min(pages) > 0
         free, s.released = s.alloc.available_size(), []
         assert s.res.evict("a", [1, 2], s.alloc) == 2 * BS
         s.check()
@@ -624,10 +736,10 @@ def test_residency_evicts_a_shared_block_for_every_holder():
         ids = rec_a.host[1:3]
         for req in (a, b):
             rec = s.tiered.records[req.rid]
-            row = rt[req.req_pool_idx]
+            row = rt[req.row]
             assert (row[BS : 3 * BS] < BS).all() and (row[:BS] >= BS).all()
-            assert s.wb.host_loc[req.req_pool_idx, 1:3].tolist() == [-i - 1 for i in ids]
-            assert s.wb.host_loc[req.req_pool_idx, 0] == 0
+            assert s.wb.host_loc[req.row, 1:3].tolist() == [-i - 1 for i in ids]
+            assert s.wb.host_loc[req.row, 0] == 0
             assert rec.evicted[1:3].all() and not rec.evicted[0] and not rec.evicted[3:].any()
         assert {s.cache._host_nodes[i] for i in ids} == {a.last_node}
         assert s.res.left_hbm[ids].all() and s.res.evictions == 2
@@ -637,14 +749,13 @@ def test_residency_evicts_a_shared_block_for_every_holder():
         # b's block 6, written by decode (saved, beyond the tree): b's alone.
         s.decode(b, [7, 7, 7, 7])
         s.ack()
-        assert rec_b.saved == 7 and b.cache_protected_len == 6 * BS
-        own = int(rt[b.req_pool_idx, 6 * BS]) // BS
+        assert rec_b.saved == 7 and b.protected == 6 * BS
+        own = int(rt[b.row, 6 * BS]) // BS
         s.released = []
         assert s.res.evict("b", [6], s.alloc) == BS and s.released == [own]
         s.check()
         assert rec_b.evicted[6] and (rec_a.evicted is None or not rec_a.evicted[4:].any())
-        s.cache.cache_unfinished_req(b)  # b's tail enters the tree, block 6 at page 0
-        s.check(inserted=b)
+        s.insert(b)  # b's tail enters the tree, block 6 at page 0
         assert s.cache._host_nodes[rec_b.host[6]] is b.last_node
         assert len(b.last_node.key) == BS and s.released == [own]
         s.decode(a, [5])
@@ -671,13 +782,12 @@ def test_a_switched_block_that_left_hbm_moves_its_units():
         assert s.res.evict("f", [1], s.alloc) == BS
         live = s.res.cache.live
         assert s.res.left_hbm[own] and live[own] == 1
-        s.cache.cache_unfinished_req(f)
-        s.check(inserted=f)
+        s.insert(f)
         new = rec_f.host[1]
         assert new == rec_e.host[1] and s.wb.blocks.refs[own] == 0
         assert not s.res.left_hbm[own] and live[own] == 0
         assert s.res.left_hbm[new] and live[new] == 1 and rec_f.evicted[1]
-        assert s.wb.host_loc[f.req_pool_idx, 1] == -new - 1
+        assert s.wb.host_loc[f.row, 1] == -new - 1
         s.finish(f)
         s.finish(e)
 
