@@ -191,7 +191,8 @@ HOOKS: tuple[Hook, ...] = (
         "around",
         "scheduling:around_abort_on_waiting_timeout",
         ("self",),
-        "a request that timed out while it waits is released, as an aborted one",
+        "a request that timed out while it waits is released, as an aborted one (0.5.23 "
+        "aborts it: `abort_request`)",
         releases=("0.5.17",),
     ),
     Hook(
@@ -200,7 +201,6 @@ HOOKS: tuple[Hook, ...] = (
         "scheduling:around_abort_on_queued_limit",
         ("self", "recv_req"),
         "a request refused or pushed out by a full waiting queue is released, as an aborted one",
-        releases=("0.5.17",),
     ),
     Hook(
         "sglang.srt.managers.utils.validate_input_length",

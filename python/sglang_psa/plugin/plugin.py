@@ -3,7 +3,8 @@
 It runs in the launching process before arguments are parsed and again in
 each scheduler process, so it must be cheap, idempotent and free of CUDA. It
 only registers: the flags and hooks (`hooks.HOOKS`), the `psa` attention
-backend and, on SGLang 0.5.17, the `psa` radix cache backend. Without
+backend and, where the release has it (`releases.FEATURES["psa_radix_cache"]`), the
+`psa` radix cache backend. Without
 `--sparse-mode` every hook passes straight through, so SGLang behaves as if the
 package were absent.
 """

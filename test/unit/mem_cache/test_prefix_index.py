@@ -5,7 +5,9 @@ which never names a free id; what stays indexed of a prefix is its start."""
 
 from __future__ import annotations
 
+import hashlib
 import random
+from array import array
 
 import pytest
 
@@ -37,6 +39,16 @@ def test_chained_hashes_name_a_prefix_and_its_namespace():
     assert chain_hashes("lora", list(range(12)), BS, 3)[0] != a[0]
     assert chain_hashes(None, list(range(12)), BS, 3, known=a[:1]) == a
     assert len(chain_hashes(None, list(range(10)), BS, 5)) == 2  # whole blocks only
+    # A cache salt is a namespace of its own, apart from any extra key; unsalted hashes
+    # are those of the extra key alone (as before salts were hashed).
+    toks = list(range(12))
+    x = chain_hashes(None, toks, BS, 3, salt="x")
+    assert chain_hashes(None, toks, BS, 3, salt=None) == a
+    assert len({x[0], a[0], chain_hashes(None, toks, BS, 3, salt="y")[0]}) == 3
+    assert chain_hashes("x", toks, BS, 3)[0] != x[0]
+    assert chain_hashes("lora", toks, BS, 3, salt="x")[0] not in (x[0], a[0])
+    first = hashlib.blake2b(array("q", toks[:BS]).tobytes(), digest_size=16).digest()
+    assert a[0] == first != x[0]
 
 
 def test_only_acknowledged_saves_enter_and_lookups_take_the_longest_prefix():

@@ -159,15 +159,21 @@ class _Store:
                 skip_radix_cache_insert=False, finished_len=None,
                 _compute_max_prefix_len=lambda n: n - 1,
             )  # fmt: skip
-        else:
-            assert salt is None, "0.5.17 keys a salt as extra_key"
+        else:  # 0.5.17's tokenizer carries a cache salt in `extra_key`
             vars(req).update(
+                extra_key=salt,
                 req_pool_idx=None, cache_protected_len=0,
                 prefix_indices=torch.empty(0, dtype=torch.int64),
             )  # fmt: skip
         req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
         self.live[rid] = req
         return req
+
+    def host_ids(self, tokens: list[int], blocks: int, salt=None) -> list[int]:
+        """The index's host ids of the first `blocks` blocks of `tokens` under `salt`."""
+        if CHECKPOINT:
+            return self.index.lookup(self.index.hashes(None, tokens, blocks, salt=salt))
+        return self.index.lookup(self.index.hashes(salt, tokens, blocks))
 
     def prefix(self, req) -> torch.Tensor:
         """The slots of `req`'s matched prefix, as its allocation writes them into its row
@@ -434,6 +440,48 @@ def test_a_request_finishing_with_saves_in_flight_keeps_its_blocks_for_the_index
         s.prefill(b)
 
 
+def test_requests_of_two_cache_salts_share_no_host_block():
+    """The same tokens under two cache salts (0.5.23: `Req.cache_salt`, which keys SGLang's
+    tree and the index's hashes; 0.5.17 carries a salt in `extra_key`) share nothing: b,
+    salted apart from a, matches none of a's blocks, in HBM or in the host tier, and saves
+    its own; once HBM let them go, each salt's next request adopts its own salt's host
+    blocks, and an unsalted one none."""
+    prompt = STEM + [1, 2, 3, 4, 5]
+    with _store() as s:
+        a = s.arrive("a", prompt, salt="x")
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a)
+        b = s.arrive("b", prompt, salt="y")
+        assert s.match(b) == 0 and s.admit(b)  # a's pages are in HBM: not b's
+        s.prefill(b)
+        rec_a, rec_b = s.tiered.records["a"], s.tiered.records["b"]
+        assert len(rec_a.host) == len(rec_b.host) == 4 and not set(rec_a.host) & set(rec_b.host)
+        assert (s.wb.blocks.refs[rec_a.host + rec_b.host] == 1).all()
+        a_ids, b_ids = list(rec_a.host), list(rec_b.host)
+        s.finish(a)
+        s.finish(b)
+        assert s.host_ids(prompt, 4, "x") == a_ids and s.host_ids(prompt, 4, "y") == b_ids
+        assert s.host_ids(prompt, 4) == []
+        s.evict(10**6)  # host tier only
+        for rid, salt, ids in (("c", "y", b_ids), ("d", "x", a_ids)):
+            r = s.arrive(rid, prompt, salt=salt)
+            assert s.match(r) == 4 * BS and (s.prefix(r) < BS).all()
+            assert s.tiered.records[rid].host == ids
+        assert (s.wb.blocks.refs[a_ids + b_ids] == 1).all()
+        e = s.arrive("e", prompt)
+        assert s.match(e) == 0 and "e" not in s.tiered.records
+        assert s.admit(s.live["c"]) and s.admit(e)
+        s.prefill(s.live["c"])
+        s.prefill(e)
+        assert not set(s.tiered.records["e"].host) & set(a_ids + b_ids)
+        for rid in ("c", "e"):
+            s.finish(s.live[rid])
+        s.tiered.release("d")
+        del s.live["d"]
+        s.check()
+        assert s.wb.blocks.reserved == 0 and (s.wb.blocks.refs[a_ids + b_ids] == 0).all()
+
+
 def test_a_retracted_request_is_matched_again_from_the_index_not_parked():
     """With the tree on, retraction parks nothing: the saves in flight land (indexed), the
     request is released, and when admitted again its prompt and decoded blocks are its
@@ -594,14 +642,18 @@ def test_acks_after_the_insert_switch_at_the_next_insert():
         s.finish(f)
 
 
-def _scheduler(waiting, **kw):
-    """What SGLang 0.5.17's `Scheduler.abort_request`, `_abort_on_waiting_timeout` and
-    `_abort_on_queued_limit` read of their scheduler (no disaggregation, one pipeline
-    stage, nothing running)."""
+def _scheduler(waiting, tree_cache, **kw):
+    """What SGLang's `Scheduler.abort_request`, `_abort_on_queued_limit` and (0.5.17)
+    `_abort_on_waiting_timeout` / (0.5.23) `_poll_timeout_aborts` read of their scheduler
+    (no disaggregation, one pipeline stage, nothing running); 0.5.23's own
+    `send_abort_output` and `_release_aborted_request`."""
+    import types
+
     from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler import Scheduler
 
     sent = []
-    return SimpleNamespace(
+    sched = SimpleNamespace(
         waiting_queue=list(waiting), chunked_req=None, running_batch=None, last_batch=None,
         enable_hicache_storage=False, enable_hierarchical_cache=False,
         disaggregation_mode=DisaggregationMode.NULL, dllm_config=None,
@@ -610,8 +662,15 @@ def _scheduler(waiting, **kw):
         ipc_channels=SimpleNamespace(
             send_to_tokenizer=SimpleNamespace(send_output=lambda out, req: sent.append(req.rid))
         ),
+        tree_cache=tree_cache, mm_receiver=None, rust_server=None,
+        beam_coordinator=SimpleNamespace(retire_group=lambda r: None),
+        collect_inflight_reqs=lambda: [],
         **kw,
     )  # fmt: skip
+    if CHECKPOINT:
+        for name in ("send_abort_output", "_release_aborted_request"):
+            setattr(sched, name, types.MethodType(getattr(Scheduler, name), sched))
+    return sched
 
 
 def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatch):
@@ -643,6 +702,9 @@ def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatc
             for rid in ("b", "c", "d", "e", "f"):
                 reqs[rid] = r = s.arrive(rid, STEM + [ord(rid)] * 3)
                 r.mamba_pool_idx, r.priority = None, 0
+                r.session = r.cache_request_handle = None  # (what 0.5.23's abort reads)
+                r.weight_version_events = []
+                r.release_mm_inputs_on_abort = lambda: None
                 r.time_stats = SimpleNamespace(
                     wait_queue_entry_time=1.0,
                     trace_ctx=SimpleNamespace(abort=lambda **kw: None),
@@ -658,12 +720,19 @@ def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatc
                     del s.live[rid]
                 s.check()
 
-            sched = _scheduler(reqs.values(), max_queued_requests=4,
+            if CHECKPOINT:  # the abort's report to the tokenizer (`_make_abort_req`)
+                monkeypatch.setattr(
+                    "sglang.srt.managers.scheduler.get_serving",
+                    lambda: SimpleNamespace(weight_version="default"),
+                )
+            sched = _scheduler(reqs.values(), s.cache, max_queued_requests=4,
                                enable_priority_scheduling=True,
                                schedule_low_priority_values_first=True)  # fmt: skip
             # abort_request pops "b" from the queue.
             scheduling.around_abort_request(
-                Scheduler.abort_request, sched, SimpleNamespace(rid="b", abort_all=False)
+                Scheduler.abort_request,
+                sched,
+                SimpleNamespace(rid="b", abort_all=False, finished_reason=None),
             )
             assert sched.sent == ["b"] and reqs["b"] not in sched.waiting_queue
             gone("b")
@@ -678,7 +747,13 @@ def test_matched_requests_dropped_from_the_waiting_queue_are_released(monkeypatc
                     wait_queue_entry_time=time.perf_counter() + 1000,
                     trace_ctx=reqs["c"].time_stats.trace_ctx,
                 )
-            scheduling.around_abort_on_waiting_timeout(Scheduler._abort_on_waiting_timeout, sched)
+            if CHECKPOINT:  # 0.5.23: the timeout is an abort
+                for abort in Scheduler._poll_timeout_aborts(sched):
+                    scheduling.around_abort_request(Scheduler.abort_request, sched, abort)
+            else:
+                scheduling.around_abort_on_waiting_timeout(
+                    Scheduler._abort_on_waiting_timeout, sched
+                )
             assert [r.rid for r in sched.waiting_queue] == ["d", "e", "f"]
             gone("c")
             # A full queue: "d", the least preferred, is pushed out by a new request of a
