@@ -353,13 +353,20 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     unfinished: `is_insert`, from 0.5.23 on `checkpoint`, false) keeps its history for
     when it resumes, and at the tiered home with staged prefill its saved blocks, which
     leave HBM before SGLang frees the rest of its KV (`TieredRequests.park`; where the release
-    has `prefix_slots`)."""
+    has `prefix_slots`; with the psa radix cache its saves in flight are waited for
+    instead, on every release)."""
     serving = _serving()
     if serving is None:
         return original(req, tree_cache, *args, **kwargs)
     insert = args[0] if args else kwargs.get(releases.path("release.insert"), True)
     retracted = not insert and not req.finished()
-    if retracted and serving.stages_prefill and releases.has("prefix_slots"):
+    if (
+        retracted
+        and serving.stages_prefill
+        and (releases.has("prefix_slots") or serving.prefix_cached)
+    ):
+        # (with the psa radix cache nothing is parked, on any release: its saves in flight
+        # land and enter the prefix index, which its next match reads)
         serving.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
     result = original(req, tree_cache, *args, **kwargs)
     serving.release(req.rid, retracted=retracted)

@@ -133,6 +133,11 @@ class PSAServing:
         (`residency`)."""
         return self.residency is not None
 
+    @property
+    def prefix_cached(self) -> bool:
+        """The tiered home with the `psa` radix cache (its prefix index is set up)."""
+        return self.writeback is not None and getattr(self.writeback, "index", None) is not None
+
     # -- sizes --------------------------------------------------------------------
     def total_units(self, tokens: int) -> int:
         return math.ceil(tokens / self.cfg.block_size) * self.layer_heads

@@ -809,6 +809,32 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     assert calls == [("sglang frees",), ("release", "a", True)]  # its saves may land
 
 
+def test_with_the_psa_radix_cache_a_retraction_waits_for_its_saves_on_every_release(serving):
+    """With the prefix index (the psa radix cache) a retracted request's saves in flight
+    are waited for before SGLang frees its KV (`TieredRequests.park`, which parks nothing
+    then), on every release: they enter the index its next match reads."""
+    calls = []
+    serving.cfg = serving.cfg.replace(kv_home="tiered")
+    serving.residency, serving.stage = SimpleNamespace(), SimpleNamespace()
+    serving.writeback = SimpleNamespace(index=object())
+    serving.requests = SimpleNamespace(
+        parked=lambda rid: False,
+        park=lambda req, alloc: calls.append(("park", req.rid, alloc)),
+        release=lambda rid, finished=False: calls.append(("release", rid, finished)),
+    )
+    serving.controller.admit_alone(Candidate("a", 100, 1))
+    tree = SimpleNamespace(token_to_kv_pool_allocator="alloc")
+    sglang_frees = lambda *args, **kwargs: calls.append(("sglang frees",))  # noqa: E731
+    a = _req("a", 100, pool_idx=1)
+    scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
+    assert calls == [("park", "a", "alloc"), ("sglang frees",), ("release", "a", False)]
+    calls.clear()
+    serving.writeback = SimpleNamespace(index=None)  # no prefix cache
+    scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
+    parks = releases.has("prefix_slots")  # else the row is the prefix: prefilled again
+    assert [c[0] for c in calls] == ["park"] * parks + ["sglang frees", "release"]
+
+
 def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
     """At the tiered home a request that waits for room among the running working sets
     gives back the host blocks it reserved, unless it is parked: that one waits with its
