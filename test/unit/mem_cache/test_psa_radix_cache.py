@@ -165,7 +165,9 @@ class _Store:
                 req_pool_idx=None, cache_protected_len=0,
                 prefix_indices=torch.empty(0, dtype=torch.int64),
             )  # fmt: skip
-        req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
+        # A chunk's fill ends at the chunk (`fill_end`; SGLang truncates `fill_ids`).
+        req.fill_end = None
+        req.get_fill_ids = lambda: (req.origin_input_ids + req.output_ids)[: req.fill_end]
         self.live[rid] = req
         return req
 
@@ -213,12 +215,15 @@ class _Store:
         if CHECKPOINT:
             req.kv.kv_committed_len = req.kv.kv_allocated_len = n
 
-    def admit(self, req) -> bool:
+    def admit(self, req, chunk: int | None = None) -> bool:
         """The adder: the host tier's reservation, the lock, a row with the prefix and new
-        pages for the rest of its tokens (a retracted request's include its output)."""
+        pages for the rest of its tokens (a retracted request's include its output), or
+        for its first `chunk` tokens (chunked prefill: `extend` gives the rest)."""
         n = len(req.get_fill_ids())
         if not self.wb.reserve(req.rid, n + req.max_new):
             return False
+        n = min(n, chunk or n)
+        req.fill_end = n if chunk else None
         pre = req.prefix_len if CHECKPOINT else len(req.prefix_indices)
         need = -(-(n - pre) // BS) * BS
         if need > self.alloc.available_size():
@@ -241,6 +246,27 @@ class _Store:
         self._set_len(req, n)
         self.check()
         return True
+
+    def extend(self, req, upto: int) -> None:
+        """A chunked prompt's next chunk, up to token `upto`: its row's prefix is what the
+        last chunk left (0.5.17: `prefix_indices`, written into the row again), and row
+        positions `[kv_len, upto)` get the last page's spare slots, then new pages;
+        prefilled and inserted."""
+        row = self.rtp.req_to_token[req.row]
+        if not CHECKPOINT:
+            self.res.sync_prefix(req)  # (as `PSAServing` does before the chunk)
+            row[: len(req.prefix_indices)] = req.prefix_indices
+        req.fill_end = upto if upto < len(req.origin_input_ids) else None
+        need = upto - req.kv_len
+        more = -(-max(0, need - len(req.slots)) // BS) * BS
+        if more > self.alloc.available_size():
+            self.cache.evict(EvictParams(num_tokens=more - self.alloc.available_size()))
+        slots = torch.cat([req.slots, self.alloc.alloc(more)]) if more else req.slots
+        row[req.kv_len : upto] = slots[:need]
+        req.slots = slots[need:]
+        self._set_len(req, upto)
+        self.check()
+        self.prefill(req)
 
     def insert(self, req) -> None:
         """SGLang caches running `req` (a chunk's end, or after its prefill)."""
@@ -480,6 +506,43 @@ def test_requests_of_two_cache_salts_share_no_host_block():
         del s.live["d"]
         s.check()
         assert s.wb.blocks.reserved == 0 and (s.wb.blocks.refs[a_ids + b_ids] == 0).all()
+
+
+def test_a_chunked_prompt_is_inserted_chunk_by_chunk_over_a_host_only_prefix():
+    """b's prompt, prefilled in two chunks ending mid-block, starts with a stem the tree
+    let go of HBM (host only, adopted at the match). Each chunk's insert puts its whole
+    blocks in the tree (the stem at page 0 with its host ids, b's own blocks in HBM); the
+    partial block stays b's, in its row past the tree's part, and the next chunk goes
+    on from it. A request arriving between the chunks shares the stem and b's first
+    block; after b finishes its blocks are the index's, kept, and nothing is held."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a), s.finish(a)
+        s.evict(10**6)
+        stem = s.host_ids(STEM, 3)
+        b = s.arrive("b", STEM + [9] * 9)
+        assert s.match(b) == 3 * BS and s.admit(b, chunk=4 * BS + 2)
+        assert (s.prefix(b) < BS).all() and s.tiered.records["b"].host == stem
+        s.prefill(b)  # the first chunk, inserted at 16 tokens (18 computed)
+        rec_b, row = s.tiered.records["b"], s.rtp.req_to_token[b.row]
+        assert b.protected == 4 * BS and rec_b.host[:3] == stem and rec_b.saved == 4
+        assert (row[: 3 * BS] < BS).all() and (row[3 * BS : 4 * BS + 2] >= BS).all()
+        assert [s.cache._host_nodes[i] for i in stem] == [b.last_node] * 3
+        c = s.arrive("c", STEM + [9] * 5)
+        assert s.match(c) == 4 * BS and s.tiered.records["c"].host == rec_b.host[:4]
+        s.extend(b, len(b.origin_input_ids))  # the second chunk: 21 tokens, 5 blocks
+        assert b.protected == 5 * BS and rec_b.saved == 5
+        assert (row[3 * BS : 5 * BS + 1] >= BS).all()
+        s.decode(b, [7, 7])
+        s.ack()
+        ids = list(rec_b.host)
+        s.finish(b)
+        assert s.host_ids(STEM + [9] * 9 + [7, 7], 5) == ids[:5]
+        s.tiered.release("c")
+        del s.live["c"]
+        s.check()
+        assert s.wb.blocks.reserved == 0 and (s.wb.blocks.refs[ids] == 0).all()
+        assert set(ids[:5]) <= set(s.wb.blocks.lru)
 
 
 def test_a_retracted_request_is_matched_again_from_the_index_not_parked():
@@ -893,19 +956,21 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
     """Requests over three stems, admitted before earlier ones prefilled (duplicates to
     switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
     and the tree cut), acknowledgements late or early, running requests retracted and
-    matched again; with `residency`, saved blocks of
-    running requests leave HBM too (shared ones for every holder, each page freed once)."""
+    matched again, long prompts prefilled in chunks ending anywhere (inserted chunk by
+    chunk); with `residency`, saved blocks of running and chunked requests leave HBM too
+    (shared ones for every holder, each page freed once)."""
     rng = random.Random(seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
     with _store(pages=24, host_blocks=16) as s:
         waiting: list = []
         admitted: list = []
         running: list = []
-        evicted = 0
+        chunking: list = []  # prefilled up to a chunk's end, more to come
+        evicted = chunks = 0
         for step in range(150):
             op = rng.choice(
                 ["arrive", "admit", "prefill", "decode", "finish", "retract", "evict", "host"]
-                + ["ack"]
+                + ["ack", "chunk"]
                 + ["resid"] * 2 * residency
             )
             if op == "arrive" and len(waiting) < 3:
@@ -914,13 +979,20 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
                 waiting.append(s.arrive(f"r{step}", stem + tail, max_new=rng.randint(1, 6)))
             elif op == "admit" and waiting and s.rows:
                 req = waiting[0]
-                s.match(req)
-                if s.admit(req):
+                pre, n = s.match(req), len(req.get_fill_ids())
+                cut = rng.random() < 0.3 and not req.output_ids and n - pre > BS + 1
+                if s.admit(req, chunk=rng.randint(pre + 1, n - 1) if cut else None):
                     admitted.append(waiting.pop(0))
             elif op == "prefill" and admitted:
                 req = admitted.pop(rng.randrange(len(admitted)))
                 s.prefill(req, ack=rng.random() < 0.5)
-                running.append(req)
+                (running if req.fill_end is None else chunking).append(req)
+            elif op == "chunk" and chunking:
+                req = chunking.pop(rng.randrange(len(chunking)))
+                full = len(req.origin_input_ids)
+                s.extend(req, min(full, req.kv_len + rng.randint(1, 2 * BS)))
+                (running if req.fill_end is None else chunking).append(req)
+                chunks += 1
             elif op == "decode" and running:
                 req = rng.choice(running)
                 if len(req.output_ids) < req.max_new:
@@ -938,8 +1010,8 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
                 s.check()
             elif op == "ack":
                 s.ack()
-            elif op == "resid" and running:
-                req = rng.choice(running)
+            elif op == "resid" and running + chunking:
+                req = rng.choice(running + chunking)
                 rec = s.tiered.records.get(req.rid)
                 if rec is not None and rec.saved:
                     blocks = rng.sample(range(rec.saved), rng.randint(1, rec.saved))
@@ -951,6 +1023,9 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
                     s.check()
         for req in admitted:
             s.prefill(req)
+            (running if req.fill_end is None else chunking).append(req)
+        for req in chunking:
+            s.extend(req, len(req.origin_input_ids))
             running.append(req)
         for req in running:
             s.finish(req)
@@ -964,6 +1039,7 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
         s.evict(10**6)
         assert s.alloc.available_size() == 24 * BS
         assert bool(evicted) == residency, "residency evicted nothing"
+        assert chunks, "no prompt was prefilled in chunks"
 
 
 def test_the_backend_registers_with_sglang():
