@@ -545,6 +545,34 @@ def test_a_chunked_prompt_is_inserted_chunk_by_chunk_over_a_host_only_prefix():
         assert set(ids[:5]) <= set(s.wb.blocks.lru)
 
 
+def test_a_retracted_request_frees_its_own_pages_but_none_at_page_0():
+    """a's decoded blocks beyond its tree path leave HBM (residency: page 0 in its row);
+    retracted, it is released uninserted (0.5.17: `cache_finished_req(is_insert=False)`;
+    0.5.23: `release_kv_cache(checkpoint=False)`, whose frees outside the tree go through
+    `free_kv_row`): the allocator takes back exactly its pages still in HBM past the tree,
+    each once, and never page 0; matched again, its evicted blocks come from the host tier."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5], max_new=40)
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a)
+        s.decode(a, list(range(200, 200 + 2 * BS)))  # blocks 4 and 5, beyond the tree
+        s.ack()
+        rec, row = s.tiered.records["a"], s.rtp.req_to_token[a.row]
+        assert a.protected == 4 * BS and rec.saved == 6
+        s.released = []
+        assert s.res.evict("a", [4], s.alloc) == BS
+        assert (row[4 * BS : 5 * BS] < BS).all() and rec.evicted[4]
+        own = sorted(set((row[5 * BS : a.kv_len] // BS).tolist()))
+        s.released = []
+        s.retract(a)
+        assert s.released == own, (s.released, own)  # block 5's page and the tail's
+        assert s.match(a) == 6 * BS and (s.prefix(a)[: 4 * BS] >= BS).all()
+        assert (s.prefix(a)[4 * BS :] < BS).all()
+        assert s.admit(a)
+        s.prefill(a)
+        s.finish(a)
+
+
 def test_a_retracted_request_is_matched_again_from_the_index_not_parked():
     """With the tree on, retraction parks nothing: the saves in flight land (indexed), the
     request is released, and when admitted again its prompt and decoded blocks are its
