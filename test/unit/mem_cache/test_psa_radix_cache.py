@@ -280,17 +280,23 @@ class _Store:
         self.check(inserted=req)
 
     def prefill(self, req, ack: bool = True, insert: bool = True) -> None:
-        """The extend: saves planned and issued; blocks adopted beyond the tree's pages
-        read from the host tier (the extend hook's part); SGLang then caches it."""
+        """The extend of `req` alone (`prefill_batch`)."""
+        self.prefill_batch([req], ack, insert)
+
+    def prefill_batch(self, reqs, ack: bool = True, insert: bool = True) -> None:
+        """An extend batch: saves planned and issued; blocks adopted beyond the tree's
+        pages read from the host tier (the extend hook's part); SGLang then caches each
+        request."""
         wb = self.wb
-        wb.plan_extend([req], [req.kv_len])
-        self.res.read_prefix_from_host([req])  # as PSAServing.plan_extend calls it
-        rec = self.tiered.records.get(req.rid)
-        zero = (self.rtp.req_to_token[req.row, : req.kv_len : BS] < BS).nonzero()
-        zero = zero.flatten().tolist()
-        if zero:  # read from the host tier and counted off HBM, so staging reads them too
-            assert rec.evicted is not None and rec.evicted[zero].all(), (req.rid, zero)
-            assert (wb.host_loc[rec.row, zero] < 0).all(), (req.rid, zero)
+        wb.plan_extend(reqs, [req.kv_len for req in reqs])
+        self.res.read_prefix_from_host(reqs)  # as PSAServing.plan_extend calls it
+        for req in reqs:
+            rec = self.tiered.records.get(req.rid)
+            zero = (self.rtp.req_to_token[req.row, : req.kv_len : BS] < BS).nonzero()
+            zero = zero.flatten().tolist()
+            if zero:  # read from the host tier and off HBM, so staging reads them too
+                assert rec.evicted is not None and rec.evicted[zero].all(), (req.rid, zero)
+                assert (wb.host_loc[rec.row, zero] < 0).all(), (req.rid, zero)
         wb.before_forward()
         for layer in range(L):
             wb.issue_extend_layer(layer, self.pool.k_buffer[layer], self.pool.v_buffer[layer],
@@ -298,7 +304,8 @@ class _Store:
         if ack:
             self.ack()
         if insert:
-            self.insert(req)
+            for req in reqs:
+                self.insert(req)
 
     def decode(self, req, tokens: list[int]) -> None:
         for t in tokens:
@@ -715,6 +722,37 @@ def test_duplicate_blocks_switch_to_the_indexed_ids():
         s.finish(e)
         s.evict(10**6)
         assert s.alloc.available_size() == PAGES * BS
+
+
+def test_a_retracted_request_switches_its_duplicates_so_its_own_blocks_enter_the_index():
+    """e and f computed the stem in one batch, both inserted before any save of theirs
+    landed; the one whose stem the index did not take (x) keeps its duplicates past its
+    last insert, and
+    its decoded blocks chain on them. Retracted (released uninserted), x's duplicates
+    switch to the index's ids first, so its own saved blocks enter the index after them:
+    matched again, its whole history comes from the host tier."""
+    with _store() as s:
+        e, f = _both_compute_the_stem(s)
+        s.prefill_batch([e, f], ack=False)  # one batch, both inserted
+        assert s.host_ids(STEM, 1) == []  # before any save landed
+        s.decode(e, [1, 2, 3, 4, 5, 6, 7])  # blocks 3 and 4 complete
+        s.decode(f, [1, 2, 3, 4, 5, 6, 7])
+        s.ack()
+        stem = s.host_ids(STEM, 3)
+        assert len(stem) == 3
+        x = next(r for r in (e, f) if s.tiered.records[r.rid].host[:3] != stem)
+        toks = list(x.get_fill_ids())
+        assert len(s.host_ids(toks, 5)) == 3  # its own blocks wait behind its duplicates
+        s.retract(x)
+        ids = s.host_ids(toks, 5)
+        assert ids[:3] == stem and len(ids) == 5
+        s.evict(10**6)
+        assert s.match(x) == 5 * BS and s.tiered.records[x.rid].host == ids
+        other = f if x is e else e
+        s.finish(other)
+        s.tiered.release(x.rid)
+        del s.live[x.rid]
+        s.check()
 
 
 def test_acks_after_the_insert_switch_at_the_next_insert():
