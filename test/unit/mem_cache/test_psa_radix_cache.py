@@ -724,13 +724,14 @@ def test_duplicate_blocks_switch_to_the_indexed_ids():
         assert s.alloc.available_size() == PAGES * BS
 
 
-def test_a_retracted_request_switches_its_duplicates_so_its_own_blocks_enter_the_index():
+@pytest.mark.parametrize("end", ["retract", "finish"])
+def test_a_released_request_switches_its_duplicates_so_its_own_blocks_enter_the_index(end):
     """e and f computed the stem in one batch, both inserted before any save of theirs
     landed; the one whose stem the index did not take (x) keeps its duplicates past its
-    last insert, and
-    its decoded blocks chain on them. Retracted (released uninserted), x's duplicates
-    switch to the index's ids first, so its own saved blocks enter the index after them:
-    matched again, its whole history comes from the host tier."""
+    last insert, and its decoded blocks chain on them. Released, retracted (uninserted)
+    or finished (inserted), x's duplicates switch to the index's ids first, so its own
+    saved blocks enter the index after them: matched again, its whole history (or, for a
+    later request, its tokens) comes from the host tier."""
     with _store() as s:
         e, f = _both_compute_the_stem(s)
         s.prefill_batch([e, f], ack=False)  # one batch, both inserted
@@ -743,16 +744,45 @@ def test_a_retracted_request_switches_its_duplicates_so_its_own_blocks_enter_the
         x = next(r for r in (e, f) if s.tiered.records[r.rid].host[:3] != stem)
         toks = list(x.get_fill_ids())
         assert len(s.host_ids(toks, 5)) == 3  # its own blocks wait behind its duplicates
-        s.retract(x)
+        other = f if x is e else e
+        if end == "retract":
+            s.retract(x)
+        else:
+            s.finish(x)
+            x = s.arrive("y", toks)
         ids = s.host_ids(toks, 5)
         assert ids[:3] == stem and len(ids) == 5
+        s.finish(other)
         s.evict(10**6)
         assert s.match(x) == 5 * BS and s.tiered.records[x.rid].host == ids
-        other = f if x is e else e
-        s.finish(other)
         s.tiered.release(x.rid)
         del s.live[x.rid]
         s.check()
+
+
+def test_a_prefix_read_from_the_host_tier_takes_the_pages_another_request_computed():
+    """b matched the stem in the host tier only (page 0 in its row) while f, admitted
+    before the stem was cached, computes it: f's insert puts the stem in the tree with
+    f's pages; b's insert finds them and its row's prefix becomes the tree's (f's pages),
+    no longer read from the host tier."""
+    with _store() as s:
+        e, f = _both_compute_the_stem(s)
+        s.prefill(e)
+        s.finish(e)
+        s.evict(10**6)  # the stem: host tier only
+        stem = s.host_ids(STEM, 3)
+        b = s.arrive("b", STEM + [9] * 5)
+        assert s.match(b) == 3 * BS and s.tiered.records["b"].host == stem
+        s.prefill(f)  # f's duplicates switch to the stem's ids
+        assert s.tiered.records["f"].host[:3] == stem
+        assert s.admit(b)
+        assert (s.prefix(b) < BS).all()  # matched before f's insert: page 0
+        s.prefill(b)
+        row = s.rtp.req_to_token[b.row]
+        pages = s.rtp.req_to_token[f.row, : 3 * BS]
+        assert torch.equal(row[: 3 * BS], pages) and (pages >= BS).all()
+        s.finish(b)
+        s.finish(f)
 
 
 def test_acks_after_the_insert_switch_at_the_next_insert():
