@@ -204,6 +204,19 @@ def kill_tree(pid: int) -> None:
         pass
 
 
+def stack_versions() -> dict[str, str]:
+    """The installed versions a test outcome depends on beside this checkout's code."""
+    from importlib import metadata
+
+    found = {}
+    for name in ("sglang", "torch", "triton"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
 def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     outcomes, messages = state["outcomes"], state["messages"]
     counts: dict[str, int] = {}
@@ -218,6 +231,7 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     doc = {
         "git_commit": state["commits"][-1],  # this call's; every call's in `git_commits`
         "git_commits": state["commits"],
+        "versions": state.get("versions", {}),  # SGLang, torch and triton it ran on
         "shared_sha256": state["shared"],  # with each file's bytes, its key (`file_keys`)
         "collected": len(ids),
         "counts": counts,
@@ -261,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     if state is None or "keys" not in state or state.get("paths") != args.paths:
         state = {"keys": {}, "commits": [], "paths": args.paths, "ids": None,
                  "outcomes": {}, "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
+    versions = stack_versions()
+    if state.get("versions", versions) != versions:  # another SGLang / torch / triton: all again
+        print(f"gpu_tests: the state was run on {state['versions']}, this machine has "
+              f"{versions}: every test runs again", flush=True)  # fmt: skip
+        state["keys"] = {}
+    state["versions"] = versions
     changed = {f for f in set(keys) | set(state["keys"]) if keys.get(f) != state["keys"].get(f)}
     kept = len(set(keys) - changed)
     if from_file == seed and state["outcomes"]:

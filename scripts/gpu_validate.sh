@@ -9,7 +9,8 @@
 #                  on the H200), over back-to-back calls: each runs what the last left
 #                  (scripts/gpu_tests.py; $OUT/gpu_tests.json; exit 3 = run it again).
 #                  A later session resumes by carrying the last call's
-#                  $OUT/gpu_tests_state.json as build/gpu-tests-state.json (a test file
+#                  $OUT/gpu_tests_state.json as build/gpu-tests-state.json (SGLang 0.5.17;
+#                  build/gpu-tests-state-VERSION.json for another release; a test file
 #                  runs again when it or the code under it changed); further arguments go
 #                  to gpu_tests.py (`gpu-tests --rerun-failed`: the failures again, once).
 #                  Needs both models in the bundle (--model smollm2-135m,qwen2.5-0.5b)
@@ -39,7 +40,10 @@ case "${1:-}" in
     t0=$SECONDS  # BUDGET_S counts from here: a fresh machine converts the models first
     py -m sglang_psa.models smollm2-135m >/dev/null
     py -m sglang_psa.models qwen2.5-0.5b >/dev/null
-    seed=build/gpu-tests-state.json  # carried: an earlier session's $OUT/gpu_tests_state.json
+    # carried: an earlier session's $OUT/gpu_tests_state.json; one file per SGLang release
+    ver=$(py -c 'from importlib.metadata import version; print(version("sglang"))')
+    seed=build/gpu-tests-state.json
+    [ "$ver" = 0.5.17 ] || seed=build/gpu-tests-state-$ver.json
     py scripts/gpu_tests.py --budget-s "$(( ${BUDGET_S:-540} - (SECONDS - t0) ))" --out "$OUT" \
       ${seed:+--seed-state "$seed"} "${@:2}" 2>&1 | tee "$OUT/gpu-tests.log"
     exit "${PIPESTATUS[0]}"

@@ -209,3 +209,12 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
     (root / "benchmark/tool.py").write_text("Y = 2\n")
     doc = session(5, 30)
     assert doc["counts"] == {"passed": 2} and runs() == ("xxx", "xxxx")
+    assert doc["versions"]["sglang"] and set(doc["versions"]) == {"sglang", "torch", "triton"}
+    # session 6: the state came from another SGLang release: every file again
+    seed = tmp_path / "s5" / "out" / "gpu_tests_state.json"
+    state = json.loads(seed.read_text())
+    state["versions"]["sglang"] = "0.0.1"
+    seed.write_text(json.dumps(state))
+    doc = session(6, 30)
+    assert doc["counts"] == {"passed": 2} and runs() == ("xxxx", "xxxxx")
+    assert doc["git_commits"] == ["c6"] and doc["versions"]["sglang"] != "0.0.1"
