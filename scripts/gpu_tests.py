@@ -35,6 +35,7 @@ are still pending (run it again in the next call).
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -89,11 +90,70 @@ SHARED = ("python", "sgl-kernel-ext", "pyproject.toml")
 # test file that names the folder, or of every file when a shared helper names it (a test
 # reaches such code through a path it spells out).
 NAMED = ("benchmark", "examples")
+# Test folders whose files run in-process on what they import (no server, no subprocess):
+# a file there is keyed on its import closure within SHARED's packages rather than on all
+# of SHARED, so a serving-code change leaves the kernel tests' outcomes standing.
+CLOSURE_DIRS = ("test/kernels",)
+PACKAGE_ROOTS = ("python", "sgl-kernel-ext")
+# A module that imports by name at run time could reach anything: a closure holding one
+# falls back to the whole of SHARED.
+DYNAMIC = ("import_module(", "__import__(", "entry_points(")
 SOURCE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", ".ini")
 
 
 def is_test_file(path: Path) -> bool:
     return path.name.startswith("test_") and path.suffix == ".py"
+
+
+def _module_file(root: Path, name: str) -> Path | None:
+    parts = name.split(".")
+    for base in PACKAGE_ROOTS:
+        stem = root.joinpath(base, *parts)
+        for f in (stem.with_suffix(".py"), stem / "__init__.py"):
+            if f.is_file():
+                return f
+    return None
+
+
+def import_closure(root: Path, start: Path) -> set[Path] | None:
+    """The files of SHARED's packages (`PACKAGE_ROOTS`) that `start` can import, with every
+    enclosing package's `__init__.py`, found from the import statements anywhere in each
+    file (a function-level import counts too); None when one of them imports by name at
+    run time (`DYNAMIC`)."""
+    seen: set[Path] = set()
+    todo = [start]
+    while todo:
+        f = todo.pop()
+        text = f.read_text(errors="replace")
+        if f != start and any(d in text for d in DYNAMIC):
+            return None
+        names: set[str] = set()
+        module = None
+        for base in PACKAGE_ROOTS:
+            if f.is_relative_to(root / base):
+                rel = f.relative_to(root / base).with_suffix("")
+                module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base_name = node.module or ""
+                if node.level and module is not None:
+                    pkg = module.split(".")
+                    if f.name != "__init__.py":
+                        pkg = pkg[:-1]
+                    pkg = pkg[: len(pkg) - (node.level - 1)]
+                    base_name = ".".join(pkg + ([node.module] if node.module else []))
+                names.add(base_name)
+                names.update(f"{base_name}.{a.name}" for a in node.names)  # a submodule?
+        for name in names:
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # the packages on the way are imported too
+                g = _module_file(root, ".".join(parts[:i]))
+                if g is not None and g not in seen:
+                    seen.add(g)
+                    todo.append(g)
+    return seen
 
 
 def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
@@ -114,10 +174,19 @@ def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
         for f in ([root / p] if (root / p).is_file() else (root / p).rglob("test_*.py"))
         if is_test_file(f) and "__pycache__" not in f.parts
     )  # fmt: skip
+    helper_digest = source_digest(root, ("pyproject.toml",) + rel, SOURCE_SUFFIXES)
     keys = {}
     for f in files:
         text = f.read_bytes()
-        parts = [shared] + [named[d] for d in NAMED if d in always or d.encode() in text]
+        base = shared
+        if any(f.is_relative_to(root / d) for d in CLOSURE_DIRS):
+            confs = [c for c in (root / "test").rglob("conftest.py") if f.is_relative_to(c.parent)]
+            closures = [import_closure(root, g) for g in [f, *confs]]
+            if all(c is not None for c in closures):
+                closure = set().union(*closures)
+                names = tuple(sorted(g.relative_to(root).as_posix() for g in closure))
+                base = helper_digest + source_digest(root, names, SOURCE_SUFFIXES)
+        parts = [base] + [named[d] for d in NAMED if d in always or d.encode() in text]
         keys[f.relative_to(root).as_posix()] = hashlib.sha256(
             ("".join(parts) + hashlib.sha256(text).hexdigest()).encode()
         ).hexdigest()

@@ -156,11 +156,14 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
     files = {
         "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
         "python/product.py": "X = 1\n",
+        "python/serving.py": "Z = 1\n",
         "benchmark/tool.py": "Y = 1\n",
         "test/kernels/test_a.py": """
             import pytest
             @pytest.mark.gpu
-            def test_counts_its_runs():
+            def test_counts_its_runs():  # keyed on what it imports (a kernels file)
+                if False:
+                    import product  # noqa: F401
                 with open("runs_a", "a") as f:
                     f.write("x")
         """,
@@ -218,3 +221,7 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
     doc = session(6, 30)
     assert doc["counts"] == {"passed": 2} and runs() == ("xxxx", "xxxxx")
     assert doc["git_commits"] == ["c6"] and doc["versions"]["sglang"] != "0.0.1"
+    # session 7: product code the kernels file does not import: the other file alone again
+    (root / "python/serving.py").write_text("Z = 2\n")
+    doc = session(7, 30)
+    assert doc["counts"] == {"passed": 2} and runs() == ("xxxx", "xxxxxx")
