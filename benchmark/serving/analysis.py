@@ -724,6 +724,16 @@ def measured(part: dict | None, system: str, rate: str = "inf") -> Measured | No
     return Measured(part, system, rate)
 
 
+# The SGLang release the summary's plain keys are measured on; a stage run on another
+# release (`software.sglang` of its part) fills the same keys suffixed `_sglang<digits>`.
+DEFAULT_SGLANG = "0.5.17"
+
+
+def sglang_of(part: dict) -> str:
+    """The SGLang release a stage part ran on (parts from before it was recorded: 0.5.17)."""
+    return (part.get("software") or {}).get("sglang", DEFAULT_SGLANG)
+
+
 def provenance_of(*runs: Measured, **extra) -> dict:
     """Where a summary value comes from: its stage run (workload, run id, commit, date) and
     the systems it compares, numerator first."""
@@ -735,6 +745,7 @@ def provenance_of(*runs: Measured, **extra) -> dict:
         "date": p["date"],
         "systems": [m.system for m in runs],
         "rate": runs[0].rate,
+        "sglang": sglang_of(p),
     } | extra
 
 
@@ -1106,7 +1117,15 @@ def merge(parts: list[dict]) -> dict:
     the plain backend races, provenance of each part kept. A part is kept when it holds
     the newest measurement of some (workload, system, rate) or a summary value."""
     restate_steady(parts)
-    summary, where = summarize(parts)
+    summary, where = summarize([p for p in parts if sglang_of(p) == DEFAULT_SGLANG])
+    for version in sorted({sglang_of(p) for p in parts} - {DEFAULT_SGLANG}):
+        other, other_where = summarize([p for p in parts if sglang_of(p) == version])
+        suffix = "_sglang" + version.replace(".", "")
+        for key, value in other.items():
+            if value is not None:
+                summary[key + suffix] = value
+                if key in other_where:
+                    where[key + suffix] = other_where[key]
     used = {id(p) for p in latest_runs(parts).values()}
     runs = set()
     for w in where.values():
@@ -1122,6 +1141,7 @@ def merge(parts: list[dict]) -> dict:
             for k in ("workload", "run_id", "machine", "device", "command", "date", "git_commit")
         }
         | {"systems": sorted(p["systems"]), "source_sha256": p.get("source_sha256")}
+        | {"sglang": sglang_of(p), "software": p.get("software")}
         for p in kept
     ]
     races = [r for p in kept if (r := plain_race(p))]

@@ -178,7 +178,24 @@ def provenance() -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(REPO),
         "source_sha256": source_digest(REPO),  # the tree that ran (checked at write_result)
+        "software": software(),
     }
+
+
+SOFTWARE = ("sglang", "sglang-kernel", "flashinfer-python", "torch", "triton")
+
+
+def software() -> dict[str, str | None]:
+    """The installed versions of the stack every server of the stage ran on."""
+    from importlib import metadata
+
+    found: dict[str, str | None] = {}
+    for name in SOFTWARE:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 # ---------------------------------------------------------------------------------------
@@ -1243,6 +1260,8 @@ def continued_part(args, w: workloads_mod.Workload, work: Path, fresh: dict) -> 
         "host_profiled": (part.get("host_profiled"), fresh.get("host_profiled")),
         # the tree that ran: a GIT_COMMIT given by hand does not vouch for it
         "source_sha256": (part.get("source_sha256"), fresh["source_sha256"]),
+        # plain SGLang and the plugin on one release (parts from before it was recorded: any)
+        "software": (part.get("software", fresh["software"]), fresh["software"]),
     }
     differ = [k for k, (a, b) in same.items() if a != b or (k == "boot_id" and a is None)]
     if differ:
@@ -1297,6 +1316,7 @@ def write_result(path: Path, merged: dict) -> None:
         "command": [p["command"] for p in prov],
         "date": max(p["date"] for p in prov),
         "git_commit": "; ".join(merged["mixed"]["git_commits"]),
+        "sglang": "; ".join(sorted({p["sglang"] for p in prov})),
         "summary": merged["summary"],
         "summary_provenance": merged["summary_provenance"],
         "plain_races": merged["plain_races"],

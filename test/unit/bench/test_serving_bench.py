@@ -365,6 +365,28 @@ def _parts():
     ]
 
 
+def test_a_stage_run_on_another_sglang_release_fills_its_own_suffixed_keys():
+    newer = _part("a", "06-01", "c5", plain=_rec(40, 1), psa=_rec(10, 1), topk=_rec(8, 1))
+    newer["software"] = {"sglang": "0.5.23", "torch": "2.14.1"}
+    merged = analysis.merge(_parts() + [newer])
+    s, where = merged["summary"], merged["summary_provenance"]
+    # the release's own keys stay on 0.5.17's runs, however new the other release's run is
+    assert (
+        s["decode_step_ratio_psa_vs_plain"] == 0.5 and s["decode_step_ratio_topk_vs_plain"] == 0.2
+    )
+    assert s["decode_step_ratio_psa_vs_plain_sglang0523"] == 0.25  # 10 / 40, one run
+    assert s["decode_step_ratio_topk_vs_plain_sglang0523"] == 0.2
+    assert where["decode_step_ratio_psa_vs_plain_sglang0523"]["sglang"] == "0.5.23"
+    assert where["decode_step_ratio_psa_vs_plain"]["sglang"] == "0.5.17"
+    # only values measured on it: nothing of c or e was run on 0.5.23
+    assert not any(k.endswith("_sglang0523") and "goodput" in k for k in s)
+    prov = {p["run_id"]: p for p in merged["provenance"]}
+    assert (
+        prov["a-06-01"]["sglang"] == "0.5.23" and prov["a-06-01"]["software"]["torch"] == "2.14.1"
+    )
+    assert prov["a-02-01"]["sglang"] == "0.5.17" and prov["a-02-01"]["software"] is None
+
+
 def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
     parts = _parts()
     best = analysis.latest_runs(parts)
@@ -394,6 +416,7 @@ def test_merge_takes_the_newest_part_and_plain_from_the_same_part():
         "date": "2026-05-01T00:00:00+00:00",
         "systems": ["psa", "plain"],
         "rate": "32",
+        "sglang": "0.5.17",
         "metric": "goodput_strict",
     }
     assert where["decode_step_ratio_psa_vs_plain"]["run_id"] == "a-02-01"
