@@ -394,7 +394,7 @@ class PsaRadixCache(RadixCache):
             # The row's prefix is the tree's: SGLang rewrote it from the old protected
             # length on; before it, a block read from the host tier may have been
             # computed by another request meanwhile (the tree has its page).
-            slots = self._path_slots(req.last_node) if _CHECKPOINT else req.prefix_indices
+            slots = self.path_device_indices(req.last_node) if _CHECKPOINT else req.prefix_indices
             self.req_to_token_pool.write((req_row(req), slice(0, n)), slots[:n])
         self._share(req, rec, n // self.page_size)
         if self._host_nodes and rec.row is not None:
@@ -437,8 +437,8 @@ class PsaRadixCache(RadixCache):
         )
 
     def _path_slots(self, node: TreeNode) -> torch.Tensor:
-        """The tree's slots on the path to `node` (SGLang's `path_device_indices`, which
-        0.5.17 lacks)."""
+        """The tree's slots on the path to `node`, on either release (0.5.23's own
+        `path_device_indices` serves where only 0.5.23 runs; 0.5.17 lacks it)."""
         vals = [n.value for n in self._nodes(node)]
         return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
 
