@@ -54,10 +54,10 @@ def _engine(model_dir, **kw):
     )
 
 
-def _greedy(eng, n=48):
+def _greedy(eng, n=48, prompts=PROMPTS):
     from sglang_psa.eval.agreement import greedy
 
-    return greedy(eng, PROMPTS, n)
+    return greedy(eng, prompts, n)
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,54 @@ def test_the_certified_rule_covers_eps_of_every_heads_true_mass_in_a_live_server
     assert audit["heads_checked"] >= 6 * 14 * 24, audit
     assert audit["min_true_coverage"] >= eps - 1e-4, audit
     assert state["blocks_read_fraction"] < 0.8, state["blocks_read_fraction"]
+
+
+# The adaptive-budget suite's identical-completion fraction of the default psa policy
+# (benchmark/results/adaptive_budget.json), per model: what the server must keep.
+SUITE_IDENTICAL_KEY = {"qwen2.5-0.5b": "identical_fraction_psa",
+                       "qwen2.5-1.5b": "identical_fraction_psa_1p5b"}  # fmt: skip
+
+
+def test_the_default_psa_policy_answers_like_plain_sglang_in_a_live_server(model_dir):
+    """The default psa policy (no policy flag), decode inside CUDA graphs, on 24 real tasks of
+    8K tokens (needles, variable tracking, document questions), against plain SGLang with
+    the same pages and prefill: its 64-token greedy completions are identical to plain's
+    at least as often as the adaptive-budget suite measured for the model, less 0.05, and
+    it answers at most one task fewer (24 tasks: the suite's 60+ hold the 1-point target)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from sglang_psa.eval.agreement import compare
+    from sglang_psa.eval.tasks import chat_text, make_tasks
+
+    model = os.environ.get("PSA_E2E_MODEL", "qwen2.5-0.5b")
+    results = Path(__file__).resolve().parents[2] / "benchmark/results/adaptive_budget.json"
+    summary = json.loads(results.read_text())["summary"]
+    key = SUITE_IDENTICAL_KEY.get(model)
+    if summary.get(key) is None:
+        pytest.skip(f"{results.name} has no identical fraction for {model} ({key})")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    tasks = make_tasks(["niah_1key", "variable_tracking", "doc_qa"], 8000, 8, 3, count)
+    prompts = [chat_text(tok, t.prompt, t.question) for t in tasks]
+    runs = {}
+    for name, kw in (
+        ("plain", {"page_size": BLOCK}),
+        ("psa", {"sparse_mode": "psa", "cuda_graph_max_bs_decode": 32}),
+    ):
+        eng = _engine(model_dir, **kw)
+        try:
+            runs[name] = _greedy(eng, 64, prompts)
+        finally:
+            eng.shutdown()
+    got = compare(runs["plain"], runs["psa"])
+    right = {n: sum(t.score(r["text"]) for t, r in zip(tasks, rs)) for n, rs in runs.items()}
+    print("default psa against plain SGLang:", {"identical": got["fraction_identical"],
+          "suite": summary[key], "correct": right, "n": len(tasks)})  # fmt: skip
+    assert got["fraction_identical"] >= summary[key] - 0.05, (got, right)
+    assert right["psa"] >= right["plain"] - 1, right
 
 
 @pytest.fixture(scope="module")
