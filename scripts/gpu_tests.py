@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
     ap.add_argument("--seed-state", help="an earlier call's $OUT/gpu_tests_state.json (another "
                     "session's): resumed where --state has none, each unchanged file's outcomes kept")  # fmt: skip
+    ap.add_argument("--first", action="append", default=[], metavar="PATH",
+                    help="run the pending test files under PATH before the rest, one at a "
+                    "time (repeatable): what a call with little device time should see")  # fmt: skip
     ap.add_argument("--rerun-failed", action="store_true", help="run the failed, errored and "
                     "timed-out tests of unchanged files again (a failure to see again)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -420,11 +423,21 @@ def main(argv: list[str] | None = None) -> int:
     work = [(n, pending) for n, pending in work if pending]
     # kernel and unit files share the GPU well (compiling dominates): --jobs at once; the
     # reliability and end-to-end files start servers: one at a time
+    first = [w for w in work if any(w[0].startswith(p.rstrip("/")) for p in args.first)]
+    work = [w for w in work if w not in first]
     shared = [w for w in work if file_order(w[0])[0] < ORDER["reliability"]]
     alone = [w for w in work if w not in shared]
     all_ended = True
+    for name, pending in first:
+        if (result := run_one(name, pending)) is None:
+            all_ended = False
+            break
+        settle(*result)
+        if not result[2]:
+            all_ended = False
+            break
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for f in as_completed([pool.submit(run_one, *w) for w in shared]):
+        for f in as_completed([pool.submit(run_one, *w) for w in shared if all_ended]):
             if (result := f.result()) is None:
                 all_ended = False
                 continue

@@ -225,3 +225,20 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
     (root / "python/serving.py").write_text("Z = 2\n")
     doc = session(7, 30)
     assert doc["counts"] == {"passed": 2} and runs() == ("xxxx", "xxxxxx")
+
+
+def test_first_runs_the_named_files_before_the_kernels(tmp_path):
+    root = tmp_path / "suite"
+    order = "import pytest\n@pytest.mark.gpu\ndef test_x():\n    open('order', 'a').write('{}')\n"
+    for name, text in {
+        "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
+        "test/kernels/test_k.py": order.format("k"),
+        "test/unit/test_u.py": order.format("u"),
+        "test/reliability/test_r.py": order.format("r"),
+        "test/e2e/test_e.py": order.format("e"),
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    code, doc = _call(root, tmp_path, 60, "c1", "--first", "test/e2e/", "--jobs", "1")
+    assert code == 0 and doc["counts"] == {"passed": 4}
+    assert (root / "order").read_text() == "ekur"  # e2e first, then in the usual order
