@@ -571,12 +571,15 @@ def _cached(r: requests.Response) -> int:
 def shared_prefix_aborts(s: Server, n: int = 8, stem_tokens: int = 4096) -> Outcome:
     """`n` requests sharing one prompt stem, sent at once: two aborted as they start
     (prefilling or queued), two while decoding, the rest finish; then a request with the
-    stem is served from the prefix cache (most of the stem cached), and nothing is held."""
+    stem is served from the prefix cache (most of the stem cached), and nothing is held.
+    The two aborted while decoding ask for 16000 tokens, so a fast GPU is still decoding
+    them when the abort comes (1000 tokens took under 1.7 s on the H200)."""
 
     def run():
         stem = prompt(stem_tokens, 21)
         rids = [f"shared-{i}-{uuid.uuid4().hex}" for i in range(n)]
-        bg = [_in_background(s.generate, stem + prompt(64, 210 + i), 1000, r)
+        new = [16000 if i in (2, 3) else 1000 for i in range(n)]
+        bg = [_in_background(s.generate, stem + prompt(64, 210 + i), new[i], r)
               for i, r in enumerate(rids)]  # fmt: skip
         time.sleep(0.2)
         for r in rids[:2]:
