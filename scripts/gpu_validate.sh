@@ -44,6 +44,8 @@ case "${1:-}" in
     ver=$(py -c 'from importlib.metadata import version; print(version("sglang"))')
     seed=build/gpu-tests-state.json
     [ "$ver" = 0.5.17 ] || seed=build/gpu-tests-state-$ver.json
+    # else the record landed on main (docs/gpu-tests/: a new checkout has no build/)
+    [ -f "$seed" ] || seed=docs/gpu-tests/state-sglang-$ver.json
     py scripts/gpu_tests.py --budget-s "$(( ${BUDGET_S:-540} - (SECONDS - t0) ))" --out "$OUT" \
       ${seed:+--seed-state "$seed"} "${@:2}" 2>&1 | tee "$OUT/gpu-tests.log"
     exit "${PIPESTATUS[0]}"
