@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 
-from sglang_psa.eval.results import source_digest  # noqa: E402
+from sglang_psa.eval.results import package_versions, source_digest  # noqa: E402
 
 ORDER = {"kernels": 0, "unit": 1, "reliability": 2, "e2e": 3}  # by test/<dir>
 BAD = ("failed", "error", "timeout")
@@ -99,6 +99,9 @@ PACKAGE_ROOTS = ("python", "sgl-kernel-ext")
 # falls back to the whole of SHARED.
 DYNAMIC = ("import_module(", "__import__(", "entry_points(")
 SOURCE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", ".ini")
+# The installed packages an outcome depends on beside this checkout's code: a state run on
+# other versions of them runs every test again.
+STACK = ("sglang", "torch", "triton")
 
 
 def is_test_file(path: Path) -> bool:
@@ -273,19 +276,6 @@ def kill_tree(pid: int) -> None:
         pass
 
 
-def stack_versions() -> dict[str, str]:
-    """The installed versions a test outcome depends on beside this checkout's code."""
-    from importlib import metadata
-
-    found = {}
-    for name in ("sglang", "torch", "triton"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "absent"
-    return found
-
-
 def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     outcomes, messages = state["outcomes"], state["messages"]
     counts: dict[str, int] = {}
@@ -347,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if state is None or "keys" not in state or state.get("paths") != args.paths:
         state = {"keys": {}, "commits": [], "paths": args.paths, "ids": None,
                  "outcomes": {}, "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
-    versions = stack_versions()
+    versions = package_versions(STACK)
     if state.get("versions", versions) != versions:  # another SGLang / torch / triton: all again
         print(f"gpu_tests: the state was run on {state['versions']}, this machine has "
               f"{versions}: every test runs again", flush=True)  # fmt: skip
@@ -427,15 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     work = [w for w in work if w not in first]
     shared = [w for w in work if file_order(w[0])[0] < ORDER["reliability"]]
     alone = [w for w in work if w not in shared]
-    all_ended = True
-    for name, pending in first:
-        if (result := run_one(name, pending)) is None:
-            all_ended = False
-            break
-        settle(*result)
-        if not result[2]:
-            all_ended = False
-            break
+
+    def in_turn(files: list[tuple[str, list[str]]]) -> bool:
+        """Run `files` one at a time; False once one is cut or the budget is spent."""
+        for name, pending in files:
+            if (result := run_one(name, pending)) is None:
+                return False
+            settle(*result)
+            if not result[2]:
+                return False
+        return True
+
+    all_ended = in_turn(first)
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for f in as_completed([pool.submit(run_one, *w) for w in shared if all_ended]):
             if (result := f.result()) is None:
@@ -443,12 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             settle(*result)
             all_ended &= result[2]
-    for name, pending in alone if all_ended else []:
-        if (result := run_one(name, pending)) is None:
-            break
-        settle(*result)
-        if not result[2]:
-            break
+    if all_ended:
+        in_turn(alone)
     state_file.write_text(json.dumps(state))
     doc, code = report(state, ids, out)
     print(json.dumps({k: doc[k] for k in ("counts", "pending", "failed")}, indent=1))

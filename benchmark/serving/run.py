@@ -169,7 +169,7 @@ def result_name(device: str) -> str:
 
 
 def provenance() -> dict:
-    from sglang_psa.eval.results import git_commit, machine, source_digest
+    from sglang_psa.eval.results import git_commit, machine, package_versions, source_digest
 
     return {
         "machine": machine(),
@@ -178,24 +178,11 @@ def provenance() -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(REPO),
         "source_sha256": source_digest(REPO),  # the tree that ran (checked at write_result)
-        "software": software(),
+        "software": package_versions(SOFTWARE),  # the stack every server of the stage ran on
     }
 
 
 SOFTWARE = ("sglang", "sglang-kernel", "flashinfer-python", "torch", "triton")
-
-
-def software() -> dict[str, str | None]:
-    """The installed versions of the stack every server of the stage ran on."""
-    from importlib import metadata
-
-    found: dict[str, str | None] = {}
-    for name in SOFTWARE:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 # ---------------------------------------------------------------------------------------

@@ -35,6 +35,19 @@ def machine() -> str:
     return ", ".join(parts)
 
 
+def package_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """The installed version of each distribution in `names` (None: not installed)."""
+    from importlib import metadata
+
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def gpu_tag(device: str) -> str:
     """A result file's GPU suffix from a device name: h100, h200, b200 or a100; gpu for
     another GPU, cpu for "no GPU" (a run on another kind never lands under an H100's

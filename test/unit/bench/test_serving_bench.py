@@ -2346,3 +2346,13 @@ def test_merge_keeps_a_host_profiled_part_out_of_results(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert merged.returncode != 0 and "diagnosis, not results" in merged.stderr
+
+
+def test_a_stage_part_names_the_installed_stack():
+    from sglang_psa.eval.results import package_versions
+
+    assert package_versions(("pytest", "no-such-distribution-here")) == {
+        "pytest": pytest.__version__,
+        "no-such-distribution-here": None,
+    }
+    assert set(run.provenance()["software"]) == set(run.SOFTWARE)
