@@ -242,3 +242,7 @@ def test_first_runs_the_named_files_before_the_kernels(tmp_path):
     code, doc = _call(root, tmp_path, 60, "c1", "--first", "test/e2e/", "--jobs", "1")
     assert code == 0 and doc["counts"] == {"passed": 4}
     assert (root / "order").read_text() == "ekur"  # e2e first, then in the usual order
+    (root / "order").unlink()
+    first = ("--first", "test/e2e/test_e.py", "--first", "test/reliability/", "--jobs", "1")
+    code, doc = _call(root, tmp_path / "again", 60, "c1", *first)
+    assert code == 0 and (root / "order").read_text() == "erku"  # in --first's order
