@@ -166,7 +166,7 @@ def test_the_certified_rule_covers_eps_of_every_heads_true_mass_in_a_live_server
     step, is at least ε, while it read well under every block."""
     from transformers import AutoTokenizer
 
-    from sglang_psa.eval.tasks import make_tasks
+    from sglang_psa.eval.tasks import chat_text, make_tasks
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
@@ -179,10 +179,13 @@ def test_the_certified_rule_covers_eps_of_every_heads_true_mass_in_a_live_server
     )  # fmt: skip
     try:
         outs = eng.generate(
-            prompt=[t.prompt + "\n" + t.question for t in tasks],
+            prompt=[chat_text(tok, t.prompt, t.question) for t in tasks],
             sampling_params={"temperature": 0, "max_new_tokens": 24},
         )
-        assert all(o["text"] for o in outs)
+        # each request decodes (its first token comes from the dense prefill): the audit
+        # below is over decode steps
+        made = [(o["meta_info"]["completion_tokens"], o["text"]) for o in outs]
+        assert all(n >= 2 for n, _ in made), made
         state = eng.get_server_info()["internal_states"][0]["psa"]
     finally:
         eng.shutdown()
