@@ -86,9 +86,10 @@ def collect(root: Path, paths: list[str], marker: str) -> tuple[list[str], dict[
 # What every test file's outcome depends on besides itself (`source_digest`): code, not
 # results, docs or caches; with the non-test files under test/ (conftest, stubs, helpers).
 SHARED = ("python", "sgl-kernel-ext", "pyproject.toml")
-# Folders of code only some tests run (benchmark/reliability's probes, say): in the key of a
-# test file that names the folder, or of every file when a shared helper names it (a test
-# reaches such code through a path it spells out).
+# Folders of code only some tests run (benchmark/reliability's probes, say): a test reaches
+# such code through a path it spells out (`"benchmark" / "reliability"`, benchmark/x.py).
+# A file's key holds the code its paths name (`named_code`): the named entry of the folder
+# (all of it where a path stops at the folder), with what that code names in turn.
 NAMED = ("benchmark", "examples")
 # Test folders whose files run in-process on what they import (no server, no subprocess):
 # a file there is keyed on its import closure within SHARED's packages rather than on all
@@ -159,9 +160,55 @@ def import_closure(root: Path, start: Path) -> set[Path] | None:
     return seen
 
 
+def named_refs(root: Path, text: str) -> set[str]:
+    """The entries of `NAMED` folders that the paths spelled in `text` reach: "benchmark/x"
+    for `"benchmark" / "x"`, `'benchmark', 'x'` or benchmark/x; the whole folder for a path
+    that stops at it or names no entry of it. Prose ("the benchmark's") does not count."""
+    refs: set[str] = set()
+    for d in NAMED:
+        for m in re.finditer(rf"(?<![\w.-]){re.escape(d)}\b", text):
+            before = text[m.start() - 1] if m.start() else ""
+            after = text[m.end() : m.end() + 200]
+            if before in ("'", '"') and after.startswith(before):
+                entry = re.match(r"""\s*[/,]\s*["']([\w.-]+)""", after[1:])
+            elif after.startswith("/"):
+                entry = re.match(r"/([\w.-]+)", after)
+            else:
+                continue
+            name = entry.group(1) if entry else None
+            refs.add(f"{d}/{name}" if name and (root / d / name).exists() else d)
+    return refs
+
+
+def named_code(root: Path, refs: set[str]) -> list[str]:
+    """`refs` with what their code names in turn (`named_refs` of each source file, and a
+    sibling of the same folder named by a quoted name: `parents[1] / "kernels"`), sorted;
+    the whole folder stands for its entries."""
+    seen: set[str] = set()
+    todo = list(refs)
+    while todo:
+        ref = todo.pop()
+        if ref in seen:
+            continue
+        seen.add(ref)
+        top = ref.split("/")[0]
+        siblings = {p.name for p in (root / top).iterdir()} if (root / top).is_dir() else set()
+        path = root / ref
+        for f in [path] if path.is_file() else sorted(path.rglob("*")):
+            if not f.is_file() or f.suffix not in SOURCE_SUFFIXES or "__pycache__" in f.parts:
+                continue
+            text = f.read_text(errors="replace")
+            todo += named_refs(root, text) - seen
+            todo += [f"{top}/{n}" for n in re.findall(r"""["']([\w.-]+)["']""", text)
+                     if n in siblings and f"{top}/{n}" not in seen]  # fmt: skip
+    whole = {r for r in seen if "/" not in r}
+    return sorted(r for r in seen if r in whole or r.split("/")[0] not in whole)
+
+
 def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
     """(the shared sources' digest, {test file under `paths`: its key}): a key is the
-    shared digest with the named folders' digests (`NAMED`) and the file's own bytes."""
+    shared digest with the digest of the `NAMED` code it spells paths to and the file's own
+    bytes."""
     helpers = [
         f
         for f in (root / "test").rglob("*")
@@ -170,8 +217,7 @@ def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
     ]  # fmt: skip
     rel = tuple(f.relative_to(root).as_posix() for f in helpers)
     shared = source_digest(root, SHARED + rel, SOURCE_SUFFIXES)
-    named = {d: source_digest(root, (d,), SOURCE_SUFFIXES) for d in NAMED}
-    always = {d for d in NAMED if any(d in f.read_text(errors="replace") for f in helpers)}
+    always = set().union(*(named_refs(root, f.read_text(errors="replace")) for f in helpers))
     files = sorted(
         f for p in paths
         for f in ([root / p] if (root / p).is_file() else (root / p).rglob("test_*.py"))
@@ -189,7 +235,8 @@ def file_keys(root: Path, paths: list[str]) -> tuple[str, dict[str, str]]:
                 closure = set().union(*closures)
                 names = tuple(sorted(g.relative_to(root).as_posix() for g in closure))
                 base = helper_digest + source_digest(root, names, SOURCE_SUFFIXES)
-        parts = [base] + [named[d] for d in NAMED if d in always or d.encode() in text]
+        named = named_code(root, always | named_refs(root, text.decode(errors="replace")))
+        parts = [base] + ([source_digest(root, tuple(named), SOURCE_SUFFIXES)] if named else [])
         keys[f.relative_to(root).as_posix()] = hashlib.sha256(
             ("".join(parts) + hashlib.sha256(text).hexdigest()).encode()
         ).hexdigest()

@@ -246,3 +246,61 @@ def test_first_runs_the_named_files_before_the_kernels(tmp_path):
     first = ("--first", "test/e2e/test_e.py", "--first", "test/reliability/", "--jobs", "1")
     code, doc = _call(root, tmp_path / "again", 60, "c1", *first)
     assert code == 0 and (root / "order").read_text() == "erku"  # in --first's order
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_tests_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_test_file_is_keyed_on_the_benchmark_code_its_paths_reach(tmp_path):
+    g = _script()
+    root = tmp_path / "suite"
+    files = {
+        "python/product.py": "X = 1\n",
+        "benchmark/reliability/probes.py": 'EX = ROOT / "examples" / "fork.py"\n',
+        "benchmark/serving/run.py": "R = 1\n",
+        "benchmark/store/bench.py": 'sys.path.insert(0, str(HERE.parents[1] / "kernels"))\n',
+        "benchmark/kernels/timing.py": "T = 1\n",
+        "examples/fork.py": "F = 1\n",
+        "test/reliability/test_r.py": 'sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))\n',
+        "test/unit/test_s.py": "# runs benchmark/serving/run.py\n",
+        "test/unit/test_st.py": "# the store benchmark's tool: benchmark/store/bench.py\n",
+        "test/unit/test_prose.py": "# the benchmark's numbers, the examples' texts\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert g.named_refs(root, files["test/reliability/test_r.py"]) == {"benchmark/reliability"}
+    assert g.named_refs(root, files["test/unit/test_prose.py"]) == set()
+    assert g.named_refs(root, '(tmp / "benchmark").mkdir()') == {"benchmark"}
+    assert g.named_refs(root, "see benchmark/nothing.py") == {"benchmark"}  # no such entry
+    assert g.named_refs(root, "os.path.join(ROOT, 'benchmark', 'serving')") == {"benchmark/serving"}
+    # what the named code names in turn: a path to examples/, a sibling by its quoted name
+    assert g.named_code(root, {"benchmark/reliability"}) == [
+        "benchmark/reliability", "examples/fork.py",
+    ]  # fmt: skip
+    assert g.named_code(root, {"benchmark/store"}) == ["benchmark/kernels", "benchmark/store"]
+    assert g.named_code(root, {"benchmark", "benchmark/serving"}) == [
+        "benchmark",
+        "examples/fork.py",
+    ]
+
+    def keys():
+        return g.file_keys(root, ["test"])[1]
+
+    k0 = keys()
+    for path, rerun in [
+        ("benchmark/serving/run.py", {"test/unit/test_s.py"}),
+        ("examples/fork.py", {"test/reliability/test_r.py"}),
+        ("benchmark/kernels/timing.py", {"test/unit/test_st.py"}),
+        ("python/product.py", set(k0)),
+    ]:
+        (root / path).write_text((root / path).read_text() + "# changed\n")
+        k1 = keys()
+        assert {f for f in k0 if k0[f] != k1[f]} == rerun, path
+        k0 = k1
