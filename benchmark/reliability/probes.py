@@ -38,6 +38,8 @@ SERVER_ARGS = [
     "--cuda-graph-max-bs", str(MAX_RUNNING), "--mem-fraction-static", "0.3",
 ]  # fmt: skip
 TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exact
+# The probes' model's KV per token (Qwen2.5-Coder-0.5B: 24 layers, 2 KV heads of 64, bf16)
+KV_BYTES_PER_TOKEN = 24 * 2 * 2 * 64 * 2
 # The same server at the tiered home, SGLang's radix cache on over the host tier
 # (`--kv-home tiered` in the benchmark; the GPU test runs both homes).
 TIERED_ARGS = [
@@ -638,6 +640,116 @@ def prefix_evicted_then_reread(s: Server, doc_tokens: int = 6000, new: int = 16)
                   "the same first tokens; tiered: read from the host tier", run)  # fmt: skip
 
 
+def retract_shared_prefix(s: Server, n: int = MAX_RUNNING, stem_tokens: int = 4096) -> Outcome:
+    """`n` requests sharing one stem decode until their KV outgrows the server's, so some
+    are retracted (their stem shared with requests still running), then all run to their
+    full length; the stem's cached share afterwards is reported."""
+
+    def run():
+        before = s.psa_state()["retracted"]
+        stem = prompt(stem_tokens, 22)
+        # together they need 1.3x the KV the server holds (the stem counted once)
+        new = -(-13 * (s.max_total_tokens - stem_tokens) // (10 * n))
+        bg = [_in_background(s.generate, stem + prompt(64, 220 + i), new) for i in range(n)]
+        for b in bg:
+            b["t"].join(900)
+        got = [b["r"].json()["meta_info"]["completion_tokens"]
+               if "r" in b and b["r"].status_code == 200 else None for b in bg]  # fmt: skip
+        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
+        retracted = s.psa_state()["retracted"] - before
+        cached = _cached(s.generate(stem + prompt(64, 229), 4))
+        ok = retracted > 0 and ends == ["length"] * n and got == [new] * n
+        detail = {"retractions": retracted, "ends": ends, "new_tokens": new,
+                  "stem_cached_after": cached}  # fmt: skip
+        return (
+            ok,
+            f"{retracted} retractions, ends {sorted(set(ends))}, stem {cached} cached",
+            detail,
+        )
+
+    return _fault(s, "retraction of requests sharing a prefix",
+                  "retractions happen, every request runs to its length", run)  # fmt: skip
+
+
+def abort_storm_staged_prefill(s: Server, n: int = 24, doc_tokens: int = 6000) -> Outcome:
+    """A document's prefix pushed out of HBM (at the tiered home it waits in the host tier,
+    so a request with it prefills by staging it back), then `n` requests with that prefix
+    at once, each aborted within 0.6 s (mid staged prefill, queued or decoding); then the
+    document is asked again: the same first tokens as before, nothing held."""
+
+    def run():
+        rng = random.Random(5)
+        doc = prompt(doc_tokens, 41)
+        ask = doc + prompt(32, 410)
+        first, warm = s.generate(ask, 8), s.generate(ask, 8)
+        for i in range(-(-2 * s.max_total_tokens // doc_tokens)):  # twice what HBM holds
+            s.generate(prompt(doc_tokens, 420 + i), 4)
+        rids = [f"staged-{i}-{uuid.uuid4().hex}" for i in range(n)]
+        bg = [_in_background(s.generate, doc + prompt(32, 440 + i), 64, r)
+              for i, r in enumerate(rids)]  # fmt: skip
+        for r in rids:
+            threading.Timer(rng.uniform(0.0, 0.6), s.abort, (r,)).start()
+        for b in bg:
+            b["t"].join(300)
+        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
+        again = s.generate(ask, 8)
+        outs = [r.json()["output_ids"] if r.status_code == 200 else None
+                for r in (first, warm, again)]  # fmt: skip
+        counts = {e: ends.count(e) for e in set(ends)}
+        ok = (
+            set(ends) <= {"abort", "length"}
+            and "abort" in counts
+            and None not in outs
+            and outs[2][:4] in (outs[0][:4], outs[1][:4])
+        )
+        detail = {"ends": counts, "cached_tokens_after": _cached(again)}
+        return ok, f"ends {counts}; the document asked again: {outs[2]}", detail
+
+    return _fault(s, f"storm of {n} aborts on an evicted prefix",
+                  "every request aborted or done, the document's answer unchanged", run)  # fmt: skip
+
+
+def host_tier_full(s: Server, prompt_tokens: int = 8000, concurrent: int = MAX_RUNNING,
+                   fill: float = 1.6) -> Outcome:  # fmt: skip
+    """Distinct prompts holding `fill` times what the host tier holds (the tiered home:
+    it fills with kept prefixes and its LRU gives room; the HBM home: as many prompts),
+    `concurrent` at a time: every one answered to its length, and at the tiered home more
+    blocks saved than the tier holds."""
+    from sglang_psa.config import PSAConfig
+
+    def run():
+        wb = s.psa_state()["writeback"]
+        block = PSAConfig().block_size  # the servers' (SERVER_ARGS leave it at the default)
+        holds = wb["host_blocks_total"] * block if wb else 4 * 2**30 // KV_BYTES_PER_TOKEN
+        count = -(-int(fill * holds) // prompt_tokens)
+        saved0 = wb["blocks_saved"] if wb else 0
+
+        def one(i: int) -> str:
+            try:
+                r = s.generate(prompt(prompt_tokens, 5000 + i), 4, timeout=900)
+            except requests.RequestException as e:
+                return "lost: " + type(e).__name__
+            return _finish(r)
+
+        with ThreadPoolExecutor(concurrent) as ex:
+            ends = list(ex.map(one, range(count)))
+        counts = {e: ends.count(e) for e in set(ends)}
+        wb = s.psa_state()["writeback"]
+        saved = (wb["blocks_saved"] - saved0) if wb else None
+        again = _finish(s.generate(prompt(prompt_tokens, 5000), 4))
+        ok = (
+            counts == {"length": count}
+            and again == "length"
+            and (wb is None or saved >= fill * 0.9 * wb["host_blocks_total"])
+        )
+        detail = {"prompts": count, "ends": counts, "blocks_saved": saved,
+                  "host_blocks_total": wb and wb["host_blocks_total"]}  # fmt: skip
+        return ok, f"{count} prompts: ends {counts}, {saved} blocks saved", detail
+
+    return _fault(s, "the host tier full", "every prompt answered; the tier's LRU gave room",
+                  run)  # fmt: skip
+
+
 def _as_list(x):
     return x if isinstance(x, list) else [x]
 
@@ -802,7 +914,8 @@ def mixed_load(url: str, n: int, new: int, chats: int = 4, long_every: int = 4) 
 # Every fault probe, in the order they run (the benchmark and the GPU test both use this).
 FAULTS = (abort_queued, abort_mid_prefill, abort_mid_decode, client_disconnect,
           abort_retracted, abort_storm, overload, shared_prefix_aborts,
-          prefix_evicted_then_reread)  # fmt: skip
+          prefix_evicted_then_reread, retract_shared_prefix, abort_storm_staged_prefill,
+          host_tier_full)  # fmt: skip
 
 
 def faults(s: Server):

@@ -186,3 +186,161 @@ def test_requests_sharing_a_prefix_four_aborted_the_rest_finish_the_stem_kept(se
     o = probes.shared_prefix_aborts(server)
     assert o.ok is ok, o
     assert len(o.detail["ends"]) == 8
+
+
+class _Done:
+    """A /generate answer: `ids`, its finish reason, completion tokens and cached tokens."""
+
+    def __init__(self, ids, finish="length", cached=0, status=200):
+        self.status_code, self._ids, self._finish, self._cached = status, ids, finish, cached
+        self.text = "" if status == 200 else "refused"
+
+    def json(self):
+        meta = {"finish_reason": {"type": self._finish}, "cached_tokens": self._cached,
+                "completion_tokens": len(self._ids)}  # fmt: skip
+        return {"output_ids": self._ids, "meta_info": meta}
+
+
+class _RetractServer:
+    """Requests run to `new` tokens (one of them cut short when `short`); `retracts`
+    retractions counted while they run."""
+
+    max_total_tokens = 40000
+
+    def __init__(self, retracts=3, short=False):
+        self.retracts, self.short, self.retracted, self.calls = retracts, short, 0, 0
+
+    def generate(self, ids, new, rid=None):
+        self.calls += 1
+        self.retracted = self.retracts  # seen before the requests end
+        n = new - 1 if self.short and self.calls == 3 else new
+        return _Done([1] * n, cached=4064)
+
+    def psa_state(self):
+        return {"retracted": self.retracted, "kv_home": "hbm"}
+
+    leaks = _PrefixServer.leaks
+    healthy = _PrefixServer.healthy
+
+
+@pytest.mark.parametrize(
+    "server,ok",
+    [
+        (_RetractServer(), True),
+        (_RetractServer(retracts=0), False),  # the load never outgrew the KV
+        (_RetractServer(short=True), False),  # a request ended short of its length
+    ],
+)
+def test_retraction_with_a_shared_prefix_needs_retractions_and_every_length(server, ok):
+    o = probes.retract_shared_prefix(server)
+    assert o.ok is ok, o
+    # 8 requests that need 1.3x the KV beyond the 4096-token stem, then the stem again
+    assert o.detail["new_tokens"] == -(-13 * (40000 - 4096) // 80) and server.calls == 9
+
+
+class _StormServer:
+    """The document's answer is [1, 2, 3, 4, ...] (after the storm: `after`); a request
+    with a rid runs 1 s unless aborted first (`honours_aborts`)."""
+
+    max_total_tokens = 40000
+
+    def __init__(self, after=(1, 2, 3, 4), honours_aborts=True):
+        import threading
+
+        self.after, self.honours, self.asked = list(after), honours_aborts, 0
+        self.aborted, self.lock, self.ask = set(), threading.Lock(), None
+        self.home = "tiered"  # psa_state's
+
+    def generate(self, ids, new, rid=None):
+        import time
+
+        if rid is not None:
+            end = time.time() + 1.0
+            while time.time() < end:
+                with self.lock:
+                    if rid in self.aborted:
+                        return _Done([1], "abort")
+                time.sleep(0.02)
+            return _Done([1] * new)
+        if self.ask is None:
+            self.ask = ids
+        if ids != self.ask:  # the flood
+            return _Done([5] * new)
+        self.asked += 1
+        head = [1, 2, 3, 4] if self.asked < 3 else self.after
+        return _Done(head + [9] * (new - 4))
+
+    def abort(self, rid=None):
+        if self.honours:
+            with self.lock:
+                self.aborted.add(rid)
+        return 200
+
+    psa_state = _PrefixServer.psa_state
+    leaks = _PrefixServer.leaks
+    healthy = _PrefixServer.healthy
+
+
+@pytest.mark.parametrize(
+    "server,ok",
+    [
+        (_StormServer(), True),
+        (_StormServer(after=(1, 2, 7, 4)), False),  # the document's answer changed
+        (_StormServer(honours_aborts=False), False),  # nothing was aborted
+    ],
+)
+def test_an_abort_storm_on_an_evicted_prefix_aborts_and_keeps_the_answer(server, ok):
+    o = probes.abort_storm_staged_prefill(server)
+    assert o.ok is ok, o
+    assert server.asked == 3 and sum(o.detail["ends"].values()) == 24
+
+
+class _HostTierServer:
+    """A tiered home of `blocks` host blocks, each prompt saving its blocks (none when
+    `saves` is False); the prompt numbered `refuse` gets a 4xx. `blocks=None`: the HBM
+    home (no host tier)."""
+
+    def __init__(self, blocks=1000, saves=True, refuse=None):
+        import threading
+
+        self.blocks, self.saves, self.refuse = blocks, saves, refuse
+        self.saved, self.prompts, self.lock = 0, 0, threading.Lock()
+
+    def generate(self, ids, new, rid=None, timeout=None):
+        from sglang_psa.config import PSAConfig
+
+        with self.lock:
+            self.prompts += 1
+            if self.saves:
+                self.saved += len(ids) // PSAConfig().block_size
+            if self.prompts == self.refuse:
+                return _Done([], status=400)
+        return _Done([1] * new)
+
+    def psa_state(self):
+        if self.blocks is None:
+            return {"writeback": None}
+        return {"writeback": {"host_blocks_total": self.blocks, "blocks_saved": self.saved}}
+
+    leaks = _PrefixServer.leaks
+    healthy = _PrefixServer.healthy
+
+
+@pytest.mark.parametrize(
+    "server,ok",
+    [
+        (_HostTierServer(), True),
+        (_HostTierServer(saves=False), False),  # the tier never filled
+        (_HostTierServer(refuse=7), False),  # a prompt refused
+        (_HostTierServer(blocks=None), True),  # the HBM home: a load of as many prompts
+    ],
+)
+def test_the_host_tier_full_answers_every_prompt_and_saves_past_its_size(server, ok):
+    from sglang_psa.config import PSAConfig
+
+    block = PSAConfig().block_size
+    o = probes.host_tier_full(server, prompt_tokens=10 * block, concurrent=4)
+    assert o.ok is ok, o
+    holds = 1000 * block if server.blocks else 4 * 2**30 // probes.KV_BYTES_PER_TOKEN
+    assert o.detail["prompts"] == -(-int(1.6 * holds) // (10 * block))
+    assert server.prompts == o.detail["prompts"] + 1  # and one asked again
