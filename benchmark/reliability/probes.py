@@ -652,7 +652,7 @@ def retract_shared_prefix(s: Server, n: int = MAX_RUNNING, stem_tokens: int = 40
         new = -(-13 * (s.max_total_tokens - stem_tokens) // (10 * n))
         bg = [_in_background(s.generate, stem + prompt(64, 220 + i), new) for i in range(n)]
         for b in bg:
-            b["t"].join(900)
+            b["t"].join(300)
         got = [b["r"].json()["meta_info"]["completion_tokens"]
                if "r" in b and b["r"].status_code == 200 else None for b in bg]  # fmt: skip
         ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
