@@ -81,13 +81,17 @@ SUITE = {
 }
 
 
+def _write(root: Path, files: dict[str, str]) -> Path:
+    """`files` (path: text, dedented) under `root`."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    return root
+
+
 @pytest.fixture
 def suite(tmp_path):
-    for name, text in SUITE.items():
-        path = tmp_path / "suite" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return tmp_path / "suite"
+    return _write(tmp_path / "suite", SUITE)
 
 
 def _call(suite: Path, tmp: Path, budget: float, commit: str = "c1", *extra: str):
@@ -177,9 +181,7 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
                     time.sleep(60)
         """,
     }
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text))
+    _write(root, files)
     (root / "hang").touch()
     runs = lambda: ((root / "runs_a").read_text(), (root / "runs_b").read_text())  # noqa: E731
 
@@ -230,15 +232,13 @@ def test_a_fresh_machine_resumes_the_state_brought_back_and_reruns_only_changed_
 def test_first_runs_the_named_files_before_the_kernels(tmp_path):
     root = tmp_path / "suite"
     order = "import pytest\n@pytest.mark.gpu\ndef test_x():\n    open('order', 'a').write('{}')\n"
-    for name, text in {
+    _write(root, {
         "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
         "test/kernels/test_k.py": order.format("k"),
         "test/unit/test_u.py": order.format("u"),
         "test/reliability/test_r.py": order.format("r"),
         "test/e2e/test_e.py": order.format("e"),
-    }.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
+    })  # fmt: skip
     code, doc = _call(root, tmp_path, 60, "c1", "--first", "test/e2e/", "--jobs", "1")
     assert code == 0 and doc["counts"] == {"passed": 4}
     assert (root / "order").read_text() == "ekur"  # e2e first, then in the usual order
@@ -272,9 +272,7 @@ def test_a_test_file_is_keyed_on_the_benchmark_code_its_paths_reach(tmp_path):
         "test/unit/test_st.py": "# the store benchmark's tool: benchmark/store/bench.py\n",
         "test/unit/test_prose.py": "# the benchmark's numbers, the examples' texts\n",
     }
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
+    _write(root, files)
     assert g.named_refs(root, files["test/reliability/test_r.py"]) == {"benchmark/reliability"}
     assert g.named_refs(root, files["test/unit/test_prose.py"]) == set()
     assert g.named_refs(root, '(tmp / "benchmark").mkdir()') == {"benchmark"}
