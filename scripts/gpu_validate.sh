@@ -38,8 +38,10 @@ gpu=${gpu:-gpu}
 case "${1:-}" in
   gpu-tests)
     t0=$SECONDS  # BUDGET_S counts from here: a fresh machine converts the models first
-    py -m sglang_psa.models smollm2-135m >/dev/null
-    py -m sglang_psa.models qwen2.5-0.5b >/dev/null
+    # their progress bars go to a log, not the call's short output tail
+    for m in smollm2-135m qwen2.5-0.5b; do
+      py -m sglang_psa.models "$m" >>"$OUT/models.log" 2>&1 || { tail -20 "$OUT/models.log"; exit 1; }
+    done
     # carried: an earlier session's $OUT/gpu_tests_state.json; one file per SGLang release
     ver=$(py -c 'from importlib.metadata import version; print(version("sglang"))')
     seed=build/gpu-tests-state.json
