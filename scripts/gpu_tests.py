@@ -460,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     work = [(n, pending) for n, pending in work if pending]
     # kernel and unit files share the GPU well (compiling dominates): --jobs at once; the
     # reliability and end-to-end files start servers: one at a time
-    first = [w for p in args.first for w in work if w[0].startswith(p.rstrip("/"))]
-    first = list(dict.fromkeys((n, tuple(t)) for n, t in first))  # in --first's order, once
-    first = [(n, list(t)) for n, t in first]
+    first: list[tuple[str, list[str]]] = []  # in --first's order, each file once
+    for p in args.first:
+        first += [w for w in work if w[0].startswith(p.rstrip("/")) and w not in first]
     work = [w for w in work if w not in first]
     shared = [w for w in work if file_order(w[0])[0] < ORDER["reliability"]]
     alone = [w for w in work if w not in shared]

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -360,6 +361,11 @@ def _finish(r: requests.Response) -> str:
     )
 
 
+def _end(box: dict) -> str:
+    """How an `_in_background` request ended: its finish reason, HTTP status or error."""
+    return _finish(box["r"]) if "r" in box else repr(box.get("e"))
+
+
 def _in_background(fn, *args) -> dict:
     box: dict = {}
 
@@ -392,7 +398,7 @@ def abort_queued(s: Server, running: int = MAX_RUNNING) -> Outcome:
             s.abort(r)
         for b in queued:
             b["t"].join(120)
-        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in queued]
+        ends = [_end(b) for b in queued]
         s.abort()  # then the fill
         for b in fill:
             b["t"].join(120)
@@ -408,7 +414,7 @@ def abort_mid_prefill(s: Server) -> Outcome:
         time.sleep(0.05)
         s.abort(rid)
         b["t"].join(300)
-        end = _finish(b["r"]) if "r" in b else repr(b.get("e"))
+        end = _end(b)
         return end in ("abort", "length"), f"ended {end}", {}
 
     return _fault(s, "abort mid-prefill", "abort (or done first)", run)
@@ -511,7 +517,7 @@ def abort_storm(s: Server, n: int = 200) -> Outcome:
     def run():
         with ThreadPoolExecutor(n) as ex:
             ends = list(ex.map(one, range(n)))
-        counts = {e: ends.count(e) for e in set(ends)}
+        counts = dict(Counter(ends))
         ok = set(counts) <= {"abort", "length", "client left", "done"}
         return ok, f"ends {counts}", {"ends": counts}
 
@@ -552,7 +558,7 @@ def overload(s: Server, n: int = 500, rate: float = 50.0, seed: int = 0) -> Outc
         with ThreadPoolExecutor(n) as ex:
             ends = list(ex.map(one, range(n)))
         stop.set()
-        counts = {e: ends.count(e) for e in set(ends)}
+        counts = dict(Counter(ends))
         lost = sum(v for k, v in counts.items() if k.startswith("lost") or k == "short")
         detail = {
             "ends": counts,
@@ -591,7 +597,7 @@ def shared_prefix_aborts(s: Server, n: int = 8, stem_tokens: int = 4096) -> Outc
             s.abort(r)
         for b in bg:
             b["t"].join(300)
-        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
+        ends = [_end(b) for b in bg]
         again = s.generate(stem + prompt(64, 299), 8)
         cached = _cached(again)
         ok = (
@@ -655,7 +661,7 @@ def retract_shared_prefix(s: Server, n: int = MAX_RUNNING, stem_tokens: int = 40
             b["t"].join(300)
         got = [b["r"].json()["meta_info"]["completion_tokens"]
                if "r" in b and b["r"].status_code == 200 else None for b in bg]  # fmt: skip
-        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
+        ends = [_end(b) for b in bg]
         retracted = s.psa_state()["retracted"] - before
         cached = _cached(s.generate(stem + prompt(64, 229), 4))
         ok = retracted > 0 and ends == ["length"] * n and got == [new] * n
@@ -691,11 +697,11 @@ def abort_storm_staged_prefill(s: Server, n: int = 24, doc_tokens: int = 6000) -
             threading.Timer(rng.uniform(0.0, 0.6), s.abort, (r,)).start()
         for b in bg:
             b["t"].join(300)
-        ends = [_finish(b["r"]) if "r" in b else repr(b.get("e")) for b in bg]
+        ends = [_end(b) for b in bg]
         again = s.generate(ask, 8)
         outs = [r.json()["output_ids"] if r.status_code == 200 else None
                 for r in (first, warm, again)]  # fmt: skip
-        counts = {e: ends.count(e) for e in set(ends)}
+        counts = dict(Counter(ends))
         ok = (
             set(ends) <= {"abort", "length"}
             and "abort" in counts
@@ -733,7 +739,7 @@ def host_tier_full(s: Server, prompt_tokens: int = 8000, concurrent: int = MAX_R
 
         with ThreadPoolExecutor(concurrent) as ex:
             ends = list(ex.map(one, range(count)))
-        counts = {e: ends.count(e) for e in set(ends)}
+        counts = dict(Counter(ends))
         wb = s.psa_state()["writeback"]
         saved = (wb["blocks_saved"] - saved0) if wb else None
         again = _finish(s.generate(prompt(prompt_tokens, 5000), 4))
