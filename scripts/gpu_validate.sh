@@ -42,6 +42,10 @@ case "${1:-}" in
     for m in smollm2-135m qwen2.5-0.5b; do
       py -m sglang_psa.models "$m" >>"$OUT/models.log" 2>&1 || { tail -20 "$OUT/models.log"; exit 1; }
     done
+    # SGLang's engine must import before device time goes to tests that need it (a wheel
+    # built for another torch fails here, named, instead of in every serving test)
+    py -c 'import sglang.srt.entrypoints.engine' >"$OUT/preflight.log" 2>&1 ||
+      { echo "gpu_validate: SGLang's engine does not import:"; tail -5 "$OUT/preflight.log"; exit 1; }
     # carried: an earlier session's $OUT/gpu_tests_state.json; one file per SGLang release
     ver=$(py -c 'from importlib.metadata import version; print(version("sglang"))')
     seed=build/gpu-tests-state.json

@@ -165,6 +165,9 @@ PACKAGES_0_5_23: tuple[str, ...] = (
     # torch 2.14.1 and what it pins differently from the host's torch 2.11.0+cu130.
     "torch==2.14.1",
     "triton==3.8.0",
+    # SGLang imports torchvision when its engine loads (multimodal configs); the host's is
+    # built for torch 2.11 and fails under 2.14.1 (`operator torchvision::nms does not exist`).
+    "torchvision==0.29.1",
     "cuda-toolkit==13.0.3.0",  # metadata only (2 KB): the CUDA wheels' pins, for pip check
     "nvidia-cublas==13.1.1.3",
     "nvidia-cudnn-cu13==9.24.0.43",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 import sys
@@ -78,6 +80,54 @@ if importlib.util.find_spec("sglang") and not importlib.util.find_spec("torchvis
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (STUBS, os.environ.get("PYTHONPATH")) if p
     )
+
+
+@functools.cache
+def sglang_import_error() -> str | None:
+    """Why SGLang's engine does not import where SGLang is installed (None: it imports,
+    or SGLang is not installed at all)."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        importlib.import_module("sglang.srt.entrypoints.engine")
+    except Exception as e:  # a broken install: any error, not only ImportError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def hidden_sglang_failure(reason: str, cuda: bool, import_error=sglang_import_error) -> str | None:
+    """The failure a skip hides, or None where the skip stands. On a GPU machine a test
+    skipped for want of SGLang (its reason names SGLang) while SGLang is installed but its
+    engine does not import (a wheel built for another torch) is a failure: a broken install
+    must not pass for a machine without SGLang. Without a GPU skips stand as they are."""
+    if not cuda or "sglang" not in reason.lower():
+        return None
+    error = import_error()
+    if error is None:
+        return None
+    return f"skipped as {reason!r}, but SGLang is installed here and its engine does not import: {error}"
+
+
+def _fail_hidden(rep, reason: str) -> None:
+    message = hidden_sglang_failure(reason, torch.cuda.is_available())
+    if message is not None:
+        rep.outcome, rep.longrepr = "failed", message
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's skip for want of SGLang: see `hidden_sglang_failure`."""
+    rep = (yield).get_result()
+    if rep.skipped and call.excinfo is not None:
+        _fail_hidden(rep, str(call.excinfo.value))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module's skip at import (a module-level `importorskip`): likewise."""
+    rep = (yield).get_result()
+    if rep.skipped and isinstance(rep.longrepr, tuple):  # (path, line, reason)
+        _fail_hidden(rep, str(rep.longrepr[2]))
 
 
 def pytest_collection_modifyitems(config, items):

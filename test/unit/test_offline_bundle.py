@@ -370,6 +370,7 @@ def test_releases_pin_sglang_torch_and_the_kernel():
     for name, version in {
         "torch": "2.14.1",
         "triton": "3.8.0",
+        "torchvision": "0.29.1",  # SGLang's engine imports it; the host's fails on 2.14.1
         "cuda-toolkit": "13.0.3.0",
         "nvidia-cublas": "13.1.1.3",
         "nvidia-cudnn-cu13": "9.24.0.43",
