@@ -118,6 +118,9 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     for later, frac in ((0, 0.5), (0, 0.4), (0, 0.3), (32, 0.4)):
         capped = current.replace(later_wave_blocks=later, max_read_fraction=frac)
         out.append(DecodePolicy("psa", capped))
+    # The numerical floor under identical completions: every block read, in the default's
+    # waves (what the order of summation alone changes against dense).
+    out.append(DecodePolicy("psa", current.replace(threshold=1.0)))
     # After the certified-bound study (benchmark/results/archive/certified_bound_cpu_16k.json: the
     # min/max bound certifies nothing, per-token key codes of 4-6 bits certify ε 0.9 at
     # 0.42-0.50 of the KV at 16K, codes counted): the certified rule on key codes, with a
