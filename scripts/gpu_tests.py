@@ -254,9 +254,11 @@ def run_file(
 ) -> bool:
     """Run `ids` (one file's pending tests) in one pytest process until they end or
     `deadline`; outcomes and failure messages into `state`. True when it ran to its end."""
+    # --capture=sys: what child processes write (an in-process engine's scheduler, whose
+    # death takes pytest with it: SGLang kills its parent) reaches the log, not a lost file
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE",
-           "--tb=short", f"--timeout={PER_TEST_S}", "-p", "gpu_tests_plugin", "-m", marker,
-           *ids]  # fmt: skip
+           "--tb=short", "--capture=sys", f"--timeout={PER_TEST_S}", "-p", "gpu_tests_plugin",
+           "-m", marker, *ids]  # fmt: skip
     failures = log.with_suffix(".failures.jsonl")
     failures.unlink(missing_ok=True)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))

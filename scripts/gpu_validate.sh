@@ -43,9 +43,14 @@ case "${1:-}" in
       py -m sglang_psa.models "$m" >>"$OUT/models.log" 2>&1 || { tail -20 "$OUT/models.log"; exit 1; }
     done
     # SGLang's engine must import before device time goes to tests that need it (a wheel
-    # built for another torch fails here, named, instead of in every serving test)
-    py -c 'import sglang.srt.entrypoints.engine' >"$OUT/preflight.log" 2>&1 ||
-      { echo "gpu_validate: SGLang's engine does not import:"; tail -5 "$OUT/preflight.log"; exit 1; }
+    # built for another torch fails here, named, instead of in every serving test), and
+    # what a server imports only once it builds the model on CUDA: SGLang 0.5.23's Qwen2
+    # and Llama MLPs import its CuTe DSL dual GEMM (`cutlass`), absent from 0.5.17
+    py -c '
+import importlib.util, sglang.srt.entrypoints.engine
+if importlib.util.find_spec("sglang.srt.layers.dual_gemm"):
+    import sglang.kernels.ops.gemm.cutedsl_dual_gemm' >"$OUT/preflight.log" 2>&1 ||
+      { echo "gpu_validate: SGLang's engine or model layers do not import:"; tail -5 "$OUT/preflight.log"; exit 1; }
     # carried: an earlier session's $OUT/gpu_tests_state.json; one file per SGLang release
     ver=$(py -c 'from importlib.metadata import version; print(version("sglang"))')
     seed=build/gpu-tests-state.json

@@ -43,7 +43,20 @@ pypath="$SITE"
 if [ -d "$REPO/python/sglang_psa" ] && [ -d "$REPO/sgl-kernel-ext/sgl_kernel_ext" ]; then
   pypath="$REPO/python:$REPO/sgl-kernel-ext:$SITE"
 fi
-env_line="export PYTHONPATH=$pypath\${PYTHONPATH:+:\$PYTHONPATH}"
+# A wheel's .pth file (nvidia-cutlass-dsl's puts its dsl_packages/ on sys.path) is read
+# only in a site directory, and SITE is a PYTHONPATH entry: the paths the .pth files add
+# (found by letting `site` process SITE in a throwaway interpreter) follow SITE in it.
+# Only their sys.path entries carry over, not other side effects of their import lines.
+env_line() {
+  local extra
+  extra="$("$PY" -c '
+import site, sys
+before = set(sys.path) | {sys.argv[1]}
+site.addsitedir(sys.argv[1])
+print(":".join(p for p in sys.path if p not in before))' "$SITE")" ||
+    die "processing the .pth files in $SITE failed"
+  echo "export PYTHONPATH=$pypath${extra:+:$extra}\${PYTHONPATH:+:\$PYTHONPATH}"
+}
 
 # The checkout's entry points win too: SGLang finds the plugin through the installed
 # sglang_psa dist-info, whose entry point names a module of the bundled snapshot (a
@@ -64,7 +77,7 @@ PYEOF
 if [ -z "${PSA_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$total_sha" ]; then
   echo "install_offline: bundle ${total_sha:0:16} already installed in $SITE" >&2
   sync_entry_points
-  echo "$env_line"
+  env_line
   exit 0
 fi
 
@@ -113,10 +126,11 @@ fi
 
 sync_entry_points
 
+line="$(env_line)"
 cat > "$SITE/psa-env.sh" <<EOF
 # written by scripts/install_offline.sh for bundle $total_sha
-$env_line
+$line
 EOF
 echo "$total_sha" > "$STAMP"
 echo "install_offline: [${SECONDS}s] done; \`source $SITE/psa-env.sh\` or:" >&2
-echo "$env_line"
+echo "$line"

@@ -168,6 +168,15 @@ PACKAGES_0_5_23: tuple[str, ...] = (
     # SGLang imports torchvision when its engine loads (multimodal configs); the host's is
     # built for torch 2.11 and fails under 2.14.1 (`operator torchvision::nms does not exist`).
     "torchvision==0.29.1",
+    # SGLang 0.5.23's Qwen2 and Llama MLPs import its CuTe DSL dual GEMM on CUDA (on every
+    # GPU: the kernel itself is for sm100), so `cutlass` must import: nvidia-cutlass-dsl[cu13]
+    # less nvidia-cutlass-dsl-libs-cu12 (installed --no-deps; the DSL picks the newest
+    # toolkit flavor the driver supports, and cu13 is the only one here). The wheel's .pth
+    # puts its dsl_packages/ on sys.path; install_offline.sh turns that into PYTHONPATH.
+    "nvidia-cutlass-dsl==4.8.0",
+    "nvidia-cutlass-dsl-libs-base==4.8.0",
+    "nvidia-cutlass-dsl-libs-core==4.8.0",
+    "nvidia-cutlass-dsl-libs-cu13==4.8.0",
     "cuda-toolkit==13.0.3.0",  # metadata only (2 KB): the CUDA wheels' pins, for pip check
     "nvidia-cublas==13.1.1.3",
     "nvidia-cudnn-cu13==9.24.0.43",

@@ -39,7 +39,7 @@ import probes  # noqa: E402
 from sglang_psa.eval.results import gpu_tag, write_result  # noqa: E402
 
 RESULTS = ROOT / "benchmark" / "results"
-ROUTER_ARGS = ["--max-running-requests", "16", "--cuda-graph-max-bs", "16"]
+ROUTER_ARGS = ["--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16"]
 KILL_ARGS = [
     "--tp-size", "2", "--psa-kv-home", "tiered", "--psa-writeback", "engine",
     "--psa-host-pool-gb", "4", "--max-running-requests", "8",

@@ -36,7 +36,7 @@ MAX_RUNNING = 8
 SERVER_ARGS = [
     "--api-key", API_KEY, "--enable-metrics", "--context-length", "32768",
     "--max-total-tokens", "40000", "--max-running-requests", str(MAX_RUNNING),
-    "--cuda-graph-max-bs", str(MAX_RUNNING), "--mem-fraction-static", "0.3",
+    "--cuda-graph-max-bs-decode", str(MAX_RUNNING), "--mem-fraction-static", "0.3",
 ]  # fmt: skip
 TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exact
 # The probes' model's KV per token (Qwen2.5-Coder-0.5B: 24 layers, 2 KV heads of 64, bf16)

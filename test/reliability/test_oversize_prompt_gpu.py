@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 PROMPT, NEW, POOL = 20_000, 32, 8192
 BASE = [
     "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--chunked-prefill-size", "2048",
-    "--context-length", "32768", "--max-running-requests", "4", "--cuda-graph-max-bs", "4",
+    "--context-length", "32768", "--max-running-requests", "4", "--cuda-graph-max-bs-decode", "4",
     "--psa-threshold", "1",  # decode reads every block: the evicted ones from the host tier
 ]  # fmt: skip
 

@@ -26,7 +26,7 @@ PROMPT, NEW, N, BS = 3000, 96, 4, 32
 NEAR_TIE = 0.1  # nats between the two tokens where completions may part
 BASE = [
     "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--context-length", "8192",
-    "--max-running-requests", str(N), "--cuda-graph-max-bs", str(N),
+    "--max-running-requests", str(N), "--cuda-graph-max-bs-decode", str(N),
     "--psa-threshold", "1",  # decode reads every block, the kept ones from the host tier
 ]  # fmt: skip
 PROMPTS = [probes.prompt(PROMPT + 37 * i, seed=20 + i) for i in range(N)]

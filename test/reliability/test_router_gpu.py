@@ -26,7 +26,7 @@ N, NEW, PORTS, ROUTER = 24, 32, (30191, 30192), 30190
 # memory for the KV cache"). 96K tokens hold the load's 8 running requests of up to 12K.
 ARGS = [
     "--mem-fraction-static", "0.3", "--max-total-tokens", "98304",
-    "--max-running-requests", "8", "--cuda-graph-max-bs", "8",
+    "--max-running-requests", "8", "--cuda-graph-max-bs-decode", "8",
 ]  # fmt: skip
 
 

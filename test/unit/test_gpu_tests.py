@@ -50,9 +50,10 @@ SUITE = {
             pass
     """,
     "test/reliability/test_crash.py": """
-        import os, pytest
+        import os, subprocess, sys, pytest
         pytestmark = pytest.mark.gpu
-        def test_kills_pytest():
+        def test_kills_pytest():  # as a dying in-process engine's scheduler does
+            subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('why it died')"])
             os._exit(3)
         def test_after_the_crash():
             pass
@@ -122,6 +123,11 @@ def test_calls_resume_where_the_last_stopped_and_a_twice_cut_test_is_a_timeout(s
     crashed = {k: doc["failed"].pop(k) for k in list(doc["failed"]) if "test_crash" in k}
     assert len(crashed) == 2  # the crash and the test pytest never reached after it
     assert all(m.startswith("pytest ended without running it") for m in crashed.values())
+    # what the dying test's child wrote is in the log those messages point to
+    assert (
+        "why it died"
+        in (tmp_path / "out/gpu_tests/test__reliability__test_crash.py.log").read_text()
+    )
     assert doc["failed"] == {
         "test/kernels/test_k.py::test_wrong": "AssertionError: one is not two",
         "test/kernels/test_k.py::test_spaced[--b 2 --c]": "AssertionError: spaced out",

@@ -187,7 +187,11 @@ def _toy_bundle(
     kernel_xz = [
         {"path": "sgl_kernel/flash_ops.abi3.so", "size": len(fa3), "sha256": _sha_bytes(fa3)}
     ]
-    wheel = _handmade_wheel(src)
+    # like nvidia-cutlass-dsl: a .pth whose import line puts a folder of the wheel on sys.path
+    pth = b"import sys, os, psa_toy; sys.path.insert(0, os.path.join(os.path.dirname(psa_toy.__file__), 'psa_toy_dsl'))\n"
+    wheel = _handmade_wheel(
+        src, extra={"psa_toy_dsl/psa_hidden.py": b"HIDDEN = 7\n", "psa_toy_dsl.pth": pth}
+    )
     items = [
         ob.Item(wheel, f"wheels/{wheel.name}", "wheel", "psa_toy", "1.0"),
         ob.Item(src / "kernel" / "sgl_kernel", "kernel/sgl_kernel", "kernel", "k", "0"),
@@ -371,6 +375,11 @@ def test_releases_pin_sglang_torch_and_the_kernel():
         "torch": "2.14.1",
         "triton": "3.8.0",
         "torchvision": "0.29.1",  # SGLang's engine imports it; the host's fails on 2.14.1
+        # Qwen2/Llama import SGLang's CuTe DSL dual GEMM on CUDA (cu13 flavor only)
+        "nvidia-cutlass-dsl": "4.8.0",
+        "nvidia-cutlass-dsl-libs-base": "4.8.0",
+        "nvidia-cutlass-dsl-libs-core": "4.8.0",
+        "nvidia-cutlass-dsl-libs-cu13": "4.8.0",
         "cuda-toolkit": "13.0.3.0",
         "nvidia-cublas": "13.1.1.3",
         "nvidia-cudnn-cu13": "9.24.0.43",
@@ -512,6 +521,16 @@ def test_stage_then_install_end_to_end(tmp_path: Path):
     for key in ("toy", "toy2"):
         assert f"model GGUF at {cache / 'gguf' / key}.gguf\n" in res.stderr
     assert (site / "psa-env.sh").read_text().splitlines()[-1] == export
+    # the .pth's path follows SITE, so its module imports with that PYTHONPATH alone
+    assert f"{site}:{site / 'psa_toy_dsl'}" in export
+    pypath = export.removeprefix("export PYTHONPATH=").split("${")[0]
+    res = subprocess.run(
+        [sys.executable, "-S", "-c", "import psa_hidden; print(psa_hidden.HIDDEN)"],
+        env={**os.environ, "PYTHONPATH": pypath},
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0 and res.stdout == "7\n", res.stderr
 
     res = _run(str(SCRIPTS / "install_offline.sh"), str(stage), str(site), env_extra=env)
     assert res.returncode == 0 and "already installed" in res.stderr
