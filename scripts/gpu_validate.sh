@@ -38,9 +38,10 @@ gpu=${gpu:-gpu}
 case "${1:-}" in
   gpu-tests)
     t0=$SECONDS  # BUDGET_S counts from here: a fresh machine converts the models first
-    # their progress bars go to a log, not the call's short output tail
+    # their progress bars go to a log, not the call's short output tail (one setup log:
+    # the device tool brings back at most 8 files)
     for m in smollm2-135m qwen2.5-0.5b; do
-      py -m sglang_psa.models "$m" >>"$OUT/models.log" 2>&1 || { tail -20 "$OUT/models.log"; exit 1; }
+      py -m sglang_psa.models "$m" >>"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
     done
     # SGLang's engine must import before device time goes to tests that need it (a wheel
     # built for another torch fails here, named, instead of in every serving test), and
@@ -49,8 +50,8 @@ case "${1:-}" in
     py -c '
 import importlib.util, sglang.srt.entrypoints.engine
 if importlib.util.find_spec("sglang.srt.layers.dual_gemm"):
-    import sglang.kernels.ops.gemm.cutedsl_dual_gemm' >"$OUT/preflight.log" 2>&1 ||
-      { echo "gpu_validate: SGLang's engine or model layers do not import:"; tail -5 "$OUT/preflight.log"; exit 1; }
+    import sglang.kernels.ops.gemm.cutedsl_dual_gemm' >>"$OUT/setup.log" 2>&1 ||
+      { echo "gpu_validate: SGLang's engine or model layers do not import:"; tail -5 "$OUT/setup.log"; exit 1; }
     # carried: an earlier session's $OUT/gpu_tests_state.json; one file per SGLang release
     ver=$(py -c 'from importlib.metadata import version; print(version("sglang"))')
     seed=build/gpu-tests-state.json
@@ -59,7 +60,16 @@ if importlib.util.find_spec("sglang.srt.layers.dual_gemm"):
     [ -f "$seed" ] || seed=docs/gpu-tests/state-sglang-$ver.json
     py scripts/gpu_tests.py --budget-s "$(( ${BUDGET_S:-540} - (SECONDS - t0) ))" --out "$OUT" \
       ${seed:+--seed-state "$seed"} "${@:2}" 2>&1 | tee "$OUT/gpu-tests.log"
-    exit "${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    # a server that died says why in its own log, which stays on the machine: the newest
+    # ones' tails go into the log that comes back (the machine is gone 30 s later)
+    if [ "$rc" = 1 ]; then
+      for f in $(ls -t /tmp/pytest-of-*/pytest-*/*/server*.log 2>/dev/null | head -3); do
+        echo "=== gpu_validate: the last lines of $f"
+        grep -v '^[[:space:]]*$' "$f" | tail -25 | cut -c1-400
+      done >>"$OUT/gpu-tests.log"
+    fi
+    exit "$rc"
     ;;
   kernel-tests)
     py -m pytest -q -p no:cacheprovider -rs test/kernels test/unit/store test/unit/algo 2>&1 |
