@@ -118,6 +118,9 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     for later, frac in ((0, 0.5), (0, 0.4), (0, 0.3), (32, 0.4)):
         capped = current.replace(later_wave_blocks=later, max_read_fraction=frac)
         out.append(DecodePolicy("psa", capped))
+    # After the 1.5B model's CPU pilots (benchmark/results/archive/ab_cpu_1p5b_4k*.json: the
+    # 0.5 cap cost it an answer the uncapped default kept): a looser cap, between the two.
+    out.append(DecodePolicy("psa", current.replace(max_read_fraction=0.7)))
     # The numerical floor under identical completions: every block read, in the default's
     # waves (what the order of summation alone changes against dense).
     out.append(DecodePolicy("psa", current.replace(threshold=1.0)))
