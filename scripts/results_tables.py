@@ -121,8 +121,21 @@ HEADLINE = [
 ]  # fmt: skip
 
 
+def _no_nan(token: str):
+    raise ValueError(f"{token} is not JSON (write null for a value a run does not have)")
+
+
+def read(path: Path) -> dict:
+    """A result file, strictly: NaN and Infinity, which Python writes and other readers
+    refuse, fail here naming the file."""
+    try:
+        return json.loads(path.read_text(), parse_constant=_no_nan)
+    except ValueError as e:
+        raise SystemExit(f"results_tables: {path}: {e}") from None
+
+
 def load(name: str) -> dict:
-    return json.loads((RESULTS / f"{name}.json").read_text())
+    return read(RESULTS / f"{name}.json")
 
 
 def fmt(v) -> str:
@@ -204,7 +217,7 @@ def results_md() -> str:
         "",
     ]
     for path in sorted(RESULTS.glob("*.json")):
-        doc = json.loads(path.read_text())
+        doc = read(path)
         out += [f"## {path.stem}", ""]
         out.append(f"- machine: {doc.get('machine', '?')}")
         out.append(f"- date: {doc.get('date', '?')}")
@@ -234,7 +247,7 @@ def archive_index() -> str:
         "",
     ]
     for path in sorted(ARCHIVE.glob("*.json")):
-        doc = json.loads(path.read_text())
+        doc = read(path)
         plot = f" [plot]({path.stem}.png)" if path.with_suffix(".png").exists() else ""
         when = str(doc.get("date", "?"))[:10]
         out.append(f"- `{path.name}`: {device(doc)}, {when}, `{doc.get('command', '?')}`{plot}")

@@ -40,3 +40,20 @@ def test_a_row_is_dated_by_the_run_its_key_comes_from():
     assert results_tables.run_date(doc, "one") == "2026-11-28"
     assert results_tables.run_date(doc, "two") == "2026-11-29"
     assert results_tables.run_date(doc, "three") == "2026-12-01"
+
+
+def test_a_result_with_nan_or_infinity_fails_naming_its_file(tmp_path):
+    """Python writes NaN and Infinity, which are not JSON: every result file is read
+    strictly, so `--check` (CI) fails on one."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import pytest
+    import results_tables
+
+    good = tmp_path / "good.json"
+    good.write_text('{"summary": {"x": null}}')
+    assert results_tables.read(good) == {"summary": {"x": None}}
+    for token in ("NaN", "Infinity", "-Infinity"):
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"summary": {"x": ' + token + "}}")
+        with pytest.raises(SystemExit, match=f"bad.json: {token} is not JSON"):
+            results_tables.read(bad)

@@ -6,6 +6,7 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -154,12 +155,29 @@ def write_result(path: Path, summary: dict[str, Any], data: Any, **extra: Any) -
     return path
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every NaN and infinity (numpy's too) as None: JSON has neither, and
+    results_tables.py refuses a file holding one."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return value
+    return number if math.isfinite(number) else None
+
+
 def dump_result(doc: dict[str, Any], pretty_chars: int = 4000) -> str:
     """A result file's text: one line per top-level key, small values indented for
     reading (the summary), large ones (per-request data, logs) compact, so the results
-    stay small enough to travel with the working tree."""
+    stay small enough to travel with the working tree. A NaN or infinity is written as
+    null (a value the run does not have)."""
     items = []
-    for key, value in doc.items():
+    for key, value in _finite(doc).items():
         text = json.dumps(value, indent=1, default=float)
         if len(text) > pretty_chars:
             text = json.dumps(value, separators=(",", ":"), default=float)

@@ -79,6 +79,14 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
     # the certified policy reading least at 16K+, its 16K rows only
     assert s["kv_fraction_certified_16k"] == pytest.approx(0.3)
     assert s["certified_16k_policy"] == CODES and CODES.endswith("-c5")
+    # a run without the default policy (joined later by --combine): its keys null, and
+    # the summary is valid JSON (no NaN)
+    s = adaptive.summarize(
+        adaptive.table([r for r in rows if r["policy"] != psa]), [256, 512, 1024], 0.01, 0.9
+    )
+    assert s["kv_fraction_psa"] is None and s["kv_ratio_psa_vs_best_topk"] is None
+    assert s["kv_fraction_best_topk"] == pytest.approx(0.2)
+    json.loads(json.dumps(s, allow_nan=False))
 
 
 def test_a_row_tells_a_divergence_after_the_answers_stop_from_one_inside_it():

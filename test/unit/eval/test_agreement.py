@@ -1,6 +1,8 @@
 """Greedy agreement: identical completions are counted, and a split is a near-tie only
 when the other engine took a token the reference ranked within `tie` of its own choice."""
 
+import json
+
 import pytest
 
 from sglang_psa.eval.agreement import compare
@@ -39,6 +41,9 @@ def test_identical_and_diverging_completions_are_classified():
         (3, 1, True),
     ]
     assert [d["chosen_rank"] for d in got["divergences"]] == [1, None, 2]
+    # the unranked token's gap is unknown: null, and the result is valid JSON
+    assert got["divergences"][1]["gap"] is None
+    json.dumps(got, allow_nan=False)
     assert got["divergences_at_near_tie"] == 2
     # only the three-way tie is exact: it agrees; the 0.1-nat near-tie does not
     assert [d["exact_tie"] for d in got["divergences"]] == [False, False, True]
