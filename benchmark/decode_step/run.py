@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+from sglang_psa.eval.results import dump_result
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmark" / "results"
 LAYERS, HQ, HKV, D, BS = 24, 14, 2, 64, 32
@@ -239,7 +241,7 @@ def profile_cmd(args) -> None:
     ]
     for k, spec in enumerate(plan, 1):  # written after each mode: a cut-short run keeps them
         out["modes"].append(_profile_mode(*spec))
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        Path(args.out).write_text(dump_result(out))
         print(f"profile: {k}/{len(plan)} {spec}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
 
@@ -346,7 +348,7 @@ def summarize_cmd(args) -> None:
         summary["psa_largest_head_over_mean_time"] = bal["summary"]["largest_over_mean_time"]
         summary["psa_heads_within_first_wave"] = bal["summary"]["share_of_heads_within_first_wave"]
         summary["psa_heads_at_read_cap"] = bal["summary"]["share_of_heads_at_read_cap"]
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out).write_text(dump_result(out))
     print(json.dumps(summary, indent=1))
 
 
@@ -464,7 +466,7 @@ def balance_cmd(args) -> None:
         "per_layer_largest": flat.amax(-1).mean(1).tolist(),
         "tasks": [t.kind for t in tasks],
     }
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out).write_text(dump_result(out))
     print(json.dumps(out["summary"], indent=1))
 
 

@@ -58,16 +58,16 @@ def compare(ref: list[dict], other: list[dict], tie: float = DEFAULT_TIE) -> dic
         lp = {t: v for v, t in top}
         own = a["ids"][i] if i < len(a["ids"]) else None
         # How far below the reference's own token the other engine's token lay there (an
-        # exact tie may list either first); None when it is not in the reference's top list
-        # (far below it: no tie; null in JSON, which has no infinity).
-        gap = lp[own] - lp[chosen] if own in lp and chosen in lp else None
+        # exact tie may list either first); infinite when it is not in the reference's top
+        # list (a result file holds null: `dump_result`).
+        gap = lp[own] - lp[chosen] if own in lp and chosen in lp else float("inf")
         splits.append(
             {
                 "prompt": n,
                 "step": i,
                 "chosen_rank": next((r for r, (_, t) in enumerate(top) if t == chosen), None),
                 "gap": gap,
-                "near_tie": gap is not None and gap < tie,
+                "near_tie": gap < tie,
                 "exact_tie": gap == 0.0,
             }
         )

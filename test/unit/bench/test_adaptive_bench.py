@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sglang_psa.config import PSAConfig
+from sglang_psa.eval.results import dump_result
 from sglang_psa.hf.attention import DecodePolicy
 
 PATH = Path(__file__).resolve().parents[3] / "benchmark" / "adaptive" / "run.py"
@@ -79,14 +80,15 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
     # the certified policy reading least at 16K+, its 16K rows only
     assert s["kv_fraction_certified_16k"] == pytest.approx(0.3)
     assert s["certified_16k_policy"] == CODES and CODES.endswith("-c5")
-    # a run without the default policy (joined later by --combine): its keys null, and
-    # the summary is valid JSON (no NaN)
+    # a run without the default policy (joined later by --combine): its keys null in the
+    # result file, which is valid JSON (no NaN)
     s = adaptive.summarize(
         adaptive.table([r for r in rows if r["policy"] != psa]), [256, 512, 1024], 0.01, 0.9
     )
+    strict = {"parse_constant": lambda c: pytest.fail(f"{c} in a result file")}
+    s = json.loads(dump_result({"summary": s}), **strict)["summary"]
     assert s["kv_fraction_psa"] is None and s["kv_ratio_psa_vs_best_topk"] is None
     assert s["kv_fraction_best_topk"] == pytest.approx(0.2)
-    json.loads(json.dumps(s, allow_nan=False))
 
 
 def test_a_row_tells_a_divergence_after_the_answers_stop_from_one_inside_it():
@@ -153,8 +155,6 @@ def test_report_tables_every_policy_overall_and_per_length():
 def test_a_second_models_summary_is_attached_with_its_suffix(tmp_path):
     """`--attach`: the 1.5B run's summary keys land in the test model's result suffixed
     `_1p5b`, with where they come from; the test model's keys and data stay."""
-    from sglang_psa.eval.results import dump_result
-
     main = {"machine": "m", "date": "d0", "git_commit": "c0",
             "summary": {"kv_fraction_psa": 0.3, "kv_ratio_psa_vs_best_topk": 0.47},
             "model": "Qwen2.5-Coder-0.5B-Instruct", "data": {"rows": [1, 2]}}  # fmt: skip

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from sglang_psa.eval.agreement import compare
+from sglang_psa.eval.results import dump_result
 
 
 def _run(ids, gaps, third=None):
@@ -41,9 +42,10 @@ def test_identical_and_diverging_completions_are_classified():
         (3, 1, True),
     ]
     assert [d["chosen_rank"] for d in got["divergences"]] == [1, None, 2]
-    # the unranked token's gap is unknown: null, and the result is valid JSON
-    assert got["divergences"][1]["gap"] is None
-    json.dumps(got, allow_nan=False)
+    # the unranked token's gap is unknown: null in a result file, which is valid JSON
+    strict = {"parse_constant": lambda c: pytest.fail(f"{c} in a result file")}
+    written = json.loads(dump_result({"data": got}), **strict)["data"]
+    assert written["divergences"][1]["gap"] is None
     assert got["divergences_at_near_tie"] == 2
     # only the three-way tie is exact: it agrees; the 0.1-nat near-tie does not
     assert [d["exact_tie"] for d in got["divergences"]] == [False, False, True]
