@@ -24,5 +24,10 @@ else
   echo "install_cpu: $CPU_INDEX is unreachable; torch from PyPI" >&2
   python -m pip install -q "$TORCH"
 fi
-python -m pip install -q -e ./sgl-kernel-ext -e ".[research,test,bench]"
+# One resolution with the SGLang release's pins: installed apart, the project's unpinned
+# `transformers` resolves to the newest release first, whose hard dependencies (e.g.
+# transformers 5.25's `kernels` 0.19) stay behind when the pins then downgrade it and break
+# the pinned release's import.
+python -m pip install -q -e ./sgl-kernel-ext -e ".[research,test,bench]" \
+  -r "test/requirements-sglang-$SGLANG_VERSION-cpu.txt"
 bash scripts/install_sglang_cpu.sh
