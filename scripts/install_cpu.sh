@@ -24,10 +24,8 @@ else
   echo "install_cpu: $CPU_INDEX is unreachable; torch from PyPI" >&2
   python -m pip install -q "$TORCH"
 fi
-# One resolution with the SGLang release's pins: installed apart, the project's unpinned
-# `transformers` resolves to the newest release first, whose hard dependencies (e.g.
-# transformers 5.25's `kernels` 0.19) stay behind when the pins then downgrade it and break
-# the pinned release's import.
-python -m pip install -q -e ./sgl-kernel-ext -e ".[research,test,bench]" \
-  -r "test/requirements-sglang-$SGLANG_VERSION-cpu.txt"
-bash scripts/install_sglang_cpu.sh
+# The project goes in the same pip resolution as the SGLang release's pins: installed apart,
+# its unpinned `transformers` resolves to the newest release first, whose hard dependencies
+# (e.g. transformers 5.25's `kernels` 0.19) stay behind when the pins then downgrade it and
+# break the pinned release's import.
+bash scripts/install_sglang_cpu.sh -e ./sgl-kernel-ext -e ".[research,test,bench]"
