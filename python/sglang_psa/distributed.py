@@ -103,3 +103,18 @@ def kv_ranks() -> int:
     # RuntimeError, or ValueError before any parallel config is published)
     except (AssertionError, RuntimeError, ValueError):
         return 1
+
+
+def tp_rank() -> int:
+    """This process's rank in SGLang's TP group (0 without tensor parallelism or outside
+    a running SGLang). SGLang's `ModelRunner` has no `tp_rank` attribute in 0.5.17 or
+    0.5.23: the group is the one record of it. Never imports SGLang."""
+    runtime_context = sys.modules.get("sglang.srt.runtime_context")
+    if runtime_context is None:
+        return 0
+    try:
+        tp = runtime_context.get_parallel().tp_group
+    # not set up: one rank (0.5.17 asserts; 0.5.23 raises RuntimeError or ValueError)
+    except (AssertionError, RuntimeError, ValueError):
+        return 0
+    return 0 if tp is None else int(tp.rank_in_group)

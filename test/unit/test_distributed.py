@@ -239,10 +239,10 @@ def test_server_info_reports_agreed_entries_once_and_sums_per_rank_ones(tmp_path
 def test_the_sglang_internals_the_agreement_relies_on_are_there():
     """`from_sglang` and `kv_ranks` read SGLang's TP group (its gloo CPU group and
     size) and its attention TP size; outside a running server they mean one rank."""
-    from sglang_psa.distributed import kv_ranks
+    from sglang_psa.distributed import kv_ranks, tp_rank
 
     # Outside a running server: one rank, whether or not SGLang is installed.
-    assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1
+    assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1 and tp_rank() == 0
     # ... but a server started with --tp 2 must find its TP group, or fail loudly: ranks
     # that decided alone would hang in the next collective.
     with pytest.raises(RuntimeError, match="--tp 2"):
@@ -255,7 +255,7 @@ def test_the_sglang_internals_the_agreement_relies_on_are_there():
     from sglang.srt.runtime_context import ParallelContext
 
     fields = GroupCoordinator.__annotations__
-    missing = [f for f in ("cpu_group", "world_size") if f not in fields]
+    missing = [f for f in ("cpu_group", "world_size", "rank_in_group") if f not in fields]
     assert not missing, f"SGLang's GroupCoordinator lost {missing}: update sglang_psa.distributed"
     assert isinstance(getattr(ParallelContext, "attn_tp_size", None), property), (
         "SGLang's ParallelContext.attn_tp_size is gone: update sglang_psa.distributed.kv_ranks"
@@ -264,3 +264,24 @@ def test_the_sglang_internals_the_agreement_relies_on_are_there():
         "SGLang's ParallelContext.tp_group is gone: update RankAgreement.from_sglang"
     )
     assert RankAgreement.from_sglang().world_size == 1 and kv_ranks() == 1
+
+
+def test_the_metrics_rank_is_this_process_rank_in_sglangs_tp_group(monkeypatch):
+    """`tp_rank` (the `tp_rank` label of PSA's metrics) is the rank in SGLang's TP group
+    of a running server, 0 where none is set up (SGLang's ModelRunner has no `tp_rank`
+    attribute to read instead)."""
+    import sys
+    import types
+
+    from sglang_psa.distributed import tp_rank
+
+    group = types.SimpleNamespace(rank_in_group=1, world_size=2)
+    context = types.SimpleNamespace(get_parallel=lambda: types.SimpleNamespace(tp_group=group))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    assert tp_rank() == 1
+
+    def not_set_up():
+        raise RuntimeError("parallel name 'tp_group' has not been written in this process")
+
+    context.get_parallel = not_set_up
+    assert tp_rank() == 0

@@ -41,6 +41,7 @@ from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.attention.coverage_audit import audit
 from sglang_psa.config import PSAConfig, PSAConfigError
+from sglang_psa.distributed import tp_rank
 from sglang_psa.sched.process import assemble
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,9 @@ class PSAAttnBackend(AttentionBackend):
             cfg, pool, req_to_token, getattr(model_runner, "token_to_kv_pool_allocator", None),
             server_args=model_runner.server_args,
             context_len=int(getattr(model_config, "context_len", 0) or 0),
-            tp_size=getattr(model_runner, "tp_size", 1),
-            tp_rank=getattr(model_runner, "tp_rank", 0),
+            # the configured --tp (the agreement checks SGLang's TP group against it)
+            tp_size=int(getattr(model_runner.server_args, "tp_size", 1) or 1),
+            tp_rank=tp_rank(),
             hbm_bytes=self.hbm_bytes,
         )  # fmt: skip
         self.meta, self.ws, self.counters = process.meta, process.stamps, process.counters

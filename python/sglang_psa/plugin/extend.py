@@ -35,6 +35,9 @@ def after_hybrid_init(result, backend, model_runner=None, prefill_backend=None,
     decode = getattr(backend, "decode_backend", None)
     if not isinstance(decode, PSAAttnBackend):
         return result
+    # SGLang's decode-graph runner calls `on_after_cuda_graph_warmup` on the hybrid, which
+    # does not pass it on (0.5.17, 0.5.23): ours forgets the warmup's dummy steps there
+    backend.on_after_cuda_graph_warmup = decode.on_after_cuda_graph_warmup
     pool = backend.token_to_kv_pool
     token_major = reads_token_major(pool)
     if _is_triton(prefill) and token_major and getattr(prefill, "page_size", 1) != 1:

@@ -127,11 +127,27 @@ def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError("kv_home", f"--radix-cache-backend psa {why}")
 
 
+def _env_on(name: str) -> bool:
+    """An SGLang boolean environment switch is on (its own spellings of true)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     """Check `fields` (SGLang's ServerArgs values, as given) and set what PSA needs."""
     for name, flag, why in _INCOMPATIBLE:
         if fields.get(name):
             raise PSAConfigError("sparse_mode", f"cannot be combined with {flag}: {why}")
+    if _env_on("SGLANG_ENABLE_METADATA_GLUE_GRAPH"):
+        # SGLang 0.5.23 can capture a backend's out-of-graph metadata step in a CUDA graph
+        # of its own; ours picks the step's buffers there and, at the tiered home, issues
+        # the write-back and host-tier copies, which a replay would skip (never tried at
+        # the hbm home: refused at both)
+        raise PSAConfigError(
+            "sparse_mode",
+            "cannot run with SGLANG_ENABLE_METADATA_GLUE_GRAPH=1: the psa decode backend's "
+            "metadata step runs on the host every step (the tiered home's write-back and "
+            "host-tier copies), which SGLang's metadata glue graph would skip; unset it",
+        )
     if (fields.get("attn_dp_size") or 1) > 1:  # 0.5.23's spelling of DP attention
         raise PSAConfigError(
             "sparse_mode",
@@ -170,11 +186,7 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError(
             "sparse_mode", "prefill is dense: choose a dense --prefill-attention-backend"
         )
-    if cfg.kv_home == "tiered" and os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in (
-        "1",
-        "true",
-        "yes",
-    ):
+    if cfg.kv_home == "tiered" and _env_on("SGLANG_USE_HND_KVCACHE"):
         raise PSAConfigError(
             "kv_home", "tiered copies SGLang's token-major KV pages; unset SGLANG_USE_HND_KVCACHE"
         )

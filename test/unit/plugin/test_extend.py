@@ -57,6 +57,26 @@ def test_triton_prefill_gets_page_size_one_on_the_token_major_pool_only():
     assert theirs.prefill_backend.page_size == 32
 
 
+def test_the_decode_graph_warmup_reaches_our_backend_through_sglangs_hybrid():
+    """SGLang's decode-graph runner asks the model runner's backend, the hybrid, for
+    `on_after_cuda_graph_warmup` after each batch size's warmup runs; its hybrid does not
+    pass the call on. Through the hook it reaches ours: the warmup's dummy steps leave no
+    stamps, counters or kept selections behind."""
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+
+    resets = []
+    ours = _ours()
+    for name in ("ws", "counters", "_selection"):
+        setattr(ours, name, types.SimpleNamespace(reset=lambda n=name: resets.append(n)))
+    h = object.__new__(HybridAttnBackend)  # SGLang's own class, as the runner holds it
+    h.__dict__.update(vars(_hybrid(ours, torch.zeros(96, 2, 8))))
+    h.on_after_cuda_graph_warmup()
+    assert resets == []  # SGLang's hybrid alone: nothing reset
+    after_hybrid_init(None, h)
+    h.on_after_cuda_graph_warmup()  # what the runner does
+    assert resets == ["ws", "counters", "_selection"]
+
+
 def test_the_tiered_home_stages_prefill_beside_any_prefill_or_says_why_not(caplog, monkeypatch):
     """Staged prefill (prompts larger than HBM) is assembled wherever the pool is
     token-major (`sched.process.assemble`, before SGLang builds the prefill backend): on

@@ -143,6 +143,16 @@ def err(argv):
         return f"{type(e).__name__}: {e}"
     return None
 
+def err_env(env, argv):
+    import os
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return err(argv)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
 sa = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
                           "--psa-threshold", "0.9", "--psa-ws-window", "4"])
 eng = engine_args(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
@@ -185,6 +195,7 @@ print(json.dumps({
         "threshold": err(["--sparse-mode", "psa", "--psa-threshold", "2"]),
         "knob_alone": err(["--psa-threshold", "0.9"]),
         "radix_hbm": err(["--sparse-mode", "psa", "--radix-cache-backend", "psa"]),
+        "glue": err_env({"SGLANG_ENABLE_METADATA_GLUE_GRAPH": "1"}, ["--sparse-mode", "psa"]),
         "radix_release": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
                               "--radix-cache-backend", "psa"]),
         "radix_disabled": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
@@ -246,6 +257,7 @@ def test_the_psa_radix_cache_keeps_prefix_caching_at_the_tiered_home(scenarios):
         ("page", ["--psa-block-size", "--page-size 16"]),
         ("decode", ["--sparse-mode", "--decode-attention-backend triton"]),
         ("threshold", ["--psa-threshold"]),
+        ("glue", ["--sparse-mode", "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1"]),
         ("knob_alone", ["--sparse-mode", "--psa-threshold"]),
         pytest.param(
             "radix_release",
