@@ -889,7 +889,9 @@ def tiered_pair(
     return None, None
 
 
-TIERED = ("psa_tiered_uva", "psa_tiered")  # sglang-psa with a host tier, default first
+# sglang-psa with a host tier: with its prefix cache where a run measured it (f, g), else
+# the default write-back first
+TIERED = ("psa_tiered_prefix", "psa_tiered_uva", "psa_tiered")
 FASTEST_KEYS = (  # (key, workload, system, metric)
     ("decode_step_ratio_psa_vs_fastest", "a", "psa", STEP),
     ("decode_step_ratio_topk_vs_fastest", "a", "topk", STEP),

@@ -183,6 +183,15 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_prefix",
+            "psa_tiered_uva with --radix-cache-backend psa: SGLang's prefix cache over the "
+            "tiered store (a shared block saved once, evicted prefixes read back from the "
+            "host tier), decode CUDA graphs",
+            (*_TIERED, "--psa-writeback", "uva", "--radix-cache-backend", "psa"),
+            False,
+            True,
+        ),
+        System(
             "psa_tiered_ws4",
             "psa_tiered_uva with --psa-ws-window 4: admission counts the units read in the "
             "last 4 steps, what the unit cache keeps (12 by default admitted 9 of workload "

@@ -126,6 +126,7 @@ PREFIX_SYSTEMS = (
     "plain_hicache",
     "psa",
     "psa_tiered_uva",
+    "psa_tiered_prefix",
 )
 CAPPED = Workload(
     "b",

@@ -1974,9 +1974,8 @@ def test_prefix_workloads_and_their_caps():
     W, S = workloads.WORKLOADS, systems.SYSTEMS
     for key in ("f", "f_capped", "g", "g_capped"):
         w = W[key]
-        assert set(systems.PLAIN_RACE) | {"plain_hicache", "psa", "psa_tiered_uva"} == set(
-            w.systems
-        ), key
+        tiered = {"psa_tiered_uva", "psa_tiered_prefix"}  # without and with its prefix cache
+        assert set(systems.PLAIN_RACE) | {"plain_hicache", "psa"} | tiered == set(w.systems), key
         assert w.is_sweep and len(w.rates) == 1  # arrivals over time, at one rate
         assert S["plain_hicache"].flags[0] == "--enable-hierarchical-cache"
     assert (W["f"].documents, W["f"].prompts // W["f"].documents) == (10, 12)
@@ -2173,6 +2172,17 @@ def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
     )
     assert all(s[k] is not None for k in PREFIX_SUMMARY)
     assert {k for k in PREFIX_SUMMARY} <= set(where)
+    # A run that measured the tiered home with its prefix cache too: that one is the tiered
+    # home of the prefix keys (without it the home keeps no prefix)
+    parts.append(_prefix_run("f", "06-08", psa_tiered_prefix=_at("16", 450.0, 0.5, 0.8)))
+    merged = analysis.merge(parts)
+    s, where = merged["summary"], merged["summary_provenance"]
+    assert s["throughput_ratio_tiered_vs_fastest_shared"] == 3.0  # 450 / fa3's 150
+    assert s["prefix_hit_fraction_tiered_shared"] == 0.8
+    assert where["throughput_ratio_tiered_vs_fastest_shared"]["systems"] == [
+        "psa_tiered_prefix",
+        "plain_fa3",
+    ]
 
 
 def test_prefix_summary_keys_have_no_value_across_stage_runs():
