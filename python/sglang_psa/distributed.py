@@ -41,15 +41,7 @@ class RankAgreement:
         With `tp_size` > 1 (the server's `--tp`) a missing or smaller TP group raises:
         ranks that decided alone would run different batches and hang in the next
         collective."""
-        runtime_context = sys.modules.get("sglang.srt.runtime_context")
-        tp = None
-        if runtime_context is not None:
-            try:  # (`parallel_state.get_tp_group()` is deprecated from 0.5.23 on)
-                tp = runtime_context.get_parallel().tp_group
-            # SGLang's distributed state is not set up: one rank (0.5.17 asserts; 0.5.23
-            # raises RuntimeError, or ValueError before any parallel config is published)
-            except (AssertionError, RuntimeError, ValueError):
-                tp = None
+        tp = _parallel("tp_group")
         world = 1 if tp is None else tp.world_size
         if tp_size > 1 and world != tp_size:
             raise RuntimeError(
@@ -94,27 +86,29 @@ def kv_ranks() -> int:
     without tensor parallelism or outside a running SGLang): each holds `1 / kv_ranks()`
     of `--psa-host-pool-gb`, so that the server's host tier is the flag's size. Never
     imports SGLang: a running one has already imported its runtime context."""
-    runtime_context = sys.modules.get("sglang.srt.runtime_context")
-    if runtime_context is None:
-        return 1
-    try:
-        return max(1, int(runtime_context.get_parallel().attn_tp_size))
-    # SGLang's distributed state is not set up: one rank (0.5.17 asserts; 0.5.23 raises
-    # RuntimeError, or ValueError before any parallel config is published)
-    except (AssertionError, RuntimeError, ValueError):
-        return 1
+    size = _parallel("attn_tp_size")
+    return 1 if size is None else max(1, int(size))
 
 
 def tp_rank() -> int:
     """This process's rank in SGLang's TP group (0 without tensor parallelism or outside
     a running SGLang). SGLang's `ModelRunner` has no `tp_rank` attribute in 0.5.17 or
     0.5.23: the group is the one record of it. Never imports SGLang."""
+    tp = _parallel("tp_group")
+    return 0 if tp is None else int(tp.rank_in_group)
+
+
+def _parallel(name: str):
+    """`name` of SGLang's parallel context in this process, or None where no SGLang runs
+    here (a running one has imported its runtime context: never imported here) or its
+    distributed state is not set up: one rank. (`parallel_state.get_tp_group()` is
+    deprecated from 0.5.23 on.)"""
     runtime_context = sys.modules.get("sglang.srt.runtime_context")
     if runtime_context is None:
-        return 0
+        return None
     try:
-        tp = runtime_context.get_parallel().tp_group
-    # not set up: one rank (0.5.17 asserts; 0.5.23 raises RuntimeError or ValueError)
+        return getattr(runtime_context.get_parallel(), name)
+    # not set up: 0.5.17 asserts; 0.5.23 raises RuntimeError, or ValueError before any
+    # parallel config is published
     except (AssertionError, RuntimeError, ValueError):
-        return 0
-    return 0 if tp is None else int(tp.rank_in_group)
+        return None

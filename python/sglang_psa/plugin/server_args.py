@@ -128,8 +128,8 @@ def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
 
 
 def _env_on(name: str) -> bool:
-    """An SGLang boolean environment switch is on (its own spellings of true)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "y", "on")
+    """An SGLang boolean environment switch is on (its `EnvBool`'s spellings of true)."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "y")
 
 
 def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
