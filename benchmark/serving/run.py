@@ -80,7 +80,9 @@ stopped, while the others, paused, hold GPU memory and no CPU. The start-ups ove
 a stage waits for the slowest one instead of their sum (a five-system race on the H200
 spent ~530 s starting servers one after another). Every server then gets the same KV
 pool, `--max-total-tokens` sized for the largest workload's requests with 30% to spare
-(`kv_tokens_per_server` in the part's config; a capped workload keeps its cap), and the
+(f and g, when every server keeps a prefix cache: their shared text once plus each
+request's own tokens, twice over; `kv_tokens_per_server` in the part's config; a capped
+workload keeps its cap), and the
 stage refuses to start when the servers would not fit the share of the GPU's memory that
 SGLang lets them take (`--mem-fraction-static`); a server that still reports a smaller
 pool is that system's error. A run continues only with the same pool size.
@@ -463,12 +465,31 @@ class StartedTogether:
             server.stop()
 
 
-def together_tokens(ws: list[workloads_mod.Workload]) -> int:
+def together_tokens(ws: list[workloads_mod.Workload], names: list[str] = ()) -> int:
     """The KV pool (tokens) each server gets under `--start-together`: every request of the
     largest workload at its longest prompt and output, with 30% to spare for SGLang's
-    admission, which reserves a share of each running request's remaining output."""
-    need = max(w.prompts * w.max_request_tokens for w in ws)
-    return -(-int(need * 1.3) // 1024) * 1024
+    admission, which reserves a share of each running request's remaining output.
+
+    A workload whose requests share prompt text (f, g: `prefix_set_tokens`), raced only by
+    servers that keep a prefix cache (`systems.keeps_prefix`), holds that text once: the
+    pool is its prefix set plus every request in flight's own tokens (output, question and
+    template: TEMPLATE_SLACK), twice over (a document asked again while its first request
+    still prefills is computed twice; admission reserves remaining outputs), never more
+    than the size without sharing. Such a pool never makes a prefix-caching server evict,
+    and it lets six servers of f or g start together on one GPU (without sharing, f asks
+    2.5M tokens, 30 GB of an 0.5B model's KV, a server)."""
+
+    def need(w: workloads_mod.Workload) -> int:
+        alone = int(w.prompts * w.max_request_tokens * 1.3)
+        shared = w.prefix_set_tokens
+        if not shared or not names or not all(
+            systems_mod.keeps_prefix(systems_mod.SYSTEMS[n]) for n in names
+        ):
+            return alone
+        own = max(w.output_tokens) + workloads_mod.TEMPLATE_SLACK
+        return min(alone, 2 * (shared + w.max_batch * own))
+
+    return -(-max(need(w) for w in ws) // 1024) * 1024
 
 
 def gpu_memory_bytes() -> int | None:
@@ -1039,7 +1060,7 @@ def stage(args) -> int:
             "server_cpus": cpus["server"] if cpus else None,
             "cpu_core": cores,
             # --start-together, uncapped: one pool size for all (a cap sets its own)
-            "together_tokens": together_tokens(ws) if args.start_together and not cap else None,
+            "together_tokens": together_tokens(ws, names) if args.start_together and not cap else None,
             # a rate sweep and a profiled run time each rate once
             "repeats": 1 if w.is_sweep or args.profile_decode else args.repeats,
         }

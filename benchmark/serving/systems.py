@@ -242,6 +242,12 @@ class KVCap:
         return self.tokens * self.bytes_per_token
 
 
+def keeps_prefix(system: System) -> bool:
+    """Whether `system`'s server keeps SGLang's prefix cache: plain SGLang and the HBM home
+    do; the tiered home only over `--radix-cache-backend psa`."""
+    return "--psa-kv-home" not in system.flags or "--radix-cache-backend" in system.flags
+
+
 def host_pool_gb(tokens: int, bytes_per_token: int) -> float:
     """`--psa-host-pool-gb` (GiB) holding `tokens` tokens, rounded up to 1/4 GiB plus 1 GiB."""
     return round(-(-tokens * bytes_per_token // 2**28) / 4 + 1.0, 2)

@@ -1491,6 +1491,19 @@ def test_start_together_sizes_one_pool_for_all_and_refuses_what_the_gpu_cannot_h
     tokens = run.together_tokens([W["a"], W["a16"]])
     need = W["a"].prompts * W["a"].max_request_tokens  # the larger workload's requests
     assert tokens % 1024 == 0 and 1.3 * need <= tokens < 1.3 * need + 1024
+    assert run.together_tokens([W["a"]], ["plain", "psa"]) == tokens  # a shares no prefix
+    # f: prefix-caching servers hold each document once, plus every request's own tokens,
+    # twice over; one server without a prefix cache (the tiered home over SGLang's own
+    # radix cache) needs every request whole
+    f, keeping = W["f"], ["plain", "plain_fa3", "plain_hicache", "psa", "psa_tiered_prefix"]
+    shared = run.together_tokens([f], keeping)
+    own = f.max_batch * (max(f.output_tokens) + workloads.TEMPLATE_SLACK)
+    assert 2 * (f.documents * max(f.prompt_tokens) + own) <= shared < 2 * (160_000 + own) + 1024
+    whole = run.together_tokens([f], [*keeping, "psa_tiered_uva"])
+    assert whole == run.together_tokens([f]) and whole >= 1.3 * f.prompts * f.max_request_tokens
+    assert not systems.keeps_prefix(systems.SYSTEMS["psa_tiered"])
+    g = W["g"]  # every conversation's whole history once
+    assert run.together_tokens([g], keeping) >= 2 * g.conversations * max(g.prompt_tokens)
     ctx = _server_ctx(W["a"]) | {"together_tokens": tokens}
     cmd = run.launch("psa", W["a"], ctx, 31000)
     assert run.launch_flags(cmd)["--max-total-tokens"] == str(tokens)
