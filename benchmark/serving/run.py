@@ -380,13 +380,13 @@ class StartedTogether:
     all fit in the GPU's memory at once (`check_together_fits`)."""
 
     def __init__(self, names: list[str], plans: list[tuple[workloads_mod.Workload, dict]],
-                 port: int, deadline: float, pool_tokens: int | None = None):  # fmt: skip
-        """`pool_tokens`: the KV pool each server was given; one that reports less (SGLang
+                 port: int, deadline: float):  # fmt: skip
+        """A server whose KV pool is smaller than its own `--max-total-tokens` asked (SGLang
         takes what fits, with a warning, when the GPU's memory is short) is that system's
-        error, not a run on a smaller pool."""
+        error, not a run on a smaller pool. Under a cap the tiered home asks less HBM for
+        KV than plain does (its block metadata takes the rest: `systems.cap_flags`)."""
         self.servers: dict[str, tuple[Server, dict[str, dict]]] = {}
         self.errors: dict[str, Exception] = {}
-        self.pool_tokens = pool_tokens
         for i, name in enumerate(names):  # ports 10 apart: each server's own beside it
             self.servers[name] = new_server(name, plans, port + 10 * i)
         try:
@@ -429,14 +429,16 @@ class StartedTogether:
             )
 
     def _check_pool(self, name: str, server: Server) -> None:
-        if self.pool_tokens is None:
+        recs = self.servers[name][1]
+        asked = launch_flags(next(iter(recs.values()))["launch"]).get("--max-total-tokens")
+        if asked is None:
             return
         got = server.get("/get_server_info").get("max_total_num_tokens")
-        if got is not None and got < 0.99 * self.pool_tokens:  # page rounding aside
+        if got is not None and got < 0.99 * int(asked):  # page rounding aside
             raise ServerFailed(
-                f"{name} started with a KV pool of {got} tokens, not the {self.pool_tokens} "
-                "asked for: the servers started together did not fit the GPU's memory "
-                "(name fewer --systems)"
+                f"{name} started with a KV pool of {got} tokens, not the {asked} its "
+                "--max-total-tokens asked for: the servers started together did not fit the "
+                "GPU's memory (name fewer --systems)"
             )
 
     def measure(self, name: str, plans: list[tuple[workloads_mod.Workload, dict]],
@@ -482,8 +484,10 @@ def together_tokens(ws: list[workloads_mod.Workload], names: list[str] = ()) -> 
     def need(w: workloads_mod.Workload) -> int:
         alone = int(w.prompts * w.max_request_tokens * 1.3)
         shared = w.prefix_set_tokens
-        if not shared or not names or not all(
-            systems_mod.keeps_prefix(systems_mod.SYSTEMS[n]) for n in names
+        if (
+            not shared
+            or not names
+            or not all(systems_mod.keeps_prefix(systems_mod.SYSTEMS[n]) for n in names)
         ):
             return alone
         own = max(w.output_tokens) + workloads_mod.TEMPLATE_SLACK
@@ -1060,7 +1064,9 @@ def stage(args) -> int:
             "server_cpus": cpus["server"] if cpus else None,
             "cpu_core": cores,
             # --start-together, uncapped: one pool size for all (a cap sets its own)
-            "together_tokens": together_tokens(ws, names) if args.start_together and not cap else None,
+            "together_tokens": together_tokens(ws, names)
+            if args.start_together and not cap
+            else None,
             # a rate sweep and a profiled run time each rate once
             "repeats": 1 if w.is_sweep or args.profile_decode else args.repeats,
         }
@@ -1195,9 +1201,7 @@ def stage(args) -> int:
             tokens = ctx0["cap"].tokens if ctx0["cap"] else ctx0["together_tokens"]
             fits = check_together_fits(names, tokens, kv, meta_bytes, model_dir)
             log("--start-together: " + fits)
-            together = StartedTogether(
-                names, [(p.w, p.ctx) for p in plans], args.port, deadline, pool_tokens=tokens
-            )
+            together = StartedTogether(names, [(p.w, p.ctx) for p in plans], args.port, deadline)
         for i, name in enumerate(names):
             if not measure_system(i, name, together):
                 break

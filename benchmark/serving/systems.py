@@ -23,6 +23,10 @@ from dataclasses import dataclass
 MEM_FRACTION_STATIC = 0.80  # same HBM budget (weights + KV pool) for every system
 DECODE_LOG_INTERVAL = 10  # decode steps per "Decode batch" log line
 HICACHE_HOST_GB = 16  # SGLang's hierarchical cache: host pool size
+# torch.distributed's rendezvous port, beside the server's own (servers are 10 apart):
+# left to SGLang, each server takes a free port and frees it before torch binds it, a
+# race that servers started together lose (seen on the H200: EADDRINUSE at start-up)
+NCCL_PORT_OFFSET = 5
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,7 @@ def launch_command(
         *(launcher or [python, "-m", "sglang.launch_server"]),
         "--model-path", model_dir,
         "--host", "127.0.0.1", "--port", str(port),
+        "--nccl-port", str(port + NCCL_PORT_OFFSET),
         "--sampling-backend", "pytorch",
         "--mem-fraction-static", f"{MEM_FRACTION_STATIC:g}",
         "--cuda-graph-backend-prefill", "disabled",

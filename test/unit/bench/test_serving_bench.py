@@ -1433,7 +1433,9 @@ def _together(monkeypatch, tmp_path, fails=(), slow=(), pools=None):
             events.append(("flush", check))
 
     monkeypatch.setattr(run, "new_server", lambda name, plans, port: (
-        Stand(name), {w.name: {"what": name, "launch": [], "error": None} for w, _ in plans}
+        Stand(name),
+        {w.name: {"what": name, "launch": run.launch(name, w, c, port), "error": None}
+         for w, c in plans},
     ))  # fmt: skip
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
     return events, plans, state
@@ -1467,10 +1469,25 @@ def test_servers_started_together_are_paused_when_healthy_and_measured_one_at_a_
     assert set(state.values()) == {"stopped"}
     # a server that got a smaller KV pool than asked is stopped, its runs an error
     events, plans, state = _together(monkeypatch, tmp_path, pools={"psa": 900})
-    together = run.StartedTogether(["plain", "psa"], plans, 31000, deadline, pool_tokens=1000)
+    for _, c in plans:
+        c["together_tokens"] = 1000
+    together = run.StartedTogether(["plain", "psa"], plans, 31000, deadline)
     assert state == {"plain": "paused", "psa": "stopped"}
     recs = together.measure("psa", plans, deadline)
     assert all("KV pool of 900 tokens, not the 1000" in r["error"] for r in recs.values())
+    together.stop_all()
+    # each server is held to its own --max-total-tokens: under a cap the tiered home asks
+    # less than plain (its block metadata takes the rest of the HBM) and gets it
+    cap = systems.KVCap(32_640, 12_288, 204, 16 * 16_320)  # f_capped, 0.5B
+    tiered = systems.cap_flags(systems.SYSTEMS["psa_tiered_prefix"], cap)
+    asked = int(tiered[tiered.index("--max-total-tokens") + 1])
+    assert asked < 0.99 * cap.tokens
+    pools = {"plain": 32_000, "psa_tiered_prefix": asked}  # plain short of its 32,640
+    events, plans, state = _together(monkeypatch, tmp_path, pools=pools)
+    for _, c in plans:
+        c["cap"] = cap
+    together = run.StartedTogether(["plain", "psa_tiered_prefix"], plans, 31000, deadline)
+    assert state == {"plain": "stopped", "psa_tiered_prefix": "paused"}
     together.stop_all()
     # an interrupt while they start leaves no server behind
     events, plans, state = _together(monkeypatch, tmp_path, slow=("psa",))
@@ -1507,6 +1524,8 @@ def test_start_together_sizes_one_pool_for_all_and_refuses_what_the_gpu_cannot_h
     ctx = _server_ctx(W["a"]) | {"together_tokens": tokens}
     cmd = run.launch("psa", W["a"], ctx, 31000)
     assert run.launch_flags(cmd)["--max-total-tokens"] == str(tokens)
+    # its own rendezvous port beside its HTTP port (servers started together are 10 apart)
+    assert run.launch_flags(cmd)["--nccl-port"] == "31005"
     capped = _server_ctx(W["b"], cap=systems.KVCap(1000, 10, 1, 2000)) | {"together_tokens": 7}
     assert run.launch_flags(run.launch("plain", W["b"], capped, 1))["--max-total-tokens"] == "1000"
     (tmp_path / "model.safetensors").write_bytes(b"0" * 1024)
