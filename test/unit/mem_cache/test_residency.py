@@ -174,3 +174,74 @@ def test_shrink_uncaches_the_units_of_the_slots_it_drops():
             assert int(c.unit_slot[lh, c.slot_unit[lh, s]]) == s
     assert sorted((dropped[::BS] // BS).tolist()) == last_pages
     assert not c.cache_pages[slots[-5:]].any()
+
+
+def _reference_coldest(reqs, lengths, heats, records, sink, keep, bs, n):
+    """Victims block by block, as the rules state them: a request's saved blocks past the
+    sink and before its last `keep`, not evicted, with its published readers (255 where
+    its row was measured at another length), least read first, then the oldest block,
+    then the earlier request."""
+    found = []
+    for i, q in enumerate(reqs):
+        rec = records[q.rid]
+        span = max(0, q.seqlen // bs - keep)
+        fresh = abs(q.seqlen - int(lengths[rec.row])) <= 8 and int(lengths[rec.row]) > 0
+        for b in range(sink, min(rec.saved, span)):
+            if rec.evicted is not None and rec.evicted[b]:
+                continue
+            readers = int(heats[rec.row][b]) if fresh else 255
+            found.append((readers, b, i, q.rid))
+    found.sort()
+    return [(r, rid, b) for r, b, _, rid in found[:n]], len(found)
+
+
+def test_victims_over_many_requests_match_the_rules_block_by_block():
+    """The flat candidate set (`_candidates`, one pass over a batch) picks what the rules
+    pick block by block, at the tiered home's scale: 40 requests of up to 600 blocks,
+    some with evicted blocks, saves still in flight, a stale measurement, or too short
+    to give any block."""
+    rng = np.random.default_rng(7)
+    n_req, bs, nb = 40, 32, 600
+    lengths = torch.zeros(n_req + 2, dtype=torch.int32)
+    heats, records, reqs = {}, {}, []
+    for i in range(n_req):
+        row, blocks = i + 1, int(rng.integers(1, nb))
+        seqlen = blocks * bs + int(rng.integers(0, bs))
+        heats[row] = rng.integers(0, 9, nb + 8).astype(np.uint8)  # few readers: many ties
+        lengths[row] = seqlen - (40 if i % 7 == 3 else int(rng.integers(0, 4)))  # i%7==3: stale
+        rec = RequestKV(
+            f"r{i}", host=list(range(blocks)), saved=int(rng.integers(0, blocks + 1)), row=row
+        )
+        if i % 3 == 0:
+            rec.evicted = rng.random(nb + 8) < 0.2
+        records[rec.rid] = rec
+        reqs.append(
+            SimpleNamespace(rid=rec.rid, req_pool_idx=row, seqlen=seqlen, finished=lambda: False)
+        )
+    ws = SimpleNamespace(
+        read=lambda: (None, lengths), heat_of=lambda row: heats.get(row), layers=LAYERS,
+        kv_heads=HKV, heat_blocks=nb + 8, stamps=None, step=None,
+    )  # fmt: skip
+    blocks = SimpleNamespace(num_blocks=HB, refs=np.zeros(HB, dtype=np.int32))
+    wb = SimpleNamespace(records=records, blocks=blocks, host=None)
+    cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0.5)
+    res = Residency(
+        wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg,
+        SimpleNamespace(size=63 * bs), None,
+    )  # fmt: skip
+    shuffled = [reqs[i] for i in rng.permutation(n_req)]  # ties follow the batch's order
+    for n in (0, 1, 17, 500, 100_000):
+        want, total = _reference_coldest(shuffled, lengths, heats, records, 1, 3, bs, n)
+        assert res._coldest(shuffled, n) == want
+    assert res.evictable(shuffled) == total > 1000
+    # refresh's cold blocks: every candidate read by fewer than half the units (2 of 4)
+    gone = []
+    res.evict = lambda rid, bl, alloc: gone.extend((rid, b) for b in bl) or 0
+    res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
+    res.refresh(shuffled, _Alloc([]))
+    cold = {
+        (rid, b)
+        for r, rid, b in _reference_coldest(shuffled, lengths, heats, records, 1, 3, bs, total)[0]
+        if r < 2
+    }
+    assert len(gone) == len(cold) > 0 and set(gone) == cold
