@@ -12,8 +12,10 @@ H200 (workload f, 2026-12-03) that round's "schedule" phase took 8.8 ms of a 9.4
 decode step at batch 50, against 0.3 ms for plain SGLang.
 
 This times those three calls over batches of 16K-token requests (random block heat, a
-fifth of every third request's blocks evicted, the unit cache's kernel stubbed: it
-runs on the GPU), on this machine's CPU, no GPU, no SGLang. `--baseline-rev` also times
+fifth of every third request's blocks evicted; the unit cache's kernel and the page moves
+stubbed: they run on the GPU), on this machine's CPU, no GPU, no SGLang. `refresh` is
+timed in its steady state: the warm-up round evicts the cold blocks, later rounds find
+none new. `--baseline-rev` also times
 the same calls at another commit (a git worktree, in a subprocess), on the same CPU in
 the same run.
 
@@ -72,7 +74,15 @@ def round_ms(batch: int, rounds: int) -> dict[str, float]:
         wb, SimpleNamespace(page_rows=100), ws, torch.zeros(batch + 2, PROMPT + 64),
         cfg, SimpleNamespace(size=1000 * BLOCK), None,
     )  # fmt: skip
-    res.evict = lambda rid, bl, alloc: 0  # what leaves is not the subject: choosing it is
+
+    def evict(rid, bl, alloc):  # marks them gone, as the real one does (no pages to move)
+        rec = records[rid]
+        if rec.evicted is None:
+            rec.evicted = np.zeros(blocks + 8, dtype=bool)
+        rec.evicted[bl] = True
+        return 0
+
+    res.evict = evict
     res.cache.refresh = lambda *a: None
     alloc = SimpleNamespace(available_size=lambda: 0, alloc=lambda n: None)
     calls = {
