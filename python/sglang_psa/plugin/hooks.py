@@ -297,6 +297,8 @@ CALLS: tuple[Call, ...] = (
     Call("sglang.srt.server_args.add_attention_backend_choices", ("choices",), ("0.5.17",)),
     Call("sglang.srt.server_args.add_attention_backend_choices", ("iterable",), ("0.5.23",)),
     Call("sglang.srt.layers.attention.attention_registry.register_attention_backend", ("name",)),
+    # the tiered home's decode check: the tree's unheld prefixes leave HBM first
+    Call("sglang.srt.mem_cache.common.evict_from_tree_cache", ("tree_cache", "num_tokens")),
     Call(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_segment",
         ("self", "free_index", "start_pos"),

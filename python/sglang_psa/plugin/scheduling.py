@@ -272,6 +272,8 @@ def around_check_decode_mem(original, batch, selected_indices=None):
     if serving.tiered and batch.reqs:  # a page per request, twice over
         alloc = batch.token_to_kv_pool_allocator
         need = 2 * len(batch.reqs) * serving.cfg.block_size
+        if alloc.available_size() < need:
+            _evict_unheld_prefixes(batch, need)
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
         serving.refresh(batch.reqs, alloc)
         if batch.batch_is_full and serving.evictable(batch.reqs):
@@ -288,6 +290,19 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         # (HTTP 500). Its KV is in HBM, so it is served, as a lone request is admitted.
         return True
     return serving.fits(r.rid for r in reqs)
+
+
+def _evict_unheld_prefixes(batch, tokens: int) -> None:
+    """Tiered home, a decode step short of pages: prefixes SGLang's tree keeps that no
+    running request holds leave HBM first (SGLang's own `evict_from_tree_cache`, which
+    plain SGLang's decode check calls too; with the `psa` radix cache they keep their host
+    blocks, so a later request reads them from the host tier), and only then saved blocks
+    of the running requests (`make_room`). Asked the other way round, a full pool of
+    finished requests' prefixes pushed the running requests' blocks off HBM every step
+    (seen on the H200, workload f: HBM hit rate 0.77, 0.99 of the pool in use)."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    evict_from_tree_cache(getattr(batch, "tree_cache", None), tokens)
 
 
 def around_apply_war_barrier(original, scheduler):

@@ -359,6 +359,60 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     assert ("refresh",) in calls
 
 
+@pytest.mark.parametrize("tree_pages, asked_pages", [(6, 0), (1, 2)])
+def test_tiered_decode_round_evicts_unheld_prefixes_before_running_blocks(
+    serving, tree_pages, asked_pages
+):
+    """A decode round short of pages (two a request) takes them first from prefixes SGLang's
+    tree keeps that no running request holds (SGLang's own eviction, as plain SGLang's
+    decode check does), and asks `make_room` to take running requests' saved blocks off HBM
+    only for what the tree could not give."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    calls = []
+    serving.residency = SimpleNamespace(
+        make_room=lambda reqs, tokens, alloc, *a: calls.append(tokens) or 0,
+        refresh=lambda reqs, alloc: 0,
+        evictable=lambda reqs: 0,
+    )
+
+    class Alloc:
+        free = 1  # pages
+
+        def available_size(self):
+            return self.free * BS
+
+        def evict_to_free_tokens(self, tree_cache, num_tokens):  # SGLang 0.5.23's path
+            tree_cache.evict(EvictParams(num_tokens=num_tokens - self.available_size()))
+
+    class Tree:
+        token_to_kv_pool_allocator = alloc = Alloc()
+        held = tree_pages  # pages of finished requests' prefixes, unlocked
+
+        def is_chunk_cache(self):
+            return False
+
+        def supports_prefix_sharing(self):
+            return True
+
+        def evict(self, params):
+            n = min(self.held, -(-params.num_tokens // BS))
+            self.held -= n
+            self.alloc.free += n
+
+        evict_for_alloc = evict
+
+    tree = Tree()
+    reqs = [_req("a", 100, pool_idx=1), _req("b", 100, pool_idx=2)]
+    batch = SimpleNamespace(
+        reqs=reqs, token_to_kv_pool_allocator=tree.alloc, tree_cache=tree, batch_is_full=False
+    )
+    assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
+    # 4 pages needed, 1 free: the tree gives up to 3, running blocks only what is left
+    assert calls == ([asked_pages * BS] if asked_pages else [])
+    assert tree.held == max(0, tree_pages - 3)
+
+
 def test_a_waiting_request_is_explained_in_the_log_at_most_every_interval(serving, caplog):
     """An operator whose queue does not move reads why in the server log: the reason and
     its numbers, once per interval however many scheduling rounds wait."""
