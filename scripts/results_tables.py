@@ -82,6 +82,9 @@ HEADLINE = [
     ("serving_h100", "throughput_ratio_tiered_vs_hbm",
      "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K, one run)",
      "higher is better"),
+    ("serving_h200", "throughput_ratio_tiered_vs_fastest_shared",
+     "output throughput, tiered home with `--radix-cache-backend psa` / plain: 10 shared "
+     "16K documents, 120 questions at 16/s", "higher is better"),
     ("serving_h100", "decode_step_ratio_topk_vs_plain_8b",
      "decode step, topk / plain at Llama-3.1-8B shapes (dummy weights)", "lower is better"),
     ("serving_h100", "max_concurrent_ratio_tiered_vs_plain_8b",
