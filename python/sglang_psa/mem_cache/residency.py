@@ -273,7 +273,7 @@ class Residency:
             return []
         # one sort key: readers (< 2^8), then block (< 2^32), then request (< 2^23)
         key = (c.readers << 55) | (c.blocks << 23) | c.who
-        pick = np.argpartition(key, n - 1)[:n] if n < len(key) else np.arange(len(key))
+        pick = np.argpartition(key, n - 1)[:n]  # the n smallest keys, unordered
         pick = pick[np.argsort(key[pick])]
         readers, who, blocks = (a[pick].tolist() for a in (c.readers, c.who, c.blocks))
         return [(r, c.rids[w], b) for r, w, b in zip(readers, who, blocks)]
