@@ -7,7 +7,8 @@ hooks below find it with one lookup (`_serving`) and call its methods; with no
 `--sparse-mode` there is none and every hook passes straight through.
 
 - `PrefillAdder.add_one_req` (around): a new request is admitted only while the
-  working sets of the running ones plus its estimate fit; otherwise it waits in
+  working sets of the running ones plus its estimate fit (a prefix it matched in the
+  prefix cache counted once with the running requests that share it); otherwise it waits in
   SGLang's queue (the adder stops for this round), never dropped. With nothing
   running it is admitted anyway, so the server cannot stall. At the tiered home
   an admitted request then makes room: saved blocks of running requests leave HBM
@@ -64,7 +65,13 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         if adder.can_run_list:  # the next round has a whole chunk
             return AddReqResult.OTHER
         serving.unpark(req)  # more than a chunk to compute: prefilled whole
-    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new):
+    prefix = None
+    if not was_paused:  # a resumed request's prefix is its own
+        namespace = (getattr(req, "extra_key", None), releases.req_salt(req))
+        prefix = serving.shared_prefix(
+            req.rid, req.origin_input_ids, req_prefix_len(req), namespace
+        )
+    if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new, prefix):
         return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
     slack = 2 * serving.cfg.block_size
     staged = serving.stages_prefill and adder.rem_chunk_tokens is not None

@@ -12,6 +12,7 @@ from sglang_psa.sched.admission import (
     AdmitResult,
     Candidate,
     CannotFit,
+    SharedPrefix,
 )
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
@@ -21,6 +22,7 @@ __all__ = [
     "AdmitResult",
     "Candidate",
     "CannotFit",
+    "SharedPrefix",
     "WorkingSetTracker",
     "always_attended_units",
 ]

@@ -26,7 +26,7 @@ import numpy as np
 from sglang_psa.config import PSAConfig, flag_name
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.releases import has, read, req_row
-from sglang_psa.sched.admission import AdmissionController, Candidate
+from sglang_psa.sched.admission import AdmissionController, Candidate, SharedPrefix
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ WAIT_LOG_INTERVAL_S = 10.0
 # over the batch (host time the decode loop waits for once a step is ~2 ms). The GPU
 # measures each size over the last `PSAConfig.ws_window` steps, whenever it is read.
 RECORD_EVERY_STEPS = 8
+# A matched prefix counts as shared in whole granules of this many tokens
+# (`PSAServing.shared_prefix`): questions about one document match it to depths that
+# differ by their first words, and should share one count.
+PREFIX_GRANULE_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class PSAServing:
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
         self._wait_logged = -float("inf")
+        self._prefix_keys: dict[Hashable, tuple[int, int]] = {}  # rid -> (tokens, hash)
 
     @property
     def retracts_by_working_set(self) -> bool:
@@ -213,11 +218,33 @@ class PSAServing:
 
         self.waited("kv_pages", detail)
 
+    def shared_prefix(
+        self, rid: Hashable, tokens: Sequence[int], prefix_len: int, namespace: Hashable
+    ) -> SharedPrefix | None:
+        """The cached prefix new request `rid` (prompt `tokens`) shares with other
+        requests: its first `prefix_len` tokens, matched in the prefix cache, rounded down
+        to `PREFIX_GRANULE_TOKENS` so that questions matching a document to slightly
+        different depths count it once; None below one granule. Keyed by the prefix's
+        content in its cache `namespace` (extra key and salt), hashed once per request."""
+        p = prefix_len // PREFIX_GRANULE_TOKENS * PREFIX_GRANULE_TOKENS
+        if p == 0:
+            return None
+        got = self._prefix_keys.get(rid)
+        if got is None or got[0] != p:
+            got = self._prefix_keys[rid] = (p, hash((namespace, tuple(tokens[:p]))))
+        return SharedPrefix(got, self.total_units(p), self.total_units(len(tokens)))
+
     def try_admit(
-        self, rid: Hashable, prompt_tokens: int, alone: bool, max_new_tokens: int | None = None
+        self,
+        rid: Hashable,
+        prompt_tokens: int,
+        alone: bool,
+        max_new_tokens: int | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> bool:
         """Admit `rid` if its working set fits beside the running ones (or if `alone`) and,
-        with a host tier, the host blocks its whole length can fill are free."""
+        with a host tier, the host blocks its whole length can fill are free. `prefix`
+        (`shared_prefix`): what it shares with others, counted once among them."""
         if rid in self.controller.running:
             return True
         wb = self.writeback
@@ -228,7 +255,7 @@ class PSAServing:
                 "host_tier", lambda: f"{tokens} tokens, {wb.blocks.available} host blocks free"
             )
             return False
-        cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens))
+        cand = Candidate(rid, prompt_tokens, self.estimate(prompt_tokens), prefix)
         if self.controller.try_admit([cand]).admitted:
             return True
         if alone:  # nothing else runs: admit anyway rather than stall the server
@@ -335,8 +362,7 @@ class PSAServing:
         ctl = self.controller
         if ctl.used_units <= ctl.capacity_units:  # all running requests fit: so do these
             return True
-        load = sum(ctl.load(r, ctl.running[r]) for r in rids if r in ctl.running)
-        return load <= ctl.capacity_units
+        return ctl.used_by(rids) <= ctl.capacity_units
 
     def make_room(self, reqs, tokens: int, allocator, cache_first: int = 0) -> int:
         """Tiered home: give back HBM pages of `reqs`' saved blocks until `tokens` more
@@ -506,6 +532,7 @@ class PSAServing:
         for when it resumes); a parked one keeps its record, any other is prefilled and
         saved again from scratch."""
         self._release_record(rid, keep_parked=retracted)
+        self._prefix_keys.pop(rid, None)
         ctl = self.controller
         if retracted and rid in ctl.running:
             ctl.pause(rid)

@@ -100,6 +100,39 @@ def test_admission_by_working_set_waits_then_admits_and_never_stalls(serving):
     serving.controller.check_integrity()
 
 
+def test_requests_matching_a_cached_document_count_it_once(serving, monkeypatch):
+    """Questions about one document that matched it in the prefix cache share its pages:
+    admission counts the document once among them, apart per cache namespace."""
+    from sglang_psa.sched import serving as serving_mod
+
+    monkeypatch.setattr(serving_mod, "PREFIX_GRANULE_TOKENS", 256)
+    add = scheduling.around_add_one_req
+    adder = _adder()
+
+    def question(rid, matched, extra_key=None):
+        req = _req(rid, 320)  # est 20 of its 40 units
+        req.origin_input_ids = [7] * 300 + [hash(rid) % 1000] * 20
+        req.prefix_indices = [0] * matched  # 300 matched: 256 shared, 32 units
+        req.extra_key = extra_key
+        req.sampling_params.ignore_eos = False
+        return req
+
+    asked = [("first", 0)] + [(f"q{i}", 300 - i) for i in range(1, 9)]
+    for rid, matched in asked:
+        assert add(_orig_admits, adder, question(rid, matched), False, None) == _result().CONTINUE
+    # first 20 (it computed the document: nothing matched); each question 4 of its own
+    # and 16 on the document, whose 32 units q1 and q2 reach: 84 of 100, 180 unshared.
+    assert serving.controller.used_units == 20 + 8 * 4 + 32
+    other = question("elsewhere", 300, extra_key="tenant-b")  # another namespace: no share
+    assert add(_orig_admits, adder, other, False, None) == _result().OTHER
+    assert serving.waits["working_set"] == 1
+    for rid, _ in asked:
+        serving.release(rid, retracted=False)
+    serving.dropped(["elsewhere"])  # aborted while queued
+    assert serving.controller.used_units == 0 and not serving._prefix_keys
+    serving.controller.check_integrity()
+
+
 @pytest.mark.parametrize("answer,kv_waits", [("NO_TOKEN", 1), ("OTHER", 0)])
 def test_sglang_refusing_after_admission_is_rolled_back(serving, answer, kv_waits):
     """SGLang's adder refusing a request the plugin admitted rolls the admission back. Only

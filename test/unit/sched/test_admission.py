@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sglang_psa.sched import AdmissionController, Candidate, WorkingSetTracker
+from sglang_psa.sched import AdmissionController, Candidate, SharedPrefix, WorkingSetTracker
 
 
 def make(capacity: int, window: int = 2) -> AdmissionController:
@@ -81,6 +81,30 @@ def test_paused_request_larger_than_cache_resumes_alone():
     assert [c.rid for c in res.admitted] == ["b"] and [c.rid for c in res.waiting] == ["c"]
 
 
+def test_a_shared_prefix_counts_once_among_its_holders_up_to_its_size():
+    ctrl = make(100, window=1)
+    doc = SharedPrefix("doc", units=40, of_units=50)  # 4/5 of each holder's load
+    ctrl.try_admit([Candidate(q, 1600, 25, doc) for q in "abcd"])
+    # own parts 4 x 5; the parts on the document 4 x 20 = 80, counted as its 40 units
+    assert len(ctrl.running) == 4 and ctrl.used_units == 20 + 40
+    assert ctrl.cost(25, doc) == 5 and ctrl.cost(25, None) == 25
+    res = ctrl.try_admit([Candidate("e", 1600, 25, doc), Candidate("lone", 1600, 40)])
+    assert [c.rid for c in res.admitted] == ["e"] and ctrl.used_units == 65  # "lone": 105
+    assert ctrl.used_by(["a", "b"]) == 10 + 40 and ctrl.used_by(["a"]) == 25
+    ctrl.on_step("a", range(50))  # measured: 50 units, 40 of them on the document
+    assert ctrl.used_units == 30 + 40
+    ctrl.on_step("a", range(250))  # own part 50: the document still counts 40
+    assert ctrl.used_units == 70 + 40
+    assert ctrl.retract_victims() == ["e", "d"] and ctrl.used_units == 60 + 40
+    ctrl.check_integrity()
+    for rid in "abc":
+        ctrl.finish(rid)
+    assert ctrl.used_units == 0 and not ctrl._shared and not ctrl._prefix
+    ctrl.check_integrity()
+    with pytest.raises(ValueError, match="units"):
+        SharedPrefix("doc", units=60, of_units=50)
+
+
 def test_misuse_raises():
     ctrl = make(10)
     ctrl.try_admit([cand("a", 1)])
@@ -96,6 +120,7 @@ def test_misuse_raises():
 
 
 CAP, WINDOW = 40, 3
+DOC_UNITS = {0: 20, 1: 35}  # two shared documents, most of their holders
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -111,6 +136,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.paused: set[int] = set()
         self.finished: set[int] = set()
         self.rejected: set[int] = set()
+        self.prefix: dict[int, SharedPrefix] = {}  # running requests' shared prefixes
         self.drifted = False  # a step since the last retraction may have outgrown the cache
 
     def load(self, rid: int) -> int:
@@ -118,14 +144,28 @@ class AdmissionMachine(RuleBasedStateMachine):
         size = len(frozenset().union(*steps[-WINDOW:]))
         return size if len(steps) >= WINDOW else max(self.est[rid], size)
 
-    def used(self) -> int:
-        return sum(self.load(r) for r in self.running)
+    def used(self, extra: Candidate | None = None) -> int:
+        """Σ loads, each prefix's parts (load × units // of_units) summed up to its units."""
+        items = [(self.load(r), self.prefix.get(r)) for r in self.running]
+        if extra is not None:
+            items.append((self.load(extra.rid), extra.prefix))
+        own, parts, units = 0, {}, {}
+        for load, prefix in items:
+            part = 0 if prefix is None else load * prefix.units // prefix.of_units
+            own += load - part
+            if prefix is not None:
+                parts[prefix.key] = parts.get(prefix.key, 0) + part
+                units[prefix.key] = prefix.units
+        return own + sum(min(parts[k], units[k]) for k in parts)
 
-    @rule(est=st.integers(1, 50))
-    def arrive(self, est):
+    @rule(est=st.integers(1, 50), doc=st.sampled_from([None, 0, 1]))
+    def arrive(self, est, doc):
         rid = len(self.est)
         self.est[rid] = est
-        self.queue.append(Candidate(rid, est * 32, est))
+        prefix = (
+            None if doc is None else SharedPrefix(doc, DOC_UNITS[doc], DOC_UNITS[doc] + est // 4)
+        )
+        self.queue.append(Candidate(rid, est * 32, est, prefix))
 
     @rule()
     def admit(self):
@@ -139,10 +179,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         n = len(res.admitted)
         assert res.admitted == fitting[:n] and res.waiting == fitting[n:]  # FIFO prefix
         self.running += [c.rid for c in res.admitted]
+        self.prefix.update({c.rid: c.prefix for c in res.admitted if c.prefix is not None})
         self.paused -= {c.rid for c in res.admitted}
         self.rejected |= rejected
         if res.waiting:  # maximal: the head really does not fit
-            assert self.running and self.used() + self.load(res.waiting[0].rid) > CAP
+            assert self.running and self.used(res.waiting[0]) > CAP
         if n:  # admission itself never overfills, except one request resuming alone
             assert self.used() <= CAP or (was_idle and n == 1)
         self.queue = res.waiting
@@ -161,6 +202,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         expected = []
         while self.used() > CAP and len(self.running) > 1:
             expected.append(self.running.pop())
+            self.prefix.pop(expected[-1], None)
         assert self.ctrl.retract_victims() == expected
         self.paused |= set(expected)
         self.queue = [
@@ -178,6 +220,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.queue = [c for c in self.queue if c.rid != rid]
         else:
             self.running.remove(rid)
+            self.prefix.pop(rid, None)
         self.steps.pop(rid, None)
         self.finished.add(rid)
 
