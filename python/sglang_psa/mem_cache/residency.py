@@ -34,13 +34,15 @@ counts as read by every unit: its blocks go last. With the `psa` radix cache
 for the tree at once, or not at all (`PsaRadixCache.sharers`, `left_hbm`).
 
 The unit cache (`mem_cache.unit_cache`): an evicted block does not come back
-whole. HBM pages the allocator can spare (beyond two per running request) become
-slots of the unit cache, which holds the single (layer, KV head) units of evicted
-blocks that decode reads; `refresh`, every decode round, grows it and brings in
-the units the last step read from the host. While any block is evicted, `refresh`
-also evicts the resident blocks that few units read lately (`--psa-cold-fraction`):
-decode reads a few units of most blocks, so HBM holds more of what it reads as
-single units than as whole pages. When SGLang needs pages, cold blocks
+whole. HBM pages the allocator can spare (beyond two per running request, at most
+one per evicted block) become slots of the unit cache, which holds the single
+(layer, KV head) units of evicted blocks that decode reads; `refresh`, every decode
+round, grows it and brings in the units the last step read from the host. While any
+block is evicted and HBM has no page to spare, `refresh` also evicts the resident
+blocks that few units read lately (`--psa-cold-fraction`): decode reads a few units
+of most blocks, so HBM holds more of what it reads as single units than as whole
+pages. (Uncapped, the cache once took every spare page and the cold blocks followed,
+so SGLang's tree gave up the shared documents it held: seen on the H200, workload f.) When SGLang needs pages, cold blocks
 leave first (their hot units come back as units), then cache pages; when the last
 evicted block is gone the cache gives every page back.
 
@@ -407,25 +409,36 @@ class Residency:
         return (idx[:, None] + self._offsets).flatten()
 
     def refresh(self, reqs, allocator) -> int:
-        """Every decode round, while blocks are evicted: saved blocks of `reqs` that
-        fewer than `cold_fraction` of their units read lately leave HBM too (a page
-        kept for a block serves its few readers; as cache slots it serves one hot unit
-        per (layer, KV head)); the unit cache takes the pages the allocator can spare
-        beyond two per running request, then brings in the host units the last step
-        read (`UnitCache.refresh`, no sync). Returns the pages taken."""
+        """Every decode round, while blocks are evicted: the unit cache takes pages the
+        allocator can spare beyond two per running request, up to one page per evicted
+        block (that many hold every unit of every evicted block; pages beyond go back, to
+        SGLang's tree and new prompts), then brings in the host units the last step read
+        (`UnitCache.refresh`, no sync). Only when HBM has no page to spare, saved blocks of
+        `reqs` that fewer than `cold_fraction` of their units read lately leave HBM first
+        (a page kept for a block serves its few readers; as cache slots it serves one hot
+        unit per (layer, KV head)): with pages free, evicting them gains nothing and
+        sends their prefix's next readers to the host tier. Returns the pages taken."""
         self.allocator = allocator
         if not self.any_evicted:
             return 0
-        if self.cold_readers:  # cold resident blocks: their pages serve more as slots
+        bs = self.block_size
+        reserve = 2 * sum(1 for _ in _live(reqs))
+        spare = allocator.available_size() // bs - reserve
+        if (
+            self.cold_readers and spare <= 0
+        ):  # cold resident blocks: their pages serve more as slots
             c = self._candidates(reqs)
             cold = c.readers < self.cold_readers
             who, blocks = c.who[cold].tolist(), c.blocks[cold].tolist()
             readers = c.readers[cold].tolist()
             victims = [(r, c.rids[w], b) for r, w, b in zip(readers, who, blocks)]
-            self._evict_all(victims, allocator)
-        bs = self.block_size
-        spare = allocator.available_size() // bs - 2 * sum(1 for _ in _live(reqs))
-        n = min(spare, self.cache.capacity - self.cache.pages)
+            if victims:
+                self._evict_all(victims, allocator)
+                spare = allocator.available_size() // bs - reserve
+        need = self.evicted_blocks
+        if self.cache.pages > need:
+            self._free(self.cache.shrink(self.cache.pages - need), allocator)
+        n = min(spare, self.cache.capacity - self.cache.pages, need - self.cache.pages)
         if n > 0:
             slots = allocator.alloc(n * bs)
             if slots is None:
@@ -433,7 +446,7 @@ class Residency:
             else:
                 self.cache.grow(slots[::bs] // bs)
         self.cache.refresh(self.ws.stamps, self.page_rows, self.ws.step, self.wb.host, self.pool)
-        return n
+        return max(n, 0)
 
     def report(self) -> dict[str, int]:
         """Counters for server info and metrics, from host memory (no sync; the device

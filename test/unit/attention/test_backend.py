@@ -1109,7 +1109,8 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         cache = backend.residency.cache
-        assert took == free0 // BS - 2 * len(reqs) > 0 and cache.pages == took
+        spare = free0 // BS - 2 * len(reqs)  # a page per evicted block (8) at most
+        assert took == min(spare, 8) > 0 and cache.pages == took
         copied = int(cache.copied)
         assert 0 < copied <= want[1]
         cached = (cache.unit_slot[:, :-1] >= 0).nonzero().tolist()  # (layer x head, host block)

@@ -113,20 +113,24 @@ def test_room_sglang_only_reserves_comes_from_the_cache_first():
 
 @pytest.mark.parametrize("cold_fraction, cold", [(0.5, [1, 4]), (0.0, [])])
 def test_while_blocks_are_evicted_cold_resident_blocks_become_cache_pages(cold_fraction, cold):
-    """2 layers x 2 KV heads: 4 units a block. With `cold_fraction` 0.5, a resident
-    saved block read lately by fewer than 2 units leaves HBM at the next refresh and its
-    page joins the unit cache; 0 leaves blocks in HBM until SGLang needs pages."""
+    """2 layers x 2 KV heads: 4 units a block. With `cold_fraction` 0.5 and no page to
+    spare, a resident saved block read lately by fewer than 2 units leaves HBM at the next
+    refresh and its page joins the unit cache; 0 leaves blocks in HBM until SGLang needs
+    pages. With pages to spare, no block leaves: the cache takes them, one per evicted
+    block at most."""
     res, r = _residency([4, 0, 4, 2, 1, 3, 4, 3, 4, 4], cold_fraction)
     gone_order = _recording_evict(res, 40)
     r.evicted = np.zeros(16, dtype=bool)
     r.evicted[6] = True  # a block already on the host: the cache is in use
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
-    alloc = _Alloc([30, 31, 32])
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
+    roomy = _Alloc([30, 31, 32, 33, 34])  # 3 pages beyond two per request
+    assert res.refresh([req], roomy) == 1 and gone_order == []  # one block is evicted
+    alloc = _Alloc([30, 31])  # none to spare
     taken = res.refresh([req], alloc)
     assert sorted(gone_order) == cold
-    assert taken == 3 + len(cold) - 2  # every spare page beyond two per request
-    assert res.cache.pages == taken
+    assert taken == len(cold)  # the pages the cold blocks gave back
+    assert res.cache.pages == 1 + taken
     # nothing new is cold: the next refresh evicts nothing more
     assert res.refresh([req], alloc) == 0 and sorted(gone_order) == cold
 
@@ -141,8 +145,8 @@ def test_the_last_release_drains_the_cache_and_forgets_its_units():
     res.left_hbm[[11, 12]] = True
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
-    assert res.refresh([req], alloc) == 10 - 2  # all spare pages beyond two per request
-    assert res.cache.pages == 8 and len(alloc.free) == 2
+    assert res.refresh([req], alloc) == 2  # a page per evicted block, of 8 to spare
+    assert res.cache.pages == 2 and len(alloc.free) == 8
     # Units of host blocks 11 and 12 sit in slots of layer-head 0 and 3.
     cache = res.cache
     for lh, hb, slot in ((0, 11, 3 * WAYS), (3, 12, 0)):
