@@ -11,9 +11,9 @@ What one eviction does, all on the scheduler's stream (ordered before the next
 forward, which waits for that stream), with no host sync:
 1. the request's location table (`WriteBack.host_loc`) sends the wave kernel to
    the host copy of each block (only acknowledged saves qualify);
-2. the block's metadata and last-read stamps move from its page row to the
-   host block's row (`PageMeta`/`ReadStamps` keep `pages + host blocks` rows:
-   a block is scored and stamped wherever its KV lives);
+2. the block's last-read stamps move from its page row to the host block's row
+   (`PageMeta`/`ReadStamps` keep `pages + host blocks` rows: a block is scored and
+   stamped wherever its KV lives; its metadata is there since its save, `WriteBack`);
 3. its request-table entries point at page 0 (SGLang's padding page, never
    allocated): nothing reads them, and the allocator hook
    (`plugin.scheduling.around_release_page_ids`) drops page 0 from the
@@ -343,9 +343,10 @@ class Residency:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
         A page SGLang's tree shares (`sharing`) leaves HBM for every request mapping it
         and for the tree: each holder's location table and request-table entries switch
-        (`evicted`), the tree's entry goes to page 0; the metadata moves once (its rows
-        are per host block) and the page is freed once. A block whose page a request
-        shares that cannot be switched now stays (`sharers`). Metadata first, then the
+        (`evicted`), the tree's entry goes to page 0; the stamps move once (their rows
+        are per host block; the metadata is there since the save) and the page is freed
+        once. A block whose page a request
+        shares that cannot be switched now stays (`sharers`). Stamps first, then the
         location tables, then the request tables: a step that reads the tables at any
         point between scores and reads a complete copy."""
         r = self.records.get(rid)
@@ -370,7 +371,6 @@ class Residency:
         rows = to_device([r.host[b] for b in blocks], dev) + self.page_rows
         table = self.req_to_token[r.row]
         pages = table[idx].long() // bs
-        self.meta.copy_rows(pages, rows)
         self.ws.copy_rows(pages, rows)
         holders: dict[int, tuple[object, list[int]]] = {}  # id(record) -> its blocks here
         for b in blocks:

@@ -141,6 +141,11 @@ class WriteBack:
         # The keeper of saved prefixes (`mem_cache.prefix_index`), fed by acknowledgements;
         # set by the `psa` radix cache, None without one.
         self.index = None
+        # The block metadata (`mem_cache.page_meta.PageMeta`, set by the scheduler process):
+        # each save copies its page's rows to the host block's, so a block read from the
+        # host tier is scored however it left HBM (residency, or SGLang's tree freeing a
+        # page no request held, its prefix matched later). None: nothing copied.
+        self.meta = None
         self.decode_flush_blocks = decode_flush_blocks
         # One record per request the tiered store knows (`mem_cache.request_kv`).
         self.records: dict[object, RequestKV] = {}
@@ -255,7 +260,8 @@ class WriteBack:
             return
         tables, entries, plan = self._extend_tables
         self.transport.issue(layer, k_buf, v_buf, tables, entries, plan)
-        if layer == self.layers - 1:
+        if layer == self.layers - 1:  # every layer's metadata of the blocks is written
+            self._copy_meta(tables)
             self._extend_tables = None
 
     def issue_decode(self, k_bufs, v_bufs, req_to_token: torch.Tensor, force: bool = False) -> None:
@@ -265,8 +271,16 @@ class WriteBack:
             return
         entries, self._decode = self._decode, []
         tables = self._tables(entries, req_to_token)
+        self._copy_meta(tables)
         for layer in range(self.layers):
             self.transport.issue(layer, k_bufs[layer], v_bufs[layer], tables, entries)
+
+    def _copy_meta(self, tables: torch.Tensor) -> None:
+        """The saved blocks' metadata rows (pages `tables[0]`) into their host blocks' rows
+        (`tables[1]`), on the forward's stream: before any acknowledgement, so before any
+        step reads the block from the host tier. A full block's metadata is final."""
+        if self.meta is not None:
+            self.meta.copy_rows(tables[0], tables[1] + self.meta.page_rows)
 
     @property
     def device_bytes(self) -> int:

@@ -141,6 +141,7 @@ def assemble(
     if tiered:
         writeback = _writeback(cfg, pool, server_args, context_len, device, table_shape,
                                host_blocks)  # fmt: skip
+        writeback.meta = meta  # each save leaves its metadata in the host block's row
         residency = Residency(
             writeback, meta, stamps, req_to_token, cfg, pool, allocator,
             unit_reads=counters.unit_reads, agreement=agreement,

@@ -1149,3 +1149,74 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         assert cache.pages == 0 and not (cache.unit_slot >= 0).any() and not cache.live.any()
     finally:
         wb.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writeback", ["engine", "uva"])
+def test_a_prefix_read_at_page_0_is_scored_from_the_metadata_its_save_left(writeback):
+    """A block SGLang's tree gave back while no request held it (its page handed out
+    again, KV and metadata overwritten) stays in the host tier; a request that matches
+    its prefix maps it at page 0 and decode reads it there (`read_prefix_from_host`).
+    No eviction moved its metadata: the save did, so top-k still scores the block as the
+    step before and decode equals it."""
+    pytest.importorskip("zmq", reason="pyzmq is not installed here")
+    from sglang_psa.mem_cache.writeback import wait_saved
+
+    # top-k of 7 blocks: which blocks are read depends on the metadata the step scores
+    cfg = PSAConfig(
+        sparse_mode="topk", topk_tokens=7 * BS, kv_home="tiered", host_pool_gb=0.01,
+        writeback=writeback,
+    )  # fmt: skip
+    lengths = [300, 250]
+    runner, fb, g = _rig(cfg, lengths)
+    backend = PSAAttnBackend(runner, use_kernel=True)
+    process.register(backend.process)
+    serving, wb = backend.process.serving, backend.writeback
+    req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    reqs = [SimpleNamespace(rid=f"r{r}", req_pool_idx=r) for r in (1, 2)]
+    try:
+        for r, n in zip(reqs, lengths):
+            assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
+        prompt = [n - 1 for n in lengths]
+        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
+        scheduling.after_prepare_for_extend(None, batch)
+        _prefill(backend, fb)
+        wait_saved(wb)
+        wb.poll()
+        q = torch.randn(2, HQ * D, generator=g).to(DEV)
+        kc, vc = {}, {}
+        for layer_id in range(LAYERS):
+            kc[layer_id], vc[layer_id] = _dense_kv(runner, fb, layer_id)
+
+        def step() -> list[torch.Tensor]:
+            backend.init_forward_metadata(fb)
+            outs = []
+            for layer_id in range(LAYERS):
+                idx = torch.arange(2, device=DEV)
+                k_new = kc[layer_id][idx, :, fb.seq_lens - 1]
+                v_new = vc[layer_id][idx, :, fb.seq_lens - 1]
+                out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+                outs.append(out.clone())
+            return outs
+
+        before = step()
+        blocks = list(range(1, 7))  # r1's, between its sink and its last blocks
+        pages = [int(req.req_to_token[1, b * BS]) // BS for b in blocks]
+        for b in blocks:  # r1's row as a prefix match leaves it: page 0
+            req.req_to_token[1, b * BS : (b + 1) * BS] = torch.arange(BS)
+        idx = torch.tensor(pages, device=DEV)
+        for layer_id in range(LAYERS):  # the pages' next owner writes them
+            kv.k_buffer[layer_id].view(-1, BS, HKV, D)[idx] = 1e4
+            kv.v_buffer[layer_id].view(-1, BS, HKV, D)[idx] = -1e4
+        for t in (backend.meta.mean, backend.meta.kmin, backend.meta.kmax):
+            if t is not None:
+                t[:, idx] = 127 if t.dtype == torch.int8 else 1e4
+        backend.residency.sharing = SimpleNamespace(  # the psa radix cache's answer
+            page0_prefix=lambda r: blocks if r.rid == "r1" else []
+        )
+        backend.residency.read_prefix_from_host(reqs)
+        assert wb.records["r1"].host_read == set(blocks)
+        for a, b in zip(step(), before):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        wb.close()

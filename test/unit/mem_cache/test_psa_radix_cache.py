@@ -115,7 +115,7 @@ class _Store:
         ws = SimpleNamespace(
             layers=L, kv_heads=H, heat_blocks=CTX // BS, copy_rows=lambda p, r: None
         )
-        meta = SimpleNamespace(page_rows=pages + 1, copy_rows=lambda p, r: None)
+        meta = SimpleNamespace(page_rows=pages + 1)
         cfg = SimpleNamespace(block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=0.0)
         rt = self.rtp.req_to_token
         self.res = Residency(self.wb, meta, ws, rt, cfg, self.pool, None)
