@@ -20,9 +20,12 @@ from datetime import datetime
 from pathlib import Path
 
 try:
-    from systems import PLAIN_RACE  # benchmark/serving on sys.path (run.py, the tests)
+    from systems import (
+        HICACHE_RACE,
+        PLAIN_RACE,
+    )  # benchmark/serving on sys.path (run.py, the tests)
 except ImportError:  # imported as benchmark.serving.analysis (benchmark/decode_step)
-    from .systems import PLAIN_RACE
+    from .systems import HICACHE_RACE, PLAIN_RACE
 
 DECODE_RE = re.compile(
     r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})[^\]]*\]\s+Decode batch[^,]*,\s+"
@@ -646,7 +649,8 @@ SUMMARY_KEYS = (
     "throughput_ratio_tiered_vs_fastest_capped",
     "throughput_ratio_tiered_vs_fastest_capped_short",
     # Prefix caching (workloads f, g and their capped variants): the tiered home against
-    # the fastest plain backend or plain SGLang's host tier (plain_hicache) of one run.
+    # the fastest plain backend or plain SGLang's host tier at its fastest backend
+    # (plain_hicache, plain_hicache_fa3) of one run.
     "throughput_ratio_tiered_vs_fastest_shared",
     "throughput_ratio_tiered_vs_fastest_shared_capped",
     "throughput_ratio_tiered_vs_hicache_shared_capped",
@@ -846,12 +850,26 @@ def fastest_plain(part: dict | None, rate: str = "inf") -> Measured | None:
 
 
 FASTEST = "fastest"  # a pair's reference: the fastest plain backend its stage run raced
+HICACHE = "hicache"  # ... the fastest of SGLang's host tier at the backends the run measured
+
+
+def fastest_hicache(part: dict, rate: str) -> Measured | None:
+    """The highest output throughput of `systems.HICACHE_RACE` that `part` measured at
+    `rate` (a run of the triton one alone, as recorded before FA3's, counts), or None."""
+    runs = [m for name in HICACHE_RACE if (m := measured(part, name, rate)) is not None]
+    runs = [m for m in runs if m.metric(TOK_S) is not None]
+    return max(runs, key=lambda m: m.metric(TOK_S), default=None)
 
 
 def reference(part: dict, ref: str, rate: str) -> Measured | None:
     """`ref`'s run at `rate` in `part`: `FASTEST`, the fastest plain backend the run raced
-    (`fastest_plain`), else the system named."""
-    return fastest_plain(part, rate) if ref == FASTEST else measured(part, ref, rate)
+    (`fastest_plain`), `HICACHE`, SGLang's host tier at its fastest backend there
+    (`fastest_hicache`), else the system named."""
+    if ref == FASTEST:
+        return fastest_plain(part, rate)
+    if ref == HICACHE:
+        return fastest_hicache(part, rate)
+    return measured(part, ref, rate)
 
 
 def newest_pair(
@@ -916,10 +934,10 @@ PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against t
     ("throughput_ratio_tiered_vs_fastest_capped_short", "b256", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_shared", "f", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_shared_capped", "f_capped", FASTEST, TOK_S),
-    ("throughput_ratio_tiered_vs_hicache_shared_capped", "f_capped", "plain_hicache", TOK_S),
+    ("throughput_ratio_tiered_vs_hicache_shared_capped", "f_capped", HICACHE, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_chat", "g", FASTEST, TOK_S),
     ("throughput_ratio_tiered_vs_fastest_chat_capped", "g_capped", FASTEST, TOK_S),
-    ("throughput_ratio_tiered_vs_hicache_chat_capped", "g_capped", "plain_hicache", TOK_S),
+    ("throughput_ratio_tiered_vs_hicache_chat_capped", "g_capped", HICACHE, TOK_S),
     ("ttft_ratio_tiered_vs_fastest_chat", "g", FASTEST, TTFT_MEAN),  # every turn's
     ("ttft_ratio_tiered_vs_fastest_chat_capped", "g_capped", FASTEST, TTFT_MEAN),
 )
@@ -941,8 +959,9 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
     name it). `ttft_p99_ratio_host_vs_hbm` and `throughput_ratio_tiered_vs_hbm` compare
     the two sglang-psa homes (tiered, HBM only) in the newest run that measured both.
     The capacity and prefix-caching keys (`PREFIX_KEYS`) take the tiered home against the
-    fastest plain backend or `plain_hicache` from the newest run of b, b256, f, g or the
-    capped variants of f and g that measured both at one rate; `prefix_hit_fraction_*` are the tiered home's and the
+    fastest plain backend or SGLang's host tier at its fastest measured backend
+    (`fastest_hicache`) from the newest run of b, b256, f, g or the capped variants of f
+    and g that measured both at one rate; `prefix_hit_fraction_*` are the tiered home's and the
     fastest plain backend's cached prompt tokens in the run of the matching
     `throughput_ratio_tiered_vs_fastest_*` key, and have no value without it.
     """

@@ -46,6 +46,9 @@ class System:
 # taken against being the fastest of those it ran (analysis.fastest_plain). `plain` (triton)
 # comes first: it is the reference of `identical_to_plain` and of the older *_vs_plain keys.
 PLAIN_RACE = ("plain", "plain_fa3", "plain_flashinfer")
+# SGLang's own host tier (`--enable-hierarchical-cache`) at the backends it is measured
+# with: the prefix keys compare with the faster of those a run measured.
+HICACHE_RACE = ("plain_hicache", "plain_hicache_fa3")
 FLASHINFER_JIT_S = 120  # FlashInfer's kernels compiled at start-up on a fresh machine
 
 
@@ -115,6 +118,15 @@ SYSTEMS: dict[str, System] = {
             True,
             True,
             attention_backend="triton",
+        ),
+        System(
+            "plain_hicache_fa3",
+            f"plain SGLang with --enable-hierarchical-cache ({HICACHE_HOST_GB} GB host pool), "
+            "FA3 attention, decode CUDA graphs",
+            ("--enable-hierarchical-cache", "--hicache-size", str(HICACHE_HOST_GB)),
+            True,
+            True,
+            attention_backend="fa3",
         ),
         System(
             "psa",

@@ -124,6 +124,7 @@ PREFIX_SYSTEMS = (
     "plain_fa3",
     "plain_flashinfer",
     "plain_hicache",
+    "plain_hicache_fa3",
     "psa",
     "psa_tiered_uva",
     "psa_tiered_prefix",

@@ -886,6 +886,7 @@ def test_launch_command():
         ("plain_flashinfer", "flashinfer"),
         ("plain_eager", "triton"),
         ("plain_hicache", "triton"),
+        ("plain_hicache_fa3", "fa3"),
     ):
         c = cmd(name)
         assert c.count("--attention-backend") == 1, name
@@ -2007,9 +2008,12 @@ def test_prefix_workloads_and_their_caps():
     for key in ("f", "f_capped", "g", "g_capped"):
         w = W[key]
         tiered = {"psa_tiered_uva", "psa_tiered_prefix"}  # without and with its prefix cache
-        assert set(systems.PLAIN_RACE) | {"plain_hicache", "psa"} | tiered == set(w.systems), key
+        assert set(systems.PLAIN_RACE) | set(systems.HICACHE_RACE) | {"psa"} | tiered == set(
+            w.systems
+        ), key
         assert w.is_sweep and len(w.rates) == 1  # arrivals over time, at one rate
-        assert S["plain_hicache"].flags[0] == "--enable-hierarchical-cache"
+        for name in systems.HICACHE_RACE:
+            assert S[name].flags[0] == "--enable-hierarchical-cache"
     assert (W["f"].documents, W["f"].prompts // W["f"].documents) == (10, 12)
     assert (W["g"].conversations, W["g"].turns, W["g"].max_batch) == (16, 5, 16)
     for key in ("f_capped", "g_capped"):
@@ -2215,6 +2219,19 @@ def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
         "psa_tiered_prefix",
         "plain_fa3",
     ]
+    # SGLang's host tier at FA3 too: the faster of the two is the reference
+    parts.append(_prefix_run("g_capped", "06-09", rate="2", plain_hicache_fa3=_at("2", 264.0)))
+    parts.append(_prefix_run("f_capped", "06-10", plain_hicache_fa3=_at("16", 150.0)))
+    s, where = analysis.summarize(parts)
+    assert s["throughput_ratio_tiered_vs_hicache_chat_capped"] == pytest.approx(300 / 264)
+    assert where["throughput_ratio_tiered_vs_hicache_chat_capped"]["systems"] == [
+        "psa_tiered_uva",
+        "plain_hicache_fa3",
+    ]
+    assert s["throughput_ratio_tiered_vs_hicache_shared_capped"] == 1.5  # triton's 200 won
+    assert where["throughput_ratio_tiered_vs_hicache_shared_capped"]["systems"][1] == (
+        "plain_hicache"
+    )
 
 
 def test_prefix_summary_keys_have_no_value_across_stage_runs():
