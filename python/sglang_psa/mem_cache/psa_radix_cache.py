@@ -6,7 +6,9 @@ Each override calls SGLang's method and adds the tiered store's part:
   saved blocks that follow it (host-only: their entries at page 0, as a parked request
   resumes); a request (`params.req`) adopts the host ids of its whole matched prefix
   (`TieredRequests.adopt`). Where it cannot (the host tier's reservations are short), the
-  match stops before the first block it would read from the host tier.
+  match stops before the first block it would read from the host tier; an extension
+  shorter than `MIN_HOST_MATCH_TOKENS` is not taken (computed again: cheaper than a
+  staged prefill).
   From 0.5.23 on a match is a length (`device_prefix_len`), extended the same way, and
   SGLang reads its slots at allocation (`prefix_device_indices`: the tree's path, then
   the extension's entries at page 0).
@@ -53,6 +55,15 @@ from sglang_psa.mem_cache.residency import AT_PAGE0
 from sglang_psa.releases import has, req_protected_len, req_row, req_salt
 
 BACKEND = "psa"
+
+# A match is extended from the host tier only by at least this many tokens; a shorter run
+# is computed again. An extension puts the request's whole extend batch on the staged
+# prefill (every layer's prefix copied, SGLang's Triton prefill: on the H200 49 ms an
+# extend batch of workload g against 28 ms unstaged) and sends decode to the host tier for
+# those blocks, while computing 512 tokens of the 0.5B model takes about 25 ms at its
+# 20K tokens/s prefill. (Uncapped, every extend batch of workloads f and g was staged for
+# one or two such blocks.)
+MIN_HOST_MATCH_TOKENS = 512
 
 # The release caches requests through `checkpoint` / `free_kv_row` / `on_release` and
 # matches a prefix as a length (0.5.23), not through `cache_*_req` with its slots (0.5.17).
@@ -126,7 +137,15 @@ class _HbmOnly:
 class PsaRadixCache(RadixCache):
     """SGLang's radix cache over the tiered store's host blocks (see the module doc)."""
 
-    def __init__(self, params, requests: TieredRequests, index: PrefixIndex):
+    def __init__(
+        self,
+        params,
+        requests: TieredRequests,
+        index: PrefixIndex,
+        min_host_tokens: int = MIN_HOST_MATCH_TOKENS,
+    ):
+        """`min_host_tokens`: the shortest extension of a match from the host tier
+        (`MIN_HOST_MATCH_TOKENS`; shorter runs are computed again)."""
         super().__init__(params)
         if self.page_size != index.block_size or self.is_eagle:
             raise ValueError(
@@ -134,6 +153,8 @@ class PsaRadixCache(RadixCache):
                 f"and no EAGLE bigram keys (page size {self.page_size}, eagle {self.is_eagle})"
             )
         self.requests, self.index = requests, index
+        self.min_host_tokens = min_host_tokens
+        self._short: set = set()  # rids whose short host-tier run was declined (counted)
         self.wb = requests.wb
         self.blocks = self.wb.blocks
         self._inserting = None  # the record whose row SGLang inserts
@@ -273,7 +294,13 @@ class PsaRadixCache(RadixCache):
         # The saved run of the key's blocks: beyond the device match it is read from the
         # host tier; short of it (a device block not saved yet) only the run is adopted.
         want = self.index.lookup(self.index.request_hashes(req.rid, len(key) // ps))
-        extra = max(0, len(want) - _match_len(res) // ps)
+        device = _match_len(res) // ps
+        extra = max(0, len(want) - device)
+        if 0 < extra * ps < self.min_host_tokens:  # cheaper computed again than staged
+            if req.rid not in self._short:  # (a waiting request is matched every round)
+                self._short.add(req.rid)
+                self.requests.host_match_recomputed_tokens += extra * ps
+            want, extra = want[:device], 0
         if rec is not None and rec.host == want:
             ok = True
         else:
@@ -424,6 +451,7 @@ class PsaRadixCache(RadixCache):
         from SGLang's waiting queue after a match): the index stops tracking its tokens
         and its row has no entries at page 0 to look for."""
         self.index.untrack(rid)
+        self._short.discard(rid)
         self._maybe_page0.discard(rid)
         self._reqs.pop(rid, None)
 

@@ -99,6 +99,9 @@ class TieredRequests:
         # Resumptions from the host tier so far, the prefix tokens they read from there and
         # the tokens they computed again.
         self.resumed = self.resumed_host_tokens = self.resumed_recomputed_tokens = 0
+        # Prefix tokens the `psa` radix cache found in the host tier only and left to be
+        # computed again, too few to stage a prefill for (`MIN_HOST_MATCH_TOKENS`).
+        self.host_match_recomputed_tokens = 0
         # Told the rid of every release (the `psa` radix cache forgets what it tracks of
         # the request: a matched request may leave before it is admitted).
         self.listeners: list[Callable[[Hashable], None]] = []
@@ -274,12 +277,14 @@ class TieredRequests:
 
     def report(self) -> dict[str, int]:
         """Retracted requests waiting with their KV in the host tier; resumptions, the
-        prefix tokens they read from there and the tokens they computed again."""
+        prefix tokens they read from there and the tokens they computed again; matched
+        prefix tokens in the host tier only that were computed again (too few to stage)."""
         return {
             "parked_requests": self.parked_requests,
             "resumed": self.resumed,
             "resumed_host_tokens": self.resumed_host_tokens,
             "resumed_recomputed_tokens": self.resumed_recomputed_tokens,
+            "host_match_recomputed_tokens": self.host_match_recomputed_tokens,
         }
 
     def check_integrity(self) -> None:

@@ -90,7 +90,7 @@ class _Req(SimpleNamespace):
 class _Store:
     """The tiered home's pieces around one `PsaRadixCache`, and the scheduler's calls."""
 
-    def __init__(self, pages: int = PAGES, host_blocks: int = HOST_BLOCKS):
+    def __init__(self, pages: int = PAGES, host_blocks: int = HOST_BLOCKS, min_host: int = 0):
         g = torch.Generator().manual_seed(0)
         kv = lambda: torch.randn((pages + 1) * BS, H, D, generator=g)  # noqa: E731
         self.pool = SimpleNamespace(
@@ -125,7 +125,9 @@ class _Store:
             disable=False, req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc,
             page_size=BS,
         )  # fmt: skip
-        self.cache = PsaRadixCache(params, self.tiered, self.index)
+        # Every extension from the host tier is taken here (blocks of 4 tokens: the
+        # shortest-extension rule has its own test).
+        self.cache = PsaRadixCache(params, self.tiered, self.index, min_host_tokens=min_host)
         self.cache.verify = True  # each page-0 answer from host records against the entries
         self.rows = list(range(ROWS - 1, 0, -1))
         self.live: dict[str, SimpleNamespace] = {}  # matched, not released
@@ -657,6 +659,37 @@ def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
         s.evict(10**6)
         assert s.alloc.available_size() == PAGES * BS
         assert s.wb.blocks.used == 0 and s.wb.blocks.reserved == 0
+
+
+@pytest.mark.parametrize("hbm_blocks", [0, 2])
+def test_a_host_tier_run_shorter_than_the_minimum_is_computed_again(hbm_blocks):
+    """With `min_host_tokens` of 3 blocks: a stem of 3 saved blocks whose first
+    `hbm_blocks` stayed in HBM extends b's match by 3 blocks (taken: read from the host
+    tier) or by 1 (declined: b computes that block again, counted once however often b is
+    matched, holds no extra host id, and its duplicate switches to the index's id at its
+    insert)."""
+    with _store(min_host=3 * BS) as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a), s.finish(a)
+        a_ids = s.index.lookup(s.index.hashes(None, STEM, 3))
+        if hbm_blocks:  # z shares the first two blocks: the tree splits there
+            z = s.arrive("z", STEM[: 2 * BS] + [50] * 5)
+            s.match(z), s.admit(z), s.prefill(z), s.finish(z)
+            s.evict(3 * BS)  # the two leaves go, the first two blocks stay in HBM
+        else:
+            s.evict(10**6)
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9])
+        declined = hbm_blocks > 0
+        want = hbm_blocks if declined else 3
+        assert s.match(b) == want * BS and s.match(b) == want * BS  # matched twice
+        assert (s.prefix(b) < BS).sum() == (0 if declined else 3 * BS)
+        assert s.tiered.records["b"].host == a_ids[:want]
+        assert s.tiered.host_match_recomputed_tokens == (BS if declined else 0)
+        assert s.tiered.report()["host_match_recomputed_tokens"] == (BS if declined else 0)
+        assert s.admit(b)
+        s.prefill(b)  # b computes what it did not take; its insert switches it
+        assert s.tiered.records["b"].host[:3] == a_ids
+        s.finish(b)
 
 
 @pytest.mark.parametrize("hbm_blocks", [0, 1])
