@@ -966,6 +966,41 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
         wb.close()
 
 
+def _prefilled_tiered(backend, runner, fb, g, reqs, lengths):
+    """Admit `reqs` (rows 1 and 2, prompts of `lengths`) at the tiered home, prefill them
+    through the scheduler hooks, wait for every save; returns `step()`: one decode step of
+    both with a fixed query and the newest token's K/V as they are (each layer's output,
+    cloned: the plan reuses its buffer)."""
+    from sglang_psa.mem_cache.writeback import wait_saved
+
+    serving, wb = backend.process.serving, backend.writeback
+    for r, n in zip(reqs, lengths):
+        assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
+    prompt = [n - 1 for n in lengths]
+    batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
+    scheduling.after_prepare_for_extend(None, batch)  # a first prefill: no prefix
+    _prefill(backend, fb)
+    wait_saved(wb)
+    wb.poll()
+    q = torch.randn(2, HQ * D, generator=g).to(DEV)
+    kc, vc = {}, {}
+    for layer_id in range(LAYERS):
+        kc[layer_id], vc[layer_id] = _dense_kv(runner, fb, layer_id)
+
+    def step() -> list[torch.Tensor]:
+        backend.init_forward_metadata(fb)
+        outs = []
+        for layer_id in range(LAYERS):
+            idx = torch.arange(2, device=DEV)
+            k_new = kc[layer_id][idx, :, fb.seq_lens - 1]
+            v_new = vc[layer_id][idx, :, fb.seq_lens - 1]
+            out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+            outs.append(out.clone())
+        return outs
+
+    return step
+
+
 @pytest.mark.slow
 def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
     """When HBM runs short, saved blocks of running requests give their pages back to
@@ -979,8 +1014,6 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
     back with the last evicted block, and every page comes back exactly once."""
     pytest.importorskip("zmq", reason="pyzmq is not installed here")
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-
-    from sglang_psa.mem_cache.writeback import wait_saved
 
     # top-k of 7 blocks: which blocks are read depends on the metadata the step scores
     cfg = PSAConfig(sparse_mode="topk", topk_tokens=7 * BS, kv_home="tiered", host_pool_gb=0.01)
@@ -1005,30 +1038,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         for r, n in zip((1, 2), lengths)
     ]
     try:
-        for r, n in zip(reqs, lengths):
-            assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
-        prompt = [n - 1 for n in lengths]
-        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
-        scheduling.after_prepare_for_extend(None, batch)  # a first prefill: no prefix
-        _prefill(backend, fb)
-        wait_saved(wb)
-        wb.poll()
-        q = torch.randn(2, HQ * D, generator=g).to(DEV)
-        kc, vc = {}, {}
-        for layer_id in range(LAYERS):
-            kc[layer_id], vc[layer_id] = _dense_kv(runner, fb, layer_id)
-
-        def step() -> list[torch.Tensor]:
-            backend.init_forward_metadata(fb)
-            outs = []
-            for layer_id in range(LAYERS):
-                idx = torch.arange(2, device=DEV)  # the newest token's K/V, as they are
-                k_new = kc[layer_id][idx, :, fb.seq_lens - 1]
-                v_new = vc[layer_id][idx, :, fb.seq_lens - 1]
-                out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
-                outs.append(out.clone())  # the plan reuses its output buffer
-            return outs
-
+        step = _prefilled_tiered(backend, runner, fb, g, reqs, lengths)
         before = step()
         # A history of reads: how many of the 4 (layer, KV head) units read each candidate
         # lately (the others never did).
@@ -1160,8 +1170,6 @@ def test_a_prefix_read_at_page_0_is_scored_from_the_metadata_its_save_left(write
     No eviction moved its metadata: the save did, so top-k still scores the block as the
     step before and decode equals it."""
     pytest.importorskip("zmq", reason="pyzmq is not installed here")
-    from sglang_psa.mem_cache.writeback import wait_saved
-
     # top-k of 7 blocks: which blocks are read depends on the metadata the step scores
     cfg = PSAConfig(
         sparse_mode="topk", topk_tokens=7 * BS, kv_home="tiered", host_pool_gb=0.01,
@@ -1171,34 +1179,11 @@ def test_a_prefix_read_at_page_0_is_scored_from_the_metadata_its_save_left(write
     runner, fb, g = _rig(cfg, lengths)
     backend = PSAAttnBackend(runner, use_kernel=True)
     process.register(backend.process)
-    serving, wb = backend.process.serving, backend.writeback
+    wb = backend.writeback
     req, kv = runner.req_to_token_pool, runner.token_to_kv_pool
     reqs = [SimpleNamespace(rid=f"r{r}", req_pool_idx=r) for r in (1, 2)]
     try:
-        for r, n in zip(reqs, lengths):
-            assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
-        prompt = [n - 1 for n in lengths]
-        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
-        scheduling.after_prepare_for_extend(None, batch)
-        _prefill(backend, fb)
-        wait_saved(wb)
-        wb.poll()
-        q = torch.randn(2, HQ * D, generator=g).to(DEV)
-        kc, vc = {}, {}
-        for layer_id in range(LAYERS):
-            kc[layer_id], vc[layer_id] = _dense_kv(runner, fb, layer_id)
-
-        def step() -> list[torch.Tensor]:
-            backend.init_forward_metadata(fb)
-            outs = []
-            for layer_id in range(LAYERS):
-                idx = torch.arange(2, device=DEV)
-                k_new = kc[layer_id][idx, :, fb.seq_lens - 1]
-                v_new = vc[layer_id][idx, :, fb.seq_lens - 1]
-                out = backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
-                outs.append(out.clone())
-            return outs
-
+        step = _prefilled_tiered(backend, runner, fb, g, reqs, lengths)
         before = step()
         blocks = list(range(1, 7))  # r1's, between its sink and its last blocks
         pages = [int(req.req_to_token[1, b * BS]) // BS for b in blocks]
