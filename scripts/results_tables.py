@@ -85,6 +85,13 @@ HEADLINE = [
     ("serving_h200", "throughput_ratio_tiered_vs_fastest_shared",
      "output throughput, tiered home with `--radix-cache-backend psa` / plain: 10 shared "
      "16K documents, 120 questions at 16/s", "higher is better"),
+    ("serving_h200", "throughput_ratio_tiered_vs_fastest_shared_capped",
+     "the same, HBM for KV capped to plain's 2 requests (the documents 5x that)",
+     "higher is better"),
+    ("serving_h200", "throughput_ratio_tiered_vs_fastest_chat",
+     "the same, multi-turn chat: 16 conversations of 5 turns, 16K-28K", "higher is better"),
+    ("serving_h200", "throughput_ratio_tiered_vs_fastest_chat_capped",
+     "the same chat, HBM for KV capped to plain's 3 requests", "higher is better"),
     ("serving_h100", "decode_step_ratio_topk_vs_plain_8b",
      "decode step, topk / plain at Llama-3.1-8B shapes (dummy weights)", "lower is better"),
     ("serving_h100", "max_concurrent_ratio_tiered_vs_plain_8b",
