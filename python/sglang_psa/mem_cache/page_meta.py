@@ -9,7 +9,8 @@ page that fills is final). A page SGLang hands out again is rewritten by the
 same path before it is read. At the tiered home the table has a row per host
 block beside the page rows (`host_rows`): each save copies its page's rows there
 (`writeback`), and a block read from the host tier is scored from there, whether
-residency gave its page back or SGLang's tree freed it and a later match maps it. Per layer `[rows, Hkv, d]` vectors in the KV
+residency gave its page back or SGLang's tree freed it and a later match maps it.
+Per layer `[rows, Hkv, d]` vectors in the KV
 dtype (bf16 min/max of bf16 keys are exact; the scoring kernel reads them in
 float32): the mean key when the score is the mean, per-channel min and max when
 the score or the stop rule needs key bounds, nothing it would not read. With

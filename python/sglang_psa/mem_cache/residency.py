@@ -345,10 +345,10 @@ class Residency:
         and for the tree: each holder's location table and request-table entries switch
         (`evicted`), the tree's entry goes to page 0; the stamps move once (their rows
         are per host block; the metadata is there since the save) and the page is freed
-        once. A block whose page a request
-        shares that cannot be switched now stays (`sharers`). Stamps first, then the
-        location tables, then the request tables: a step that reads the tables at any
-        point between scores and reads a complete copy."""
+        once. A block whose page a request shares that cannot be switched now stays
+        (`sharers`). Stamps first, then the location tables, then the request tables: a
+        step that reads the tables at any point between scores and reads a complete
+        copy."""
         r = self.records.get(rid)
         gone = None if r is None else r.evicted
         blocks = (
