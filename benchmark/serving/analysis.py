@@ -19,11 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-try:
-    from systems import (
-        HICACHE_RACE,
-        PLAIN_RACE,
-    )  # benchmark/serving on sys.path (run.py, the tests)
+try:  # benchmark/serving on sys.path (run.py, the tests)
+    from systems import HICACHE_RACE, PLAIN_RACE
 except ImportError:  # imported as benchmark.serving.analysis (benchmark/decode_step)
     from .systems import HICACHE_RACE, PLAIN_RACE
 
