@@ -277,10 +277,15 @@ def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
 @pytest.mark.parametrize("path", list(PATHS))
 def test_decode_planning_issuing_and_polling_never_sync_the_host(path):
     """What the tiered home adds around each decode step (plan, the wait for the last
-    gather, the flush of pending blocks, taking acknowledgements) runs with CUDA's sync
-    debug mode set to error."""
+    gather, the flush of pending blocks with their metadata rows, taking
+    acknowledgements) runs with CUDA's sync debug mode set to error."""
+    from sglang_psa.mem_cache.page_meta import PageMeta
+
     wb = make("cuda", decode_flush_blocks=2, **PATHS[path])
     pool = FakePool("cuda")
+    wb.meta = PageMeta(L, PAGES, H, D, BS, mean=True, bounds=True, key_dtype=torch.float32,
+                       device="cuda", host_rows=40)  # fmt: skip
+    wb.meta.kmax.copy_(torch.randn_like(wb.meta.kmax))
     a = FakeReq("a", 0)
     try:
         assert wb.reserve("a", CTX)
@@ -301,6 +306,9 @@ def test_decode_planning_issuing_and_polling_never_sync_the_host(path):
         wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
         wait_saved(wb)
         check_saved(wb, pool, "a", 0, (start + 4 * BS - 2) // BS)
+        for b, hb in enumerate(wb.saved_blocks("a")):  # metadata rows followed the saves
+            page = int(pool.req_to_token[0, b * BS]) // BS
+            assert torch.equal(wb.meta.kmax[:, PAGES + hb], wb.meta.kmax[:, page]), b
     finally:
         wb.close()
 
