@@ -72,7 +72,10 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
             req.rid, req.origin_input_ids, req_prefix_len(req), namespace
         )
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new, prefix):
-        return AddReqResult.OTHER  # stays queued; retried on the next scheduling round
+        # It stays queued, and the queue is offered again once it may fit or a request
+        # leaves (`PSAServing.retry_queue`, in `around_check_decode_mem`)
+        adder.running_batch.batch_is_full = True
+        return AddReqResult.OTHER
     slack = 2 * serving.cfg.block_size
     staged = serving.stages_prefill and adder.rem_chunk_tokens is not None
     if staged and serving.oversize(_holds(req, prefix=req_prefix_len(req)) + slack):
@@ -283,10 +286,11 @@ def around_check_decode_mem(original, batch, selected_indices=None):
             _evict_unheld_prefixes(batch, need)
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
         serving.refresh(batch.reqs, alloc)
-        if batch.batch_is_full and serving.evictable(batch.reqs):
-            # SGLang stops trying queued prompts once one did not fit, until a request
-            # leaves; here saved blocks can still make room, so it tries again.
-            batch.batch_is_full = False
+    if getattr(batch, "batch_is_full", False) and serving.retry_queue(batch.reqs):
+        # SGLang stops trying queued prompts once one did not fit, until a request
+        # leaves; the one refused may fit earlier (or, at the tiered home, saved blocks
+        # can still make room for SGLang's pages), so it tries again.
+        batch.batch_is_full = False
     result = original(batch, selected_indices)
     if not result:
         return result

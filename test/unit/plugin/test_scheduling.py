@@ -100,6 +100,50 @@ def test_admission_by_working_set_waits_then_admits_and_never_stalls(serving):
     serving.controller.check_integrity()
 
 
+def test_a_working_set_refusal_stops_the_queue_until_the_units_are_free(serving):
+    """After a working-set refusal SGLang is not offered its queue again (`batch_is_full`)
+    until the refused request's units are free: every round before would match each queued
+    prompt against the prefix cache for nothing. Those rounds count as waits."""
+    add = scheduling.around_add_one_req
+    a, b, c = _req("a", 640, pool_idx=1), _req("b", 640, pool_idx=2), _req("c", 640)
+    adder = _adder()
+    assert add(_orig_admits, adder, a, False, None) == _result().CONTINUE
+    assert add(_orig_admits, adder, b, False, None) == _result().CONTINUE
+    adder = _adder(running=[a, b])
+    assert add(_orig_admits, adder, c, False, None) == _result().OTHER  # 120 > 100
+    batch = adder.running_batch
+    assert batch.batch_is_full is True and serving.refused == ("working_set", 40)
+    for rounds in (1, 2):
+        assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
+        assert batch.batch_is_full is True  # 20 units free of the 40 it needs
+        assert serving.waits["working_set"] == 1 + rounds
+    serving.release("b", retracted=False)  # 60 free (SGLang also lifts it as b leaves)
+    batch.reqs = [a]
+    assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
+    assert batch.batch_is_full is False and serving.waits["working_set"] == 3
+    assert add(_orig_admits, _adder(running=[a]), c, False, None) == _result().CONTINUE
+    assert serving.refused is None
+
+
+def test_a_host_tier_refusal_stops_the_queue_until_a_request_leaves(serving):
+    """A queued request the host tier cannot hold waits for a running request to end (its
+    host blocks come back): no decode round lifts SGLang's stop before then."""
+    serving.writeback = SimpleNamespace(
+        reserve=lambda rid, tokens: False, blocks=SimpleNamespace(available=0)
+    )
+    serving.residency = SimpleNamespace(evictable=lambda reqs: 5)  # blocks could leave HBM
+    adder = _adder(running=[_req("a", 640, pool_idx=1)])
+    assert add_result(adder, _req("c", 640)) == _result().OTHER
+    batch = adder.running_batch
+    assert serving.refused == ("host_tier", 0) and batch.batch_is_full is True
+    assert serving.retry_queue(batch.reqs) is False
+    assert serving.waits["host_tier"] == 2
+
+
+def add_result(adder, req):
+    return scheduling.around_add_one_req(_orig_admits, adder, req, False, None)
+
+
 def test_requests_matching_a_cached_document_count_it_once(serving, monkeypatch):
     """Questions about one document that matched it in the prefix cache share its pages:
     admission counts the document once among them, apart per cache namespace."""
