@@ -97,3 +97,56 @@ def test_a_cached_unit_is_a_copy_of_its_host_unit(kernel_device):
                 assert torch.equal(t["pool_v"][rows, h], t["host_v"][h, hb])
                 new += 1
     assert new == int(copied) > 0
+
+
+@pytest.mark.gpu
+def test_the_refresh_replayed_from_its_cuda_graph_matches_launching_it_each_round():
+    """`UnitCache.refresh` on CUDA replays the launches it captured on its first round:
+    over rounds whose reads, evicted blocks, pages and released blocks change between
+    them, its tables, pool pages and count stay those of a cache that launches every
+    round."""
+    from types import SimpleNamespace
+
+    from sglang_psa.mem_cache.unit_cache import UnitCache
+
+    L, H, HB, bs, d, pages, dev = 3, 2, 600, 32, 64, 80, "cuda"
+    g = torch.Generator().manual_seed(3)
+    host = SimpleNamespace(
+        k=torch.randn(L, H, HB, bs, d, generator=g).to(dev, torch.bfloat16),
+        v=torch.randn(L, H, HB, bs, d, generator=g).to(dev, torch.bfloat16),
+    )
+
+    def pool():
+        return SimpleNamespace(
+            k_buffer=[torch.zeros(pages * bs, H, d, dtype=torch.bfloat16, device=dev)
+                      for _ in range(L)],
+            v_buffer=[torch.zeros(pages * bs, H, d, dtype=torch.bfloat16, device=dev)
+                      for _ in range(L)],
+        )  # fmt: skip
+
+    caches = [UnitCache(L, H, HB, 32, bs, dev, graph=graph) for graph in (True, False)]
+    pools = [pool(), pool()]
+    stamps = torch.zeros(L * H, pages + HB, dtype=torch.int32, device=dev)
+    step = torch.zeros(1, dtype=torch.int32, device=dev)
+    for r in range(1, 6):
+        step.fill_(10 * r)
+        hot = torch.rand(L * H, HB, generator=g) < 0.3
+        stamps[:, pages:].copy_(torch.where(hot, 10 * r, 0).to(stamps))
+        for c, p in zip(caches, pools):
+            c.mark_evicted(torch.arange(r * 50, r * 50 + 200, device=dev))
+            if r == 1:
+                c.grow(torch.arange(1, 17, device=dev))
+            if r == 3:
+                c.shrink(4)
+            if r == 4:
+                c.forget(torch.arange(50, 120, device=dev))
+            c.refresh(stamps, pages, step, host, p)
+        torch.cuda.synchronize()
+        a, b = caches
+        assert a._graph is not None and b._graph is None
+        for name in ("cache_pages", "unit_slot", "slot_unit", "live", "copied"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (r, name)
+        for lid in range(L):
+            assert torch.equal(pools[0].k_buffer[lid], pools[1].k_buffer[lid]), (r, lid)
+            assert torch.equal(pools[0].v_buffer[lid], pools[1].v_buffer[lid]), (r, lid)
+    assert int(caches[0].copied) > 0

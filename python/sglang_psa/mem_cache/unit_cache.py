@@ -25,6 +25,11 @@ is not cached yet, into a way that is empty or whose unit no step read within
 the last `KEEP` steps, and copies its K and V from the host tier. No decision
 comes back to the host: the scheduler only knows how many pages the cache holds.
 
+On CUDA the refresh's launches (one per layer) are captured once into a CUDA graph
+and replayed every round after (its tensors never move): a Python launch per layer
+cost the scheduler about 1.3 ms of each decode round at 24 layers (seen on the H200,
+workload f_capped), replay a few microseconds.
+
 Pages come from SGLang's allocator (`grow`) and go back (`shrink`) when SGLang
 needs them or the last evicted block is gone; slots are filled and dropped
 spread over the sets (position `p` is way `p // sets` of set `p % sets`).
@@ -35,10 +40,14 @@ unmaps: a step that reads the tables meanwhile finds either the slot's page
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sgl_kernel_ext.unit_cache import refresh_unit_cache
 from sglang_psa.mem_cache.writeback import to_device
+
+logger = logging.getLogger(__name__)
 
 WAYS = 8  # slots per set
 KEEP = 4  # a cached unit read within this many steps stays
@@ -53,7 +62,10 @@ class UnitCache:
         max_pages: int,
         block_size: int,
         device: torch.device | str,
+        graph: bool = True,
     ):
+        """`graph`: on CUDA, replay the refresh from a CUDA graph (off: launch it each
+        round, as on the CPU)."""
         dev = torch.device(device)
         self.layers, self.kv_heads, self.host_blocks = layers, kv_heads, host_blocks
         self.block_size = block_size
@@ -69,6 +81,8 @@ class UnitCache:
         self.copied_host = torch.zeros(1, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self.pages = 0  # slots filled (pages taken from SGLang's allocator), from position 0
         self._offsets = torch.arange(block_size, device=dev)
+        self._graph_on = graph and dev.type == "cuda"
+        self._graph = None  # (the captured refresh, the identity of the tensors it reads)
 
     @property
     def capacity(self) -> int:
@@ -137,6 +151,25 @@ class UnitCache:
         layer `l` `[Hkv, HB, bs, d]`, `pool.k_buffer/v_buffer[l]` SGLang's."""
         if not self.pages:
             return
+        key = (stamps.data_ptr(), page_rows, step.data_ptr(), id(host), id(pool))
+        if self._graph is not None and self._graph[1] == key:
+            self._graph[0].replay()
+            return
+        self._launch(stamps, page_rows, step, host, pool)  # compiles, the first time
+        if self._graph_on:
+            try:
+                graph = _captured(lambda: self._launch(stamps, page_rows, step, host, pool))
+            except RuntimeError as e:  # the same results, launched per layer: said once
+                self._graph_on = False
+                logger.warning(
+                    "sglang-psa: the unit cache's refresh could not be captured into a CUDA "
+                    "graph (%s); it is launched layer by layer every decode round",
+                    e,
+                )
+                return
+            self._graph = (graph, key)
+
+    def _launch(self, stamps: torch.Tensor, page_rows: int, step: torch.Tensor, host, pool):
         H = self.kv_heads
         for lid in range(self.layers):
             rows = slice(lid * H, (lid + 1) * H)
@@ -156,3 +189,17 @@ class UnitCache:
                 self.copied,
             )
         self.copied_host.copy_(self.copied, non_blocking=True)
+
+
+def _captured(launch) -> torch.cuda.CUDAGraph:
+    """`launch()` (kernels on the current stream, no allocation) captured into a CUDA
+    graph, from a side stream and for this thread only (SGLang's other threads may use
+    the device meanwhile); nothing runs until it is replayed."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launch()
+        finally:
+            graph.capture_end()
+    return graph
