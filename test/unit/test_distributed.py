@@ -160,7 +160,7 @@ def _victims(agreement: RankAgreement, rank: int, readers_by_rank, saved_by_rank
     lengths[2] = n * bs
     ws = SimpleNamespace(
         read=lambda: (None, lengths),
-        heat_of=lambda row: heat if row == 2 else None,
+        heat=lambda: {2: heat},
         layers=2,
         kv_heads=2,
         heat_blocks=16,

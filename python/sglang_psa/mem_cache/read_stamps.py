@@ -163,13 +163,14 @@ class ReadStamps:
         sync, possibly a step old; length 0: never measured)."""
         return self._host[0], self._host[1]
 
-    def heat_of(self, row: int) -> np.ndarray | None:
-        """`[blocks]` uint8 readers of the blocks of the request in request-table `row`, as
-        the last batch published them (host memory, no sync); None if that batch did not
-        hold the row. Trust it only where `read()`'s length matches the request."""
+    def heat(self) -> dict[int, np.ndarray]:
+        """Request-table row -> `[blocks]` uint8 readers of the blocks of the request in
+        that row, for every row the last batch held, as it published them (host memory,
+        no sync; read once per decision, not once per row). Trust a row's only where
+        `read()`'s length matches the request."""
         n = int(self._heat_count[0])
-        pos = np.flatnonzero(self._heat_rows[:n].numpy() == row)
-        return self._heat_host[pos[-1]].numpy() if len(pos) else None
+        heat = self._heat_host.numpy()
+        return {row: heat[i] for i, row in enumerate(self._heat_rows[:n].tolist())}
 
 
 class ReadCounters:

@@ -221,12 +221,13 @@ class Residency:
         gone)."""
         return len(self._candidates(reqs).blocks)
 
-    def _readers(self, lengths: np.ndarray, row: int, seq_len: int, upto: int) -> np.ndarray:
+    @staticmethod
+    def _readers(lengths, heat: dict, row: int, seq_len: int, upto: int) -> np.ndarray:
         """Published readers of blocks `[0, upto)` of the request in `row` (`lengths`: the
-        measured length of each row, `ws.read()`'s); 255 where the row was not measured for
-        this request (read by every unit until it is)."""
+        measured length of each row, `ws.read()`'s; `heat`: `ws.heat()`); 255 where the
+        row was not measured for this request (read by every unit until it is)."""
         measured = int(lengths[row])
-        heat = self.ws.heat_of(row)
+        heat = heat.get(row)
         if heat is None or measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
             return np.full(upto, 255, dtype=np.int64)
         return heat[:upto].astype(np.int64)
@@ -247,8 +248,10 @@ class Residency:
         bs, keep = self.block_size, self.keep_recent
         spans = np.array([max(0, int(q.seqlen) // bs - keep) for q, _ in live], dtype=np.int64)
         lengths = np.asarray(self.ws.read()[1])  # host memory: one view, not a read a row
+        published = self.ws.heat()
         heat = [
-            self._readers(lengths, r.row, int(q.seqlen), int(n)) for (q, r), n in zip(live, spans)
+            self._readers(lengths, published, r.row, int(q.seqlen), int(n))
+            for (q, r), n in zip(live, spans)
         ]
         (heat,), (saved,) = self.agreement.max_min(
             [np.concatenate(heat) if heat else np.zeros(0)], [[r.saved for _, r in live]]

@@ -81,3 +81,26 @@ def test_block_readers_kernel_matches_reference_at_real_shapes(kernel_device, LH
     want = block_readers_ref(stamps, pages, step, window)
     assert torch.equal(out.cpu(), want)
     assert 0 < int(want.max()) <= LH and int(want.min()) == 0
+
+
+def test_published_heat_is_each_held_rows_block_readers(kernel_device):
+    """`heat()` maps every request-table row the last batch held to its blocks' readers
+    (`block_readers_ref` of the stamps before the step, capped at 255), and no other row."""
+    from sglang_psa.mem_cache.read_stamps import HEAT_WINDOW
+
+    dev = kernel_device
+    g = torch.Generator().manual_seed(5)
+    L, H, P, BS, NB = 2, 2, 40, 4, 6
+    ws = ReadStamps(L, H, P, 2, rows=8, block_size=BS, device=dev, heat_blocks=NB)
+    ws.step.fill_(9)
+    ws.stamps.copy_(torch.randint(0, 10, (L * H, P), generator=g, dtype=torch.int32))
+    pages = torch.randint(1, P, (2, NB), generator=g, dtype=torch.int32)
+    want = block_readers_ref(ws.stamps.cpu(), pages, 9, HEAT_WINDOW)
+    rows = torch.tensor([4, 7])
+    ws.begin_step(rows.to(dev), pages.to(dev), torch.tensor([NB * BS] * 2, device=dev))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    heat = ws.heat()
+    assert sorted(heat) == [4, 7]
+    for i, row in enumerate([4, 7]):
+        assert heat[row].tolist() == want[i].clamp(max=255).tolist()

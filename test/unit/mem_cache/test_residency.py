@@ -40,7 +40,7 @@ def _residency(readers: list[int], cold_fraction: float = 0.0):
     lengths[ROW] = len(readers) * BS
     ws = SimpleNamespace(
         read=lambda: (None, lengths),
-        heat_of=lambda row: heat if row == ROW else None,
+        heat=lambda: {ROW: heat},
         layers=LAYERS,
         kv_heads=HKV,
         heat_blocks=16,
@@ -223,7 +223,7 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
             SimpleNamespace(rid=rec.rid, req_pool_idx=row, seqlen=seqlen, finished=lambda: False)
         )
     ws = SimpleNamespace(
-        read=lambda: (None, lengths), heat_of=lambda row: heats.get(row), layers=LAYERS,
+        read=lambda: (None, lengths), heat=lambda: heats, layers=LAYERS,
         kv_heads=HKV, heat_blocks=nb + 8, stamps=None, step=None,
     )  # fmt: skip
     blocks = SimpleNamespace(num_blocks=HB, refs=np.zeros(HB, dtype=np.int32))
