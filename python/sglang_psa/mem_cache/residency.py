@@ -75,7 +75,10 @@ AT_PAGE0 = "page 0"
 # Experiment, off by default (docs/prefix-tiered.md): while decode reads more than
 # `HOST_PRESSURE` of its units from the host tier, the unit cache takes its pages from
 # prefixes SGLang's tree keeps for no running request (`tree_tokens_for_cache`).
-CACHE_TAKES_TREE_PAGES = os.environ.get("SGLANG_PSA_CACHE_TAKES_TREE_PAGES", "0") == "1"
+_SWITCH = os.environ.get("SGLANG_PSA_CACHE_TAKES_TREE_PAGES", "0")
+if _SWITCH not in ("0", "1"):
+    raise ValueError(f"SGLANG_PSA_CACHE_TAKES_TREE_PAGES must be 0 or 1, not {_SWITCH!r}")
+CACHE_TAKES_TREE_PAGES = _SWITCH == "1"
 HOST_PRESSURE = 0.5
 
 # A row's published heat belongs to its request while the length it was measured at

@@ -275,3 +275,19 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
         if r < 2
     }
     assert len(gone) == len(cold) > 0 and set(gone) == cold
+
+
+def test_the_experiments_switch_takes_only_0_or_1():
+    """`SGLANG_PSA_CACHE_TAKES_TREE_PAGES` set to anything but 0 or 1 stops the import
+    (the server's start) with a message naming it, not a silent default."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SGLANG_PSA_CACHE_TAKES_TREE_PAGES": "yes"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import sglang_psa.mem_cache.residency"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "SGLANG_PSA_CACHE_TAKES_TREE_PAGES must be 0 or 1, not 'yes'" in out.stderr
