@@ -121,6 +121,7 @@ class PSAServing:
         # needs free)` ("working_set" or "host_tier"), None once one is admitted: SGLang's
         # scheduler is not offered its queue again before then (`retry_queue`).
         self.refused: tuple[str, int] | None = None
+        self._refusal_counted = False  # the refusal's own round counted its wait already
         # Scheduling rounds a queued request waited, by reason (`WAIT_REASONS`).
         self.waits = dict.fromkeys(WAIT_REASONS, 0)
         self._wait_logged = -float("inf")
@@ -255,7 +256,7 @@ class PSAServing:
         tokens = prompt_tokens + (max_new_tokens or 0)
         if wb is not None and not wb.reserve(rid, tokens):
             # blocks of running requests come back as they end
-            self.refused = ("host_tier", 0)
+            self.refused, self._refusal_counted = ("host_tier", 0), True
             self.waited(
                 "host_tier", lambda: f"{tokens} tokens, {wb.blocks.available} host blocks free"
             )
@@ -271,6 +272,7 @@ class PSAServing:
             return True
         self._release_record(rid, keep_parked=True)
         self.refused = ("working_set", ctl.cost(ctl.load(rid, cand.est_units), prefix))
+        self._refusal_counted = True
         self.waited(
             "working_set",
             lambda: (
@@ -428,7 +430,10 @@ class PSAServing:
         reason, need = self.refused
         if reason == "working_set" and self.controller.free_units >= need:
             return True
-        self.waits[reason] += 1  # the refused request waits this round too
+        if self._refusal_counted:  # this round's refusal counted it
+            self._refusal_counted = False
+        else:  # a round the refused request waits without being tried
+            self.waits[reason] += 1
         return False
 
     def tree_tokens_for_cache(self, reqs, allocator) -> int:

@@ -113,10 +113,10 @@ def test_a_working_set_refusal_stops_the_queue_until_the_units_are_free(serving)
     assert add(_orig_admits, adder, c, False, None) == _result().OTHER  # 120 > 100
     batch = adder.running_batch
     assert batch.batch_is_full is True and serving.refused == ("working_set", 40)
-    for rounds in (1, 2):
+    for rounds in (1, 2, 3):  # the refusal's round counted once, then one a round
         assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
         assert batch.batch_is_full is True  # 20 units free of the 40 it needs
-        assert serving.waits["working_set"] == 1 + rounds
+        assert serving.waits["working_set"] == rounds
     serving.release("b", retracted=False)  # 60 free (SGLang also lifts it as b leaves)
     batch.reqs = [a]
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
@@ -136,6 +136,7 @@ def test_a_host_tier_refusal_stops_the_queue_until_a_request_leaves(serving):
     assert add_result(adder, _req("c", 640)) == _result().OTHER
     batch = adder.running_batch
     assert serving.refused == ("host_tier", 0) and batch.batch_is_full is True
+    assert serving.retry_queue(batch.reqs) is False  # the refusal's round: counted once
     assert serving.retry_queue(batch.reqs) is False
     assert serving.waits["host_tier"] == 2
 
