@@ -513,6 +513,26 @@ def server_info_digest(info: dict | None) -> dict | None:
     }
 
 
+def residency_sample(info: dict | None) -> dict | None:
+    """What a timed run's periodic `/get_server_info` keeps of an sglang-psa server (how
+    HBM is shared out under load): the running requests, SGLang's free, tree-cached and
+    request-held KV tokens, and at the tiered home the evicted blocks, unit-cache pages and
+    the units decode read from HBM and from the host tier so far. None for a server
+    without the plugin's block."""
+    psa = (((info or {}).get("internal_states") or [{}])[0] or {}).get("psa")
+    if not psa:
+        return None
+    res = psa.get("residency") or {}
+    keys = ("blocks_evicted", "cache_pages", "units_read_hbm", "units_read_host")
+    return {
+        "running": psa.get("running"),
+        "kv_available_tokens": psa.get("kv_available_tokens"),
+        "kv_cached_tokens": psa.get("kv_cached_tokens"),
+        "kv_held_tokens": psa.get("kv_held_tokens"),
+        **{k: res.get(k) for k in keys},
+    }
+
+
 HOST_PHASES = ("schedule", "launch", "gpu_wait", "results")
 
 

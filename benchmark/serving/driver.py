@@ -391,6 +391,37 @@ def watching(server: Server, profile: tuple[int, Path] | None = None):
         stop.set()
 
 
+class InfoSamples:
+    """`/get_server_info` of `server` every `period_s` on a thread while the block runs,
+    each answer reduced by `digest` (answers it makes None are dropped): `samples`, a list
+    of `{"t": time.time(), **digest(info)}`. An answer that fails is skipped; the run goes
+    on. The server answers between scheduling rounds, so a sample costs the run about one
+    round's host time."""
+
+    def __init__(self, server: Server, digest: Callable[[dict], dict | None], period_s=5.0):
+        self.server, self.digest, self.period_s = server, digest, period_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                got = self.digest(self.server.get("/get_server_info", timeout=self.period_s))
+            except (requests.RequestException, ValueError):
+                continue
+            if got is not None:
+                self.samples.append({"t": time.time(), **got})
+
+    def __enter__(self) -> InfoSamples:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float) -> dict:
     """One streamed `/generate` request as `bench_serving` sends it (greedy, EOS ignored):
     `ttft` (s), `itl` (the gap before each later token: a chunk's gap spread over the

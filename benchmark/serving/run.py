@@ -102,12 +102,14 @@ function. Sampling slows the loop, so that run goes to WORK/serving_profile.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -141,6 +143,7 @@ PROBE_OUTPUT = 128
 STARTUP_TIMEOUT_S = 600
 MIN_SYSTEM_BUDGET_S = 90  # a system is not started with less of the stage budget left
 MIN_WORKLOAD_BUDGET_S = 30  # and 30 s more for each further workload its server runs
+INFO_PERIOD_S = 5.0  # an sglang-psa server's residency sampled this often in a timed run
 STOP_MARGIN_S = 25  # a timed run ends this long before the budget: shutdown and merge
 
 
@@ -643,6 +646,11 @@ def measure(
         ctx["measured"](name, rec)
 
 
+def _unless(skip: bool, ctx):
+    """`ctx`, or no context where `skip`."""
+    return contextlib.nullcontext() if skip else ctx
+
+
 def timed_run(
     server: Server,
     w: workloads_mod.Workload,
@@ -672,10 +680,13 @@ def timed_run(
     sampler = machine_samples.MachineSamples(
         session, log_path=server.log_path, cores=ctx.get("cpu_core")
     )
+    # how an sglang-psa server shares HBM out under load (plain SGLang has no such block)
+    plain = systems_mod.SYSTEMS[name].plain
+    infos = driver.InfoSamples(server, analysis.residency_sample, INFO_PERIOD_S)
     if w.turns:
         convs = workloads_mod.conversations(workloads_mod.load_rows(ctx["dataset"]))
         starts = workloads_mod.conversation_starts(w, rate)
-        with driver.watching(server, profile), sampler:
+        with driver.watching(server, profile), sampler, _unless(plain, infos):
             bench = driver.run_chat(server.url, convs, starts, deadline - STOP_MARGIN_S)
         out.write_text(json.dumps(bench) + "\n")  # beside bench_serving's records
     else:
@@ -691,7 +702,7 @@ def timed_run(
             out,
             ctx["prompt_format"],
         )
-        with sampler:
+        with sampler, _unless(plain, infos):
             bench = driver.run_bench(
                 ctx["client"],
                 cmd,
@@ -720,6 +731,8 @@ def timed_run(
         # the GPU's clocks and the server's busy threads over the run (machine_samples)
         "machine_samples": sampler.result(),
     }
+    if infos.samples:  # every INFO_PERIOD_S: residency_sample's fields
+        run["server_info_samples"] = infos.samples
     run["metrics"]["machine"] = analysis.machine_summary(run["machine_samples"], lines, batch)
     if profile is not None:
         run["decode_profile"] = profile
@@ -732,6 +745,13 @@ def timed_run(
         f"{m['server_prefill']['tok_s'] or float('nan'):.0f} tok/s, accuracy "
         f"{m['accuracy']:.2f}, {m['failed']} failed"
     )
+    if samples := run.get("server_info_samples"):
+        med = {k: statistics.median([x[k] for x in samples if x[k] is not None] or [None])
+               for k in samples[0] if k != "t"}  # fmt: skip
+        log(f"{w.name}/{name}: HBM under load (median of {len(samples)} samples): "
+            f"{med['kv_available_tokens']} tokens free, {med['kv_cached_tokens']} cached "
+            f"in the tree, {med['kv_held_tokens']} held; {med['cache_pages']} unit-cache "
+            f"pages, {med['blocks_evicted']} blocks evicted")  # fmt: skip
     if mach := m["machine"]:
         sd = m["steady_decode"]
         log(

@@ -2435,3 +2435,36 @@ def test_an_experiments_switch_reaches_its_own_server_only(monkeypatch, tmp_path
     assert got["psa_tiered_prefix"] is None
     env = got["psa_tiered_prefix_treecache"]
     assert env["SGLANG_PSA_CACHE_TAKES_TREE_PAGES"] == "1" and env["PSA_STAGE_MARK"] == "kept"
+
+
+def test_a_timed_runs_server_info_samples_keep_how_hbm_is_shared(monkeypatch):
+    """`InfoSamples` asks the server every period while its block runs and keeps
+    `residency_sample` of each answer: SGLang's free, tree-cached and held KV and the
+    tiered home's evicted blocks and unit-cache pages. A failed answer is skipped; a plain
+    server's (no `psa` block) gives none."""
+    psa = {
+        "running": 4, "kv_available_tokens": 320, "kv_cached_tokens": 9000,
+        "kv_held_tokens": 17000,
+        "residency": {"blocks_evicted": 700, "cache_pages": 0, "units_read_hbm": 7,
+                      "units_read_host": 47, "evictions": 5},
+    }  # fmt: skip
+    answers = iter([{"internal_states": [{"psa": psa}]}, None, {"internal_states": [{}]}])
+
+    class Fake:
+        def get(self, path, timeout):
+            assert path == "/get_server_info"
+            got = next(answers, StopIteration)
+            if got is None:
+                raise driver.requests.ConnectionError("busy")
+            return {"internal_states": [{"psa": psa}]} if got is StopIteration else got
+
+    with driver.InfoSamples(Fake(), analysis.residency_sample, period_s=0.01) as infos:
+        deadline = time.time() + 5
+        while len(infos.samples) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+    first = infos.samples[0]
+    assert set(first) == {"t", "running", "kv_available_tokens", "kv_cached_tokens",
+                          "kv_held_tokens", "blocks_evicted", "cache_pages",
+                          "units_read_hbm", "units_read_host"}  # fmt: skip
+    assert first["kv_cached_tokens"] == 9000 and first["cache_pages"] == 0
+    assert analysis.residency_sample({"internal_states": [{"psa": None}]}) is None
