@@ -154,20 +154,27 @@ class UnitCache:
         key = (stamps.data_ptr(), page_rows, step.data_ptr(), id(host), id(pool))
         if self._graph is not None and self._graph[1] == key:
             self._graph[0].replay()
+        else:
+            self._launch(stamps, page_rows, step, host, pool)  # compiles, the first time
+            self._capture(key, stamps, page_rows, step, host, pool)
+        # (outside the graph: a copy into pinned memory records an event at capture)
+        self.copied_host.copy_(self.copied, non_blocking=True)
+
+    def _capture(self, key, stamps, page_rows, step, host, pool) -> None:
+        """The refresh's launches as a CUDA graph for the next rounds (`refresh`)."""
+        if not self._graph_on:
             return
-        self._launch(stamps, page_rows, step, host, pool)  # compiles, the first time
-        if self._graph_on:
-            try:
-                graph = _captured(lambda: self._launch(stamps, page_rows, step, host, pool))
-            except RuntimeError as e:  # the same results, launched per layer: said once
-                self._graph_on = False
-                logger.warning(
-                    "sglang-psa: the unit cache's refresh could not be captured into a CUDA "
-                    "graph (%s); it is launched layer by layer every decode round",
-                    e,
-                )
-                return
-            self._graph = (graph, key)
+        try:
+            graph = _captured(lambda: self._launch(stamps, page_rows, step, host, pool))
+        except RuntimeError as e:  # the same results, launched per layer: said once
+            self._graph_on = False
+            logger.warning(
+                "sglang-psa: the unit cache's refresh could not be captured into a CUDA "
+                "graph (%s); it is launched layer by layer every decode round",
+                e,
+            )
+            return
+        self._graph = (graph, key)
 
     def _launch(self, stamps: torch.Tensor, page_rows: int, step: torch.Tensor, host, pool):
         H = self.kv_heads
@@ -188,7 +195,6 @@ class UnitCache:
                 KEEP,
                 self.copied,
             )
-        self.copied_host.copy_(self.copied, non_blocking=True)
 
 
 def _captured(launch) -> torch.cuda.CUDAGraph:
