@@ -74,7 +74,8 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     if not serving.try_admit(req.rid, len(req.origin_input_ids), alone, max_new, prefix):
         # It stays queued, and the queue is offered again once it may fit or a request
         # leaves (`PSAServing.retry_queue`, in `around_check_decode_mem`)
-        adder.running_batch.batch_is_full = True
+        if adder.running_batch is not None:
+            adder.running_batch.batch_is_full = True
         return AddReqResult.OTHER
     slack = 2 * serving.cfg.block_size
     staged = serving.stages_prefill and adder.rem_chunk_tokens is not None
