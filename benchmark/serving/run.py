@@ -321,11 +321,13 @@ def new_server(
     recs = {key: {"what": what, "launch": cmd, "error": None} for key in order}
     logs = ctx0["work"] / "logs" / ctx0["run_id"]
     extra = dict(systems_mod.SYSTEMS[name].env)  # an experiment's switch
-    env = {"env": {**os.environ, **extra}} if extra else {}
     server = Server(
-        cmd, port, logs / f"{'+'.join(order)}-{name}.server.log", cpus=ctx0.get("server_cpus"),
-        **env,
-    )  # fmt: skip
+        cmd,
+        port,
+        logs / f"{'+'.join(order)}-{name}.server.log",
+        env={**os.environ, **extra} if extra else None,  # None: the stage's own
+        cpus=ctx0.get("server_cpus"),
+    )
     return server, recs
 
 

@@ -437,7 +437,7 @@ class Residency:
         if not self.any_evicted:
             return 0
         bs = self.block_size
-        reserve = 2 * sum(1 for _ in _live(reqs))
+        reserve = _reserve(reqs)
         spare = allocator.available_size() // bs - reserve
         if (
             self.cold_readers and spare <= 0
@@ -453,7 +453,7 @@ class Residency:
         need = self.evicted_blocks
         if self.cache.pages > need:
             self._free(self.cache.shrink(self.cache.pages - need), allocator)
-        n = min(spare, self.cache.capacity - self.cache.pages, need - self.cache.pages)
+        n = min(spare, self._cache_short(need))
         if n > 0:
             slots = allocator.alloc(n * bs)
             if slots is None:
@@ -480,10 +480,14 @@ class Residency:
         hbm, host = delta.tolist()
         if host <= HOST_PRESSURE * (host + hbm):
             return 0
-        pages = self.cache.pages
-        want = min(self.cache.capacity - pages, self.evicted_blocks - pages)
-        target = (2 * sum(1 for _ in _live(reqs)) + want) * self.block_size
+        want = self._cache_short(self.evicted_blocks)
+        target = (_reserve(reqs) + want) * self.block_size
         return target if want > 0 and target > allocator.available_size() else 0
+
+    def _cache_short(self, need: int) -> int:
+        """Pages the unit cache would still take toward `need` (one per evicted block),
+        within its capacity."""
+        return min(self.cache.capacity - self.cache.pages, need - self.cache.pages)
 
     def report(self) -> dict[str, int]:
         """Counters for server info and metrics, from host memory (no sync; the device
@@ -520,6 +524,11 @@ def _padded(gone: np.ndarray, n: int) -> np.ndarray:
     m = min(n, len(gone))
     out[:m] = gone[:m]
     return out
+
+
+def _reserve(reqs) -> int:
+    """Pages kept free for the running `reqs`' next tokens: two a request."""
+    return 2 * sum(1 for _ in _live(reqs))
 
 
 def _live(reqs):

@@ -1205,7 +1205,7 @@ def _one_server(monkeypatch, tmp_path, flush_status=200):
     class FakeServer:
         startup_s = 7.0
 
-        def __init__(self, cmd, port, log_path, cpus=None):
+        def __init__(self, cmd, port, log_path, env=None, cpus=None):
             self.log_path = log_path
             events.append(("launch", log_path.name))
 
