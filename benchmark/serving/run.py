@@ -320,13 +320,8 @@ def new_server(
     order = [w.name for w, _ in plans]
     recs = {key: {"what": what, "launch": cmd, "error": None} for key in order}
     logs = ctx0["work"] / "logs" / ctx0["run_id"]
-    extra = dict(systems_mod.SYSTEMS[name].env)  # an experiment's switch
     server = Server(
-        cmd,
-        port,
-        logs / f"{'+'.join(order)}-{name}.server.log",
-        env={**os.environ, **extra} if extra else None,  # None: the stage's own
-        cpus=ctx0.get("server_cpus"),
+        cmd, port, logs / f"{'+'.join(order)}-{name}.server.log", cpus=ctx0.get("server_cpus")
     )
     return server, recs
 

@@ -40,9 +40,6 @@ class System:
     # backend, decode on its own backend)
     attention_backend: str | None = None
     jit_s: int = 0  # extra start-up seconds compiling kernels (FlashInfer's JIT)
-    # environment variables set for the server beside the stage's own (an experiment's
-    # switch, named in `what`)
-    env: tuple[tuple[str, str], ...] = ()
 
 
 # Plain SGLang at each attention backend the H100 host runs, the one a stage's ratios are
@@ -209,16 +206,6 @@ SYSTEMS: dict[str, System] = {
             (*_TIERED, "--psa-writeback", "uva", "--radix-cache-backend", "psa"),
             False,
             True,
-        ),
-        System(
-            "psa_tiered_prefix_treecache",
-            "psa_tiered_prefix with SGLANG_PSA_CACHE_TAKES_TREE_PAGES=1 (an experiment): "
-            "while decode reads most units from the host tier, the unit cache takes pages "
-            "from prefixes SGLang's tree keeps for no running request",
-            (*_TIERED, "--psa-writeback", "uva", "--radix-cache-backend", "psa"),
-            False,
-            True,
-            env=(("SGLANG_PSA_CACHE_TAKES_TREE_PAGES", "1"),),
         ),
         System(
             "psa_tiered_ws4",

@@ -57,7 +57,6 @@ snapshot: no table changes under a running step.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -71,15 +70,6 @@ from sglang_psa.releases import req_row
 # `sharing.sharers` (the psa radix cache): a block its request maps to page 0 already (read
 # from the host tier since its match), which leaves HBM for it with no page to free.
 AT_PAGE0 = "page 0"
-
-# Experiment, off by default (docs/prefix-tiered.md): while decode reads more than
-# `HOST_PRESSURE` of its units from the host tier, the unit cache takes its pages from
-# prefixes SGLang's tree keeps for no running request (`tree_tokens_for_cache`).
-_SWITCH = os.environ.get("SGLANG_PSA_CACHE_TAKES_TREE_PAGES", "0")
-if _SWITCH not in ("0", "1"):
-    raise ValueError(f"SGLANG_PSA_CACHE_TAKES_TREE_PAGES must be 0 or 1, not {_SWITCH!r}")
-CACHE_TAKES_TREE_PAGES = _SWITCH == "1"
-HOST_PRESSURE = 0.5
 
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
@@ -134,8 +124,6 @@ class Residency:
             self.block_size,
             req_to_token.device,
         )
-        self.takes_tree_pages = CACHE_TAKES_TREE_PAGES
-        self._reads_seen = (0, 0)  # `unit_reads()` at the last `tree_tokens_for_cache`
         self.freeing = False  # inside our own free (no page 0 to drop)
         # Who else maps a block's HBM page: the `psa` radix cache, where SGLang's tree
         # shares pages between requests (`sharers`, `left_hbm`); None: its request alone.
@@ -462,27 +450,6 @@ class Residency:
                 self.cache.grow(slots[::bs] // bs)
         self.cache.refresh(self.ws.stamps, self.page_rows, self.ws.step, self.wb.host, self.pool)
         return max(n, 0)
-
-    def tree_tokens_for_cache(self, reqs, allocator) -> int:
-        """(`SGLANG_PSA_CACHE_TAKES_TREE_PAGES=1`, an experiment; else 0.) The free tokens
-        the decode round's hook has SGLang's tree make (`evict_from_tree_cache`: prefixes
-        no running request holds leave HBM, their host blocks kept) before `refresh`, so
-        that the unit cache gets the pages it wants (one per evicted block, beside two per
-        running request), while more than `HOST_PRESSURE` of the units decode read since
-        the last call came from the host tier. A page an unheld prefix keeps serves no
-        reader now; as cache slots it serves a hot unit per (layer, KV head). 0 when the
-        free pages already suffice. The reads are agreed over the TP ranks (the most)."""
-        if not (self.takes_tree_pages and self.any_evicted):
-            return 0
-        reads = self.unit_reads()
-        (delta,), _ = self.agreement.max_min([np.subtract(reads, self._reads_seen)], [])
-        self._reads_seen = reads
-        hbm, host = delta.tolist()
-        if host <= HOST_PRESSURE * (host + hbm):
-            return 0
-        want = self._cache_short(self.evicted_blocks)
-        target = (_reserve(reqs) + want) * self.block_size
-        return target if want > 0 and target > allocator.available_size() else 0
 
     def _cache_short(self, need: int) -> int:
         """Pages the unit cache would still take toward `need` (one per evicted block),

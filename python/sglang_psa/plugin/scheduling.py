@@ -286,8 +286,6 @@ def around_check_decode_mem(original, batch, selected_indices=None):
         if alloc.available_size() < need:
             _evict_unheld_prefixes(batch, need)
         serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
-        if tokens := serving.tree_tokens_for_cache(batch.reqs, alloc):
-            _evict_unheld_prefixes(batch, tokens)
         serving.refresh(batch.reqs, alloc)
     if getattr(batch, "batch_is_full", False) and serving.retry_queue(batch.reqs):
         # SGLang stops trying queued prompts once one did not fit, until a request

@@ -436,13 +436,6 @@ class PSAServing:
             self.waits[reason] += 1
         return False
 
-    def tree_tokens_for_cache(self, reqs, allocator) -> int:
-        """Tiered home: the free tokens SGLang's tree should make for the unit cache this
-        decode round (`Residency.tree_tokens_for_cache`; 0 elsewhere)."""
-        if self.residency is None:
-            return 0
-        return self.residency.tree_tokens_for_cache(reqs, allocator)
-
     def evictable(self, reqs) -> int:
         """Tiered home: blocks of running `reqs` that could leave HBM now (0 elsewhere)."""
         return 0 if self.residency is None else self.residency.evictable(reqs)

@@ -2417,26 +2417,6 @@ def test_a_stage_part_names_the_installed_stack():
     assert set(run.provenance()["software"]) == set(run.SOFTWARE)
 
 
-def test_an_experiments_switch_reaches_its_own_server_only(monkeypatch, tmp_path):
-    """A system with `env` (an experiment's switch) starts its server with those variables
-    beside the stage's environment; the others inherit the stage's as it is."""
-    got = {}
-
-    class Recorder:
-        def __init__(self, cmd, port, log_path, cpus=None, env=None):
-            got[cmd[0]] = env
-
-    monkeypatch.setattr(run, "Server", Recorder)
-    monkeypatch.setattr(run, "launch", lambda name, w, ctx, port: [name])
-    monkeypatch.setenv("PSA_STAGE_MARK", "kept")
-    ctx = {"work": tmp_path, "run_id": "r"}
-    for name in ("psa_tiered_prefix", "psa_tiered_prefix_treecache"):
-        run.new_server(name, [(workloads.WORKLOADS["f_capped"], ctx)], 30000)
-    assert got["psa_tiered_prefix"] is None
-    env = got["psa_tiered_prefix_treecache"]
-    assert env["SGLANG_PSA_CACHE_TAKES_TREE_PAGES"] == "1" and env["PSA_STAGE_MARK"] == "kept"
-
-
 def test_a_timed_runs_server_info_samples_keep_how_hbm_is_shared(monkeypatch):
     """`InfoSamples` asks the server every period while its block runs and keeps
     `residency_sample` of each answer: SGLang's free, tree-cached and held KV and the

@@ -135,32 +135,6 @@ def test_while_blocks_are_evicted_cold_resident_blocks_become_cache_pages(cold_f
     assert res.refresh([req], alloc) == 0 and sorted(gone_order) == cold
 
 
-@pytest.mark.parametrize(
-    "on, reads, free, asks",
-    [
-        (True, (10, 90), 2, 5),  # 3 evicted blocks + 2 pages for the request, 2 free
-        (True, (60, 40), 2, 0),  # decode read most units from HBM: no pressure
-        (True, (10, 90), 6, 0),  # the free pages already hold what the cache wants
-        (False, (10, 90), 2, 0),  # the experiment is off (the default)
-    ],
-)
-def test_under_host_read_pressure_the_cache_asks_the_tree_for_its_pages(on, reads, free, asks):
-    """`tree_tokens_for_cache`: with the experiment on, blocks evicted and more than half
-    of the units decode read since the last call from the host tier, the free tokens that
-    give the unit cache a page per evicted block beside two per running request."""
-    res, r = _residency([4] * 10)
-    res.takes_tree_pages = on
-    r.evicted = np.zeros(16, dtype=bool)
-    r.evicted[[2, 3, 4]] = True
-    res.unit_reads = lambda: reads
-    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
-    alloc = _Alloc(list(range(30, 30 + free)))
-    assert res.tree_tokens_for_cache([req], alloc) == asks * BS
-    if on:  # the next call weighs only the reads since this one
-        res.unit_reads = lambda: (reads[0] + 10, reads[1] + 5)
-        assert res.tree_tokens_for_cache([req], alloc) == 0
-
-
 def test_the_last_release_drains_the_cache_and_forgets_its_units():
     res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
     alloc = _Alloc([30, 31, 32, 33, 34, 35, 36, 37, 38, 39])
@@ -275,19 +249,3 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
         if r < 2
     }
     assert len(gone) == len(cold) > 0 and set(gone) == cold
-
-
-def test_the_experiments_switch_takes_only_0_or_1():
-    """`SGLANG_PSA_CACHE_TAKES_TREE_PAGES` set to anything but 0 or 1 stops the import
-    (the server's start) with a message naming it, not a silent default."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "SGLANG_PSA_CACHE_TAKES_TREE_PAGES": "yes"}
-    out = subprocess.run(
-        [sys.executable, "-c", "import sglang_psa.mem_cache.residency"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode != 0
-    assert "SGLANG_PSA_CACHE_TAKES_TREE_PAGES must be 0 or 1, not 'yes'" in out.stderr

@@ -428,7 +428,6 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
         make_room=lambda reqs, tokens, alloc, *a: calls.append(("room", tokens)) or 0,
         refresh=lambda reqs, alloc: calls.append(("refresh",)) or 0,
         evictable=lambda reqs: evictable,
-        tree_tokens_for_cache=lambda reqs, alloc: 0,
     )
     alloc = SimpleNamespace(available_size=lambda: 10 * BS)
     reqs = [_req("a", 100, pool_idx=1), _req("b", 100, pool_idx=2)]
@@ -438,14 +437,25 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     assert ("refresh",) in calls
 
 
-def _tree_batch(reqs, tree_pages: int, free_pages: int):
-    """A decode batch of `reqs` whose SGLang tree keeps `tree_pages` pages of prefixes no
-    running request holds beside `free_pages` free ones (SGLang's eviction, either release's
-    path)."""
+@pytest.mark.parametrize("tree_pages, asked_pages", [(6, 0), (1, 2)])
+def test_tiered_decode_round_evicts_unheld_prefixes_before_running_blocks(
+    serving, tree_pages, asked_pages
+):
+    """A decode round short of pages (two a request) takes them first from prefixes SGLang's
+    tree keeps that no running request holds (SGLang's own eviction, as plain SGLang's
+    decode check does), and asks `make_room` to take running requests' saved blocks off HBM
+    only for what the tree could not give."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+    calls = []
+    serving.residency = SimpleNamespace(
+        make_room=lambda reqs, tokens, alloc, *a: calls.append(tokens) or 0,
+        refresh=lambda reqs, alloc: 0,
+        evictable=lambda reqs: 0,
+    )
+
     class Alloc:
-        free = free_pages
+        free = 1  # pages
 
         def available_size(self):
             return self.free * BS
@@ -471,51 +481,14 @@ def _tree_batch(reqs, tree_pages: int, free_pages: int):
         evict_for_alloc = evict
 
     tree = Tree()
-    return SimpleNamespace(
+    reqs = [_req("a", 100, pool_idx=1), _req("b", 100, pool_idx=2)]
+    batch = SimpleNamespace(
         reqs=reqs, token_to_kv_pool_allocator=tree.alloc, tree_cache=tree, batch_is_full=False
     )
-
-
-@pytest.mark.parametrize("tree_pages, asked_pages", [(6, 0), (1, 2)])
-def test_tiered_decode_round_evicts_unheld_prefixes_before_running_blocks(
-    serving, tree_pages, asked_pages
-):
-    """A decode round short of pages (two a request) takes them first from prefixes SGLang's
-    tree keeps that no running request holds (SGLang's own eviction, as plain SGLang's
-    decode check does), and asks `make_room` to take running requests' saved blocks off HBM
-    only for what the tree could not give."""
-    calls = []
-    serving.residency = SimpleNamespace(
-        make_room=lambda reqs, tokens, alloc, *a: calls.append(tokens) or 0,
-        refresh=lambda reqs, alloc: 0,
-        evictable=lambda reqs: 0,
-        tree_tokens_for_cache=lambda reqs, alloc: 0,
-    )
-    reqs = [_req("a", 100, pool_idx=1), _req("b", 100, pool_idx=2)]
-    batch = _tree_batch(reqs, tree_pages, free_pages=1)
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
     # 4 pages needed, 1 free: the tree gives up to 3, running blocks only what is left
     assert calls == ([asked_pages * BS] if asked_pages else [])
-    assert batch.tree_cache.held == max(0, tree_pages - 3)
-
-
-@pytest.mark.parametrize("asks", [0, 7])
-def test_tiered_decode_round_gives_the_unit_cache_unheld_prefix_pages_it_asks(serving, asks):
-    """Where residency asks for free tokens for the unit cache (`tree_tokens_for_cache`:
-    an experiment, under host-read pressure), SGLang's tree gives up unheld prefixes until
-    that many pages are free, before the cache's refresh takes them."""
-    seen = []
-    serving.residency = SimpleNamespace(
-        make_room=lambda reqs, tokens, alloc, *a: 0,
-        refresh=lambda reqs, alloc: seen.append(alloc.available_size() // BS) or 0,
-        evictable=lambda reqs: 0,
-        tree_tokens_for_cache=lambda reqs, alloc: asks * BS,
-    )
-    reqs = [_req("a", 100, pool_idx=1), _req("b", 100, pool_idx=2)]
-    batch = _tree_batch(reqs, tree_pages=10, free_pages=1)
-    assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
-    # two pages a request are made free either way; the cache's ask takes 3 more
-    assert seen == [max(4, asks)] and batch.tree_cache.held == 10 - (max(4, asks) - 1)
+    assert tree.held == max(0, tree_pages - 3)
 
 
 def test_a_waiting_request_is_explained_in_the_log_at_most_every_interval(serving, caplog):
