@@ -208,6 +208,23 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_prefix_recompute",
+            "psa_tiered_prefix with --psa-host-prefix-min-tokens 1000000000: a prefix left "
+            "only in the host tier is computed again (as plain SGLang does) instead of read "
+            "from there; shared prefixes in HBM are still shared",
+            (
+                *_TIERED,
+                "--psa-writeback",
+                "uva",
+                "--radix-cache-backend",
+                "psa",
+                "--psa-host-prefix-min-tokens",
+                "1000000000",
+            ),
+            False,
+            True,
+        ),
+        System(
             "psa_tiered_ws4",
             "psa_tiered_uva with --psa-ws-window 4: admission counts the units read in the "
             "last 4 steps, what the unit cache keeps (12 by default admitted 9 of workload "

@@ -50,6 +50,7 @@ INVALID = {
     "kv_home": ["disk", "HBM", "host"],  # host: the removed home
     "writeback": ["dma", "UVA"],
     "cold_fraction": ["-0.1", "1.5", "nan", "x"],
+    "host_prefix_min_tokens": ["-1", "2.5", "x"],
     "ws_window": ["0", "x"],
     "max_inject_tokens": ["0", "2.5"],
     "audit_coverage": ["maybe", "2"],

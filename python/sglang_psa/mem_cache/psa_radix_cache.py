@@ -7,8 +7,7 @@ Each override calls SGLang's method and adds the tiered store's part:
   resumes); a request (`params.req`) adopts the host ids of its whole matched prefix
   (`TieredRequests.adopt`). Where it cannot (the host tier's reservations are short), the
   match stops before the first block it would read from the host tier; an extension
-  shorter than `MIN_HOST_MATCH_TOKENS` is not taken (computed again: cheaper than a
-  staged prefill).
+  shorter than `--psa-host-prefix-min-tokens` is not taken (computed again).
   From 0.5.23 on a match is a length (`device_prefix_len`), extended the same way, and
   SGLang reads its slots at allocation (`prefix_device_indices`: the tree's path, then
   the extension's entries at page 0).
@@ -49,21 +48,13 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
+from sglang_psa.config import PSAConfig
 from sglang_psa.mem_cache.prefix_index import PrefixIndex
 from sglang_psa.mem_cache.request_kv import TieredRequests
 from sglang_psa.mem_cache.residency import AT_PAGE0
 from sglang_psa.releases import has, req_protected_len, req_row, req_salt
 
 BACKEND = "psa"
-
-# A match is extended from the host tier only by at least this many tokens; a shorter run
-# is computed again. An extension puts the request's whole extend batch on the staged
-# prefill (every layer's prefix copied, SGLang's Triton prefill: on the H200 49 ms an
-# extend batch of workload g against 28 ms unstaged) and sends decode to the host tier for
-# those blocks, while computing 512 tokens of the 0.5B model takes about 25 ms at its
-# 20K tokens/s prefill. (Uncapped, every extend batch of workloads f and g was staged for
-# one or two such blocks.)
-MIN_HOST_MATCH_TOKENS = 512
 
 # The release caches requests through `checkpoint` / `free_kv_row` / `on_release` and
 # matches a prefix as a length (0.5.23), not through `cache_*_req` with its slots (0.5.17).
@@ -142,10 +133,10 @@ class PsaRadixCache(RadixCache):
         params,
         requests: TieredRequests,
         index: PrefixIndex,
-        min_host_tokens: int = MIN_HOST_MATCH_TOKENS,
+        min_host_tokens: int = PSAConfig.host_prefix_min_tokens,
     ):
         """`min_host_tokens`: the shortest extension of a match from the host tier
-        (`MIN_HOST_MATCH_TOKENS`; shorter runs are computed again)."""
+        (`--psa-host-prefix-min-tokens`; shorter runs are computed again)."""
         super().__init__(params)
         if self.page_size != index.block_size or self.is_eagle:
             raise ValueError(
@@ -744,7 +735,9 @@ def factory(ctx) -> PsaRadixCache:
     wb = requests.wb
     if wb.index is None:
         wb.index = PrefixIndex(wb.blocks, wb.block_size)
-    return PsaRadixCache(ctx.params, requests, wb.index)
+    return PsaRadixCache(
+        ctx.params, requests, wb.index, min_host_tokens=process.cfg.host_prefix_min_tokens
+    )
 
 
 def register() -> None:

@@ -100,7 +100,7 @@ class TieredRequests:
         # the tokens they computed again.
         self.resumed = self.resumed_host_tokens = self.resumed_recomputed_tokens = 0
         # Prefix tokens the `psa` radix cache found in the host tier only and left to be
-        # computed again, too few to stage a prefill for (`MIN_HOST_MATCH_TOKENS`).
+        # computed again, too few to stage a prefill for (`--psa-host-prefix-min-tokens`).
         self.host_match_recomputed_tokens = 0
         # Told the rid of every release (the `psa` radix cache forgets what it tracks of
         # the request: a matched request may leave before it is admitted).

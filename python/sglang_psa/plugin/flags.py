@@ -82,6 +82,10 @@ _HELP = {
     "read lately by fewer than this fraction of its (layer, KV head) units leaves HBM too, "
     "its page holding single hot units of evicted blocks instead (0: only when SGLang "
     "needs pages)",
+    "host_prefix_min_tokens": "with --psa-kv-home tiered and --radix-cache-backend psa: a "
+    "matched prefix going on in the host tier for at least this many tokens is read from "
+    "there (staged prefill; decode reads those blocks from the host tier), a shorter run is "
+    "computed again (0: always read; a length above any prompt's: always computed)",
     "ws_window": "decode steps whose union of used blocks is a request's working set",
     "audit_coverage": "diagnosis (slow): every decode step also scores every key (a dense "
     "pass per layer) and server info's coverage_audit keeps the smallest share of a query "
@@ -105,6 +109,7 @@ ONLY_WITH = {
     "writeback": ("kv_home", "tiered"),
     "host_pool_gb": ("kv_home", "tiered"),
     "cold_fraction": ("kv_home", "tiered"),
+    "host_prefix_min_tokens": ("kv_home", "tiered"),
     "topk_tokens": ("sparse_mode", "topk"),
     "code_bits": ("stop_rule", "certified"),
 }

@@ -1181,6 +1181,27 @@ def test_the_backend_registers_with_sglang():
         psa_radix_cache.factory(SimpleNamespace(params=None))
 
 
+def test_the_factory_takes_the_host_prefix_minimum_from_the_flag(monkeypatch):
+    """`--psa-host-prefix-min-tokens` reaches the tree SGLang builds through its factory
+    (what the minimum does: `test_a_host_tier_run_shorter_than_the_minimum_is_computed_again`);
+    without it the tree keeps the config's default."""
+    from sglang_psa.config import PSAConfig
+    from sglang_psa.sched import process
+
+    cfg = PSAConfig(kv_home="tiered", host_prefix_min_tokens=3 * BS)
+    with _store() as s:
+        monkeypatch.setattr(process, "current", lambda: SimpleNamespace(requests=s.tiered, cfg=cfg))
+        cache = psa_radix_cache.factory(SimpleNamespace(params=_params(s)))
+        assert isinstance(cache, PsaRadixCache) and cache.min_host_tokens == 3 * BS
+        assert PsaRadixCache(_params(s), s.tiered, s.index).min_host_tokens == 512
+
+
+def _params(s):
+    return CacheInitParams(
+        disable=False, req_to_token_pool=s.rtp, token_to_kv_pool_allocator=s.alloc, page_size=BS
+    )
+
+
 def test_overrides_match_sglang_radix_cache():
     """Each override takes what SGLang's method takes (the hook table's check)."""
     import inspect
