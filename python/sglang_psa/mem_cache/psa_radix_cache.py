@@ -93,25 +93,27 @@ OVERRIDES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 
 
 class _HbmOnly:
-    """SGLang's allocator as the tree's frees see it: entries at page 0 are not freed.
-    `page0(free_index, start_pos)` names the segment's blocks at page 0 (block `b` holds
-    positions `[b * page, (b + 1) * page)` of the segment's frame) from host-side records,
-    so the runs between them are freed as slices, without reading the entries; `verify`
-    checks it against the entries (a sync: tests)."""
+    """SGLang's allocator as the tree's frees see it: entries at page 0 are not freed, nor
+    pages the tree took from the inserting request. `page0(free_index, start_pos)` names
+    the segment's blocks at page 0 and those it keeps (two sets; block `b` holds positions
+    `[b * page, (b + 1) * page)` of the segment's frame) from host-side records, so the
+    runs between them are freed as slices, without reading the entries; `verify` checks
+    the page-0 set against the entries (a sync: tests)."""
 
     def __init__(self, allocator, page_size: int, page0, verify: bool = False):
         self._alloc, self._ps, self._page0, self._verify = allocator, page_size, page0, verify
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         n, ps = free_index.numel(), self._ps
-        zero = self._page0(free_index, start_pos) if n else set()
+        zero, kept = self._page0(free_index, start_pos) if n else (set(), set())
         if self._verify:
             want = [(start_pos + i) // ps in zero for i in range(n)]
             assert (free_index < ps).tolist() == want, f"page-0 entries at {start_pos}: {zero}"
+        skip = zero | kept
         i = 0
-        while i < n:  # the runs of blocks not at page 0
+        while i < n:  # the runs of blocks not skipped
             j = i
-            while j < n and (start_pos + j) // ps not in zero:
+            while j < n and (start_pos + j) // ps not in skip:
                 j = min(n, ((start_pos + j) // ps + 1) * ps - start_pos)
             if j > i:
                 self._alloc.free_segment(free_index[i:j], start_pos=start_pos + i)
@@ -149,6 +151,7 @@ class PsaRadixCache(RadixCache):
         self.wb = requests.wb
         self.blocks = self.wb.blocks
         self._inserting = None  # the record whose row SGLang inserts
+        self._taken: set[int] = set()  # its blocks whose pages the tree took (that insert)
         # Page-0 entries are known from host-side records, never read from the GPU;
         # `verify` (tests) checks each such answer against the entries (a sync).
         self.verify = False
@@ -261,7 +264,7 @@ class PsaRadixCache(RadixCache):
     def _hbm_frees(self):
         """SGLang's frees within skip page 0 (entries of blocks read from the host tier)."""
         alloc = self.token_to_kv_pool_allocator
-        if self._maybe_page0 or self._host_nodes:
+        if self._maybe_page0 or self._host_nodes or self._taken:
             nodes = {id(n.value): n for n in set(self._host_nodes.values())}
             page0 = lambda idx, start: self._page0_freed(nodes, idx, start)  # noqa: E731
             self.token_to_kv_pool_allocator = _HbmOnly(alloc, self.page_size, page0, self.verify)
@@ -287,11 +290,18 @@ class PsaRadixCache(RadixCache):
         want = self.index.lookup(self.index.request_hashes(req.rid, len(key) // ps))
         device = _match_len(res) // ps
         extra = max(0, len(want) - device)
-        if 0 < extra * ps < self.min_host_tokens:  # cheaper computed again than staged
+        # The host run: from the first block the tree holds at page 0 (else the end of
+        # the device match) to the end of the index's extension. A run shorter than
+        # `min_host_tokens` is computed again (the match cut before it); the tree then
+        # takes the pages it is computed into (`_take_computed`, at the insert).
+        first0 = self._first_page0(res) if self._host_nodes else device
+        run = max(len(want), device) - first0
+        if 0 < run * ps < self.min_host_tokens:
             if req.rid not in self._short:  # (a waiting request is matched every round)
                 self._short.add(req.rid)
-                self.requests.host_match_recomputed_tokens += extra * ps
-            want, extra = want[:device], 0
+                self.requests.host_match_recomputed_tokens += run * ps
+            want, extra = want[:first0], 0
+            res = self._cut_match(res, first0)
         if rec is not None and rec.host == want:
             ok = True
         else:
@@ -325,24 +335,24 @@ class PsaRadixCache(RadixCache):
 
     def cache_unfinished_req(self, req, chunked=False):
         """(0.5.17) SGLang's insert of a running request, then the tiered store's part."""
-        rec = self._before_insert(req)
+        rec = self._before_insert(req, len(req.get_fill_ids()) // self.page_size)
         try:
             with self._hbm_frees():
                 super().cache_unfinished_req(req, chunked)
         finally:
-            self._inserting = None
+            self._inserting, self._taken = None, set()
         if rec is not None and not self.disable:
             self._after_insert(req, rec)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         """(0.5.17) SGLang's insert (`is_insert`) and frees of an ending request, then its
         blocks switch to the index's ids (inserted or not)."""
-        rec = self._before_insert(req)
+        rec = self._before_insert(req, kv_len_to_handle // self.page_size if is_insert else 0)
         try:
             with self._hbm_frees():
                 super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         finally:
-            self._inserting = None
+            self._inserting, self._taken = None, set()
         self._maybe_page0.discard(req.rid)
         self._reqs.pop(req.rid, None)
         if rec is not None and not self.disable:
@@ -354,12 +364,12 @@ class PsaRadixCache(RadixCache):
         then the tiered store's part: a finished request's blocks switch to the index's
         ids (as `cache_finished_req`), a running one's too, its row's prefix the tree's
         (as `cache_unfinished_req`)."""
-        rec = self._before_insert(req)
+        rec = self._before_insert(req, up_to // self.page_size)
         try:
             with self._hbm_frees():
                 super().checkpoint(req, up_to=up_to, **kwargs)
         finally:
-            self._inserting = None
+            self._inserting, self._taken = None, set()
         if rec is None or self.disable:
             return
         if req.finished():
@@ -395,13 +405,45 @@ class PsaRadixCache(RadixCache):
         if not checkpointed and rec is not None and not self.disable:
             self._share(req, rec, rec.planned)
 
-    def _before_insert(self, req):
-        """SGLang inserts `req`'s row: its record (None: not at the tiered store), set as
-        the one inserting, its row looked at for page 0 where blocks left HBM."""
+    def _before_insert(self, req, blocks: int):
+        """SGLang inserts `req`'s row, its first `blocks` blocks: its record (None: not at
+        the tiered store), set as the one inserting, its row looked at for page 0 where
+        blocks left HBM; the tree's page-0 blocks it computed again take its pages."""
         rec = self._inserting = self.requests.records.get(req.rid)
+        self._taken = set()
         if rec is not None and rec.evicted is not None:
             self._maybe_page0.add(req.rid)  # (residency gave pages of its blocks back)
+        if rec is not None and rec.row is not None and self._host_nodes and not self.disable:
+            self._take_computed(req, rec, blocks)
         return rec
+
+    def _take_computed(self, req, rec, blocks: int) -> None:
+        """Blocks of `req` past its protected length that it computed (a host run the
+        match declined, `min_host_tokens`) where SGLang's tree holds the same prefix at
+        page 0: the tree's entry takes the request's page, so the block is in HBM for
+        every later match, and SGLang's free of the request's duplicates skips it
+        (`_taken`). Only at a node no request locks: a lock means a holder whose row
+        names the tree's entry (page 0). The host id stays the index's (the request
+        switches to it in `_share`)."""
+        ps, row = self.page_size, req_row(req)
+        first = req_protected_len(req) // ps
+        gone = rec.evicted
+        hashes = self.index.request_hashes(req.rid, blocks)
+        table = self.req_to_token_pool.req_to_token
+        for b in range(first, len(hashes)):
+            h = self.index.get(hashes[b])
+            node = None if h is None else self._host_nodes.get(h)
+            if node is None or node.lock_ref or (gone is not None and b < len(gone) and gone[b]):
+                continue
+            k = node.psa_host.index(h)
+            node.value[k * ps : (k + 1) * ps] = table[row, b * ps : (b + 1) * ps]
+            node.psa_host[k] = None
+            if not any(i is not None for i in node.psa_host):
+                node.psa_host = None
+            del self._host_nodes[h]
+            self._p0_evictable -= ps
+            self._taken.add(b)
+            self.requests.host_match_taken_tokens += ps
 
     def _after_insert(self, req, rec) -> None:
         """After SGLang's insert of running `req` (its lock moved to its new `last_node`):
@@ -470,21 +512,23 @@ class PsaRadixCache(RadixCache):
         out.reverse()
         return out
 
-    def _page0_freed(self, nodes: dict, free_index: torch.Tensor, start_pos: int) -> set:
-        """The blocks at page 0 of a segment SGLang frees inside an override: a tree
-        node's value (`nodes`: those with page-0 entries, by their value's identity),
-        else a stretch of the inserting request's row from `start_pos` on, which holds
-        its own blocks (the tree's lie before its protected length): at page 0 where
-        they are `evicted`."""
+    def _page0_freed(self, nodes: dict, free_index: torch.Tensor, start_pos: int) -> tuple:
+        """The blocks at page 0 of a segment SGLang frees inside an override, and those
+        whose pages stay: a tree node's value (`nodes`: those with page-0 entries, by
+        their value's identity), else a stretch of the inserting request's row from
+        `start_pos` on, which holds its own blocks (the tree's lie before its protected
+        length): at page 0 where they are `evicted`, kept where the tree took them
+        (`_taken`)."""
         node = nodes.get(id(free_index))
         if node is not None and node.value is free_index:
-            return {k for k, i in enumerate(node.psa_host) if i is not None}
+            return {k for k, i in enumerate(node.psa_host) if i is not None}, set()
         rec, ps = self._inserting, self.page_size
+        first, end = start_pos // ps, -(-(start_pos + free_index.numel()) // ps)
+        kept = {b for b in self._taken if first <= b < end}  # the tree's pages now
         gone = None if rec is None else rec.evicted
         if gone is None:
-            return set()
-        first, end = start_pos // ps, min(len(gone), -(-(start_pos + free_index.numel()) // ps))
-        return {b for b in range(first, end) if gone[b]}
+            return set(), kept
+        return {b for b in range(first, min(len(gone), end)) if gone[b]}, kept
 
     def page0_prefix(self, req) -> list[int]:
         """For residency, when `req`'s extend is set up (`Residency.read_prefix_from_host`):

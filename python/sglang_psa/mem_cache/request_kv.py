@@ -102,6 +102,9 @@ class TieredRequests:
         # Prefix tokens the `psa` radix cache found in the host tier only and left to be
         # computed again, too few to stage a prefill for (`--psa-host-prefix-min-tokens`).
         self.host_match_recomputed_tokens = 0
+        # Tokens of blocks SGLang's tree held only in the host tier (page 0) whose pages a
+        # request computed them into were given to the tree at its insert.
+        self.host_match_taken_tokens = 0
         # Told the rid of every release (the `psa` radix cache forgets what it tracks of
         # the request: a matched request may leave before it is admitted).
         self.listeners: list[Callable[[Hashable], None]] = []
@@ -285,6 +288,7 @@ class TieredRequests:
             "resumed_host_tokens": self.resumed_host_tokens,
             "resumed_recomputed_tokens": self.resumed_recomputed_tokens,
             "host_match_recomputed_tokens": self.host_match_recomputed_tokens,
+            "host_match_taken_tokens": self.host_match_taken_tokens,
         }
 
     def check_integrity(self) -> None:

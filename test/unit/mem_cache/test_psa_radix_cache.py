@@ -1035,6 +1035,45 @@ def test_residency_evicts_a_shared_block_for_every_holder():
         assert s.alloc.available_size() == PAGES * BS and not s.cache._host_nodes
 
 
+def test_a_host_run_the_tree_holds_at_page_0_is_computed_again_into_the_tree():
+    """With a minimum above every host run: a and b share a's prompt through the tree,
+    residency takes blocks 1 and 2 off HBM (the tree's entries at page 0), both finish. c's
+    match stops before block 1 (the run is computed again, counted); c's insert gives the
+    tree c's pages for blocks 1 and 2 (nothing at page 0 is left, c's pages are not freed
+    as duplicates, c holds the index's host ids), and d then matches the whole prompt in
+    HBM."""
+    with _store(min_host=100 * BS) as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        s.match(a), s.admit(a), s.prefill(a)
+        b = s.arrive("b", STEM + [1, 2, 3, 4] + [9] * 9)
+        assert s.match(b) == 4 * BS and s.admit(b)
+        s.prefill(b)
+        ids = s.tiered.records["a"].host[:4]
+        assert s.res.evict("a", [1, 2], s.alloc) == 2 * BS
+        s.finish(a), s.finish(b)
+        assert set(ids[1:3]) <= set(s.cache._host_nodes)
+        c = s.arrive("c", STEM + [1, 2, 3, 4] + [8] * 9)
+        assert s.match(c) == BS  # block 0 in HBM; the run from block 1 is computed again
+        assert s.tiered.host_match_recomputed_tokens > 0 and (s.prefix(c) >= BS).all()
+        assert s.admit(c)
+        s.released = []
+        s.prefill(c)  # (inserted: `prefill` checks the invariants after every call)
+        rt = s.rtp.req_to_token
+        mine = (rt[c.row, BS : 3 * BS : BS] // BS).tolist()
+        assert not set(ids[1:3]) & set(s.cache._host_nodes), "still at page 0 in the tree"
+        assert not set(mine) & set(s.released), "a page the tree took was freed"
+        assert s.tiered.records["c"].host[:4] == ids
+        assert s.tiered.report()["host_match_taken_tokens"] == 2 * BS
+        assert not s.wb.host_loc[c.row, :4].any()  # c reads them from HBM
+        d = s.arrive("d", STEM + [1, 2, 3, 4] + [7] * 9)
+        assert s.match(d) >= 4 * BS and (s.prefix(d)[: 4 * BS] >= BS).all()
+        assert (s.prefix(d)[BS : 3 * BS : BS] // BS).tolist() == mine
+        assert s.admit(d)
+        s.prefill(d)
+        s.finish(c), s.finish(d)
+        s.check()
+
+
 def test_a_switched_block_that_left_hbm_moves_its_units():
     """f computed the stem after e (e's ids indexed, f's acknowledged duplicates), and its
     block 1 left HBM before its insert: the insert switches it to e's id; the unit cache
@@ -1079,18 +1118,22 @@ def test_residency_keeps_a_shared_page_a_waiting_match_names():
         s.finish(a)
 
 
-@pytest.mark.parametrize("residency", [False, True])
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
+@pytest.mark.parametrize(
+    "seed, residency, min_host",
+    [(seed, residency, 0) for seed in range(4) for residency in (False, True)]
+    + [(seed, True, 3 * BS) for seed in (4, 6, 9, 11)],
+)
+def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency, min_host):
     """Requests over three stems, admitted before earlier ones prefilled (duplicates to
     switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
     and the tree cut), acknowledgements late or early, running requests retracted and
     matched again, long prompts prefilled in chunks ending anywhere (inserted chunk by
     chunk); with `residency`, saved blocks of running and chunked requests leave HBM too
-    (shared ones for every holder, each page freed once)."""
+    (shared ones for every holder, each page freed once); with `min_host`, host runs
+    shorter than it are computed again and the tree takes their pages at the insert."""
     rng = random.Random(seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
-    with _store(pages=24, host_blocks=16) as s:
+    with _store(pages=24, host_blocks=16, min_host=min_host) as s:
         waiting: list = []
         admitted: list = []
         running: list = []
@@ -1161,7 +1204,7 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
         for req in waiting:  # matched, never admitted: their adopted prefixes go back
             s.tiered.release(req.rid)
             del s.live[req.rid]
-        s.check()
+        s.ack()  # a finished request's saves in flight hold its blocks until they land
         s.wb.blocks.evict_lru(16)
         s.check()
         assert s.wb.blocks.used == 0 and not s.cache._host_nodes
@@ -1169,6 +1212,8 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency):
         assert s.alloc.available_size() == 24 * BS
         assert bool(evicted) == residency, "residency evicted nothing"
         assert chunks, "no prompt was prefilled in chunks"
+        # with a minimum, host runs were cut from matches and computed again
+        assert bool(s.tiered.host_match_recomputed_tokens) == bool(min_host)
 
 
 def test_the_backend_registers_with_sglang():
