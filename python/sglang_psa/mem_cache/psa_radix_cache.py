@@ -424,7 +424,8 @@ class PsaRadixCache(RadixCache):
         every later match, and SGLang's free of the request's duplicates skips it
         (`_taken`). Only at a node no request locks: a lock means a holder whose row
         names the tree's entry (page 0). The host id stays the index's (the request
-        switches to it in `_share`)."""
+        switches to it in `_share`); its units leave the unit cache with its last holder
+        (`Residency.forget`), as before."""
         ps, row = self.page_size, req_row(req)
         first = req_protected_len(req) // ps
         gone = rec.evicted
