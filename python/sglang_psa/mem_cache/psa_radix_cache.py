@@ -309,8 +309,8 @@ class PsaRadixCache(RadixCache):
                 self.blocks.give_back(rec, 0)
                 rec.saved = 0
             ok = not want or self.requests.adopt(req.rid, want)
-        if not ok:
-            return self._cut_match(res, self._first_page0(res))
+        if not ok:  # (the match's first page-0 block is `first0`, cut or not)
+            return self._cut_match(res, first0)
         if not extra:
             return res
         self._maybe_page0.add(req.rid)
