@@ -41,37 +41,42 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT, BLOCK, BATCHES = 16_000, 32, (8, 32, 50)
 
 
-def round_ms(batch: int, rounds: int) -> dict[str, float]:
-    """Mean host milliseconds a decode round of `batch` requests spends in each residency
-    call, and their sum."""
+def stand_in(batch: int, prompt: int = PROMPT) -> SimpleNamespace:
+    """A `Residency` over `batch` running requests of `prompt` tokens, as a decode round
+    finds it: random block heat (24 layers x 2 KV heads: 0-48 readers a block), every
+    request's blocks saved but its last 4, a fifth of every third request's blocks
+    evicted; the unit cache's kernel and the page moves stubbed (they run on the GPU).
+    Returns `res`, `reqs` (SGLang's requests as the calls read them), `records`, `heat`
+    (row -> readers by block) and `alloc` (an allocator with no free pages). The tests
+    check `Residency`'s choices on it against a reference (test_residency.py)."""
     from sglang_psa.mem_cache.request_kv import RequestKV
     from sglang_psa.mem_cache.residency import Residency
 
     rng = np.random.default_rng(0)
-    blocks = PROMPT // BLOCK
+    blocks = prompt // BLOCK
     lengths = torch.zeros(batch + 2, dtype=torch.int32)
     heat, records, reqs = {}, {}, []
     for i in range(batch):
         row = i + 1
-        heat[row] = rng.integers(0, 49, blocks + 8).astype(np.uint8)  # 24 layers x 2 heads
-        lengths[row] = PROMPT
+        heat[row] = rng.integers(0, 49, blocks + 8).astype(np.uint8)
+        lengths[row] = prompt
         rec = RequestKV(f"r{i}", host=list(range(i * blocks, (i + 1) * blocks)), row=row)
         rec.saved = blocks - 4
         if i % 3 == 0:
             rec.evicted = rng.random(blocks + 8) < 0.2
         records[rec.rid] = rec
         reqs.append(
-            SimpleNamespace(rid=rec.rid, req_pool_idx=row, seqlen=PROMPT, finished=lambda: False)
+            SimpleNamespace(rid=rec.rid, req_pool_idx=row, seqlen=prompt, finished=lambda: False)
         )
     ws = SimpleNamespace(
-        read=lambda: (None, lengths), heat_of=heat.get, layers=24, kv_heads=2,
+        read=lambda: (None, lengths), heat=lambda: heat, layers=24, kv_heads=2,
         heat_blocks=blocks + 8, stamps=None, step=None,
     )  # fmt: skip
     host = SimpleNamespace(num_blocks=batch * blocks, refs=np.ones(batch * blocks, np.int32))
     wb = SimpleNamespace(records=records, blocks=host, host=None)
     cfg = SimpleNamespace(block_size=BLOCK, sink_blocks=1, recent_blocks=1, cold_fraction=0.125)
     res = Residency(
-        wb, SimpleNamespace(page_rows=100), ws, torch.zeros(batch + 2, PROMPT + 64),
+        wb, SimpleNamespace(page_rows=100), ws, torch.zeros(batch + 2, prompt + 64),
         cfg, SimpleNamespace(size=1000 * BLOCK), None,
     )  # fmt: skip
 
@@ -85,9 +90,17 @@ def round_ms(batch: int, rounds: int) -> dict[str, float]:
     res.evict = evict
     res.cache.refresh = lambda *a: None
     alloc = SimpleNamespace(available_size=lambda: 0, alloc=lambda n: None)
+    return SimpleNamespace(res=res, reqs=reqs, records=records, heat=heat, alloc=alloc)
+
+
+def round_ms(batch: int, rounds: int, prompt: int = PROMPT) -> dict[str, float]:
+    """Mean host milliseconds a decode round of `batch` requests spends in each residency
+    call, and their sum."""
+    s = stand_in(batch, prompt)
+    res, reqs = s.res, s.reqs
     calls = {
         "coldest": lambda: res._coldest(reqs, 2 * batch),  # make_room: 2 pages a request
-        "refresh": lambda: res.refresh(reqs, alloc),
+        "refresh": lambda: res.refresh(reqs, s.alloc),
         "evictable": lambda: res.evictable(reqs),
     }
     out = {}

@@ -249,3 +249,40 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
         if r < 2
     }
     assert len(gone) == len(cold) > 0 and set(gone) == cold
+
+
+def _bench_stand_in(batch: int, prompt: int):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "scheduler"))
+    import residency_step  # (its stand-in round: the benchmark times what is checked here)
+
+    return residency_step.stand_in(batch, prompt)
+
+
+def _may_leave(s) -> list[tuple[int, int, int]]:
+    """Reference: (readers, block, request index) of every block of the stand-in's requests
+    that may leave HBM (saved, past the sink, not among the recent, not gone), by loops."""
+    res, out = s.res, []
+    for i, q in enumerate(s.reqs):
+        rec = s.records[q.rid]
+        span = q.seqlen // res.block_size - res.keep_recent
+        for b in range(span):
+            gone = rec.evicted is not None and b < len(rec.evicted) and rec.evicted[b]
+            if res.sink <= b < rec.saved and not gone:
+                out.append((int(s.heat[rec.row][b]), b, i))
+    return out
+
+
+@pytest.mark.parametrize("batch,prompt", [(3, 2048), (13, 28_000)])
+def test_the_coldest_blocks_are_the_least_read_then_oldest_at_the_benchmarks_shape(batch, prompt):
+    """The benchmark's round (benchmark/scheduler/residency_step.py: workload b's batch 13
+    of 28K prompts, a third of the requests with blocks gone) through the vectorised
+    candidate pass, against loops over every block."""
+    s = _bench_stand_in(batch, prompt)
+    want = sorted(_may_leave(s))
+    assert s.res.evictable(s.reqs) == len(want)
+    for n in (1, 2 * batch, len(want) + 5):
+        got = s.res._coldest(s.reqs, n)
+        assert [(r, s.reqs[i].rid, b) for r, b, i in want[:n]] == got
