@@ -72,13 +72,11 @@ HEADLINE = [
      "output throughput, psa / plain (32 x 16K, 256 outputs)", "higher is better"),
     ("serving_h200", "accuracy_delta_vs_fastest",
      "answers correct, psa minus plain (32 x 28K and 32 x 16K, same prompts)", "0 = same"),
-    ("serving_h100", "throughput_ratio_host_vs_plain_capped",
-     "output throughput, `--psa-kv-home tiered` / plain, HBM for KV capped to plain's 4 "
-     "requests", "higher is better"),
-    ("serving_h100", "ttft_p99_ratio_host_vs_plain_capped",
-     "p99 time to first token, the same tiered run / plain's", "lower is better"),
-    ("serving_h100", "throughput_ratio_host_vs_plain_capped_topk",
-     "the same, `--sparse-mode topk` (2048 tokens) at the tiered home", "higher is better"),
+    ("serving_h200", "throughput_ratio_tiered_vs_fastest_capped",
+     "output throughput, `--psa-kv-home tiered` (with `--radix-cache-backend psa`) / plain, "
+     "32 x 28K, 1024 outputs, HBM for KV capped to plain's 4 requests", "higher is better"),
+    ("serving_h200", "throughput_ratio_tiered_vs_fastest_capped_short",
+     "the same at 256 outputs", "higher is better"),
     ("serving_h100", "throughput_ratio_tiered_vs_hbm",
      "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K, one run)",
      "higher is better"),
