@@ -73,3 +73,11 @@ def test_restore_without_parts_names_the_folder(tmp_path):
     r = _run(tmp_path, "restore", str(tmp_path / "none"))
     assert r.returncode != 0 and "no jit-cache.part-*" in r.stderr
     assert _run(tmp_path, "save").returncode != 0  # usage
+
+
+def test_every_shell_script_runs_by_its_path():
+    """The device commands run `scripts/X.sh ...` as their usage lines say (this one was
+    not executable, and its save failed on the H200 with "Permission denied")."""
+    scripts = sorted(SCRIPT.parent.glob("*.sh"))
+    assert SCRIPT in scripts
+    assert [p.name for p in scripts if not os.access(p, os.X_OK)] == []
