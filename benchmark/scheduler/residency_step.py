@@ -80,14 +80,15 @@ def stand_in(batch: int, prompt: int = PROMPT) -> SimpleNamespace:
         cfg, SimpleNamespace(size=1000 * BLOCK), None,
     )  # fmt: skip
 
-    def evict(rid, bl, alloc):  # marks them gone, as the real one does (no pages to move)
-        rec = records[rid]
-        if rec.evicted is None:
-            rec.evicted = np.zeros(blocks + 8, dtype=bool)
-        rec.evicted[bl] = True
+    def evict_many(wanted, alloc):  # marks them gone, as the real one does (no pages moved)
+        for rid, bl in wanted.items():
+            rec = records[rid]
+            if rec.evicted is None:
+                rec.evicted = np.zeros(blocks + 8, dtype=bool)
+            rec.evicted[bl] = True
         return 0
 
-    res.evict = evict
+    res.evict_many = evict_many
     res.cache.refresh = lambda *a: None
     alloc = SimpleNamespace(available_size=lambda: 0, alloc=lambda n: None)
     return SimpleNamespace(res=res, reqs=reqs, records=records, heat=heat, alloc=alloc)

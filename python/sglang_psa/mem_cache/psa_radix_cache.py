@@ -631,11 +631,11 @@ class PsaRadixCache(RadixCache):
         """Residency gave back pages the tree held: `entries`, `((node, k), host id)`,
         block `k` of `node` is at page 0 from now on, read from the host tier at that id;
         the requests `rids` have blocks at page 0 (their inserts look for them)."""
-        ps = self.page_size
+        ps, page0 = self.page_size, None
         for (node, k), h in entries:
-            node.value[k * ps : (k + 1) * ps] = torch.arange(
-                ps, dtype=node.value.dtype, device=node.value.device
-            )
+            if page0 is None:  # (every node's value: one dtype, one device)
+                page0 = torch.arange(ps, dtype=node.value.dtype, device=node.value.device)
+            node.value[k * ps : (k + 1) * ps] = page0
             if node.psa_host is None:
                 node.psa_host = [None] * (len(node.key) // ps)
             assert node.psa_host[k] is None and h not in self._host_nodes, h

@@ -321,7 +321,7 @@ class Residency:
         by_rid: dict[object, list[int]] = {}
         for _, rid, b in victims:
             by_rid.setdefault(rid, []).append(b)
-        return sum(self.evict(rid, sorted(bl), allocator) for rid, bl in by_rid.items())
+        return self.evict_many({rid: sorted(bl) for rid, bl in by_rid.items()}, allocator)
 
     def read_prefix_from_host(self, reqs) -> None:
         """An extend batch is set up (each request's row planned): the blocks of a matched
@@ -343,73 +343,89 @@ class Residency:
         self._mark(rec, self.wb.read_from_host(rec.rid, blocks))
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
-        """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed.
-        A page SGLang's tree shares (`sharing`) leaves HBM for every request mapping it
-        and for the tree: each holder's location table and request-table entries switch
-        (`evicted`), the tree's entry goes to page 0; the stamps move once (their rows
-        are per host block; the metadata is there since the save) and the page is freed
-        once. A block whose page a request shares that cannot be switched now stays
-        (`sharers`). Stamps first, then the location tables, then the request tables: a
-        step that reads the tables at any point between scores and reads a complete
-        copy."""
-        r = self.records.get(rid)
-        gone = None if r is None else r.evicted
-        blocks = (
-            []
-            if r is None or r.row is None
-            else [b for b in blocks if b < r.saved and (gone is None or not gone[b])]
-        )
-        if self.sharing is None:
-            at = {b: ([r], None) for b in blocks}
-        else:
-            at = self.sharing.sharers(r, blocks)
-            marked = [b for b in blocks if at.get(b, (0, 0))[1] == AT_PAGE0]
-            if marked:  # at page 0 for `r` since its match
-                self._read_at_page0(r, marked)
-            blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
-        if not blocks:
+        """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed
+        (`evict_many` for one request)."""
+        return self.evict_many({rid: blocks}, allocator)
+
+    def evict_many(self, wanted: dict, allocator) -> int:
+        """Give back the HBM pages of the saved blocks of several requests (`wanted`: rid
+        -> blocks, taken in that order); returns the tokens freed. A page SGLang's tree
+        shares (`sharing`) leaves HBM for every request mapping it and for the tree: each
+        holder's location table and request-table entries switch (`evicted`), the tree's
+        entry goes to page 0; the stamps move once (their rows are per host block; the
+        metadata is there since the save) and the page is freed once, also where two of
+        `wanted`'s requests name it. A block whose page a request shares that cannot be
+        switched now stays (`sharers`). Stamps first, then the location tables, then the
+        request tables: a step that reads the tables at any point between scores and
+        reads a complete copy. All requests' blocks move in one pass on the device (one
+        copy to it, one launch per table, one free): a decode round's eviction reaches
+        many requests, and a pass each cost the scheduler's thread ~50 tensor operations
+        per request (benchmark/scheduler/evict_ops.py)."""
+        plans = []  # (record, its blocks leaving HBM, who maps each)
+        taken: set[tuple[int, int]] = set()  # (id(holder), block) switched by this call
+        for rid, blocks in wanted.items():
+            r = self.records.get(rid)
+            if r is None or r.row is None:
+                continue
+            gone = r.evicted
+            blocks = [
+                b
+                for b in blocks
+                if b < r.saved and (gone is None or not gone[b]) and (id(r), b) not in taken
+            ]
+            if self.sharing is None:
+                at = {b: ([r], None) for b in blocks}
+            else:
+                at = self.sharing.sharers(r, blocks)
+                marked = [b for b in blocks if at.get(b, (0, 0))[1] == AT_PAGE0]
+                if marked:  # at page 0 for `r` since its match
+                    self._read_at_page0(r, marked)
+                blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
+            if blocks:
+                plans.append((r, blocks, at))
+                taken.update((id(q), b) for b in blocks for q in at[b][0])
+        if not plans:
             return 0
-        bs, dev = self.block_size, self.req_to_token.device
-        idx = to_device([b * bs for b in blocks], dev)
-        rows = to_device([r.host[b] for b in blocks], dev) + self.page_rows
-        table = self.req_to_token[r.row]
-        pages = table[idx].long() // bs
-        self.ws.copy_rows(pages, rows)
         holders: dict[int, tuple[object, list[int]]] = {}  # id(record) -> its blocks here
-        for b in blocks:
-            for q in at[b][0]:
-                holders.setdefault(id(q), (q, []))[1].append(b)
-        for q, bl in holders.values():
-            self.wb.read_from_host(q.rid, bl)
-        tokens = (idx[:, None] + self._offsets).flatten()
-        freed = table[tokens].clone()
-        for q, bl in holders.values():  # page 0's slots
-            own = tokens if q is r else self._tokens(bl)
-            t = self.req_to_token[q.row]
-            t.index_put_((own,), (own % bs).to(t.dtype))
+        for _, blocks, at in plans:
+            for b in blocks:
+                for q in at[b][0]:
+                    holders.setdefault(id(q), (q, []))[1].append(b)
+        bs, dev = self.block_size, self.req_to_token.device
+        own = [(r.row, b * bs, r.host[b]) for r, blocks, _ in plans for b in blocks]
+        held = [(q.row, b * bs) for q, blocks in holders.values() for b in blocks]
+        n, m = len(own), len(held)
+        flat = to_device(
+            [x for t in zip(*own) for x in t] + [x for t in zip(*held) for x in t], dev
+        )
+        rows, cols, host = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        pages = self.req_to_token[rows, cols].long() // bs
+        self.ws.copy_rows(pages, host + self.page_rows)
+        self.wb.read_many_from_host({q.rid: blocks for q, blocks in holders.values()})
+        freed = self.req_to_token[
+            rows.repeat_interleave(bs), (cols[:, None] + self._offsets).flatten()
+        ]
+        h_rows = flat[3 * n : 3 * n + m].repeat_interleave(bs)
+        h_cols = (flat[3 * n + m :, None] + self._offsets).flatten()
+        self.req_to_token[h_rows, h_cols] = (h_cols % bs).to(self.req_to_token.dtype)  # page 0
         if self.sharing is not None:
             self.sharing.left_hbm(
-                [(at[b][1], r.host[b]) for b in blocks if at[b][1] is not None],
+                [(at[b][1], r.host[b]) for r, bl, at in plans for b in bl if at[b][1] is not None],
                 [q.rid for q, _ in holders.values()],
             )
         self._free(freed, allocator)
-        self.cache.mark_evicted(rows - self.page_rows)
-        self.left_hbm[[r.host[b] for b in blocks]] = True
-        for q, bl in holders.values():
-            self._mark(q, bl)
-        self.evictions += len(blocks)
-        return len(blocks) * bs
+        self.cache.mark_evicted(host)
+        self.left_hbm[[h for _, _, h in own]] = True
+        for q, blocks in holders.values():
+            self._mark(q, blocks)
+        self.evictions += n
+        return n * bs
 
     def _mark(self, rec, blocks: list[int]) -> None:
         """`rec`'s `blocks` are off HBM for it (`RequestKV.evicted`)."""
         if rec.evicted is None:
             rec.evicted = np.zeros(self.max_blocks, dtype=bool)
         rec.evicted[blocks] = True
-
-    def _tokens(self, blocks: list[int]) -> torch.Tensor:
-        """The request-table columns of `blocks` (device)."""
-        idx = to_device([b * self.block_size for b in blocks], self.req_to_token.device)
-        return (idx[:, None] + self._offsets).flatten()
 
     def refresh(self, reqs, allocator) -> int:
         """Every decode round, while blocks are evicted: the unit cache takes pages the

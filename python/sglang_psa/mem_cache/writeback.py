@@ -335,17 +335,32 @@ class WriteBack:
     def read_from_host(self, rid, blocks: list[int]) -> list[int]:
         """Decode reads `rid`'s `blocks` (indices within the request) from the host tier
         from the next step on; only acknowledged blocks of a request holding a row
-        qualify. Returns those switched. (`residency.Residency` builds eviction on this:
-        it also moves the blocks' metadata rows and gives their pages back.)"""
-        rec = self.records.get(rid)
-        if rec is None or rec.row is None:
-            return []
-        ok = [b for b in blocks if b < rec.saved]
-        if ok:
-            val = to_device([-rec.host[b] - 1 for b in ok], self.device, torch.int32)
-            self.host_loc[rec.row].index_copy_(0, to_device(ok, self.device), val)
-            rec.host_read.update(ok)
-        return ok
+        qualify. Returns those switched (`read_many_from_host` for one request)."""
+        return self.read_many_from_host({rid: blocks}).get(rid, [])
+
+    def read_many_from_host(self, wanted: dict) -> dict:
+        """`read_from_host` for several requests (`wanted`: rid -> blocks) in one copy to
+        the device (a decode round's eviction reaches many requests: a copy each cost
+        the scheduler's step a launch and an H2D copy per request). Returns rid -> the
+        blocks switched, for the requests with any. (`residency.Residency` builds
+        eviction on this: it also moves the blocks' metadata rows and gives their pages
+        back.)"""
+        out, rows, cols, vals = {}, [], [], []
+        for rid, blocks in wanted.items():
+            rec = self.records.get(rid)
+            if rec is None or rec.row is None:
+                continue
+            ok = [b for b in blocks if b < rec.saved]
+            if ok:
+                out[rid] = ok
+                rows += [rec.row] * len(ok)
+                cols += ok
+                vals += [-rec.host[b] - 1 for b in ok]
+                rec.host_read.update(ok)
+        if vals:
+            at = to_device([rows, cols], self.device)
+            self.host_loc[at[0], at[1]] = to_device(vals, self.device, torch.int32)
+        return out
 
     @property
     def block_bytes(self) -> int:

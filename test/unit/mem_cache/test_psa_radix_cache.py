@@ -1035,6 +1035,40 @@ def test_residency_evicts_a_shared_block_for_every_holder():
         assert s.alloc.available_size() == PAGES * BS and not s.cache._host_nodes
 
 
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_one_eviction_of_several_requests_equals_evicting_them_in_turn(order):
+    """A decode round's victims leave HBM in one call (`Residency.evict_many`): where a
+    and b share blocks 1-2 through the tree and b has its own blocks 4-5, evicting both
+    requests' blocks at once gives the tables, location tables, pages freed (each once),
+    `evicted` flags and the tree's page-0 entries of evicting one request's, then the
+    other's."""
+    wanted = {"a": [1, 2], "b": [1, 2, 4, 5]}
+    wanted = {rid: wanted[rid] for rid in order}
+    with _store() as one, _store() as turn:
+        for s in (one, turn):
+            a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+            s.match(a), s.admit(a), s.prefill(a)
+            b = s.arrive("b", STEM + [1, 2, 3, 4] + [9] * 9)
+            assert s.match(b) == 4 * BS and s.admit(b)
+            s.prefill(b)
+            s.ack()
+            assert s.tiered.records["b"].saved == 6
+            s.released = []
+        got = one.res.evict_many(wanted, one.alloc)
+        want = sum(turn.res.evict(rid, bl, turn.alloc) for rid, bl in wanted.items())
+        one.check(), turn.check()
+        assert got == want == 4 * BS  # blocks 1-2 once (for both), b's 4-5
+        assert len(set(one.released)) == 4 and sorted(one.released) == sorted(turn.released)
+        assert torch.equal(one.rtp.req_to_token, turn.rtp.req_to_token)
+        assert torch.equal(one.wb.host_loc, turn.wb.host_loc)
+        for rid in "ab":
+            assert (one.tiered.records[rid].evicted == turn.tiered.records[rid].evicted).all()
+        assert (one.res.left_hbm == turn.res.left_hbm).all()
+        assert sorted(one.cache._host_nodes) == sorted(turn.cache._host_nodes)
+        assert one.res.evictions == turn.res.evictions == 4
+        assert one.alloc.available_size() == turn.alloc.available_size()
+
+
 def test_a_host_run_the_tree_holds_at_page_0_is_computed_again_into_the_tree():
     """With a minimum above every host run: a and b share a's prompt through the tree,
     residency takes blocks 1 and 2 off HBM (the tree's entries at page 0), both finish. c's
@@ -1131,7 +1165,7 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency, m
     chunk); with `residency`, saved blocks of running and chunked requests leave HBM too
     (shared ones for every holder, each page freed once); with `min_host`, host runs
     shorter than it are computed again and the tree takes their pages at the insert."""
-    rng = random.Random(seed)
+    rng, more = random.Random(seed), random.Random(-seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
     with _store(pages=24, host_blocks=16, min_host=min_host) as s:
         waiting: list = []
@@ -1183,12 +1217,19 @@ def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency, m
             elif op == "ack":
                 s.ack()
             elif op == "resid" and running + chunking:
-                req = rng.choice(running + chunking)
-                rec = s.tiered.records.get(req.rid)
-                if rec is not None and rec.saved:
-                    blocks = rng.sample(range(rec.saved), rng.randint(1, rec.saved))
+                # a decode round's victims: blocks of one request, and of others drawn
+                # apart (`more`), all in one call
+                wanted, live = {}, running + chunking
+                req = rng.choice(live)
+                for r in [req] + more.sample(live, len(live) - 1):
+                    rec = s.tiered.records.get(r.rid)
+                    if r.rid not in wanted and rec is not None and rec.saved:
+                        draw = rng if r is req else more
+                        blocks = draw.sample(range(rec.saved), draw.randint(1, rec.saved))
+                        wanted[r.rid] = sorted(blocks)
+                if wanted:
                     free, s.released = s.alloc.available_size(), []
-                    got = s.res.evict(req.rid, sorted(blocks), s.alloc)
+                    got = s.res.evict_many(wanted, s.alloc)
                     assert len(s.released) == len(set(s.released)) == got // BS
                     assert s.alloc.available_size() - free == got
                     evicted += got // BS

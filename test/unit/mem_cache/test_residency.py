@@ -72,7 +72,7 @@ def _recording_evict(res, alloc_pages_from: int):
         allocator.free += [alloc_pages_from + b for b in blocks]
         return len(blocks) * BS
 
-    res.evict = evict
+    res.evict_many = lambda wanted, alloc: sum(evict(r, bl, alloc) for r, bl in wanted.items())
     return gone_order
 
 
@@ -240,7 +240,9 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
     assert res.evictable(shuffled) == total > 1000
     # refresh's cold blocks: every candidate read by fewer than half the units (2 of 4)
     gone = []
-    res.evict = lambda rid, bl, alloc: gone.extend((rid, b) for b in bl) or 0
+    res.evict_many = lambda wanted, alloc: (
+        gone.extend((rid, b) for rid, bl in wanted.items() for b in bl) or 0
+    )
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
     res.refresh(shuffled, _Alloc([]))
     cold = {

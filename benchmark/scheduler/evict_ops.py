@@ -1,0 +1,88 @@
+"""Tensor operations a decode round's eviction costs the tiered home's scheduler.
+
+    python benchmark/scheduler/evict_ops.py [--out FILE]
+
+At `--psa-kv-home tiered` blocks leave HBM in the scheduler's schedule phase
+(`Residency.make_room` and `refresh`, every decode round while HBM is short: about 9
+blocks a round over several requests in workload b on the H200). On a GPU every tensor
+operation of that path is a launch (or a copy to the device) of several microseconds on
+the scheduler's thread. This counts them with torch's profiler (top-level `aten::` calls)
+for a round that evicts two blocks of each of N requests, two ways on the same code: a
+call per request (`Residency.evict`) and one call for all (`Residency.evict_many`, what
+the scheduler's hooks use). It runs on CPU tensors through the `psa` radix cache's test
+store (SGLang's real allocator, request table and tree, the real write-back and
+residency; test/unit/mem_cache/test_psa_radix_cache.py), so it needs SGLang installed;
+counts, not times, are its result (CPU tensors launch nothing).
+
+Summary: `ops_per_round_by_requests` ({N: {"per_request": ..., "one_call": ...}}) and
+`ops_ratio_one_call_vs_per_request_4` (4 requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = (1, 2, 4)
+
+
+def _store(n: int):
+    """The test store with `n` requests of 6 blocks each prefilled, saved and in the tree."""
+    import test_psa_radix_cache as t
+
+    t.ROWS = max(t.ROWS, n + 2)  # (the store reads it when built)
+    cm = t._store(pages=40 + 8 * n, host_blocks=28 + 8 * n)
+    s = cm.__enter__()
+    for i in range(n):
+        req = s.arrive(f"r{i}", [1000 + 50 * i + j for j in range(6 * t.BS)])
+        s.match(req)
+        assert s.admit(req)
+        s.prefill(req)
+    s.ack()
+    return cm, s
+
+
+def ops(n: int, one_call: bool) -> int:
+    """Top-level tensor operations of evicting blocks 1-2 of each of `n` requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cm, s = _store(n)
+    wanted = {f"r{i}": [1, 2] for i in range(n)}
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            if one_call:
+                freed = s.res.evict_many(wanted, s.alloc)
+            else:
+                freed = sum(s.res.evict(rid, bl, s.alloc) for rid, bl in wanted.items())
+        assert freed == 2 * n * s.res.block_size, freed
+    finally:
+        cm.__exit__(None, None, None)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "evict_ops.json"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (kernel modules load with the store)
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test" / "unit" / "mem_cache")]
+    if importlib.util.find_spec("torchvision") is None:  # as the tests do (test/conftest.py)
+        sys.path.insert(0, str(ROOT / "test" / "stubs"))
+    from sglang_psa.eval.results import write_result
+
+    by = {str(n): {"per_request": ops(n, False), "one_call": ops(n, True)} for n in REQUESTS}
+    for n, c in by.items():
+        print(f"{n} request(s): {c['per_request']} ops a call each, {c['one_call']} in one call")
+    summary = {
+        "ops_per_round_by_requests": by,
+        "ops_ratio_one_call_vs_per_request_4": by["4"]["one_call"] / by["4"]["per_request"],
+    }
+    print(write_result(Path(args.out), summary, {"blocks_per_request": 2, "requests": REQUESTS}))
+
+
+if __name__ == "__main__":
+    main()
