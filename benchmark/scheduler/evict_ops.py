@@ -14,8 +14,10 @@ store (SGLang's real allocator, request table and tree, the real write-back and
 residency; test/unit/mem_cache/test_psa_radix_cache.py), so it needs SGLang installed;
 counts, not times, are its result (CPU tensors launch nothing).
 
-Summary: `ops_per_round_by_requests` ({N: {"per_request": ..., "one_call": ...}}) and
-`ops_ratio_one_call_vs_per_request_4` (4 requests).
+Summary: `ops_per_round_by_requests` ({N: {"per_request": ..., "one_call": ...}}),
+`ops_ratio_one_call_vs_per_request_4` (4 requests) and `ops_one_node_12_blocks` (12
+blocks of one tree node: a slice write a block against one indexed write, the default
+past `psa_radix_cache._SLICE_WRITES` blocks).
 """
 
 from __future__ import annotations
@@ -64,6 +66,32 @@ def ops(n: int, one_call: bool) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
+def node_ops(blocks: int, indexed: bool) -> int:
+    """Top-level tensor operations of evicting `blocks` blocks of one request's prompt,
+    which the tree holds in one node (as making room for a new chunk does), with the
+    node's page-0 entries written in one indexed write (the default past
+    `_SLICE_WRITES` blocks) or a slice write a block."""
+    import test_psa_radix_cache as t
+    from torch.profiler import ProfilerActivity, profile
+
+    from sglang_psa.mem_cache import psa_radix_cache
+
+    keep = psa_radix_cache._SLICE_WRITES
+    psa_radix_cache._SLICE_WRITES = 0 if indexed else 10**9
+    cm = t._store()
+    s = cm.__enter__()
+    try:
+        req = s.arrive("a", list(range(500, 500 + 14 * t.BS)) + [1, 2])
+        s.match(req), s.admit(req), s.prefill(req)
+        s.ack()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            assert s.res.evict("a", list(range(1, 1 + blocks)), s.alloc) == blocks * t.BS
+    finally:
+        psa_radix_cache._SLICE_WRITES = keep
+        cm.__exit__(None, None, None)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "evict_ops.json"))
@@ -77,11 +105,16 @@ def main(argv=None) -> None:
     by = {str(n): {"per_request": ops(n, False), "one_call": ops(n, True)} for n in REQUESTS}
     for n, c in by.items():
         print(f"{n} request(s): {c['per_request']} ops a call each, {c['one_call']} in one call")
+    node = {"slice_writes": node_ops(12, False), "indexed": node_ops(12, True)}
+    print(f"12 blocks of one tree node: {node['slice_writes']} ops with a write a block, "
+          f"{node['indexed']} with one indexed write")  # fmt: skip
     summary = {
         "ops_per_round_by_requests": by,
         "ops_ratio_one_call_vs_per_request_4": by["4"]["one_call"] / by["4"]["per_request"],
+        "ops_one_node_12_blocks": node,
     }
-    print(write_result(Path(args.out), summary, {"blocks_per_request": 2, "requests": REQUESTS}))
+    data = {"blocks_per_request": 2, "requests": REQUESTS, "one_node_blocks": 12}
+    print(write_result(Path(args.out), summary, data))
 
 
 if __name__ == "__main__":

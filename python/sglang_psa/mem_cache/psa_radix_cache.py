@@ -52,6 +52,7 @@ from sglang_psa.config import PSAConfig
 from sglang_psa.mem_cache.prefix_index import PrefixIndex
 from sglang_psa.mem_cache.request_kv import TieredRequests
 from sglang_psa.mem_cache.residency import AT_PAGE0
+from sglang_psa.mem_cache.writeback import to_device
 from sglang_psa.releases import has, req_protected_len, req_row, req_salt
 
 BACKEND = "psa"
@@ -125,6 +126,11 @@ class _HbmOnly:
 
     def __getattr__(self, name):
         return getattr(self._alloc, name)
+
+
+# A node with more blocks leaving HBM at once than this gets its page-0 entries in one
+# indexed write (~6 launches) instead of a slice write a block.
+_SLICE_WRITES = 6
 
 
 class PsaRadixCache(RadixCache):
@@ -631,11 +637,20 @@ class PsaRadixCache(RadixCache):
         """Residency gave back pages the tree held: `entries`, `((node, k), host id)`,
         block `k` of `node` is at page 0 from now on, read from the host tier at that id;
         the requests `rids` have blocks at page 0 (their inserts look for them)."""
-        ps, page0 = self.page_size, None
+        ps, by_node, page0 = self.page_size, {}, None
+        for (node, k), _ in entries:
+            by_node.setdefault(id(node), (node, []))[1].append(k)
+        for node, ks in by_node.values():  # (every node's value: one dtype, one device)
+            v = node.value
+            if page0 is None:
+                page0 = torch.arange(ps, dtype=v.dtype, device=v.device)
+            if len(ks) <= _SLICE_WRITES:  # a launch a block
+                for k in ks:
+                    v[k * ps : (k + 1) * ps] = page0
+            else:  # a prompt's many blocks: one indexed write (a few launches)
+                at = (to_device(ks, v.device)[:, None] * ps + page0.long()).flatten()
+                v[at] = page0.repeat(len(ks))
         for (node, k), h in entries:
-            if page0 is None:  # (every node's value: one dtype, one device)
-                page0 = torch.arange(ps, dtype=node.value.dtype, device=node.value.device)
-            node.value[k * ps : (k + 1) * ps] = page0
             if node.psa_host is None:
                 node.psa_host = [None] * (len(node.key) // ps)
             assert node.psa_host[k] is None and h not in self._host_nodes, h

@@ -1069,6 +1069,28 @@ def test_one_eviction_of_several_requests_equals_evicting_them_in_turn(order):
         assert one.alloc.available_size() == turn.alloc.available_size()
 
 
+def test_many_blocks_of_one_tree_node_leave_hbm_in_one_write():
+    """Nine blocks of a prompt the tree holds in one node leave HBM at once (as a new
+    chunk's room is made): the node's entries of exactly those blocks go to page 0 (one
+    indexed write, `_SLICE_WRITES`), the row equals the tree's path (`check`), the rest
+    keep their pages."""
+    with _store() as s:
+        a = s.arrive("a", list(range(500, 500 + 14 * BS)) + [1, 2])
+        s.match(a), s.admit(a), s.prefill(a)
+        s.ack()
+        node = a.last_node
+        assert s.tiered.records["a"].saved == 14 and len(node.key) == 14 * BS
+        before = node.value.clone()
+        gone = [1, 2, 3, 5, 6, 8, 9, 11, 12]
+        assert len(gone) > psa_radix_cache._SLICE_WRITES
+        assert s.res.evict("a", gone, s.alloc) == len(gone) * BS
+        s.check()
+        for b in range(14):
+            got = node.value[b * BS : (b + 1) * BS]
+            want = torch.arange(BS) if b in gone else before[b * BS : (b + 1) * BS]
+            assert torch.equal(got, want.to(got.dtype)), b
+
+
 def test_a_host_run_the_tree_holds_at_page_0_is_computed_again_into_the_tree():
     """With a minimum above every host run: a and b share a's prompt through the tree,
     residency takes blocks 1 and 2 off HBM (the tree's entries at page 0), both finish. c's
