@@ -403,9 +403,9 @@ class Residency:
         self.ws.copy_rows(pages, host + self.page_rows)
         self.wb.read_many_from_host({q.rid: blocks for q, blocks in holders.values()})
         freed = self.req_to_token[
-            rows.repeat_interleave(bs), (cols[:, None] + self._offsets).flatten()
+            rows[:, None].expand(-1, bs).flatten(), (cols[:, None] + self._offsets).flatten()
         ]
-        h_rows = flat[3 * n : 3 * n + m].repeat_interleave(bs)
+        h_rows = flat[3 * n : 3 * n + m, None].expand(-1, bs).flatten()
         h_cols = (flat[3 * n + m :, None] + self._offsets).flatten()
         self.req_to_token[h_rows, h_cols] = (h_cols % bs).to(self.req_to_token.dtype)  # page 0
         if self.sharing is not None:
