@@ -509,6 +509,7 @@ def server_info_digest(info: dict | None) -> dict | None:
         "memory_usage": state.get("memory_usage"),
         "psa": state.get("psa"),
         "psa_host_timing": state.get("psa_host_timing"),
+        "psa_plugin_timing": state.get("psa_plugin_timing"),
         "psa_host_profile": state.get("psa_host_profile"),
     }
 
@@ -559,6 +560,22 @@ def host_loop(before: dict | None, after: dict | None, min_iterations: int = 10)
         row["host_ms"] = ms["iteration"] - ms["gpu_wait"]
         out[size] = row
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def plugin_time(before: dict | None, after: dict | None) -> dict:
+    """The plugin's own host time in the scheduler loop over the window between two
+    server-info digests (`psa_plugin_timing`): per entry point (a hook less SGLang's part
+    of it, or a plugin function; `serving.*` are parts of the hooks' times), its calls and
+    milliseconds in all, largest first. {} where the servers did not time their loops."""
+    a = (after or {}).get("psa_plugin_timing") or {}
+    b = (before or {}).get("psa_plugin_timing") or {}
+    out = {}
+    for name, sums in a.items():
+        prev = b.get(name, {})
+        n = sums["n"] - prev.get("n", 0)
+        if n > 0:
+            out[name] = {"calls": n, "ms": 1e3 * (sums["s"] - prev.get("s", 0.0))}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 def host_profile(before: dict | None, after: dict | None, loop: dict, top: int = 20) -> dict:

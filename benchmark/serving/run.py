@@ -624,6 +624,11 @@ def measure(
             f"{h['schedule_ms']:.2f}, launch {h['launch_ms']:.2f}, results "
             f"{h['results_ms']:.2f}, other {h['other_ms']:.2f}), GPU wait "
             f"{h['gpu_wait_ms']:.2f}")  # fmt: skip
+    rec["plugin_time"] = analysis.plugin_time(rec["server_info_before"], rec["server_info_after"])
+    if rec["plugin_time"]:
+        top = ", ".join(f"{k} {v['ms'] / 1e3:.2f} s ({v['calls']} calls)"
+                        for k, v in list(rec["plugin_time"].items())[:8])  # fmt: skip
+        log(f"{w.name}/{name}: the plugin's own host time in the scheduler loop: {top}")
     prof = analysis.host_profile(
         rec["server_info_before"], rec["server_info_after"], rec["host_loop"]
     )

@@ -54,6 +54,7 @@ from sglang_psa.mem_cache.request_kv import TieredRequests
 from sglang_psa.mem_cache.residency import AT_PAGE0
 from sglang_psa.mem_cache.writeback import to_device
 from sglang_psa.releases import has, req_protected_len, req_row, req_salt
+from sglang_psa.sched.host_timing import timed
 
 BACKEND = "psa"
 
@@ -281,7 +282,13 @@ class PsaRadixCache(RadixCache):
 
     # -- the scheduler's calls ----------------------------------------------------------
     def match_prefix(self, params) -> MatchResult:
-        res = super().match_prefix(params)
+        return self._match_host(params, super().match_prefix(params))
+
+    @timed("match_prefix")
+    def _match_host(self, params, res: MatchResult) -> MatchResult:
+        """`match_prefix`'s own part: SGLang's tree matched `res`; the prefix index extends
+        it with blocks held in the host tier (every queued prompt is matched each round
+        SGLang offers its queue)."""
         req = params.req
         if self.disable or req is None:
             return res

@@ -72,5 +72,6 @@ def server_info(internal_state: dict) -> None:
     the loop's profile when that is on too."""
     if _ON:
         internal_state["psa_host_timing"] = TIMING.snapshot()
+        internal_state["psa_plugin_timing"] = TIMING.plugin_snapshot()
     if PROFILE is not None:
         internal_state["psa_host_profile"] = PROFILE.snapshot()

@@ -40,6 +40,7 @@ from sglang_psa import releases
 from sglang_psa.plugin import host_timing
 from sglang_psa.releases import req_prefix_len, req_row
 from sglang_psa.sched import prefill_budget
+from sglang_psa.sched.host_timing import own_time, timed
 from sglang_psa.sched.process import current
 from sglang_psa.sched.serving import PSAServing
 
@@ -51,6 +52,7 @@ def _serving() -> PSAServing | None:
     return None if process is None else process.serving
 
 
+@own_time("admit")
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):
     serving = _serving()
     if serving is None:
@@ -185,6 +187,7 @@ def _shift_offsets(adder, tokens: int) -> None:
         releases.write(adder, key, releases.read(adder, key) + tokens)
 
 
+@own_time("admit_chunk")
 def around_add_chunked_req(original, adder, req):
     """The next chunk of a prompt larger than HBM (tiered home): give back pages of saved
     blocks, its own first, until the chunk fits, and size it to the pages free (SGLang
@@ -276,6 +279,7 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
     return prefill_budget.room_needed(short, strict)
 
 
+@own_time("decode_check")
 def around_check_decode_mem(original, batch, selected_indices=None):
     serving = _serving()
     if serving is None:
@@ -328,6 +332,7 @@ def around_apply_war_barrier(original, scheduler):
     return original(scheduler)
 
 
+@timed("plan_extend")
 def after_prepare_for_extend(result, batch):
     """An extend batch is set up (its requests' lengths after it are known on the host):
     parked requests resume in their rows, the write-back plans the blocks it completes,
@@ -339,6 +344,7 @@ def after_prepare_for_extend(result, batch):
     return result
 
 
+@own_time("decode_alloc")
 def around_alloc_for_decode(original, batch, token_per_req):
     """Under `--sparse-mode` the paged decode allocation is one launch
     (`mem_cache.decode_alloc`); where that does not apply, or the pool lacks the pages,
@@ -354,6 +360,7 @@ def around_alloc_for_decode(original, batch, token_per_req):
     return original(batch, token_per_req)
 
 
+@timed("plan_decode")
 def after_prepare_for_decode(result, batch):
     """A decode batch is set up: the write-back plans the blocks earlier steps completed
     (and takes the copy engine's acknowledgements)."""
@@ -363,6 +370,7 @@ def after_prepare_for_decode(result, batch):
     return result
 
 
+@own_time("release_pages")
 def around_release_page_ids(original, allocator, *page_ids):
     """Tiered home: a request's table entries of blocks whose pages were given back point
     at page 0 (SGLang's padding page, never allocated); it is dropped from every release
@@ -375,6 +383,7 @@ def around_release_page_ids(original, allocator, *page_ids):
     return original(allocator, *page_ids)
 
 
+@own_time("release")
 def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     """A finished request is forgotten; a retracted one (SGLang releases it uninserted,
     unfinished: `is_insert`, from 0.5.23 on `checkpoint`, false) keeps its history for

@@ -10,15 +10,22 @@ the GPU's share), `results` (processing them: tokens, finish checks, streaming) 
 rest (receiving requests). An iteration counts under the batch it launched; `gpu_wait`
 and `results` under the batch they processed (in a steady decode, the same kind).
 
+Inside the phases, the plugin's own scheduler work is timed by entry point (`timed`: the
+tiered home's `make_room`, `refresh`, admission, the prefix match's own part, ...), so
+that a phase's time splits into the plugin's and SGLang's without the sampling
+profiler's cost to the loop.
+
 Contract: `TIMING.snapshot()` gives cumulative sums (seconds, iterations) per
 `"<kind>/<batch size>"` (kind: decode, extend, idle), for `/get_server_info`
-(`internal_states[0].psa_host_timing`); a client takes the difference of two. Host-only
-and sync-free except `gpu_wait`, which times the synchronize SGLang itself does first
-when it processes a decode batch's results.
+(`internal_states[0].psa_host_timing`); `TIMING.plugin_snapshot()` cumulative calls and
+seconds per plugin entry point (`psa_plugin_timing`); a client takes the difference of
+two. Host-only and sync-free except `gpu_wait`, which times the synchronize SGLang itself
+does first when it processes a decode batch's results.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -47,6 +54,7 @@ class HostTiming:
         self.sums: dict[str, dict[str, float]] = {}
         self._started: float | None = None
         self._launched = "idle/0"
+        self.plugin_sums: dict[str, dict[str, float]] = {}  # entry point -> calls, seconds
 
     def add(self, key: str, phase: str, seconds: float) -> None:
         entry = self.sums.setdefault(key, {"n": 0} | {f"{p}_s": 0.0 for p in PHASES})
@@ -71,5 +79,68 @@ class HostTiming:
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {k: dict(v) for k, v in sorted(self.sums.items())}
 
+    def add_plugin(self, name: str, seconds: float) -> None:
+        entry = self.plugin_sums.setdefault(name, {"n": 0, "s": 0.0})
+        entry["n"] += 1
+        entry["s"] += seconds
+
+    def plugin_snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in sorted(self.plugin_sums.items())}
+
 
 TIMING = HostTiming()
+
+
+def timed(name: str, on: bool | None = None):
+    """Decorator: the calls of a plugin function the scheduler loop runs, and their host
+    seconds, under `name` in `TIMING.plugin_sums`, when the loop is timed
+    (`SGLANG_PSA_HOST_TIMING=1` when the module is imported, or `on`); otherwise the
+    function itself, untouched."""
+
+    def deco(f):
+        if not (enabled() if on is None else on):
+            return f
+
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            t0 = TIMING.clock()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                TIMING.add_plugin(name, TIMING.clock() - t0)
+
+        return wrapper
+
+    return deco
+
+
+def own_time(name: str, on: bool | None = None):
+    """`timed` for an `around_*` hook `hook(original, *args)`: its own host seconds, less
+    the time inside SGLang's `original` (so that a phase splits into the plugin's time
+    and SGLang's)."""
+
+    def deco(hook):
+        if not (enabled() if on is None else on):
+            return hook
+
+        @functools.wraps(hook)
+        def wrapper(original, *args, **kwargs):
+            inner = 0.0
+
+            def sglangs(*a, **k):
+                nonlocal inner
+                t = TIMING.clock()
+                try:
+                    return original(*a, **k)
+                finally:
+                    inner += TIMING.clock() - t
+
+            t0 = TIMING.clock()
+            try:
+                return hook(sglangs, *args, **kwargs)
+            finally:
+                TIMING.add_plugin(name, TIMING.clock() - t0 - inner)
+
+        return wrapper
+
+    return deco

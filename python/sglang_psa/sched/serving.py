@@ -28,6 +28,7 @@ from sglang_psa.distributed import RankAgreement
 from sglang_psa.releases import has, read, req_row
 from sglang_psa.sched.admission import AdmissionController, Candidate, SharedPrefix
 from sglang_psa.sched.estimates import WorkingSetTracker, always_attended_units
+from sglang_psa.sched.host_timing import timed
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +298,7 @@ class PSAServing:
         stats.admitted -= 1  # counters read as if the attempt never happened
 
     # -- decode steps -------------------------------------------------------------
+    @timed("serving.flush_step")
     def flush_step(self, reqs: Sequence) -> None:
         """Record the working-set sizes the GPU last published (before the next step), on
         the first step with running requests and every `RECORD_EVERY_STEPS` after. A
@@ -374,6 +376,7 @@ class PSAServing:
             return True
         return ctl.used_by(rids) <= ctl.capacity_units
 
+    @timed("serving.make_room")
     def make_room(self, reqs, tokens: int, allocator, cache_first: int = 0) -> int:
         """Tiered home: give back HBM pages of `reqs`' saved blocks until `tokens` more
         tokens fit in SGLang's allocator, the first `cache_first` from the unit cache
@@ -410,11 +413,13 @@ class PSAServing:
             res.sync_prefix(req)
         return int(allocator.available_size())
 
+    @timed("serving.refresh")
     def refresh(self, reqs, allocator) -> int:
         """Tiered home: the unit cache takes spare pages and brings in the host units the
         last step read; returns the pages it took."""
         return 0 if self.residency is None else self.residency.refresh(reqs, allocator)
 
+    @timed("serving.retry_queue")
     def retry_queue(self, reqs) -> bool:
         """Whether SGLang's scheduler, stopped from offering its queue to the adder after a
         refusal (`batch_is_full`, which SGLang lifts only when a request leaves), should

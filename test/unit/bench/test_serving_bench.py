@@ -2350,6 +2350,24 @@ def test_host_loop_is_the_windows_time_per_decode_iteration_by_phase():
     assert analysis.host_loop(None, after)["32"]["iterations"] == 300
 
 
+def test_plugin_time_is_the_windows_calls_and_time_by_entry_point_largest_first():
+    before = {
+        "psa_plugin_timing": {"decode_check": {"n": 10, "s": 0.01}, "admit": {"n": 1, "s": 0.5}}
+    }
+    after = {
+        "psa_plugin_timing": {
+            "decode_check": {"n": 210, "s": 0.31},  # 200 calls, 300 ms
+            "admit": {"n": 1, "s": 0.5},  # none in the window
+            "match_prefix": {"n": 40, "s": 0.02},  # new in the window
+        }
+    }
+    got = analysis.plugin_time(before, after)
+    assert list(got) == ["decode_check", "match_prefix"]
+    assert got["decode_check"] == {"calls": 200, "ms": pytest.approx(300.0)}
+    assert got["match_prefix"] == {"calls": 40, "ms": pytest.approx(20.0)}
+    assert analysis.plugin_time(None, {"psa_plugin_timing": None}) == {}
+
+
 def test_a_merged_result_keeps_the_machine_summary_not_the_raw_samples():
     raw = {"period_s": 0.1, "threads": {"1/1 x/x": {"t": [1.0], "pct": [99.0], "cpu": [0]}}}
     run = {"metrics": {"machine": {"util_pct": 80.0}}, "machine_samples": raw}

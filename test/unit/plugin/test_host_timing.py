@@ -119,9 +119,11 @@ def test_off_the_hooks_pass_through_and_report_nothing(monkeypatch):
 def test_server_info_carries_the_sums_in_a_plain_server_too(timing, monkeypatch):
     t, clock = timing
     t.add("decode/4", "launch", 0.25)
+    t.add_plugin("decode_check", 0.125)
     monkeypatch.setattr(scheduling, "_serving", lambda: None)  # no --sparse-mode
     out = scheduling.after_get_internal_state(SimpleNamespace(internal_state={}), None, None)
     assert out.internal_state["psa_host_timing"]["decode/4"]["launch_s"] == 0.25
+    assert out.internal_state["psa_plugin_timing"] == {"decode_check": {"n": 1, "s": 0.125}}
     assert "psa" not in out.internal_state
 
 
@@ -130,3 +132,36 @@ def test_batch_keys():
     assert host_timing.batch_key(batch("decode", 7)) == "decode/7"
     assert host_timing.batch_key(batch("extend", 2)) == "extend/2"
     assert host_timing.batch_key(batch("idle", 5)) == "idle/0"
+
+
+def test_a_hooks_own_time_leaves_out_sglangs_and_a_timed_function_counts_whole(monkeypatch):
+    """The plugin's share of a phase (`psa_plugin_timing`): an `around_*` hook's time less
+    the time inside SGLang's `original` (also when that raises), a plain function's whole;
+    off, both are the functions themselves."""
+    clock = Clock()
+    t = host_timing.HostTiming(clock)
+    monkeypatch.setattr(host_timing, "TIMING", t)
+
+    def sglang(x):
+        clock.advance(5e-3)
+        if x < 0:
+            raise ValueError(x)
+        return x + 1
+
+    def hook(original, x):
+        clock.advance(2e-3)  # the plugin's work before
+        out = original(x)
+        clock.advance(1e-3)  # ... and after
+        return out
+
+    timed_hook = host_timing.own_time("admit", on=True)(hook)
+    assert timed_hook(sglang, 1) == 2
+    with pytest.raises(ValueError):
+        timed_hook(sglang, -1)  # 2 ms of its own, then SGLang's raised
+    plan = host_timing.timed("plan_decode", on=True)(lambda: clock.advance(4e-3))
+    plan()
+    got = t.plugin_snapshot()
+    assert got["admit"]["n"] == 2 and got["admit"]["s"] == pytest.approx(3e-3 + 2e-3)
+    assert got["plan_decode"] == {"n": 1, "s": pytest.approx(4e-3)}
+    assert host_timing.own_time("admit", on=False)(hook) is hook
+    assert host_timing.timed("plan_decode", on=False)(plan) is plan
