@@ -223,14 +223,15 @@ class Residency:
 
     @staticmethod
     def _readers(lengths, heat: dict, row: int, seq_len: int, upto: int) -> np.ndarray:
-        """Published readers of blocks `[0, upto)` of the request in `row` (`lengths`: the
-        measured length of each row, `ws.read()`'s; `heat`: `ws.heat()`); 255 where the
-        row was not measured for this request (read by every unit until it is)."""
+        """Published readers (uint8) of blocks `[0, upto)` of the request in `row`
+        (`lengths`: the measured length of each row, `ws.read()`'s; `heat`: `ws.heat()`);
+        255 where the row was not measured for this request (read by every unit until it
+        is). A view of the published heat where there is one."""
         measured = int(lengths[row])
         heat = heat.get(row)
         if heat is None or measured <= 0 or abs(seq_len - measured) > _STALE_TOKENS:
-            return np.full(upto, 255, dtype=np.int64)
-        return heat[:upto].astype(np.int64)
+            return np.full(upto, 255, dtype=np.uint8)
+        return heat[:upto]
 
     def _candidates(self, reqs) -> _Candidates:
         """The blocks of `reqs` that may leave HBM now (saved, past the sink, not recent,
@@ -254,7 +255,8 @@ class Residency:
             for (q, r), n in zip(live, spans)
         ]
         (heat,), (saved,) = self.agreement.max_min(
-            [np.concatenate(heat) if heat else np.zeros(0)], [[r.saved for _, r in live]]
+            [np.concatenate(heat).astype(np.int64) if heat else np.zeros(0, dtype=np.int64)],
+            [[r.saved for _, r in live]],
         )
         total = int(spans.sum())
         if total == 0:
@@ -263,7 +265,11 @@ class Residency:
         pos = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans)  # block number
         ok = (pos >= self.sink) & (pos < np.repeat(np.minimum(saved, spans), spans))
         gone = [
-            np.zeros(n, dtype=bool) if r.evicted is None else _padded(r.evicted, int(n))
+            np.zeros(n, dtype=bool)
+            if r.evicted is None
+            else r.evicted[:n]
+            if len(r.evicted) >= n
+            else _padded(r.evicted, int(n))
             for (_, r), n in zip(live, spans)
         ]
         ok &= ~np.concatenate(gone)
