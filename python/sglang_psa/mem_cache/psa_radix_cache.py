@@ -43,6 +43,7 @@ The page size is the PSA block size. The prefix index's namespace is the request
 from __future__ import annotations
 
 import contextlib
+from bisect import bisect_right
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchResult
@@ -604,11 +605,19 @@ class PsaRadixCache(RadixCache):
         # Before its first insert, a prefix's blocks after the tree's are at page 0.
         pre = req_protected_len(req) // ps
         waiting = None  # nodes on the paths of requests matched, not admitted
+        paths: dict = {}  # rid -> ids of the nodes on its path (walked once a call)
+
+        def on_path(rid, r) -> set:
+            ids = paths.get(rid)
+            if ids is None:
+                ids = paths[rid] = set(map(id, self._nodes(r.last_node)))
+            return ids
+
         for b in blocks:
             if b >= at:
                 out[b] = ([rec], AT_PAGE0 if b < pre else None)
                 continue
-            j = max(i for i, st in enumerate(starts) if st <= b)
+            j = bisect_right(starts, b) - 1  # the path node holding block b
             node, k, h = path[j], b - starts[j], rec.host[b]
             if node.psa_host is not None and node.psa_host[k] is not None:
                 out[b] = ([rec], AT_PAGE0)  # the tree has it at page 0: so has its row
@@ -626,11 +635,7 @@ class PsaRadixCache(RadixCache):
             holders = []
             for q in self.blocks.holders(h):
                 r = self._reqs.get(q.rid)
-                if (
-                    q.row is None
-                    or r is None
-                    or all(n is not node for n in self._nodes(r.last_node))
-                ):
+                if q.row is None or r is None or id(node) not in on_path(q.rid, r):
                     continue
                 if self.blocks.advance(q) <= b:
                     break
