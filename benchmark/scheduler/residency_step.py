@@ -20,7 +20,9 @@ the same calls at another commit (a git worktree, in a subprocess), on the same 
 the same run.
 
 Summary: `residency_host_ms_b50` (this commit, batch 50), `residency_host_ms_by_batch`,
-and with a baseline `residency_host_ms_b50_baseline`, `residency_speedup_b50`.
+and with a baseline `residency_host_ms_b50_baseline`, `residency_speedup_b50`. The data
+also time the whole decode-round hook (`hook`: `around_check_decode_mem` over the same
+stand-in, with nothing to evict).
 """
 
 from __future__ import annotations
@@ -115,8 +117,42 @@ def round_ms(batch: int, rounds: int, prompt: int = PROMPT) -> dict[str, float]:
     return out
 
 
+def hook_ms(batch: int, rounds: int, prompt: int = PROMPT) -> float:
+    """Mean host milliseconds of the whole decode-round hook
+    (`plugin.scheduling.around_check_decode_mem`: the residency calls, the queue retry,
+    the working-set record and check) at the tiered home over the stand-in, SGLang's own
+    check stubbed to "fits", no block short of a page (nothing to evict)."""
+    from sglang_psa.config import PSAConfig
+    from sglang_psa.plugin import scheduling
+    from sglang_psa.sched import process
+    from sglang_psa.sched.serving import BackendReadouts, PSAServing
+
+    s = stand_in(batch, prompt)
+    sizes, lengths = np.full(batch + 2, 500), np.full(batch + 2, prompt)
+    serving = PSAServing(
+        PSAConfig(kv_home="tiered"), layers=24, kv_heads=2, hbm_units=10**7,
+        host_tokens=10**8, readouts=BackendReadouts(measure=lambda: (sizes, lengths)),
+        residency=s.res, writeback=SimpleNamespace(records=s.records, reserve=lambda *a: True),
+    )  # fmt: skip
+    process.register(SimpleNamespace(serving=serving))
+    try:
+        for q in s.reqs:
+            assert serving.try_admit(q.rid, prompt, alone=False, max_new_tokens=1024)
+        free = 2 * batch * BLOCK  # the two pages a request the hook keeps free
+        alloc = SimpleNamespace(available_size=lambda: free, alloc=lambda n: None)
+        batch_ = SimpleNamespace(reqs=s.reqs, token_to_kv_pool_allocator=alloc, batch_is_full=True)
+        call = lambda: scheduling.around_check_decode_mem(lambda *a: True, batch_)  # noqa: E731
+        call()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            call()
+        return (time.perf_counter() - t0) / rounds * 1e3
+    finally:
+        process.register(None)
+
+
 def measure(rounds: int) -> dict[str, dict[str, float]]:
-    return {str(b): round_ms(b, rounds) for b in BATCHES}
+    return {str(b): round_ms(b, rounds) | {"hook": hook_ms(b, rounds)} for b in BATCHES}
 
 
 def at_revision(rev: str, rounds: int) -> dict:
@@ -153,7 +189,7 @@ def main(argv=None) -> None:
     ms = measure(args.rounds)
     base = at_revision(args.baseline_rev, args.rounds) if args.baseline_rev else None
     for b in map(str, BATCHES):
-        line = f"batch {b}: {ms[b]['round']:.2f} ms a round"
+        line = f"batch {b}: {ms[b]['round']:.2f} ms a round, the whole hook {ms[b]['hook']:.2f}"
         if base:
             line += f" (baseline {base['ms'][b]['round']:.2f} ms)"
         print(line, flush=True)
