@@ -445,20 +445,24 @@ class PsaRadixCache(RadixCache):
         gone = rec.evicted
         hashes = self.index.request_hashes(req.rid, blocks)
         table = self.req_to_token_pool.req_to_token
+        at: dict[int, tuple] = {}  # id(node) -> (node, host id -> its block in the node)
         for b in range(first, len(hashes)):
             h = self.index.get(hashes[b])
             node = None if h is None else self._host_nodes.get(h)
             if node is None or node.lock_ref or (gone is not None and b < len(gone) and gone[b]):
                 continue
-            k = node.psa_host.index(h)
+            if id(node) not in at:
+                at[id(node)] = (node, {i: k for k, i in enumerate(node.psa_host) if i is not None})
+            k = at[id(node)][1][h]
             node.value[k * ps : (k + 1) * ps] = table[row, b * ps : (b + 1) * ps]
             node.psa_host[k] = None
-            if not any(i is not None for i in node.psa_host):
-                node.psa_host = None
             del self._host_nodes[h]
             self._p0_evictable -= ps
             self._taken.add(b)
             self.requests.host_match_taken_tokens += ps
+        for node, _ in at.values():  # (a node with no block left at page 0 names none)
+            if all(i is None for i in node.psa_host):
+                node.psa_host = None
 
     def _after_insert(self, req, rec) -> None:
         """After SGLang's insert of running `req` (its lock moved to its new `last_node`):

@@ -265,11 +265,7 @@ class Residency:
         pos = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans)  # block number
         ok = (pos >= self.sink) & (pos < np.repeat(np.minimum(saved, spans), spans))
         gone = [
-            np.zeros(n, dtype=bool)
-            if r.evicted is None
-            else r.evicted[:n]
-            if len(r.evicted) >= n
-            else _padded(r.evicted, int(n))
+            np.zeros(n, dtype=bool) if r.evicted is None else _padded(r.evicted, int(n))
             for (_, r), n in zip(live, spans)
         ]
         ok &= ~np.concatenate(gone)
@@ -508,7 +504,10 @@ class _Candidates(NamedTuple):
 
 
 def _padded(gone: np.ndarray, n: int) -> np.ndarray:
-    """`gone[:n]`, padded with False to `n` (a request's evicted flags, by block)."""
+    """`gone[:n]`, padded with False to `n` (a request's evicted flags, by block); a view
+    where `gone` is that long (it is sized for the longest request)."""
+    if len(gone) >= n:
+        return gone[:n]
     out = np.zeros(n, dtype=bool)
     m = min(n, len(gone))
     out[:m] = gone[:m]
