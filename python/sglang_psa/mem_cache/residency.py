@@ -361,7 +361,7 @@ class Residency:
         request tables: a step that reads the tables at any point between scores and
         reads a complete copy. All requests' blocks move in one pass on the device (one
         copy to it, one launch per table, one free): a decode round's eviction reaches
-        many requests, and a pass each cost the scheduler's thread ~50 tensor operations
+        many requests, and a pass each costs the scheduler's thread ~58 tensor operations
         per request (benchmark/scheduler/evict_ops.py)."""
         plans = []  # (record, its blocks leaving HBM, who maps each)
         taken: set[tuple[int, int]] = set()  # (id(holder), block) switched by this call
