@@ -1,6 +1,6 @@
-"""Tensor operations a decode round's eviction costs the tiered home's scheduler.
+"""Tensor operations and host time an eviction costs the tiered home's scheduler.
 
-    python benchmark/scheduler/evict_ops.py [--out FILE]
+    python benchmark/scheduler/evict_ops.py [--out FILE] [--skip-time]
 
 At `--psa-kv-home tiered` blocks leave HBM in the scheduler's schedule phase
 (`Residency.make_room` and `refresh`, every decode round while HBM is short: about 9
@@ -14,18 +14,28 @@ store (SGLang's real allocator, request table and tree, the real write-back and
 residency; test/unit/mem_cache/test_psa_radix_cache.py), so it needs SGLang installed;
 counts, not times, are its result (CPU tensors launch nothing).
 
+It also times `Residency.make_room` (what a prefill chunk's admission and a short decode
+round call) at workload b's shape: 13 running requests of 28,000-token prompts in
+32-token blocks, every block saved and in the tree, random block heat, 64 and 512
+blocks made room for (about a few decode rounds' and a 16K-token chunk's), on this machine's CPU:
+the host part, which on the H200 ran ~1.9x slower (the serving stage's `python_loop_ms`).
+Setup prefills the 13 prompts through the store (~25 s).
+
 Summary: `ops_per_round_by_requests` ({N: {"per_request": ..., "one_call": ...}}),
 `ops_ratio_one_call_vs_per_request_4` (4 requests) and `ops_one_node_12_blocks` (12
 blocks of one tree node: a slice write a block against one indexed write, the default
-past `psa_radix_cache._SLICE_WRITES` blocks).
+past `psa_radix_cache._SLICE_WRITES` blocks); `make_room_ms_b13x28k` ({blocks: ms}).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,9 +102,67 @@ def node_ops(blocks: int, indexed: bool) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
+@contextlib.contextmanager
+def _shape(**values):
+    """The test store's module constants set to `values` for the block."""
+    import test_psa_radix_cache as t
+
+    old = {k: getattr(t, k) for k in values}
+    vars(t).update(values)
+    try:
+        yield t
+    finally:
+        vars(t).update(old)
+
+
+def make_room_ms(requests=13, prompt=28_000, blocks=(64, 512), reps=5) -> dict[str, float]:
+    """Median host milliseconds of `Residency.make_room` for each of `blocks` over
+    `requests` running requests of `prompt` tokens (32-token blocks, all saved, random
+    published heat: 0-48 readers a block), `reps` calls each in a row (each evicts the
+    next coldest blocks: the same work on other blocks)."""
+    import numpy as np
+    import torch
+
+    bs = 32
+    n = prompt // bs
+    out = {}
+    with _shape(BS=bs, CTX=prompt + 4 * bs, ROWS=requests + 3) as t:
+        cm = t._store(pages=requests * n + 64, host_blocks=requests * (n + 8) + 64)
+        s = cm.__enter__()
+        try:
+            s.check = lambda *a, **k: None  # the invariants are the tests' (seconds here)
+            reqs = []
+            for i in range(requests):
+                req = s.arrive(f"r{i}", [100_000 * i + j for j in range(prompt)])
+                s.match(req), s.admit(req), s.prefill(req)
+                req.seqlen = prompt
+                reqs.append(req)
+            s.ack()
+            rng = np.random.default_rng(0)
+            lengths = torch.zeros(requests + 3, dtype=torch.int32)
+            heat = {}
+            for r in reqs:
+                lengths[r.row] = prompt
+                heat[r.row] = rng.integers(0, 49, n + 8).astype(np.uint8)
+            s.res.ws.read, s.res.ws.heat = (lambda: (None, lengths)), (lambda: heat)
+            for k in blocks:
+                times = []
+                for _ in range(reps):
+                    # each rep evicts other blocks (the coldest left): same work, new blocks
+                    t0 = time.perf_counter()
+                    freed = s.res.make_room(reqs, k * bs, s.alloc)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    assert freed == k * bs, freed
+                out[str(k)] = statistics.median(times)
+        finally:
+            cm.__exit__(None, None, None)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "evict_ops.json"))
+    ap.add_argument("--skip-time", action="store_true", help="the counts only (seconds, not ~30)")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (kernel modules load with the store)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test" / "unit" / "mem_cache")]
@@ -108,7 +176,14 @@ def main(argv=None) -> None:
     node = {"slice_writes": node_ops(12, False), "indexed": node_ops(12, True)}
     print(f"12 blocks of one tree node: {node['slice_writes']} ops with a write a block, "
           f"{node['indexed']} with one indexed write")  # fmt: skip
+    timed = None if args.skip_time else make_room_ms()
+    if timed:
+        print(
+            "make_room at batch 13 x 28K: "
+            + ", ".join(f"{k} blocks {v:.2f} ms" for k, v in timed.items())
+        )
     summary = {
+        "make_room_ms_b13x28k": timed,
         "ops_per_round_by_requests": by,
         "ops_ratio_one_call_vs_per_request_4": by["4"]["one_call"] / by["4"]["per_request"],
         "ops_one_node_12_blocks": node,

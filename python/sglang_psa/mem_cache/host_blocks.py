@@ -4,7 +4,7 @@ reservations against it (`HostBlocks`)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -202,9 +202,10 @@ class HostBlocks:
         self._unheld(gone)
         return len(gone)
 
-    def holders(self, i: int) -> list[RequestKV]:
-        """The records holding host block `i` (none if it is kept or free)."""
-        return list(self._holders.get(i, ()))
+    def holders(self, i: int) -> Sequence[RequestKV]:
+        """The records holding host block `i` (none if it is kept or free): the live list,
+        not a copy (an eviction reads it for hundreds of blocks), so read it only."""
+        return self._holders.get(i, ())
 
     def keep(self, ids: Iterable[int]) -> None:
         """The keeper names `ids` (held, saved blocks of a prefix): once no request holds

@@ -131,8 +131,9 @@ class _HbmOnly:
 
 
 # A node with more blocks leaving HBM at once than this gets its page-0 entries in one
-# indexed write (~6 launches) instead of a slice write a block.
-_SLICE_WRITES = 6
+# indexed write (a copy of the block numbers to the device and the write) instead of a
+# slice write a block.
+_SLICE_WRITES = 2
 
 
 class PsaRadixCache(RadixCache):
@@ -610,42 +611,54 @@ class PsaRadixCache(RadixCache):
         pre = req_protected_len(req) // ps
         waiting = None  # nodes on the paths of requests matched, not admitted
         paths: dict = {}  # rid -> ids of the nodes on its path (walked once a call)
-
-        def on_path(rid, r) -> set:
-            ids = paths.get(rid)
-            if ids is None:
-                ids = paths[rid] = set(map(id, self._nodes(r.last_node)))
-            return ids
-
+        runs: dict = {}  # id(record) -> its saved run (`HostBlocks.advance`), once a call
+        # (a prompt's eviction asks hundreds of blocks: the loop reads each once, locally)
+        reqs, names, holders_of, advance = (
+            self._reqs,
+            self.index.names,
+            self.blocks.holders,
+            self.blocks.advance,
+        )
+        host = rec.host
         for b in blocks:
             if b >= at:
                 out[b] = ([rec], AT_PAGE0 if b < pre else None)
                 continue
             j = bisect_right(starts, b) - 1  # the path node holding block b
-            node, k, h = path[j], b - starts[j], rec.host[b]
+            node, k, h = path[j], b - starts[j], host[b]
             if node.psa_host is not None and node.psa_host[k] is not None:
                 out[b] = ([rec], AT_PAGE0)  # the tree has it at page 0: so has its row
                 continue
-            if not self.index.names(h):
+            if not names(h):
                 continue
             if waiting is None:
                 waiting = set()
-                for rid, r in self._reqs.items():
+                for rid, r in reqs.items():
                     q = self.requests.records.get(rid)
                     if q is None or q.row is None:
                         waiting.update(map(id, self._nodes(r.last_node)))
-            if id(node) in waiting:
+            nid = id(node)
+            if nid in waiting:
                 continue
-            holders = []
-            for q in self.blocks.holders(h):
-                r = self._reqs.get(q.rid)
-                if q.row is None or r is None or id(node) not in on_path(q.rid, r):
+            holders, mine = [], False
+            for q in holders_of(h):
+                r = reqs.get(q.rid)
+                if q.row is None or r is None:
                     continue
-                if self.blocks.advance(q) <= b:
+                ids = paths.get(q.rid)
+                if ids is None:
+                    ids = paths[q.rid] = set(map(id, self._nodes(r.last_node)))
+                if nid not in ids:
+                    continue
+                run = runs.get(id(q))
+                if run is None:
+                    run = runs[id(q)] = advance(q)
+                if run <= b:
                     break
                 holders.append(q)
+                mine = mine or q is rec
             else:
-                if len(holders) == node.lock_ref and any(q is rec for q in holders):
+                if mine and len(holders) == node.lock_ref:
                     out[b] = (holders, (node, k))
         return out
 
@@ -663,9 +676,8 @@ class PsaRadixCache(RadixCache):
             if len(ks) <= _SLICE_WRITES:  # a launch a block
                 for k in ks:
                     v[k * ps : (k + 1) * ps] = page0
-            else:  # a prompt's many blocks: one indexed write (a few launches)
-                at = (to_device(ks, v.device)[:, None] * ps + page0.long()).flatten()
-                v[at] = page0.repeat(len(ks))
+            else:  # a prompt's many blocks: one copy to the device, one indexed write
+                v.view(-1, ps)[to_device(ks, v.device)] = page0
         for (node, k), h in entries:
             if node.psa_host is None:
                 node.psa_host = [None] * (len(node.key) // ps)

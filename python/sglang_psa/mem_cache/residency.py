@@ -364,17 +364,17 @@ class Residency:
         many requests, and a pass each costs the scheduler's thread ~58 tensor operations
         per request (benchmark/scheduler/evict_ops.py)."""
         plans = []  # (record, its blocks leaving HBM, who maps each)
-        taken: set[tuple[int, int]] = set()  # (id(holder), block) switched by this call
+        taken: set[tuple[int, int]] = set()  # (id(holder), block) of shared pages switched
+        holders: dict[int, tuple[object, list[int]]] = {}  # id(record) -> its blocks here
         for rid, blocks in wanted.items():
             r = self.records.get(rid)
             if r is None or r.row is None:
                 continue
-            gone = r.evicted
-            blocks = [
-                b
-                for b in blocks
-                if b < r.saved and (gone is None or not gone[b]) and (id(r), b) not in taken
-            ]
+            blocks = [b for b in blocks if b < r.saved]
+            if r.evicted is not None and blocks:
+                blocks = [b for b, g in zip(blocks, r.evicted[blocks].tolist()) if not g]
+            if taken:
+                blocks = [b for b in blocks if (id(r), b) not in taken]
             if self.sharing is None:
                 at = {b: ([r], None) for b in blocks}
             else:
@@ -383,23 +383,32 @@ class Residency:
                 if marked:  # at page 0 for `r` since its match
                     self._read_at_page0(r, marked)
                 blocks = [b for b in blocks if b in at and at[b][1] != AT_PAGE0]
-            if blocks:
-                plans.append((r, blocks, at))
-                taken.update((id(q), b) for b in blocks for q in at[b][0])
+            if not blocks:
+                continue
+            plans.append((r, blocks, at))
+            mine = holders.setdefault(id(r), (r, []))[1]
+            for b in blocks:
+                who = at[b][0]
+                if len(who) == 1 and who[0] is r:  # its own page (most of a prompt's)
+                    mine.append(b)
+                    continue
+                for q in who:
+                    holders.setdefault(id(q), (q, []))[1].append(b)
+                    taken.add((id(q), b))
         if not plans:
             return 0
-        holders: dict[int, tuple[object, list[int]]] = {}  # id(record) -> its blocks here
-        for _, blocks, at in plans:
-            for b in blocks:
-                for q in at[b][0]:
-                    holders.setdefault(id(q), (q, []))[1].append(b)
         bs, dev = self.block_size, self.req_to_token.device
-        own = [(r.row, b * bs, r.host[b]) for r, blocks, _ in plans for b in blocks]
-        held = [(q.row, b * bs) for q, blocks in holders.values() for b in blocks]
-        n, m = len(own), len(held)
-        flat = to_device(
-            [x for t in zip(*own) for x in t] + [x for t in zip(*held) for x in t], dev
-        )
+        rows, cols, hosts = [], [], []
+        for r, blocks, _ in plans:
+            rows += [r.row] * len(blocks)
+            cols += [b * bs for b in blocks]
+            hosts += [r.host[b] for b in blocks]
+        h_rows, h_cols = [], []
+        for q, blocks in holders.values():
+            h_rows += [q.row] * len(blocks)
+            h_cols += [b * bs for b in blocks]
+        n, m = len(rows), len(h_rows)
+        flat = to_device(rows + cols + hosts + h_rows + h_cols, dev)
         rows, cols, host = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
         pages = self.req_to_token[rows, cols].long() // bs
         self.ws.copy_rows(pages, host + self.page_rows)
@@ -417,7 +426,7 @@ class Residency:
             )
         self._free(freed, allocator)
         self.cache.mark_evicted(host)
-        self.left_hbm[[h for _, _, h in own]] = True
+        self.left_hbm[hosts] = True
         for q, blocks in holders.values():
             self._mark(q, blocks)
         self.evictions += n
