@@ -619,7 +619,33 @@ class PsaRadixCache(RadixCache):
             self.blocks.holders,
             self.blocks.advance,
         )
-        host = rec.host
+
+        def run_of(q) -> int:
+            run = runs.get(id(q))
+            if run is None:
+                run = runs[id(q)] = advance(q)
+            return run
+
+        def holding(b: int, h: int, node) -> list | None:
+            """The requests mapping the page of block `b` (host id `h`) of `node`, if
+            the tree can switch them all; else None."""
+            holders, mine, nid = [], False, id(node)
+            for q in holders_of(h):
+                r = reqs.get(q.rid)
+                if q.row is None or r is None:
+                    continue
+                ids = paths.get(q.rid)
+                if ids is None:
+                    ids = paths[q.rid] = set(map(id, self._nodes(r.last_node)))
+                if nid not in ids:
+                    continue
+                if run_of(q) <= b:
+                    return None
+                holders.append(q)
+                mine = mine or q is rec
+            return holders if mine and len(holders) == node.lock_ref else None
+
+        host, alone = rec.host, [rec]  # (one list for its own pages: read only)
         for b in blocks:
             if b >= at:
                 out[b] = ([rec], AT_PAGE0 if b < pre else None)
@@ -637,29 +663,18 @@ class PsaRadixCache(RadixCache):
                     q = self.requests.records.get(rid)
                     if q is None or q.row is None:
                         waiting.update(map(id, self._nodes(r.last_node)))
-            nid = id(node)
-            if nid in waiting:
+            if id(node) in waiting:
                 continue
-            holders, mine = [], False
-            for q in holders_of(h):
-                r = reqs.get(q.rid)
-                if q.row is None or r is None:
-                    continue
-                ids = paths.get(q.rid)
-                if ids is None:
-                    ids = paths[q.rid] = set(map(id, self._nodes(r.last_node)))
-                if nid not in ids:
-                    continue
-                run = runs.get(id(q))
-                if run is None:
-                    run = runs[id(q)] = advance(q)
-                if run <= b:
-                    break
-                holders.append(q)
-                mine = mine or q is rec
+            if node.lock_ref == 1:
+                # `rec`'s lock alone: an admitted request on the node's path locks it, so
+                # no other maps the page (most of a prompt's blocks; `verify` checks it)
+                held = alone if run_of(rec) > b else None
+                if self.verify:
+                    assert held == holding(b, h, node), (rec.rid, b, "a lone holder's page")
             else:
-                if mine and len(holders) == node.lock_ref:
-                    out[b] = (holders, (node, k))
+                held = holding(b, h, node)
+            if held is not None:
+                out[b] = (held, (node, k))
         return out
 
     def left_hbm(self, entries: list, rids: list) -> None:
