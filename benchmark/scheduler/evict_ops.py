@@ -1,6 +1,6 @@
 """Tensor operations and host time an eviction costs the tiered home's scheduler.
 
-    python benchmark/scheduler/evict_ops.py [--out FILE] [--skip-time]
+    python benchmark/scheduler/evict_ops.py [--out FILE] [--skip-time] [--baseline-rev REV]
 
 At `--psa-kv-home tiered` blocks leave HBM in the scheduler's schedule phase
 (`Residency.make_room` and `refresh`, every decode round while HBM is short: about 9
@@ -24,7 +24,8 @@ Setup prefills the 13 prompts through the store (~25 s).
 Summary: `ops_per_round_by_requests` ({N: {"per_request": ..., "one_call": ...}}),
 `ops_ratio_one_call_vs_per_request_4` (4 requests) and `ops_one_node_12_blocks` (12
 blocks of one tree node: a slice write a block against one indexed write, the default
-past `psa_radix_cache._SLICE_WRITES` blocks); `make_room_ms_b13x28k` ({blocks: ms}).
+past `psa_radix_cache._SLICE_WRITES` blocks); `make_room_ms_b13x28k` ({blocks: ms}) and,
+with `--baseline-rev`, `make_room_ms_b13x28k_baseline` (that commit's, same CPU, same run).
 """
 
 from __future__ import annotations
@@ -159,15 +160,24 @@ def make_room_ms(requests=13, prompt=28_000, blocks=(64, 512), reps=5) -> dict[s
     return out
 
 
+def setup() -> None:
+    """What the store needs beside `sglang_psa` (here and in `--baseline-rev`'s run)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (kernel modules load with the store)
+    sys.path.insert(1, str(ROOT / "test" / "unit" / "mem_cache"))
+    if importlib.util.find_spec("torchvision") is None:  # as the tests do (test/conftest.py)
+        sys.path.append(str(ROOT / "test" / "stubs"))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "evict_ops.json"))
     ap.add_argument("--skip-time", action="store_true", help="the counts only (seconds, not ~30)")
+    ap.add_argument(
+        "--baseline-rev", help="also time make_room at this commit (same CPU, same run)"
+    )
     args = ap.parse_args(argv)
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # (kernel modules load with the store)
-    sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test" / "unit" / "mem_cache")]
-    if importlib.util.find_spec("torchvision") is None:  # as the tests do (test/conftest.py)
-        sys.path.insert(0, str(ROOT / "test" / "stubs"))
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+    setup()
     from sglang_psa.eval.results import write_result
 
     by = {str(n): {"per_request": ops(n, False), "one_call": ops(n, True)} for n in REQUESTS}
@@ -176,20 +186,31 @@ def main(argv=None) -> None:
     node = {"slice_writes": node_ops(12, False), "indexed": node_ops(12, True)}
     print(f"12 blocks of one tree node: {node['slice_writes']} ops with a write a block, "
           f"{node['indexed']} with one indexed write")  # fmt: skip
-    timed = None if args.skip_time else make_room_ms()
-    if timed:
-        print(
-            "make_room at batch 13 x 28K: "
-            + ", ".join(f"{k} blocks {v:.2f} ms" for k, v in timed.items())
-        )
+    timed = base = None
+    if not args.skip_time:
+        timed = make_room_ms()
+        print("make_room at batch 13 x 28K: " + _ms(timed))
+    if args.baseline_rev and not args.skip_time:
+        from benchmark.scheduler.revision import at_revision
+
+        imports = "from benchmark.scheduler import evict_ops as m; m.setup()"
+        base = at_revision(args.baseline_rev, "m.make_room_ms()", imports)
+        print(f"  at {base['rev'][:9]}: " + _ms(base["value"]))
     summary = {
         "make_room_ms_b13x28k": timed,
+        "make_room_ms_b13x28k_baseline": base and base["value"],
         "ops_per_round_by_requests": by,
         "ops_ratio_one_call_vs_per_request_4": by["4"]["one_call"] / by["4"]["per_request"],
         "ops_one_node_12_blocks": node,
     }
     data = {"blocks_per_request": 2, "requests": REQUESTS, "one_node_blocks": 12}
+    if base:
+        data["baseline_rev"] = base["rev"]
     print(write_result(Path(args.out), summary, data))
+
+
+def _ms(by_blocks: dict) -> str:
+    return ", ".join(f"{k} blocks {v:.2f} ms" for k, v in by_blocks.items())
 
 
 if __name__ == "__main__":

@@ -28,10 +28,7 @@ stand-in, with nothing to evict).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,39 +152,26 @@ def measure(rounds: int) -> dict[str, dict[str, float]]:
     return {str(b): round_ms(b, rounds) | {"hook": hook_ms(b, rounds)} for b in BATCHES}
 
 
-def at_revision(rev: str, rounds: int) -> dict:
-    """`measure` at commit `rev` (a temporary git worktree; this script runs there)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev],
-                       check=True)  # fmt: skip
-        try:
-            code = (
-                f"import sys, json; sys.path[:0] = [{str(tree / 'python')!r}, {str(ROOT)!r}]; "
-                "from benchmark.scheduler import residency_step as r; "
-                f"print(json.dumps(r.measure({rounds})))"
-            )
-            out = subprocess.run([sys.executable, "-c", code], cwd=tmp, check=True,
-                                 capture_output=True, text=True).stdout  # fmt: skip
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                           check=True)  # fmt: skip
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return {"rev": commit, "ms": json.loads(out.splitlines()[-1])}
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "residency_step.json"))
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--baseline-rev", help="also time this commit's residency (same CPU, same run)")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "python"))
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     from sglang_psa.eval.results import write_result
 
     ms = measure(args.rounds)
-    base = at_revision(args.baseline_rev, args.rounds) if args.baseline_rev else None
+    base = None
+    if args.baseline_rev:
+        from benchmark.scheduler.revision import at_revision
+
+        got = at_revision(
+            args.baseline_rev,
+            f"r.measure({args.rounds})",
+            "from benchmark.scheduler import residency_step as r",
+        )
+        base = {"rev": got["rev"], "ms": got["value"]}
     for b in map(str, BATCHES):
         line = f"batch {b}: {ms[b]['round']:.2f} ms a round, the whole hook {ms[b]['hook']:.2f}"
         if base:

@@ -1,0 +1,42 @@
+"""Run a measurement of this checkout against the plugin's code at another commit, on the
+same CPU in the same run (`--baseline-rev` of the scheduler benchmarks).
+
+Contract: `at_revision(rev, expr)` checks commit `rev` out into a temporary git worktree
+and evaluates the Python expression `expr` in a subprocess whose `sglang_psa` is that
+commit's (its `python/` first on `sys.path`) while the benchmark modules and test stores
+are this checkout's (`benchmark.scheduler.*`, `test/unit/mem_cache`); `expr`'s value must
+be JSON. Returns `{"rev": full commit, "value": the value}`. The worktree is removed
+afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def at_revision(rev: str, expr: str, imports: str = "") -> dict:
+    """`expr` evaluated against the plugin at commit `rev` (after the statements
+    `imports`, e.g. `from benchmark.scheduler import evict_ops as m`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev],
+                       check=True)  # fmt: skip
+        try:
+            paths = [str(tree / "python"), str(ROOT), str(ROOT / "test" / "unit" / "mem_cache")]
+            code = (
+                f"import sys, json; sys.path[:0] = {paths!r}; {imports}; print(json.dumps({expr}))"
+            )
+            out = subprocess.run([sys.executable, "-c", code], cwd=tmp, check=True,
+                                 capture_output=True, text=True).stdout  # fmt: skip
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                           check=True)  # fmt: skip
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True,
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return {"rev": commit, "value": json.loads(out.splitlines()[-1])}
