@@ -73,7 +73,9 @@ def stand_in(batch: int, prompt: int = PROMPT) -> SimpleNamespace:
     )  # fmt: skip
     host = SimpleNamespace(num_blocks=batch * blocks, refs=np.ones(batch * blocks, np.int32))
     wb = SimpleNamespace(records=records, blocks=host, host=None)
-    cfg = SimpleNamespace(block_size=BLOCK, sink_blocks=1, recent_blocks=1, cold_fraction=0.125)
+    cfg = SimpleNamespace(
+        block_size=BLOCK, sink_blocks=1, recent_blocks=1, cold_fraction=0.125, unit_cache_ways=8
+    )
     res = Residency(
         wb, SimpleNamespace(page_rows=100), ws, torch.zeros(batch + 2, prompt + 64),
         cfg, SimpleNamespace(size=1000 * BLOCK), None,

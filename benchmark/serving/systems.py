@@ -225,6 +225,23 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_prefix_ways16",
+            "psa_tiered_prefix with --psa-unit-cache-ways 16: twice the unit cache's slots per "
+            "set (half the sets), so fewer units read every step overflow a full set to the "
+            "host tier",
+            (
+                *_TIERED,
+                "--psa-writeback",
+                "uva",
+                "--radix-cache-backend",
+                "psa",
+                "--psa-unit-cache-ways",
+                "16",
+            ),
+            False,
+            True,
+        ),
+        System(
             "psa_tiered_ws4",
             "psa_tiered_uva with --psa-ws-window 4: admission counts the units read in the "
             "last 4 steps, what the unit cache keeps (12 by default admitted 9 of workload "

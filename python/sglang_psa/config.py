@@ -114,6 +114,10 @@ class PSAConfig:
     # becoming unit-cache slots for the units decode does read (0: blocks leave HBM
     # only when SGLang needs pages).
     cold_fraction: float = 0.125
+    # Tiered home: slots per set of the unit cache (a host unit may live only in its
+    # set's ways; a set with more units read than ways reads the rest from the host tier
+    # every step while they stay hot).
+    unit_cache_ways: int = 8
     # Tiered home with SGLang's tree on (`--radix-cache-backend psa`): a matched prefix
     # that goes on in the host tier for at least this many tokens is read from there (a
     # staged prefill, then decode reads those blocks from the host tier); a shorter run is
@@ -221,6 +225,11 @@ class PSAConfig:
             isinstance(self.cold_fraction, (int, float)) and 0.0 <= self.cold_fraction <= 1.0,
             "cold_fraction",
             "must be in [0, 1]",
+        )
+        need(
+            _is_int(self.unit_cache_ways) and 1 <= self.unit_cache_ways <= 64,
+            "unit_cache_ways",
+            "must be an integer in [1, 64]",
         )
         need(
             _is_int(self.host_prefix_min_tokens) and self.host_prefix_min_tokens >= 0,

@@ -44,7 +44,7 @@ def _state(heads, d, host_blocks, slots, ways, dev, seed):
     return {k: v.to(dev) for k, v in t.items()}, step, pages
 
 
-@pytest.mark.parametrize("heads,d,ways", [(2, 64, 8), (8, 128, 4), (4, 64, 8)])
+@pytest.mark.parametrize("heads,d,ways", [(2, 64, 8), (8, 128, 4), (4, 64, 8), (2, 64, 16)])
 def test_refresh_matches_reference(kernel_device, heads, d, ways):
     host_blocks, slots = 700, 96
     got, step, pages = _state(heads, d, host_blocks, slots, ways, kernel_device, heads * d)

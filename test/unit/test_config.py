@@ -28,6 +28,8 @@ def test_defaults_are_valid():
         ("wave_growth", 0.5, "--psa-wave-growth"),
         ("topk_tokens", 16, "--psa-topk-tokens"),
         ("kv_home", "disk", "--psa-kv-home"),
+        ("unit_cache_ways", 0, "--psa-unit-cache-ways"),
+        ("unit_cache_ways", 65, "--psa-unit-cache-ways"),
     ],
 )
 def test_invalid_value_names_its_field_and_flag(field, value, flag):

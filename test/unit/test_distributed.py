@@ -167,7 +167,9 @@ def _victims(agreement: RankAgreement, rank: int, readers_by_rank, saved_by_rank
     )
     r = RequestKV("a", host=list(range(10, 10 + n)), saved=saved_by_rank[rank], row=2)
     wb = SimpleNamespace(records={"a": r}, blocks=SimpleNamespace(num_blocks=64))
-    cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0)
+    cfg = SimpleNamespace(
+        block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0, unit_cache_ways=8
+    )
     res = Residency(
         wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg,
         SimpleNamespace(size=63 * bs), None,

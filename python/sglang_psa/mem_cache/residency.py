@@ -123,6 +123,7 @@ class Residency:
             (pool.size + self.block_size) // self.block_size,
             self.block_size,
             req_to_token.device,
+            ways=cfg.unit_cache_ways,
         )
         self.freeing = False  # inside our own free (no page 0 to drop)
         # Who else maps a block's HBM page: the `psa` radix cache, where SGLang's tree

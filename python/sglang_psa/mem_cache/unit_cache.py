@@ -18,7 +18,8 @@ State, all on the GPU (fixed shapes: `max_pages` slots per (layer, KV head)):
   blocks' units are cached, so a cached unit never goes stale: an evicted block
   is full and saved, and nothing writes it until its request ends).
 
-The cache is set-associative (`WAYS` slots per set, host block `hb` in set
+The cache is set-associative (`WAYS` slots per set by default, `--psa-unit-cache-ways`;
+host block `hb` in set
 `hb % sets`), so the refresh decides each set on its own: one launch per layer
 (`sgl_kernel_ext.unit_cache`) brings in every host unit the last step read that
 is not cached yet, into a way that is empty or whose unit no step read within
@@ -45,11 +46,12 @@ import logging
 import torch
 
 from sgl_kernel_ext.unit_cache import refresh_unit_cache
+from sglang_psa.config import PSAConfig
 from sglang_psa.mem_cache.writeback import to_device
 
 logger = logging.getLogger(__name__)
 
-WAYS = 8  # slots per set
+WAYS = PSAConfig.unit_cache_ways  # slots per set, by default
 KEEP = 4  # a cached unit read within this many steps stays
 
 
@@ -63,14 +65,16 @@ class UnitCache:
         block_size: int,
         device: torch.device | str,
         graph: bool = True,
+        ways: int = WAYS,
     ):
         """`graph`: on CUDA, replay the refresh from a CUDA graph (off: launch it each
-        round, as on the CPU)."""
+        round, as on the CPU); `ways`: slots per set (`--psa-unit-cache-ways`)."""
         dev = torch.device(device)
         self.layers, self.kv_heads, self.host_blocks = layers, kv_heads, host_blocks
         self.block_size = block_size
-        self.sets = max(1, max_pages // WAYS)
-        C = self.sets * WAYS
+        self.ways = ways
+        self.sets = max(1, max_pages // ways)
+        C = self.sets * ways
         LH = layers * kv_heads
         kw = dict(dtype=torch.int32, device=dev)
         self.cache_pages = torch.zeros(C, **kw)
@@ -95,7 +99,8 @@ class UnitCache:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def _slots(self, first: int, n: int) -> torch.Tensor:
-        slots = [(p % self.sets) * WAYS + p // self.sets for p in range(first, first + n)]
+        w = self.ways
+        slots = [(p % self.sets) * w + p // self.sets for p in range(first, first + n)]
         return to_device(slots, self.cache_pages.device)
 
     def layer(self, lid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +196,7 @@ class UnitCache:
                 pool.k_buffer[lid],
                 pool.v_buffer[lid],
                 step,
-                WAYS,
+                self.ways,
                 KEEP,
                 self.copied,
             )

@@ -82,6 +82,9 @@ _HELP = {
     "read lately by fewer than this fraction of its (layer, KV head) units leaves HBM too, "
     "its page holding single hot units of evicted blocks instead (0: only when SGLang "
     "needs pages)",
+    "unit_cache_ways": "with --psa-kv-home tiered: slots per set of the unit cache (a "
+    "host block's units may live only in its set's ways; more ways hold more of what "
+    "decode reads, at a longer refresh)",
     "host_prefix_min_tokens": "with --psa-kv-home tiered and --radix-cache-backend psa: a "
     "matched prefix going on in the host tier for at least this many tokens is read from "
     "there (staged prefill; decode reads those blocks from the host tier), a shorter run is "
@@ -109,6 +112,7 @@ ONLY_WITH = {
     "writeback": ("kv_home", "tiered"),
     "host_pool_gb": ("kv_home", "tiered"),
     "cold_fraction": ("kv_home", "tiered"),
+    "unit_cache_ways": ("kv_home", "tiered"),
     "host_prefix_min_tokens": ("kv_home", "tiered"),
     "topk_tokens": ("sparse_mode", "topk"),
     "code_bits": ("stop_rule", "certified"),

@@ -116,7 +116,9 @@ class _Store:
             layers=L, kv_heads=H, heat_blocks=CTX // BS, copy_rows=lambda p, r: None
         )
         meta = SimpleNamespace(page_rows=pages + 1)
-        cfg = SimpleNamespace(block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=0.0)
+        cfg = SimpleNamespace(
+            block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=0.0, unit_cache_ways=8
+        )
         rt = self.rtp.req_to_token
         self.res = Residency(self.wb, meta, ws, rt, cfg, self.pool, None)
         self.tiered = TieredRequests(self.wb, self.res, self.pool, rt, BS)

@@ -79,7 +79,9 @@ def _store(device: str = "cpu", **kw):
         layers=L, kv_heads=H, heat_blocks=CTX // BS, copy_rows=lambda pages, rows: None
     )
     meta = SimpleNamespace(page_rows=PAGES)
-    cfg = SimpleNamespace(block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=0.0)
+    cfg = SimpleNamespace(
+        block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=0.0, unit_cache_ways=8
+    )
     res = Residency(wb, meta, ws, pool.req_to_token, cfg, pool, None)
     reqs = TieredRequests(wb, res, pool, pool.req_to_token, BS)
     try:

@@ -33,7 +33,7 @@ class _Alloc:
         self.free += (tokens[::BS] // BS).tolist()
 
 
-def _residency(readers: list[int], cold_fraction: float = 0.0):
+def _residency(readers: list[int], cold_fraction: float = 0.0, ways: int = WAYS):
     heat = np.zeros(16, dtype=np.uint8)
     heat[: len(readers)] = readers
     lengths = torch.zeros(4, dtype=torch.int32)
@@ -53,8 +53,9 @@ def _residency(readers: list[int], cold_fraction: float = 0.0):
     blocks = SimpleNamespace(num_blocks=HB, refs=refs)
     wb = SimpleNamespace(records={"a": r}, blocks=blocks, host=None)
     cfg = SimpleNamespace(
-        block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=cold_fraction
-    )
+        block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=cold_fraction,
+        unit_cache_ways=ways,
+    )  # fmt: skip
     pool = SimpleNamespace(size=63 * BS)
     res = Residency(wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg, pool, None)
     return res, r
@@ -159,9 +160,19 @@ def test_the_last_release_drains_the_cache_and_forgets_its_units():
     assert res.zero_pending
 
 
-def test_shrink_uncaches_the_units_of_the_slots_it_drops():
-    c = UnitCache(LAYERS, HKV, 128, 4 * WAYS, BS, "cpu")
-    c.grow(torch.arange(1, 1 + 3 * WAYS))
+def test_the_unit_cache_has_the_configured_ways():
+    """`--psa-unit-cache-ways` reaches the cache: its sets hold that many slots, as many
+    slots in all (whole sets) as the pool has pages."""
+    for ways in (WAYS, 16):
+        cache = _residency([1, 2, 3], ways=ways)[0].cache
+        assert cache.ways == ways and cache.capacity == 64 // ways * ways
+
+
+@pytest.mark.parametrize("ways", [WAYS, 16])
+def test_shrink_uncaches_the_units_of_the_slots_it_drops(ways):
+    c = UnitCache(LAYERS, HKV, 4 * ways * LAYERS * HKV, 4 * ways, BS, "cpu", ways=ways)
+    assert c.sets == 4 and c.capacity == 4 * ways
+    c.grow(torch.arange(1, 1 + 3 * ways))
     slots = c._slots(0, c.pages).tolist()
     last_pages = sorted(int(c.cache_pages[s]) for s in slots[-5:])
     for i, slot in enumerate(slots):  # every slot of every (layer, head) holds a unit
@@ -169,7 +180,7 @@ def test_shrink_uncaches_the_units_of_the_slots_it_drops():
             hb = i * LAYERS * HKV + lh
             c.unit_slot[lh, hb], c.slot_unit[lh, slot] = slot, hb
     dropped = c.shrink(5)
-    assert dropped.numel() == 5 * BS and c.pages == 3 * WAYS - 5
+    assert dropped.numel() == 5 * BS and c.pages == 3 * ways - 5
     kept = set(c._slots(0, c.pages).tolist())
     for lh in range(LAYERS * HKV):
         live = {int(s) for s in c.unit_slot[lh, :-1] if s >= 0}
@@ -228,7 +239,9 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
     )  # fmt: skip
     blocks = SimpleNamespace(num_blocks=HB, refs=np.zeros(HB, dtype=np.int32))
     wb = SimpleNamespace(records=records, blocks=blocks, host=None)
-    cfg = SimpleNamespace(block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0.5)
+    cfg = SimpleNamespace(
+        block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0.5, unit_cache_ways=8
+    )
     res = Residency(
         wb, SimpleNamespace(page_rows=100), ws, torch.zeros(4, 64), cfg,
         SimpleNamespace(size=63 * bs), None,
