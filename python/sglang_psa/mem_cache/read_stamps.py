@@ -231,6 +231,13 @@ class ReadCounters:
         read, total, _ = (int(x) for x in self.stats.sum(0).tolist())
         return read, total
 
+    def by_layer(self) -> dict[str, list[int]]:
+        """Units decode read so far per layer: `read`, `readable` and `host` (read from the
+        host tier), each a list over the layers (syncs; server info only): where a layer
+        reads more than the unit cache holds for it, its host share shows it."""
+        read, total, host = self.stats.T.tolist()
+        return {"read": read, "readable": total, "host": host}
+
     def rank_totals(self) -> tuple[int, int]:
         """(rows ranked, rows in a kept-selection slot) by decode so far (syncs; server
         info only)."""

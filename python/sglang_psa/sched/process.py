@@ -171,6 +171,7 @@ def assemble(
             hbm_bytes,
             counters.coverage_report,  # None without --psa-audit-coverage
             counters.rank_totals if cfg.keeps_selection else None,
+            counters.by_layer,
         ),
         writeback=writeback,
         residency=residency,

@@ -65,6 +65,8 @@ class BackendReadouts:
     coverage: Callable[[], dict | None] | None = None
     # (rows that ranked, rows in a kept-selection slot) since start, synced: server info
     rank_totals: Callable[[], tuple[int, int]] | None = None
+    # Units read, readable and read from the host tier, per layer, synced: server info
+    reads_by_layer: Callable[[], dict[str, list[int]]] | None = None
 
 
 class PSAServing:
@@ -105,7 +107,7 @@ class PSAServing:
         r = readouts or BackendReadouts()
         self.measure, self.read_totals = r.measure, r.read_totals
         self.read_counts, self.hbm_bytes, self.coverage = r.read_counts, r.hbm_bytes, r.coverage
-        self.rank_totals = r.rank_totals
+        self.rank_totals, self.reads_by_layer = r.rank_totals, r.reads_by_layer
         self.writeback, self.residency, self.requests = writeback, residency, requests
         self.stage = stage
         # The dense prefill backends SGLang runs (`plugin.extend.after_hybrid_init` sets it
@@ -503,6 +505,7 @@ class PSAServing:
         readings."""
         ranked, slotted = self.rank_totals() if self.rank_totals else (None, None)
         out = {"rows_ranked": ranked, "rows_kept_slot": slotted}
+        out["reads_by_layer"] = self.reads_by_layer() if self.reads_by_layer else None
         if self.read_totals is None:
             keys = ("blocks_read_fraction", "blocks_read", "blocks_readable")
             return {**dict.fromkeys(keys), **out}

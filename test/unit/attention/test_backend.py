@@ -668,6 +668,11 @@ def test_kept_selection_ranks_every_interval_and_reads_the_kept_order_between(mo
     # server info counts the rows that ranked and the rows a kept selection served
     state = backend.process.serving.server_info({}, {})
     assert (state["rows_ranked"], state["rows_kept_slot"]) == (sum(map(sum, fresh_steps)), 24)
+    # and per layer what was read: summing to the totals, none from a host tier here
+    layers = state["reads_by_layer"]
+    assert len(layers["read"]) == len(layers["readable"]) == backend.ws.layers
+    assert sum(layers["read"]) == state["blocks_read"] > 0
+    assert sum(layers["readable"]) == state["blocks_readable"] and not any(layers["host"])
     if mode == "psa":  # the rule stopped short of some rows' blocks, and not everywhere alike
         kept_counts = torch.stack(budgets)
         assert (kept_counts > 0).any() and kept_counts.unique().numel() > 1
