@@ -42,6 +42,7 @@ from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.attention.coverage_audit import audit
 from sglang_psa.config import PSAConfig, PSAConfigError
 from sglang_psa.distributed import tp_rank
+from sglang_psa.sched.host_timing import timed
 from sglang_psa.sched.process import assemble
 
 logger = logging.getLogger(__name__)
@@ -280,6 +281,7 @@ class PSAAttnBackend(AttentionBackend):
         return super().shared_read_ends(fm)
 
     # -- prefill: metadata of the pages an extend wrote -------------------------------
+    @timed("extend_layer")
     def on_extend(self, layer, forward_batch) -> None:
         """After the dense prefill backend ran `layer` of an extend batch (its K/V are in
         SGLang's pool): compute the metadata of every page the extend wrote."""

@@ -45,6 +45,7 @@ from sglang_psa.mem_cache.transports.dma import DmaTransport
 from sglang_psa.mem_cache.transports.engine import EngineTransport
 from sglang_psa.mem_cache.transports.uva import UvaTransport
 from sglang_psa.releases import req_row
+from sglang_psa.sched.host_timing import timed
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -246,6 +247,7 @@ class WriteBack:
         """The forward about to run may overwrite pages an issued gather still reads."""
         self.transport.before_forward()
 
+    @timed("writeback.issue_extend_layer")
     def issue_extend_layer(
         self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor
     ) -> None:
@@ -264,6 +266,7 @@ class WriteBack:
             self._copy_meta(tables)
             self._extend_tables = None
 
+    @timed("writeback.issue_decode")
     def issue_decode(self, k_bufs, v_bufs, req_to_token: torch.Tensor, force: bool = False) -> None:
         """Before a decode step's replay: save the pending decode blocks of every layer,
         once at least `decode_flush_blocks` are pending (or `force`)."""
