@@ -1,0 +1,94 @@
+"""A model of the tiered home's host-tier reads at workload b: how many of the units decode
+reads miss the unit cache because a layer reads more blocks than the cache has pages
+(each page holds one slot per (layer, KV head)), and how many because a set's ways are
+full (`--psa-unit-cache-ways`). A prediction to check against the server's
+`reads_by_layer`, not a measurement.
+
+    python benchmark/studies/unit_cache_layers.py [--out FILE]
+
+Inputs: the per-layer shares of the blocks read from the certified-bound study
+(`results/archive/certified_bound_cpu_16k.json`, the true-mass oracle at ε 0.95, Qwen
+0.5B at 16K on CPU), scaled to b's measured mean read share (0.20) and capped at the read
+cap (0.5); b's batch on the H200 (13 requests of 875 blocks) and its unit cache (2,759
+pages of the pool's 3,077 at the sample with the fewest; `serving_h200.json`). Each
+(layer, KV head) reads a uniformly random set of that many host blocks, the same every
+step (a kept selection; no churn between rankings); the cache holds a unit where its
+set has a way for it (the layout of `mem_cache.unit_cache.UnitCache`: position `p` is
+way `p // sets` of set `p % sets`, host block `hb` in set `hb % sets`). Random blocks
+spread less evenly over the sets than a request's consecutive host blocks, so the ways'
+share is an upper estimate.
+
+Summary: `host_share_by_ways` ({ways: share of the units read that miss}),
+`capacity_share` (the part no number of ways removes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDY = ROOT / "benchmark" / "results" / "archive" / "certified_bound_cpu_16k.json"
+REQUESTS, BLOCKS, MEAN_READ, READ_CAP = 13, 875, 0.20, 0.5
+POOL_PAGES, CACHE_PAGES, KV_HEADS = 3077, 2759, 2
+
+
+def shares() -> np.ndarray:
+    """Per-layer shares of the blocks read, scaled to b's mean and capped."""
+    per_layer = json.loads(STUDY.read_text())["data"]["per_layer"]["oracle@0.95"]
+    f = np.asarray(per_layer["blocks_fraction"])
+    return np.minimum(READ_CAP, f * MEAN_READ / f.mean())
+
+
+def host_share(ways: int, f: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """(share of the units read that miss, of it the share past the cache's pages)."""
+    import torch
+
+    from sglang_psa.mem_cache.unit_cache import UnitCache
+
+    cache = UnitCache(1, 1, 1, POOL_PAGES, 32, "cpu", ways=ways)
+    slots = cache._slots(0, CACHE_PAGES)  # the positions the cache's pages fill
+    ways_in_set = torch.bincount(slots // ways, minlength=cache.sets).numpy()
+    rng = np.random.default_rng(seed)
+    blocks = REQUESTS * BLOCKS
+    read = missed = past = 0
+    for share in f:
+        for _ in range(KV_HEADS):
+            n = int(round(share * blocks))
+            hot = rng.choice(blocks, n, replace=False)
+            per_set = np.bincount(hot % cache.sets, minlength=cache.sets)
+            read += n
+            missed += int(np.maximum(per_set - ways_in_set, 0).sum())
+            past += max(0, n - CACHE_PAGES)
+    return missed / read, past / read
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "unit_cache_layers.json"))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "python"))
+    from sglang_psa.eval.results import write_result
+
+    f = shares()
+    by_ways, capacity = {}, None
+    for ways in (8, 16, 32, 64):
+        by_ways[str(ways)], capacity = host_share(ways, f)
+        print(f"{ways} ways: {by_ways[str(ways)]:.3f} of the units read miss "
+              f"({capacity:.3f} past the cache's pages)")  # fmt: skip
+    summary = {"host_share_by_ways": by_ways, "capacity_share": capacity}
+    data = {
+        "layer_read_shares": f.tolist(),
+        "requests": REQUESTS, "blocks_per_request": BLOCKS, "mean_read_share": MEAN_READ,
+        "pool_pages": POOL_PAGES, "cache_pages": CACHE_PAGES, "kv_heads": KV_HEADS,
+        "measured_host_share_b": [0.14, 0.17],
+    }  # fmt: skip
+    print(write_result(Path(args.out), summary, data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The unit-cache model's count of misses (benchmark/studies/unit_cache_layers.py):
+a layer reading more blocks than the cache has pages misses the excess whatever the
+ways; below that, only units beyond a full set's ways miss."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PATH = Path(__file__).resolve().parents[3] / "benchmark" / "studies" / "unit_cache_layers.py"
+spec = importlib.util.spec_from_file_location("unit_cache_layers", PATH)
+model = importlib.util.module_from_spec(spec)
+sys.modules["unit_cache_layers"] = model
+spec.loader.exec_module(model)
+
+
+def test_a_layer_past_the_pages_misses_its_excess_and_fuller_sets_miss_more():
+    blocks = model.REQUESTS * model.BLOCKS
+    heavy = np.array([0.5])  # 5,688 blocks a head against 2,759 pages
+    missed, past = model.host_share(8, heavy)
+    n = round(0.5 * blocks)
+    assert past == (n - model.CACHE_PAGES) / n
+    assert missed >= past  # the pages past capacity miss, and the full sets' overflow too
+    light = np.array([0.05])  # 569 a head: about 1.5 a set of 384
+    few, none_past = model.host_share(8, light)
+    assert none_past == 0 and 0 <= few < 0.01
+    assert model.host_share(64, light)[0] <= few
+
+
+def test_the_studys_shares_are_scaled_to_bs_mean_and_capped():
+    f = model.shares()
+    assert abs(f.mean() - model.MEAN_READ) < 0.02 and f.max() <= model.READ_CAP
+    assert len(f) == 24
