@@ -578,6 +578,28 @@ def plugin_time(before: dict | None, after: dict | None) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
+def layer_reads(before: dict | None, after: dict | None) -> list[dict]:
+    """Per layer over the window between two server-info digests (`psa.reads_by_layer`):
+    the share of its (layer, KV head, block) units decode read (`read_share`) and of
+    those the share read from the host tier (`host_share`, the tiered home's misses).
+    [] where the servers do not report it."""
+    a = ((after or {}).get("psa") or {}).get("reads_by_layer")
+    if not a:
+        return []
+    keys, n = ("read", "readable", "host"), len(a["read"])
+    b = ((before or {}).get("psa") or {}).get("reads_by_layer") or {}
+    prev = {k: b.get(k) or [0] * n for k in keys}
+    out = []
+    for i in range(n):
+        read, total, host = (a[k][i] - prev[k][i] for k in keys)
+        out.append({
+            "layer": i, "units_read": read,
+            "read_share": read / total if total else None,
+            "host_share": host / read if read else None,
+        })  # fmt: skip
+    return out
+
+
 def host_profile(before: dict | None, after: dict | None, loop: dict, top: int = 20) -> dict:
     """Where the scheduler loop's host time went, per decode batch size that `loop`
     (`host_loop`'s rows of the same window) times: the sampling profile's counts between

@@ -624,6 +624,12 @@ def measure(
             f"{h['schedule_ms']:.2f}, launch {h['launch_ms']:.2f}, results "
             f"{h['results_ms']:.2f}, other {h['other_ms']:.2f}), GPU wait "
             f"{h['gpu_wait_ms']:.2f}")  # fmt: skip
+    rec["layer_reads"] = analysis.layer_reads(rec["server_info_before"], rec["server_info_after"])
+    missed = [r for r in rec["layer_reads"] if r["host_share"]]
+    if missed:  # the tiered home: which layers' reads the unit cache missed
+        top = ", ".join(f"{r['layer']}: {r['host_share']:.2f} of {r['read_share']:.2f} read"
+                        for r in sorted(missed, key=lambda r: -r["host_share"])[:6])  # fmt: skip
+        log(f"{w.name}/{name}: layers reading most from the host tier: {top}")
     rec["plugin_time"] = analysis.plugin_time(rec["server_info_before"], rec["server_info_after"])
     if rec["plugin_time"]:
         top = ", ".join(f"{k} {v['ms'] / 1e3:.2f} s ({v['calls']} calls)"

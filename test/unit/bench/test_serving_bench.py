@@ -2368,6 +2368,16 @@ def test_plugin_time_is_the_windows_calls_and_time_by_entry_point_largest_first(
     assert analysis.plugin_time(None, {"psa_plugin_timing": None}) == {}
 
 
+def test_layer_reads_are_the_windows_shares_per_layer():
+    before = {"psa": {"reads_by_layer": {"read": [10, 0], "readable": [100, 100], "host": [5, 0]}}}
+    after = {"psa": {"reads_by_layer": {"read": [60, 20], "readable": [300, 300], "host": [15, 0]}}}
+    got = analysis.layer_reads(before, after)
+    assert got[0] == {"layer": 0, "units_read": 50, "read_share": 0.25, "host_share": 0.2}
+    assert got[1] == {"layer": 1, "units_read": 20, "read_share": 0.1, "host_share": 0.0}
+    assert analysis.layer_reads(None, after)[0]["host_share"] == 15 / 60  # since start
+    assert analysis.layer_reads(before, {"psa": {"reads_by_layer": None}}) == []
+
+
 def test_a_merged_result_keeps_the_machine_summary_not_the_raw_samples():
     raw = {"period_s": 0.1, "threads": {"1/1 x/x": {"t": [1.0], "pct": [99.0], "cpu": [0]}}}
     run = {"metrics": {"machine": {"util_pct": 80.0}}, "machine_samples": raw}
