@@ -19,7 +19,8 @@ spread less evenly over the sets than a request's consecutive host blocks, so th
 share is an upper estimate.
 
 Summary: `host_share_by_ways` ({ways: share of the units read that miss}),
-`capacity_share` (the part no number of ways removes).
+`capacity_share` (the part no number of ways removes), `host_share_layers_shared_8_ways`
+(the same with a set's positions shared by the layers: the proposed layout).
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def shares() -> np.ndarray:
     return np.minimum(READ_CAP, f * MEAN_READ / f.mean())
 
 
-def host_share(ways: int, f: np.ndarray, seed: int = 0) -> tuple[float, float]:
-    """(share of the units read that miss, of it the share past the cache's pages)."""
+def host_share(
+    ways: int, f: np.ndarray, seed: int = 0, shared: bool = False
+) -> tuple[float, float]:
+    """(share of the units read that miss, of it the share past the cache's pages). With
+    `shared`, the layout docs/prefix-tiered.md proposes: a set's positions are its pages
+    times the layers, per KV head, any layer's unit taking any of them."""
     import torch
 
     from sglang_psa.mem_cache.unit_cache import UnitCache
@@ -56,14 +61,21 @@ def host_share(ways: int, f: np.ndarray, seed: int = 0) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
     blocks = REQUESTS * BLOCKS
     read = missed = past = 0
-    for share in f:
-        for _ in range(KV_HEADS):
+    for h in range(KV_HEADS):
+        head_sets = np.zeros(cache.sets, dtype=np.int64)  # units of this head by set
+        for share in f:
             n = int(round(share * blocks))
             hot = rng.choice(blocks, n, replace=False)
             per_set = np.bincount(hot % cache.sets, minlength=cache.sets)
             read += n
-            missed += int(np.maximum(per_set - ways_in_set, 0).sum())
-            past += max(0, n - CACHE_PAGES)
+            if shared:
+                head_sets += per_set
+            else:
+                missed += int(np.maximum(per_set - ways_in_set, 0).sum())
+                past += max(0, n - CACHE_PAGES)
+        if shared:
+            missed += int(np.maximum(head_sets - ways_in_set * len(f), 0).sum())
+            past += max(0, int(head_sets.sum()) - CACHE_PAGES * len(f))
     return missed / read, past / read
 
 
@@ -80,7 +92,13 @@ def main(argv=None) -> None:
         by_ways[str(ways)], capacity = host_share(ways, f)
         print(f"{ways} ways: {by_ways[str(ways)]:.3f} of the units read miss "
               f"({capacity:.3f} past the cache's pages)")  # fmt: skip
-    summary = {"host_share_by_ways": by_ways, "capacity_share": capacity}
+    shared, _ = host_share(8, f, shared=True)
+    print(f"8 ways, a set's positions shared by the layers: {shared:.3f} miss")
+    summary = {
+        "host_share_by_ways": by_ways,
+        "capacity_share": capacity,
+        "host_share_layers_shared_8_ways": shared,
+    }
     data = {
         "layer_read_shares": f.tolist(),
         "requests": REQUESTS, "blocks_per_request": BLOCKS, "mean_read_share": MEAN_READ,

@@ -30,6 +30,15 @@ def test_a_layer_past_the_pages_misses_its_excess_and_fuller_sets_miss_more():
     assert model.host_share(64, light)[0] <= few
 
 
+def test_shared_positions_absorb_a_heavy_layer_in_the_light_layers_slots():
+    f = np.array([0.5] + [0.01] * 23)  # one layer past the pages, 23 nearly idle
+    missed, past = model.host_share(8, f)
+    assert past > 0.3 and missed >= past
+    assert model.host_share(8, f, shared=True) == (0.0, 0.0)  # 24 layers' slots for it
+    over = np.full(24, 0.5)  # every layer past the pages: sharing cannot help
+    assert model.host_share(8, over, shared=True)[1] == model.host_share(8, over)[1] > 0
+
+
 def test_the_studys_shares_are_scaled_to_bs_mean_and_capped():
     f = model.shares()
     assert abs(f.mean() - model.MEAN_READ) < 0.02 and f.max() <= model.READ_CAP
