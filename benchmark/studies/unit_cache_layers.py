@@ -61,7 +61,7 @@ def host_share(
     rng = np.random.default_rng(seed)
     blocks = REQUESTS * BLOCKS
     read = missed = past = 0
-    for h in range(KV_HEADS):
+    for _ in range(KV_HEADS):  # the heads read alike
         head_sets = np.zeros(cache.sets, dtype=np.int64)  # units of this head by set
         for share in f:
             n = int(round(share * blocks))
