@@ -17,8 +17,9 @@ counts, not times, are its result (CPU tensors launch nothing).
 It also times `Residency.make_room` (what a prefill chunk's admission and a short decode
 round call) at workload b's shape: 13 running requests of 28,000-token prompts in
 32-token blocks, every block saved and in the tree, random block heat, 64 and 512
-blocks made room for (about a few decode rounds' and a 16K-token chunk's), on this machine's CPU:
-the host part, which on the H200 ran ~1.9x slower (the serving stage's `python_loop_ms`).
+blocks made room for (about a few decode rounds' and a 16K-token chunk's), on this
+machine's CPU: the host part, which on the H200 ran ~1.9x slower (the serving stage's
+`python_loop_ms`).
 Setup prefills the 13 prompts through the store (~25 s).
 
 Summary: `ops_per_round_by_requests` ({N: {"per_request": ..., "one_call": ...}}),
@@ -59,6 +60,11 @@ def _store(n: int):
     return cm, s
 
 
+def _top_ops(prof) -> int:
+    """The top-level tensor operations (`aten::`) a profile recorded."""
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
 def ops(n: int, one_call: bool) -> int:
     """Top-level tensor operations of evicting blocks 1-2 of each of `n` requests."""
     from torch.profiler import ProfilerActivity, profile
@@ -74,7 +80,7 @@ def ops(n: int, one_call: bool) -> int:
         assert freed == 2 * n * s.res.block_size, freed
     finally:
         cm.__exit__(None, None, None)
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return _top_ops(prof)
 
 
 def node_ops(blocks: int, indexed: bool) -> int:
@@ -100,7 +106,7 @@ def node_ops(blocks: int, indexed: bool) -> int:
     finally:
         psa_radix_cache._SLICE_WRITES = keep
         cm.__exit__(None, None, None)
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return _top_ops(prof)
 
 
 @contextlib.contextmanager

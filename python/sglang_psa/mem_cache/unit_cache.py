@@ -19,12 +19,11 @@ State, all on the GPU (fixed shapes: `max_pages` slots per (layer, KV head)):
   is full and saved, and nothing writes it until its request ends).
 
 The cache is set-associative (`WAYS` slots per set by default, `--psa-unit-cache-ways`;
-host block `hb` in set
-`hb % sets`), so the refresh decides each set on its own: one launch per layer
-(`sgl_kernel_ext.unit_cache`) brings in every host unit the last step read that
-is not cached yet, into a way that is empty or whose unit no step read within
-the last `KEEP` steps, and copies its K and V from the host tier. No decision
-comes back to the host: the scheduler only knows how many pages the cache holds.
+host block `hb` in set `hb % sets`), so the refresh decides each set on its own: one
+launch per layer (`sgl_kernel_ext.unit_cache`) brings in every host unit the last step
+read that is not cached yet, into a way that is empty or whose unit no step read within
+the last `KEEP` steps, and copies its K and V from the host tier. No decision comes back
+to the host: the scheduler only knows how many pages the cache holds.
 
 On CUDA the refresh's launches (one per layer) are captured once into a CUDA graph
 and replayed every round after (its tensors never move): a Python launch per layer
