@@ -187,11 +187,12 @@ def bench_save(
 
 def bench_promote(layers: int, host_blocks: int, sizes: list[int], reps: int) -> dict:
     """The serving path's promotion: the unit cache's refresh (`UnitCache.refresh`, one
-    launch per layer) bringing host units (`HostKVPool`, pinned, read through UVA) into
-    empty slots, i.e. pages of SGLang's token-major pool. For `n` slots per (layer, KV
-    head), `n` host blocks are hot (read by the last step) and evicted, spread so that
-    every set gets as many as it has ways: one refresh copies `n` blocks' KV over all
-    layers and heads. GB/s for each `n` (the tables are reset between timed runs)."""
+    launch) bringing host units (`HostKVPool`, pinned, read through UVA) into empty
+    positions, i.e. pages of SGLang's token-major pool. For `n` cache pages (a position
+    per (layer, KV head) each), `n` host blocks are hot (read by the last step) in every
+    layer and evicted, spread so that every set gets as many as it has positions: one
+    refresh copies `n` blocks' KV over all layers and heads. GB/s for each `n` (the
+    tables are reset between timed runs)."""
     from sglang_psa.mem_cache.host_pool import HostKVPool
     from sglang_psa.mem_cache.unit_cache import WAYS, UnitCache
 
@@ -224,10 +225,10 @@ def bench_promote(layers: int, host_blocks: int, sizes: list[int], reps: int) ->
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         t = sorted(times[1:])[len(times[1:]) // 2]  # the median, after a warm-up run
-        slot = int(cache.unit_slot[(layers - 1) * H + 3, 5])
-        page = int(cache.cache_pages[slot])
-        got = pool.k_buffer[layers - 1][page * BS : (page + 1) * BS, 3].cpu()
-        ok = ok and slot >= 0 and torch.equal(got, host.k[layers - 1, 3, 5])
+        pos = int(cache.unit_slot[(layers - 1) * H + 3, 5])  # page slot, layer buffer
+        page = int(cache.cache_pages[pos // layers])
+        got = pool.k_buffer[pos % layers][page * BS : (page + 1) * BS, 3].cpu()
+        ok = ok and pos >= 0 and torch.equal(got, host.k[layers - 1, 3, 5])
         by_size[n] = {
             "blocks": n,
             "bytes": n * block_bytes,

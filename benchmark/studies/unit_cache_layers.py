@@ -1,8 +1,10 @@
 """A model of the tiered home's host-tier reads at workload b: how many of the units decode
-reads miss the unit cache because a layer reads more blocks than the cache has pages
-(each page holds one slot per (layer, KV head)), and how many because a set's ways are
-full (`--psa-unit-cache-ways`). A prediction to check against the server's
-`reads_by_layer`, not a measurement.
+reads miss the unit cache, with positions tied to their layer (the layout before shared
+positions: each page held one slot per (layer, KV head), so a layer reading more blocks
+than the cache has pages missed the excess whatever the ways) and with a set's positions
+shared by the layers (`mem_cache.unit_cache` now), by ways per set
+(`--psa-unit-cache-ways`). A prediction to check against the server's `reads_by_layer`,
+not a measurement.
 
     python benchmark/studies/unit_cache_layers.py [--out FILE]
 
@@ -13,14 +15,15 @@ cap (0.5); b's batch on the H200 (13 requests of 875 blocks) and its unit cache 
 pages of the pool's 3,077 at the sample with the fewest; `serving_h200.json`). Each
 (layer, KV head) reads a uniformly random set of that many host blocks, the same every
 step (a kept selection; no churn between rankings); the cache holds a unit where its
-set has a way for it (the layout of `mem_cache.unit_cache.UnitCache`: position `p` is
+set has a position for it (`mem_cache.unit_cache.UnitCache`'s fill order: page `p` is
 way `p // sets` of set `p % sets`, host block `hb` in set `hb % sets`). Random blocks
 spread less evenly over the sets than a request's consecutive host blocks, so the ways'
 share is an upper estimate.
 
 Summary: `host_share_by_ways` ({ways: share of the units read that miss}),
-`capacity_share` (the part no number of ways removes), `host_share_layers_shared_8_ways`
-(the same with a set's positions shared by the layers: the proposed layout).
+`capacity_share` (the part no number of ways removes), both with positions tied to their
+layer; `host_share_layers_shared_8_ways` (a set's positions shared by the layers: the
+layout built).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ def host_share(
     ways: int, f: np.ndarray, seed: int = 0, shared: bool = False
 ) -> tuple[float, float]:
     """(share of the units read that miss, of it the share past the cache's pages). With
-    `shared`, the layout docs/prefix-tiered.md proposes: a set's positions are its pages
-    times the layers, per KV head, any layer's unit taking any of them."""
+    `shared`, the unit cache's layout: a set's positions are its pages times the layers,
+    per KV head, any layer's unit taking any of them; without, positions tied to their
+    layer (the layout before)."""
     import torch
 
     from sglang_psa.mem_cache.unit_cache import UnitCache

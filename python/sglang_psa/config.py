@@ -114,9 +114,9 @@ class PSAConfig:
     # becoming unit-cache slots for the units decode does read (0: blocks leave HBM
     # only when SGLang needs pages).
     cold_fraction: float = 0.125
-    # Tiered home: slots per set of the unit cache (a host unit may live only in its
-    # set's ways; a set with more units read than ways reads the rest from the host tier
-    # every step while they stay hot).
+    # Tiered home: pages per set of the unit cache, each a position for every (layer, KV
+    # head) (a host unit may live only in its set's positions; a set with more units read
+    # than positions reads the rest from the host tier every step while they stay hot).
     unit_cache_ways: int = 8
     # Tiered home with SGLang's tree on (`--radix-cache-backend psa`): a matched prefix
     # that goes on in the host tier for at least this many tokens is read from there (a

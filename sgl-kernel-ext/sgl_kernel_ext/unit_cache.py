@@ -1,9 +1,15 @@
 """The unit cache's refresh, on the GPU: hot host units into HBM slots, cold ones out.
 
-One launch per layer, grid (KV head, set); each program decides its set's ways
-from the stamps the wave kernel wrote and copies the units it takes from the host
-tier (UVA reads) into their pages, so the scheduler never reads a decision back:
-fixed shape, no host sync. Spec and layout: `sglang_psa.algo.unit_cache.refresh_ref`.
+One launch for every layer, grid (KV head, set); each program decides its set's
+positions (shared by the layers) from the stamps the wave kernel wrote and copies
+the units it takes from the host tier (UVA reads) into their pages, so the
+scheduler never reads a decision back: fixed shape, no host sync. Spec and layout:
+`sglang_psa.algo.unit_cache.refresh_ref`.
+
+A program ranks its candidates (layer by layer, in (layer, host block) order) and
+its free positions (in position order) by prefix sums, leaves both lists in its own
+rows of `scratch`, and pairs the i-th candidate with the i-th free position: the
+sequential walk of the reference, in one pass over each.
 """
 
 from __future__ import annotations
@@ -26,64 +32,110 @@ def _refresh_kernel(
     host_v,
     pool_k,
     pool_v,
+    koff_ptr,
+    voff_ptr,
     step_ptr,
     copied_ptr,
+    scratch_ptr,
     stamp_stride,
     HB,
     C,
     sets,
     keep,
+    L,
+    H,
     pool_tok_stride,
     pool_head_stride,
-    host_head_stride,
     WAYS: tl.constexpr,
     CAND: tl.constexpr,
+    PP: tl.constexpr,
     BS: tl.constexpr,
     D: tl.constexpr,
 ):
     h = tl.program_id(0)
     s = tl.program_id(1)
     step = tl.load(step_ptr)
+    base = scratch_ptr + (h * sets + s).to(tl.int64) * (2 * PP)
     k = tl.arange(0, CAND)
     hb = s + k * sets
     m = hb < HB
-    live = tl.load(live_ptr + hb, mask=m, other=0) != 0
-    st = tl.load(stamps_ptr + h * stamp_stride + hb, mask=m & live, other=0)
-    cached = tl.load(uslot_ptr + h * (HB + 1) + hb, mask=m & live, other=-1) >= 0
-    score = tl.where(m & live & (~cached) & (st >= step) & (st > 0), st, -1)
-    tok = tl.arange(0, BS)
-    dim = tl.arange(0, D)
-    n = 0
-    # Most sets have no new candidate once the cache is warm: such a program stops after
-    # the scan, before the ways' loads and reductions and the shared counter's atomic
-    # (thousands of programs per layer).
-    if tl.max(score, axis=0) > 0:
-        for w in range(WAYS):
-            best = tl.max(score, axis=0)
-            if best > 0:
-                slot = s * WAYS + w
-                page = tl.load(pages_ptr + slot).to(tl.int64)
-                cur = tl.load(sunit_ptr + h * (C + 1) + slot)
-                cur_st = tl.load(stamps_ptr + h * stamp_stride + tl.maximum(cur, 0))
-                free = (cur < 0) | (cur_st <= step - keep)
-                if (page > 0) & free:
-                    # The first candidate at the best stamp, as a min-reduction: defined for
-                    # ties (every unit the last step read has the same stamp) and the same in
-                    # every thread.
-                    bi = tl.min(tl.where(score == best, k, CAND), axis=0)
-                    new = s + bi * sets
-                    score = tl.where(k == bi, -1, score)
-                    if cur >= 0:
-                        tl.store(uslot_ptr + h * (HB + 1) + cur, -1)
-                    tl.store(sunit_ptr + h * (C + 1) + slot, new)
-                    tl.store(uslot_ptr + h * (HB + 1) + new, slot)
-                    src = h.to(tl.int64) * host_head_stride
-                    src += (new.to(tl.int64) * BS + tok)[:, None] * D
-                    dst = (page * BS + tok)[:, None] * pool_tok_stride + h * pool_head_stride
-                    tl.store(pool_k + dst + dim[None, :], tl.load(host_k + src + dim[None, :]))
-                    tl.store(pool_v + dst + dim[None, :], tl.load(host_v + src + dim[None, :]))
-                    n += 1
+    live = m & (tl.load(live_ptr + hb, mask=m, other=0) != 0)
+    # Candidates, layer by layer: rank r (in (layer, host block) order) goes to
+    # scratch[r] as `layer * CAND + k`; only the first PP can find a position.
+    ncand = 0
+    for ly in range(L):
+        row = ly * H + h
+        st = tl.load(stamps_ptr + row * stamp_stride + hb, mask=live, other=0)
+        cached = tl.load(uslot_ptr + row * (HB + 1) + hb, mask=live, other=-1) >= 0
+        cand = live & (~cached) & (st >= step) & (st > 0)
+        rank = ncand + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        tl.store(base + rank, ly * CAND + k, mask=cand & (rank < PP))
+        ncand += tl.sum(cand.to(tl.int32), axis=0)
+    # Most sets have no new candidate once the cache is warm: such a program stops here,
+    # before the positions' loads and the shared counter's atomic.
+    if ncand > 0:
+        p = tl.arange(0, PP)
+        pm = p < WAYS * L
+        pslot = s * WAYS + p // L
+        page = tl.load(pages_ptr + pslot, mask=pm, other=0)
+        q = pslot * L + p % L
+        cur = tl.load(sunit_ptr + h * (C * L + 1) + q, mask=pm & (page > 0), other=-1)
+        c0 = tl.maximum(cur, 0)
+        cur_st = tl.load(
+            stamps_ptr + ((c0 // HB) * H + h) * stamp_stride + c0 % HB, mask=cur >= 0, other=0
+        )
+        free = pm & (page > 0) & ((cur < 0) | (cur_st <= step - keep))
+        frank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+        tl.store(base + PP + frank, p, mask=free)
+        n = tl.minimum(ncand, tl.sum(free.to(tl.int32), axis=0))
+        tl.debug_barrier()  # the lists in scratch, seen by every thread
+        tok = tl.arange(0, BS)
+        dim = tl.arange(0, D)
+        for r in range(n):
+            u = tl.load(base + r)
+            p1 = tl.load(base + PP + r)
+            ul = u // CAND
+            uhb = s + (u % CAND) * sets
+            l2 = p1 % L
+            slot = s * WAYS + p1 // L
+            q1 = slot * L + l2
+            page1 = tl.load(pages_ptr + slot).to(tl.int64)
+            old = tl.load(sunit_ptr + h * (C * L + 1) + q1)
+            if old >= 0:
+                tl.store(uslot_ptr + ((old // HB) * H + h) * (HB + 1) + old % HB, -1)
+            tl.store(sunit_ptr + h * (C * L + 1) + q1, ul * HB + uhb)
+            tl.store(uslot_ptr + (ul * H + h) * (HB + 1) + uhb, q1)
+            src = ((ul * H + h).to(tl.int64) * HB + uhb) * (BS * D)
+            src += (tok * D)[:, None] + dim[None, :]
+            dst = ((page1 * BS + tok) * pool_tok_stride + h * pool_head_stride)[:, None]
+            dst += dim[None, :]
+            kd = tl.load(koff_ptr + l2)
+            vd = tl.load(voff_ptr + l2)
+            tl.store(pool_k + kd + dst, tl.load(host_k + src))
+            tl.store(pool_v + vd + dst, tl.load(host_v + src))
         tl.atomic_add(copied_ptr, n)  # one atomic per program that had candidates
+
+
+def layer_offsets(buffers: list[torch.Tensor]) -> list[int]:
+    """Each layer buffer's element offset from the first's: a kernel reaches any layer
+    from one base pointer. The buffers share dtype, shape and strides (SGLang's pool)."""
+    b0 = buffers[0]
+    size = b0.element_size()
+    for b in buffers:
+        if b.dtype != b0.dtype or b.shape != b0.shape or b.stride() != b0.stride():
+            raise ValueError("the pool's layer buffers differ in dtype, shape or strides")
+        if (b.data_ptr() - b0.data_ptr()) % size:
+            raise ValueError("a layer buffer is not aligned to its element size")
+    return [(b.data_ptr() - b0.data_ptr()) // size for b in buffers]
+
+
+def scratch_size(kv_heads: int, slots: int, ways: int, layers: int) -> int:
+    """int32 elements of `refresh_unit_cache`'s scratch for this cache shape."""
+    return kv_heads * (slots // ways) * 2 * _positions(ways, layers)
+
+
+def _positions(ways: int, layers: int) -> int:
+    return triton.next_power_of_2(ways * layers)
 
 
 def refresh_unit_cache(
@@ -94,39 +146,57 @@ def refresh_unit_cache(
     cache_pages: torch.Tensor,
     host_k: torch.Tensor,
     host_v: torch.Tensor,
-    pool_k: torch.Tensor,
-    pool_v: torch.Tensor,
+    pool_k: list[torch.Tensor],
+    pool_v: list[torch.Tensor],
     step: torch.Tensor,
     ways: int,
     keep: int,
     copied: torch.Tensor,
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> None:
-    """Refresh one layer's unit cache in place (see the module docstring); `copied [1]`
-    (int32, device) gains the units copied in. `stamps [Hkv, HB]` may be a strided view
-    (the host rows of the layer's stamps); `step [1]` int32 on the device. Runs on CUDA
-    or under Triton's interpreter (the tiered home it serves needs CUDA)."""
-    Hkv, HB = stamps.shape
+    """Refresh the unit cache of every layer in place (see the module docstring); `copied
+    [1]` (int32, device) gains the units copied in. `stamps [L * Hkv, HB]` may be a
+    strided view (the host columns of the stamps); `step [1]` int32 on the device;
+    `pool_k/v` the L layers' buffers. `offsets` (int64 `[L]` each, `layer_offsets` of
+    `pool_k` and `pool_v` on the device) and `scratch` (int32, `scratch_size`) are
+    allocated here when not given (a caller replaying a CUDA graph gives them). Runs on
+    CUDA or under Triton's interpreter (the tiered home it serves needs CUDA)."""
+    L = len(pool_k)
+    LH, HB = stamps.shape
+    H = LH // L
     C = cache_pages.shape[0]
-    if C % ways or unit_slot.shape != (Hkv, HB + 1) or slot_unit.shape != (Hkv, C + 1):
+    if LH != L * H or C % ways or unit_slot.shape != (LH, HB + 1):
         raise ValueError(
-            f"unit_slot must be [{Hkv}, {HB + 1}], slot_unit [{Hkv}, {C + 1}], and the "
-            f"{C} slots a multiple of {ways} ways"
+            f"stamps must be [{L} layers x Hkv, HB], unit_slot [{LH}, {HB + 1}], and the "
+            f"{C} page slots a multiple of {ways} ways"
         )
-    if host_k.shape[:2] != (Hkv, HB) or not host_k.is_contiguous() or pool_k.stride(2) != 1:
-        raise ValueError("host units must be a contiguous [Hkv, HB, bs, d]; pool dims contiguous")
+    if slot_unit.shape != (H, C * L + 1):
+        raise ValueError(f"slot_unit must be [{H}, {C * L + 1}], got {tuple(slot_unit.shape)}")
+    if host_k.shape[:3] != (L, H, HB) or not host_k.is_contiguous():
+        raise ValueError(f"host units must be a contiguous [{L}, {H}, {HB}, bs, d]")
+    if pool_k[0].stride(2) != 1 or pool_k[0].stride() != pool_v[0].stride():
+        raise ValueError("the pool's K and V buffers must share strides, head dims contiguous")
     sets = C // ways
     if sets == 0:
         return
     if not triton_enabled(stamps.device):
         raise RuntimeError("the unit cache runs on CUDA (or under TRITON_INTERPRET=1)")
+    dev = stamps.device
+    if offsets is None:
+        offsets = tuple(
+            torch.tensor(layer_offsets(b), dtype=torch.int64, device=dev) for b in (pool_k, pool_v)
+        )
+    if scratch is None:
+        scratch = torch.empty(scratch_size(H, C, ways, L), dtype=torch.int32, device=dev)
     cand = triton.next_power_of_2(-(-HB // sets))
-    _refresh_kernel[(Hkv, sets)](
-        stamps, live, unit_slot, slot_unit, cache_pages, host_k, host_v, pool_k, pool_v,
-        step, copied, stamps.stride(0), HB, C, sets, keep,
-        pool_k.stride(0), pool_k.stride(1), host_k.stride(0),
+    _refresh_kernel[(H, sets)](
+        stamps, live, unit_slot, slot_unit, cache_pages, host_k, host_v, pool_k[0], pool_v[0],
+        offsets[0], offsets[1], step, copied, scratch, stamps.stride(0), HB, C, sets, keep,
+        L, H, pool_k[0].stride(0), pool_k[0].stride(1),
         # One warp: with several, Triton 3.6 let warps of one program see different
-        # choices from the reductions in the ways loop and copy parts of different units;
-        # one warp per (KV head, set) is still hundreds of programs per layer.
-        WAYS=ways, CAND=cand, BS=host_k.shape[2], D=host_k.shape[3], num_warps=1,
+        # choices from the reductions in a sequential ways loop; one warp per (KV head,
+        # set) is still hundreds of programs.
+        WAYS=ways, CAND=cand, PP=_positions(ways, L), BS=host_k.shape[3], D=host_k.shape[4],
+        num_warps=1,
     )  # fmt: skip
-    return

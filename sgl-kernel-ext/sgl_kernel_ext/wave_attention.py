@@ -281,6 +281,8 @@ def _wave_attention_kernel(
     stats_ptr,
     uslot_ptr,
     cpages_ptr,
+    kshift_ptr,
+    vshift_ptr,
     sel_slot_ptr,
     sel_nbr_ptr,
     sel_fresh_ptr,
@@ -296,6 +298,7 @@ def _wave_attention_kernel(
     recent,
     stamp_stride,
     uslot_stride,
+    cache_layers,
     wave_stride,
     scale,
     limit,
@@ -344,9 +347,10 @@ def _wave_attention_kernel(
     with STATS the blocks read, the blocks available and the blocks read from the host
     tier are added to `stats_ptr[0:3]`.
 
-    CACHED (tiered home): a host unit that the unit cache holds is read from HBM instead,
-    from page `cpages_ptr[s]` where `s = uslot_ptr[h * uslot_stride + host block]` >= 0
-    (`sglang_psa.mem_cache.unit_cache`).
+    CACHED (tiered home): a host unit that the unit cache holds is read from HBM instead:
+    its position `q = uslot_ptr[h * uslot_stride + host block]` >= 0 is page
+    `cpages_ptr[q // cache_layers]` of layer `q % cache_layers`'s buffer, `kshift_ptr[l]`
+    (`vshift_ptr[l]`) elements from this layer's (`sglang_psa.mem_cache.unit_cache`).
 
     ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
     the S programs never wait for each other, the last to finish merges their states
@@ -522,13 +526,16 @@ def _wave_attention_kernel(
                 # (SGLang's token-major pages: a slot is a page, the head an offset within
                 # each token); host units are [bs, d] runs unless `host_*_stride` say
                 # otherwise.
-                if CACHED:  # a cached host unit: its slot's page (0 while the slot is torn down)
+                if CACHED:  # a cached host unit: its page (0 while the slot is torn down), in
+                    # its position's layer buffer
                     on_host = valid & (where < 0)
                     # (not `slot`: that name is the kept selection's row, read after the loop)
-                    uslot = tl.load(
-                        uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1
-                    )
-                    cpage = tl.load(cpages_ptr + uslot, mask=uslot >= 0, other=0).to(tl.int64)
+                    upos = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
+                    u0 = tl.maximum(upos, 0)
+                    cpage = tl.load(cpages_ptr + u0 // cache_layers, mask=upos >= 0, other=0)
+                    cpage = cpage.to(tl.int64)
+                    ksh = tl.load(kshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
+                    vsh = tl.load(vshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
                     where = tl.where(cpage > 0, cpage, where)
                 in_hbm = where >= 0
                 if STATS:
@@ -541,8 +548,14 @@ def _wave_attention_kernel(
                     offs_h = (
                         unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride
                     )[:, None] + dd[None, :]
-                    kp = tl.where(in_hbm[:, None], k_slots + offs, k_host + offs_h)
-                    vp = tl.where(in_hbm[:, None], v_slots + offs, v_host + offs_h)
+                    if CACHED:
+                        kp = tl.where(in_hbm[:, None], k_slots + ksh[:, None] + offs,
+                                      k_host + offs_h)  # fmt: skip
+                        vp = tl.where(in_hbm[:, None], v_slots + vsh[:, None] + offs,
+                                      v_host + offs_h)  # fmt: skip
+                    else:
+                        kp = tl.where(in_hbm[:, None], k_slots + offs, k_host + offs_h)
+                        vp = tl.where(in_hbm[:, None], v_slots + offs, v_host + offs_h)
                 else:
                     kp, vp = k_slots + offs, v_slots + offs
                 k = tl.load(kp, mask=valid[:, None], other=0.0)
@@ -1191,6 +1204,7 @@ class WaveAttention:
         stats: torch.Tensor | None = None,
         unit_slot: torch.Tensor | None = None,
         cache_pages: torch.Tensor | None = None,
+        cache_shift: tuple[torch.Tensor, torch.Tensor] | None = None,
         meta_scale: torch.Tensor | None = None,
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
@@ -1215,8 +1229,10 @@ class WaveAttention:
         Bookkeeping, written by the kernel: with `stamps [Hkv, P]` (int32, needs
         `meta_pages`) every block read stamps its page with `step [1]` (int32); `stats [3]`
         (int64) gains the blocks read, the blocks available and those read from the host.
-        With `unit_slot [Hkv, host blocks + 1]` and `cache_pages [C]` (int32, the unit
-        cache of this layer) a cached host unit is read from its slot's page instead.
+        With `unit_slot [Hkv, host blocks + 1]`, `cache_pages [C]` (int32) and
+        `cache_shift` (int64 `[L]` for K and V: element offsets from `k_slots`/`v_slots`
+        to each layer's buffer), the unit cache's view from this layer, a cached host unit
+        is read from its position (`unit_slot // L`'s page, layer `unit_slot % L`) instead.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
@@ -1263,8 +1279,8 @@ class WaveAttention:
         k_host = k_slots if k_host is None else k_host
         v_host = v_slots if v_host is None else v_host
         cached = unit_slot is not None
-        if cached and (not has_host or cache_pages is None):
-            raise ValueError("the unit cache needs the host tier and its cache pages")
+        if cached and (not has_host or cache_pages is None or cache_shift is None):
+            raise ValueError("the unit cache needs the host tier, its cache pages and shifts")
         if stamps is not None and (meta_pages is None or step is None):
             raise ValueError("stamps need the page table (meta_pages) and the step counter")
         if new_keys is not None:
@@ -1310,6 +1326,8 @@ class WaveAttention:
                 stats if stats is not None else self.n_read,
                 unit_slot if cached else self.n_read,
                 cache_pages if cached else self.n_read,
+                cache_shift[0] if cached else self.n_read,
+                cache_shift[1] if cached else self.n_read,
                 kept[1] if kept is not None else self.n_read,
                 kept[3] if kept is not None else self.n_read,
                 kept[2] if split else self.n_read,
@@ -1320,6 +1338,7 @@ class WaveAttention:
                 self.recent,
                 stamps.stride(0) if stamps is not None else 0,
                 unit_slot.stride(0) if cached else 0,
+                cache_shift[0].shape[0] if cached else 1,
                 self.wave_ends.stride(0),
                 scale,
                 limit,

@@ -1,6 +1,7 @@
 """The unit cache's refresh kernel against its reference (`algo.unit_cache.refresh_ref`):
-the same slots taken, the same units uncached, the same K/V copied into the pool pages,
-at real shapes (head_dim 64 and 128, 2-8 KV heads, > 512 host blocks)."""
+the same positions taken, the same units uncached, the same K/V copied into the pool
+pages of the positions' layers, at real shapes (head_dim 64 and 128, 2-8 KV heads,
+> 512 host blocks)."""
 
 import pytest
 import torch
@@ -9,94 +10,137 @@ from sgl_kernel_ext.unit_cache import refresh_unit_cache
 from sglang_psa.algo.unit_cache import refresh_ref
 
 
-def _state(heads, d, host_blocks, slots, ways, dev, seed):
+def _state(layers, heads, d, host_blocks, slots, ways, dev, seed, hot=0.3):
+    """A cache mid-flight: stamps of every (layer, head), a valid occupancy (units of live
+    blocks in their own set's positions, of any layer), pool buffers per layer."""
     g = torch.Generator().manual_seed(seed)
-    bs, step, pages = 32, 50, slots + 40
-    P = pages + host_blocks  # the layer's stamp rows: pages, then host blocks
-    stamps = torch.randint(0, step + 1, (heads, P), generator=g, dtype=torch.int32)
-    # a third of the host units read by the last step, some never read
-    hot = torch.rand(heads, host_blocks, generator=g) < 0.3
-    stamps[:, pages:][hot] = step
+    L, H, bs, step, pages = layers, heads, 32, 50, slots + 40
+    P = pages + host_blocks  # each (layer, head)'s stamp columns: pages, then host blocks
+    stamps = torch.randint(0, step + 1, (L * H, P), generator=g, dtype=torch.int32)
+    read = torch.rand(L * H, host_blocks, generator=g) < hot  # units the last step read
+    stamps[:, pages:][read] = step
     live = (torch.rand(host_blocks, generator=g) < 0.8).to(torch.uint8)
     cache_pages = torch.randperm(pages - 1, generator=g)[:slots].add(1).to(torch.int32)
-    cache_pages[torch.rand(slots, generator=g) < 0.1] = 0  # positions without a page
-    unit_slot = torch.full((heads, host_blocks + 1), -1, dtype=torch.int32)
-    slot_unit = torch.full((heads, slots + 1), -1, dtype=torch.int32)
+    cache_pages[torch.rand(slots, generator=g) < 0.1] = 0  # page slots without a page
+    unit_slot = torch.full((L * H, host_blocks + 1), -1, dtype=torch.int32)
+    slot_unit = torch.full((H, slots * L + 1), -1, dtype=torch.int32)
     sets = slots // ways
-    for h in range(heads):  # a valid occupancy: live units in their own set
-        for slot in range(slots):
-            if cache_pages[slot] > 0 and torch.rand(1, generator=g) < 0.5:
-                s = slot // ways
+    for h in range(H):
+        for q in range(slots * L):
+            c = q // L
+            if cache_pages[c] > 0 and torch.rand(1, generator=g) < 0.5:
+                s = c // ways
                 options = [
-                    b for b in range(s, host_blocks, sets) if live[b] and unit_slot[h, b] < 0
+                    (ly, b)
+                    for ly in range(L)
+                    for b in range(s, host_blocks, sets)
+                    if live[b] and unit_slot[ly * H + h, b] < 0
                 ]
                 if options:
-                    b = options[int(torch.randint(len(options), (1,), generator=g))]
-                    unit_slot[h, b], slot_unit[h, slot] = slot, b
-    host_k = torch.randn(heads, host_blocks, bs, d, generator=g).to(torch.bfloat16)
-    host_v = torch.randn(heads, host_blocks, bs, d, generator=g).to(torch.bfloat16)
-    pool_k = torch.randn(pages * bs, heads, d, generator=g).to(torch.bfloat16)
-    pool_v = torch.randn(pages * bs, heads, d, generator=g).to(torch.bfloat16)
+                    ly, b = options[int(torch.randint(len(options), (1,), generator=g))]
+                    unit_slot[ly * H + h, b], slot_unit[h, q] = q, ly * host_blocks + b
+    host_k = torch.randn(L, H, host_blocks, bs, d, generator=g).to(torch.bfloat16)
+    host_v = torch.randn(L, H, host_blocks, bs, d, generator=g).to(torch.bfloat16)
+    pool_k = [torch.randn(pages * bs, H, d, generator=g).to(torch.bfloat16) for _ in range(L)]
+    pool_v = [torch.randn(pages * bs, H, d, generator=g).to(torch.bfloat16) for _ in range(L)]
     t = dict(
         stamps=stamps, live=live, unit_slot=unit_slot, slot_unit=slot_unit,
-        cache_pages=cache_pages, host_k=host_k, host_v=host_v, pool_k=pool_k, pool_v=pool_v,
+        cache_pages=cache_pages, host_k=host_k, host_v=host_v,
     )  # fmt: skip
-    return {k: v.to(dev) for k, v in t.items()}, step, pages
+    t = {k: v.to(dev) for k, v in t.items()}
+    t["pool_k"] = [x.to(dev) for x in pool_k]
+    t["pool_v"] = [x.to(dev) for x in pool_v]
+    return t, step, pages
 
 
-@pytest.mark.parametrize("heads,d,ways", [(2, 64, 8), (8, 128, 4), (4, 64, 8), (2, 64, 16)])
-def test_refresh_matches_reference(kernel_device, heads, d, ways):
-    host_blocks, slots = 700, 96
-    got, step, pages = _state(heads, d, host_blocks, slots, ways, kernel_device, heads * d)
-    want = {k: v.cpu().clone() for k, v in got.items()}
-    copied = torch.zeros(1, dtype=torch.int32, device=kernel_device)
+def _clone(t):
+    return {k: [x.cpu().clone() for x in v] if isinstance(v, list) else v.cpu().clone()
+            for k, v in t.items()}  # fmt: skip
+
+
+def _refresh(got, pages, step, ways, dev):
+    copied = torch.zeros(1, dtype=torch.int32, device=dev)
     stamps = got.pop("stamps")
     refresh_unit_cache(
         stamps[:, pages:], **got,
-        step=torch.tensor([step], dtype=torch.int32, device=kernel_device),
+        step=torch.tensor([step], dtype=torch.int32, device=dev),
         ways=ways, keep=4, copied=copied,
     )  # fmt: skip
-    n = refresh_ref(want.pop("stamps")[:, pages:], **want, step=step, ways=ways, keep=4)
-    assert n > 0 and int(copied) == n
+    got["stamps"] = stamps
+    return int(copied)
+
+
+@pytest.mark.parametrize(
+    "layers,heads,d,ways,hot",
+    [(3, 2, 64, 8, 0.3), (2, 8, 128, 4, 0.3), (4, 4, 64, 8, 0.05), (3, 2, 64, 16, 0.3)],
+)
+def test_refresh_matches_reference(kernel_device, layers, heads, d, ways, hot):
+    """`hot` 0.3: more candidates than free positions in most sets (the first ones win,
+    in (layer, host block) order); 0.05: fewer."""
+    host_blocks, slots = 700, 96
+    got, step, pages = _state(layers, heads, d, host_blocks, slots, ways, kernel_device,
+                              heads * d + layers, hot)  # fmt: skip
+    want = _clone(got)
+    n = _refresh(got, pages, step, ways, kernel_device)
+    ref = refresh_ref(want.pop("stamps")[:, pages:], **want, step=step, ways=ways, keep=4)
+    assert ref > 0 and n == ref
     for name in ("unit_slot", "slot_unit"):
         assert torch.equal(got[name].cpu(), want[name]), name
     for name in ("pool_k", "pool_v"):
-        diff = (got[name].cpu() != want[name]).any(-1)  # [rows, heads]
-        where = sorted({(int(r) // 32, int(h)) for r, h in diff.nonzero().tolist()})
-        slot_of = {int(p): i for i, p in enumerate(want["cache_pages"].tolist()) if p > 0}
-        assert not where, f"{name}: (page, head) differ {where[:8]}, their slots " + str(
-            [(slot_of.get(p), int(want["slot_unit"][h, slot_of[p]]) if p in slot_of else None)
-             for p, h in where[:8]]
-        )  # fmt: skip
+        for lid in range(layers):
+            diff = (got[name][lid].cpu() != want[name][lid]).any(-1)  # [rows, heads]
+            where = sorted({(int(r) // 32, int(h)) for r, h in diff.nonzero().tolist()})
+            assert not where, f"{name}[{lid}]: (page, head) differ {where[:8]}"
 
 
 def test_a_cached_unit_is_a_copy_of_its_host_unit(kernel_device):
-    """After a refresh every unit it brought in sits in its slot's page exactly as on the
-    host, and unit_slot and slot_unit are inverse maps."""
-    got, step, pages = _state(2, 64, 600, 64, 8, kernel_device, 7)
+    """After a refresh every unit it brought in sits in its position's page and layer
+    buffer exactly as on the host, units of a layer sit in other layers' buffers too, and
+    unit_slot and slot_unit are inverse maps."""
+    L, H, HB, C = 3, 2, 600, 64
+    got, step, pages = _state(L, H, 64, HB, C, 8, kernel_device, 7)
     before = got["slot_unit"].cpu().clone()
-    copied = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    stamps = got.pop("stamps")
-    refresh_unit_cache(
-        stamps[:, pages:], **got,
-        step=torch.tensor([step], dtype=torch.int32, device=kernel_device),
-        ways=8, keep=4, copied=copied,
-    )  # fmt: skip
-    t = {k: v.cpu() for k, v in got.items()}
-    bs, new = 32, 0
-    for h in range(2):
-        for slot in range(64):
-            hb = int(t["slot_unit"][h, slot])
-            if hb < 0:
+    copied = _refresh(got, pages, step, 8, kernel_device)
+    t = _clone(got)
+    bs, new, foreign = 32, 0, 0
+    for h in range(H):
+        for q in range(C * L):
+            code = int(t["slot_unit"][h, q])
+            if code < 0:
                 continue
-            assert int(t["unit_slot"][h, hb]) == slot
-            page = int(t["cache_pages"][slot])
-            if hb != before[h, slot]:  # brought in by this refresh
+            ly, hb = divmod(code, HB)
+            assert int(t["unit_slot"][ly * H + h, hb]) == q
+            page, l2 = int(t["cache_pages"][q // L]), q % L
+            if code != before[h, q]:  # brought in by this refresh
                 rows = slice(page * bs, (page + 1) * bs)
-                assert torch.equal(t["pool_k"][rows, h], t["host_k"][h, hb])
-                assert torch.equal(t["pool_v"][rows, h], t["host_v"][h, hb])
+                assert torch.equal(t["pool_k"][l2][rows, h], t["host_k"][ly, h, hb])
+                assert torch.equal(t["pool_v"][l2][rows, h], t["host_v"][ly, h, hb])
                 new += 1
-    assert new == int(copied) > 0
+                foreign += l2 != ly
+    assert new == copied > 0 and foreign > 0
+    for lh in range(L * H):  # every cached unit's position holds it
+        for hb in (t["unit_slot"][lh, :-1] >= 0).nonzero().flatten().tolist():
+            q = int(t["unit_slot"][lh, hb])
+            assert int(t["slot_unit"][lh % H, q]) == (lh // H) * HB + hb
+
+
+def test_one_heavy_layer_fills_the_light_layers_positions(kernel_device):
+    """The point of shared positions: a layer that reads more units of a set than it has
+    ways is cached whole while the other layers read nothing there."""
+    L, H, HB, C, ways = 4, 2, 512, 32, 4
+    got, step, pages = _state(L, H, 64, HB, C, ways, kernel_device, 11, hot=0.0)
+    got["unit_slot"].fill_(-1)
+    got["slot_unit"].fill_(-1)
+    got["cache_pages"].copy_(torch.arange(1, C + 1, dtype=torch.int32))
+    got["live"].fill_(1)
+    st = got["stamps"][:, pages:]
+    st.fill_(1)
+    sets = C // ways
+    heavy = torch.arange(0, 3 * ways * sets)  # 3 x ways blocks of each set, layer 2 only
+    st[2 * H : 3 * H, heavy.to(kernel_device)] = step
+    n = _refresh(got, pages, step, ways, kernel_device)
+    assert n == H * heavy.numel()
+    assert (got["unit_slot"][2 * H : 3 * H, heavy.to(kernel_device)] >= 0).all()
 
 
 @pytest.mark.gpu

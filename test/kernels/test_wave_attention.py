@@ -556,9 +556,11 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
 @pytest.mark.parametrize("kept", [False, True], ids=["ranked", "kept"])
 def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
     """The tiered home's layout: SGLang's token-major pool, a head-major host tier holding
-    the evicted blocks, and the unit cache: some host units also in slot pages of the pool
-    (`unit_slot`, `cache_pages`). The host copies of cached units are garbage, so the
-    result equals the reference only if every cached unit is read from its slot page;
+    the evicted blocks, and the unit cache: some host units also in pages of the pool, in
+    this layer's buffer or another layer's (`unit_slot`, `cache_pages`, `cache_shift`).
+    The host copies of cached units are garbage, and so is this layer's buffer where a
+    unit sits in the other layer's, so the result equals the reference only if every
+    cached unit is read from its position's page and layer;
     `stats[2]` counts the units read from the host. `kept`: with a selection kept across
     steps too (the tiered home's default), ranked fresh this step: the same reads, and each
     row's ranked read count lands in its own slot of the cache (a kernel whose unit-cache
@@ -577,12 +579,18 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
     first_free = kbuf.shape[0] // bs
     kbuf = torch.cat([kbuf, torch.zeros(extra * bs, Hkv, d, device=device)])
     vbuf = torch.cat([vbuf, torch.zeros(extra * bs, Hkv, d, device=device)])
+    kbuf[first_free * bs :] = float("nan")
+    vbuf[first_free * bs :] = float("nan")
+    other_k = torch.full_like(kbuf, float("nan"))  # the other layer's buffers
+    other_v = torch.full_like(vbuf, float("nan"))
+    layer_k, layer_v = [kbuf, other_k], [vbuf, other_v]
     evicted = torch.rand(B, nb, generator=g) < 0.6
-    HB, C = B * nb, extra
+    HB, C, L = B * nb, extra, 2
     k_host = torch.full((Hkv, HB, bs, d), float("nan"))
     v_host = torch.full_like(k_host, float("nan"))
     unit_slot = torch.full((Hkv, HB + 1), -1, dtype=torch.int32)
     cache_pages = torch.arange(first_free, first_free + C, dtype=torch.int32)
+    in_other = 0
     loc = torch.empty(B, Hkv, nb, dtype=torch.int32)
     on_host = torch.zeros(B, Hkv, nb, dtype=torch.bool)  # read from the host tier
     free = [0] * Hkv
@@ -596,19 +604,26 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
             loc[b, :, j] = -hb - 1
             for h in range(Hkv):
                 kk, vv = k[b, h, t0:t1].cpu(), v[b, h, t0:t1].cpu()
-                if free[h] < C and torch.rand(1, generator=g) < 0.5:  # cached
-                    slot = free[h]
+                if free[h] < C * L and torch.rand(1, generator=g) < 0.5:  # cached
+                    pos = free[h]  # position: page slot pos // L, layer pos % L
                     free[h] += 1
-                    unit_slot[h, hb] = slot
-                    row = int(cache_pages[slot]) * bs
-                    kbuf[row : row + t1 - t0, h] = kk.to(device)
-                    vbuf[row : row + t1 - t0, h] = vv.to(device)
+                    unit_slot[h, hb] = pos
+                    row = int(cache_pages[pos // L]) * bs
+                    layer_k[pos % L][row : row + bs, h] = 0.0
+                    layer_v[pos % L][row : row + bs, h] = 0.0
+                    layer_k[pos % L][row : row + t1 - t0, h] = kk.to(device)
+                    layer_v[pos % L][row : row + t1 - t0, h] = vv.to(device)
+                    in_other += pos % L
                 else:
                     k_host[h, hb].zero_()
                     v_host[h, hb].zero_()
                     k_host[h, hb, : t1 - t0], v_host[h, hb, : t1 - t0] = kk, vv
                     on_host[b, h, j] = True
-    assert on_host.any() and (unit_slot >= 0).any()
+    assert on_host.any() and (unit_slot >= 0).any() and in_other > 0
+    shift = [
+        torch.tensor([(b.data_ptr() - own.data_ptr()) // 4 for b in bufs], device=device)
+        for own, bufs in ((kbuf, layer_k), (vbuf, layer_v))
+    ]  # float32 buffers: 4 bytes an element
     if device == "cuda":
         k_host, v_host = k_host.pin_memory(), v_host.pin_memory()
     meta = block_metadata(k, lengths, bs)
@@ -636,6 +651,7 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
         stats=stats,
         unit_slot=unit_slot.to(device),
         cache_pages=cache_pages.to(device),
+        cache_shift=tuple(shift),
         kept=cache.kept(0, B) if kept else None,
     )
     assert torch.equal(res.read_mask(), ref.read)

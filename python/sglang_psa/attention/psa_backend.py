@@ -352,12 +352,12 @@ class PSAAttnBackend(AttentionBackend):
         plan = self._plan(step, q, layer)
         Hkv, d, bs = kbuf.shape[1], kbuf.shape[2], self.cfg.block_size
         strides = (bs * Hkv * d, Hkv * d, d)
-        host_k = host_v = unit_slot = cache_pages = None  # slots: the pool's pages
+        host_k = host_v = unit_slot = cache_pages = cache_shift = None  # slots: pool pages
         host_strides = strides
         if self.writeback is not None:  # ... or host-tier blocks through UVA, or the unit
             host_k, host_v = self.writeback.host.k[lid], self.writeback.host.v[lid]
             host_strides = self.writeback.host_strides()
-            unit_slot, cache_pages = self.residency.cache.layer(lid)  # cache's copies
+            unit_slot, cache_pages, cache_shift = self.residency.cache.layer(lid)
         mean, kmin, kmax, kscale = self.meta.layer(lid)  # per page, read via the table
         kept = None
         if step.kept:
@@ -385,6 +385,7 @@ class PSAAttnBackend(AttentionBackend):
             stats=self.stats[lid],
             unit_slot=unit_slot,
             cache_pages=cache_pages,
+            cache_shift=cache_shift,
             meta_scale=kscale,
             code_planes=codes[0],
             code_lo=codes[1],

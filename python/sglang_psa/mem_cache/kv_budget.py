@@ -60,7 +60,14 @@ def host_row_bytes(
     return host_blocks(cfg, kv_bytes_per_token, ranks) * (meta + stamps_and_slots + 1)
 
 
-def unit_cache_bytes_per_page(kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int) -> int:
+def unit_cache_bytes_per_page(
+    kv_bytes_per_token: int, kv_dtype: torch.dtype, layers: int, ways: int
+) -> int:
     """HBM bytes of the unit cache's tables per page of SGLang's pool (the most pages it
-    can take): the host block in each (layer, KV head)'s slot, and the slot's page."""
-    return 4 * _layer_heads(kv_bytes_per_token, kv_dtype, layers) + 4
+    can take): the unit in each (layer, KV head)'s position, the page, and the refresh's
+    scratch (two int32 lists of a set's positions, padded to a power of two, per KV head
+    and set of `ways` pages; `sgl_kernel_ext.unit_cache.scratch_size`)."""
+    pairs = _layer_heads(kv_bytes_per_token, kv_dtype, layers)
+    positions = 1 << (ways * layers - 1).bit_length()
+    scratch = math.ceil(2 * 4 * (pairs // layers) * positions / ways)
+    return 4 * pairs + 4 + scratch

@@ -82,9 +82,10 @@ _HELP = {
     "read lately by fewer than this fraction of its (layer, KV head) units leaves HBM too, "
     "its page holding single hot units of evicted blocks instead (0: only when SGLang "
     "needs pages)",
-    "unit_cache_ways": "with --psa-kv-home tiered: slots per set of the unit cache (a "
-    "host block's units may live only in its set's ways; more ways hold more of what "
-    "decode reads, at a longer refresh)",
+    "unit_cache_ways": "with --psa-kv-home tiered: pages per set of the unit cache, each "
+    "a position for every (layer, KV head) (a host block's units, of any layer, may live "
+    "only in its set's positions; more ways hold more of what decode reads, at a longer "
+    "refresh)",
     "host_prefix_min_tokens": "with --psa-kv-home tiered and --radix-cache-backend psa: a "
     "matched prefix going on in the host tier for at least this many tokens is read from "
     "there (staged prefill; decode reads those blocks from the host tier), a shorter run is "

@@ -71,7 +71,7 @@ def _tiered_pool_size(cfg, configurator, result, shape: _CellShape, page_size: i
     ranks = kv_ranks()
     rows = host_row_bytes(cfg, per_token, dtype, layers, ranks)
     pages = result.max_total_num_tokens // page_size + 1
-    rows += pages * unit_cache_bytes_per_page(per_token, dtype, layers)
+    rows += pages * unit_cache_bytes_per_page(per_token, dtype, layers, cfg.unit_cache_ways)
     cut = -(-rows // configurator._cell_size)
     tokens = (result.max_total_num_tokens - cut) // page_size * page_size
     if tokens < 4 * page_size:

@@ -24,7 +24,7 @@ cover KV token usage, queue lengths and latencies.
 | `save_jobs_in_flight`, `host_blocks_used` | write-back jobs not yet acknowledged; host-tier blocks held |
 | `copy_engine_restarts_total` | times a dead copy engine was restarted (its saves redone) |
 | `blocks_evicted`, `evictions_total` | tiered home: saved blocks whose HBM page was given back (read from the host tier), now and ever |
-| `unit_cache_pages` | tiered home: HBM pages the unit cache holds (one slot per (layer, KV head) each) |
+| `unit_cache_pages` | tiered home: HBM pages the unit cache holds (one position per (layer, KV head) each, for a unit of any layer) |
 | `units_cached_total` | tiered home: host units the unit cache brought into HBM because decode read them |
 | `units_read_hbm_total`, `units_read_host_total` | tiered home: (layer, KV head, block) units decode read from HBM and from the host tier (the HBM hit rate) |
 | `parked_requests`, `resumed_total` | tiered home: retracted requests waiting with their KV in the host tier; resumptions from it |

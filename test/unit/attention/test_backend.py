@@ -1014,9 +1014,10 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
     eviction, as it reads the host copies and scores the moved metadata rows; the sink
     and the last blocks stay. The unit cache then takes the spare pages and brings in the
     host units that step read: with their host copies overwritten, decode still equals
-    that step, and every unit it brought in is read from HBM. The request's free never
-    returns the padding page its evicted entries point at, the cache gives its pages
-    back with the last evicted block, and every page comes back exactly once."""
+    that step, and every unit it brought in is read from HBM, in its own layer's buffer
+    or another's. The request's free never returns the padding page its evicted entries
+    point at, the cache gives its pages back with the last evicted block, and every page
+    comes back exactly once."""
     pytest.importorskip("zmq", reason="pyzmq is not installed here")
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
@@ -1130,6 +1131,8 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         assert 0 < copied <= want[1]
         cached = (cache.unit_slot[:, :-1] >= 0).nonzero().tolist()  # (layer x head, host block)
         assert len(cached) == copied
+        # some sit in another layer's buffer (positions are shared by the layers)
+        assert any(int(cache.unit_slot[lh, hb]) % cache.layers != lh // HKV for lh, hb in cached)
         for lh, hb in cached:  # decode must now read the slot, not the host copy
             layer_id, h = divmod(lh, HKV)
             wb.host.k[layer_id][h, hb] = 1e4

@@ -148,10 +148,12 @@ def test_the_last_release_drains_the_cache_and_forgets_its_units():
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
     assert res.refresh([req], alloc) == 2  # a page per evicted block, of 8 to spare
     assert res.cache.pages == 2 and len(alloc.free) == 8
-    # Units of host blocks 11 and 12 sit in slots of layer-head 0 and 3.
+    # Units of host blocks 11 and 12 sit in positions of layer-head 0 and 3 (layer 1,
+    # head 1), in another layer's buffer for the second.
     cache = res.cache
-    for lh, hb, slot in ((0, 11, 3 * WAYS), (3, 12, 0)):
-        cache.unit_slot[lh, hb], cache.slot_unit[lh, slot] = slot, hb
+    for lh, hb, pos in ((0, 11, 3 * WAYS * LAYERS), (3, 12, 0)):
+        ly, h = divmod(lh, HKV)
+        cache.unit_slot[lh, hb], cache.slot_unit[h, pos] = pos, ly * HB + hb
     res.wb.forget = lambda rec: None  # (the write-back's share: test_request_kv.py)
     TieredRequests(res.wb, res, None, res.req_to_token, BS).release("a")
     assert not (cache.unit_slot >= 0).any() and not (cache.slot_unit >= 0).any()
@@ -170,25 +172,71 @@ def test_the_unit_cache_has_the_configured_ways():
 
 @pytest.mark.parametrize("ways", [WAYS, 16])
 def test_shrink_uncaches_the_units_of_the_slots_it_drops(ways):
-    c = UnitCache(LAYERS, HKV, 4 * ways * LAYERS * HKV, 4 * ways, BS, "cpu", ways=ways)
+    """Every position of every filled page slot holds a unit (of a layer other than the
+    position's, for half of them); shrinking drops exactly the units of the dropped page
+    slots' positions, and the tables stay inverse maps."""
+    L, H = LAYERS, HKV
+    c = UnitCache(L, H, 4 * ways * L * H, 4 * ways, BS, "cpu", ways=ways)
     assert c.sets == 4 and c.capacity == 4 * ways
     c.grow(torch.arange(1, 1 + 3 * ways))
     slots = c._slots(0, c.pages).tolist()
     last_pages = sorted(int(c.cache_pages[s]) for s in slots[-5:])
-    for i, slot in enumerate(slots):  # every slot of every (layer, head) holds a unit
-        for lh in range(LAYERS * HKV):
-            hb = i * LAYERS * HKV + lh
-            c.unit_slot[lh, hb], c.slot_unit[lh, slot] = slot, hb
+    hb = 0
+    for slot in slots:
+        for h in range(H):
+            for l2 in range(L):
+                ly = (l2 + hb) % L  # the unit's layer: the position's, or the other one
+                pos = slot * L + l2
+                c.unit_slot[ly * H + h, hb], c.slot_unit[h, pos] = pos, ly * c.host_blocks + hb
+                hb += 1
     dropped = c.shrink(5)
     assert dropped.numel() == 5 * BS and c.pages == 3 * ways - 5
-    kept = set(c._slots(0, c.pages).tolist())
-    for lh in range(LAYERS * HKV):
-        live = {int(s) for s in c.unit_slot[lh, :-1] if s >= 0}
-        assert live == kept
-        for s in kept:
-            assert int(c.unit_slot[lh, c.slot_unit[lh, s]]) == s
+    kept = {slot * L + l2 for slot in c._slots(0, c.pages).tolist() for l2 in range(L)}
+    held = set()
+    for lh in range(L * H):
+        for b in (c.unit_slot[lh, :-1] >= 0).nonzero().flatten().tolist():
+            pos = int(c.unit_slot[lh, b])
+            held.add((lh % H, pos))
+            assert int(c.slot_unit[lh % H, pos]) == (lh // H) * c.host_blocks + b
+    assert held == {(h, pos) for h in range(H) for pos in kept}
+    occupied = {
+        (h, p) for h in range(H) for p in (c.slot_unit[h, :-1] >= 0).nonzero().flatten().tolist()
+    }
+    assert occupied == held
     assert sorted((dropped[::BS] // BS).tolist()) == last_pages
     assert not c.cache_pages[slots[-5:]].any()
+
+
+def test_forget_uncaches_a_released_blocks_units_in_every_layer_and_position():
+    L, H, HB_ = LAYERS, HKV, 48
+    c = UnitCache(L, H, HB_, 16, BS, "cpu", ways=WAYS)
+    c.grow(torch.arange(1, 9))
+    c.mark_evicted(torch.tensor([5, 6, 7]))
+    placed = [(0, 0, 5, 3), (1, 1, 5, 0), (1, 0, 6, 9), (0, 1, 7, 17)]  # (ly, h, hb, pos)
+    for ly, h, hb, pos in placed:
+        c.unit_slot[ly * H + h, hb], c.slot_unit[h, pos] = pos, ly * HB_ + hb
+    c.forget(torch.tensor([5, 7]))
+    assert (c.unit_slot[:, [5, 7]] == -1).all() and not c.live[[5, 7]].any()
+    left = [
+        (h, p) for h in range(H) for p in (c.slot_unit[h, :-1] >= 0).nonzero().flatten().tolist()
+    ]
+    assert left == [(0, 9)] and int(c.unit_slot[1 * H + 0, 6]) == 9 and c.live[6] == 1
+
+
+@pytest.mark.parametrize("layers,heads,d,ways", [(24, 2, 64, 8), (32, 8, 128, 16), (28, 4, 128, 1)])
+def test_the_pool_budget_covers_the_unit_caches_tables_per_page(layers, heads, d, ways):
+    """`unit_cache_bytes_per_page`, which SGLang's pool gives up per page at the tiered
+    home, covers what the cache allocates per page: positions, pages and the refresh's
+    scratch (the host blocks' columns are in `host_row_bytes`)."""
+    from sglang_psa.mem_cache.kv_budget import unit_cache_bytes_per_page
+
+    pages = 1000
+    c = UnitCache(layers, heads, 1, pages, BS, "cpu", ways=ways)
+    per_page = (c.slot_unit, c.cache_pages, c._scratch)
+    used = sum(t.numel() * t.element_size() for t in per_page)
+    kv_bytes_per_token = 2 * layers * heads * d * 2  # bf16
+    budget = pages * unit_cache_bytes_per_page(kv_bytes_per_token, torch.bfloat16, layers, ways)
+    assert used <= budget < 5 * used  # (heads bounded from above: head_dim >= 32)
 
 
 def _reference_coldest(reqs, lengths, heats, records, sink, keep, bs, n):
