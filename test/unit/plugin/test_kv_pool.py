@@ -74,11 +74,14 @@ def test_tiered_home_takes_the_host_blocks_metadata_from_the_pool_and_names_the_
     cut = 10**6 - got.max_total_num_tokens
     # At least each host block's metadata (2 x 192 B per token), one int32 stamp and one
     # int32 unit-cache slot per (layer, KV head) and its evicted flag, and per page of the
-    # pool the unit cache's slot table (an int32 per (layer, KV head) and its page); at
-    # most a page and the heads' upper bound (d >= 32) more.
+    # pool the unit cache's position table (an int32 per (layer, KV head) and its page)
+    # and its refresh's scratch (two int32 per KV head and position of a set of 8 pages,
+    # 8 x 24 positions padded to 256); at most a page and the heads' upper bound
+    # (d >= 32) more.
     pages = 10**6 // 32 + 1
-    least = blocks * (32 * 2 * 192 + 8 * 24 * 2 + 1) + pages * (4 * 24 * 2 + 4)
-    most = blocks * (32 * 2 * 192 + 8 * 24 * 4 + 1) + pages * (4 * 24 * 4 + 4)
+    scratch = 2 * 4 * 256 // 8  # bytes a page, per KV head
+    least = blocks * (32 * 2 * 192 + 8 * 24 * 2 + 1) + pages * (4 * 24 * 2 + 4 + 2 * scratch)
+    most = blocks * (32 * 2 * 192 + 8 * 24 * 4 + 1) + pages * (4 * 24 * 4 + 4 + 4 * scratch)
     most += 32 * conf._cell_size
     assert least <= cut * conf._cell_size <= most + conf._cell_size
     assert got.max_total_num_tokens % 32 == 0
