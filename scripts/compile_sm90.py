@@ -55,7 +55,8 @@ def source(launch: dict):
             raise KeyError(f"{launch['kernel']} has no parameter {name!r} (stale record?)")
         if params[name].is_constexpr or arg["kind"] == "none":
             signature[name] = "constexpr"
-            constexprs[name] = arg.get("value")
+            # `INTERP` (a kernel's interpreter-only path) is False where it compiles
+            constexprs[name] = False if name == "INTERP" else arg.get("value")
         else:
             signature[name] = arg["type"]
     key = json.dumps([launch["module"], launch["kernel"], signature, constexprs,

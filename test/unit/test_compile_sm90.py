@@ -1,6 +1,7 @@
 """`scripts/compile_sm90.py`: the kernel launches a CPU test makes in Triton's interpreter,
 recorded by `test/conftest.py` (`SGLANG_PSA_RECORD_LAUNCHES`), compile for sm_90 here
-without a GPU; a record naming a parameter the kernel lacks fails the run."""
+without a GPU (the decode-slot kernel and the unit cache's refresh); a record naming a
+parameter the kernel lacks fails the run."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ def test_recorded_launches_compile_for_sm90(tmp_path):
     env.pop("PYTEST_XDIST_WORKER", None)
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(ROOT / "test/kernels/test_decode_slots.py"), "-k", "kernel_matches and cpu"],
+         str(ROOT / "test/kernels/test_decode_slots.py"),
+         str(ROOT / "test/kernels/test_unit_cache.py"),
+         "-k", "kernel_matches and cpu or heavy_layer and cpu"],
         env=env, cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     launches = compile_sm90.load(rec)
-    assert launches and {x["kernel"] for x in launches} == {"_decode_slots_kernel"}
+    assert {x["kernel"] for x in launches} == {"_decode_slots_kernel", "_refresh_kernel"}
     compiled = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}  # kernels as compiled
 
     def run():
