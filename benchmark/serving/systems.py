@@ -242,6 +242,23 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_prefix_ws4",
+            "psa_tiered_prefix with --psa-ws-window 4: admission counts the units read in "
+            "the last 4 steps, what the unit cache keeps (with the layers sharing its "
+            "positions, more requests' reads may fit in HBM than the 12-step window admits)",
+            (
+                *_TIERED,
+                "--psa-writeback",
+                "uva",
+                "--radix-cache-backend",
+                "psa",
+                "--psa-ws-window",
+                "4",
+            ),
+            False,
+            True,
+        ),
+        System(
             "psa_tiered_ws4",
             "psa_tiered_uva with --psa-ws-window 4: admission counts the units read in the "
             "last 4 steps, what the unit cache keeps (12 by default admitted 9 of workload "
