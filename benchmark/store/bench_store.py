@@ -19,7 +19,7 @@ the same run: one contiguous pinned cudaMemcpy per direction (256 MiB).
   `(T_compute + T_save - T_both) / T_save`, and `prefill_slowdown_with_save`,
   `T_both / T_compute`, both timed on the GPU.
 - promote: what the tiered home runs to bring host units back into HBM, the
-  unit cache's refresh (one launch per layer, UVA reads of the pinned host tier
+  unit cache's refresh (one launch for every layer, UVA reads of the pinned host tier
   into scattered pages of SGLang's pool): GB/s vs the H2D peak for 64 to 512
   blocks' units per refresh (the summary: the largest).
 - from real servers (`--serving`, default `serving_h100.json`; refresh alone with
