@@ -125,6 +125,8 @@ class Residency:
             req_to_token.device,
             ways=cfg.unit_cache_ways,
         )
+        if hasattr(pool, "k_buffer"):  # SGLang's pool: its layer offsets now, so a pool the
+            self.cache.bind(pool)  # cache cannot read fails at startup, not mid-serving
         self.freeing = False  # inside our own free (no page 0 to drop)
         # Who else maps a block's HBM page: the `psa` radix cache, where SGLang's tree
         # shares pages between requests (`sharers`, `left_hbm`); None: its request alone.
