@@ -243,20 +243,20 @@ def test_the_unit_cache_reads_the_pools_layer_offsets_and_refuses_a_pool_it_cann
     """`bind` sets the element offsets between the pool's layer buffers (what the wave
     kernel adds to read a unit in another layer's buffer); a pool whose layer count or
     buffer shapes differ from the cache's is refused with the reason."""
-    from types import SimpleNamespace as NS
-
     bufs = [torch.zeros(64, HKV, 8) for _ in range(LAYERS)]
     c = UnitCache(LAYERS, HKV, 16, 8, BS, "cpu")
-    c.bind(NS(k_buffer=bufs, v_buffer=bufs[::-1]))
+    c.bind(SimpleNamespace(k_buffer=bufs, v_buffer=bufs[::-1]))
     step = (bufs[1].data_ptr() - bufs[0].data_ptr()) // 4
     assert c.k_shift.tolist() == [[0, step], [-step, 0]]
     assert c.v_shift.tolist() == [[0, -step], [step, 0]]
     with pytest.raises(ValueError, match="the pool has 3 layers, the unit cache 2"):
         three = bufs + bufs[:1]
-        UnitCache(LAYERS, HKV, 16, 8, BS, "cpu").bind(NS(k_buffer=three, v_buffer=three))
+        UnitCache(LAYERS, HKV, 16, 8, BS, "cpu").bind(
+            SimpleNamespace(k_buffer=three, v_buffer=three)
+        )
     odd = [bufs[0], torch.zeros(32, HKV, 8)]
     with pytest.raises(ValueError, match="differ in dtype, shape or strides"):
-        UnitCache(LAYERS, HKV, 16, 8, BS, "cpu").bind(NS(k_buffer=odd, v_buffer=odd))
+        UnitCache(LAYERS, HKV, 16, 8, BS, "cpu").bind(SimpleNamespace(k_buffer=odd, v_buffer=odd))
 
 
 def _reference_coldest(reqs, lengths, heats, records, sink, keep, bs, n):
