@@ -6,7 +6,7 @@ shared by the layers (`mem_cache.unit_cache` now), by ways per set
 (`--psa-unit-cache-ways`). A prediction to check against the server's `reads_by_layer`,
 not a measurement.
 
-    python benchmark/studies/unit_cache_layers.py [--out FILE]
+    python benchmark/studies/unit_cache_layers.py [--out FILE] [--kernel]
 
 Inputs: the per-layer shares of the blocks read from the certified-bound study
 (`results/archive/certified_bound_cpu_16k.json`, the true-mass oracle at ε 0.95, Qwen
@@ -20,16 +20,23 @@ way `p // sets` of set `p % sets`, host block `hb` in set `hb % sets`). Random b
 spread less evenly over the sets than a request's consecutive host blocks, so the ways'
 share is an upper estimate.
 
+`--kernel` also runs the unit cache itself (`UnitCache.refresh`, the Triton kernel, under
+Triton's interpreter on this CPU: ~7 minutes) once from empty at that shape (24 layers x 2
+KV heads, head_dim 8 to keep the tensors small: the layout does not depend on it) and
+counts the units read it takes in, checking a sample of them against their host copies.
+
 Summary: `host_share_by_ways` ({ways: share of the units read that miss}),
 `capacity_share` (the part no number of ways removes), both with positions tied to their
 layer; `host_share_layers_shared_8_ways` (a set's positions shared by the layers: the
-layout built).
+layout built); with `--kernel`, `kernel_cached_share_one_refresh` (the share of the units
+read that the kernel's one refresh cached).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,11 +90,73 @@ def host_share(
     return missed / read, past / read
 
 
+def kernel_refresh(f: np.ndarray, seed: int = 0) -> dict:
+    """One refresh of the real unit cache from empty at b's shape (see the docstring):
+    every (layer, KV head) reads its share of the batch's evicted blocks. Needs
+    TRITON_INTERPRET=1 (no GPU here)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_psa.mem_cache.unit_cache import UnitCache
+
+    L, H, bs, d, step = len(f), KV_HEADS, 32, 8, 7
+    HB = REQUESTS * BLOCKS
+    cache = UnitCache(L, H, HB, POOL_PAGES, bs, "cpu")
+    cache.grow(torch.arange(1, CACHE_PAGES + 1))
+    cache.live.fill_(1)  # every block of the batch evicted, as in b
+    rng = np.random.default_rng(seed)
+    stamps = torch.zeros(L * H, HB, dtype=torch.int32)
+    read = 0
+    for lid, share in enumerate(f):
+        for h in range(H):
+            n = int(round(share * HB))
+            stamps[lid * H + h, torch.from_numpy(rng.choice(HB, n, replace=False))] = step
+            read += n
+    g = torch.Generator().manual_seed(seed)
+    host = SimpleNamespace(
+        k=torch.randn(L, H, HB, bs, d, generator=g).to(torch.bfloat16),
+        v=torch.randn(L, H, HB, bs, d, generator=g).to(torch.bfloat16),
+    )
+    rows = (POOL_PAGES + 1) * bs
+    pool = SimpleNamespace(
+        k_buffer=[torch.zeros(rows, H, d, dtype=torch.bfloat16) for _ in range(L)],
+        v_buffer=[torch.zeros(rows, H, d, dtype=torch.bfloat16) for _ in range(L)],
+    )
+    t0 = time.perf_counter()
+    cache.refresh(stamps, 0, torch.tensor([step], dtype=torch.int32), host, pool)
+    seconds = time.perf_counter() - t0
+    held = (cache.unit_slot[:, :-1] >= 0).nonzero().tolist()
+    for lh, hb in held[:: max(1, len(held) // 64)]:  # a sample: its copy in its position
+        q = int(cache.unit_slot[lh, hb])
+        page = int(cache.cache_pages[q // L])
+        got = pool.k_buffer[q % L][page * bs : (page + 1) * bs, lh % H]
+        if not torch.equal(got, host.k[lh // H, lh % H, hb]):
+            raise AssertionError(f"unit ({lh}, {hb}) differs from its host copy")
+    if len(held) != int(cache.copied):
+        raise AssertionError(f"{len(held)} units cached, {int(cache.copied)} copied")
+    return {
+        "units_read": read,
+        "positions": CACHE_PAGES * L * H,
+        "cached": len(held),
+        "cached_share": len(held) / read,
+        "interpreter_s": seconds,
+    }
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "unit_cache_layers.json"))
+    ap.add_argument(
+        "--kernel",
+        action="store_true",
+        help="also run the unit cache's refresh once at b's shape (interpreter)",
+    )
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "python"))
+    if args.kernel and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--kernel runs the Triton kernel on this CPU: set TRITON_INTERPRET=1")
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT / "sgl-kernel-ext")]
     from sglang_psa.eval.results import write_result
 
     f = shares()
@@ -109,6 +178,12 @@ def main(argv=None) -> None:
         "pool_pages": POOL_PAGES, "cache_pages": CACHE_PAGES, "kv_heads": KV_HEADS,
         "measured_host_share_b": [0.14, 0.17],
     }  # fmt: skip
+    if args.kernel:
+        k = kernel_refresh(f)
+        print(f"the kernel's one refresh cached {k['cached']} of {k['units_read']} units read "
+              f"({k['cached_share']:.4f}) in {k['positions']} positions")  # fmt: skip
+        summary["kernel_cached_share_one_refresh"] = k["cached_share"]
+        data["kernel_refresh"] = k
     print(write_result(Path(args.out), summary, data))
 
 
