@@ -1,14 +1,17 @@
 """The unit-cache model's count of misses (benchmark/studies/unit_cache_layers.py):
 a layer reading more blocks than the cache has pages misses the excess whatever the
-ways; below that, only units beyond a full set's ways miss."""
+ways; below that, only units beyond a full set's ways miss; the real refresh (`--kernel`)
+caches what the model says fits."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 PATH = Path(__file__).resolve().parents[3] / "benchmark" / "studies" / "unit_cache_layers.py"
 spec = importlib.util.spec_from_file_location("unit_cache_layers", PATH)
@@ -43,3 +46,21 @@ def test_the_studys_shares_are_scaled_to_bs_mean_and_capped():
     f = model.shares()
     assert abs(f.mean() - model.MEAN_READ) < 0.02 and f.max() <= model.READ_CAP
     assert len(f) == 24
+
+
+def test_the_kernels_refresh_caches_what_the_model_says_fits(monkeypatch):
+    """`--kernel` at a small shape: with positions for every unit read the real refresh
+    caches them all; with a quarter of the pages, at most the positions."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the study runs the kernel under TRITON_INTERPRET=1 (CI)")
+    for name, value in (("REQUESTS", 2), ("BLOCKS", 96), ("POOL_PAGES", 64)):
+        monkeypatch.setattr(model, name, value)
+    f = np.array([0.5, 0.05, 0.05])  # one heavy layer: past the pages were it alone
+    monkeypatch.setattr(model, "CACHE_PAGES", 64)
+    full = model.kernel_refresh(f)
+    assert full["units_read"] > 64 * 2 and full["cached"] == full["units_read"]
+    assert model.host_share(8, f, shared=True)[0] == 0.0
+    monkeypatch.setattr(model, "CACHE_PAGES", 16)
+    short = model.kernel_refresh(f)
+    assert short["cached"] <= short["positions"] == 16 * 3 * 2 < short["units_read"]
+    assert short["cached"] > 0.8 * short["positions"]
