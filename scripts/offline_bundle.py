@@ -214,8 +214,9 @@ TARGET_MARKERS = {  # the GPU host, for checking the bundle's requirements again
 }
 
 MIB = 1 << 20
-# a device call carries 64 MiB with the working tree (~10 MiB tracked, growing)
-DEFAULT_PART_MIB = 48
+# a device call carries 64 MiB with the working tree (~16 MiB tracked at 2026-12-05,
+# growing with the results: 48 MiB parts no longer fit beside it)
+DEFAULT_PART_MIB = 44
 PART_PREFIX = "psa-bundle.part-"
 MANIFEST_NAME = "MANIFEST.json"
 BUNDLE_ROOT = "psa-bundle"  # top folder inside bundle.tar
