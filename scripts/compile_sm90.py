@@ -10,7 +10,11 @@ kernel launch the tests make (the kernel, each argument's type, or value where i
 integer, float, bool or None, and the launch options) once per distinct launch; this
 script compiles each recorded launch with this machine's Triton for the `--arch` GPU
 (no GPU needed: Triton's own compiler and ptxas), the constexpr parameters at their
-recorded values, and prints every failure with its error. Exit status 1 on any failure.
+recorded values and the arguments specialized on 16-divisibility as a GPU launch would
+specialize them, and prints every failure with its error. Exit status 1 on any failure.
+`--resources` prints each specialization's registers and stack bytes a thread (spills):
+a kernel that compiles can still spill its way to a fraction of its speed (the wave
+kernel's unit-cache branch once did, `test_compile_sm90.py` guards it).
 Compile with the GPU machine's Triton (3.6 there): `--triton DIR` puts a folder holding it
 first (`pip install --no-deps --target DIR triton==3.6.0`); another version's compiler can
 fail where that one passes (Triton 3.9's pipeliner rejects the wave kernel's one-warp TMA
@@ -23,6 +27,8 @@ import argparse
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,27 +47,64 @@ def load(path: Path) -> list[dict]:
     return out
 
 
-def source(launch: dict):
+def source(launch: dict, overrides: dict | None = None):
     """Triton's `ASTSource` for a recorded launch, and what makes it distinct: the kernel
-    as compiled (no interpreter), its pointer and scalar parameters typed, its constexpr
-    parameters at their values (launches differing only in scalar values are one)."""
+    as compiled (no interpreter), its pointer and scalar parameters typed and specialized
+    on 16-divisibility as a GPU launch would be (pointers recorded 16-byte aligned or not
+    recorded either way, integers that are multiples of 16), its constexpr parameters at
+    their values (launches differing only in scalar values are one). `overrides`: values
+    in place of recorded ones (a real shape's head dim in place of a test's)."""
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     params = {p.name: p for p in fn.params}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for name, arg in launch["args"].items():
         if name not in params:
             raise KeyError(f"{launch['kernel']} has no parameter {name!r} (stale record?)")
+        if overrides and name in overrides:
+            arg = dict(arg, value=overrides[name])
         if params[name].is_constexpr or arg["kind"] == "none":
             signature[name] = "constexpr"
             # `INTERP` (a kernel's interpreter-only path) is False where it compiles
             constexprs[name] = False if name == "INTERP" else arg.get("value")
-        else:
-            signature[name] = arg["type"]
+            continue
+        signature[name] = arg["type"]
+        aligned = arg["type"].startswith("*") and arg.get("div16", True)
+        if aligned or (arg["type"] in ("i32", "i64") and arg.get("value", 1) % 16 == 0):
+            attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
     key = json.dumps([launch["module"], launch["kernel"], signature, constexprs,
-                      launch["options"]], sort_keys=True, default=repr)  # fmt: skip
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs), key
+                      sorted(attrs), launch["options"]], sort_keys=True, default=repr)  # fmt: skip
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), key
+
+
+def compile_launch(launch: dict, arch: int = 90, overrides: dict | None = None):
+    """A recorded launch compiled for `arch` (`source`'s `overrides`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src, _ = source(launch, overrides)
+    opts = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages")}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def resources(kernel) -> dict:
+    """Registers a thread and stack bytes a thread (spilled registers, mostly) of a
+    compiled kernel, from its cubin (`cuobjdump`, shipped with Triton's CUDA backend)."""
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {out[:500]}")
+    return {"regs": int(m.group(1)), "stack": int(m.group(2))}
 
 
 def main(argv=None) -> int:
@@ -69,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("launches", type=Path, help="the file SGLANG_PSA_RECORD_LAUNCHES named")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
     ap.add_argument("--triton", type=Path, help="a folder holding the Triton to compile with")
+    ap.add_argument("--resources", action="store_true",
+                    help="print each specialization's registers and stack bytes a thread")  # fmt: skip
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 is set: kernels load as interpreted functions, not compiled")
@@ -77,22 +122,21 @@ def main(argv=None) -> int:
             ap.error(f"--triton {args.triton}: no triton package there")
         sys.path.insert(0, str(args.triton))
     import triton
-    from triton.backends.compiler import GPUTarget
 
-    target = GPUTarget("cuda", args.arch, 32)
     done: set = set()
     failed = n = 0
     t0 = time.perf_counter()
     for launch in load(args.launches):
         what = f"{launch['module']}.{launch['kernel']} {launch['options']}"
         try:
-            src, key = source(launch)
+            _, key = source(launch)
             if key in done:
                 continue
             done.add(key)
             n += 1
-            opts = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages")}
-            triton.compile(src, target=target, options=opts)
+            kernel = compile_launch(launch, args.arch)
+            if args.resources:
+                print(f"{what}: {resources(kernel)}", flush=True)
         except Exception as e:  # noqa: BLE001 - every failure is reported
             failed += 1
             print(f"FAIL {what}\n    {type(e).__name__}: {str(e)[:2000]}", flush=True)

@@ -39,6 +39,8 @@ if os.environ.get("SGLANG_PSA_RECORD_LAUNCHES") and os.environ.get("TRITON_INTER
         out = {"kind": type(value).__name__, "type": mangle_type(value)}
         if isinstance(value, (bool, int, float)):  # a constexpr's value, where it is one
             out["value"] = value
+        elif hasattr(value, "data_ptr"):  # what Triton specializes a pointer on
+            out["div16"] = value.data_ptr() % 16 == 0
         return out
 
     def _recording_run(self, *args, grid, warmup, **kwargs):

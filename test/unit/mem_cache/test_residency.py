@@ -242,7 +242,8 @@ def test_the_pool_budget_covers_the_unit_caches_tables_per_page(layers, heads, d
 def test_the_unit_cache_reads_the_pools_layer_offsets_and_refuses_a_pool_it_cannot_read():
     """`bind` sets the element offsets between the pool's layer buffers (what the wave
     kernel adds to read a unit in another layer's buffer); a pool whose layer count or
-    buffer shapes differ from the cache's is refused with the reason."""
+    buffer shapes differ from the cache's, or whose buffers lie a distance apart the
+    kernels cannot vectorize, is refused with the reason."""
     bufs = [torch.zeros(64, HKV, 8) for _ in range(LAYERS)]
     c = UnitCache(LAYERS, HKV, 16, 8, BS, "cpu")
     c.bind(SimpleNamespace(k_buffer=bufs, v_buffer=bufs[::-1]))
@@ -257,6 +258,12 @@ def test_the_unit_cache_reads_the_pools_layer_offsets_and_refuses_a_pool_it_cann
     odd = [bufs[0], torch.zeros(32, HKV, 8)]
     with pytest.raises(ValueError, match="differ in dtype, shape or strides"):
         UnitCache(LAYERS, HKV, 16, 8, BS, "cpu").bind(SimpleNamespace(k_buffer=odd, v_buffer=odd))
+    # Buffers 8 elements apart: the kernels' vectorized reads of another layer's buffer
+    # assume multiples of 16, so such a pool is refused, not read wrongly.
+    flat = torch.zeros(2 * 64 * HKV * 8 + 8)
+    near = [flat[: 64 * HKV * 8].view(64, HKV, 8), flat[8 : 8 + 64 * HKV * 8].view(64, HKV, 8)]
+    with pytest.raises(ValueError, match="multiple of 16 elements apart"):
+        UnitCache(LAYERS, HKV, 16, 8, BS, "cpu").bind(SimpleNamespace(k_buffer=near, v_buffer=near))
 
 
 def _reference_coldest(reqs, lengths, heats, records, sink, keep, bs, n):
