@@ -806,7 +806,8 @@ class WaveAttention:
         # launch sweeps kept in benchmark/results/decode_step_h100.json). None: by the
         # run's kind (`plan` sets `warps`, `run` the tile): runs in waves read one block a
         # tile through tensor descriptors with one warp a program (more programs share a
-        # heavy head); one-wave runs gather 64-token tiles with two.
+        # heavy head); one-wave runs gather 64-token tiles with two; runs over a host tier
+        # gather with four.
         self.tile_tokens, self.num_warps = None, None
         # Software-pipeline depth of the tile loop (1: none).
         self.num_stages = 2
@@ -936,7 +937,15 @@ class WaveAttention:
         )
         wanted = self.tma if self.tma is not None else not self.one_wave
         self.described = bool(wanted and has_tma)
-        self.warps = self.num_warps or (1 if self.described and not host_tier else 2)
+        # A host tier's gather with two warps compiled (sm_90, Triton 3.6) to 32 registers
+        # and 5.6 KB of spills a thread at head dim 64 (10 KB at 128); with four, 188
+        # registers and none (`test_compile_sm90.py`).
+        if self.num_warps:
+            self.warps = self.num_warps
+        elif host_tier:
+            self.warps = 4
+        else:
+            self.warps = 1 if self.described else 2
         compiled = dev.type == "cuda" and not interp  # the interpreter runs programs in turn
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if compiled else 0
         programs = batch * n_kv_heads

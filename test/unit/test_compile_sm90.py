@@ -100,3 +100,58 @@ def test_reading_cached_units_costs_the_wave_kernel_no_spills(tmp_path):
     assert {r["prefetch"] for r in rows} == {True, False}, rows  # both launches compiled
     for r in rows:
         assert r["cached"]["stack"] <= 1.25 * r["uncached"]["stack"] + 512, rows
+
+
+_PLANNED = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import compile_sm90
+from sgl_kernel_ext.wave_attention import WaveAttention
+from sglang_psa.config import PSAConfig
+cfg = PSAConfig()
+bs = cfg.block_size
+out = []
+for launch in compile_sm90.load(__import__("pathlib").Path(sys.argv[1])):
+    a = launch["args"]
+    if launch["kernel"] != "_wave_attention_kernel" or a["ONE_WAVE"]["value"] or a["KEPT"]["value"]:
+        continue
+    for d, hq in ((64, 14), (128, 12)):  # Qwen2.5 0.5B and 1.5B: 2 KV heads
+        wa = WaveAttention.from_config(cfg).plan(4, hq, 2, d, 1024, "cpu", host_tier=True)
+        tile = wa.tile_tokens or 64  # the host tier's gather (`run`)
+        shape = {"D": d, "G": hq // 2, "BS": bs, "NK_BSP": bs, "NBLK": tile // bs, "S": 2,
+                 "STAMP": True, "PREFETCH": True}
+        planned = dict(launch, options=dict(launch["options"], num_warps=wa.warps))
+        r = compile_sm90.resources(compile_sm90.compile_launch(planned, overrides=shape))
+        out.append({"head_dim": d, "warps": wa.warps, **r})
+    break
+print(json.dumps(out))
+"""
+
+
+def test_the_tiered_homes_wave_launch_as_planned_does_not_spill(tmp_path):
+    """The launch the tiered home's decode runs every layer (waves over ranked blocks, K/V
+    gathered from HBM pages, the unit cache and the host tier), compiled for sm_90 at the
+    warps `plan(host_tier=True)` picks and the tile `run` gathers, at Qwen2.5 0.5B's and
+    1.5B's shapes with the default block size: at most 1 KB of stack a thread. With two
+    warps ptxas gave it 32 registers and 5 KB of spills (12 KB at head dim 128)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the launches are recorded in Triton's interpreter (the CPU tests)")
+    rec = tmp_path / "launches.jsonl"
+    env = {**os.environ, "SGLANG_PSA_RECORD_LAUNCHES": str(rec)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         str(ROOT / "test/kernels/test_wave_attention.py"),
+         "-k", "reads_cached_units and cpu-ranked"],
+        env=env, cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    compiled = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PLANNED, str(rec), str(ROOT / "scripts")],
+        env=compiled, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["head_dim"] for r in rows] == [64, 128], rows
+    for r in rows:
+        assert r["stack"] <= 1024, rows
