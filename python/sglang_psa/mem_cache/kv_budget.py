@@ -67,7 +67,8 @@ def unit_cache_bytes_per_page(
     can take): the unit in each (layer, KV head)'s position, the page, and the refresh's
     scratch (two int32 lists of a set's positions, padded to a power of two, per KV head
     and set of `ways` pages; `sgl_kernel_ext.unit_cache.scratch_size`)."""
+    from sgl_kernel_ext.unit_cache import scratch_size
+
     pairs = _layer_heads(kv_bytes_per_token, kv_dtype, layers)
-    positions = 1 << (ways * layers - 1).bit_length()
-    scratch = math.ceil(2 * 4 * (pairs // layers) * positions / ways)
+    scratch = math.ceil(4 * scratch_size(pairs // layers, ways, ways, layers) / ways)  # a set's
     return 4 * pairs + 4 + scratch
