@@ -535,9 +535,9 @@ def _wave_attention_kernel(
                     cpage = tl.load(cpages_ptr + u0 // cache_layers, mask=upos >= 0, other=0)
                     cpage = cpage.to(tl.int64)
                     # Multiples of 16 elements (`unit_cache.layer_offsets` checks): told to
-                    # the compiler, the K/V loads stay vectorized; untold, the kept
-                    # variant's registers spilled 15x (7.5 KB a thread) and b's step took
-                    # 28 ms instead of 5.8 on the H200.
+                    # the compiler, the K/V loads stay vectorized; untold, ptxas kept 32
+                    # registers and spilled 4 KB a thread (bf16, head dim 64) and b's step
+                    # took 28 ms instead of 5.8 on the H200.
                     ksh = tl.load(kshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
                     vsh = tl.load(vshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
                     ksh, vsh = tl.multiple_of(ksh, 16), tl.multiple_of(vsh, 16)
@@ -806,8 +806,7 @@ class WaveAttention:
         # launch sweeps kept in benchmark/results/decode_step_h100.json). None: by the
         # run's kind (`plan` sets `warps`, `run` the tile): runs in waves read one block a
         # tile through tensor descriptors with one warp a program (more programs share a
-        # heavy head); one-wave runs gather 64-token tiles with two; runs over a host tier
-        # gather with four.
+        # heavy head); one-wave runs gather 64-token tiles with two.
         self.tile_tokens, self.num_warps = None, None
         # Software-pipeline depth of the tile loop (1: none).
         self.num_stages = 2
@@ -937,15 +936,7 @@ class WaveAttention:
         )
         wanted = self.tma if self.tma is not None else not self.one_wave
         self.described = bool(wanted and has_tma)
-        # A host tier's gather with two warps compiled (sm_90, Triton 3.6) to 32 registers
-        # and 5.6 KB of spills a thread at head dim 64 (10 KB at 128); with four, 188
-        # registers and none (`test_compile_sm90.py`).
-        if self.num_warps:
-            self.warps = self.num_warps
-        elif host_tier:
-            self.warps = 4
-        else:
-            self.warps = 1 if self.described else 2
+        self.warps = self.num_warps or (1 if self.described and not host_tier else 2)
         compiled = dev.type == "cuda" and not interp  # the interpreter runs programs in turn
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if compiled else 0
         programs = batch * n_kv_heads
