@@ -52,7 +52,6 @@ def test_recorded_launches_compile_for_sm90(tmp_path):
     assert done.returncode == 1 and "no parameter 'gone'" in done.stdout
 
 
-
 _PLANNED = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
