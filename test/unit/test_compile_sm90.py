@@ -60,30 +60,48 @@ from sgl_kernel_ext.wave_attention import WaveAttention
 from sglang_psa.config import PSAConfig
 cfg = PSAConfig()
 bs = cfg.block_size
-out = []
+out, seen = [], set()
 for launch in compile_sm90.load(__import__("pathlib").Path(sys.argv[1])):
     a = dict(launch["args"])
-    if launch["kernel"] != "_wave_attention_kernel" or not a["CACHED"]["value"]:
+    if launch["kernel"] != "_wave_attention_kernel":
         continue
     kept = a["KEPT"]["value"] and a["ONE_WAVE"]["value"]  # the kept rows' launch
+    if a["CACHED"]["value"]:
+        role = "tiered_kept" if kept else "tiered_ranked"
+    elif a["TMA"]["value"] and a["PREFETCH"]["value"]:
+        role = "hbm_ranked"  # the HBM home's waves, read through tensor descriptors
+    else:
+        continue
+    if role in seen:
+        continue
+    seen.add(role)
     for n in ("q_ptr", "k_slots", "v_slots", "k_host", "v_host", "out_ptr"):
         a[n] = dict(a[n], type="*bf16")  # the served model's dtype (the test's is float32)
     for d, hq in ((64, 14), (128, 12)):  # Qwen2.5 0.5B and 1.5B: 2 KV heads
-        wa = WaveAttention.from_config(cfg).plan(4, hq, 2, d, 1024, "cpu", host_tier=True)
-        warps, tile = (wa.kept_warps, wa.kept_tile_tokens) if kept else (wa.warps, 64)
+        tiered = role != "hbm_ranked"
+        wa = WaveAttention.from_config(cfg).plan(4, hq, 2, d, 1024, "cpu", host_tier=tiered)
+        if role == "tiered_kept":
+            warps, tile = wa.kept_warps, wa.kept_tile_tokens
+        elif tiered:
+            warps, tile = wa.warps, 64  # (`run`'s gather tile)
+        else:  # what `plan` picks where descriptors are read (sm_90; not on this CPU)
+            warps, tile = wa.num_warps or 1, bs
+        if not tiered:
+            for n in ("k_desc", "v_desc"):
+                a[n] = dict(a[n], type=f"tensordesc<bf16[{bs}, {d}]>")
         shape = {"D": d, "G": hq // 2, "BS": bs, "NK_BSP": bs, "NBLK": tile // bs}
-        planned = dict(launch, args=a, options=dict(launch["options"], num_warps=warps))
+        planned = dict(launch, args=dict(a), options=dict(launch["options"], num_warps=warps))
         r = compile_sm90.resources(compile_sm90.compile_launch(planned, overrides=shape))
-        out.append({"kept": kept, "head_dim": d, "warps": warps, **r})
+        out.append({"role": role, "head_dim": d, "warps": warps, **r})
 print(json.dumps(out))
 """
 
 
-def test_the_tiered_homes_wave_launches_as_planned_do_not_spill(tmp_path):
-    """The two launches the tiered home's decode runs every layer with the unit cache on
-    (ranked rows; kept rows), compiled for sm_90 in bf16 at the warps and tiles `plan`
-    and `run` pick, at Qwen2.5 0.5B's and 1.5B's shapes and the default block size: at
-    most 1 KB of stack a thread. The cached branch adds a per-row offset to another
+def test_decodes_wave_launches_as_planned_do_not_spill(tmp_path):
+    """The launches decode runs every layer (the tiered home's ranked and kept rows with
+    the unit cache on; the HBM home's waves through tensor descriptors), compiled for
+    sm_90 in bf16 at the warps and tiles `plan` and `run` pick, at Qwen2.5 0.5B's and
+    1.5B's shapes and the default block size: at most 1 KB of stack a thread. The cached branch adds a per-row offset to another
     layer's buffer; not declared 16-element aligned, it un-vectorized the K/V loads and
     ptxas kept 32 registers and spilled 3.6-6.7 KB a thread (Triton 3.6), and workload
     b's decode step took 28 ms instead of 5.8 on the H200."""
@@ -95,7 +113,7 @@ def test_the_tiered_homes_wave_launches_as_planned_do_not_spill(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(ROOT / "test/kernels/test_wave_attention.py"),
-         "-k", "reads_cached_units and cpu-kept"],
+         "-k", "reads_cached_units and cpu-kept or descriptor_reads and cpu-psa-small"],
         env=env, cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     compiled = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
@@ -105,8 +123,9 @@ def test_the_tiered_homes_wave_launches_as_planned_do_not_spill(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted((r["kept"], r["head_dim"]) for r in rows) == [
-        (False, 64), (False, 128), (True, 64), (True, 128)
-    ], rows  # fmt: skip
+    roles = ("hbm_ranked", "tiered_kept", "tiered_ranked")
+    assert sorted((r["role"], r["head_dim"]) for r in rows) == [
+        (role, d) for role in roles for d in (64, 128)
+    ], rows
     for r in rows:
         assert r["stack"] <= 1024, rows
