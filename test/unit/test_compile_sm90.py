@@ -21,7 +21,9 @@ import compile_sm90  # noqa: E402
 pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend is not installed")
 
 
-def test_recorded_launches_compile_for_sm90(tmp_path):
+def _record(tmp_path, *pytest_args) -> tuple:
+    """The launches the CPU tests `pytest_args` make in Triton's interpreter, recorded to a
+    file; returns it and the environment to compile in (the interpreter off)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the launches are recorded in Triton's interpreter (the CPU tests)")
     rec = tmp_path / "launches.jsonl"
@@ -29,14 +31,21 @@ def test_recorded_launches_compile_for_sm90(tmp_path):
     env.pop("PYTEST_XDIST_WORKER", None)
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(ROOT / "test/kernels/test_decode_slots.py"),
-         str(ROOT / "test/kernels/test_unit_cache.py"),
-         "-k", "kernel_matches and cpu or heavy_layer and cpu"],
+         *pytest_args],
         env=env, cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    return rec, {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+
+
+def test_recorded_launches_compile_for_sm90(tmp_path):
+    rec, compiled = _record(
+        tmp_path,
+        str(ROOT / "test/kernels/test_decode_slots.py"),
+        str(ROOT / "test/kernels/test_unit_cache.py"),
+        "-k", "kernel_matches and cpu or heavy_layer and cpu",
     )  # fmt: skip
     launches = compile_sm90.load(rec)
     assert {x["kernel"] for x in launches} == {"_decode_slots_kernel", "_refresh_kernel"}
-    compiled = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}  # kernels as compiled
 
     def run():
         return subprocess.run(
@@ -101,22 +110,16 @@ def test_decodes_wave_launches_as_planned_do_not_spill(tmp_path):
     """The launches decode runs every layer (the tiered home's ranked and kept rows with
     the unit cache on; the HBM home's waves through tensor descriptors), compiled for
     sm_90 in bf16 at the warps and tiles `plan` and `run` pick, at Qwen2.5 0.5B's and
-    1.5B's shapes and the default block size: at most 1 KB of stack a thread. The cached branch adds a per-row offset to another
-    layer's buffer; not declared 16-element aligned, it un-vectorized the K/V loads and
-    ptxas kept 32 registers and spilled 3.6-6.7 KB a thread (Triton 3.6), and workload
-    b's decode step took 28 ms instead of 5.8 on the H200."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the launches are recorded in Triton's interpreter (the CPU tests)")
-    rec = tmp_path / "launches.jsonl"
-    env = {**os.environ, "SGLANG_PSA_RECORD_LAUNCHES": str(rec)}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(ROOT / "test/kernels/test_wave_attention.py"),
-         "-k", "reads_cached_units and cpu-kept or descriptor_reads and cpu-psa-small"],
-        env=env, cwd=ROOT, check=True, capture_output=True, timeout=600,
+    1.5B's shapes and the default block size: at most 1 KB of stack a thread. The cached
+    branch adds a per-row offset to another layer's buffer; not declared 16-element
+    aligned, it un-vectorized the K/V loads and ptxas kept 32 registers and spilled
+    3.6-6.7 KB a thread (Triton 3.6), and workload b's decode step took 28 ms instead of
+    5.8 on the H200."""
+    rec, compiled = _record(
+        tmp_path,
+        str(ROOT / "test/kernels/test_wave_attention.py"),
+        "-k", "reads_cached_units and cpu-kept or descriptor_reads and cpu-psa-small",
     )  # fmt: skip
-    compiled = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", _PLANNED, str(rec), str(ROOT / "scripts")],
         env=compiled, capture_output=True, text=True, timeout=900,
