@@ -78,12 +78,14 @@ def source(launch: dict, overrides: dict | None = None):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), key
 
 
-def compile_launch(launch: dict, arch: int = 90, overrides: dict | None = None):
-    """A recorded launch compiled for `arch` (`source`'s `overrides`)."""
+def compile_launch(launch: dict, arch: int = 90, overrides: dict | None = None, src=None):
+    """A recorded launch compiled for `arch` (`source`'s `overrides`; `src`: its source,
+    where the caller has it already)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src, _ = source(launch, overrides)
+    if src is None:
+        src, _ = source(launch, overrides)
     opts = {k: v for k, v in launch["options"].items() if k in ("num_warps", "num_stages")}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
     ap.add_argument("--triton", type=Path, help="a folder holding the Triton to compile with")
     ap.add_argument("--resources", action="store_true",
-                    help="print each specialization's registers and stack bytes a thread")  # fmt: skip
+                    help="print each specialization's registers and stack a thread")  # fmt: skip
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 is set: kernels load as interpreted functions, not compiled")
@@ -129,12 +131,12 @@ def main(argv=None) -> int:
     for launch in load(args.launches):
         what = f"{launch['module']}.{launch['kernel']} {launch['options']}"
         try:
-            _, key = source(launch)
+            src, key = source(launch)
             if key in done:
                 continue
             done.add(key)
             n += 1
-            kernel = compile_launch(launch, args.arch)
+            kernel = compile_launch(launch, args.arch, src=src)
             if args.resources:
                 print(f"{what}: {resources(kernel)}", flush=True)
         except Exception as e:  # noqa: BLE001 - every failure is reported

@@ -20,6 +20,11 @@ import triton.language as tl
 
 from sgl_kernel_ext.runtime import triton_enabled
 
+# Layer buffers lie a multiple of this many elements apart (`layer_offsets` checks); the
+# kernels that add those offsets tell the compiler so, which keeps their loads and stores
+# vectorized.
+LAYER_ALIGN = tl.constexpr(16)
+
 
 @triton.jit
 def _refresh_kernel(
@@ -109,8 +114,8 @@ def _refresh_kernel(
             src += (tok * D)[:, None] + dim[None, :]
             dst = ((page1 * BS + tok) * pool_tok_stride + h * pool_head_stride)[:, None]
             dst += dim[None, :]
-            kd = tl.multiple_of(tl.load(koff_ptr + l2), 16)  # (vectorized stores)
-            vd = tl.multiple_of(tl.load(voff_ptr + l2), 16)
+            kd = tl.multiple_of(tl.load(koff_ptr + l2), LAYER_ALIGN)
+            vd = tl.multiple_of(tl.load(voff_ptr + l2), LAYER_ALIGN)
             tl.store(pool_k + kd + dst, tl.load(host_k + src))
             tl.store(pool_v + vd + dst, tl.load(host_v + src))
         tl.atomic_add(copied_ptr, n)  # one atomic per program that had candidates
@@ -119,15 +124,18 @@ def _refresh_kernel(
 def layer_offsets(buffers: list[torch.Tensor]) -> list[int]:
     """Each layer buffer's element offset from the first's: a kernel reaches any layer
     from one base pointer. The buffers share dtype, shape and strides (SGLang's pool), and
-    lie a multiple of 16 elements apart (the kernels tell the compiler so, to vectorize;
-    torch's allocations are 512-byte aligned on CUDA)."""
+    lie a multiple of `LAYER_ALIGN` elements apart (torch's allocations are 512-byte
+    aligned on CUDA)."""
     b0 = buffers[0]
     size = b0.element_size()
+    align = LAYER_ALIGN.value
     for b in buffers:
         if b.dtype != b0.dtype or b.shape != b0.shape or b.stride() != b0.stride():
             raise ValueError("the pool's layer buffers differ in dtype, shape or strides")
-        if (b.data_ptr() - b0.data_ptr()) % (16 * size):
-            raise ValueError("the pool's layer buffers do not lie a multiple of 16 elements apart")
+        if (b.data_ptr() - b0.data_ptr()) % (align * size):
+            raise ValueError(
+                f"the pool's layer buffers do not lie a multiple of {align} elements apart"
+            )
     return [(b.data_ptr() - b0.data_ptr()) // size for b in buffers]
 
 

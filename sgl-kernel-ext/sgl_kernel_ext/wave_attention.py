@@ -42,6 +42,7 @@ from sgl_kernel_ext.scoring import (
     partial_chunks,
     queries_in_place,
 )
+from sgl_kernel_ext.unit_cache import LAYER_ALIGN
 
 HEURISTIC, CERTIFIED = 0, 1
 logger = logging.getLogger(__name__)
@@ -534,13 +535,14 @@ def _wave_attention_kernel(
                     u0 = tl.maximum(upos, 0)
                     cpage = tl.load(cpages_ptr + u0 // cache_layers, mask=upos >= 0, other=0)
                     cpage = cpage.to(tl.int64)
-                    # Multiples of 16 elements (`unit_cache.layer_offsets` checks): told to
+                    # Multiples of LAYER_ALIGN (`unit_cache.layer_offsets` checks): told to
                     # the compiler, the K/V loads stay vectorized; untold, ptxas kept 32
                     # registers and spilled 4 KB a thread (bf16, head dim 64) and b's step
                     # took 28 ms instead of 5.8 on the H200.
                     ksh = tl.load(kshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
                     vsh = tl.load(vshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
-                    ksh, vsh = tl.multiple_of(ksh, 16), tl.multiple_of(vsh, 16)
+                    ksh = tl.multiple_of(ksh, LAYER_ALIGN)
+                    vsh = tl.multiple_of(vsh, LAYER_ALIGN)
                     where = tl.where(cpage > 0, cpage, where)
                 in_hbm = where >= 0
                 if STATS:
@@ -1236,8 +1238,9 @@ class WaveAttention:
         (int64) gains the blocks read, the blocks available and those read from the host.
         With `unit_slot [Hkv, host blocks + 1]`, `cache_pages [C]` (int32) and
         `cache_shift` (int64 `[L]` for K and V: element offsets from `k_slots`/`v_slots`
-        to each layer's buffer, multiples of 16), the unit cache's view from this layer, a cached host unit
-        is read from its position (`unit_slot // L`'s page, layer `unit_slot % L`) instead.
+        to each layer's buffer, multiples of `unit_cache.LAYER_ALIGN`), the unit cache's
+        view from this layer, a cached host unit is read from its position (`unit_slot //
+        L`'s page, layer `unit_slot % L`) instead.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
