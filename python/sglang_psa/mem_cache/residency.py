@@ -34,12 +34,12 @@ counts as read by every unit: its blocks go last. With the `psa` radix cache
 for the tree at once, or not at all (`PsaRadixCache.sharers`, `left_hbm`).
 
 The unit cache (`mem_cache.unit_cache`): an evicted block does not come back
-whole. HBM pages the allocator can spare (beyond two per running request, at most
-one per evicted block) become slots of the unit cache, which holds the single
+whole. HBM pages the allocator can spare (beyond ROOM_HIGH per running request, at
+most one per evicted block) become slots of the unit cache, which holds the single
 (layer, KV head) units of evicted blocks that decode reads; `refresh`, every decode
 round, grows it and brings in the units the last step read from the host. While any
-block is evicted and HBM has no page to spare, `refresh` also evicts the resident
-blocks that few units read lately (`--psa-cold-fraction`): decode reads a few units
+block is evicted and HBM has no page to spare, `refresh` also evicts (every
+COLD_EVERY rounds) the resident blocks that few units read lately (`--psa-cold-fraction`): decode reads a few units
 of most blocks, so HBM holds more of what it reads as single units than as whole
 pages. (Uncapped, the cache once took every spare page and the cold blocks followed,
 so SGLang's tree gave up the shared documents it held: seen on the H200, workload f.) When SGLang needs pages, cold blocks
@@ -74,6 +74,19 @@ AT_PAGE0 = "page 0"
 # A row's published heat belongs to its request while the length it was measured at
 # trails the request's by at most this many tokens (the overlap scheduler runs ahead).
 _STALE_TOKENS = 8
+
+# Free pages a decode round keeps for each running request (a round takes at most one
+# page a request), a band wide: the decode check makes room when fewer than ROOM_LOW a
+# request are free, and then for ROOM_HIGH (`room_for_decode`); the unit cache takes only
+# pages beyond ROOM_HIGH (`refresh`). Without the band every page a request filled was
+# made room for in its own round: at workload b's shape 45% of rounds evicted one block,
+# ~60 tensor operations each on the scheduler's thread; with it one round in about a
+# block's worth of tokens evicts a page per request at once
+# (benchmark/scheduler/decode_round.py).
+ROOM_LOW, ROOM_HIGH = 2, 3
+# Rounds at least between passes of `refresh` over the resident blocks for cold ones (a pass walks
+# every saved block of every running request; a block turns cold over many steps).
+COLD_EVERY = 8
 
 
 class Residency:
@@ -128,6 +141,8 @@ class Residency:
         if hasattr(pool, "k_buffer"):  # SGLang's pool: its layer offsets now, so a pool the
             self.cache.bind(pool)  # cache cannot read fails at startup, not mid-serving
         self.freeing = False  # inside our own free (no page 0 to drop)
+        # refresh calls while blocks are evicted, and the one of the last cold pass
+        self._rounds, self._cold_at = 0, -COLD_EVERY
         # Who else maps a block's HBM page: the `psa` radix cache, where SGLang's tree
         # shares pages between requests (`sharers`, `left_hbm`); None: its request alone.
         self.sharing = None
@@ -441,25 +456,42 @@ class Residency:
             rec.evicted = np.zeros(self.max_blocks, dtype=bool)
         rec.evicted[blocks] = True
 
+    def room_for_decode(self, reqs, allocator, evict_tree=None) -> int:
+        """Before a decode round of running `reqs`: when fewer than ROOM_LOW pages a
+        request are free, free up to ROOM_HIGH a request, first the prefixes SGLang's
+        tree keeps that no running request holds (`evict_tree(tokens)`: SGLang's own
+        tree eviction, to `tokens` free), then saved blocks of `reqs` (`make_room`);
+        between the two nothing leaves HBM. Returns the tokens `make_room` freed."""
+        pages = len(reqs) * self.block_size
+        if allocator.available_size() >= ROOM_LOW * pages:
+            return 0
+        want = ROOM_HIGH * pages
+        if evict_tree is not None:
+            evict_tree(want)
+        short = want - int(allocator.available_size())
+        return self.make_room(reqs, short, allocator) if short > 0 else 0
+
     def refresh(self, reqs, allocator) -> int:
         """Every decode round, while blocks are evicted: the unit cache takes pages the
-        allocator can spare beyond two per running request, up to one page per evicted
-        block (that many hold every unit of every evicted block; pages beyond go back, to
-        SGLang's tree and new prompts), then brings in the host units the last step read
-        (`UnitCache.refresh`, no sync). Only when HBM has no page to spare, saved blocks of
-        `reqs` that fewer than `cold_fraction` of their units read lately leave HBM first
-        (a page kept for a block serves its few readers; as cache slots it serves one hot
-        unit per (layer, KV head)): with pages free, evicting them gains nothing and
-        sends their prefix's next readers to the host tier. Returns the pages taken."""
+        allocator can spare beyond ROOM_HIGH per running request, up to one page per
+        evicted block (that many hold every unit of every evicted block; pages beyond go
+        back, to SGLang's tree and new prompts), then brings in the host units the last
+        step read (`UnitCache.refresh`, no sync). Only when HBM has no page to spare, and
+        every COLD_EVERY rounds, saved blocks of `reqs` that fewer than `cold_fraction` of
+        their units read lately leave HBM first (a page kept for a block serves its few
+        readers; as cache slots it serves one hot unit per (layer, KV head)): with pages
+        free, evicting them gains nothing and sends their prefix's next readers to the
+        host tier. Returns the pages taken."""
         self.allocator = allocator
         if not self.any_evicted:
             return 0
         bs = self.block_size
-        reserve = _reserve(reqs)
+        reserve = ROOM_HIGH * sum(1 for _ in _live(reqs))
         spare = allocator.available_size() // bs - reserve
-        if (
-            self.cold_readers and spare <= 0
-        ):  # cold resident blocks: their pages serve more as slots
+        self._rounds += 1
+        if self.cold_readers and spare <= 0 and self._rounds - self._cold_at >= COLD_EVERY:
+            # cold resident blocks: their pages serve more as slots
+            self._cold_at = self._rounds
             c = self._candidates(reqs)
             cold = c.readers < self.cold_readers
             who, blocks = c.who[cold].tolist(), c.blocks[cold].tolist()
@@ -524,11 +556,6 @@ def _padded(gone: np.ndarray, n: int) -> np.ndarray:
     m = min(n, len(gone))
     out[:m] = gone[:m]
     return out
-
-
-def _reserve(reqs) -> int:
-    """Pages kept free for the running `reqs`' next tokens: two a request."""
-    return 2 * sum(1 for _ in _live(reqs))
 
 
 def _live(reqs):

@@ -284,12 +284,9 @@ def around_check_decode_mem(original, batch, selected_indices=None):
     serving = _serving()
     if serving is None:
         return original(batch, selected_indices)
-    if serving.tiered and batch.reqs:  # a page per request, twice over
+    if serving.tiered and batch.reqs:  # pages for this round and the next ones
         alloc = batch.token_to_kv_pool_allocator
-        need = 2 * len(batch.reqs) * serving.cfg.block_size
-        if alloc.available_size() < need:
-            _evict_unheld_prefixes(batch, need)
-        serving.make_room(batch.reqs, need - int(alloc.available_size()), alloc)
+        serving.room_for_decode(batch.reqs, alloc, lambda n: _evict_unheld_prefixes(batch, n))
         serving.refresh(batch.reqs, alloc)
     if getattr(batch, "batch_is_full", False) and serving.retry_queue(batch.reqs):
         # SGLang stops trying queued prompts once one did not fit, until a request

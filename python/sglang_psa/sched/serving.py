@@ -387,6 +387,15 @@ class PSAServing:
             return 0
         return self.residency.make_room(reqs, tokens, allocator, cache_first)
 
+    @timed("serving.room_for_decode")
+    def room_for_decode(self, reqs, allocator, evict_tree) -> int:
+        """Tiered home, before a decode round of `reqs`: pages for it and the next rounds
+        (`Residency.room_for_decode`; `evict_tree(tokens)`: SGLang's tree eviction, to
+        `tokens` free); returns the tokens freed from `reqs`' blocks (0 elsewhere)."""
+        if self.residency is None:
+            return 0
+        return self.residency.room_for_decode(reqs, allocator, evict_tree)
+
     @property
     def stages_prefill(self) -> bool:
         """Tiered home with a prefill backend that reads a staged prefix: a prompt larger

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from sglang_psa.algo import dense_attention, progressive_attention, topk_attention  # noqa: E402
 from sglang_psa.attention.psa_backend import PSAAttnBackend  # noqa: E402
 from sglang_psa.config import PSAConfig, PSAConfigError  # noqa: E402
+from sglang_psa.mem_cache.residency import ROOM_HIGH  # noqa: E402
 from sglang_psa.plugin import scheduling  # noqa: E402
 from sglang_psa.sched import process  # noqa: E402
 
@@ -1125,7 +1126,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         cache = backend.residency.cache
-        spare = free0 // BS - 2 * len(reqs)  # a page per evicted block (8) at most
+        spare = free0 // BS - ROOM_HIGH * len(reqs)  # a page per evicted block (8) at most
         assert took == min(spare, 8) > 0 and cache.pages == took
         copied = int(cache.copied)
         assert 0 < copied <= want[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_psa.mem_cache.request_kv import RequestKV, TieredRequests
-from sglang_psa.mem_cache.residency import Residency
+from sglang_psa.mem_cache.residency import COLD_EVERY, ROOM_HIGH, ROOM_LOW, Residency
 from sglang_psa.mem_cache.unit_cache import WAYS, UnitCache
 
 BS, ROW, LAYERS, HKV, HB = 4, 2, 2, 2, 64
@@ -115,25 +115,51 @@ def test_room_sglang_only_reserves_comes_from_the_cache_first():
 @pytest.mark.parametrize("cold_fraction, cold", [(0.5, [1, 4]), (0.0, [])])
 def test_while_blocks_are_evicted_cold_resident_blocks_become_cache_pages(cold_fraction, cold):
     """2 layers x 2 KV heads: 4 units a block. With `cold_fraction` 0.5 and no page to
-    spare, a resident saved block read lately by fewer than 2 units leaves HBM at the next
-    refresh and its page joins the unit cache; 0 leaves blocks in HBM until SGLang needs
-    pages. With pages to spare, no block leaves: the cache takes them, one per evicted
-    block at most."""
+    spare beyond ROOM_HIGH a request, a resident saved block read lately by fewer than 2
+    units leaves HBM at the next refresh and its page joins the unit cache; 0 leaves
+    blocks in HBM until SGLang needs pages. With pages to spare, no block leaves: the
+    cache takes them, one per evicted block at most. The pass for cold blocks runs at most
+    every COLD_EVERY refreshes: a block turning cold waits for the next."""
     res, r = _residency([4, 0, 4, 2, 1, 3, 4, 3, 4, 4], cold_fraction)
     gone_order = _recording_evict(res, 40)
     r.evicted = np.zeros(16, dtype=bool)
     r.evicted[6] = True  # a block already on the host: the cache is in use
     res.cache.refresh = lambda *a: None  # (the kernel has its own tests)
     req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
-    roomy = _Alloc([30, 31, 32, 33, 34])  # 3 pages beyond two per request
+    roomy = _Alloc(list(range(30, 30 + ROOM_HIGH + 3)))  # 3 pages beyond ROOM_HIGH
     assert res.refresh([req], roomy) == 1 and gone_order == []  # one block is evicted
-    alloc = _Alloc([30, 31])  # none to spare
+    alloc = _Alloc(list(range(30, 30 + ROOM_HIGH)))  # none to spare
     taken = res.refresh([req], alloc)
     assert sorted(gone_order) == cold
     assert taken == len(cold)  # the pages the cold blocks gave back
     assert res.cache.pages == 1 + taken
     # nothing new is cold: the next refresh evicts nothing more
     assert res.refresh([req], alloc) == 0 and sorted(gone_order) == cold
+    if not cold:
+        return
+    res.ws.heat()[ROW][5] = 0  # block 5 turns cold: left until COLD_EVERY rounds passed
+    for _ in range(COLD_EVERY - 2):
+        assert res.refresh([req], alloc) == 0 and sorted(gone_order) == cold
+    assert res.refresh([req], alloc) == 1 and sorted(gone_order) == sorted(cold + [5])
+
+
+def test_decode_rooms_for_rounds_to_come_only_when_short():
+    """Fewer than ROOM_LOW pages a running request free: the tree's unheld prefixes go
+    first, then the coldest saved blocks, up to ROOM_HIGH a request; at ROOM_LOW or more,
+    nothing is asked of either."""
+    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+    gone_order = _recording_evict(res, 40)
+    req = SimpleNamespace(rid="a", req_pool_idx=ROW, seqlen=10 * BS, finished=lambda: False)
+    tree = []
+    alloc = _Alloc(list(range(30, 30 + ROOM_LOW)))
+    assert res.room_for_decode([req], alloc, tree.append) == 0
+    assert tree == [] and gone_order == []
+    alloc = _Alloc([30])  # short: the tree is asked for ROOM_HIGH pages free, gives one
+    evict_tree = lambda n: tree.append(n) or alloc.free.append(31)  # noqa: E731
+    freed = res.room_for_decode([req], alloc, evict_tree)
+    assert tree == [ROOM_HIGH * BS] and freed == (ROOM_HIGH - 2) * BS
+    assert sorted(gone_order) == [1, 4][: ROOM_HIGH - 2]  # the least read saved blocks
+    assert alloc.available_size() == ROOM_HIGH * BS
 
 
 def test_the_last_release_drains_the_cache_and_forgets_its_units():

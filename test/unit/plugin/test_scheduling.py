@@ -10,6 +10,7 @@ import pytest
 
 from sglang_psa import releases
 from sglang_psa.config import PSAConfig
+from sglang_psa.mem_cache.residency import ROOM_HIGH, ROOM_LOW
 from sglang_psa.plugin import scheduling
 from sglang_psa.sched import process
 from sglang_psa.sched.admission import Candidate
@@ -424,7 +425,7 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     request leaves. At the tiered home, each decode round lifts that stop while running
     requests still have blocks that could leave HBM, so admission by eviction goes on."""
     calls = []
-    serving.residency = SimpleNamespace(
+    serving.residency = _residency(
         make_room=lambda reqs, tokens, alloc, *a: calls.append(("room", tokens)) or 0,
         refresh=lambda reqs, alloc: calls.append(("refresh",)) or 0,
         evictable=lambda reqs: evictable,
@@ -437,25 +438,40 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
     assert ("refresh",) in calls
 
 
-@pytest.mark.parametrize("tree_pages, asked_pages", [(6, 0), (1, 2)])
+def _residency(**calls):
+    """A stand-in for `Residency` with `calls` (`make_room`, `refresh`, `evictable`) and its
+    real `room_for_decode` over them."""
+    from sglang_psa.mem_cache.residency import Residency
+
+    res = SimpleNamespace(block_size=BS, **calls)
+    res.room_for_decode = lambda *a: Residency.room_for_decode(res, *a)
+    return res
+
+
+@pytest.mark.parametrize(
+    "free, tree_pages, asked_pages", [(1, 8, 0), (1, 1, 4), (ROOM_LOW * 2, 8, None)]
+)
 def test_tiered_decode_round_evicts_unheld_prefixes_before_running_blocks(
-    serving, tree_pages, asked_pages
+    serving, free, tree_pages, asked_pages
 ):
-    """A decode round short of pages (two a request) takes them first from prefixes SGLang's
-    tree keeps that no running request holds (SGLang's own eviction, as plain SGLang's
-    decode check does), and asks `make_room` to take running requests' saved blocks off HBM
-    only for what the tree could not give."""
+    """A decode round of two requests short of pages (fewer than ROOM_LOW a request free)
+    frees up to ROOM_HIGH a request: first prefixes SGLang's tree keeps that no running
+    request holds (SGLang's own eviction, as plain SGLang's decode check does), and asks
+    `make_room` to take running requests' saved blocks off HBM only for what the tree
+    could not give. With ROOM_LOW a request free nothing leaves HBM (`asked_pages`
+    None): the band keeps rounds from evicting a block each."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     calls = []
-    serving.residency = SimpleNamespace(
+    serving.residency = _residency(
         make_room=lambda reqs, tokens, alloc, *a: calls.append(tokens) or 0,
         refresh=lambda reqs, alloc: 0,
         evictable=lambda reqs: 0,
     )
+    start = free
 
     class Alloc:
-        free = 1  # pages
+        free = start  # pages
 
         def available_size(self):
             return self.free * BS
@@ -486,9 +502,15 @@ def test_tiered_decode_round_evicts_unheld_prefixes_before_running_blocks(
         reqs=reqs, token_to_kv_pool_allocator=tree.alloc, tree_cache=tree, batch_is_full=False
     )
     assert scheduling.around_check_decode_mem(lambda *a: True, batch) is True
-    # 4 pages needed, 1 free: the tree gives up to 3, running blocks only what is left
+    if asked_pages is None:
+        assert calls == [] and tree.held == tree_pages
+        return
+    # short: room for ROOM_HIGH pages a request; the tree gives what it can, running
+    # blocks only what is left
+    want = ROOM_HIGH * 2
     assert calls == ([asked_pages * BS] if asked_pages else [])
-    assert tree.held == max(0, tree_pages - 3)
+    assert tree.held == max(0, tree_pages - (want - free))
+    assert tree.alloc.free + asked_pages == want
 
 
 def test_a_waiting_request_is_explained_in_the_log_at_most_every_interval(serving, caplog):
