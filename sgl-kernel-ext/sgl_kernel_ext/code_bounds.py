@@ -15,8 +15,8 @@ kernel's certified rule ranks blocks by `ub` and bounds the unread mass with it
 `algo.token_bounds.encode_keys`. The adaptive suite's kernel rows run both
 (`hf.attention.KernelRows`). For the server, `encode_pages` writes the planes and
 ranges of whole pages of SGLang's key pool per page, and `code_bounds(pages=)` reads
-them through the page table; not yet on the serving path: the pool's pages keep no
-planes yet (docs/design.md).
+them through the page table: the server's certified rule keeps them per page
+(`mem_cache.page_meta`) and ranks on them every step.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import triton.language as tl
 # + 2 d: the float32 margin of `algo.token_bounds.token_score_bounds` (a constexpr: read
 # inside the kernel)
 _MARGIN_ULPS = tl.constexpr(16)
+# `code_bounds` rebuilds the cells of this many channels at a time (a head dim larger is
+# summed over passes).
+CODE_CHANNELS = 64
 
 
 def pack_planes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
@@ -221,28 +224,19 @@ def _code_bounds_kernel(
     BLOCKS: tl.constexpr,  # blocks per program
     PAGED: tl.constexpr,
     WANT_PART: tl.constexpr,
+    DC: tl.constexpr,  # channels a pass (divides D)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     Hkv = tl.num_programs(1)
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
+    offs_c = tl.arange(0, DC)
     offs_t = tl.arange(0, BS)
-    q = tl.load(
-        q_ptr + (b * Hkv * G + h * G + offs_g)[:, None] * D + offs_d[None, :],
-        mask=(offs_g < G)[:, None],
-        other=0.0,
-    )
-    q = q * scale
-    q_pos = tl.maximum(q, 0.0)
-    q_neg = tl.minimum(q, 0.0)
-    q_abs = tl.abs(q)
+    q_rows = q_ptr + (b * Hkv * G + h * G + offs_g)[:, None] * D
     length = tl.load(len_ptr + b)
-    n_cells = tl.full((1, D), 2**BITS, tl.int32)
+    n_cells = tl.full((1, DC), 2**BITS, tl.int32)
     inv_n = 1.0 / (2**BITS)
     margin = (2 * D + _MARGIN_ULPS) * 5.9604644775390625e-08  # 2^-24
-    byte_of = offs_d // 8
-    bit_of = offs_d % 8
     p_max = tl.full([GP], float("-inf"), tl.float32)  # this program's blocks, per head
     p_sum = tl.zeros([GP], tl.float32)
     for j in range(BLOCKS):
@@ -255,24 +249,33 @@ def _code_bounds_kernel(
             row = (b * Hkv + h) * NB + blk
         # past the last block every channel is masked (a tensor mask: the interpreter
         # takes no scalar one)
-        d_ok = offs_d < D * in_range.to(tl.int32)
-        lo = tl.load(lo_ptr + row * D + offs_d, mask=d_ok, other=0.0)[None, :]
-        hi = tl.load(hi_ptr + row * D + offs_d, mask=d_ok, other=0.0)[None, :]
+        c_ok = offs_c < DC * in_range.to(tl.int32)
         base = planes_ptr + row.to(tl.int64) * (BITS * BS * (D // 8))
-        cell = tl.zeros((BS, D), tl.int32)
-        for p in range(BITS):
-            byte = tl.load(
-                base + p * BS * (D // 8) + offs_t[:, None] * (D // 8) + byte_of[None, :],
-                mask=(offs_t[:, None] < BS) & d_ok[None, :],
-                other=0,
-            ).to(tl.int32)
-            cell += ((byte >> bit_of[None, :]) & 1) << p
-        a = _edge(lo, hi, cell, n_cells, inv_n)
-        b_edge = _edge(lo, hi, cell + 1, n_cells, inv_n)
-        est = tl.dot(q_pos, tl.trans(b_edge), input_precision="ieee")
-        est = tl.dot(q_neg, tl.trans(a), acc=est, input_precision="ieee")
-        big = tl.maximum(tl.abs(a), tl.abs(b_edge))
-        mag = tl.dot(q_abs, tl.trans(big), input_precision="ieee")
+        est = tl.zeros((GP, BS), tl.float32)
+        mag = tl.zeros((GP, BS), tl.float32)
+        # DC channels a pass, in a loop kept rolled: the whole head dim's cells and edges
+        # at once held 255 registers and spilled 512 bytes a thread at head dim 128, and
+        # the passes unrolled spilled ~5 KB at 5 bits and more (sm_90, Triton 3.6)
+        for c0 in range(0, D, DC):
+            offs_d = c0 + offs_c
+            q = tl.load(q_rows + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
+            q = q * scale
+            lo = tl.load(lo_ptr + row * D + offs_d, mask=c_ok, other=0.0)[None, :]
+            hi = tl.load(hi_ptr + row * D + offs_d, mask=c_ok, other=0.0)[None, :]
+            cell = tl.zeros((BS, DC), tl.int32)
+            for p in range(BITS):
+                byte = tl.load(
+                    base + p * BS * (D // 8) + offs_t[:, None] * (D // 8) + (offs_d // 8)[None, :],
+                    mask=(offs_t[:, None] < BS) & c_ok[None, :],
+                    other=0,
+                ).to(tl.int32)
+                cell += ((byte >> (offs_d % 8)[None, :]) & 1) << p
+            a = _edge(lo, hi, cell, n_cells, inv_n)
+            b_edge = _edge(lo, hi, cell + 1, n_cells, inv_n)
+            est = tl.dot(tl.maximum(q, 0.0), tl.trans(b_edge), acc=est, input_precision="ieee")
+            est = tl.dot(tl.minimum(q, 0.0), tl.trans(a), acc=est, input_precision="ieee")
+            big = tl.maximum(tl.abs(a), tl.abs(b_edge))
+            mag = tl.dot(tl.abs(q), tl.trans(big), acc=mag, input_precision="ieee")
         bound = est + margin * mag  # [GP, BS]
         tok_ok = (blk * BS + offs_t) < length
         bound = tl.where(tok_ok[None, :], bound, float("-inf"))
@@ -351,6 +354,7 @@ def code_bounds(
         BLOCKS=blocks_per_program,
         PAGED=pages is not None,
         WANT_PART=partials is not None,
+        DC=min(d, CODE_CHANNELS),
         num_warps=num_warps,
         enable_fp_fusion=False,  # cell edges rounded as the reference's (no FMA)
     )

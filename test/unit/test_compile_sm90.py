@@ -132,3 +132,43 @@ def test_decodes_wave_launches_as_planned_do_not_spill(tmp_path):
     ], rows
     for r in rows:
         assert r["stack"] <= 1024, rows
+
+
+_CODE_BOUNDS = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import compile_sm90
+from sgl_kernel_ext.code_bounds import CODE_CHANNELS
+from sglang_psa.config import PSAConfig
+cfg = PSAConfig()
+out = []
+launch = next(x for x in compile_sm90.load(__import__("pathlib").Path(sys.argv[1]))
+              if x["kernel"] == "_code_bounds_kernel" and x["args"]["PAGED"]["value"])
+for d, hq in ((64, 14), (128, 12)):  # Qwen2.5 0.5B and 1.5B: 2 KV heads
+    for bits in sorted({cfg.code_bits, 8}):
+        shape = {"D": d, "G": hq // 2, "BS": cfg.block_size, "BITS": bits,
+                 "DC": min(d, CODE_CHANNELS)}
+        r = compile_sm90.resources(compile_sm90.compile_launch(launch, overrides=shape))
+        out.append({"head_dim": d, "bits": bits, **r})
+print(json.dumps(out))
+"""
+
+
+def test_the_certified_rules_code_bounds_as_served_do_not_spill(tmp_path):
+    """The certified rule's ranking reads every block's key codes each step
+    (`code_bounds` through the page table): compiled for sm_90 at the default block size,
+    code bits (and 8), head dims 64 and 128 and the channels a pass `code_bounds` picks,
+    no stack. Rebuilding all 128 channels' cells at once held 255 registers and spilled
+    512 bytes a thread; the passes unrolled, ~5 KB (Triton 3.6)."""
+    rec, compiled = _record(
+        tmp_path,
+        str(ROOT / "test/kernels/test_code_bounds.py"),
+        "-k", "page_table_equal and cpu-64",
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _CODE_BOUNDS, str(rec), str(ROOT / "scripts")],
+        env=compiled, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4 and all(r["stack"] == 0 for r in rows), rows
