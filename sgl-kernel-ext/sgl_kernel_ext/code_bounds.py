@@ -206,7 +206,7 @@ def encode_pages(
 
 @triton.jit
 def _code_bounds_kernel(
-    q_ptr,  # [B, Hq, D] float32
+    q_ptr,  # [B, Hq, D]
     planes_ptr,  # [B, Hkv, NB, BITS, BS, D // 8] uint8
     lo_ptr,  # [B, Hkv, NB, D] float32
     hi_ptr,
@@ -259,7 +259,7 @@ def _code_bounds_kernel(
         for c0 in range(0, D, DC):
             offs_d = c0 + offs_c
             q = tl.load(q_rows + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
-            q = q * scale
+            q = q.to(tl.float32) * scale
             lo = tl.load(lo_ptr + row * D + offs_d, mask=c_ok, other=0.0)[None, :]
             hi = tl.load(hi_ptr + row * D + offs_d, mask=c_ok, other=0.0)[None, :]
             cell = tl.zeros((BS, DC), tl.int32)
@@ -336,7 +336,7 @@ def code_bounds(
         out = torch.empty(B, Hq, NB, dtype=torch.float32, device=q.device)
     grid = (B, Hkv, triton.cdiv(NB, blocks_per_program))
     _code_bounds_kernel[grid](
-        q.float().contiguous(),
+        q.contiguous(),  # (any float dtype: read as float32)
         planes,
         lo.contiguous(),
         hi.contiguous(),

@@ -67,6 +67,24 @@ def test_code_bounds_kernel_matches_reference_and_bounds_the_mass(device, d, G, 
     assert float((got[finite].double() - true[finite]).median()) < 3.0
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_code_bounds_reads_a_16_bit_query_as_its_float32_value(device, d):
+    """Decode's query is the model's dtype: the kernel reads it as float32 itself (no copy
+    a layer), the same bounds as for the query converted first."""
+    from sgl_kernel_ext.code_bounds import code_bounds, pack_planes
+
+    q, k, lengths, kept = _case(d, 2, 2, 7, d, 4)
+    codes = encode_keys(k, lengths, kept.kmin, kept.kmax, 32, 5)
+    planes = pack_planes(codes.codes, 5, 32).to(device)
+    lo, hi = (t.float().to(device) for t in (kept.kmin, kept.kmax))
+
+    def bounds(query):
+        return code_bounds(query.to(device), planes, lo, hi, lengths.to(device), 0.125).cpu()
+
+    q16 = q.to(torch.bfloat16)
+    assert torch.equal(bounds(q16), bounds(q16.float()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, G, bits", [(64, 7, 5), (128, 4, 4), (128, 8, 6)])
 def test_code_bounds_kernel_at_real_shapes(d, G, bits):

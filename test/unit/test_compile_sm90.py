@@ -144,6 +144,7 @@ cfg = PSAConfig()
 out = []
 launch = next(x for x in compile_sm90.load(__import__("pathlib").Path(sys.argv[1]))
               if x["kernel"] == "_code_bounds_kernel" and x["args"]["PAGED"]["value"])
+launch["args"]["q_ptr"] = dict(launch["args"]["q_ptr"], type="*bf16")  # the served dtype
 for d, hq in ((64, 14), (128, 12)):  # Qwen2.5 0.5B and 1.5B: 2 KV heads
     for bits in sorted({cfg.code_bits, 8}):
         shape = {"D": d, "G": hq // 2, "BS": cfg.block_size, "BITS": bits,
