@@ -109,7 +109,9 @@ class _Store:
                 self.released += p.tolist()
             release(*page_ids)
 
-        self.alloc._release_page_ids = checked
+        # as served: the allocator hook's `releasable` first (which, with the psa radix
+        # cache, drops nothing: every free leaves page-0 blocks out by itself)
+        self.alloc._release_page_ids = lambda *p: checked(*self.res.releasable(p))
         self.wb = WriteBack(L, H, D, torch.float32, BS, host_blocks, 12 * BS, "cpu",
                             path="uva", table_shape=(ROWS, CTX // BS))  # fmt: skip
         ws = SimpleNamespace(

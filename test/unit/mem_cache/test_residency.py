@@ -402,3 +402,23 @@ def test_the_coldest_blocks_are_the_least_read_then_oldest_at_the_benchmarks_sha
     for n in (1, 2 * batch, len(want) + 5):
         got = s.res._coldest(s.reqs, n)
         assert [(r, s.reqs[i].rid, b) for r, b, i in want[:n]] == got
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_release_drops_page_0_unless_the_psa_radix_cache_left_it_out(tree):
+    """While a block is evicted its request's row points at page 0, which SGLang's free of
+    that row would hand to the allocator: the release hook drops it (a boolean mask, a
+    sync). With the psa radix cache every free leaves page-0 blocks out by itself from
+    host-side records (`_HbmOnly`; the store asserts it, test_psa_radix_cache), so a
+    release passes untouched, without a sync."""
+    res, r = _residency([7, 0, 8, 2, 1, 4, 5, 3, 5, 6])
+    r.evicted = np.zeros(16, dtype=bool)
+    r.evicted[3] = True
+    if tree:
+        res.sharing = object()
+    pages = (torch.tensor([5, 0, 9]), torch.tensor([0]))
+    got = res.releasable(pages)
+    if tree:
+        assert got is pages
+    else:
+        assert [p.tolist() for p in got] == [[5, 9], []]
