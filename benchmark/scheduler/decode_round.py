@@ -30,7 +30,6 @@ in the same run.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -127,13 +126,13 @@ def measure(rounds: int = 256, requests: int = REQUESTS, prompt: int = PROMPT) -
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "decode_round.json"))
-    ap.add_argument("--rounds", type=int, default=256)
-    ap.add_argument("--baseline-rev", help="also measure this commit's plugin (same CPU, same run)")
-    args = ap.parse_args(argv)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     from benchmark.scheduler.evict_ops import setup
+    from benchmark.scheduler.revision import round_args
+
+    args = round_args(
+        __doc__, "decode_round", 256, "also measure this commit's plugin (same CPU, same run)", argv
+    )
 
     from sglang_psa.eval.results import write_result
 

@@ -27,7 +27,6 @@ stand-in, with nothing to evict).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -155,12 +154,16 @@ def measure(rounds: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "residency_step.json"))
-    ap.add_argument("--rounds", type=int, default=200)
-    ap.add_argument("--baseline-rev", help="also time this commit's residency (same CPU, same run)")
-    args = ap.parse_args(argv)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+    from benchmark.scheduler.revision import round_args
+
+    args = round_args(
+        __doc__,
+        "residency_step",
+        200,
+        "also time this commit's residency (same CPU, same run)",
+        argv,
+    )
     from sglang_psa.eval.results import write_result
 
     ms = measure(args.rounds)

@@ -11,6 +11,7 @@ afterwards.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -40,3 +41,14 @@ def at_revision(rev: str, expr: str, imports: str = "") -> dict:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     return {"rev": commit, "value": json.loads(out.splitlines()[-1])}
+
+
+def round_args(doc: str, result: str, rounds: int, baseline: str, argv=None):
+    """The command line of a benchmark timing rounds against a `--baseline-rev`: `--out`
+    (default `benchmark/results/RESULT.json`), `--rounds`, `--baseline-rev` (help
+    `baseline`); parsed from `argv`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / f"{result}.json"))
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--baseline-rev", help=baseline)
+    return ap.parse_args(argv)

@@ -37,6 +37,19 @@ def _record(tmp_path, *pytest_args) -> tuple:
     return rec, {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
 
 
+def _compiled_as_served(tmp_path, script: str, tests: str, select: str) -> list[dict]:
+    """The rows `script` prints (JSON, its last line) given the launches the CPU tests
+    `tests -k select` recorded and the scripts folder: it compiles them at served shapes
+    and reads their resources (the interpreter off)."""
+    rec, compiled = _record(tmp_path, str(ROOT / tests), "-k", select)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(rec), str(ROOT / "scripts")],
+        env=compiled, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_recorded_launches_compile_for_sm90(tmp_path):
     rec, compiled = _record(
         tmp_path,
@@ -115,17 +128,10 @@ def test_decodes_wave_launches_as_planned_do_not_spill(tmp_path):
     aligned, it un-vectorized the K/V loads and ptxas kept 32 registers and spilled
     3.6-6.7 KB a thread (Triton 3.6), and workload b's decode step took 28 ms instead of
     5.8 on the H200."""
-    rec, compiled = _record(
-        tmp_path,
-        str(ROOT / "test/kernels/test_wave_attention.py"),
-        "-k", "reads_cached_units and cpu-kept or descriptor_reads and cpu-psa-small",
+    rows = _compiled_as_served(
+        tmp_path, _PLANNED, "test/kernels/test_wave_attention.py",
+        "reads_cached_units and cpu-kept or descriptor_reads and cpu-psa-small",
     )  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", _PLANNED, str(rec), str(ROOT / "scripts")],
-        env=compiled, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
     roles = ("hbm_ranked", "tiered_kept", "tiered_ranked")
     assert sorted((r["role"], r["head_dim"]) for r in rows) == [
         (role, d) for role in roles for d in (64, 128)
@@ -161,15 +167,7 @@ def test_the_certified_rules_code_bounds_as_served_do_not_spill(tmp_path):
     code bits (and 8), head dims 64 and 128 and the channels a pass `code_bounds` picks,
     no stack. Rebuilding all 128 channels' cells at once held 255 registers and spilled
     512 bytes a thread; the passes unrolled, ~5 KB (Triton 3.6)."""
-    rec, compiled = _record(
-        tmp_path,
-        str(ROOT / "test/kernels/test_code_bounds.py"),
-        "-k", "page_table_equal and cpu-64",
-    )  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", _CODE_BOUNDS, str(rec), str(ROOT / "scripts")],
-        env=compiled, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = _compiled_as_served(
+        tmp_path, _CODE_BOUNDS, "test/kernels/test_code_bounds.py", "page_table_equal and cpu-64"
+    )
     assert len(rows) == 4 and all(r["stack"] == 0 for r in rows), rows
