@@ -905,6 +905,13 @@ class WaveAttention:
             torch.tensor([index[f] for f in firsts], dtype=torch.int32),
         )
 
+    @staticmethod
+    def launch_warps(described: bool, host_tier: bool) -> int:
+        """The wave launch's warps unless `num_warps` says: one where blocks are read
+        through tensor descriptors (`described`; the HBM home on sm_90), else two (the
+        per-row gather, the tiered home's `host_tier`)."""
+        return 1 if described and not host_tier else 2
+
     def plan(
         self,
         batch: int,
@@ -938,7 +945,7 @@ class WaveAttention:
         )
         wanted = self.tma if self.tma is not None else not self.one_wave
         self.described = bool(wanted and has_tma)
-        self.warps = self.num_warps or (1 if self.described and not host_tier else 2)
+        self.warps = self.num_warps or self.launch_warps(self.described, host_tier)
         compiled = dev.type == "cuda" and not interp  # the interpreter runs programs in turn
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if compiled else 0
         programs = batch * n_kv_heads

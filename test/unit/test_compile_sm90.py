@@ -107,7 +107,7 @@ for launch in compile_sm90.load(__import__("pathlib").Path(sys.argv[1])):
         elif tiered:
             warps, tile = wa.warps, 64  # (`run`'s gather tile)
         else:  # what `plan` picks where descriptors are read (sm_90; not on this CPU)
-            warps, tile = wa.num_warps or 1, bs
+            warps, tile = wa.num_warps or WaveAttention.launch_warps(True, False), bs
         if not tiered:
             for n in ("k_desc", "v_desc"):
                 a[n] = dict(a[n], type=f"tensordesc<bf16[{bs}, {d}]>")
