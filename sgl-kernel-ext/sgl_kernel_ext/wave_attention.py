@@ -555,14 +555,11 @@ def _wave_attention_kernel(
                     offs_h = (
                         unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride
                     )[:, None] + dd[None, :]
-                    if CACHED:
-                        kp = tl.where(in_hbm[:, None], k_slots + ksh[:, None] + offs,
-                                      k_host + offs_h)  # fmt: skip
-                        vp = tl.where(in_hbm[:, None], v_slots + vsh[:, None] + offs,
-                                      v_host + offs_h)  # fmt: skip
-                    else:
-                        kp = tl.where(in_hbm[:, None], k_slots + offs, k_host + offs_h)
-                        vp = tl.where(in_hbm[:, None], v_slots + offs, v_host + offs_h)
+                    k_at, v_at = k_slots, v_slots
+                    if CACHED:  # a cached unit's row: its position's layer buffer
+                        k_at, v_at = k_slots + ksh[:, None], v_slots + vsh[:, None]
+                    kp = tl.where(in_hbm[:, None], k_at + offs, k_host + offs_h)
+                    vp = tl.where(in_hbm[:, None], v_at + offs, v_host + offs_h)
                 else:
                     kp, vp = k_slots + offs, v_slots + offs
                 k = tl.load(kp, mask=valid[:, None], other=0.0)
