@@ -39,9 +39,9 @@ most one per evicted block) become slots of the unit cache, which holds the sing
 (layer, KV head) units of evicted blocks that decode reads; `refresh`, every decode
 round, grows it and brings in the units the last step read from the host. While any
 block is evicted and HBM has no page to spare, `refresh` also evicts (every
-COLD_EVERY rounds) the resident blocks that few units read lately (`--psa-cold-fraction`): decode reads a few units
-of most blocks, so HBM holds more of what it reads as single units than as whole
-pages. (Uncapped, the cache once took every spare page and the cold blocks followed,
+COLD_EVERY rounds) the resident blocks that few units read lately
+(`--psa-cold-fraction`): decode reads a few units of most blocks, so HBM holds more of
+what it reads as single units than as whole pages. (Uncapped, the cache once took every spare page and the cold blocks followed,
 so SGLang's tree gave up the shared documents it held: seen on the H200, workload f.) When SGLang needs pages, cold blocks
 leave first (their hot units come back as units), then cache pages; when the last
 evicted block is gone the cache gives every page back.
@@ -79,13 +79,14 @@ _STALE_TOKENS = 8
 # page a request), a band wide: the decode check makes room when fewer than ROOM_LOW a
 # request are free, and then for ROOM_HIGH (`room_for_decode`); the unit cache takes only
 # pages beyond ROOM_HIGH (`refresh`). Without the band every page a request filled was
-# made room for in its own round: at workload b's shape 45% of rounds evicted one block,
+# made room for in its own round: at workload b's shape 44% of rounds evicted one block,
 # ~60 tensor operations each on the scheduler's thread; with it one round in about a
 # block's worth of tokens evicts a page per request at once
 # (benchmark/scheduler/decode_round.py).
 ROOM_LOW, ROOM_HIGH = 2, 3
-# Rounds at least between passes of `refresh` over the resident blocks for cold ones (a pass walks
-# every saved block of every running request; a block turns cold over many steps).
+# Rounds at least between passes of `refresh` over the resident blocks for cold ones (a
+# pass walks every saved block of every running request; a block turns cold over many
+# steps).
 COLD_EVERY = 8
 
 
