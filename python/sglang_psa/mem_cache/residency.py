@@ -41,10 +41,11 @@ round, grows it and brings in the units the last step read from the host. While 
 block is evicted and HBM has no page to spare, `refresh` also evicts (every
 COLD_EVERY rounds) the resident blocks that few units read lately
 (`--psa-cold-fraction`): decode reads a few units of most blocks, so HBM holds more of
-what it reads as single units than as whole pages. (Uncapped, the cache once took every spare page and the cold blocks followed,
-so SGLang's tree gave up the shared documents it held: seen on the H200, workload f.) When SGLang needs pages, cold blocks
-leave first (their hot units come back as units), then cache pages; when the last
-evicted block is gone the cache gives every page back.
+what it reads as single units than as whole pages. (Uncapped, the cache once took every
+spare page and the cold blocks followed, so SGLang's tree gave up the shared documents it
+held: seen on the H200, workload f.) When SGLang needs pages, cold blocks leave first
+(their hot units come back as units), then cache pages; when the last evicted block is
+gone the cache gives every page back.
 
 Ordering: all of this runs on the scheduler's stream, which SGLang orders
 before the next forward. The decode graph reads the request table and the
