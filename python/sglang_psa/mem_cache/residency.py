@@ -462,18 +462,17 @@ class Residency:
             rec.evicted = np.zeros(self.max_blocks, dtype=bool)
         rec.evicted[blocks] = True
 
-    def room_for_decode(self, reqs, allocator, evict_tree=None) -> int:
+    def room_for_decode(self, reqs, allocator, evict_tree) -> int:
         """Before a decode round of running `reqs`: when fewer than ROOM_LOW pages a
         request are free, free up to ROOM_HIGH a request, first the prefixes SGLang's
         tree keeps that no running request holds (`evict_tree(tokens)`: SGLang's own
         tree eviction, to `tokens` free), then saved blocks of `reqs` (`make_room`);
         between the two nothing leaves HBM. Returns the tokens `make_room` freed."""
-        pages = len(reqs) * self.block_size
-        if allocator.available_size() >= ROOM_LOW * pages:
+        page_each = len(reqs) * self.block_size  # tokens: a page for each request
+        if allocator.available_size() >= ROOM_LOW * page_each:
             return 0
-        want = ROOM_HIGH * pages
-        if evict_tree is not None:
-            evict_tree(want)
+        want = ROOM_HIGH * page_each
+        evict_tree(want)
         short = want - int(allocator.available_size())
         return self.make_room(reqs, short, allocator) if short > 0 else 0
 

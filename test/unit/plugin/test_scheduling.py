@@ -10,7 +10,7 @@ import pytest
 
 from sglang_psa import releases
 from sglang_psa.config import PSAConfig
-from sglang_psa.mem_cache.residency import ROOM_HIGH, ROOM_LOW
+from sglang_psa.mem_cache.residency import ROOM_HIGH, ROOM_LOW, Residency
 from sglang_psa.plugin import scheduling
 from sglang_psa.sched import process
 from sglang_psa.sched.admission import Candidate
@@ -441,8 +441,6 @@ def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(servi
 def _residency(**calls):
     """A stand-in for `Residency` with `calls` (`make_room`, `refresh`, `evictable`) and its
     real `room_for_decode` over them."""
-    from sglang_psa.mem_cache.residency import Residency
-
     res = SimpleNamespace(block_size=BS, **calls)
     res.room_for_decode = lambda *a: Residency.room_for_decode(res, *a)
     return res
