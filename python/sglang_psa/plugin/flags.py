@@ -72,7 +72,7 @@ _HELP = {
     "kv_home": "where the KV lives: hbm (SGLang's pool in GPU memory); tiered (GPU "
     "memory, and every full block is also written back "
     "to a host tier of --psa-host-pool-gb (see --psa-writeback); saved blocks leave HBM "
-    "when it runs short; prefix caching is off)",
+    "when it runs short; prefix caching only with --radix-cache-backend psa)",
     "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: uva "
     "(default: a prefill chunk's blocks gathered into device staging and copied by DMA, a "
     "decode step's by one kernel on a few SMs through unified addressing; no helper "

@@ -193,7 +193,7 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
     if psa_radix:
         logger.warning(
             "sglang-psa: prefix caching at the tiered home (--radix-cache-backend psa) is "
-            "experimental: tested on CPU against SGLang's tree, not yet served on a GPU"
+            "experimental: not yet the default (docs/prefix-tiered.md)"
         )
     elif cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
         # A request's blocks give their HBM pages back when HBM runs short; a page the
