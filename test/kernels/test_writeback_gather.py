@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sgl_kernel_ext.writeback import (
+    copy_layers_to_units,
     copy_pages_to_units,
     gather_pages_head_major,
 )
@@ -64,3 +65,54 @@ def test_pages_land_in_their_host_units(kernel_device, heads, d, programs):
     untouched = torch.ones(host_blocks, dtype=torch.bool)
     untouched[b] = False
     assert not hk[:, untouched].any() and not hv[:, untouched].any()
+
+
+@pytest.mark.parametrize("programs", [None, 16])
+@pytest.mark.parametrize("layers,heads,d", [(24, 2, 64), (4, 8, 128)])
+def test_every_layer_in_one_launch_lands_as_each_layer_alone(
+    kernel_device, layers, heads, d, programs
+):
+    """A decode flush's copy: every layer's pages, each layer's buffer its own allocation
+    (SGLang's pool), into the host tier's `[L, heads, blocks, bs, d]` in one launch, equal
+    per layer to the reference; host blocks not named stay untouched in every layer."""
+    g = torch.Generator().manual_seed(layers * d)
+    bs, num_pages, host_blocks, n = 32, 520, 600, 19
+    dt = torch.bfloat16
+    k = [
+        torch.randn(num_pages * bs, heads, d, generator=g).to(dt).to(kernel_device)
+        for _ in range(layers)
+    ]
+    v = [
+        torch.randn(num_pages * bs, heads, d, generator=g).to(dt).to(kernel_device)
+        for _ in range(layers)
+    ]
+    pages = torch.randperm(num_pages, generator=g)[:n].to(kernel_device)
+    blocks = torch.randperm(host_blocks, generator=g)[:n].to(torch.int32).to(kernel_device)
+    hk = torch.zeros(layers, heads, host_blocks, bs, d, dtype=dt)
+    hk = hk.pin_memory() if kernel_device == "cuda" else hk
+    hv = torch.zeros_like(hk)
+    hv = hv.pin_memory() if kernel_device == "cuda" else hv
+    copy_layers_to_units(k, v, pages, hk, hv, blocks, programs=programs)
+    if kernel_device == "cuda":
+        torch.cuda.synchronize()
+    b = blocks.cpu().long()
+    untouched = torch.ones(host_blocks, dtype=torch.bool)
+    untouched[b] = False
+    for layer in range(layers):
+        want_k, want_v = gather_pages_head_major_ref(
+            k[layer].cpu(), v[layer].cpu(), pages.cpu(), bs
+        )
+        assert torch.equal(hk[layer][:, b], want_k.view(heads, n, bs, d)), layer
+        assert torch.equal(hv[layer][:, b], want_v.view(heads, n, bs, d)), layer
+    assert not hk[:, :, untouched].any() and not hv[:, :, untouched].any()
+
+
+def test_every_layer_in_one_launch_refuses_misaligned_layer_buffers(kernel_device):
+    """Layer buffers a kernel reaches from the first's pointer must lie a multiple of 16
+    elements apart (what keeps its loads vectorized): otherwise a clear error."""
+    base = torch.zeros(2 * 64 * 2 * 64 + 8, device=kernel_device)
+    k = [base[: 64 * 2 * 64].view(64, 2, 64), base[8 : 8 + 64 * 2 * 64].view(64, 2, 64)]
+    hk = torch.zeros(2, 2, 4, 32, 64)
+    pages = torch.tensor([0, 1], device=kernel_device)
+    with pytest.raises(ValueError, match="multiple of 16 elements"):
+        copy_layers_to_units(k, k, pages, hk, hk, pages)

@@ -275,8 +275,7 @@ class WriteBack:
         entries, self._decode = self._decode, []
         tables = self._tables(entries, req_to_token)
         self._copy_meta(tables)
-        for layer in range(self.layers):
-            self.transport.issue(layer, k_bufs[layer], v_bufs[layer], tables, entries)
+        self.transport.issue_layers(k_bufs[: self.layers], v_bufs[: self.layers], tables, entries)
 
     def _copy_meta(self, tables: torch.Tensor) -> None:
         """The saved blocks' metadata rows (pages `tables[0]`) into their host blocks' rows

@@ -64,6 +64,13 @@ class Transport(ABC):
     def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, plan=None) -> None:
         """Start saving `entries` of `layer` (see the class docstring)."""
 
+    def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries) -> None:
+        """Start saving `entries` of every layer (`k_bufs`/`v_bufs`: every layer's buffers,
+        each already written: a decode flush), as `issue` each layer in turn unless the
+        transport does better."""
+        for layer, (k_buf, v_buf) in enumerate(zip(k_bufs, v_bufs)):
+            self.issue(layer, k_buf, v_buf, tables, entries)
+
     @abstractmethod
     def poll(self) -> None:
         """Report every completed job saved, without blocking."""

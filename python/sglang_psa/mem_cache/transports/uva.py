@@ -7,7 +7,8 @@ from collections import deque
 
 import torch
 
-from sgl_kernel_ext.writeback import copy_pages_to_units
+from sgl_kernel_ext.unit_cache import layer_offsets
+from sgl_kernel_ext.writeback import copy_layers_to_units, copy_pages_to_units
 from sglang_psa.mem_cache.transports.base import Transport
 
 # Persistent programs of the uva path's save kernel: enough to keep PCIe busy, few enough
@@ -23,6 +24,8 @@ class UvaTransport(Transport):
         super().__init__(*args)
         self._uva: deque[tuple[object, int]] = deque()  # (event or None, job id), in order
         self._next_uva = 0
+        self._offsets_key: tuple | None = None  # the buffers `_offsets` was made for
+        self._offsets: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _new_job_id(self) -> int:
         job_id, self._next_uva = self._next_uva, self._next_uva + 1
@@ -33,19 +36,67 @@ class UvaTransport(Transport):
         complete."""
         job_id = self._new_job_id()
         hk, hv = self.host.k[layer], self.host.v[layer]
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                copy_pages_to_units(
-                    k_buf, v_buf, tables[0], hk, hv, tables[1], programs=UVA_PROGRAMS
-                )
-                done = self._gathered = torch.cuda.Event()  # the save's end is the gather's
-                done.record(self.stream)
-            tables.record_stream(self.stream)
-        else:
-            copy_pages_to_units(k_buf, v_buf, tables[0], hk, hv, tables[1])
-            done = None
+        done = self._on_copy_stream(
+            tables,
+            lambda: copy_pages_to_units(
+                k_buf, v_buf, tables[0], hk, hv, tables[1], programs=self._programs
+            ),
+        )
         self._issued(job_id, layer, done, entries)
+
+    def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries) -> None:
+        """Every layer's blocks in one launch of the kernel and one event, acknowledged
+        as one job of the last layer (whose acknowledgement is what counts a block
+        saved): a decode flush costs the host one launch, not one a layer."""
+        job_id = self._new_job_id()
+        offsets = self._layer_offsets(k_bufs, v_bufs)
+        done = self._on_copy_stream(
+            tables,
+            lambda: copy_layers_to_units(
+                k_bufs,
+                v_bufs,
+                tables[0],
+                self.host.k,
+                self.host.v,
+                tables[1],
+                programs=self._programs,
+                offsets=offsets,
+            ),
+        )
+        self._issued(job_id, len(k_bufs) - 1, done, entries)
+
+    @property
+    def _programs(self) -> int | None:
+        return UVA_PROGRAMS if self.cuda else None
+
+    def _on_copy_stream(self, tables: torch.Tensor, launch):
+        """Run `launch` behind the compute stream on the copy stream; returns the event
+        marking its end (None on CPU, where it ran in place)."""
+        if not self.cuda:
+            launch()
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            launch()
+            done = self._gathered = torch.cuda.Event()  # the save's end is the gather's
+            done.record(self.stream)
+        tables.record_stream(self.stream)
+        return done
+
+    def _layer_offsets(self, k_bufs, v_bufs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's per-layer element offsets (`layer_offsets`) on its device, made once
+        for these buffers (the copy stream waits for the compute stream, which copies
+        them, before the launch that reads them)."""
+        key = tuple(b.data_ptr() for b in (*k_bufs, *v_bufs))
+        if self._offsets_key != key:
+            self._offsets = tuple(  # through pinned memory: no sync, on any flush
+                torch.tensor(layer_offsets(b), dtype=torch.int64, pin_memory=self.cuda).to(
+                    self.device, non_blocking=True
+                )
+                for b in (k_bufs, v_bufs)
+            )
+            self._offsets_key = key
+        return self._offsets
 
     def _issued(self, job_id: int, layer: int, done, entries) -> None:
         """A job issued: saved once `done` (its CUDA event; None: already) has
