@@ -40,6 +40,19 @@ def test_rejects_a_mismatched_destination(kernel_device):
         gather_pages_head_major(k, k, pages, bad, bad, 32)
 
 
+def _plan(g, num_pages: int, host_blocks: int, n: int, device):
+    """`n` distinct pages of the pool and `n` distinct host blocks, shuffled."""
+    pages = torch.randperm(num_pages, generator=g)[:n].to(device)
+    blocks = torch.randperm(host_blocks, generator=g)[:n].to(torch.int32).to(device)
+    return pages, blocks
+
+
+def _host_units(shape, device):
+    """Zeroed host-tier K and V units in bf16 (page-locked where the GPU writes them)."""
+    out = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
+    return [t.pin_memory() for t in out] if device == "cuda" else out
+
+
 @pytest.mark.parametrize("programs", [None, 7])  # one per unit; a few persistent ones
 @pytest.mark.parametrize("heads,d", [(2, 64), (8, 128)])
 def test_pages_land_in_their_host_units(kernel_device, heads, d, programs):
@@ -49,12 +62,8 @@ def test_pages_land_in_their_host_units(kernel_device, heads, d, programs):
     bs, num_pages, host_blocks, n = 32, 520, 700, 29
     k = torch.randn(num_pages * bs, heads, d, generator=g).to(torch.bfloat16).to(kernel_device)
     v = torch.randn(num_pages * bs, heads, d, generator=g).to(torch.bfloat16).to(kernel_device)
-    pages = torch.randperm(num_pages, generator=g)[:n].to(kernel_device)
-    blocks = torch.randperm(host_blocks, generator=g)[:n].to(torch.int32).to(kernel_device)
-    hk = torch.zeros(heads, host_blocks, bs, d, dtype=torch.bfloat16)
-    hk = hk.pin_memory() if kernel_device == "cuda" else hk
-    hv = torch.zeros_like(hk)
-    hv = hv.pin_memory() if kernel_device == "cuda" else hv
+    pages, blocks = _plan(g, num_pages, host_blocks, n, kernel_device)
+    hk, hv = _host_units((heads, host_blocks, bs, d), kernel_device)
     copy_pages_to_units(k, v, pages, hk, hv, blocks, programs=programs)
     if kernel_device == "cuda":
         torch.cuda.synchronize()
@@ -86,12 +95,8 @@ def test_every_layer_in_one_launch_lands_as_each_layer_alone(
         torch.randn(num_pages * bs, heads, d, generator=g).to(dt).to(kernel_device)
         for _ in range(layers)
     ]
-    pages = torch.randperm(num_pages, generator=g)[:n].to(kernel_device)
-    blocks = torch.randperm(host_blocks, generator=g)[:n].to(torch.int32).to(kernel_device)
-    hk = torch.zeros(layers, heads, host_blocks, bs, d, dtype=dt)
-    hk = hk.pin_memory() if kernel_device == "cuda" else hk
-    hv = torch.zeros_like(hk)
-    hv = hv.pin_memory() if kernel_device == "cuda" else hv
+    pages, blocks = _plan(g, num_pages, host_blocks, n, kernel_device)
+    hk, hv = _host_units((layers, heads, host_blocks, bs, d), kernel_device)
     copy_layers_to_units(k, v, pages, hk, hv, blocks, programs=programs)
     if kernel_device == "cuda":
         torch.cuda.synchronize()
