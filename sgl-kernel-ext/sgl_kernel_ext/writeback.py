@@ -191,16 +191,22 @@ def gather_pages_head_major(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     block_size: int,
+    order: torch.Tensor | None = None,
 ) -> None:
     """`k_dst[h, i*bs + t] = k_src[pages[i]*bs + t, h]` (and V): pages in plan order into a
-    contiguous `[heads, n*bs, head_dim]` staging buffer on the pool's device."""
+    contiguous `[heads, n*bs, head_dim]` staging buffer on the pool's device. `order`:
+    `arange(n)` on the pages' device, where the caller keeps one (spares an allocation
+    and a launch a call); made here when None."""
     n = pages.numel()
     H, d = k_src.shape[1], k_src.shape[2]
     want = (H, n * block_size, d)
     for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
         if tuple(t.shape) != want or not t.is_contiguous():
             raise ValueError(f"{name} {tuple(t.shape)} must be a contiguous {want}")
-    order = torch.arange(n, device=pages.device)
+    if order is None:
+        order = torch.arange(n, device=pages.device)
+    elif order.numel() != n:
+        raise ValueError(f"order has {order.numel()} entries for {n} pages")
     copy_pages_to_units(
         k_src, v_src, pages, k_dst.view(H, n, block_size, d), v_dst.view(H, n, block_size, d),
         order,

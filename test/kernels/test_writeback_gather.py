@@ -13,9 +13,11 @@ from sgl_kernel_ext.writeback import (
 from sglang_psa.algo.blockcopy import gather_pages_head_major_ref
 
 
-@pytest.mark.parametrize("heads,d", [(2, 64), (8, 128), (4, 64)])
+@pytest.mark.parametrize("heads,d,given_order", [(2, 64, False), (8, 128, True), (4, 64, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gather_matches_reference(kernel_device, heads, d, dtype):
+def test_gather_matches_reference(kernel_device, heads, d, dtype, given_order):
+    """Pages in plan order into the head-major staging (the staging order made by the
+    gather, or the caller's kept `arange`, as the DMA path passes it)."""
     g = torch.Generator().manual_seed(heads * d)
     bs, num_pages, n = 32, 600, 37
     # SGLang's layer buffer: [tokens, heads, d]; a strided view checks the row stride.
@@ -26,7 +28,8 @@ def test_gather_matches_reference(kernel_device, heads, d, dtype):
     pages = torch.randperm(num_pages, generator=g)[:n].add(1).to(torch.int32).to(kernel_device)
     kd = torch.full((heads, n * bs, d), float("nan"), dtype=dtype, device=kernel_device)
     vd = torch.full_like(kd, float("nan"))
-    gather_pages_head_major(k, v, pages, kd, vd, bs)
+    order = torch.arange(n, device=kernel_device) if given_order else None
+    gather_pages_head_major(k, v, pages, kd, vd, bs, order)
     want_k, want_v = gather_pages_head_major_ref(k.cpu(), v.cpu(), pages.cpu(), bs)
     assert torch.equal(kd.cpu(), want_k)
     assert torch.equal(vd.cpu(), want_v)
@@ -38,6 +41,9 @@ def test_rejects_a_mismatched_destination(kernel_device):
     bad = torch.zeros(2, 63, 64, device=kernel_device)
     with pytest.raises(ValueError, match="must be a contiguous"):
         gather_pages_head_major(k, k, pages, bad, bad, 32)
+    good = torch.zeros(2, 64, 64, device=kernel_device)
+    with pytest.raises(ValueError, match="order has 3 entries for 2 pages"):
+        gather_pages_head_major(k, k, pages, good, good, 32, torch.arange(3, device=kernel_device))
 
 
 def _plan(g, num_pages: int, host_blocks: int, n: int, device):

@@ -38,6 +38,7 @@ class DmaTransport(UvaTransport):
         super().__init__(*args)
         self.dma_blocks = blocks
         self._device_staging(blocks * self.block_size)
+        self._order = torch.arange(blocks, device=self.device)  # a job's staging order
         self._copy2d = StridedCopy(self.device)
 
     @property
@@ -82,7 +83,8 @@ class DmaTransport(UvaTransport):
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            gather_pages_head_major(k_buf, v_buf, tables[0], dk, dv, bs)
+            order = self._order[: len(entries)]
+            gather_pages_head_major(k_buf, v_buf, tables[0], dk, dv, bs, order)
             if self.cuda:
                 self._gathered = torch.cuda.Event()  # the pages are free again after this
                 self._gathered.record(self.stream)
