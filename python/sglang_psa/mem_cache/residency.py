@@ -365,8 +365,16 @@ class Residency:
 
     def _read_at_page0(self, rec, blocks: list[int]) -> None:
         """`rec`'s `blocks`, at page 0 in its row already, are read from the host tier
-        (those it saved) and count as off HBM: no page to move or free."""
-        self._mark(rec, self.wb.read_from_host(rec.rid, blocks))
+        (those it saved) and count as off HBM: no page to move or free. Their units may
+        be cached from now on, as an evicted block's (`left_hbm`, the unit cache's
+        `live`; `forget` drops them with their last holder): without that, decode read
+        every unit of a prefix matched in the host tier across PCIe at every step."""
+        switched = self.wb.read_from_host(rec.rid, blocks)
+        self._mark(rec, switched)
+        if switched:
+            hosts = [rec.host[b] for b in switched]
+            self.left_hbm[hosts] = True
+            self.cache.mark_evicted(to_device(hosts, self.req_to_token.device))
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed

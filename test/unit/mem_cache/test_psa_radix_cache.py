@@ -640,8 +640,13 @@ def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
         assert (s.prefix(b) < BS).all() and b.last_node is s.cache.root_node
         rec_b = s.tiered.records["b"]
         assert rec_b.host == a_ids[:3] and rec_b.saved == 3
+        assert not s.res.cache.live[a_ids].any()  # no one reads them: nothing to cache
         assert s.admit(b)
         s.prefill(b, ack=False)  # its insert puts the stem in the tree at page 0
+        # b reads the stem from the host tier: its units may be cached, as an evicted
+        # block's (else decode read every one of them across PCIe at every step).
+        assert rec_b.host_read == {0, 1, 2} and rec_b.evicted[:3].all()
+        assert s.res.cache.live[a_ids[:3]].all() and s.res.left_hbm[a_ids[:3]].all()
         # Four blocks in the tree, three at page 0: the sizes count b's own page only.
         assert s.cache.evictable_size() == 0 and s.cache.protected_size() == BS
         assert super(PsaRadixCache, s.cache).protected_size() == 4 * BS
@@ -653,7 +658,9 @@ def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
         assert s.admit(c)
         s.prefill(c)
         s.finish(b)
+        assert s.res.cache.live[a_ids[:3]].all()  # c still reads them
         s.finish(c)
+        assert not s.res.cache.live[a_ids].any() and not s.res.left_hbm[a_ids].any()
         # The host tier takes the stem back: the tree node naming it at page 0 is cut,
         # its descendant (b's block 3, in HBM) deleted and its page freed.
         assert s.cache._host_nodes
