@@ -423,6 +423,10 @@ class _Store:
                 assert [int(loc[b]) for b in zero] == [-rec.host[b] - 1 for b in zero], (
                     f"{req.rid}: blocks {zero} at page 0 not read from the host tier"
                 )
+                # ... and the unit cache may hold their units (else every step reads all
+                # of them across PCIe)
+                cold = [b for b in zero if not self.res.cache.live[rec.host[b]]]
+                assert not cold, f"{req.rid}: blocks {cold} read from the host tier, uncacheable"
             own = row[req.protected : req.kv_len]
             owned += sorted(set((own[own >= BS] // BS).tolist()))
             owned += sorted(set((req.slots // BS).tolist()) - set((own // BS).tolist()))
