@@ -139,6 +139,18 @@ def layer_offsets(buffers: list[torch.Tensor]) -> list[int]:
     return [(b.data_ptr() - b0.data_ptr()) // size for b in buffers]
 
 
+def layer_offset_tensors(k_bufs, v_bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer_offsets` of the K and of the V buffers as int64 `[L]` tensors on `device`,
+    through pinned memory on CUDA (no host sync; the copy runs on the current stream)."""
+    device = torch.device(device)
+    return tuple(
+        torch.tensor(layer_offsets(b), dtype=torch.int64, pin_memory=device.type == "cuda").to(
+            device, non_blocking=True
+        )
+        for b in (k_bufs, v_bufs)
+    )
+
+
 def scratch_size(kv_heads: int, slots: int, ways: int, layers: int) -> int:
     """int32 elements of `refresh_unit_cache`'s scratch for this cache shape."""
     return kv_heads * (slots // ways) * 2 * _positions(ways, layers)
@@ -194,9 +206,7 @@ def refresh_unit_cache(
         raise RuntimeError("the unit cache runs on CUDA (or under TRITON_INTERPRET=1)")
     dev = stamps.device
     if offsets is None:
-        offsets = tuple(
-            torch.tensor(layer_offsets(b), dtype=torch.int64, device=dev) for b in (pool_k, pool_v)
-        )
+        offsets = layer_offset_tensors(pool_k, pool_v, dev)
     if scratch is None:
         scratch = torch.empty(scratch_size(H, C, ways, L), dtype=torch.int32, device=dev)
     cand = triton.next_power_of_2(-(-HB // sets))

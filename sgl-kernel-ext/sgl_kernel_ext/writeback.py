@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext.runtime import triton_enabled
-from sgl_kernel_ext.unit_cache import LAYER_ALIGN, layer_offsets
+from sgl_kernel_ext.unit_cache import LAYER_ALIGN, layer_offset_tensors
 
 
 @triton.jit
@@ -138,10 +138,7 @@ def _copy(pool_k, pool_v, pages, unit_k, unit_v, blocks, programs, offsets) -> N
     if len(pool_v) != L or pool_k[0].stride() != pool_v[0].stride() or pool_k[0].stride(2) != 1:
         raise ValueError("K and V pool buffers must share strides with contiguous head dims")
     if L > 1 and offsets is None:
-        offsets = tuple(
-            torch.tensor(layer_offsets(b), dtype=torch.int64, device=pages.device)
-            for b in (pool_k, pool_v)
-        )
+        offsets = layer_offset_tensors(pool_k, pool_v, pages.device)
     if blocks.numel() != n:
         raise ValueError(f"{n} pages but {blocks.numel()} unit blocks")
     if n == 0:

@@ -191,8 +191,7 @@ class Residency:
         off = rec.evicted
         new = [rec.host[b] for b, _ in moves if off is not None and off[b]]
         if new:
-            self.left_hbm[new] = True
-            self.cache.mark_evicted(to_device(new, dev))
+            self._cacheable(new)
 
     def sync_prefix(self, req) -> None:
         """A chunked prompt's blocks may have left HBM after SGLang copied its request-table
@@ -372,9 +371,16 @@ class Residency:
         switched = self.wb.read_from_host(rec.rid, blocks)
         self._mark(rec, switched)
         if switched:
-            hosts = [rec.host[b] for b in switched]
-            self.left_hbm[hosts] = True
-            self.cache.mark_evicted(to_device(hosts, self.req_to_token.device))
+            self._cacheable([rec.host[b] for b in switched])
+
+    def _cacheable(self, hosts: list[int], on_device: torch.Tensor | None = None) -> None:
+        """Host blocks `hosts` are read from the host tier: their units may be cached
+        (`left_hbm`, the unit cache's `live`) until their last holder ends (`forget`).
+        `on_device`: the same ids on the device, where the caller has them."""
+        self.left_hbm[hosts] = True
+        if on_device is None:
+            on_device = to_device(hosts, self.req_to_token.device)
+        self.cache.mark_evicted(on_device)
 
     def evict(self, rid, blocks: list[int], allocator) -> int:
         """Give back the HBM pages of `rid`'s saved `blocks`; returns the tokens freed
@@ -457,8 +463,7 @@ class Residency:
                 [q.rid for q, _ in holders.values()],
             )
         self._free(freed, allocator)
-        self.cache.mark_evicted(host)
-        self.left_hbm[hosts] = True
+        self._cacheable(hosts, host)
         for q, blocks in holders.values():
             self._mark(q, blocks)
         self.evictions += n

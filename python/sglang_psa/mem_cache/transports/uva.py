@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from sgl_kernel_ext.unit_cache import layer_offsets
+from sgl_kernel_ext.unit_cache import layer_offset_tensors
 from sgl_kernel_ext.writeback import copy_layers_to_units, copy_pages_to_units
 from sglang_psa.mem_cache.transports.base import Transport
 
@@ -84,17 +84,12 @@ class UvaTransport(Transport):
         return done
 
     def _layer_offsets(self, k_bufs, v_bufs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's per-layer element offsets (`layer_offsets`) on its device, made once
+        """The pool's per-layer element offsets (`layer_offset_tensors`), made once
         for these buffers (the copy stream waits for the compute stream, which copies
         them, before the launch that reads them)."""
         key = tuple(b.data_ptr() for b in (*k_bufs, *v_bufs))
         if self._offsets_key != key:
-            self._offsets = tuple(  # through pinned memory: no sync, on any flush
-                torch.tensor(layer_offsets(b), dtype=torch.int64, pin_memory=self.cuda).to(
-                    self.device, non_blocking=True
-                )
-                for b in (k_bufs, v_bufs)
-            )
+            self._offsets = layer_offset_tensors(k_bufs, v_bufs, self.device)  # no sync
             self._offsets_key = key
         return self._offsets
 
