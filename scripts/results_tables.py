@@ -77,7 +77,7 @@ HEADLINE = [
      "32 x 28K, 1024 outputs, HBM for KV capped to plain's 4 requests", "higher is better"),
     ("serving_h200", "throughput_ratio_tiered_vs_fastest_capped_short",
      "the same at 256 outputs", "higher is better"),
-    ("serving_h200", "throughput_ratio_tiered_vs_hbm",
+    ("serving_h100", "throughput_ratio_tiered_vs_hbm",
      "output throughput, `--psa-kv-home tiered` / HBM only, uncapped (32 x 28K, one run)",
      "higher is better"),
     ("serving_h200", "throughput_ratio_tiered_vs_fastest_shared",
