@@ -61,7 +61,8 @@ def bench_save(
 ) -> dict:
     """The serving path's write-back (`mem_cache.writeback.WriteBack`, as `--psa-kv-home
     tiered` runs it): a prefill chunk of `chunk` tokens in SGLang's token-major pool
-    (pages in a shuffled order, as its allocator hands them out), saved layer by layer.
+    (pages in a shuffled order, as its allocator hands them out), saved once its last
+    layer is written, every layer at once.
     `uva` with `dma` (as served): a staging of the chunk's blocks, runs moved by DMA;
     without: every job through the save kernel."""
     from types import SimpleNamespace
@@ -99,10 +100,9 @@ def bench_save(
         assert wb.reserve(req.rid, chunk)
         wb.plan_extend([req], [chunk])
         wb.before_forward()
-        for layer in range(layers):
-            if with_compute:
-                compute()
-            wb.issue_extend_layer(layer, k[layer], v[layer], req_to_token)
+        for _ in range(layers if with_compute else 0):
+            compute()
+        wb.issue_extend(k, v, req_to_token)
         return req.rid
 
     def drain(rid) -> None:

@@ -307,11 +307,12 @@ class PSAAttnBackend(AttentionBackend):
             forward_batch.seq_lens[:B],
             max_pages,
         )
-        if self.writeback is not None:  # this layer's completed blocks to the host tier
+        if self.writeback is not None:  # the batch's completed blocks to the host tier
             if lid == self.first_layer:
                 self.writeback.before_forward()
-            vbuf = self.token_to_kv_pool.get_value_buffer(lid)
-            self.writeback.issue_extend_layer(lid - self.first_layer, kbuf, vbuf, req_to_token)
+            if lid - self.first_layer == self.writeback.layers - 1:
+                pool = self.token_to_kv_pool
+                self.writeback.issue_extend(pool.k_buffer, pool.v_buffer, req_to_token)
 
     # -- decode -----------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -13,8 +13,8 @@ prepares batch t+1 after launching forward t, then launches forward t+1):
   gets a host block id from the request's reservation (`HostBlocks`), recorded in
   the request's `RequestKV` (the table `records`: `mem_cache.request_kv`, whose
   `TieredRequests` parks, resumes and releases requests);
-- the attention backend *issues*: after each prefill layer wrote its KV
-  (`issue_extend_layer`), and, for decode, before a step's graph replay once
+- the attention backend *issues*: after an extend batch's last layer wrote its KV
+  (`issue_extend`, every layer at once), and, for decode, before a step's graph replay once
   enough blocks are pending (`issue_decode`), through the transport `path`
   chose (`transports/`: `engine`, `uva` or `dma`), on the copy stream behind an
   event on the compute stream;
@@ -100,11 +100,12 @@ class WriteBack:
     ):
         """`path`: `engine` (GPU gather, one D2H copy per layer into the pinned staging
         ring, copy-engine process scatter, ZMQ acknowledgement) or `uva` (no engine
-        process; a CUDA event is the acknowledgement): a job whose host blocks form a few
-        runs is gathered into a device staging of `dma_blocks` blocks and copied into the
-        host tier by DMA, one strided copy per run for K and one for V (prefill chunks);
-        any other job is written by one kernel through unified addressing (decode
-        flushes) (`transports.dma`; without `dma_blocks`, every job as `transports.uva`).
+        process; a CUDA event is the acknowledgement): a prefill job whose host blocks
+        form a few runs is gathered, every layer at once, into a device staging of up to
+        `dma_blocks` blocks and copied into the host tier by DMA, one strided copy per
+        run for K and one for V; any other job (decode flushes) is written, every layer
+        at once, by one kernel through unified addressing (`transports.dma`; without
+        `dma_blocks`, every job as `transports.uva`).
         The store benchmark measures both paths."""
         if path not in ("engine", "uva"):
             raise ValueError(f"write-back path must be engine or uva, got {path!r}")
@@ -157,7 +158,6 @@ class WriteBack:
         self.on_ended: Callable[[RequestKV], None] | None = None
         self._decode: list[_Entry] = []  # planned by decode, not issued yet
         self._extend: list[_Entry] = []  # planned for the next extend forward
-        self._extend_tables: tuple[torch.Tensor, list[_Entry], list | None] | None = None
         self._block_bytes = 2 * kv_heads * block_size * head_dim * self.host.k.element_size()
         # Where decode reads a block, by (request-table row, block): 0 from its HBM page,
         # -(host block) - 1 from the host tier (a saved block whose HBM copy is not to be
@@ -218,7 +218,7 @@ class WriteBack:
 
     def plan_extend(self, reqs, seq_lens) -> None:
         """An extend batch is about to run: every block it completes (its requests'
-        lengths after it are `seq_lens`) is saved after each layer wrote it."""
+        lengths after it are `seq_lens`) is saved after its last layer wrote it."""
         self.poll()
         bs = self.block_size
         self._extend = []
@@ -247,24 +247,20 @@ class WriteBack:
         """The forward about to run may overwrite pages an issued gather still reads."""
         self.transport.before_forward()
 
-    @timed("writeback.issue_extend_layer")
-    def issue_extend_layer(
-        self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor
-    ) -> None:
-        """After extend layer `layer` (0-based) stored its KV: save its planned blocks."""
-        if layer == 0:  # the batch's tables and DMA plan, the same for every layer
-            e = self._extend
-            self._extend_tables = (
-                (self._tables(e, req_to_token), e, self.transport.plan(e)) if e else None
-            )
-            self._extend = []
-        if self._extend_tables is None:
+    @timed("writeback.issue_extend")
+    def issue_extend(self, k_bufs, v_bufs, req_to_token: torch.Tensor) -> None:
+        """After an extend batch's last layer stored its KV (every layer's is written by
+        then, in stream order): save the blocks the batch completes, every layer at once
+        (`k_bufs`/`v_bufs`: SGLang's per-layer buffers)."""
+        entries, self._extend = self._extend, []
+        if not entries:
             return
-        tables, entries, plan = self._extend_tables
-        self.transport.issue(layer, k_buf, v_buf, tables, entries, plan)
-        if layer == self.layers - 1:  # every layer's metadata of the blocks is written
-            self._copy_meta(tables)
-            self._extend_tables = None
+        tables = self._tables(entries, req_to_token)
+        self._copy_meta(tables)  # every layer's metadata of the blocks is written
+        plan = self.transport.plan(entries)
+        self.transport.issue_layers(
+            k_bufs[: self.layers], v_bufs[: self.layers], tables, entries, plan
+        )
 
     @timed("writeback.issue_decode")
     def issue_decode(self, k_bufs, v_bufs, req_to_token: torch.Tensor, force: bool = False) -> None:

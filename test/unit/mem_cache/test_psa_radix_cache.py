@@ -304,9 +304,7 @@ class _Store:
                 assert rec.evicted is not None and rec.evicted[zero].all(), (req.rid, zero)
                 assert (wb.host_loc[rec.row, zero] < 0).all(), (req.rid, zero)
         wb.before_forward()
-        for layer in range(L):
-            wb.issue_extend_layer(layer, self.pool.k_buffer[layer], self.pool.v_buffer[layer],
-                                  self.rtp.req_to_token)  # fmt: skip
+        wb.issue_extend(self.pool.k_buffer, self.pool.v_buffer, self.rtp.req_to_token)
         if ack:
             self.ack()
         if insert:

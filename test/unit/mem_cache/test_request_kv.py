@@ -101,12 +101,11 @@ def _req(rid: str, row: int | None, fill: int = 0, **kw):
 
 
 def _extend(wb: WriteBack, pool: _Pool, req, n: int) -> None:
-    """One extend of `n` tokens of `req`: plan, then each layer's saves are issued."""
+    """One extend of `n` tokens of `req`: plan, then its saves are issued."""
     pool.write(req.req_pool_idx, n)
     wb.plan_extend([req], [pool.lens[req.req_pool_idx]])
     wb.before_forward()
-    for layer in range(L):
-        wb.issue_extend_layer(layer, pool.k_buffer[layer], pool.v_buffer[layer], pool.req_to_token)
+    wb.issue_extend(pool.k_buffer, pool.v_buffer, pool.req_to_token)
 
 
 def _running(wb, pool, rid: str, row: int, tokens: int):

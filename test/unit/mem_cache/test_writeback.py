@@ -69,14 +69,13 @@ def check_saved(wb, pool, rid, row, n_blocks):
 
 
 def extend(wb, pool, reqs_and_tokens):
-    """One extend batch: plan, then each layer's forward writes and the backend issues."""
+    """One extend batch: plan, the forward writes every layer, then the backend issues."""
     reqs = [r for r, _ in reqs_and_tokens]
     for r, n in reqs_and_tokens:
         pool.write(r.req_pool_idx, n)
     wb.plan_extend(reqs, [pool.lens[r.req_pool_idx] for r in reqs])
     wb.before_forward()
-    for layer in range(L):
-        wb.issue_extend_layer(layer, pool.k[layer], pool.v[layer], pool.req_to_token)
+    wb.issue_extend(pool.k, pool.v, pool.req_to_token)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -168,25 +167,23 @@ def test_a_killed_engine_is_restarted_and_its_saves_redone(device):
 def test_a_save_issued_after_the_engine_died_does_not_block_the_scheduler(device):
     """The engine dies in the middle of an extend's forward, after the step's poll (seen
     at `--tp 2`): a PAIR socket whose peer is gone blocks its sender for ever, so issuing
-    the next layer's save must itself notice the death, restart the engine and redo every
-    unacknowledged save."""
+    the batch's saves must itself notice the death, restart the engine and redo every
+    unacknowledged save (the earlier batch's included)."""
     wb = make(device, heartbeat_timeout=0.5)
     pool = FakePool(device)
-    a = FakeReq("a", 1)
-    assert wb.reserve("a", CTX)
-    pool.write(a.req_pool_idx, 3 * BS)
-    wb.plan_extend([a], [pool.lens[a.req_pool_idx]])
+    a, b = FakeReq("a", 1), FakeReq("b", 2)
+    assert wb.reserve("a", CTX) and wb.reserve("b", CTX)
+    extend(wb, pool, [(a, 3 * BS)])
+    pool.write(b.req_pool_idx, 2 * BS)
+    wb.plan_extend([b], [pool.lens[b.req_pool_idx]])
     wb.before_forward()
-    wb.issue_extend_layer(0, pool.k[0], pool.v[0], pool.req_to_token)
     wb.engine.proc.kill()
     wb.engine.proc.join(5)
     time.sleep(0.5)  # the socket has seen its peer go
 
-    def rest() -> None:
-        for layer in range(1, L):
-            wb.issue_extend_layer(layer, pool.k[layer], pool.v[layer], pool.req_to_token)
-
-    issuing = threading.Thread(target=rest, daemon=True)
+    issuing = threading.Thread(
+        target=lambda: wb.issue_extend(pool.k, pool.v, pool.req_to_token), daemon=True
+    )
     issuing.start()
     issuing.join(20)
     assert not issuing.is_alive(), "issuing a save to a dead copy engine blocked"
@@ -194,6 +191,7 @@ def test_a_save_issued_after_the_engine_died_does_not_block_the_scheduler(device
         assert wb.stats.engine_restarts == 1
         wait_saved(wb)
         check_saved(wb, pool, "a", 1, 3)
+        check_saved(wb, pool, "b", 2, 2)
     finally:
         wb.close()
 
@@ -252,7 +250,7 @@ def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
     `DMA_MAX_COPIES` copies) through the save kernel; both land in their host blocks."""
     from sglang_psa.mem_cache.transports import dma
 
-    # 12 runs take 24 strided copies (CUDA) or 48 per-head ones: over this limit either way.
+    # 12 runs take 24 strided copies (CUDA) or 144 per-(layer, head) ones: over it either way.
     monkeypatch.setattr(dma, "DMA_MAX_COPIES", 23)
     wb = make(device, path="uva", dma_blocks=16)
     pool = FakePool(device)
@@ -269,6 +267,29 @@ def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
         assert wb.stats.dma_jobs == 0
         end(wb, "a")
         assert wb.blocks.take(RequestKV("y"), 5) == [0, 1, 2, 3, 4]  # freed ids re-form runs
+    finally:
+        wb.close()
+
+
+def test_the_dma_staging_holds_every_layer_within_its_byte_cap(device, monkeypatch):
+    """A DMA job gathers every layer of its blocks into the staging; the staging's bytes
+    are capped (`DMA_STAGING_BYTES`), so a model with many layers takes fewer blocks a
+    job: here one block of the 16 asked for, each job one run; every block lands."""
+    from sglang_psa.mem_cache.transports import dma
+
+    block_bytes = 2 * L * H * BS * D * 4  # K and V of one block, every layer, float32
+    monkeypatch.setattr(dma, "DMA_STAGING_BYTES", 2 * block_bytes - 1)
+    wb = make(device, path="uva", dma_blocks=16)
+    pool = FakePool(device)
+    a = FakeReq("a", 0)
+    try:
+        assert wb.transport.dma_blocks == 1
+        assert wb.transport.device_bytes == block_bytes
+        assert wb.reserve("a", CTX)
+        extend(wb, pool, [(a, 5 * BS)])
+        assert wb.stats.dma_jobs == 5 == wb.stats.jobs
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, 5)
     finally:
         wb.close()
 

@@ -62,7 +62,7 @@ class EngineTransport(Transport):
         _, a, m = entry
         return a < r0 + n and r0 < a + m
 
-    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, plan=None) -> None:
+    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
         """One job per `max_job_rows` rows of `entries`."""
         pages = tables[0]
         step = self.max_job_rows // self.block_size

@@ -31,7 +31,7 @@ class UvaTransport(Transport):
         job_id, self._next_uva = self._next_uva, self._next_uva + 1
         return job_id
 
-    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries, plan=None) -> None:
+    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
         """One kernel writes the blocks into the host tier; an event marks the save
         complete."""
         job_id = self._new_job_id()
@@ -44,10 +44,10 @@ class UvaTransport(Transport):
         )
         self._issued(job_id, layer, done, entries)
 
-    def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries) -> None:
+    def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries, plan=None) -> None:
         """Every layer's blocks in one launch of the kernel and one event, acknowledged
         as one job of the last layer (whose acknowledgement is what counts a block
-        saved): a decode flush costs the host one launch, not one a layer."""
+        saved): a save costs the host one launch, not one a layer."""
         job_id = self._new_job_id()
         offsets = self._layer_offsets(k_bufs, v_bufs)
         done = self._on_copy_stream(
