@@ -67,6 +67,7 @@ from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache.unit_cache import UnitCache
 from sglang_psa.mem_cache.writeback import to_device
 from sglang_psa.releases import req_row
+from sglang_psa.sched.host_timing import timed
 
 # `sharing.sharers` (the psa radix cache): a block its request maps to page 0 already (read
 # from the host tier since its match), which leaves HBM for it with no page to free.
@@ -508,17 +509,31 @@ class Residency:
         spare = allocator.available_size() // bs - reserve
         self._rounds += 1
         if self.cold_readers and spare <= 0 and self._rounds - self._cold_at >= COLD_EVERY:
-            # cold resident blocks: their pages serve more as slots
             self._cold_at = self._rounds
-            c = self._candidates(reqs)
-            cold = c.readers < self.cold_readers
-            who, blocks = c.who[cold].tolist(), c.blocks[cold].tolist()
-            readers = c.readers[cold].tolist()
-            victims = [(r, c.rids[w], b) for r, w, b in zip(readers, who, blocks)]
-            if victims:
-                self._evict_all(victims, allocator)
+            if self._evict_cold(reqs, allocator):
                 spare = allocator.available_size() // bs - reserve
-        need = self.evicted_blocks
+        n = self._resize_cache(spare, allocator)
+        self._refresh_units()
+        return n
+
+    @timed("residency.evict_cold")
+    def _evict_cold(self, reqs, allocator) -> bool:
+        """Saved blocks of `reqs` read by fewer than `cold_readers` lately leave HBM (their
+        pages serve more as unit-cache slots); returns whether any left."""
+        c = self._candidates(reqs)
+        cold = c.readers < self.cold_readers
+        who, blocks = c.who[cold].tolist(), c.blocks[cold].tolist()
+        readers = c.readers[cold].tolist()
+        victims = [(r, c.rids[w], b) for r, w, b in zip(readers, who, blocks)]
+        if victims:
+            self._evict_all(victims, allocator)
+        return bool(victims)
+
+    @timed("residency.resize_cache")
+    def _resize_cache(self, spare: int, allocator) -> int:
+        """The unit cache gives back pages beyond one per evicted block, then takes up to
+        `spare` toward that; returns the pages taken."""
+        bs, need = self.block_size, self.evicted_blocks
         if self.cache.pages > need:
             self._free(self.cache.shrink(self.cache.pages - need), allocator)
         n = min(spare, self._cache_short(need))
@@ -528,8 +543,12 @@ class Residency:
                 n = 0
             else:
                 self.cache.grow(slots[::bs] // bs)
-        self.cache.refresh(self.ws.stamps, self.page_rows, self.ws.step, self.wb.host, self.pool)
         return max(n, 0)
+
+    @timed("unit_cache.refresh")
+    def _refresh_units(self) -> None:
+        """The host units the last step read, into the cache (`UnitCache.refresh`)."""
+        self.cache.refresh(self.ws.stamps, self.page_rows, self.ws.step, self.wb.host, self.pool)
 
     def _cache_short(self, need: int) -> int:
         """Pages the unit cache would still take toward `need` (one per evicted block),
