@@ -47,6 +47,7 @@ def stand_in(batch: int, prompt: int = PROMPT) -> SimpleNamespace:
     Returns `res`, `reqs` (SGLang's requests as the calls read them), `records`, `heat`
     (row -> readers by block) and `alloc` (an allocator with no free pages). The tests
     check `Residency`'s choices on it against a reference (test_residency.py)."""
+    from sglang_psa.mem_cache.fence import TableFence
     from sglang_psa.mem_cache.request_kv import RequestKV
     from sglang_psa.mem_cache.residency import Residency
 
@@ -71,7 +72,7 @@ def stand_in(batch: int, prompt: int = PROMPT) -> SimpleNamespace:
         heat_blocks=blocks + 8, stamps=None, step=None,
     )  # fmt: skip
     host = SimpleNamespace(num_blocks=batch * blocks, refs=np.ones(batch * blocks, np.int32))
-    wb = SimpleNamespace(records=records, blocks=host, host=None)
+    wb = SimpleNamespace(records=records, blocks=host, host=None, fence=TableFence())
     cfg = SimpleNamespace(
         block_size=BLOCK, sink_blocks=1, recent_blocks=1, cold_fraction=0.125, unit_cache_ways=8
     )

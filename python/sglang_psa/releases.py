@@ -118,25 +118,6 @@ READS: tuple[Read, ...] = (
         "memory_budget.current_offset",
         ("0.5.23",),
     ),
-    # The scheduler's write-after-read fast path (0.5.17; 0.5.23 asks the backend).
-    Read(
-        "worker.war_runner",
-        "sglang.srt.managers.tp_worker.TpModelWorker",
-        "war_fastpath_runner",
-        ("0.5.17",),
-    ),
-    Read(
-        "runner.war_event",
-        "sglang.srt.model_executor.model_runner.ModelRunner",
-        "war_fastpath_read_done_event",
-        ("0.5.17",),
-    ),
-    Read(
-        "backend.post_replay",
-        "sglang.srt.layers.attention.base_attn_backend.SharedReadEnds",
-        "POST_REPLAY",
-        ("0.5.23",),
-    ),
     # What `sgl.Engine(**kwargs)` builds its ServerArgs with (the kwargs hook of 0.5.23).
     Read(
         "engine.server_args_class",

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from sglang_psa.config import PSAConfig
 from sglang_psa.distributed import RankAgreement
 from sglang_psa.mem_cache import kv_budget
+from sglang_psa.mem_cache.fence import TableFence
 from sglang_psa.mem_cache.request_kv import RequestKV
 from sglang_psa.mem_cache.residency import Residency
 from sglang_psa.sched.serving import (
@@ -166,7 +167,9 @@ def _victims(agreement: RankAgreement, rank: int, readers_by_rank, saved_by_rank
         heat_blocks=16,
     )
     r = RequestKV("a", host=list(range(10, 10 + n)), saved=saved_by_rank[rank], row=2)
-    wb = SimpleNamespace(records={"a": r}, blocks=SimpleNamespace(num_blocks=64))
+    wb = SimpleNamespace(
+        records={"a": r}, blocks=SimpleNamespace(num_blocks=64), fence=TableFence()
+    )
     cfg = SimpleNamespace(
         block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0, unit_cache_ways=8
     )

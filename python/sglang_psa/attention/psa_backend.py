@@ -227,6 +227,8 @@ class PSAAttnBackend(AttentionBackend):
         self._step = self._batch(B) if B > 0 else None  # B = 0: an idle batch (DP attention)
         if self.writeback is not None and not in_capture:  # host side, before the replay
             pool = self.token_to_kv_pool
+            dev = pool.k_buffer[0].device  # the step reads the tables until it ends
+            self.writeback.fence.arm(torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
             self.writeback.before_forward()
             self.writeback.issue_decode(
                 pool.k_buffer, pool.v_buffer, self.req_to_token_pool.req_to_token
@@ -267,18 +269,6 @@ class PSAAttnBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
-
-    def shared_read_ends(self, fm):
-        """SGLang 0.5.23's write-after-read contract (0.5.17: the `_apply_war_barrier`
-        hook): at the tiered home the decode graph reads the request and location tables
-        during its whole replay (eviction and the unit cache rewrite them on the
-        scheduler's stream), so the scheduler waits for the replay's end; elsewhere the
-        reads end with the in-graph metadata, as SGLang assumes."""
-        from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
-
-        if self.writeback is not None and fm.is_decode():
-            return SharedReadEnds.POST_REPLAY
-        return super().shared_read_ends(fm)
 
     # -- prefill: metadata of the pages an extend wrote -------------------------------
     @timed("extend_layer")

@@ -48,11 +48,10 @@ held: seen on the H200, workload f.) When SGLang needs pages, cold blocks leave 
 gone the cache gives every page back.
 
 Ordering: all of this runs on the scheduler's stream, which SGLang orders
-before the next forward. The decode graph reads the request table and the
-location table during its replay, so the hook on SGLang's write-after-read
-barrier (`plugin.scheduling.around_apply_war_barrier`) makes the scheduler's
-stream wait for the whole forward at this home, not only for its pre-replay
-snapshot: no table changes under a running step.
+before the next forward but lets run ahead of the last one's replay. Eviction
+is written to be read at any moment (`evict_many`); the unit cache is not, so
+every write of its tables or slots, and of the location table, first waits for
+the last decode step (`mem_cache.fence`): no slot changes under a running step.
 """
 
 from __future__ import annotations
@@ -140,6 +139,7 @@ class Residency:
             self.block_size,
             req_to_token.device,
             ways=cfg.unit_cache_ways,
+            fence=writeback.fence,
         )
         if hasattr(pool, "k_buffer"):  # SGLang's pool: its layer offsets now, so a pool the
             self.cache.bind(pool)  # cache cannot read fails at startup, not mid-serving
@@ -436,6 +436,7 @@ class Residency:
                     taken.add((id(q), b))
         if not plans:
             return 0
+        self.wb.fence()  # the stamps' rows move first; the step may still read them
         bs, dev = self.block_size, self.req_to_token.device
         rows, cols, hosts = [], [], []
         for r, blocks, _ in plans:

@@ -74,9 +74,12 @@ class UnitCache:
         device: torch.device | str,
         graph: bool = True,
         ways: int = WAYS,
+        fence=None,
     ):
         """`graph`: on CUDA, replay the refresh from a CUDA graph (off: launch it each
-        round, as on the CPU); `ways`: page slots per set (`--psa-unit-cache-ways`)."""
+        round, as on the CPU); `ways`: page slots per set (`--psa-unit-cache-ways`);
+        `fence`: called before every rewrite of the tables or slots a decode step reads
+        (`mem_cache.fence.TableFence`; None: none)."""
         dev = torch.device(device)
         self.layers, self.kv_heads, self.host_blocks = layers, kv_heads, host_blocks
         self.block_size = block_size
@@ -103,6 +106,7 @@ class UnitCache:
         self._layer_pos = torch.arange(L, device=dev)
         self._graph_on = graph and dev.type == "cuda"
         self._graph = None  # (the captured refresh, the identity of the tensors it reads)
+        self._fence = fence or (lambda: None)
 
     @property
     def capacity(self) -> int:
@@ -147,6 +151,7 @@ class UnitCache:
         n = pages.numel()
         if self.pages + n > self.capacity:
             raise ValueError(f"{n} pages more than the {self.capacity - self.pages} free slots")
+        self._fence()
         slots = self._slots(self.pages, n)
         self.cache_pages.index_copy_(0, slots, pages.to(torch.int32))
         self.pages += n
@@ -158,6 +163,7 @@ class UnitCache:
         n = min(n, self.pages)
         if n <= 0:
             return self._tokens[:0]
+        self._fence()
         self.pages -= n
         slots = self._slots(self.pages, n)
         pages = self.cache_pages.index_select(0, slots).long()
@@ -174,12 +180,14 @@ class UnitCache:
 
     def mark_evicted(self, host_blocks: torch.Tensor) -> None:
         """`host_blocks` (device) left HBM: their units may be cached from now on."""
+        self._fence()
         self.live.index_fill_(0, host_blocks.long(), 1)
 
     def forget(self, host_blocks: torch.Tensor) -> None:
         """`host_blocks` (device) are released: uncache their units, free their slots."""
         if host_blocks.numel() == 0:
             return
+        self._fence()
         hbs = host_blocks.long()
         self.live.index_fill_(0, hbs, 0)
         pos = self.unit_slot.index_select(1, hbs).long()  # [L * Hkv, n] positions or -1
@@ -195,6 +203,7 @@ class UnitCache:
         bs, d]`, `pool.k_buffer/v_buffer` SGLang's layers."""
         if not self.pages:
             return
+        self._fence()
         key = (stamps.data_ptr(), page_rows, step.data_ptr(), id(host), id(pool))
         if self._graph is not None and self._graph[1] == key:
             self._graph[0].replay()

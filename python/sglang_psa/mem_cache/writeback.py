@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_psa.mem_cache.fence import TableFence
 from sglang_psa.mem_cache.host_blocks import HostBlocks
 from sglang_psa.mem_cache.host_pool import HostKVPool
 from sglang_psa.mem_cache.request_kv import RequestKV
@@ -164,6 +165,9 @@ class WriteBack:
         # read). The backend gathers it into the step's block table inside the graph.
         rows, blocks = table_shape or (1, 1)
         self.host_loc = torch.zeros(rows, blocks, dtype=torch.int32, device=self.device)
+        # Orders rewrites of the tables the decode graph reads after its replay
+        # (`mem_cache.fence`): armed by the backend at each decode launch.
+        self.fence = TableFence()
 
     # -- reservations (admission) and the write-back's share of a request -------------
     def reserve(self, rid, tokens: int) -> bool:
@@ -186,6 +190,7 @@ class WriteBack:
     def leave_row(self, rec: RequestKV) -> None:
         """`rec` leaves its request-table row: the row's location table reads HBM again."""
         if rec.on_host and rec.row is not None:
+            self.fence()
             self.host_loc[rec.row, : len(rec.host)] = 0
         rec.host_read.clear()
 
@@ -356,6 +361,7 @@ class WriteBack:
                 vals += [-rec.host[b] - 1 for b in ok]
                 rec.host_read.update(ok)
         if vals:
+            self.fence()
             at = to_device([rows, cols], self.device)
             self.host_loc[at[0], at[1]] = to_device(vals, self.device, torch.int32)
         return out

@@ -123,15 +123,6 @@ HOOKS: tuple[Hook, ...] = (
         "tiered: entries of given-back blocks point at page 0, which no free may return",
     ),
     Hook(
-        "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier",
-        "around",
-        "scheduling:around_apply_war_barrier",
-        ("self",),
-        "tiered: table rewrites wait for the whole forward (the graph reads them in replay); "
-        "from 0.5.23 on the backend declares it (`PSAAttnBackend.shared_read_ends`)",
-        releases=("0.5.17",),
-    ),
-    Hook(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
         "after",
         "scheduling:after_prepare_for_extend",
@@ -302,18 +293,6 @@ CALLS: tuple[Call, ...] = (
     Call(
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_segment",
         ("self", "free_index", "start_pos"),
-    ),
-    # Overridden by `PSAAttnBackend` (0.5.23's write-after-read contract, which replaces
-    # the `_apply_war_barrier` hook); the hybrid backend asks its decode backend.
-    Call(
-        "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.shared_read_ends",
-        ("self", "fm"),
-        ("0.5.23",),
-    ),
-    Call(
-        "sglang.srt.layers.attention.hybrid_attn_backend.HybridAttnBackend.shared_read_ends",
-        ("self", "fm"),
-        ("0.5.23",),
     ),
 )
 

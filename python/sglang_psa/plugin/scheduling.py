@@ -318,17 +318,6 @@ def _evict_unheld_prefixes(batch, tokens: int) -> None:
     evict_from_tree_cache(getattr(batch, "tree_cache", None), tokens)
 
 
-def around_apply_war_barrier(original, scheduler):
-    """Tiered home: the scheduler's stream waits for the whole last forward, not only for
-    its pre-replay snapshot: the decode graph reads the request and location tables
-    during its replay, and eviction and the unit cache rewrite them on that stream."""
-    serving = _serving()
-    if serving is not None and serving.tiered:
-        runner = releases.read(scheduler.model_worker, "worker.war_runner")
-        releases.write(runner, "runner.war_event", None)  # SGLang's whole-forward wait instead
-    return original(scheduler)
-
-
 @timed("plan_extend")
 def after_prepare_for_extend(result, batch):
     """An extend batch is set up (its requests' lengths after it are known on the host):

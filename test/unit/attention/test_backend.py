@@ -882,25 +882,6 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
         assert torch.equal(backend._step.pages[b, :nb], want)
 
 
-@pytest.mark.sglang
-def test_the_tiered_decode_graph_holds_table_rewrites_until_its_replay_ends():
-    """SGLang 0.5.23's write-after-read contract (0.5.17: the `_apply_war_barrier` hook,
-    test_scheduling.py): at the tiered home decode reads the request and location tables,
-    which eviction and the unit cache rewrite on the scheduler's stream, during its whole
-    replay, so the scheduler waits for the replay's end; elsewhere SGLang's default."""
-    base = pytest.importorskip("sglang.srt.layers.attention.base_attn_backend")
-    if not hasattr(base, "SharedReadEnds"):
-        pytest.skip("SGLang 0.5.17 has no shared_read_ends: the barrier hook covers it")
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    backend = object.__new__(PSAAttnBackend)  # the answer depends on the host tier alone
-    backend.writeback = None
-    assert backend.shared_read_ends(ForwardMode.DECODE) is base.SharedReadEnds.IN_REPLAY
-    backend.writeback = object()
-    assert backend.shared_read_ends(ForwardMode.DECODE) is base.SharedReadEnds.POST_REPLAY
-    assert backend.shared_read_ends(ForwardMode.EXTEND) is base.SharedReadEnds.UNKNOWN
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("writeback", ["engine", "uva"])
 def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(writeback):
@@ -949,6 +930,9 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
                 k_new = 3 * torch.randn(2, HKV, D, generator=g).to(DEV)
                 v_new = torch.randn(2, HKV, D, generator=g).to(DEV)
                 backend.forward_decode(q, k_new, v_new, _layer(layer_id), fb)
+        # Nothing left HBM: no round rewrote a table the decode graph reads, so none had
+        # to wait for the step before it (`mem_cache.fence`).
+        assert wb.fence.calls == 0
         wb.issue_decode(kv.k_buffer, kv.v_buffer, req.req_to_token, force=True)
         wait_saved(wb)
         for r, n in zip(reqs, lens):
@@ -1071,7 +1055,9 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
         if DEV == "cuda":  # giving pages back never waits for the GPU
             torch.cuda.set_sync_debug_mode("error")
         try:
+            calls = wb.fence.calls
             first = serving.make_room(reqs, 3 * BS, alloc)
+            assert wb.fence.calls > calls  # eviction announces its table rewrites
             first_gone = {(int(r[1:]), int(b)) for r, g in backend.residency.evicted.items()
                           for b in np.flatnonzero(g)}  # fmt: skip
             freed = first + serving.make_room(reqs, 9 * BS, alloc)

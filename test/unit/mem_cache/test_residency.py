@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_psa.mem_cache.fence import TableFence
 from sglang_psa.mem_cache.request_kv import RequestKV, TieredRequests
 from sglang_psa.mem_cache.residency import COLD_EVERY, ROOM_HIGH, ROOM_LOW, Residency
 from sglang_psa.mem_cache.unit_cache import WAYS, UnitCache
@@ -51,7 +52,7 @@ def _residency(readers: list[int], cold_fraction: float = 0.0, ways: int = WAYS)
     refs = np.zeros(HB, dtype=np.int32)
     refs[r.host] = 1  # held by "a" alone
     blocks = SimpleNamespace(num_blocks=HB, refs=refs)
-    wb = SimpleNamespace(records={"a": r}, blocks=blocks, host=None)
+    wb = SimpleNamespace(records={"a": r}, blocks=blocks, host=None, fence=TableFence())
     cfg = SimpleNamespace(
         block_size=BS, sink_blocks=1, recent_blocks=1, cold_fraction=cold_fraction,
         unit_cache_ways=ways,
@@ -339,7 +340,7 @@ def test_victims_over_many_requests_match_the_rules_block_by_block():
         kv_heads=HKV, heat_blocks=nb + 8, stamps=None, step=None,
     )  # fmt: skip
     blocks = SimpleNamespace(num_blocks=HB, refs=np.zeros(HB, dtype=np.int32))
-    wb = SimpleNamespace(records=records, blocks=blocks, host=None)
+    wb = SimpleNamespace(records=records, blocks=blocks, host=None, fence=TableFence())
     cfg = SimpleNamespace(
         block_size=bs, sink_blocks=1, recent_blocks=1, cold_fraction=0.5, unit_cache_ways=8
     )

@@ -395,30 +395,6 @@ def test_a_lone_request_whose_working_set_outgrows_the_cache_is_not_retracted(se
     )
 
 
-@pytest.mark.skipif(
-    not releases.applies(("0.5.17",)),
-    reason="SGLang 0.5.17's barrier hook; later releases ask the backend (test_backend.py)",
-)
-@pytest.mark.parametrize("tiered", [False, True])
-def test_tiered_table_rewrites_wait_for_the_whole_forward(serving, tiered):
-    """SGLang's write-after-read barrier waits only for a decode graph's pre-replay snapshot
-    when the runner left a read-done event; at the tiered home the graph reads the tables
-    eviction and the unit cache rewrite during its replay, so the event is dropped and SGLang
-    takes its whole-forward wait. Elsewhere the fast path stays."""
-    serving.residency = object() if tiered else None
-    event = object()
-    runner = SimpleNamespace(war_fastpath_read_done_event=event)
-    sched = SimpleNamespace(model_worker=SimpleNamespace(war_fastpath_runner=runner))
-    seen = []
-
-    def orig(s):  # SGLang's barrier: the event it finds decides the wait
-        seen.append(s.model_worker.war_fastpath_runner.war_fastpath_read_done_event)
-        return "waited"
-
-    assert scheduling.around_apply_war_barrier(orig, sched) == "waited"
-    assert seen == [None if tiered else event]
-
-
 @pytest.mark.parametrize("evictable", [0, 5])
 def test_tiered_decode_round_retries_queued_prompts_while_blocks_can_leave(serving, evictable):
     """SGLang stops offering queued prompts to the adder once one did not fit, until a
