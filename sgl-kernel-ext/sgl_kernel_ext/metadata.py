@@ -9,7 +9,8 @@ It is computed where the keys are written, never by scanning for stale pages:
   `loc % block_size + 1` tokens it holds now (so a tail page's metadata is
   current every step, and final when the page fills);
 - prefill (`from_table`): every page an extend wrote, found through SGLang's
-  request table (`req_to_token`), over the tokens each holds after the extend.
+  request table (`req_to_token`), over the tokens each holds after the extend; for
+  every layer in one launch once the last is written (`from_table_layers`).
 
 One program per (request, page of it, KV head), reading the page's keys as one
 `[block_size, d]` tile in place from SGLang's token-major `[tokens, Hkv, d]`
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext.runtime import triton_enabled
+from sgl_kernel_ext.unit_cache import LAYER_ALIGN, layer_offset_tensors
 
 # float32((1 + 2^-20) / 127): a block's largest |bound| to its code scale (the margin
 # keeps every code in [-128, 127]); `sglang_psa.algo.bound_codes` spells it out.
@@ -111,7 +113,10 @@ def _page_meta_kernel(
     max_ptr,
     scale_ptr,
     gate_ptr,
+    layer_off_ptr,
     table_stride,
+    meta_layer_stride,
+    scale_layer_stride,
     Hkv,
     code_step,
     BS: tl.constexpr,
@@ -123,10 +128,23 @@ def _page_meta_kernel(
     BOUNDS: tl.constexpr,
     CODES: tl.constexpr,
     GATE: tl.constexpr,
+    LAYERED: tl.constexpr,
 ):
+    # Programs (request, page of it, layer x KV head). LAYERED: layer l's keys lie
+    # `layer_off[l]` elements from `k_ptr` (a multiple of LAYER_ALIGN), its metadata
+    # `l * meta_layer_stride` (scales `l * scale_layer_stride`) into the outputs.
     b = tl.program_id(0)
     j = tl.program_id(1)
     h = tl.program_id(2)
+    if LAYERED:
+        layer = h // Hkv
+        h = h % Hkv
+        k_ptr += tl.multiple_of(tl.load(layer_off_ptr + layer), LAYER_ALIGN)
+        at = layer.to(tl.int64) * meta_layer_stride
+        mean_ptr += at
+        min_ptr += at
+        max_ptr += at
+        scale_ptr += layer.to(tl.int64) * scale_layer_stride
     if GATE:  # only the rows whose gate is set
         if tl.load(gate_ptr + b) == 0:
             return
@@ -166,20 +184,25 @@ def _check(k_buffer, block_size, mean, kmin, kmax, kscale=None):
 
 
 def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, table=None,
-            rows=None, starts=None, ends=None, gate=None):  # fmt: skip
+            rows=None, starts=None, ends=None, gate=None, offsets=None):  # fmt: skip
     """Decode passes `locs` (and maybe a `gate`), prefill the request table and its rows;
     the kernel never reads what its mode does not use, so those slots get a placeholder
-    tensor."""
+    tensor. `offsets`: every layer at once (`mean`/`kmin`/`kmax`/`kscale` then carry a
+    leading layer dimension; `k_buffer` is layer 0's)."""
     _, H, d = k_buffer.shape
-    dummy = mean if mean is not None else kmin
-    args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale, gate)
+    kept = mean if mean is not None else kmin
+    dummy = kept
+    args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale, gate, offsets)
     _page_meta_kernel[grid](
         k_buffer, *(dummy if t is None else t for t in args),
-        0 if table is None else table.stride(0), H, CODE_STEP,
+        0 if table is None else table.stride(0),
+        kept.stride(0) if offsets is not None else 0,
+        kscale.stride(0) if offsets is not None and kscale is not None else 0,
+        H, CODE_STEP,
         BS=block_size, D=d, BS_P=triton.next_power_of_2(block_size),
         D_P=triton.next_power_of_2(d), FROM_LOCS=locs is not None,
         MEAN=mean is not None, BOUNDS=kmin is not None, CODES=kscale is not None,
-        GATE=gate is not None,
+        GATE=gate is not None, LAYERED=offsets is not None,
     )  # fmt: skip
 
 
@@ -275,3 +298,46 @@ def page_meta_from_table(
         k_buffer, block_size, (slots.long() // block_size).flatten(), counts.flatten(),
         mean, kmin, kmax, kscale,
     )  # fmt: skip
+
+
+def page_meta_from_table_layers(
+    k_bufs: list[torch.Tensor],
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    max_pages: int,
+    block_size: int,
+    mean: torch.Tensor | None,
+    kmin: torch.Tensor | None,
+    kmax: torch.Tensor | None,
+    kscale: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> None:
+    """`page_meta_from_table` for every layer at once, in one launch: `k_bufs` the L
+    layers' key buffers (one shape and dtype, lying a multiple of `LAYER_ALIGN` elements
+    apart, else ValueError), the metadata `[L, pages, Hkv, d]` (`kscale [L, pages, Hkv]`).
+    `offsets`: the key buffers' `layer_offsets` as an int64 `[L]` tensor on their device
+    (made here when None: pass it to spare a small copy a call)."""
+    L = len(k_bufs)
+    for t in (mean, kmin, kmax, kscale):
+        if t is not None and t.shape[0] != L:
+            raise ValueError(f"metadata of {t.shape[0]} layers for {L} key buffers")
+    for layer in (0, L - 1):  # one shape and dtype throughout (layer_offsets checks it)
+        _check(k_bufs[layer], block_size,
+               *(None if t is None else t[layer] for t in (mean, kmin, kmax, kscale)))  # fmt: skip
+    B = rows.numel()
+    if B == 0 or max_pages <= 0:
+        return
+    if not triton_enabled(k_bufs[0].device):
+        for layer, k in enumerate(k_bufs):
+            page_meta_from_table(
+                k, req_to_token, rows, starts, ends, max_pages, block_size,
+                *(None if t is None else t[layer] for t in (mean, kmin, kmax, kscale)),
+            )  # fmt: skip
+        return
+    if offsets is None:
+        offsets = layer_offset_tensors(k_bufs, k_bufs, k_bufs[0].device)[0]
+    grid = (B, max_pages, L * k_bufs[0].shape[1])
+    _launch(k_bufs[0], block_size, grid, mean, kmin, kmax, kscale, table=req_to_token,
+            rows=rows, starts=starts, ends=ends, offsets=offsets)  # fmt: skip

@@ -9,7 +9,11 @@ every page an extend wrote, found through the request table.
 import pytest
 import torch
 
-from sgl_kernel_ext.metadata import page_meta_from_locs, page_meta_from_table
+from sgl_kernel_ext.metadata import (
+    page_meta_from_locs,
+    page_meta_from_table,
+    page_meta_from_table_layers,
+)
 from sglang_psa.algo import block_metadata, bound_codes
 
 
@@ -227,3 +231,52 @@ def test_8_bit_bounds_on_the_torch_fallback(monkeypatch):
             _assert_codes(got, ref, int(table[r + 1, j * bs]) // bs, r, j)
     with pytest.raises(ValueError, match="kscale"):
         page_meta_from_locs(pool, torch.tensor([9]), bs, None, got[0], got[1], None)
+
+
+@pytest.mark.parametrize(
+    "bs,H,d,lengths,kind",
+    [
+        (32, 2, 64, [5 * 32 + 7, 2 * 32, 1], "bounds"),  # + the mean
+        (16, 2, 128, [514 * 16 + 5], "codes"),  # > 512 pages of one request
+        (32, 4, 64, [3 * 32 + 1, 40], "mean"),
+    ],
+)
+def test_every_layer_in_one_launch_matches_each_layer_alone(kernel_device, bs, H, d, lengths,
+                                                            kind):  # fmt: skip
+    """`page_meta_from_table_layers`: the extend's metadata of every layer in one launch
+    (each layer's keys its own buffer, reached by its offset from the first) equals
+    `page_meta_from_table` run a layer at a time, bit for bit, and leaves the pages the
+    extend did not write alone."""
+    g = torch.Generator().manual_seed(bs + H + d)
+    L, dev, dtype = 2 if len(lengths) == 1 else 3, kernel_device, torch.bfloat16
+    pool0, table, P = _pool(g, lengths, bs, H, d, dtype)
+    pad = 64  # the layers lie apart, as SGLang's allocations do
+    big = torch.randn(L, P * bs + pad, H, d, generator=g).to(dtype).to(dev)
+    k_bufs = [big[layer, : P * bs] for layer in range(L)]
+    prefix = [2 * bs] + [0] * (len(lengths) - 1)
+    args = (table.to(dev), torch.arange(1, len(lengths) + 1, device=dev),
+            torch.tensor(prefix, device=dev), torch.tensor(lengths, device=dev))  # fmt: skip
+    max_pages = max(-(-(n - p) // bs) + 1 for n, p in zip(lengths, prefix))
+
+    def bufs():
+        if kind == "codes":
+            lo = torch.full((L, P, H, d), 99, dtype=torch.int8, device=dev)
+            return None, lo, lo.clone(), torch.full((L, P, H), 7.0, device=dev)
+        f = torch.full((L, P, H, d), 7.0, dtype=dtype, device=dev)
+        return (f, None, None, None) if kind == "mean" else (f, f.clone(), f.clone(), None)
+
+    got, want = bufs(), bufs()
+    page_meta_from_table_layers(k_bufs, *args, max_pages, bs, *got)
+    for layer in range(L):
+        page_meta_from_table(
+            k_bufs[layer], *args, max_pages, bs,
+            *(None if t is None else t[layer] for t in want),
+        )  # fmt: skip
+    touched = 0
+    for a, b in zip(got, want):
+        if a is not None:
+            assert torch.equal(a, b)
+            touched += int((a != (99 if a.dtype == torch.int8 else 7.0)).any())
+    assert touched  # (the comparison is not between two untouched buffers)
+    with pytest.raises(ValueError, match="layers"):
+        page_meta_from_table_layers(k_bufs[:1], *args, max_pages, bs, *got)

@@ -117,6 +117,7 @@ class PSAAttnBackend(AttentionBackend):
         # up to the longest request.
         self.needs_cpu_seq_lens = not use_kernel
         self.first_layer = pool.start_layer
+        self.last_layer = pool.start_layer + len(pool.k_buffer) - 1
         req_to_token = self.req_to_token_pool.req_to_token
         # Every `block_size`-th token slot of each request row: its pages, times bs.
         self._page_cols = req_to_token[:, ::bs]
@@ -274,23 +275,28 @@ class PSAAttnBackend(AttentionBackend):
     @timed("extend_layer")
     def on_extend(self, layer, forward_batch) -> None:
         """After the dense prefill backend ran `layer` of an extend batch (its K/V are in
-        SGLang's pool): compute the metadata of every page the extend wrote."""
+        SGLang's pool): after the last layer, the metadata of every page the extend wrote,
+        every layer in one launch, and at the tiered home the save of the blocks it
+        completed (host side: each launch a layer would cost the extend's host time)."""
         if not self.use_kernel:
             return  # the reference path computes metadata from the keys it gathers
         B = forward_batch.batch_size
+        lid = layer.layer_id
+        if lid == self.first_layer:
+            # A prefilled request (new, resumed, or in a reused row) ranks at its next step.
+            if self._selection is not None:
+                self._selection.invalidate(forward_batch.req_pool_indices[:B])
+            if self.writeback is not None:
+                self.writeback.before_forward()
+        if lid != self.last_layer:
+            return
         n_tokens = getattr(forward_batch, "extend_num_tokens", None)
         if n_tokens is None:
             n_tokens = forward_batch.input_ids.shape[0]
         max_pages = -(-int(n_tokens) // self.cfg.block_size) + 1
-        lid = layer.layer_id
-        kbuf = self.token_to_kv_pool.get_key_buffer(lid)
-        req_to_token = self.req_to_token_pool.req_to_token
-        if lid == self.first_layer and self._selection is not None:
-            # A prefilled request (new, resumed, or in a reused row) ranks at its next step.
-            self._selection.invalidate(forward_batch.req_pool_indices[:B])
+        pool, req_to_token = self.token_to_kv_pool, self.req_to_token_pool.req_to_token
         self.meta.on_extend(
-            lid - self.first_layer,
-            kbuf,
+            pool.k_buffer,
             req_to_token,
             forward_batch.req_pool_indices[:B],
             forward_batch.extend_prefix_lens[:B],
@@ -298,11 +304,7 @@ class PSAAttnBackend(AttentionBackend):
             max_pages,
         )
         if self.writeback is not None:  # the batch's completed blocks to the host tier
-            if lid == self.first_layer:
-                self.writeback.before_forward()
-            if lid - self.first_layer == self.writeback.layers - 1:
-                pool = self.token_to_kv_pool
-                self.writeback.issue_extend(pool.k_buffer, pool.v_buffer, req_to_token)
+            self.writeback.issue_extend(pool.k_buffer, pool.v_buffer, req_to_token)
 
     # -- decode -----------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -3,7 +3,8 @@
 One SGLang page is one PSA block, so metadata is kept per (layer, page) and is
 shared by every request whose table holds the page (prefix sharing for free).
 It is produced where keys are written, never scanned for (`sgl_kernel_ext.metadata`):
-after each prefill extend for every page the extend wrote, and in each decode
+after each prefill extend for every page the extend wrote (every layer in one launch,
+once the last layer is written), and in each decode
 step for the page of every new token (so a partial tail page is current and a
 page that fills is final). A page SGLang hands out again is rewritten by the
 same path before it is read. At the tiered home the table has a row per host
@@ -29,7 +30,9 @@ from __future__ import annotations
 import torch
 
 from sgl_kernel_ext.code_bounds import encode_pages
-from sgl_kernel_ext.metadata import page_meta_from_table
+from sgl_kernel_ext.metadata import page_meta_from_table_layers
+from sgl_kernel_ext.runtime import triton_enabled
+from sgl_kernel_ext.unit_cache import layer_offset_tensors
 from sglang_psa.config import PSAConfigError
 
 
@@ -55,6 +58,7 @@ class PageMeta:
         shape = (layers, num_pages + host_rows, kv_heads, head_dim)
         kw = dict(dtype=key_dtype, device=device)
         self.page_size, self.num_pages = page_size, num_pages
+        self._offsets_key = self._offsets_t = None  # the key buffers' layer offsets, cached
         self.page_rows = num_pages  # rows from here on belong to host blocks
         self.mean = torch.zeros(shape, **kw) if mean else None
         codes = bounds and bound_bits == 8
@@ -107,8 +111,7 @@ class PageMeta:
 
     def on_extend(
         self,
-        layer: int,
-        k_buffer: torch.Tensor,
+        k_bufs: list[torch.Tensor],
         req_to_token: torch.Tensor,
         rows: torch.Tensor,
         starts: torch.Tensor,
@@ -116,15 +119,30 @@ class PageMeta:
         max_pages: int,
     ) -> None:
         """An extend wrote tokens `[starts, ends)` of the requests in `req_to_token` rows
-        `rows`; `max_pages` bounds the pages one request's extend touched."""
-        page_meta_from_table(
-            k_buffer, req_to_token, rows, starts, ends, max_pages, self.page_size,
-            *self._kept(layer),
+        `rows`, in every layer (`k_bufs`: SGLang's key buffers, one a layer); `max_pages`
+        bounds the pages one request's extend touched. One launch for every layer's
+        metadata (and one a layer for the key codes)."""
+        kept = tuple(t for t in self._tensors[:4])
+        page_meta_from_table_layers(
+            k_bufs, req_to_token, rows, starts, ends, max_pages, self.page_size, *kept,
+            offsets=self._offsets(k_bufs),
         )  # fmt: skip
         if self.planes is not None:
             pages, counts = _extended_pages(req_to_token, rows, starts, ends, max_pages,
                                             self.page_size)  # fmt: skip
-            encode_pages(k_buffer, pages, *self.codes(layer), counts=counts)
+            for layer, k_buffer in enumerate(k_bufs):
+                encode_pages(k_buffer, pages, *self.codes(layer), counts=counts)
+
+    def _offsets(self, k_bufs) -> torch.Tensor | None:
+        """The key buffers' layer offsets on their device, made once for these buffers
+        (None on the CPU's torch path, which does not read them)."""
+        if not triton_enabled(k_bufs[0].device):
+            return None
+        key = tuple(b.data_ptr() for b in k_bufs)
+        if self._offsets_key != key:
+            self._offsets_t = layer_offset_tensors(k_bufs, k_bufs, k_bufs[0].device)[0]
+            self._offsets_key = key
+        return self._offsets_t
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's metadata of rows `src` into rows `dst` (int64 device tensors)."""

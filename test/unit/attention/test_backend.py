@@ -104,7 +104,7 @@ def _rig(
     return runner, fb, g
 
 
-def _prefill(backend, fb, layers=range(LAYERS)):
+def _prefill(backend, fb):
     """What SGLang's prefill leaves behind: each request's tokens before its new one are
     in the pool, and the hook on the hybrid backend hands every extend layer to ours."""
     B = fb.batch_size
@@ -115,7 +115,7 @@ def _prefill(backend, fb, layers=range(LAYERS)):
         seq_lens=fb.seq_lens - 1,
         extend_num_tokens=int((fb.seq_lens - 1).sum()),
     )
-    for layer in layers:
+    for layer in range(LAYERS):
         backend.on_extend(_layer(layer), ext)
 
 
@@ -512,7 +512,7 @@ def test_page_metadata_is_written_by_prefill_and_decode_and_follows_reused_pages
     # SGLang hands a page out again (new keys) and a prefill writes it: rewritten.
     page = int(req.req_to_token[1, 64]) // BS  # request 1's third page
     keys[page] = torch.randn(BS, HKV, D, generator=g).to(DEV)
-    _prefill(backend, fb, layers=[0])
+    _prefill(backend, fb)
     _assert_page_meta(backend.meta, 0, page, keys[page])
 
 
