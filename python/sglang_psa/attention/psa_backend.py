@@ -17,8 +17,9 @@ batch size; graph state comes from `init_cuda_graph_state`):
   kernel read SGLang's KV buffers in place (slot = page), writing the output in
   the model's dtype, last-use stamps and read counters as they go. Work beyond a
   request's own blocks exits early, so a short request pays for its length.
-Pages written by prefill get their metadata after each extend layer (`on_extend`,
-called by the hook on SGLang's hybrid backend).
+Pages written by prefill get their metadata after the extend's last layer, every
+layer in one launch (`on_extend`, called for each layer by the hook on SGLang's hybrid
+backend).
 
 The reference path (CPU without the interpreter) gathers each request's keys
 and runs `sglang_psa.algo`, the spec the kernels are tested against, eagerly.
