@@ -278,26 +278,11 @@ def page_meta_from_table(
 ) -> None:
     """Prefill: request `b` (its `req_to_token` row `rows[b]`) had tokens `[starts[b],
     ends[b])` written; recompute every page holding one of them, over the tokens the page
-    holds up to `ends[b]`. `max_pages` bounds the pages any request touched (the grid)."""
-    _check(k_buffer, block_size, mean, kmin, kmax, kscale)
-    B = rows.numel()
-    if B == 0 or max_pages <= 0:
-        return
-    if triton_enabled(k_buffer.device):
-        grid = (B, max_pages, k_buffer.shape[1])
-        _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, table=req_to_token,
-                rows=rows, starts=starts, ends=ends)  # fmt: skip
-        return
-    j = torch.arange(max_pages, device=rows.device)
-    p = starts.long()[:, None] // block_size + j[None, :]  # [B, J]
-    live = p * block_size < ends.long()[:, None]
-    tok = torch.where(live, p * block_size, 0)
-    slots = req_to_token[rows.long()[:, None], tok]
-    counts = torch.where(live, (ends.long()[:, None] - p * block_size).clamp(max=block_size), 0)
-    _torch_pages(
-        k_buffer, block_size, (slots.long() // block_size).flatten(), counts.flatten(),
-        mean, kmin, kmax, kscale,
-    )  # fmt: skip
+    holds up to `ends[b]`. `max_pages` bounds the pages any request touched (the grid).
+    One layer (`page_meta_from_table_layers` with one)."""
+    meta = (None if t is None else t[None] for t in (mean, kmin, kmax, kscale))
+    page_meta_from_table_layers([k_buffer], req_to_token, rows, starts, ends, max_pages,
+                                block_size, *meta)  # fmt: skip
 
 
 def page_meta_from_table_layers(
@@ -320,24 +305,29 @@ def page_meta_from_table_layers(
     `offsets`: the key buffers' `layer_offsets` as an int64 `[L]` tensor on their device
     (made here when None: pass it to spare a small copy a call)."""
     L = len(k_bufs)
-    for t in (mean, kmin, kmax, kscale):
+    meta = (mean, kmin, kmax, kscale)
+    for t in meta:
         if t is not None and t.shape[0] != L:
             raise ValueError(f"metadata of {t.shape[0]} layers for {L} key buffers")
     for layer in (0, L - 1):  # one shape and dtype throughout (layer_offsets checks it)
-        _check(k_bufs[layer], block_size,
-               *(None if t is None else t[layer] for t in (mean, kmin, kmax, kscale)))  # fmt: skip
+        _check(k_bufs[layer], block_size, *(None if t is None else t[layer] for t in meta))
     B = rows.numel()
     if B == 0 or max_pages <= 0:
         return
-    if not triton_enabled(k_bufs[0].device):
-        for layer, k in enumerate(k_bufs):
-            page_meta_from_table(
-                k, req_to_token, rows, starts, ends, max_pages, block_size,
-                *(None if t is None else t[layer] for t in (mean, kmin, kmax, kscale)),
-            )  # fmt: skip
+    if triton_enabled(k_bufs[0].device):
+        if L > 1 and offsets is None:
+            offsets = layer_offset_tensors(k_bufs, k_bufs, k_bufs[0].device)[0]
+        grid = (B, max_pages, L * k_bufs[0].shape[1])
+        _launch(k_bufs[0], block_size, grid, *meta, table=req_to_token, rows=rows,
+                starts=starts, ends=ends, offsets=offsets if L > 1 else None)  # fmt: skip
         return
-    if offsets is None:
-        offsets = layer_offset_tensors(k_bufs, k_bufs, k_bufs[0].device)[0]
-    grid = (B, max_pages, L * k_bufs[0].shape[1])
-    _launch(k_bufs[0], block_size, grid, mean, kmin, kmax, kscale, table=req_to_token,
-            rows=rows, starts=starts, ends=ends, offsets=offsets)  # fmt: skip
+    j = torch.arange(max_pages, device=rows.device)
+    p = starts.long()[:, None] // block_size + j[None, :]  # [B, J]
+    live = p * block_size < ends.long()[:, None]
+    tok = torch.where(live, p * block_size, 0)
+    slots = req_to_token[rows.long()[:, None], tok]
+    counts = torch.where(live, (ends.long()[:, None] - p * block_size).clamp(max=block_size), 0)
+    pages = (slots.long() // block_size).flatten()
+    for layer, k in enumerate(k_bufs):
+        _torch_pages(k, block_size, pages, counts.flatten(),
+                     *(None if t is None else t[layer] for t in meta))  # fmt: skip
