@@ -16,9 +16,10 @@ from sglang_psa.mem_cache.transports.uva import UvaTransport
 
 # A prefill job moves by DMA when it takes at most this many copies.
 DMA_MAX_COPIES = 32
-# The device staging holds a job's blocks of every layer, K and V: at most this many bytes
-# (a job then takes fewer blocks: 32 at Llama-3.1-8B's shape, 333 at Qwen2.5-0.5B's).
-DMA_STAGING_BYTES = 256 << 20
+# The device staging holds a job's blocks of every layer, K and V: at most this many bytes,
+# outside SGLang's KV budget (a job then takes fewer blocks: at 32-token blocks, 16 at
+# Llama-3.1-8B's shape, 170 at Qwen2.5-0.5B's, whose 8K-token chunks take two jobs).
+DMA_STAGING_BYTES = 64 << 20
 
 
 def host_runs(entries) -> list[tuple[int, int, int]]:
