@@ -151,6 +151,23 @@ def layer_offset_tensors(k_bufs, v_bufs, device) -> tuple[torch.Tensor, torch.Te
     )
 
 
+class LayerOffsetCache:
+    """`layer_offset_tensors` of the buffers last asked for, made again only when they
+    change (SGLang's pool is fixed: one small copy, once), for a caller that launches a
+    layered kernel every batch."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, k_bufs, v_bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple(b.data_ptr() for b in (*k_bufs, *v_bufs))
+        if self._key != key:
+            self._value = layer_offset_tensors(k_bufs, v_bufs, device)  # no sync
+            self._key = key
+        return self._value
+
+
 def scratch_size(kv_heads: int, slots: int, ways: int, layers: int) -> int:
     """int32 elements of `refresh_unit_cache`'s scratch for this cache shape."""
     return kv_heads * (slots // ways) * 2 * _positions(ways, layers)

@@ -32,7 +32,7 @@ import torch
 from sgl_kernel_ext.code_bounds import encode_pages
 from sgl_kernel_ext.metadata import page_meta_from_table_layers
 from sgl_kernel_ext.runtime import triton_enabled
-from sgl_kernel_ext.unit_cache import layer_offset_tensors
+from sgl_kernel_ext.unit_cache import LayerOffsetCache
 from sglang_psa.config import PSAConfigError
 
 
@@ -58,7 +58,7 @@ class PageMeta:
         shape = (layers, num_pages + host_rows, kv_heads, head_dim)
         kw = dict(dtype=key_dtype, device=device)
         self.page_size, self.num_pages = page_size, num_pages
-        self._offsets_key = self._offsets_t = None  # the key buffers' layer offsets, cached
+        self._key_offsets = LayerOffsetCache()  # the key buffers' layer offsets, made once
         self.page_rows = num_pages  # rows from here on belong to host blocks
         self.mean = torch.zeros(shape, **kw) if mean else None
         codes = bounds and bound_bits == 8
@@ -122,27 +122,18 @@ class PageMeta:
         `rows`, in every layer (`k_bufs`: SGLang's key buffers, one a layer); `max_pages`
         bounds the pages one request's extend touched. One launch for every layer's
         metadata (and one a layer for the key codes)."""
-        kept = tuple(t for t in self._tensors[:4])
+        # (the CPU's torch path reads no offsets, and takes buffers lying anywhere)
+        on_gpu = triton_enabled(k_bufs[0].device)
+        offsets = self._key_offsets(k_bufs, k_bufs, k_bufs[0].device)[0] if on_gpu else None
         page_meta_from_table_layers(
-            k_bufs, req_to_token, rows, starts, ends, max_pages, self.page_size, *kept,
-            offsets=self._offsets(k_bufs),
+            k_bufs, req_to_token, rows, starts, ends, max_pages, self.page_size,
+            *self._tensors[:4], offsets=offsets,
         )  # fmt: skip
         if self.planes is not None:
             pages, counts = _extended_pages(req_to_token, rows, starts, ends, max_pages,
                                             self.page_size)  # fmt: skip
             for layer, k_buffer in enumerate(k_bufs):
                 encode_pages(k_buffer, pages, *self.codes(layer), counts=counts)
-
-    def _offsets(self, k_bufs) -> torch.Tensor | None:
-        """The key buffers' layer offsets on their device, made once for these buffers
-        (None on the CPU's torch path, which does not read them)."""
-        if not triton_enabled(k_bufs[0].device):
-            return None
-        key = tuple(b.data_ptr() for b in k_bufs)
-        if self._offsets_key != key:
-            self._offsets_t = layer_offset_tensors(k_bufs, k_bufs, k_bufs[0].device)[0]
-            self._offsets_key = key
-        return self._offsets_t
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's metadata of rows `src` into rows `dst` (int64 device tensors)."""

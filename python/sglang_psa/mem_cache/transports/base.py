@@ -13,12 +13,11 @@ from sglang_psa.mem_cache.host_pool import HostKVPool
 class Transport(ABC):
     """Moves a layer's planned blocks from SGLang's KV buffers into the host tier.
 
-    - `issue(layer, k_buf, v_buf, tables, entries)` runs on the host once `layer` wrote
-      its KV: `k_buf`/`v_buf` are that layer's token-major buffers, `tables` is `[2, n]`
-      on the device (each entry's page, then its host block), `entries` the `n` planned
-      blocks (`rid`, `row`, `block`, `host`) in order. `issue_layers(k_bufs, v_bufs,
-      tables, entries, plan)` does it for every layer once all are written (a prefill
-      batch after its last layer, a decode flush before a replay); `plan` is what
+    - `issue_layers(k_bufs, v_bufs, tables, entries, plan)` runs on the host once every
+      layer wrote its KV (a prefill batch after its last layer, a decode flush before a
+      replay): `k_bufs`/`v_bufs` are the layers' token-major buffers, `tables` is `[2,
+      n]` on the device (each entry's page, then its host block), `entries` the `n`
+      planned blocks (`rid`, `row`, `block`, `host`) in order, and `plan` what
       `plan(entries)` returned (prefill batches; None for decode flushes). On CUDA the
       copies run on `stream` behind the compute stream; issuing only waits on the host
       for back pressure (staging rows still in use).
@@ -63,15 +62,8 @@ class Transport(ABC):
         return None
 
     @abstractmethod
-    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
-        """Start saving `entries` of `layer` (see the class docstring)."""
-
     def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries, plan=None) -> None:
-        """Start saving `entries` of every layer (`k_bufs`/`v_bufs`: every layer's buffers,
-        each already written), as `issue` each layer in turn unless the transport does
-        better."""
-        for layer, (k_buf, v_buf) in enumerate(zip(k_bufs, v_bufs)):
-            self.issue(layer, k_buf, v_buf, tables, entries)
+        """Start saving `entries` of every layer (see the class docstring)."""
 
     @abstractmethod
     def poll(self) -> None:

@@ -90,7 +90,7 @@ class DmaTransport(UvaTransport):
         size = L * H * n * unit
         dk = self._stage_k[:size].view(L, H, n, self.block_size, self.head_dim)
         dv = self._stage_v[:size].view_as(dk)
-        offsets = self._layer_offsets(k_bufs, v_bufs)
+        offsets = self._layer_offsets(k_bufs, v_bufs, self.device)
         done = None
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -45,6 +45,7 @@ class EngineTransport(Transport):
         self._ring: deque[tuple[int, int, int]] = deque()  # (job, row0, rows) in ring order
         self._head = 0
         self._device_staging(max_job_rows)
+        self._order = torch.arange(max_job_rows // self.block_size, device=self.device)
         if self.cuda:
             self._seq = torch.zeros(FLAG_SLOTS, dtype=torch.int64, device=self.device)
 
@@ -62,17 +63,21 @@ class EngineTransport(Transport):
         _, a, m = entry
         return a < r0 + n and r0 < a + m
 
-    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
-        """One job per `max_job_rows` rows of `entries`."""
-        pages = tables[0]
+    def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries, plan=None) -> None:
+        """Each layer in turn, one job per `max_job_rows` rows of `entries`."""
         step = self.max_job_rows // self.block_size
-        if len(entries) > step:
+        for layer, (k_buf, v_buf) in enumerate(zip(k_bufs, v_bufs)):
             for i in range(0, len(entries), step):
-                self.issue(layer, k_buf, v_buf, tables[:, i : i + step], entries[i : i + step])
-            return
+                self._issue(layer, k_buf, v_buf, tables[:, i : i + step], entries[i : i + step])
+
+    def _issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
+        """One job: a gather into the device staging, a D2H copy into the ring, the
+        job to the engine."""
+        pages = tables[0]
         n_rows = len(entries) * self.block_size
         r0 = self._reserve_rows(n_rows)
         dk, dv = self._staging_views(n_rows)
+        order = self._order[: len(entries)]  # the staging's block order
         sk, sv = self.engine.staged(r0, n_rows)
         job = SaveJob(layer, r0, [(e.host, 0, self.block_size) for e in entries])
         job_id = self.engine.peek_next_id()
@@ -81,7 +86,7 @@ class EngineTransport(Transport):
             slot = job_id % FLAG_SLOTS
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size)
+                gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size, order)
                 self._gathered.record(self.stream)
                 sk.copy_(dk, non_blocking=True)
                 sv.copy_(dv, non_blocking=True)
@@ -90,7 +95,7 @@ class EngineTransport(Transport):
                 flags[slot : slot + 1].copy_(self._seq[slot : slot + 1], non_blocking=True)
             tables.record_stream(self.stream)
         else:
-            gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size)
+            gather_pages_head_major(k_buf, v_buf, pages, dk, dv, self.block_size, order)
             sk.copy_(dk)
             sv.copy_(dv)
         self.jobs[job_id] = (job, entries)  # before the send: a dead engine redoes it

@@ -7,8 +7,8 @@ from collections import deque
 
 import torch
 
-from sgl_kernel_ext.unit_cache import layer_offset_tensors
-from sgl_kernel_ext.writeback import copy_layers_to_units, copy_pages_to_units
+from sgl_kernel_ext.unit_cache import LayerOffsetCache
+from sgl_kernel_ext.writeback import copy_layers_to_units
 from sglang_psa.mem_cache.transports.base import Transport
 
 # Persistent programs of the uva path's save kernel: enough to keep PCIe busy, few enough
@@ -24,32 +24,20 @@ class UvaTransport(Transport):
         super().__init__(*args)
         self._uva: deque[tuple[object, int]] = deque()  # (event or None, job id), in order
         self._next_uva = 0
-        self._offsets_key: tuple | None = None  # the buffers `_offsets` was made for
-        self._offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The pool's per-layer element offsets, made once (the copy stream waits for the
+        # compute stream, which copies them, before the launch that reads them).
+        self._layer_offsets = LayerOffsetCache()
 
     def _new_job_id(self) -> int:
         job_id, self._next_uva = self._next_uva, self._next_uva + 1
         return job_id
-
-    def issue(self, layer: int, k_buf, v_buf, tables: torch.Tensor, entries) -> None:
-        """One kernel writes the blocks into the host tier; an event marks the save
-        complete."""
-        job_id = self._new_job_id()
-        hk, hv = self.host.k[layer], self.host.v[layer]
-        done = self._on_copy_stream(
-            tables,
-            lambda: copy_pages_to_units(
-                k_buf, v_buf, tables[0], hk, hv, tables[1], programs=self._programs
-            ),
-        )
-        self._issued(job_id, layer, done, entries)
 
     def issue_layers(self, k_bufs, v_bufs, tables: torch.Tensor, entries, plan=None) -> None:
         """Every layer's blocks in one launch of the kernel and one event, acknowledged
         as one job of the last layer (whose acknowledgement is what counts a block
         saved): a save costs the host one launch, not one a layer."""
         job_id = self._new_job_id()
-        offsets = self._layer_offsets(k_bufs, v_bufs)
+        offsets = self._layer_offsets(k_bufs, v_bufs, self.device)
         done = self._on_copy_stream(
             tables,
             lambda: copy_layers_to_units(
@@ -82,16 +70,6 @@ class UvaTransport(Transport):
             done.record(self.stream)
         tables.record_stream(self.stream)
         return done
-
-    def _layer_offsets(self, k_bufs, v_bufs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's per-layer element offsets (`layer_offset_tensors`), made once
-        for these buffers (the copy stream waits for the compute stream, which copies
-        them, before the launch that reads them)."""
-        key = tuple(b.data_ptr() for b in (*k_bufs, *v_bufs))
-        if self._offsets_key != key:
-            self._offsets = layer_offset_tensors(k_bufs, v_bufs, self.device)  # no sync
-            self._offsets_key = key
-        return self._offsets
 
     def _issued(self, job_id: int, layer: int, done, entries) -> None:
         """A job issued: saved once `done` (its CUDA event; None: already) has
