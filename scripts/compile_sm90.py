@@ -51,7 +51,8 @@ def source(launch: dict, overrides: dict | None = None):
     """Triton's `ASTSource` for a recorded launch, and what makes it distinct: the kernel
     as compiled (no interpreter), its pointer and scalar parameters typed and specialized
     on 16-divisibility as a GPU launch would be (pointers recorded 16-byte aligned or not
-    recorded either way, integers that are multiples of 16), its constexpr parameters at
+    recorded either way, integers that are multiples of 16, except the parameters the
+    kernel declares not specialized on them), its constexpr parameters at
     their values (launches differing only in scalar values are one). `overrides`: values
     in place of recorded ones (a real shape's head dim in place of a test's)."""
     from triton.compiler import ASTSource
@@ -70,8 +71,11 @@ def source(launch: dict, overrides: dict | None = None):
             constexprs[name] = False if name == "INTERP" else arg.get("value")
             continue
         signature[name] = arg["type"]
+        # (what the kernel declares `do_not_specialize[_on_alignment]` is not specialized)
         aligned = arg["type"].startswith("*") and arg.get("div16", True)
-        if aligned or (arg["type"] in ("i32", "i64") and arg.get("value", 1) % 16 == 0):
+        aligned = aligned and not params[name].do_not_specialize_on_alignment
+        div16 = arg["type"] in ("i32", "i64") and arg.get("value", 1) % 16 == 0
+        if aligned or (div16 and not params[name].do_not_specialize):
             attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
     key = json.dumps([launch["module"], launch["kernel"], signature, constexprs,
                       sorted(attrs), launch["options"]], sort_keys=True, default=repr)  # fmt: skip

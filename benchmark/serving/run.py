@@ -206,18 +206,31 @@ def side_prompt(tok, w: workloads_mod.Workload, seed: str) -> str:
     return chat_text(tok, task.prompt, task.question)
 
 
-def triton_cache_entries() -> int | None:
+def triton_cache_entries() -> dict[str, str] | None:
     """Kernels in Triton's on-disk cache on this host (`TRITON_CACHE_DIR`, else
-    `~/.triton/cache`: one folder per compiled kernel), or None where there is none. The
-    server runs on this host, so a count that grows during a timed run says its kernels
-    compiled there (a warm-up that missed a specialisation)."""
+    `~/.triton/cache`: one folder per compiled kernel), each folder with the kernel it
+    holds (its files' name: `<kernel>.json` beside the binaries; a launcher's or helper
+    module's name where it holds no kernel), or None where there is none. The server runs
+    on this host, so a folder that appears during a timed run names a kernel compiled
+    there (a warm-up that missed a specialisation)."""
     folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
         os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache"
     )
     try:
-        return sum(1 for e in os.scandir(folder) if e.is_dir())
+        return {e.name: _cached_kernel(e.path) for e in os.scandir(folder) if e.is_dir()}
     except OSError:
         return None
+
+
+def _cached_kernel(folder: str) -> str:
+    """The kernel (or module) a Triton cache folder holds, by its files' names."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return "?"
+    stems = [n.split(".")[0] for n in names if n.endswith(".json") and not n.startswith("__grp__")]
+    stems = stems or [n.split(".")[0] for n in names if not n.startswith("__grp__")]
+    return stems[0] if stems else "?"
 
 
 def warm_up(server: Server, tok, w: workloads_mod.Workload) -> float:
@@ -609,10 +622,13 @@ def measure(
         rec["server_figures_span_runs"] = True
     cached.append(triton_cache_entries())
     if None not in cached:  # Triton kernels compiled on this host (the server's)
-        rec["triton_compiled"] = {"warmup": cached[1] - cached[0], "timed": cached[2] - cached[1]}
-        if cached[2] > cached[1]:
-            log(f"{w.name}/{name}: {cached[2] - cached[1]} Triton kernels compiled during the "
-                "timed run(s): the warm-up missed them, the timing includes their compile")  # fmt: skip
+        warm = [cached[1][k] for k in cached[1].keys() - cached[0].keys()]
+        timed = sorted(cached[2][k] for k in cached[2].keys() - cached[1].keys())
+        rec["triton_compiled"] = {"warmup": len(warm), "timed": len(timed), "timed_kernels": timed}
+        if timed:
+            log(f"{w.name}/{name}: {len(timed)} Triton kernels compiled during the timed "
+                f"run(s) ({', '.join(timed)}): the warm-up missed them, the timing includes "
+                "their compile")  # fmt: skip
     after = server.get("/get_server_info")
     rec["server_info_after"] = analysis.server_info_digest(after)
     rec["counters"] = analysis.counter_delta(info, after)

@@ -25,7 +25,16 @@ from sgl_kernel_ext.runtime import triton_enabled
 from sgl_kernel_ext.unit_cache import LAYER_ALIGN, layer_offset_tensors
 
 
-@triton.jit
+# A save's block count varies from call to call (a decode flush's, a prefill job's), and
+# the plan's host blocks are the second row of a `[2, n]` table, 16-byte aligned only at
+# even n: specialized on them, every new remainder would compile a kernel variant in the
+# middle of serving, stalling the scheduler's loop for the compile. The counts and the two
+# index pointers are not specialized (the kernel reads them as scalars): every save of a
+# shape is one compiled kernel.
+@triton.jit(
+    do_not_specialize=["layer_units", "units"],
+    do_not_specialize_on_alignment=["pages", "blocks"],
+)
 def _copy_pages_kernel(
     pool_k,
     pool_v,

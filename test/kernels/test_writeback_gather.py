@@ -127,3 +127,50 @@ def test_every_layer_in_one_launch_refuses_misaligned_layer_buffers(kernel_devic
     pages = torch.tensor([0, 1], device=kernel_device)
     with pytest.raises(ValueError, match="multiple of 16 elements"):
         copy_layers_to_units(k, k, pages, hk, hk, pages)
+
+
+def _compiled_variants(kernel) -> int:
+    """Compiled variants of a Triton kernel on the current GPU (Triton 3.6 keeps them per
+    device in `device_caches[device][0]`)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        import triton
+
+        pytest.fail(f"Triton {triton.__version__} has no JITFunction.device_caches: "
+                    "count the kernel's compiled variants another way")  # fmt: skip
+    return len(caches[torch.cuda.current_device()][0])
+
+
+def test_saves_of_every_size_are_one_compiled_kernel(kernel_device):
+    """A save's size varies from call to call (decode flushes of 16, 17, ... blocks; a
+    prefill job's slices), and its host blocks are the second row of the write-back's
+    `[2, n]` table (`WriteBack._tables`), 16-byte aligned only at even n. Each size lands
+    as the reference says, and on the GPU only the first compiles: a kernel variant
+    compiled in the middle of serving stalls the scheduler's loop."""
+    from sgl_kernel_ext.writeback import _copy_pages_kernel
+
+    g = torch.Generator().manual_seed(5)
+    layers, heads, d, bs, num_pages, host_blocks = 3, 2, 64, 32, 520, 600
+    dt = torch.bfloat16
+    k = [torch.randn(num_pages * bs, heads, d, generator=g).to(dt).to(kernel_device)
+         for _ in range(layers)]  # fmt: skip
+    v = [torch.randn(num_pages * bs, heads, d, generator=g).to(dt).to(kernel_device)
+         for _ in range(layers)]  # fmt: skip
+    hk, hv = _host_units((layers, heads, host_blocks, bs, d), kernel_device)
+    cuda = kernel_device == "cuda"
+    first = None
+    for n in (16, 17, 1, 9, 24):
+        pages, blocks = _plan(g, num_pages, host_blocks, n, kernel_device)
+        tables = torch.stack([pages.long(), blocks.long()])
+        copy_layers_to_units(k, v, tables[0], hk, hv, tables[1], programs=16)
+        if cuda:
+            torch.cuda.synchronize()
+            first = _compiled_variants(_copy_pages_kernel) if first is None else first
+            assert _compiled_variants(_copy_pages_kernel) == first, f"{n} blocks compiled anew"
+        b = blocks.cpu().long()
+        for layer in range(layers):
+            want_k, want_v = gather_pages_head_major_ref(
+                k[layer].cpu(), v[layer].cpu(), pages.cpu(), bs
+            )
+            assert torch.equal(hk[layer][:, b], want_k.view(heads, n, bs, d)), (n, layer)
+            assert torch.equal(hv[layer][:, b], want_v.view(heads, n, bs, d)), (n, layer)

@@ -171,3 +171,32 @@ def test_the_certified_rules_code_bounds_as_served_do_not_spill(tmp_path):
         tmp_path, _CODE_BOUNDS, "test/kernels/test_code_bounds.py", "page_table_equal and cpu-64"
     )
     assert len(rows) == 4 and all(r["stack"] == 0 for r in rows), rows
+
+
+_SAVES = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import compile_sm90
+saves = [x for x in compile_sm90.load(__import__("pathlib").Path(sys.argv[1]))
+         if x["kernel"] == "_copy_pages_kernel"]
+keys = {compile_sm90.source(x)[1] for x in saves}
+compile_sm90.compile_launch(saves[0])
+print(json.dumps({"launches": len(saves), "keys": len(keys),
+                  "units": sorted({x["args"]["units"]["value"] for x in saves}),
+                  "blocks_aligned": sorted({x["args"]["blocks"]["div16"] for x in saves})}))
+"""
+
+
+def test_saves_of_every_size_are_one_specialization(tmp_path):
+    """The write-back's save launches at 1-24 blocks, their host blocks the second row of
+    the write-back's table (16-byte aligned only at even sizes), are one sm_90
+    specialization, and it compiles: a size that specialized anew would compile in the
+    middle of serving (the kernel declares its counts and index pointers unspecialized;
+    without that these launches were several specializations)."""
+    row = _compiled_as_served(
+        tmp_path, _SAVES, "test/kernels/test_writeback_gather.py",
+        "every_size_are_one_compiled_kernel and cpu",
+    )  # fmt: skip
+    assert row["launches"] == 5 and len(row["units"]) == 5, row
+    assert row["blocks_aligned"] == [False, True], row  # both alignments were launched
+    assert row["keys"] == 1, row

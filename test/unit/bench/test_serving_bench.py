@@ -1252,7 +1252,8 @@ def _one_server(monkeypatch, tmp_path, flush_status=200):
 
 def test_kernels_compiled_during_a_timed_run_are_counted(monkeypatch, tmp_path):
     """Triton's cache on the host grows by a folder per compiled kernel: the record says
-    how many the warm-up and the timed run compiled (a16 compiled one while timed)."""
+    how many the warm-up and the timed run compiled, and which the timed run did (a16
+    compiled one while timed: its folder's `<kernel>.json` names it)."""
     events, plans = _one_server(monkeypatch, tmp_path)
     cache = tmp_path / "triton"
     cache.mkdir()
@@ -1268,13 +1269,18 @@ def test_kernels_compiled_during_a_timed_run_are_counted(monkeypatch, tmp_path):
     def timed(server, w, name, *a):
         if w.name == "a16":
             (cache / "a16-timed").mkdir()
+            for f in ("__grp___copy_pages_kernel.json", "_copy_pages_kernel.json",
+                      "_copy_pages_kernel.cubin"):  # fmt: skip
+                (cache / "a16-timed" / f).write_text("{}")
         return {"metrics": {"output_tok_s": 5.0}}
 
     monkeypatch.setattr(run, "warm_up", warm)
     monkeypatch.setattr(run, "timed_run", timed)
     recs = run.run_server("psa", plans, 31999, run.time.time() + 300)
-    assert recs["a"]["triton_compiled"] == {"warmup": 2, "timed": 0}
-    assert recs["a16"]["triton_compiled"] == {"warmup": 2, "timed": 1}
+    assert recs["a"]["triton_compiled"] == {"warmup": 2, "timed": 0, "timed_kernels": []}
+    assert recs["a16"]["triton_compiled"] == {
+        "warmup": 2, "timed": 1, "timed_kernels": ["_copy_pages_kernel"]
+    }  # fmt: skip
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))  # no cache: no claim
     recs = run.run_server("psa", plans, 31999, run.time.time() + 300)
     assert "triton_compiled" not in recs["a"]
