@@ -40,6 +40,37 @@ def seed(extra_key: str | None, salt: str | None = None) -> bytes:
     return h.digest()
 
 
+class JoinedTokens(Sequence):
+    """Two token lists read as one (a request's prompt, then its output), without copying
+    them into one: a request's next block is hashed from its slice alone (joining a 28K
+    prompt to its output for every block a decode step saves copied the whole prompt)."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: Sequence[int], tail: Sequence[int]):
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i):
+        n = len(self.head)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("JoinedTokens slices with step 1 only")
+            if stop <= n:
+                return list(self.head[start:stop])
+            if start >= n:
+                return list(self.tail[start - n : stop - n])
+            return list(self.head[start:]) + list(self.tail[: stop - n])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.head[i] if i < n else self.tail[i - n]
+
+
 def chain_hashes(
     extra_key: str | None,
     tokens: Sequence[int],

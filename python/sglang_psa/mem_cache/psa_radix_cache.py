@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Mat
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.mem_cache.prefix_index import PrefixIndex
+from sglang_psa.mem_cache.prefix_index import JoinedTokens, PrefixIndex
 from sglang_psa.mem_cache.request_kv import TieredRequests
 from sglang_psa.mem_cache.residency import AT_PAGE0
 from sglang_psa.mem_cache.writeback import to_device
@@ -513,7 +513,7 @@ class PsaRadixCache(RadixCache):
         self.index.track(
             req.rid,
             req.extra_key,
-            lambda: req.origin_input_ids + req.output_ids,
+            lambda: JoinedTokens(req.origin_input_ids, req.output_ids),
             salt=req_salt(req),
         )
 

@@ -12,7 +12,7 @@ from array import array
 import pytest
 
 from sglang_psa.mem_cache.host_blocks import HostBlocks
-from sglang_psa.mem_cache.prefix_index import PrefixIndex, chain_hashes
+from sglang_psa.mem_cache.prefix_index import JoinedTokens, PrefixIndex, chain_hashes
 from sglang_psa.mem_cache.request_kv import RequestKV
 
 BS = 4
@@ -30,6 +30,24 @@ def _start(hb, index, rid, tokens, extra_key=None) -> RequestKV:
     rec = RequestKV(rid)
     index.track(rid, extra_key, lambda: tokens)
     return rec
+
+
+def test_a_prompt_and_its_output_hash_as_their_join():
+    """A request's tokens read as its prompt then its output (`JoinedTokens`, no copy)
+    hash, from any known prefix of blocks, as the joined list does; slices and items
+    across the seam are the list's."""
+    prompt, output = list(range(100, 111)), [7, 8, 9, 10, 11]  # the seam inside block 2
+    joined, view = prompt + output, JoinedTokens(prompt, output)
+    assert len(view) == len(joined) and list(view) == joined
+    for a, b in ((0, 16), (3, 11), (11, 16), (9, 14), (12, 99), (-5, None)):
+        assert view[a:b] == joined[a:b], (a, b)
+    assert view[11] == joined[11] and view[-1] == joined[-1]
+    with pytest.raises(IndexError):
+        view[len(joined)]
+    full = chain_hashes("k", joined, BS, 4)
+    assert len(full) == 4
+    for known in range(4):
+        assert chain_hashes("k", view, BS, 4, known=full[:known]) == full
 
 
 def test_chained_hashes_name_a_prefix_and_its_namespace():
