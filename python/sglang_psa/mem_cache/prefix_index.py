@@ -85,9 +85,14 @@ def chain_hashes(
     out = list(known[:blocks])
     blocks = min(blocks, len(tokens) // block_size)
     prev = out[-1] if out else seed(extra_key, salt)
-    for b in range(len(out), blocks):
+    first = len(out)
+    if blocks <= first:
+        return out
+    new = array("q", tokens[first * block_size : blocks * block_size]).tobytes()
+    step = 8 * block_size  # bytes of a block's tokens
+    for b in range(blocks - first):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(array("q", tokens[b * block_size : (b + 1) * block_size]).tobytes())
+        h.update(new[b * step : (b + 1) * step])
         prev = h.digest()
         out.append(prev)
     return out
