@@ -208,6 +208,23 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_tiered_prefix_lazy",
+            "psa_tiered_prefix with --psa-writeback-start 0.25: blocks are written back "
+            "only once less than a quarter of the KV pool is free (until then the tiered "
+            "home's KV lives in HBM alone, as the hbm home's does)",
+            (
+                *_TIERED,
+                "--psa-writeback",
+                "uva",
+                "--radix-cache-backend",
+                "psa",
+                "--psa-writeback-start",
+                "0.25",
+            ),
+            False,
+            True,
+        ),
+        System(
             "psa_tiered_prefix_recompute",
             "psa_tiered_prefix with --psa-host-prefix-min-tokens 1000000000: a prefix left "
             "only in the host tier is computed again (as plain SGLang does) instead of read "

@@ -109,6 +109,12 @@ class PSAConfig:
     # Tiered home: how blocks reach the host tier (engine: D2H copy + copy-engine scatter;
     # uva: a kernel writes them through unified addressing).
     writeback: str = "uva"
+    # Tiered home: full blocks are written back to the host tier once less than this
+    # fraction of SGLang's KV pool is free (neither held by a request nor cached by its
+    # tree), and from then on; until then the KV lives in HBM alone, as at the hbm home,
+    # and the write-back costs nothing (1: from the first block; a prompt larger than
+    # HBM starts it at once).
+    writeback_start: float = 1.0
     # Tiered home, while blocks are evicted: a resident block that fewer than this
     # fraction of its (layer, KV head) units read lately also leaves HBM, its page
     # becoming unit-cache slots for the units decode does read (0: blocks leave HBM
@@ -225,6 +231,11 @@ class PSAConfig:
             isinstance(self.cold_fraction, (int, float)) and 0.0 <= self.cold_fraction <= 1.0,
             "cold_fraction",
             "must be in [0, 1]",
+        )
+        need(
+            isinstance(self.writeback_start, (int, float)) and 0.0 < self.writeback_start <= 1.0,
+            "writeback_start",
+            "must be in (0, 1]",
         )
         need(
             _is_int(self.unit_cache_ways) and 1 <= self.unit_cache_ways <= 64,

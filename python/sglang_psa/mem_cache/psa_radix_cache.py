@@ -300,6 +300,8 @@ class PsaRadixCache(RadixCache):
             return res  # running or parked: its blocks are its own already
         ps, key = self.page_size, params.key
         self._track(req)
+        if len(self.index) == 0 and not self._host_nodes and (rec is None or not rec.host):
+            return res  # nothing saved to extend it with (`--psa-writeback-start`): no hashing
         # The saved run of the key's blocks: beyond the device match it is read from the
         # host tier; short of it (a device block not saved yet) only the run is adopted.
         want = self.index.lookup(self.index.request_hashes(req.rid, len(key) // ps))

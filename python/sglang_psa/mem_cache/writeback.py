@@ -150,6 +150,11 @@ class WriteBack:
         # page no request held, its prefix matched later). None: nothing copied.
         self.meta = None
         self.decode_flush_blocks = decode_flush_blocks
+        # Whether blocks are planned for a save (`PSAServing` starts it at
+        # `--psa-writeback-start`; on from the start by default). While off, planning
+        # only follows each request's row; once on, a request's next plan takes every full
+        # block it has.
+        self.saving = True
         # One record per request the tiered store knows (`mem_cache.request_kv`).
         self.records: dict[object, RequestKV] = {}
         # Ended requests whose issued saves are still in flight (`TieredRequests.release`):
@@ -213,6 +218,8 @@ class WriteBack:
         if rec is None:
             rec = self.records[rid] = RequestKV(rid)
         rec.row = row
+        if not self.saving:
+            return
         start = rec.planned
         n = full_blocks - start
         if n <= 0:
@@ -392,6 +399,7 @@ class WriteBack:
             "dma_copy": self.transport.dma_copy,
             "save_jobs_in_flight": len(self.transport.jobs),
             "blocks_pending": len(self._decode),
+            "saving": int(self.saving),
             "engine_restarts": s.engine_restarts,
             "engine_pid": self.engine.proc.pid if self.engine else None,
             "resubmitted_jobs": s.resubmitted_jobs,

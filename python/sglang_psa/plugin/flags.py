@@ -78,6 +78,10 @@ _HELP = {
     "decode step's by one kernel on a few SMs through unified addressing; no helper "
     "process) or engine (a GPU gather and one D2H copy per layer into a pinned ring, "
     "scattered by the copy-engine process; measured slower on the H100)",
+    "writeback_start": "with --psa-kv-home tiered: full blocks are written back to the host "
+    "tier once less than this fraction of SGLang's KV pool is free (neither held nor cached), "
+    "and from then on; until then the KV lives in HBM alone and nothing leaves it "
+    "(default 1: from the first block; a prompt larger than HBM starts it at once)",
     "cold_fraction": "with --psa-kv-home tiered, while blocks are evicted: a resident block "
     "read lately by fewer than this fraction of its (layer, KV head) units leaves HBM too, "
     "its page holding single hot units of evicted blocks instead (0: only when SGLang "
@@ -111,6 +115,7 @@ _CHOICES = {
 # Given alone they would be silently ignored, so they are refused naming both flags.
 ONLY_WITH = {
     "writeback": ("kv_home", "tiered"),
+    "writeback_start": ("kv_home", "tiered"),
     "host_pool_gb": ("kv_home", "tiered"),
     "cold_fraction": ("kv_home", "tiered"),
     "unit_cache_ways": ("kv_home", "tiered"),

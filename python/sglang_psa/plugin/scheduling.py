@@ -326,7 +326,8 @@ def after_prepare_for_extend(result, batch):
     serving = _serving()
     if serving is not None and serving.tiered and batch.reqs:
         prefix_lens = batch.prefix_lens if serving.stages_prefill else None
-        serving.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist(), prefix_lens)
+        alloc = batch.token_to_kv_pool_allocator
+        serving.plan_extend(batch.reqs, batch.seq_lens_cpu.tolist(), prefix_lens, alloc)
     return result
 
 
@@ -352,7 +353,8 @@ def after_prepare_for_decode(result, batch):
     (and takes the copy engine's acknowledgements)."""
     serving = _serving()
     if serving is not None and serving.tiered and batch.reqs:
-        serving.plan_decode(batch.reqs, batch.seq_lens_cpu.tolist())
+        alloc = batch.token_to_kv_pool_allocator
+        serving.plan_decode(batch.reqs, batch.seq_lens_cpu.tolist(), alloc)
     return result
 
 

@@ -109,6 +109,8 @@ class PSAServing:
         self.read_counts, self.hbm_bytes, self.coverage = r.read_counts, r.hbm_bytes, r.coverage
         self.rank_totals, self.reads_by_layer = r.rank_totals, r.reads_by_layer
         self.writeback, self.residency, self.requests = writeback, residency, requests
+        if writeback is not None:  # (`--psa-writeback-start`: `start_saving`)
+            writeback.saving = cfg.writeback_start >= 1.0
         self.stage = stage
         # The dense prefill backends SGLang runs (`plugin.extend.after_hybrid_init` sets it
         # once SGLang built them): {"prefill": its class, "staged": the one a prefix staged
@@ -414,6 +416,7 @@ class PSAServing:
         slack) are free; returns the tokens free. When too few blocks are saved yet (the
         last chunks' saves still in flight) it waits for the saves, a host sync on this
         path only, and tries again. `req` is None for a prompt's first chunk."""
+        self.start_saving(why="a prompt larger than HBM is prefilled in chunks")
         res = self.residency
         reqs = [*([] if req is None else [req]), *running]
         if tokens > allocator.available_size():
@@ -462,23 +465,47 @@ class PSAServing:
         return page_ids if self.residency is None else self.residency.releasable(page_ids)
 
     # -- the tiered store's steps, in the order the hooks take them ------------------
-    def plan_extend(self, reqs, seq_lens: list[int], prefix_lens=None) -> None:
+    def start_saving(self, allocator=None, why: str | None = None) -> None:
+        """Tiered home: the write-back starts, for good, once less than
+        `--psa-writeback-start` of SGLang's KV pool is free in `allocator` (TP ranks'
+        allocators move in step, so all ranks start in the same round), or at once for
+        `why` (a prompt larger than HBM). Until then blocks live in HBM alone; from then
+        on each request's next plan takes every full block it has."""
+        wb = self.writeback
+        if wb.saving:
+            return
+        if why is None:
+            if allocator is None or not self.hbm_tokens:
+                return
+            free = int(allocator.available_size())
+            if free >= self.cfg.writeback_start * self.hbm_tokens:
+                return
+            why = f"{free / self.hbm_tokens:.0%} of the KV pool in HBM is free"
+        wb.saving = True
+        logger.info("sglang-psa: %s: full blocks are written back to the host tier from now "
+                    "on (%s)", why, flag_name("writeback_start"))  # fmt: skip
+
+    def plan_extend(self, reqs, seq_lens: list[int], prefix_lens=None, allocator=None) -> None:
         """Tiered home, an extend batch is set up (`seq_lens`: its lengths after it): its
         parked requests resume in their new rows (`TieredRequests.resume`), the write-back
-        plans the blocks it completes, a matched prefix held only in the host tier is read
-        from there (`Residency.read_prefix_from_host`), and with staged prefill a prefix
-        with blocks off HBM is staged per layer (`PrefillStage.plan_batch`; `prefix_lens`
-        is read only then)."""
+        plans the blocks it completes (once started: `start_saving`, given SGLang's
+        `allocator`), a matched prefix held only in the host tier is read from there
+        (`Residency.read_prefix_from_host`), and with staged prefill a prefix with blocks
+        off HBM is staged per layer (`PrefillStage.plan_batch`; `prefix_lens` is read only
+        then)."""
         if self.stage is not None:
             self.requests.resume(reqs)
+        self.start_saving(allocator)
         self.writeback.plan_extend(reqs, seq_lens)
         self.residency.read_prefix_from_host(reqs)
         if self.stage is not None:
             self.stage.plan_batch(reqs, prefix_lens)
 
-    def plan_decode(self, reqs, seq_lens: list[int]) -> None:
+    def plan_decode(self, reqs, seq_lens: list[int], allocator=None) -> None:
         """Tiered home, a decode batch is set up: the write-back plans the blocks earlier
-        steps completed (and takes the copy engine's acknowledgements)."""
+        steps completed (once started: `start_saving`, given SGLang's `allocator`), and
+        takes the copy engine's acknowledgements."""
+        self.start_saving(allocator)
         self.writeback.plan_decode(reqs, seq_lens)
 
     def park(self, req, allocator) -> None:

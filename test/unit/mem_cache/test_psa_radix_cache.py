@@ -481,6 +481,25 @@ def test_a_request_finishing_with_saves_in_flight_keeps_its_blocks_for_the_index
         s.prefill(b)
 
 
+def test_with_nothing_saved_a_match_hashes_nothing_then_extends_from_the_index():
+    """Before any save is acknowledged (the write-back not started: `--psa-writeback-
+    start`) the index is empty: a queued prompt's match, asked every scheduling round, is
+    the tree's and hashes none of its blocks. Once a's blocks are acknowledged and HBM let
+    them go, b's match hashes its blocks and extends the tree's match from the index."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        for _ in range(3):
+            assert s.match(a) == 0
+        assert len(s.index) == 0 and s.index._tracked["a"][2] == []  # nothing hashed
+        assert s.admit(a)
+        s.prefill(a)
+        s.finish(a)
+        assert len(s.index) == 4
+        s.evict(10**6)
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9, 9, 9])
+        assert s.match(b) == 3 * BS and len(s.index._tracked["b"][2]) >= 3
+
+
 def test_requests_of_two_cache_salts_share_no_host_block():
     """The same tokens under two cache salts (0.5.23: `Req.cache_salt`, which keys SGLang's
     tree and the index's hashes; 0.5.17 carries a salt in `extra_key`) share nothing: b,

@@ -386,3 +386,39 @@ def test_strided_copy_moves_every_row_and_nothing_else(device, api):
     assert torch.equal(host, want)
     with pytest.raises(ValueError, match="strided copy"):
         copy(host[:, 5:9].view(heads, -1), stage[:, :BS].view(heads, -1), stream)
+
+
+def test_until_saving_starts_nothing_is_planned_then_every_full_block_is(device):
+    """`--psa-writeback-start`: while `saving` is off, extends and decode steps plan no
+    save (each request's row is still followed) and issue none; once on, a request's
+    next plan takes every full block it has from its first, and they land."""
+    wb = make(device, decode_flush_blocks=2, path="uva")
+    wb.saving = False
+    pool = FakePool(device)
+    a, b = FakeReq("a", 0), FakeReq("b", 2)
+    try:
+        assert wb.reserve("a", CTX) and wb.reserve("b", CTX)
+        extend(wb, pool, [(a, 3 * BS + 5), (b, 2 * BS)])
+        for _ in range(BS):
+            for r in (a, b):
+                pool.write(r.req_pool_idx, 1)
+            wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+            wb.issue_decode(pool.k, pool.v, pool.req_to_token)
+        rep = wb.report()
+        assert rep["blocks_planned"] == rep["save_jobs"] == rep["saving"] == 0
+        assert wb.records["a"].row == 0 and wb.records["b"].row == 2
+        assert wb.records["a"].planned == wb.records["b"].planned == 0
+        wb.saving = True
+        for r in (a, b):
+            pool.write(r.req_pool_idx, 1)
+        wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+        wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, (pool.lens[0] - 1) // BS)
+        check_saved(wb, pool, "b", 2, (pool.lens[2] - 1) // BS)
+        assert wb.report()["blocks_saved"] == (pool.lens[0] - 1) // BS + (pool.lens[2] - 1) // BS
+        end(wb, "a")
+        end(wb, "b")
+        assert wb.blocks.used == 0
+    finally:
+        wb.close()

@@ -110,7 +110,7 @@ def test_flags_that_act_together_are_accepted_together():
         if other == "sparse_mode":
             argv = [flag_name(other), value]
         given = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.25",
-                 "code_bits": "4", "unit_cache_ways": "16"}  # fmt: skip
+                 "code_bits": "4", "unit_cache_ways": "16", "writeback_start": "0.5"}  # fmt: skip
         argv += [flag_name(name), given.get(name, "1024")]
         cfg = flags.config_from_namespace(_parser().parse_args(argv))
         assert getattr(cfg, other) == value

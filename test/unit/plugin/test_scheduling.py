@@ -709,7 +709,8 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
         def sync_prefix(self, req):
             synced.append(req.rid)
 
-    wb = SimpleNamespace(reserve=lambda rid, n: True, drain=lambda: False, poll=lambda: None)
+    wb = SimpleNamespace(reserve=lambda rid, n: True, drain=lambda: False, poll=lambda: None,
+                         saving=True)  # fmt: skip
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 4096
@@ -905,7 +906,7 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
         def release(self, rid, finished=False):
             calls.append(("release", rid, finished))
 
-    wb = SimpleNamespace(plan_extend=lambda reqs, lens: calls.append(("plan", lens)))
+    wb = SimpleNamespace(plan_extend=lambda reqs, lens: calls.append(("plan", lens)), saving=True)
     stage = SimpleNamespace(plan_batch=lambda *a: calls.append(("stage",)))
     res = SimpleNamespace(read_prefix_from_host=lambda reqs: calls.append(("host prefix",)))
     serving.residency, serving.writeback, serving.stage = res, wb, stage
@@ -928,7 +929,7 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     assert calls == [("prefix", "a")]
     calls.clear()
     batch = SimpleNamespace(reqs=[a], seq_lens_cpu=SimpleNamespace(tolist=lambda: [130]),
-                            prefix_lens=[64])  # fmt: skip
+                            prefix_lens=[64], token_to_kv_pool_allocator=None)  # fmt: skip
     scheduling.after_prepare_for_extend(None, batch)
     assert calls == [("resume", ["a"]), ("plan", [130]), ("host prefix",), ("stage",)]
     calls.clear()
@@ -978,3 +979,47 @@ def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
     assert not serving.try_admit("p", 640, alone=False)  # est 40 units: waits
     assert not serving.try_admit("q", 640, alone=False)
     assert released == [("q", False)] and serving.waits["working_set"] == 2  # it comes back
+
+
+def test_the_write_back_starts_once_the_pool_runs_short_and_stays_on(caplog):
+    """`--psa-writeback-start 0.25`: a decode or extend round with a quarter or more of
+    SGLang's KV pool free plans no save; the first round below starts the write-back,
+    says so in the log naming the flag, and it stays on when the pool frees up again. A
+    prompt larger than HBM starts it at once; the default starts it with the server."""
+    planned = []
+    wb = SimpleNamespace(
+        saving=None,
+        plan_decode=lambda reqs, lens: planned.append(("decode", wb.saving)),
+        plan_extend=lambda reqs, lens: planned.append(("extend", wb.saving)),
+        reserve=lambda rid, n: True, drain=lambda: False,
+    )  # fmt: skip
+    res = SimpleNamespace(read_prefix_from_host=_noop, make_room=_noop)
+    cfg = PSAConfig(kv_home="tiered", writeback_start=0.25)
+    s = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100, hbm_tokens=1000, writeback=wb,
+                   residency=res)  # fmt: skip
+    assert wb.saving is False
+    alloc = SimpleNamespace(free=600, available_size=lambda: alloc.free)
+    s.plan_decode([], [], alloc)
+    s.plan_extend([], [], None, alloc)
+    alloc.free = 250  # exactly a quarter free: not short yet
+    s.plan_decode([], [], alloc)
+    assert planned == [("decode", False), ("extend", False), ("decode", False)]
+    with caplog.at_level("INFO", logger="sglang_psa.sched.serving"):
+        alloc.free = 249
+        s.plan_decode([], [], alloc)
+    assert planned[-1] == ("decode", True)
+    assert "--psa-writeback-start" in caplog.text and "25% of the KV pool" in caplog.text
+    alloc.free = 1000
+    s.plan_extend([], [], None, alloc)
+    assert planned[-1] == ("extend", True)
+    # A prompt larger than HBM is prefilled in chunks whose saved blocks leave HBM.
+    wb.saving = None
+    s2 = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100, hbm_tokens=1000, writeback=wb,
+                    residency=res)  # fmt: skip
+    assert wb.saving is False
+    s2.room_for_chunk(None, [], SimpleNamespace(available_size=lambda: 4096), 100)
+    assert wb.saving is True
+    wb.saving = None
+    PSAServing(PSAConfig(kv_home="tiered"), layers=2, kv_heads=2, hbm_units=100,
+               hbm_tokens=1000, writeback=wb, residency=res)  # fmt: skip
+    assert wb.saving is True
