@@ -500,6 +500,43 @@ def test_with_nothing_saved_a_match_hashes_nothing_then_extends_from_the_index()
         assert s.match(b) == 3 * BS and len(s.index._tracked["b"][2]) >= 3
 
 
+def test_before_the_write_back_starts_the_tree_works_as_sglangs_and_then_saves():
+    """The write-back not started (`WriteBack.saving` off): requests share a prefix the
+    tree holds in HBM, finish, decode and leave HBM with every invariant held after every
+    call, and nothing reaches the host tier (a prefix the tree evicted is computed again,
+    as plain SGLang does). Started mid-flight, the running request's next plan takes
+    every full block it has, and a later request reads them from the host tier."""
+    with _store() as s:
+        s.wb.saving = False
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a)
+        s.decode(a, [7, 8, 9])
+        b = s.arrive("b", STEM + [6, 6, 6, 6, 6])
+        assert s.match(b) == 3 * BS and s.admit(b)  # the tree's HBM pages of a's prompt
+        s.prefill(b)
+        s.finish(a)
+        assert s.wb.report()["blocks_planned"] == 0 and len(s.index) == 0
+        assert s.wb.blocks.used == 0
+        s.finish(b)
+        s.evict(10**6)
+        c = s.arrive("c", STEM + [1, 2, 3, 4, 5])
+        assert s.match(c) == 0  # evicted unsaved: computed again
+        assert s.admit(c)
+        s.prefill(c)
+        s.wb.saving = True
+        s.decode(c, [4, 4, 4])  # its next plan: every full block, from its first
+        s.ack()
+        full = (len(c.origin_input_ids) + len(c.output_ids) - 1) // BS  # (the newest's block
+        assert s.tiered.records["c"].saved == full == 4  # is written by the next step)
+        s.finish(c)
+        s.evict(10**6)
+        d = s.arrive("d", STEM + [9, 9, 9, 9, 9, 9, 9])
+        assert s.match(d) == 3 * BS and s.tiered.records["d"].host  # from the host tier
+        assert s.admit(d)
+        s.prefill(d)
+
+
 def test_requests_of_two_cache_salts_share_no_host_block():
     """The same tokens under two cache salts (0.5.23: `Req.cache_salt`, which keys SGLang's
     tree and the index's hashes; 0.5.17 carries a salt in `extra_key`) share nothing: b,
