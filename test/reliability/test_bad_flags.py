@@ -49,6 +49,7 @@ INVALID = {
     "host_pool_gb": ["0", "-4"],
     "kv_home": ["disk", "HBM", "host"],  # host: the removed home
     "writeback": ["dma", "UVA"],
+    "writeback_start": ["0", "1.5", "-0.2", "nan", "x"],
     "cold_fraction": ["-0.1", "1.5", "nan", "x"],
     "unit_cache_ways": ["0", "65", "2.5", "x"],
     "host_prefix_min_tokens": ["-1", "2.5", "x"],
@@ -91,7 +92,7 @@ def _cases():
             yield name, argv, ""
     # A flag that acts only with another flag's value, given (with a valid value) without it.
     valid = {"writeback": "engine", "host_pool_gb": "8", "cold_fraction": "0.5", "code_bits": "4",
-             "unit_cache_ways": "16"}  # fmt: skip
+             "unit_cache_ways": "16", "writeback_start": "0.5"}  # fmt: skip
     for name, (other, value) in flags.ONLY_WITH.items():
         mode = "topk" if other == "kv_home" else "psa"
         argv = ["--sparse-mode", mode, flag_name(name), valid.get(name, "1024")]

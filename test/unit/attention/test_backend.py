@@ -909,7 +909,8 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
             assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=64)
         prompt = [n - 1 for n in lengths]  # prefill writes all but the newest token
         # a first prefill: no prefix (the tiered home's prefill stage plans none)
-        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
+        batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0],
+                                token_to_kv_pool_allocator=None)  # fmt: skip
         scheduling.after_prepare_for_extend(None, batch)
         _prefill(backend, fb)
         wait_saved(wb)
@@ -922,7 +923,10 @@ def test_tiered_home_writes_every_full_block_back_through_the_scheduler_hooks(wr
             fb.seq_lens = torch.tensor(lens, device=DEV)
             fb.out_cache_loc = torch.tensor(slots, device=DEV)
             scheduling.after_prepare_for_decode(
-                None, SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(lens))
+                None,
+                SimpleNamespace(
+                    reqs=reqs, seq_lens_cpu=torch.tensor(lens), token_to_kv_pool_allocator=None
+                ),
             )
             backend.init_forward_metadata(fb)
             q = torch.randn(2, HQ * D, generator=g).to(DEV)
@@ -967,7 +971,8 @@ def _prefilled_tiered(backend, runner, fb, g, reqs, lengths):
     for r, n in zip(reqs, lengths):
         assert serving.try_admit(r.rid, n, alone=False, max_new_tokens=8)
     prompt = [n - 1 for n in lengths]
-    batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0])
+    batch = SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor(prompt), prefix_lens=[0, 0],
+                            token_to_kv_pool_allocator=None)  # fmt: skip
     scheduling.after_prepare_for_extend(None, batch)  # a first prefill: no prefix
     _prefill(backend, fb)
     wait_saved(wb)
