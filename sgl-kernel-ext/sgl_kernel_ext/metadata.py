@@ -190,11 +190,10 @@ def _launch(k_buffer, block_size, grid, mean, kmin, kmax, kscale, *, locs=None, 
     tensor. `offsets`: every layer at once (`mean`/`kmin`/`kmax`/`kscale` then carry a
     leading layer dimension; `k_buffer` is layer 0's)."""
     _, H, d = k_buffer.shape
-    kept = mean if mean is not None else kmin
-    dummy = kept
+    kept = mean if mean is not None else kmin  # (also the placeholder of unused slots)
     args = (locs, table, rows, starts, ends, mean, kmin, kmax, kscale, gate, offsets)
     _page_meta_kernel[grid](
-        k_buffer, *(dummy if t is None else t for t in args),
+        k_buffer, *(kept if t is None else t for t in args),
         0 if table is None else table.stride(0),
         kept.stride(0) if offsets is not None else 0,
         kscale.stride(0) if offsets is not None and kscale is not None else 0,
