@@ -1,0 +1,162 @@
+"""Host cost of the tiered home's write-back while HBM has room, at workload a's shape.
+
+    python benchmark/scheduler/writeback_round.py [--rounds N] [--out FILE]
+
+Workload a (32 x 28K-token prompts, 1024 outputs, all at once) never fills the KV pool,
+so at `--psa-kv-home tiered` no block ever leaves HBM; the host tier is insurance. Yet on
+the H100 (2026-12-05, batch 32) the tiered home's round took 3.42 ms against the hbm
+home's 2.64, host-bound at both, and the plugin's own timers over the run added about the
+difference: matches of queued prompts (`match_prefix`), the extend's and the decode's
+saves (`writeback.issue_*`) and their planning (`plan_*`). `--psa-writeback-start
+FRACTION` starts the write-back only once less than that fraction of the pool is free;
+this measures, through the `psa` radix cache's test store (test/unit/mem_cache/
+test_psa_radix_cache.py: SGLang's real allocator, request table and tree, the real
+write-back on its uva path, host blocks, prefix index and request records, on CPU
+tensors, the save kernel stubbed: on a GPU one launch, counted as an operation; it needs
+SGLang installed), what each of the write-back's host calls costs with
+the write-back on from the start (`eager`, the default 1) and not yet started (`lazy`):
+
+- the intake: `--requests` prompts of `--prompt` tokens (a 512-token stem shared, as the
+  serving tasks share their instructions, the rest distinct) arrive at once; each extend
+  round matches the request it admits and the next in the queue (SGLang's adder stops at
+  the first that does not fit), then that request's extend (`plan_extend`, `issue_extend`,
+  the acknowledgements, SGLang's insert);
+- `--rounds` decode rounds of every request: a token each (SGLang's decode allocation),
+  then `plan_decode` (with the acknowledgements) and `issue_decode` (a flush every 16
+  pending blocks), as the scheduler and the backend call them.
+
+Each call's CPU milliseconds and top-level tensor operations (torch's profiler; on a GPU
+each is a launch or a copy of several microseconds). ~10 s.
+
+Summary (`a32x28k`: the shape): `{match,extend,decode_round}_ms_{eager,lazy}_a32x28k`,
+`{match,extend,decode_round}_ops_{eager,lazy}_a32x28k` (means per call), and
+`pool_free_fraction_a32x28k` (the pool's free share after the intake: the lazy start's
+0.25 is not reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS, PROMPT, BS, STEM = 32, 28_000, 32, 512
+PHASES = ("match", "extend", "decode_round")
+
+
+def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: int = PROMPT):
+    """Per-call means of CPU ms and top-level tensor operations of the three phases (see
+    the module doc), the write-back on from the start (`eager`) or not started."""
+    import numpy as np
+    import torch
+    from benchmark.scheduler.evict_ops import _shape, _top_ops
+    from torch.profiler import ProfilerActivity, profile
+
+    from sglang_psa.mem_cache.transports import uva
+
+    ctx = prompt + (rounds // BS + 2) * BS
+    cost = {p: ([], []) for p in PHASES}
+    launches = [0]
+
+    def timed(phase, fn, *args):
+        before = launches[0]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            ms = (time.perf_counter() - t0) * 1e3
+        cost[phase][0].append(ms)
+        cost[phase][1].append(_top_ops(prof) + launches[0] - before)
+        return out
+
+    def save_kernel(*args, **kwargs):  # one launch on a GPU (Triton's interpreter here)
+        launches[0] += 1
+
+    kernel, uva.copy_layers_to_units = uva.copy_layers_to_units, save_kernel
+
+    # a's pool: the requests' KV and as much again free (44% was free on the H100)
+    pages = 2 * requests * (ctx // BS)
+    with _shape(BS=BS, CTX=ctx, ROWS=requests + 3) as t:
+        cm = t._store(pages=pages, host_blocks=requests * (ctx // BS) + 64)
+        s = cm.__enter__()
+        try:
+            s.check = lambda *a, **k: None  # the invariants are the tests' (minutes here)
+            wb = s.wb
+            wb.saving = eager
+            stem = list(range(7, 7 + STEM))
+            queue = [
+                s.arrive(f"r{i}", stem + [100_000 * (i + 1) + j for j in range(prompt - STEM)],
+                         max_new=rounds)
+                for i in range(requests)
+            ]  # fmt: skip
+            reqs = []
+            for i, req in enumerate(queue):
+                timed("match", s.match, req)
+                assert s.admit(req)
+                if i + 1 < len(queue):  # the next one, matched and left waiting
+                    timed("match", s.match, queue[i + 1])
+                timed("extend", s.prefill, req, False)  # acknowledged by the next plan
+                reqs.append(req)
+            free = s.alloc.available_size() / (pages * BS)
+            k, v, rt = s.pool.k_buffer, s.pool.v_buffer, s.rtp.req_to_token
+            lens = [0] * len(reqs)
+
+            def round_(j):
+                wb.plan_decode(reqs, lens)
+                wb.issue_decode(k, v, rt)
+
+            for j in range(rounds):
+                for n, r in enumerate(reqs):  # SGLang's decode allocation, a token each
+                    r.output_ids.append(9 + j)
+                    if r.kv_len % BS == 0:
+                        r.slots = s.alloc.alloc(BS)
+                    rt[r.row, r.kv_len] = r.slots[0]
+                    r.slots = r.slots[1:]
+                    s._set_len(r, r.kv_len + 1)
+                    lens[n] = r.kv_len
+                timed("decode_round", round_, j)
+            out = {"pool_free_fraction": free, "saved_blocks": wb.stats.blocks_saved}
+            for p, (ms, ops) in cost.items():
+                out[f"{p}_ms"] = float(np.mean(ms))
+                out[f"{p}_ops"] = float(np.mean(ops))
+                out[f"{p}_calls"] = len(ms)
+            out["decode_round_ms_by_round"] = [round(x, 3) for x in cost["decode_round"][0]]
+            return out
+        finally:
+            cm.__exit__(None, None, None)
+            uva.copy_layers_to_units = kernel
+
+
+def main(argv=None) -> None:
+    sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+    from benchmark.scheduler.evict_ops import setup
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "writeback_round.json"))
+    ap.add_argument("--rounds", type=int, default=128)
+    args = ap.parse_args(argv)
+    from sglang_psa.eval.results import write_result
+
+    setup()
+    got = {mode: measure(mode == "eager", args.rounds) for mode in ("eager", "lazy")}
+    summary = {}
+    for mode, m in got.items():
+        print(
+            f"{mode}: match {m['match_ms']:.3f} ms / {m['match_ops']:.1f} ops, extend "
+            f"{m['extend_ms']:.2f} ms / {m['extend_ops']:.1f} ops, decode round "
+            f"{m['decode_round_ms']:.3f} ms / {m['decode_round_ops']:.1f} ops; "
+            f"{m['saved_blocks']} blocks saved",
+            flush=True,
+        )
+        for p in PHASES:
+            summary[f"{p}_ms_{mode}_a32x28k"] = m[f"{p}_ms"]
+            summary[f"{p}_ops_{mode}_a32x28k"] = m[f"{p}_ops"]
+    summary["pool_free_fraction_a32x28k"] = got["lazy"]["pool_free_fraction"]
+    data = {"requests": REQUESTS, "prompt_tokens": PROMPT, "block_size": BS,
+            "stem_tokens": STEM, "rounds": args.rounds, **got}  # fmt: skip
+    print(write_result(Path(args.out), summary, data))
+
+
+if __name__ == "__main__":
+    main()
