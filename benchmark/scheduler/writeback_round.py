@@ -50,7 +50,6 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
     """Per-call means of CPU ms and top-level tensor operations of the three phases (see
     the module doc), the write-back on from the start (`eager`) or not started."""
     import numpy as np
-    import torch
     from benchmark.scheduler.evict_ops import _shape, _top_ops
     from torch.profiler import ProfilerActivity, profile
 
