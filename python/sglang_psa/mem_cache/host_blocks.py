@@ -46,9 +46,11 @@ class HostBlocks:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, 2, ...
         self.reserved = 0  # ids promised to requests, not yet taken (their `reserved`, summed)
         self.refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each id
-        # id -> the records holding it (`refs` of them), for ids held more than once or
-        # not: residency switches every holder of a block that leaves HBM (`holders`).
-        self._holders: dict[int, list[RequestKV]] = {}
+        # id -> the records holding it (`refs` of them): residency switches every holder
+        # of a block that leaves HBM (`holders`). One holder is the record itself, several
+        # a tuple: an id held once (nearly all) allocates no container, so a server saving
+        # a million blocks adds no million objects for Python's collector to scan.
+        self._holders: dict[int, RequestKV | tuple[RequestKV, ...]] = {}
         self.kept = np.zeros(num_blocks, dtype=bool)  # named by the keeper
         # Acknowledged on every layer (`WriteBack`): saved state belongs to the id, so a
         # block saved for one holder is saved for all. Cleared when the id goes free.
@@ -101,8 +103,7 @@ class HostBlocks:
             self.evict_lru(n - len(self._free))
         ids = [self._free.pop() for _ in range(n)]
         self.refs[ids] = 1
-        for i in ids:
-            self._holders[i] = [rec]
+        self._holders.update(zip(ids, [rec] * n))
         rec.host.extend(ids)
         return ids
 
@@ -179,7 +180,11 @@ class HostBlocks:
         for i in ids:
             if self.refs[i] == 0:
                 del self.lru[i]
-            self._holders.setdefault(i, []).append(rec)
+            held = self._holders.get(i)
+            if held is None:
+                self._holders[i] = rec
+            else:
+                self._holders[i] = (*held, rec) if type(held) is tuple else (held, rec)
         np.add.at(self.refs, ids, 1)
 
     def release(self, ids: Iterable[int], rec: RequestKV) -> int:
@@ -189,23 +194,25 @@ class HostBlocks:
         left with no holder."""
         ids = list(ids)
         if len(set(ids)) != len(ids) or not all(
-            any(q is rec for q in self._holders.get(i, ())) for i in ids
+            any(q is rec for q in self.holders(i)) for i in ids
         ):
             raise RuntimeError(f"{rec.rid!r} releases a host block more often than it held it")
         np.subtract.at(self.refs, ids, 1)
         for i in ids:
             held = self._holders[i]
-            held[:] = [q for q in held if q is not rec]
-            if not held:
+            if held is rec:
                 del self._holders[i]
+                continue
+            rest = tuple(q for q in held if q is not rec)
+            self._holders[i] = rest[0] if len(rest) == 1 else rest
         gone = [i for i in reversed(ids) if self.refs[i] == 0]
         self._unheld(gone)
         return len(gone)
 
     def holders(self, i: int) -> Sequence[RequestKV]:
-        """The records holding host block `i` (none if it is kept or free): the live list,
-        not a copy (an eviction reads it for hundreds of blocks), so read it only."""
-        return self._holders.get(i, ())
+        """The records holding host block `i` (none if it is kept or free), as a tuple."""
+        held = self._holders.get(i, ())
+        return held if type(held) is tuple else (held,)
 
     def keep(self, ids: Iterable[int]) -> None:
         """The keeper names `ids` (held, saved blocks of a prefix): once no request holds
@@ -271,10 +278,13 @@ class HostBlocks:
         for rec in records:
             for i in rec.host:
                 named.setdefault(i, set()).add(id(rec))
-        have = {i: {id(q) for q in held} for i, held in self._holders.items()}
-        assert have == named and all(
-            len(held) == self.refs[i] for i, held in self._holders.items()
-        ), "the holders named by host block drifted from the records"
+        have = {i: {id(q) for q in self.holders(i)} for i in self._holders}
+        assert have == named and all(len(self.holders(i)) == self.refs[i] for i in self._holders), (
+            "the holders named by host block drifted from the records"
+        )
+        assert all(type(h) is not tuple or len(h) > 1 for h in self._holders.values()), (
+            "a host block's one holder kept in a container"
+        )
         free, lru = set(self._free), set(self.lru)
         assert len(free) == len(self._free), "a free host block listed twice"
         assert not free & lru, "a host block both free and kept"

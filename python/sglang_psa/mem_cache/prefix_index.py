@@ -117,7 +117,10 @@ class PrefixIndex:
         self._ids: dict[bytes, int] = {}  # chained hash -> host id
         self._hash: dict[int, bytes] = {}  # host id -> its hash
         self._parent: dict[bytes, bytes | None] = {}
-        self._children: dict[bytes, set[bytes]] = {}
+        # hash -> its chained entries: the one child itself (nearly every entry's), a set of
+        # several (no container a block: a million saved blocks add no million sets for
+        # Python's collector to scan)
+        self._children: dict[bytes, bytes | set[bytes]] = {}
         # rid -> ((extra_key, salt), token source, hashes computed so far)
         self._tracked: dict[Hashable, tuple[tuple, Callable[[], Sequence[int]], list]] = {}
         self._walked: dict[Hashable, int] = {}  # rid -> its leading blocks the index names
@@ -228,7 +231,13 @@ class PrefixIndex:
     def _add(self, h: bytes, i: int, parent: bytes | None) -> None:
         self._ids[h], self._hash[i], self._parent[h] = i, h, parent
         if parent is not None:
-            self._children.setdefault(parent, set()).add(h)
+            kids = self._children.get(parent)
+            if kids is None:
+                self._children[parent] = h
+            elif type(kids) is set:
+                kids.add(h)
+            elif kids != h:
+                self._children[parent] = {kids, h}
 
     # -- the host tier takes ids back ---------------------------------------------------
     def on_evict(self, ids: list[int]) -> None:
@@ -253,10 +262,21 @@ class PrefixIndex:
             i = self._ids.pop(h)
             del self._hash[i]
             parent = self._parent.pop(h)
-            if parent is not None and parent in self._children:
-                self._children[parent].discard(h)
+            kids = self._children.get(parent) if parent is not None else None
+            if kids == h:
+                del self._children[parent]
+            elif type(kids) is set:
+                kids.discard(h)
+                if len(kids) == 1:
+                    self._children[parent] = kids.pop()
             (gone if top else orphaned).append(i)
-            stack.extend((c, False) for c in self._children.pop(h, ()))
+            stack.extend((c, False) for c in self._kids(h))
+            self._children.pop(h, None)
+
+    def _kids(self, h: bytes) -> tuple[bytes, ...] | set[bytes]:
+        """The entries chained below `h`."""
+        kids = self._children.get(h, ())
+        return (kids,) if type(kids) is bytes else kids
 
     def check_integrity(self) -> None:
         """Hash <-> id one to one; every named id kept (held or in the LRU: never free)
@@ -271,5 +291,12 @@ class PrefixIndex:
             assert self.blocks.saved[i], f"indexed host block {i} was never acknowledged"
             p = self._parent[h]
             assert p is None or p in self._ids, f"host block {i} indexed without its prefix"
+            assert p is None or h in self._kids(p), f"host block {i} not among its parent's"
+        assert all(self._parent.get(c) == p for p in self._children for c in self._kids(p)), (
+            "a chained entry listed under another parent"
+        )
+        assert all(type(k) is bytes or len(k) > 1 for k in self._children.values()), (
+            "an entry's one child kept in a container"
+        )
         kept = set(map(int, self.blocks.kept.nonzero()[0]))
         assert kept == set(self._hash), "a kept host block the index does not name"

@@ -214,3 +214,39 @@ def test_random_requests_keep_the_index_a_set_of_saved_prefix_starts(seed):
         index.check_integrity()
         hb.check_integrity([r for r, _ in live.values()])
     assert hb.evicted > 0, "the run never made the host tier take kept blocks back"
+
+
+def test_saved_blocks_add_no_object_a_block_for_pythons_collector():
+    """A server saves millions of blocks; an object a block for Python's cyclic collector
+    (a holder list per host id, a child set per index entry) made its full collections
+    scan them all, pauses of hundreds of ms on the scheduler's thread (the tiered home's
+    host time). Taking, acknowledging and indexing 4,000 blocks of one request adds no
+    tracked object a block; a second request sharing the prefix, then releasing it, and
+    a branch under it keep the index's maps exact (`check_integrity`)."""
+    import gc
+
+    n = 4000
+    hb = HostBlocks(2 * n + 8)
+    index = PrefixIndex(hb, BS)
+    toks = list(range(n * BS))
+    a = _start(hb, index, "a", toks)
+    index.request_hashes("a", n)  # (the hashes are bytes: not tracked)
+    gc.collect()
+    before = len(gc.get_objects())
+    hb.take(a, n)
+    _ack(hb, index, a, range(n))
+    gc.collect()
+    assert len(index) == n
+    assert len(gc.get_objects()) - before < 64
+    b = _start(hb, index, "b", toks[: 8 * BS] + [0] * (4 * BS))  # 8 blocks shared, 4 own
+    assert hb.adopt(b, index.lookup(index.request_hashes("b", 12)))
+    assert b.host == a.host[:8]
+    hb.take(b, 4)
+    _ack(hb, index, b, range(8, 12))
+    assert len(index) == n + 4  # block 8 branches: two entries chained below block 7's
+    index.check_integrity()
+    hb.free(b)
+    hb.check_integrity([a])
+    assert len(hb.evict_lru(4)) == 4  # b's own blocks, released last: the branch goes
+    assert len(index) == n and index.orphans == 0
+    index.check_integrity()
