@@ -1,6 +1,6 @@
 """Host cost of the tiered home's write-back while HBM has room, at workload a's shape.
 
-    python benchmark/scheduler/writeback_round.py [--rounds N] [--out FILE]
+    python benchmark/scheduler/writeback_round.py [--rounds N] [--baseline-rev REV] [--out FILE]
 
 Workload a (32 x 28K-token prompts, 1024 outputs, all at once) never fills the KV pool,
 so at `--psa-kv-home tiered` no block ever leaves HBM; the host tier is insurance. Yet on
@@ -13,23 +13,29 @@ this measures, through the `psa` radix cache's test store (test/unit/mem_cache/
 test_psa_radix_cache.py: SGLang's real allocator, request table and tree, the real
 write-back on its uva path, host blocks, prefix index and request records, on CPU
 tensors, the save kernel stubbed: on a GPU one launch, counted as an operation; it needs
-SGLang installed), what each of the write-back's host calls costs with
-the write-back on from the start (`eager`, the default 1) and not yet started (`lazy`):
+SGLang installed), what each of the write-back's host calls costs with the write-back on
+from the start (`eager`, the default 1) and not yet started (`lazy`):
 
 - the intake: `--requests` prompts of `--prompt` tokens (a 512-token stem shared, as the
   serving tasks share their instructions, the rest distinct) arrive at once; each extend
   round matches the request it admits and the next in the queue (SGLang's adder stops at
   the first that does not fit), then that request's extend (`plan_extend`, `issue_extend`,
-  the acknowledgements, SGLang's insert);
+  SGLang's insert; acknowledged by the next plan);
 - `--rounds` decode rounds of every request: a token each (SGLang's decode allocation),
   then `plan_decode` (with the acknowledgements) and `issue_decode` (a flush every 16
   pending blocks), as the scheduler and the backend call them.
 
 Each call's CPU milliseconds and top-level tensor operations (torch's profiler; on a GPU
-each is a launch or a copy of several microseconds). ~10 s.
+each is a launch or a copy of several microseconds), and Python's garbage collector over
+the whole run: the objects it tracks that the run left alive, and its full collections
+(count, ms). The modules of SGLang's scheduler process are imported first (`server_heap`:
+~0.6M tracked objects, as that process holds before its model), so a full collection costs
+about what it costs there. `--baseline-rev` measures `eager` with the plugin at another
+commit too (same CPU, same run). ~15 s (~30 with a baseline).
 
-Summary (`a32x28k`: the shape): `{match,extend,decode_round}_ms_{eager,lazy}_a32x28k`,
-`{match,extend,decode_round}_ops_{eager,lazy}_a32x28k` (means per call), and
+Summary (`a32x28k`: the shape; MODE `eager`, `lazy`, `eager_baseline`):
+`{match,extend,decode_round}_{ms,ops}_MODE_a32x28k` (means per call),
+`{tracked_objects_added,gc_full_collections,gc_full_ms}_MODE_a32x28k`, and
 `pool_free_fraction_a32x28k` (the pool's free share after the intake: the lazy start's
 0.25 is not reached).
 """
@@ -37,6 +43,7 @@ Summary (`a32x28k`: the shape): `{match,extend,decode_round}_ms_{eager,lazy}_a32
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -73,6 +80,19 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
         launches[0] += 1
 
     kernel, uva.copy_layers_to_units = uva.copy_layers_to_units, save_kernel
+    pauses = {g: [0, 0.0] for g in range(3)}  # Python's collections: count, ms
+    started = [0.0]
+
+    def collector(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]][0] += 1
+            pauses[info["generation"]][1] += (time.perf_counter() - started[0]) * 1e3
+
+    gc.collect()
+    tracked = len(gc.get_objects())
+    gc.callbacks.append(collector)
 
     # a's pool: the requests' KV and as much again free (44% was free on the H100)
     pages = 2 * requests * (ctx // BS)
@@ -115,7 +135,17 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
                     s._set_len(r, r.kv_len + 1)
                     lens[n] = r.kv_len
                 timed("decode_round", round_, j)
-            out = {"pool_free_fraction": free, "saved_blocks": wb.stats.blocks_saved}
+            gc.callbacks.remove(collector)
+            gc.collect()
+            out = {
+                "pool_free_fraction": free,
+                "saved_blocks": wb.stats.blocks_saved,
+                "tracked_objects_at_start": tracked,
+                "tracked_objects_added": len(gc.get_objects()) - tracked,
+                "gc_full_collections": pauses[2][0],
+                "gc_full_ms": pauses[2][1],
+                "gc_young_ms": pauses[0][1] + pauses[1][1],
+            }
             for p, (ms, ops) in cost.items():
                 out[f"{p}_ms"] = float(np.mean(ms))
                 out[f"{p}_ops"] = float(np.mean(ops))
@@ -123,6 +153,8 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
             out["decode_round_ms_by_round"] = [round(x, 3) for x in cost["decode_round"][0]]
             return out
         finally:
+            if collector in gc.callbacks:
+                gc.callbacks.remove(collector)
             cm.__exit__(None, None, None)
             uva.copy_layers_to_units = kernel
 
@@ -134,27 +166,51 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "writeback_round.json"))
     ap.add_argument("--rounds", type=int, default=128)
+    ap.add_argument("--baseline-rev", help="also measure eager at this commit's plugin")
     args = ap.parse_args(argv)
     from sglang_psa.eval.results import write_result
 
     setup()
+    server_heap()
     got = {mode: measure(mode == "eager", args.rounds) for mode in ("eager", "lazy")}
+    if args.baseline_rev:
+        from benchmark.scheduler.revision import at_revision
+
+        base = at_revision(
+            args.baseline_rev,
+            f"m.measure(True, {args.rounds})",
+            "from benchmark.scheduler.evict_ops import setup; setup(); "
+            "from benchmark.scheduler import writeback_round as m; m.server_heap()",
+        )
+        got["eager_baseline"] = base["value"] | {"rev": base["rev"]}
     summary = {}
     for mode, m in got.items():
         print(
             f"{mode}: match {m['match_ms']:.3f} ms / {m['match_ops']:.1f} ops, extend "
             f"{m['extend_ms']:.2f} ms / {m['extend_ops']:.1f} ops, decode round "
             f"{m['decode_round_ms']:.3f} ms / {m['decode_round_ops']:.1f} ops; "
-            f"{m['saved_blocks']} blocks saved",
+            f"{m['saved_blocks']} blocks saved; {m['tracked_objects_added']} tracked objects "
+            f"kept, {m['gc_full_collections']} full collections ({m['gc_full_ms']:.0f} ms)",
             flush=True,
         )
         for p in PHASES:
             summary[f"{p}_ms_{mode}_a32x28k"] = m[f"{p}_ms"]
             summary[f"{p}_ops_{mode}_a32x28k"] = m[f"{p}_ops"]
+        for k in ("tracked_objects_added", "gc_full_collections", "gc_full_ms"):
+            summary[f"{k}_{mode}_a32x28k"] = m[k]
     summary["pool_free_fraction_a32x28k"] = got["lazy"]["pool_free_fraction"]
     data = {"requests": REQUESTS, "prompt_tokens": PROMPT, "block_size": BS,
             "stem_tokens": STEM, "rounds": args.rounds, **got}  # fmt: skip
     print(write_result(Path(args.out), summary, data))
+
+
+def server_heap() -> int:
+    """Import the modules SGLang's scheduler process imports (about 0.6M objects Python's
+    collector tracks, before a model is loaded), so that a full collection costs what it
+    costs there (the store alone holds few); returns the tracked objects."""
+    import sglang.srt.managers.scheduler  # noqa: F401
+
+    return len(gc.get_objects())
 
 
 if __name__ == "__main__":
