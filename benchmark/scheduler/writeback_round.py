@@ -28,9 +28,12 @@ from the start (`eager`, the default 1) and not yet started (`lazy`):
 Each call's CPU milliseconds and top-level tensor operations (torch's profiler; on a GPU
 each is a launch or a copy of several microseconds), and Python's garbage collector over
 the whole run: the objects it tracks that the run left alive, and its full collections
-(count, ms). The modules of SGLang's scheduler process are imported first (`server_heap`:
-~0.6M tracked objects, as that process holds before its model), so a full collection costs
-about what it costs there. `--baseline-rev` measures `eager` with the plugin at another
+(count, ms), and what one full collection of the heap takes before the run
+(`gc_full_collection_ms_at_start`). The modules of SGLang's scheduler process are imported
+first (`server_heap`: ~0.6M tracked objects, as that process holds before its model), so a
+full collection costs about what it costs there. Python starts one once the objects that
+survived into its oldest generation since the last exceed a quarter of those it kept then:
+what a run keeps alive brings the next one closer, and every later one scans it. `--baseline-rev` measures `eager` with the plugin at another
 commit too (same CPU, same run). ~15 s (~30 with a baseline).
 
 Summary (`a32x28k`: the shape; MODE `eager`, `lazy`, `eager_baseline`):
@@ -90,7 +93,9 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
             pauses[info["generation"]][0] += 1
             pauses[info["generation"]][1] += (time.perf_counter() - started[0]) * 1e3
 
+    t0 = time.perf_counter()
     gc.collect()
+    full_ms = (time.perf_counter() - t0) * 1e3  # one full collection of the heap as it is
     tracked = len(gc.get_objects())
     gc.callbacks.append(collector)
 
@@ -141,6 +146,7 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
                 "pool_free_fraction": free,
                 "saved_blocks": wb.stats.blocks_saved,
                 "tracked_objects_at_start": tracked,
+                "gc_full_collection_ms_at_start": full_ms,
                 "tracked_objects_added": len(gc.get_objects()) - tracked,
                 "gc_full_collections": pauses[2][0],
                 "gc_full_ms": pauses[2][1],
