@@ -41,7 +41,7 @@ from sglang_psa.mem_cache.fence import TableFence
 from sglang_psa.mem_cache.host_blocks import HostBlocks
 from sglang_psa.mem_cache.host_pool import HostKVPool
 from sglang_psa.mem_cache.request_kv import RequestKV
-from sglang_psa.mem_cache.transports.base import Transport
+from sglang_psa.mem_cache.transports.base import BLOCK, RID, Transport
 from sglang_psa.mem_cache.transports.dma import DmaTransport
 from sglang_psa.mem_cache.transports.engine import EngineTransport
 from sglang_psa.mem_cache.transports.uva import UvaTransport
@@ -54,14 +54,6 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
     memory on CUDA: one small H2D copy, no sync."""
     t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return t.to(device, non_blocking=True)
-
-
-@dataclass
-class _Entry:
-    rid: object
-    row: int
-    block: int  # block index within the request
-    host: int  # host block id
 
 
 @dataclass
@@ -162,8 +154,8 @@ class WriteBack:
         # the prefix index learns those blocks too; then `on_ended(rec)` releases them.
         self.ending: dict[object, RequestKV] = {}
         self.on_ended: Callable[[RequestKV], None] | None = None
-        self._decode: list[_Entry] = []  # planned by decode, not issued yet
-        self._extend: list[_Entry] = []  # planned for the next extend forward
+        self._decode: list[tuple] = []  # planned by decode, not issued yet
+        self._extend: list[tuple] = []  # planned for the next extend forward
         self._block_bytes = 2 * kv_heads * block_size * head_dim * self.host.k.element_size()
         # Where decode reads a block, by (request-table row, block): 0 from its HBM page,
         # -(host block) - 1 from the host tier (a saved block whose HBM copy is not to be
@@ -204,13 +196,13 @@ class WriteBack:
         (SGLang frees their pages, or the blocks switched to another's saved copy)."""
         for plan in (self._decode, self._extend):
             keep = [
-                e for e in plan if e.rid != rid or (blocks is not None and e.block not in blocks)
+                e for e in plan if e[RID] != rid or (blocks is not None and e[BLOCK] not in blocks)
             ]
             self.stats.dropped_blocks += len(plan) - len(keep)
             plan[:] = keep
 
     # -- planning (scheduler, host only) ---------------------------------------------
-    def _plan(self, rid, row: int, full_blocks: int, out: list[_Entry]) -> None:
+    def _plan(self, rid, row: int, full_blocks: int, out: list[tuple]) -> None:
         rec = self.records.get(rid)
         if rec is not None and rec.row != row and (rec.row is not None or rec.parked):
             self.forget(rec)  # the request moved rows (re-prefilled): its blocks start over
@@ -224,8 +216,7 @@ class WriteBack:
         n = full_blocks - start
         if n <= 0:
             return
-        for i, h in enumerate(self.blocks.take(rec, n)):
-            out.append(_Entry(rid, row, start + i, h))
+        out.extend((rid, row, b, h) for b, h in enumerate(self.blocks.take(rec, n), start))
         self.stats.blocks_planned += n
 
     def plan_extend(self, reqs, seq_lens) -> None:
@@ -247,11 +238,12 @@ class WriteBack:
             self._plan(req.rid, int(req_row(req)), (int(n) - 1) // bs, self._decode)
 
     # -- issuing (attention backend, on the forward's stream) -------------------------
-    def _tables(self, entries: list[_Entry], req_to_token: torch.Tensor) -> torch.Tensor:
+    def _tables(self, entries: list[tuple], req_to_token: torch.Tensor) -> torch.Tensor:
         """`[2, n]` on the GPU: the pages of `entries` (SGLang's request table at each
         block's first token, divided by the page size) and their host blocks. One small
         H2D copy, no sync."""
-        t = to_device([(e.row, e.block * self.block_size, e.host) for e in entries], self.device)
+        bs = self.block_size
+        t = to_device([(row, b * bs, host) for _, row, b, host in entries], self.device)
         pages = req_to_token[t[:, 0], t[:, 1]].long() // self.block_size
         return torch.stack([pages, t[:, 2]])
 
@@ -298,21 +290,17 @@ class WriteBack:
         return self.transport.device_bytes + self.host_loc.numel() * self.host_loc.element_size()
 
     # -- acknowledgements (scheduler) --------------------------------------------------
-    def _saved(self, layer: int, entries: list[_Entry]) -> None:
+    def _saved(self, layer: int, entries: list[tuple]) -> None:
         """The transport finished a job of `layer`: a block is saved once its last layer
         is."""
         if layer == self.layers - 1:
             acked: dict[int, RequestKV] = {}
-            for e in entries:
-                rec = self.records.get(e.rid) or self.ending.get(e.rid)
+            for rid, row, b, host in entries:
+                rec = self.records.get(rid) or self.ending.get(rid)
                 # An ack of a request that ended or moved, or of a block it switched to
                 # another's id, names an id that may be someone else's by now: ignored.
-                if (
-                    rec is not None
-                    and rec.row == e.row
-                    and rec.host[e.block : e.block + 1] == [e.host]
-                ):
-                    self.blocks.saved[e.host] = True
+                if rec is not None and rec.row == row and rec.host[b : b + 1] == [host]:
+                    self.blocks.saved[host] = True
                     acked[id(rec)] = rec
             for rec in acked.values():
                 self.blocks.advance(rec)  # saved state is the id's: a leading run
@@ -320,7 +308,7 @@ class WriteBack:
                     self.index.saved(rec)
             self.stats.blocks_saved += len(entries)
             self.stats.bytes_saved += len(entries) * self._block_bytes * self.layers
-        for rid in {e.rid for e in entries if e.rid in self.ending}:
+        for rid in {e[RID] for e in entries if e[RID] in self.ending}:
             if not self.in_flight(rid):  # its last save, acknowledged (and indexed) above
                 rec = self.ending.pop(rid)
                 if self.on_ended is not None:
@@ -328,7 +316,7 @@ class WriteBack:
 
     def in_flight(self, rid) -> bool:
         """Whether a save of `rid` was issued and not yet acknowledged on every layer."""
-        return any(e.rid == rid for _, entries in self.transport.jobs.values() for e in entries)
+        return any(e[RID] == rid for _, entries in self.transport.jobs.values() for e in entries)
 
     def poll(self) -> None:
         """Take the transport's completions (on the engine path: restart a dead engine

@@ -261,7 +261,7 @@ def test_host_runs_decide_dma_or_the_save_kernel(device, monkeypatch):
         assert wb.reserve("a", CTX)
         extend(wb, pool, [(a, 12 * BS)])
         host = wb.records["a"].host
-        assert len(dma.host_runs([type("E", (), {"host": h}) for h in host])) == 12
+        assert len(dma.host_runs([("r", 1, b, h) for b, h in enumerate(host)])) == 12
         wait_saved(wb)
         check_saved(wb, pool, "a", 0, 12)
         assert wb.stats.dma_jobs == 0
@@ -420,5 +420,29 @@ def test_until_saving_starts_nothing_is_planned_then_every_full_block_is(device)
         end(wb, "a")
         end(wb, "b")
         assert wb.blocks.used == 0
+    finally:
+        wb.close()
+
+
+def test_blocks_waiting_for_their_save_are_nothing_for_pythons_collector():
+    """A decode block waits for its save until 16 are pending (many steps); an object a
+    block then reached the collector's oldest generation, whose growth starts full
+    collections (hundreds of ms on the scheduler's thread with SGLang's heap). Planned
+    blocks are tuples the collector untracks at its first young collection, and the
+    request's host ids hold no container of their own."""
+    import gc
+
+    wb = make("cpu", decode_flush_blocks=1000, path="uva")
+    pool = FakePool("cpu")
+    a = FakeReq("a", 0)
+    try:
+        assert wb.reserve("a", CTX)
+        pool.write(0, 12 * BS + 1)
+        wb.plan_decode([a], [pool.lens[0]])
+        assert len(wb._decode) == 12
+        gc.collect(0)
+        assert not any(map(gc.is_tracked, wb._decode))
+        rec = wb.records["a"]
+        assert all(h is rec for h in wb.blocks._holders.values())  # no list of one
     finally:
         wb.close()

@@ -9,6 +9,13 @@ import torch
 
 from sglang_psa.mem_cache.host_pool import HostKVPool
 
+# A planned block, an entry of `entries`: (rid, request-table row, block index within the
+# request, host block id). A plain tuple, not a class: Python's collector untracks a tuple
+# of untracked values (rids are strings) at its first young collection, so blocks waiting
+# for their save never reach its oldest generation, whose growth starts full collections
+# (hundreds of ms on the scheduler's thread, with SGLang's heap); an instance a block did.
+RID, ROW, BLOCK, HOST = range(4)
+
 
 class Transport(ABC):
     """Moves a layer's planned blocks from SGLang's KV buffers into the host tier.
@@ -17,7 +24,7 @@ class Transport(ABC):
       layer wrote its KV (a prefill batch after its last layer, a decode flush before a
       replay): `k_bufs`/`v_bufs` are the layers' token-major buffers, `tables` is `[2,
       n]` on the device (each entry's page, then its host block), `entries` the `n`
-      planned blocks (`rid`, `row`, `block`, `host`) in order, and `plan` what
+      planned blocks (tuples: `RID`, `ROW`, `BLOCK`, `HOST`) in order, and `plan` what
       `plan(entries)` returned (prefill batches; None for decode flushes). On CUDA the
       copies run on `stream` behind the compute stream; issuing only waits on the host
       for back pressure (staging rows still in use).

@@ -12,6 +12,7 @@ import torch
 
 from sgl_kernel_ext.writeback import copy_layers_to_units
 from sglang_psa.mem_cache.strided_copy import StridedCopy
+from sglang_psa.mem_cache.transports.base import HOST
 from sglang_psa.mem_cache.transports.uva import UvaTransport
 
 # A prefill job moves by DMA when it takes at most this many copies.
@@ -27,11 +28,11 @@ def host_runs(entries) -> list[tuple[int, int, int]]:
     in `entries` (in their order)."""
     runs: list[tuple[int, int, int]] = []
     for i, e in enumerate(entries):
-        if runs and runs[-1][1] + runs[-1][2] == e.host:
+        if runs and runs[-1][1] + runs[-1][2] == e[HOST]:
             i0, h0, n = runs[-1]
             runs[-1] = (i0, h0, n + 1)
         else:
-            runs.append((i, e.host, 1))
+            runs.append((i, e[HOST], 1))
     return runs
 
 

@@ -15,7 +15,7 @@ import torch
 
 from sgl_kernel_ext.writeback import gather_pages_head_major
 from sglang_psa.mem_cache.copy_engine import FLAG_SLOTS, CopyEngine, EngineDied, SaveJob
-from sglang_psa.mem_cache.transports.base import Transport
+from sglang_psa.mem_cache.transports.base import HOST, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EngineTransport(Transport):
         dk, dv = self._staging_views(n_rows)
         order = self._order[: len(entries)]  # the staging's block order
         sk, sv = self.engine.staged(r0, n_rows)
-        job = SaveJob(layer, r0, [(e.host, 0, self.block_size) for e in entries])
+        job = SaveJob(layer, r0, [(e[HOST], 0, self.block_size) for e in entries])
         job_id = self.engine.peek_next_id()
         if self.cuda:
             job.gpu_flag = True
