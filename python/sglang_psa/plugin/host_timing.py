@@ -25,6 +25,7 @@ def around_get_next_batch_to_run(original, scheduler, *args, **kwargs):
     if PROFILE is not None:  # the iteration that ends here: its samples, its batch's
         PROFILE.end_iteration(TIMING.launched_key)
         PROFILE.start(threading.get_ident())  # the scheduler thread (once)
+    TIMING.watch_gc()  # (once: the scheduler process's collections)
     TIMING.begin_iteration(t0)
     _phase("schedule")
     plan = original(scheduler, *args, **kwargs)

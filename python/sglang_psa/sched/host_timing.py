@@ -26,6 +26,7 @@ does first when it processes a decode batch's results.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 
@@ -55,6 +56,7 @@ class HostTiming:
         self._started: float | None = None
         self._launched = "idle/0"
         self.plugin_sums: dict[str, dict[str, float]] = {}  # entry point -> calls, seconds
+        self._gc_watched = False
 
     def add(self, key: str, phase: str, seconds: float) -> None:
         entry = self.sums.setdefault(key, {"n": 0} | {f"{p}_s": 0.0 for p in PHASES})
@@ -86,6 +88,25 @@ class HostTiming:
 
     def plugin_snapshot(self) -> dict[str, dict[str, float]]:
         return {k: dict(v) for k, v in sorted(self.plugin_sums.items())}
+
+    def watch_gc(self) -> None:
+        """From now on (once per process), each of Python's garbage collections in this
+        process counts its pause under `gc.gen<generation>` in `plugin_sums`: not the
+        plugin's work, but it stops the scheduler loop of every server alike (plain SGLang
+        too), and a plugin entry point running when it starts counts it as well (a full
+        collection scans every object the process tracks: hundreds of ms with SGLang's)."""
+        if self._gc_watched:
+            return
+        self._gc_watched = True
+        started = [0.0]
+
+        def collector(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = self.clock()
+            else:
+                self.add_plugin(f"gc.gen{info['generation']}", self.clock() - started[0])
+
+        gc.callbacks.append(collector)
 
 
 TIMING = HostTiming()

@@ -165,3 +165,25 @@ def test_a_hooks_own_time_leaves_out_sglangs_and_a_timed_function_counts_whole(m
     assert got["plan_decode"] == {"n": 1, "s": pytest.approx(4e-3)}
     assert host_timing.own_time("admit", on=False)(hook) is hook
     assert host_timing.timed("plan_decode", on=False)(plan) is plan
+
+
+def test_the_loops_timing_counts_pythons_collections_by_generation(timing):
+    """Python's garbage collections pause the scheduler loop (a full one scans every
+    object the process tracks): once the loop is timed, each counts under
+    `gc.gen<generation>` in `psa_plugin_timing`, once however often the loop asks."""
+    import gc
+
+    t, clock = timing
+    b = batch("decode", 4)
+    step(clock, b, None, None)
+    step(clock, b, b, SimpleNamespace(copy_done=Event(clock, 0)))  # asks to watch again
+    try:
+        before = t.plugin_snapshot().get("gc.gen2", {"n": 0})["n"]
+        gc.collect()
+        gc.collect(0)
+        snap = t.plugin_snapshot()
+        assert snap["gc.gen2"]["n"] == before + 1  # one callback: counted once
+        assert snap["gc.gen0"]["n"] >= 1 and snap["gc.gen2"]["s"] >= 0
+    finally:
+        gc.callbacks[:] = [c for c in gc.callbacks if getattr(c, "__qualname__", "").split(
+            ".")[0] != "HostTiming"]  # fmt: skip
