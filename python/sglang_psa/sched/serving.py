@@ -470,10 +470,13 @@ class PSAServing:
         `--psa-writeback-start` of SGLang's KV pool is free in `allocator` (TP ranks'
         allocators move in step, so all ranks start in the same round), or at once for
         `why` (a prompt larger than HBM). Until then blocks live in HBM alone; from then
-        on each request's next plan takes every full block it has."""
+        on the blocks the running requests filled before are saved over several rounds
+        (`WriteBack.start`'s catch-up; at once for a prompt larger than HBM, whose chunks
+        need their room now)."""
         wb = self.writeback
         if wb.saving:
             return
+        oversize = why is not None
         if why is None:
             if allocator is None or not self.hbm_tokens:
                 return
@@ -481,7 +484,8 @@ class PSAServing:
             if free >= self.cfg.writeback_start * self.hbm_tokens:
                 return
             why = f"{free / self.hbm_tokens:.0%} of the KV pool in HBM is free"
-        wb.saving = True
+        # A prompt larger than HBM needs its own blocks saved chunk by chunk: no spread.
+        wb.start(catch_up=not oversize)
         logger.info("sglang-psa: %s: full blocks are written back to the host tier from now "
                     "on (%s)", why, flag_name("writeback_start"))  # fmt: skip
 

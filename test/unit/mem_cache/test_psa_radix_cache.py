@@ -504,8 +504,9 @@ def test_before_the_write_back_starts_the_tree_works_as_sglangs_and_then_saves()
     """The write-back not started (`WriteBack.saving` off): requests share a prefix the
     tree holds in HBM, finish, decode and leave HBM with every invariant held after every
     call, and nothing reaches the host tier (a prefix the tree evicted is computed again,
-    as plain SGLang does). Started mid-flight, the running request's next plan takes
-    every full block it has, and a later request reads them from the host tier."""
+    as plain SGLang does). Started mid-flight, the running request's plans take the
+    blocks it filled before, one a plan (the catch-up's share, made small), and a later
+    request reads them from the host tier."""
     with _store() as s:
         s.wb.saving = False
         a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
@@ -524,11 +525,13 @@ def test_before_the_write_back_starts_the_tree_works_as_sglangs_and_then_saves()
         assert s.match(c) == 0  # evicted unsaved: computed again
         assert s.admit(c)
         s.prefill(c)
-        s.wb.saving = True
-        s.decode(c, [4, 4, 4])  # its next plan: every full block, from its first
+        s.wb.catch_up_blocks = 1
+        s.wb.start(catch_up=True)  # as the pool running short starts it
+        s.decode(c, [4] * 6)  # a block a plan, from its first, until none is left behind
+        assert not s.wb.catching_up
         s.ack()
         full = (len(c.origin_input_ids) + len(c.output_ids) - 1) // BS  # (the newest's block
-        assert s.tiered.records["c"].saved == full == 4  # is written by the next step)
+        assert s.tiered.records["c"].saved == full == 5  # is written by the next step)
         s.finish(c)
         s.evict(10**6)
         d = s.arrive("d", STEM + [9, 9, 9, 9, 9, 9, 9])
@@ -1244,27 +1247,34 @@ def test_residency_keeps_a_shared_page_a_waiting_match_names():
 
 
 @pytest.mark.parametrize(
-    "seed, residency, min_host",
-    [(seed, residency, 0) for seed in range(4) for residency in (False, True)]
-    + [(seed, True, 3 * BS) for seed in (4, 6, 9, 11)],
+    "seed, residency, min_host, late",
+    [(seed, residency, 0, None) for seed in range(4) for residency in (False, True)]
+    + [(seed, True, 3 * BS, None) for seed in (4, 6, 9, 11)]
+    + [(seed, True, 0, 5) for seed in (12, 13, 14, 15)],
 )
-def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency, min_host):
+def test_random_requests_sharing_prefixes_keep_the_invariants(seed, residency, min_host, late):
     """Requests over three stems, admitted before earlier ones prefilled (duplicates to
     switch), HBM and the host tier both short (tree nodes evicted, kept blocks taken back
     and the tree cut), acknowledgements late or early, running requests retracted and
     matched again, long prompts prefilled in chunks ending anywhere (inserted chunk by
     chunk); with `residency`, saved blocks of running and chunked requests leave HBM too
     (shared ones for every holder, each page freed once); with `min_host`, host runs
-    shorter than it are computed again and the tree takes their pages at the insert."""
+    shorter than it are computed again and the tree takes their pages at the insert; with
+    `late`, the write-back starts at that step (`--psa-writeback-start`) and catches up a
+    block a plan."""
     rng, more = random.Random(seed), random.Random(-seed)
     stems = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(3)]
     with _store(pages=24, host_blocks=16, min_host=min_host) as s:
+        if late is not None:
+            s.wb.saving, s.wb.catch_up_blocks = False, 1
         waiting: list = []
         admitted: list = []
         running: list = []
         chunking: list = []  # prefilled up to a chunk's end, more to come
         evicted = chunks = 0
         for step in range(150):
+            if step == late:
+                s.wb.start(catch_up=True)
             op = rng.choice(
                 ["arrive", "admit", "prefill", "decode", "finish", "retract", "evict", "host"]
                 + ["ack", "chunk"]

@@ -390,8 +390,8 @@ def test_strided_copy_moves_every_row_and_nothing_else(device, api):
 
 def test_until_saving_starts_nothing_is_planned_then_every_full_block_is(device):
     """`--psa-writeback-start`: while `saving` is off, extends and decode steps plan no
-    save (each request's row is still followed) and issue none; once on, a request's
-    next plan takes every full block it has from its first, and they land."""
+    save (each request's row is still followed) and issue none; started at once, a
+    request's next plan takes every full block it has from its first, and they land."""
     wb = make(device, decode_flush_blocks=2, path="uva")
     wb.saving = False
     pool = FakePool(device)
@@ -408,7 +408,7 @@ def test_until_saving_starts_nothing_is_planned_then_every_full_block_is(device)
         assert rep["blocks_planned"] == rep["save_jobs"] == rep["saving"] == 0
         assert wb.records["a"].row == 0 and wb.records["b"].row == 2
         assert wb.records["a"].planned == wb.records["b"].planned == 0
-        wb.saving = True
+        wb.start()  # at once (a prompt larger than HBM starts it so)
         for r in (a, b):
             pool.write(r.req_pool_idx, 1)
         wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
@@ -444,5 +444,47 @@ def test_blocks_waiting_for_their_save_are_nothing_for_pythons_collector():
         assert not any(map(gc.is_tracked, wb._decode))
         rec = wb.records["a"]
         assert all(h is rec for h in wb.blocks._holders.values())  # no list of one
+    finally:
+        wb.close()
+
+
+def test_a_late_start_saves_the_blocks_filled_before_over_several_rounds(device):
+    """Started by the pool running short (`start(catch_up=True)`), the blocks the running
+    requests filled before are planned at most `catch_up_blocks` a planning call (one save
+    of them all would hold up the next forward for its whole copy), the requests' new
+    blocks among them, until a call leaves none behind; then planning is as usual, and
+    every block lands in its host block."""
+    wb = make(device, decode_flush_blocks=2, path="uva")
+    wb.saving = False
+    wb.catch_up_blocks = 3
+    pool = FakePool(device)
+    a, b = FakeReq("a", 0), FakeReq("b", 2)
+    try:
+        assert wb.reserve("a", CTX) and wb.reserve("b", CTX)
+        extend(wb, pool, [(a, 5 * BS + 7), (b, 4 * BS)])
+        wb.start(catch_up=True)
+        per_call, rounds = [], 0
+        while wb.catching_up:
+            for r in (a, b):
+                pool.write(r.req_pool_idx, 1)
+            before = wb.stats.blocks_planned
+            wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+            per_call.append(wb.stats.blocks_planned - before)
+            wb.issue_decode(pool.k, pool.v, pool.req_to_token)
+            rounds += 1
+            assert rounds < 10
+        assert per_call == [3, 3, 3]  # the 5 + 4 blocks filled before, 3 a call
+        full = lambda row: (pool.lens[row] - 1) // BS  # noqa: E731
+        assert wb.records["a"].planned == full(0) and wb.records["b"].planned == full(2)
+        for _ in range(BS):  # as usual now: each block as it completes
+            for r in (a, b):
+                pool.write(r.req_pool_idx, 1)
+            wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+            wb.issue_decode(pool.k, pool.v, pool.req_to_token)
+        assert not wb.catching_up
+        wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, full(0))
+        check_saved(wb, pool, "b", 2, full(2))
     finally:
         wb.close()

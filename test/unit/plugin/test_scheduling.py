@@ -984,14 +984,16 @@ def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
 def test_the_write_back_starts_once_the_pool_runs_short_and_stays_on(caplog):
     """`--psa-writeback-start 0.25`: a decode or extend round with a quarter or more of
     SGLang's KV pool free plans no save; the first round below starts the write-back,
-    says so in the log naming the flag, and it stays on when the pool frees up again. A
-    prompt larger than HBM starts it at once; the default starts it with the server."""
+    says so in the log naming the flag, spreads the blocks filled before over rounds, and
+    stays on when the pool frees up again. A prompt larger than HBM starts it at once,
+    unspread; the default starts it with the server."""
     planned = []
     wb = SimpleNamespace(
         saving=None,
         plan_decode=lambda reqs, lens: planned.append(("decode", wb.saving)),
         plan_extend=lambda reqs, lens: planned.append(("extend", wb.saving)),
         reserve=lambda rid, n: True, drain=lambda: False,
+        start=lambda catch_up: vars(wb).update(saving=True, catching_up=catch_up),
     )  # fmt: skip
     res = SimpleNamespace(read_prefix_from_host=_noop, make_room=_noop)
     cfg = PSAConfig(kv_home="tiered", writeback_start=0.25)
@@ -1008,6 +1010,7 @@ def test_the_write_back_starts_once_the_pool_runs_short_and_stays_on(caplog):
         alloc.free = 249
         s.plan_decode([], [], alloc)
     assert planned[-1] == ("decode", True)
+    assert wb.catching_up  # the blocks filled before: over several rounds
     assert "--psa-writeback-start" in caplog.text and "25% of the KV pool" in caplog.text
     alloc.free = 1000
     s.plan_extend([], [], None, alloc)
@@ -1018,7 +1021,7 @@ def test_the_write_back_starts_once_the_pool_runs_short_and_stays_on(caplog):
                     residency=res)  # fmt: skip
     assert wb.saving is False
     s2.room_for_chunk(None, [], SimpleNamespace(available_size=lambda: 4096), 100)
-    assert wb.saving is True
+    assert wb.saving is True and not wb.catching_up  # its chunks need their room now
     wb.saving = None
     PSAServing(PSAConfig(kv_home="tiered"), layers=2, kv_heads=2, hbm_units=100,
                hbm_tokens=1000, writeback=wb, residency=res)  # fmt: skip
