@@ -328,13 +328,15 @@ class WriteBack:
         is."""
         if layer == self.layers - 1:
             acked: dict[int, RequestKV] = {}
+            saved: list[int] = []
             for rid, row, b, host in entries:
                 rec = self.records.get(rid) or self.ending.get(rid)
                 # An ack of a request that ended or moved, or of a block it switched to
                 # another's id, names an id that may be someone else's by now: ignored.
-                if rec is not None and rec.row == row and rec.host[b : b + 1] == [host]:
-                    self.blocks.saved[host] = True
+                if rec is not None and rec.row == row and b < len(rec.host) and rec.host[b] == host:
+                    saved.append(host)
                     acked[id(rec)] = rec
+            self.blocks.saved[saved] = True
             for rec in acked.values():
                 self.blocks.advance(rec)  # saved state is the id's: a leading run
                 if self.index is not None:
