@@ -28,13 +28,14 @@ from the start (`eager`, the default 1) and not yet started (`lazy`):
 Each call's CPU milliseconds and top-level tensor operations (torch's profiler; on a GPU
 each is a launch or a copy of several microseconds), and what the run means to Python's
 garbage collector: the tracked objects it left alive, and the objects promoted into the
-collector's oldest generation (counted at each middle-generation collection). Python starts
+collector's oldest generation (counted at each middle-generation collection, in a second
+run: reading that generation's size scans it, so the timed run does not). Python starts
 a full collection once the objects promoted since the last exceed a quarter of those that
 survived it, and a full collection scans every tracked object: the modules of SGLang's
 scheduler process are imported first (`server_heap`: ~0.6M tracked objects, as that
 process holds before its model), and one full collection of that heap is timed
 (`gc_full_collection_ms_at_start`). `--baseline-rev` measures `eager` with the plugin at
-another commit too (same CPU, same run). ~20 s (~40 with a baseline).
+another commit too (same CPU, same run). ~40 s (~80 with a baseline).
 
 Summary (`a32x28k`: the shape; MODE `eager`, `lazy`, `eager_baseline`):
 `{match,extend,decode_round}_{ms,ops}_MODE_a32x28k` (means per call),
@@ -56,9 +57,26 @@ REQUESTS, PROMPT, BS, STEM = 32, 28_000, 32, 512
 PHASES = ("match", "extend", "decode_round")
 
 
-def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: int = PROMPT):
+def run(eager: bool, rounds: int = 128) -> dict:
+    """`measure` timed, then again counting promotions (reading the oldest generation's
+    size at each middle-generation collection scans it: a cost of the counting, kept out
+    of the times)."""
+    timed = measure(eager, rounds)
+    counted = measure(eager, rounds, count_promotions=True)
+    return timed | {"promoted_to_oldest": counted["promoted_to_oldest"]}
+
+
+def measure(
+    eager: bool,
+    rounds: int = 128,
+    requests: int = REQUESTS,
+    prompt: int = PROMPT,
+    count_promotions: bool = False,
+):
     """Per-call means of CPU ms and top-level tensor operations of the three phases (see
-    the module doc), the write-back on from the start (`eager`) or not started."""
+    the module doc), the write-back on from the start (`eager`) or not started; with
+    `count_promotions`, the objects promoted into the collector's oldest generation
+    (`promoted_to_oldest`; the times then include the counting's own cost)."""
     import numpy as np
     from benchmark.scheduler.evict_ops import _shape, _top_ops
     from torch.profiler import ProfilerActivity, profile
@@ -95,7 +113,8 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
             oldest[1] += max(0, n - oldest[0])
             oldest[0] = n
 
-    gc.callbacks.append(collector)
+    if count_promotions:
+        gc.callbacks.append(collector)
 
     # a's pool: the requests' KV and as much again free (44% was free on the H100)
     pages = 2 * requests * (ctx // BS)
@@ -138,7 +157,8 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
                     s._set_len(r, r.kv_len + 1)
                     lens[n] = r.kv_len
                 timed("decode_round", round_, j)
-            gc.callbacks.remove(collector)
+            if collector in gc.callbacks:
+                gc.callbacks.remove(collector)
             gc.collect()
             out = {
                 "pool_free_fraction": free,
@@ -146,7 +166,7 @@ def measure(eager: bool, rounds: int = 128, requests: int = REQUESTS, prompt: in
                 "tracked_objects_at_start": tracked,
                 "gc_full_collection_ms_at_start": full_ms,
                 "tracked_objects_added": len(gc.get_objects()) - tracked,
-                "promoted_to_oldest": oldest[1],
+                "promoted_to_oldest": oldest[1] if count_promotions else None,
             }
             for p, (ms, ops) in cost.items():
                 out[f"{p}_ms"] = float(np.mean(ms))
@@ -175,13 +195,13 @@ def main(argv=None) -> None:
     setup()
     server_heap()
     warm()
-    got = {mode: measure(mode == "eager", args.rounds) for mode in ("eager", "lazy")}
+    got = {mode: run(mode == "eager", args.rounds) for mode in ("eager", "lazy")}
     if args.baseline_rev:
         from benchmark.scheduler.revision import at_revision
 
         base = at_revision(
             args.baseline_rev,
-            f"m.measure(True, {args.rounds})",
+            f"m.run(True, {args.rounds})",
             "from benchmark.scheduler.evict_ops import setup; setup(); "
             "from benchmark.scheduler import writeback_round as m; m.server_heap(); m.warm()",
         )
