@@ -16,7 +16,7 @@ tensors, the save kernel stubbed: on a GPU one launch, counted as an operation; 
 SGLang installed), what each of the write-back's host calls costs with the write-back on
 from the start (`eager`, the default 1) and not yet started (`lazy`):
 
-- the intake: `--requests` prompts of `--prompt` tokens (a 512-token stem shared, as the
+- the intake: 32 prompts of 28,000 tokens (a 512-token stem shared, as the
   serving tasks share their instructions, the rest distinct) arrive at once; each extend
   round matches the request it admits and the next in the queue (SGLang's adder stops at
   the first that does not fit), then that request's extend (`plan_extend`, `issue_extend`,
