@@ -474,9 +474,11 @@ class PSAServing:
         (`WriteBack.start`'s catch-up; at once for a prompt larger than HBM, whose chunks
         need their room now)."""
         wb = self.writeback
-        if wb.saving:
-            return
         oversize = why is not None
+        if wb.saving:
+            if oversize and wb.catching_up:  # its chunks' room comes from its own blocks
+                wb.start()  # saved in full: the rest of the catch-up at once too
+            return
         if why is None:
             if allocator is None or not self.hbm_tokens:
                 return

@@ -710,7 +710,7 @@ def test_a_prompt_larger_than_hbm_is_admitted_in_chunks_that_fit_the_free_pages(
             synced.append(req.rid)
 
     wb = SimpleNamespace(reserve=lambda rid, n: True, drain=lambda: False, poll=lambda: None,
-                         saving=True)  # fmt: skip
+                         saving=True, catching_up=False)  # fmt: skip
     serving.cfg = serving.cfg.replace(kv_home="tiered")
     serving.controller.capacity_units = 10**9
     serving.writeback, serving.hbm_tokens = wb, 4096
@@ -993,7 +993,7 @@ def test_the_write_back_starts_once_the_pool_runs_short_and_stays_on(caplog):
         plan_decode=lambda reqs, lens: planned.append(("decode", wb.saving)),
         plan_extend=lambda reqs, lens: planned.append(("extend", wb.saving)),
         reserve=lambda rid, n: True, drain=lambda: False,
-        start=lambda catch_up: vars(wb).update(saving=True, catching_up=catch_up),
+        start=lambda catch_up=False: vars(wb).update(saving=True, catching_up=catch_up),
     )  # fmt: skip
     res = SimpleNamespace(read_prefix_from_host=_noop, make_room=_noop)
     cfg = PSAConfig(kv_home="tiered", writeback_start=0.25)
@@ -1014,7 +1014,12 @@ def test_the_write_back_starts_once_the_pool_runs_short_and_stays_on(caplog):
     assert "--psa-writeback-start" in caplog.text and "25% of the KV pool" in caplog.text
     alloc.free = 1000
     s.plan_extend([], [], None, alloc)
-    assert planned[-1] == ("extend", True)
+    assert planned[-1] == ("extend", True) and wb.catching_up
+    # A prompt larger than HBM during the catch-up: its chunks' room is its own earlier
+    # blocks, which a spread catch-up could leave unplanned (no room, no next chunk, no
+    # plan): the rest is planned at once.
+    s.room_for_chunk(None, [], SimpleNamespace(available_size=lambda: 4096), 100)
+    assert wb.saving is True and not wb.catching_up
     # A prompt larger than HBM is prefilled in chunks whose saved blocks leave HBM.
     wb.saving = None
     s2 = PSAServing(cfg, layers=2, kv_heads=2, hbm_units=100, hbm_tokens=1000, writeback=wb,
