@@ -64,6 +64,7 @@ class RequestKV:
     host_read: set[int] = field(default_factory=set)
     evicted: np.ndarray | None = None  # bool by block: its HBM page went back (None: never)
     parked: bool = False  # retracted, its saved blocks kept in the host tier
+    seen: int = 0  # its full blocks at its last plan (the write-back's catch-up)
 
     @property
     def on_host(self) -> bool:

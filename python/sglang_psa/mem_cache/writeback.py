@@ -151,10 +151,11 @@ class WriteBack:
         # Whether blocks are planned for a save (`PSAServing` starts it at
         # `--psa-writeback-start`; on from the start by default). While off, planning
         # only follows each request's row; once on, a request's next plan takes every full
-        # block it has, or, after `start(catch_up=True)`, the blocks every running request
-        # filled before are planned at most `catch_up_blocks` a planning call until the
-        # batches planned have none left (each save holds up the forward after it until
-        # its reads of HBM are done: one save of a whole pool's blocks would be a pause).
+        # block it has, or, after `start(catch_up=True)`, each request's plan takes the
+        # blocks it completed since its last plan and, of those from before, what is left
+        # of `catch_up_blocks` for the planning call, until a decode call (every running
+        # request) has none left (each save holds up the forward after it until its reads
+        # of HBM are done: one save of a whole pool's blocks would be a pause).
         self.saving = True
         self.catching_up = False
         self.catch_up_blocks = max(
@@ -224,8 +225,8 @@ class WriteBack:
         return [self.catch_up_blocks, 0] if self.catching_up else None
 
     def _caught_up(self, budget: list[int] | None) -> None:
-        """After a planning call: none of its requests was cut short, so none has blocks
-        filled before the start left to plan."""
+        """After a decode planning call (every running request): none was cut short, so
+        none has blocks from before the start left to plan."""
         if budget is not None and not budget[1]:
             self.catching_up = False
 
@@ -237,14 +238,15 @@ class WriteBack:
         if rec is None:
             rec = self.records[rid] = RequestKV(rid)
         rec.row = row
+        fresh, rec.seen = max(0, full_blocks - rec.seen), full_blocks
         if not self.saving:
             return
         start = rec.planned
         n = full_blocks - start
-        if budget is not None and n > 0:  # catching up: at most what the call has left
-            if n > budget[0]:
-                n, budget[1] = budget[0], 1
-            budget[0] -= n
+        if budget is not None and n > fresh:  # catching up: its new blocks, and of the
+            if n - fresh > budget[0]:  # older ones what the call has left
+                n, budget[1] = fresh + budget[0], 1
+            budget[0] -= n - fresh
         if n <= 0:
             return
         out.extend((rid, row, b, h) for b, h in enumerate(self.blocks.take(rec, n), start))
@@ -258,7 +260,6 @@ class WriteBack:
         self._extend = []
         for req, n in zip(reqs, seq_lens):
             self._plan(req.rid, int(req_row(req)), int(n) // bs, self._extend, budget)
-        self._caught_up(budget)
 
     def plan_decode(self, reqs, seq_lens) -> None:
         """A decode batch is about to run with lengths `seq_lens` (its new tokens

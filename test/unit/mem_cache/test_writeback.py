@@ -449,42 +449,47 @@ def test_blocks_waiting_for_their_save_are_nothing_for_pythons_collector():
 
 
 def test_a_late_start_saves_the_blocks_filled_before_over_several_rounds(device):
-    """Started by the pool running short (`start(catch_up=True)`), the blocks the running
-    requests filled before are planned at most `catch_up_blocks` a planning call (one save
-    of them all would hold up the next forward for its whole copy), the requests' new
-    blocks among them, until a call leaves none behind; then planning is as usual, and
-    every block lands in its host block."""
+    """Started by the pool running short (`start(catch_up=True)`), each plan takes the
+    blocks its request completed since its last plan (a prompt extended now is saved as
+    at any time) and, of the blocks filled before, at most what is left of
+    `catch_up_blocks` for the call (one save of them all would hold up the next forward
+    for its whole copy), until a decode call (every running request) leaves none behind;
+    then planning is as usual, and every block lands in its host block."""
     wb = make(device, decode_flush_blocks=2, path="uva")
     wb.saving = False
     wb.catch_up_blocks = 3
     pool = FakePool(device)
-    a, b = FakeReq("a", 0), FakeReq("b", 2)
+    a, b, c = FakeReq("a", 0), FakeReq("b", 2), FakeReq("c", 3)
     try:
-        assert wb.reserve("a", CTX) and wb.reserve("b", CTX)
+        assert wb.reserve("a", 10 * BS) and wb.reserve("b", 10 * BS) and wb.reserve("c", 8 * BS)
         extend(wb, pool, [(a, 5 * BS + 7), (b, 4 * BS)])
         wb.start(catch_up=True)
+        extend(wb, pool, [(c, 4 * BS + 3)])  # a new prompt: its 4 blocks, not 3
+        assert wb.records["c"].planned == 4 and wb.catching_up
+        reqs = (a, b, c)
+        lens = lambda: [pool.lens[r.req_pool_idx] for r in reqs]  # noqa: E731
         per_call, rounds = [], 0
         while wb.catching_up:
-            for r in (a, b):
+            for r in reqs:
                 pool.write(r.req_pool_idx, 1)
             before = wb.stats.blocks_planned
-            wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+            wb.plan_decode(reqs, lens())
             per_call.append(wb.stats.blocks_planned - before)
             wb.issue_decode(pool.k, pool.v, pool.req_to_token)
             rounds += 1
             assert rounds < 10
         assert per_call == [3, 3, 3]  # the 5 + 4 blocks filled before, 3 a call
         full = lambda row: (pool.lens[row] - 1) // BS  # noqa: E731
-        assert wb.records["a"].planned == full(0) and wb.records["b"].planned == full(2)
+        assert [wb.records[r.rid].planned for r in reqs] == [full(0), full(2), full(3)]
         for _ in range(BS):  # as usual now: each block as it completes
-            for r in (a, b):
+            for r in reqs:
                 pool.write(r.req_pool_idx, 1)
-            wb.plan_decode([a, b], [pool.lens[0], pool.lens[2]])
+            wb.plan_decode(reqs, lens())
             wb.issue_decode(pool.k, pool.v, pool.req_to_token)
         assert not wb.catching_up
         wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
         wait_saved(wb)
-        check_saved(wb, pool, "a", 0, full(0))
-        check_saved(wb, pool, "b", 2, full(2))
+        for r in reqs:
+            check_saved(wb, pool, r.rid, r.req_pool_idx, full(r.req_pool_idx))
     finally:
         wb.close()
