@@ -46,7 +46,6 @@ Summary (`a32x28k`: the shape; MODE `eager`, `lazy`, `eager_baseline`):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -184,12 +183,11 @@ def measure(
 def main(argv=None) -> None:
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     from benchmark.scheduler.evict_ops import setup
+    from benchmark.scheduler.revision import round_args
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "writeback_round.json"))
-    ap.add_argument("--rounds", type=int, default=128)
-    ap.add_argument("--baseline-rev", help="also measure eager at this commit's plugin")
-    args = ap.parse_args(argv)
+    args = round_args(
+        __doc__, "writeback_round", 128, "also measure eager at this commit's plugin", argv
+    )
     from sglang_psa.eval.results import write_result
 
     setup()
