@@ -19,6 +19,7 @@ SDPA) and the device-to-device copy bandwidth (HBM peak).
     python benchmark/kernels/bench_wave.py --serving-a --defaults-only --ctx=16000 \
         --shape=qwen05b_tp2   # workload a16's, one rank's heads at --tp 2
     python benchmark/kernels/bench_wave.py --readers --ctx=16000  # what else reads the pages
+    python benchmark/kernels/bench_wave.py --tiered-a     # the two KV homes' launches at a
 """
 
 from __future__ import annotations
@@ -449,6 +450,7 @@ def server_case(
     eager_runs: int = 0,
     meta_in_chain: bool = False,
     host_launch: bool = False,
+    tiered: bool = False,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -470,7 +472,10 @@ def server_case(
     Graph-replayed `layers` deep, time per layer. `bookkeeping=False`: no last-use stamps
     or read counters (what they cost). `eager_runs > 0`: only that many runs, eager, no
     timing (for a profiler: `--ncu-kept`). `host_launch`: also the host's time to launch
-    the graph (`timing.replay_host_us`), into an idle GPU and behind a busy one."""
+    the graph (`timing.replay_host_us`), into an idle GPU and behind a busy one.
+    `tiered`: as the tiered home runs it, with a host tier (pinned, head-major) and the
+    unit cache's tables given to the kernel, every block still in HBM (workload a's
+    case: nothing evicted)."""
     nb = plan_ctx // BS
     half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
     mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
@@ -509,12 +514,24 @@ def server_case(
     new_locs = pages.gather(1, (last // BS)[:, None])[:, 0].long() * BS + last % BS
     new_keys = (kbuf, new_locs, mean, qlo, qhi, mscale)
     new_meta = lambda: page_meta_from_locs(*new_keys[:2], BS, *new_keys[2:])  # noqa: E731
+    host = {}
+    if tiered:  # a host tier of 64 blocks (none read) and an empty unit cache
+        units = 64
+        k_host = torch.zeros(HKV, units, BS, D, dtype=torch.bfloat16).pin_memory()
+        shift = torch.zeros(1, dtype=torch.int64, device="cuda")
+        host = dict(
+            k_host=k_host, v_host=torch.zeros_like(k_host).pin_memory(),
+            host_strides=(BS * D, D, units * BS * D),
+            unit_slot=torch.full((HKV, units + 1), -1, dtype=torch.int32, device="cuda"),
+            cache_pages=torch.zeros(1, dtype=torch.int32, device="cuda"),
+            cache_shift=(shift, shift),
+        )  # fmt: skip
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
         slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages,
         stamps=stamps if bookkeeping else None, step=step, stats=stats if bookkeeping else None,
         meta_scale=mscale, kept=kept, new_keys=None if meta_in_chain else new_keys,
-        before_rank=new_meta if meta_in_chain else None,
+        before_rank=new_meta if meta_in_chain else None, **host,
     )  # fmt: skip
     if kept_sel:
         run()
@@ -1044,6 +1061,38 @@ def launch_sweep(case: dict, plan_ctx: int) -> dict:
     }
 
 
+def tiered_a(ctx: int = 28000) -> dict:
+    """The two KV homes' decode attention at workload a's shape (`server_case`, Qwen 0.5B
+    heads, 32 x `ctx` tokens in a plan of 32768, nothing evicted), per layer: `hbm`, the
+    HBM home; `tiered`, the tiered home's launch (a host tier and the unit cache given);
+    `tiered_gather`, the tiered home's launch before its waves read HBM blocks through
+    tensor descriptors (every block by the per-row gather, two warps). Modes: psa over
+    heads that spread as a real model's (`psa_mixed`, ranking every row), a step between
+    rankings (`_kept`) and one with half the rows ranking (`_halfkept`), top-k's."""
+    use_shape("qwen05b")
+    out: dict = {"ctx": ctx, "batch": 32, "plan_ctx": 32768}
+    cases = (("psa_mixed", 0.5), ("psa_mixed_kept", 0.5), ("psa_mixed_halfkept", 0.5),
+             ("topk_kept", 2048 / ctx))  # fmt: skip
+    for mode, frac in cases:
+        row = {}
+        for name, tiered, launch in (("hbm", False, {}), ("tiered", True, {}),
+                                     ("tiered_gather", True, {"tma": False})):  # fmt: skip
+            LAUNCH.update(launch)
+            try:
+                r = server_case(mode, 32, ctx, 32768, frac, tiered=tiered, profile=True)
+                row[name] = {"time_us": r["time_us"], "kernels_us": r["kernels_us_per_layer"]}
+            finally:
+                LAUNCH.clear()
+                LAUNCH.update(DEFAULT_LAUNCH)
+            torch.cuda.empty_cache()
+        row["tiered_vs_hbm"] = row["tiered"]["time_us"] / row["hbm"]["time_us"]
+        row["tiered_gather_vs_hbm"] = row["tiered_gather"]["time_us"] / row["hbm"]["time_us"]
+        out[mode] = row
+        print(mode, {k: v for k, v in row.items() if k.endswith("_vs_hbm")}, file=sys.stderr,
+              flush=True)  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
 
     def option(name: str) -> str | None:
@@ -1072,6 +1121,8 @@ if __name__ == "__main__":
         print(json.dumps(graph_launch(int(option("ctx") or 16000)), indent=1))
     elif "--launch-probe" in sys.argv:
         print(json.dumps(launch_probe(int(option("ctx") or 16000)), indent=1))
+    elif "--tiered-a" in sys.argv:
+        print(json.dumps(tiered_a(int(option("ctx") or 28000)), indent=1))
     elif "--serving-8b" in sys.argv:
         print(json.dumps(serving_8b(), indent=1))
     elif "--serving-a" in sys.argv:

@@ -162,6 +162,72 @@ def _block_at(
 
 
 @triton.jit
+def _block_ptrs(
+    where,
+    tok,
+    valid,
+    h,
+    dd,
+    k_slots,
+    v_slots,
+    k_host,
+    v_host,
+    uslot_ptr,
+    cpages_ptr,
+    kshift_ptr,
+    vshift_ptr,
+    uslot_stride,
+    cache_layers,
+    slot_stride,
+    tok_stride,
+    head_stride,
+    host_slot_stride,
+    host_tok_stride,
+    host_head_stride,
+    HAS_HOST: tl.constexpr,
+    CACHED: tl.constexpr,
+):
+    """K and V addresses `[T, D]` of KV head `h` at the rows `tok` of the blocks at
+    `where` (`[T]`, one entry a row), and which rows lie in HBM. A block is read from its
+    HBM slot or, through UVA, from the host pool (`where < 0`: host unit `-where - 1`):
+    one pointer chosen per row. HBM slots may be strided (SGLang's token-major pages: a
+    slot is a page, the head an offset within each token); host units are `[bs, d]` runs
+    unless `host_*_stride` say otherwise. CACHED: a host unit that the unit cache holds is
+    read from its cached page in its position's layer buffer instead."""
+    if CACHED:  # a cached host unit: its page (0 while the slot is torn down), in its
+        # position's layer buffer
+        on_host = valid & (where < 0)
+        upos = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
+        u0 = tl.maximum(upos, 0)
+        cpage = tl.load(cpages_ptr + u0 // cache_layers, mask=upos >= 0, other=0)
+        cpage = cpage.to(tl.int64)
+        # Multiples of LAYER_ALIGN (`unit_cache.layer_offsets` checks): told to the
+        # compiler, the K/V loads stay vectorized; untold, ptxas kept 32 registers and
+        # spilled 4 KB a thread (bf16, head dim 64) and b's step took 28 ms instead of 5.8
+        # on the H200.
+        ksh = tl.load(kshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
+        vsh = tl.load(vshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
+        ksh = tl.multiple_of(ksh, LAYER_ALIGN)
+        vsh = tl.multiple_of(vsh, LAYER_ALIGN)
+        where = tl.where(cpage > 0, cpage, where)
+    in_hbm = where >= 0
+    unit = tl.where(in_hbm, where, -where - 1)
+    offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[None, :]
+    if HAS_HOST:
+        offs_h = (unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride)[
+            :, None
+        ] + dd[None, :]
+        k_at, v_at = k_slots, v_slots
+        if CACHED:  # a cached unit's row: its position's layer buffer
+            k_at, v_at = k_slots + ksh[:, None], v_slots + vsh[:, None]
+        kp = tl.where(in_hbm[:, None], k_at + offs, k_host + offs_h)
+        vp = tl.where(in_hbm[:, None], v_at + offs, v_host + offs_h)
+    else:
+        kp, vp = k_slots + offs, v_slots + offs
+    return kp, vp, in_hbm
+
+
+@triton.jit
 def _merge_tile(
     q,
     k,
@@ -490,9 +556,25 @@ def _wave_attention_kernel(
                             page = tl.load(pages_ptr + b * NB + blk)
                     tok = tl.arange(0, BS)
                     valid = (first + j < end) & (blk * BS + tok < length)
-                    at = [where * BS + h * desc_head_rows, h * desc_head_cols]
+                    # (a host block's copy reads the padding page 0, then is replaced)
+                    at = [tl.maximum(where, 0) * BS + h * desc_head_rows, h * desc_head_cols]
                     k = k_desc.load(at)
                     v = tl.where(valid[:, None], v_desc.load(at), 0.0)
+                    if HAS_HOST:  # on the host tier (or in the unit cache): gathered (masked
+                        # loads, no branch: a branch in the loop fails Triton's pipeliner)
+                        wv = (where + tl.zeros([BS], tl.int32)).to(tl.int64)
+                        hv = ((valid != 0) & (wv < 0)) != 0  # (a boolean in the interpreter)
+                        kp, vp, in_hbm = _block_ptrs(
+                            wv, tok, hv, h, dd,
+                            k_slots, v_slots, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr,
+                            vshift_ptr, uslot_stride, cache_layers, slot_stride, tok_stride,
+                            head_stride, host_slot_stride, host_tok_stride, host_head_stride,
+                            HAS_HOST, CACHED,
+                        )  # fmt: skip
+                        k = tl.where(wv[:, None] < 0, tl.load(kp, mask=hv[:, None], other=0.0), k)
+                        v = tl.where(wv[:, None] < 0, tl.load(vp, mask=hv[:, None], other=0.0), v)
+                        if STATS:
+                            n_host += tl.sum((hv & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
                     m_i, l_i, acc, smallest = _merge_tile(
                         q, k, v, valid, first + j, end, nf, scale, m_i, l_i, acc, smallest,
                         GP, 1, BS, D, PREC, TRACK, ONE_EXP,
@@ -522,46 +604,14 @@ def _wave_attention_kernel(
                     if STAMP:  # a block's page, at its first token's row: loaded before the
                         # merge, so the store after it does not wait on it
                         page = tl.load(pages_ptr + b * NB + blk, mask=valid & (tok == 0))
-                # Each block is read from its HBM slot or, through UVA, from the host pool:
-                # one load through a pointer chosen per row. HBM slots may be strided
-                # (SGLang's token-major pages: a slot is a page, the head an offset within
-                # each token); host units are [bs, d] runs unless `host_*_stride` say
-                # otherwise.
-                if CACHED:  # a cached host unit: its page (0 while the slot is torn down), in
-                    # its position's layer buffer
-                    on_host = valid & (where < 0)
-                    # (not `slot`: that name is the kept selection's row, read after the loop)
-                    upos = tl.load(uslot_ptr + h * uslot_stride - where - 1, mask=on_host, other=-1)
-                    u0 = tl.maximum(upos, 0)
-                    cpage = tl.load(cpages_ptr + u0 // cache_layers, mask=upos >= 0, other=0)
-                    cpage = cpage.to(tl.int64)
-                    # Multiples of LAYER_ALIGN (`unit_cache.layer_offsets` checks): told to
-                    # the compiler, the K/V loads stay vectorized; untold, ptxas kept 32
-                    # registers and spilled 4 KB a thread (bf16, head dim 64) and b's step
-                    # took 28 ms instead of 5.8 on the H200.
-                    ksh = tl.load(kshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
-                    vsh = tl.load(vshift_ptr + u0 % cache_layers, mask=cpage > 0, other=0)
-                    ksh = tl.multiple_of(ksh, LAYER_ALIGN)
-                    vsh = tl.multiple_of(vsh, LAYER_ALIGN)
-                    where = tl.where(cpage > 0, cpage, where)
-                in_hbm = where >= 0
+                kp, vp, in_hbm = _block_ptrs(
+                    where, tok, valid, h, dd, k_slots, v_slots, k_host, v_host, uslot_ptr,
+                    cpages_ptr, kshift_ptr, vshift_ptr, uslot_stride, cache_layers,
+                    slot_stride, tok_stride, head_stride, host_slot_stride, host_tok_stride,
+                    host_head_stride, HAS_HOST, CACHED,
+                )  # fmt: skip
                 if STATS:
                     n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
-                unit = tl.where(in_hbm, where, -where - 1)
-                offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[
-                    None, :
-                ]
-                if HAS_HOST:
-                    offs_h = (
-                        unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride
-                    )[:, None] + dd[None, :]
-                    k_at, v_at = k_slots, v_slots
-                    if CACHED:  # a cached unit's row: its position's layer buffer
-                        k_at, v_at = k_slots + ksh[:, None], v_slots + vsh[:, None]
-                    kp = tl.where(in_hbm[:, None], k_at + offs, k_host + offs_h)
-                    vp = tl.where(in_hbm[:, None], v_at + offs, v_host + offs_h)
-                else:
-                    kp, vp = k_slots + offs, v_slots + offs
                 k = tl.load(kp, mask=valid[:, None], other=0.0)
                 v = tl.load(vp, mask=valid[:, None], other=0.0)
                 m_i, l_i, acc, smallest = _merge_tile(
@@ -814,7 +864,7 @@ class WaveAttention:
         self.prefetch = None
         # Read HBM blocks through tensor descriptors (copied into shared memory by the TMA)
         # where the GPU has them (sm_90 on); None: for runs in waves only (one-wave runs
-        # gather faster). A host tier is always read by the per-row gather.
+        # gather faster). Blocks on a host tier are gathered in either (`_block_ptrs`).
         self.tma = None
         # The kept rows' launch (`run`'s second, one wave): tokens a tile, warps, pipeline
         # depth, ids loaded a tile ahead, most programs a (request, KV head), tensor
@@ -903,11 +953,10 @@ class WaveAttention:
         )
 
     @staticmethod
-    def launch_warps(described: bool, host_tier: bool) -> int:
+    def launch_warps(described: bool) -> int:
         """The wave launch's warps unless `num_warps` says: one where blocks are read
-        through tensor descriptors (`described`; the HBM home on sm_90), else two (the
-        per-row gather, the tiered home's `host_tier`)."""
-        return 1 if described and not host_tier else 2
+        through tensor descriptors (`described`; sm_90 on), else two (the per-row gather)."""
+        return 1 if described else 2
 
     def plan(
         self,
@@ -921,7 +970,6 @@ class WaveAttention:
         out_dtype: torch.dtype = torch.float32,
         workspace: Workspace | None = None,
         read_blocks: int | None = None,
-        host_tier: bool = False,
     ) -> WaveAttention:
         """Fix shapes, the wave schedule and buffers, on this object (plan a copy, see
         `planned`, to keep several). `splits` programs share each (request, KV head); by
@@ -929,7 +977,7 @@ class WaveAttention:
         interpreter, which runs programs one after another). The output is written in
         `out_dtype` (the model's, so no conversion follows). `read_blocks` is the most a
         run reads per (request, KV head) (a top-k budget), for choosing the split.
-        `host_tier`: runs will read blocks from a host tier (the per-row gather's launch)."""
+        """
         dev = torch.device(device)
         self._ws = workspace if workspace is not None else Workspace(dev)
         # No stop rule (threshold 1, or top-k's fixed budget): one wave, no barriers.
@@ -942,7 +990,7 @@ class WaveAttention:
         )
         wanted = self.tma if self.tma is not None else not self.one_wave
         self.described = bool(wanted and has_tma)
-        self.warps = self.num_warps or self.launch_warps(self.described, host_tier)
+        self.warps = self.num_warps or self.launch_warps(self.described)
         compiled = dev.type == "cuda" and not interp  # the interpreter runs programs in turn
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if compiled else 0
         programs = batch * n_kv_heads
@@ -1018,12 +1066,13 @@ class WaveAttention:
             self.no_forced = take("no_forced", (B,), i32)  # zeroed once, never written
         return self
 
-    def _descriptors(self, k_slots, v_slots, strides, on_host: bool):
+    def _descriptors(self, k_slots, v_slots, strides):
         """`(k, v, head rows, head columns)`: tensor descriptors of the K and V slots as
         2-D `[rows, tok_stride]` (a slot is `bs` consecutive rows; a KV head starts that
-        many rows or columns further), or None where they do not apply: a host tier, a GPU
-        without a TMA (before sm_90), a layout of another shape, rows not 16-byte aligned."""
-        if not self.described or on_host:
+        many rows or columns further), or None where they do not apply: a GPU without a
+        TMA (before sm_90), a layout of another shape, rows not 16-byte aligned. (A host
+        tier's blocks are gathered beside them: `_block_ptrs`.)"""
+        if not self.described:
             return None
         slot_stride, tok_stride, head_stride = strides
         if slot_stride != self.bs * tok_stride or (tok_stride * k_slots.element_size()) % 16:
@@ -1304,7 +1353,7 @@ class WaveAttention:
                 )
         G = Hq // Hkv
         slot_strides = slot_strides or (bs * D, D, 0)
-        descs = self._descriptors(k_slots, v_slots, slot_strides, has_host)
+        descs = self._descriptors(k_slots, v_slots, slot_strides)
         tile = self.tile_tokens or (bs if descs else 64)
 
         def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages, order, n_forced,

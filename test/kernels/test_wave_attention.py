@@ -767,7 +767,7 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape):
         for prefetch in (True, False):
             wa, book = _reader_plan(c, tma=tma, prefetch=prefetch)
             if tma:
-                assert wa._descriptors(c.kbuf, c.vbuf, c.strides, False) is not None, "no TMA"
+                assert wa._descriptors(c.kbuf, c.vbuf, c.strides) is not None, "no TMA"
             res = _reader_run(wa, c, book)
             case = f"tma={tma} prefetch={prefetch}"
             assert torch.equal(res.read_mask(), ref.read), case

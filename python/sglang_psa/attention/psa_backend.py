@@ -333,7 +333,6 @@ class PSAAttnBackend(AttentionBackend):
             step.plan = self._wave.planned(
                 q.shape[0], q.shape[1], layer.tp_k_head_num, layer.head_dim, self.max_blocks,
                 q.device, out_dtype=q.dtype, workspace=self._workspace, read_blocks=self._max_read,
-                host_tier=self.writeback is not None,
             )  # fmt: skip
         return step.plan
 
