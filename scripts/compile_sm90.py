@@ -15,19 +15,21 @@ specialize them, and prints every failure with its error. Exit status 1 on any f
 `--resources` prints each specialization's registers and stack bytes a thread (spills):
 a kernel that compiles can still spill its way to a fraction of its speed (the wave
 kernel's unit-cache branch once did, `test_compile_sm90.py` guards it).
-Compile with the GPU machine's Triton (3.6 there): `--triton DIR` puts a folder holding it
-first (`pip install --no-deps --target DIR triton==3.6.0`); another version's compiler can
-fail where that one passes (Triton 3.9's pipeliner rejects the wave kernel's one-warp TMA
-variant that 3.6 compiles) or the reverse.
+Compile with the GPU machine's Triton (3.6 there, `GPU_TRITON`): `--triton DIR` puts a
+folder holding it first (`pip install --no-deps --target DIR triton==3.6.0`; `--triton gpu`:
+`gpu_triton()` installs it under build/ once); another version's compiler can fail where
+that one passes or the reverse.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +37,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "sgl-kernel-ext")]
+
+
+# The GPU machine's Triton (torch 2.11's): the compiler whose registers and spills count.
+# Another version's can fail where it passes or the reverse (Triton 3.9's pipeliner
+# rejects the wave kernel's one-warp descriptor launches that 3.6 compiles, and 3.9 spills
+# the tiered home's kept launch at head dim 128 where 3.6 does not).
+GPU_TRITON = "3.6.0"
+
+
+def gpu_triton(root: Path = ROOT / "build") -> Path:
+    """A folder holding Triton `GPU_TRITON` for this Python (`--triton`), installed there
+    from the package index on first use (`pip install --no-deps --target`). Raises
+    RuntimeError naming the command when pip cannot install it."""
+    where = root / f"triton-{GPU_TRITON}-py{sys.version_info[0]}{sys.version_info[1]}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{where.name}.lock", "w") as lock:  # one installer at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (where / "triton" / "__init__.py").is_file():
+            return where
+        tmp = where.with_name(where.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
+               f"triton=={GPU_TRITON}"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"could not install the GPU machine's Triton {GPU_TRITON} to compile with "
+                f"({' '.join(cmd)}): {done.stderr.strip()[-500:]}"
+            )
+        tmp.rename(where)
+    return where
 
 
 def load(path: Path) -> list[dict]:
@@ -117,16 +150,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("launches", type=Path, help="the file SGLANG_PSA_RECORD_LAUNCHES named")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
-    ap.add_argument("--triton", type=Path, help="a folder holding the Triton to compile with")
+    ap.add_argument("--triton", help="a folder holding the Triton to compile with, or 'gpu' "
+                    f"(Triton {GPU_TRITON}, installed under build/ on first use)")  # fmt: skip
     ap.add_argument("--resources", action="store_true",
                     help="print each specialization's registers and stack a thread")  # fmt: skip
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 is set: kernels load as interpreted functions, not compiled")
     if args.triton is not None:
-        if not (args.triton / "triton" / "__init__.py").is_file():
+        folder = gpu_triton() if args.triton == "gpu" else Path(args.triton)
+        if not (folder / "triton" / "__init__.py").is_file():
             ap.error(f"--triton {args.triton}: no triton package there")
-        sys.path.insert(0, str(args.triton))
+        sys.path.insert(0, str(folder))
     import triton
 
     done: set = set()

@@ -212,19 +212,17 @@ def _block_ptrs(
         where = tl.where(cpage > 0, cpage, where)
     in_hbm = where >= 0
     unit = tl.where(in_hbm, where, -where - 1)
-    offs = (unit * slot_stride + h * head_stride + tok * tok_stride)[:, None] + dd[None, :]
-    if HAS_HOST:
-        offs_h = (unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride)[
-            :, None
-        ] + dd[None, :]
-        k_at, v_at = k_slots, v_slots
+    offs = unit * slot_stride + h * head_stride + tok * tok_stride  # [T]: a row's start
+    if HAS_HOST:  # chosen a row, not an element (fewer registers: the loads as at HBM)
+        offs_h = unit * host_slot_stride + h * host_head_stride + tok * host_tok_stride
+        k_at, v_at = k_slots + offs, v_slots + offs
         if CACHED:  # a cached unit's row: its position's layer buffer
-            k_at, v_at = k_slots + ksh[:, None], v_slots + vsh[:, None]
-        kp = tl.where(in_hbm[:, None], k_at + offs, k_host + offs_h)
-        vp = tl.where(in_hbm[:, None], v_at + offs, v_host + offs_h)
-    else:
-        kp, vp = k_slots + offs, v_slots + offs
-    return kp, vp, in_hbm
+            k_at, v_at = k_at + ksh, v_at + vsh
+        k_row = tl.where(in_hbm, k_at, k_host + offs_h)
+        v_row = tl.where(in_hbm, v_at, v_host + offs_h)
+        return k_row[:, None] + dd[None, :], v_row[:, None] + dd[None, :], in_hbm
+    offs2 = offs[:, None] + dd[None, :]
+    return k_slots + offs2, v_slots + offs2, in_hbm
 
 
 @triton.jit

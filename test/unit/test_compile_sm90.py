@@ -23,7 +23,9 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend is n
 
 def _record(tmp_path, *pytest_args) -> tuple:
     """The launches the CPU tests `pytest_args` make in Triton's interpreter, recorded to a
-    file; returns it and the environment to compile in (the interpreter off)."""
+    file; returns it and the environment to compile in: the interpreter off, the GPU
+    machine's Triton first on the path (`compile_sm90.gpu_triton`, installed on first use:
+    registers and spills are that compiler's)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the launches are recorded in Triton's interpreter (the CPU tests)")
     rec = tmp_path / "launches.jsonl"
@@ -34,7 +36,10 @@ def _record(tmp_path, *pytest_args) -> tuple:
          *pytest_args],
         env=env, cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
-    return rec, {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    compiled = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    path = [str(compile_sm90.gpu_triton()), compiled.get("PYTHONPATH", "")]
+    compiled["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    return rec, compiled
 
 
 def _compiled_as_served(tmp_path, script: str, tests: str, select: str) -> list[dict]:
