@@ -1423,7 +1423,10 @@ class WaveAttention:
                 STATS=stats is not None,
                 ONE_WAVE=one_wave,
                 KEPT=kept is not None,
-                PREFETCH=prefetch and not (descs and tile > bs),  # descriptors: one block a tile
+                # descriptors: one block a tile, and no prefetch beside a host tier (Triton
+                # 3.6's pipeliner fails that launch beside a kept selection, at every shape
+                # and dtype tried: `test_compile_sm90`)
+                PREFETCH=prefetch and not (descs and (tile > bs or has_host)),
                 TMA=descs is not None,
                 ONE_EXP=self.one_exp,
                 # The heuristic rule's smallest block log-mass, kept only where the rule is

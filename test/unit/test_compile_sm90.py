@@ -93,13 +93,10 @@ for launch in compile_sm90.load(__import__("pathlib").Path(sys.argv[1])):
     if launch["kernel"] != "_wave_attention_kernel":
         continue
     kept = a["KEPT"]["value"] and a["ONE_WAVE"]["value"]  # the kept rows' launch
-    if a["CACHED"]["value"] and kept:
-        role = "tiered_kept"
-    elif a["CACHED"]["value"] and not a["KEPT"]["value"]:
-        # The tiered home's waves (the ranked rows' launch beside a kept selection, KEPT
-        # with ROWS 1, fails Triton 3.9's pipeliner on this host with or without the host
-        # tier's reads, at both homes; the GPU's Triton 3.6 compiles it)
-        role = "tiered_ranked"
+    if a["CACHED"]["value"]:
+        # the kept rows' launch; the ranked rows' waves beside it (the default); waves
+        # with no kept selection (the certified rule, `--psa-rerank-interval 1`)
+        role = "tiered_kept" if kept else "tiered_ranked" if a["KEPT"]["value"] else "tiered_waves"
     elif not a["CACHED"]["value"] and a["TMA"]["value"] and a["PREFETCH"]["value"]:
         role = "hbm_ranked"  # the HBM home's waves, read through tensor descriptors
     else:
@@ -137,12 +134,15 @@ def test_decodes_wave_launches_as_planned_do_not_spill(tmp_path):
     branch adds a per-row offset to another layer's buffer; not declared 16-element
     aligned, it un-vectorized the K/V loads and ptxas kept 32 registers and spilled
     3.6-6.7 KB a thread (Triton 3.6), and workload b's decode step took 28 ms instead of
-    5.8 on the H200."""
+    5.8 on the H200. The tiered home's waves, the ranked rows' beside a kept selection
+    (the default) and those with none, each: loading the next block's ids a tile ahead
+    beside the host tier's reads, the first failed Triton 3.6's pipeliner at every shape
+    and dtype tried."""
     rows = _compiled_as_served(
         tmp_path, _PLANNED, "test/kernels/test_wave_attention.py",
         "reads_cached_units and cpu or descriptor_reads and cpu-psa-small",
     )  # fmt: skip
-    roles = ("hbm_ranked", "tiered_kept", "tiered_ranked")
+    roles = ("hbm_ranked", "tiered_kept", "tiered_ranked", "tiered_waves")
     assert sorted((r["role"], r["head_dim"]) for r in rows) == [
         (role, d) for role in roles for d in (64, 128)
     ], rows
