@@ -47,6 +47,15 @@ TIERED_ARGS = [
     "--psa-kv-home", "tiered", "--radix-cache-backend", "psa", "--psa-host-pool-gb", "4",
 ]  # fmt: skip
 KV_HOMES = {"hbm": [], "tiered": TIERED_ARGS}
+# The tiered home spills a decoding request's KV to its host tier instead of retracting it,
+# so nothing the probes send makes that server retract; there SGLang's own test switch
+# retracts a decoding request every RETRACT_EVERY forward passes (the longest-running
+# request always stays), so the faults and the soak meet retraction at both homes.
+RETRACT_EVERY = 40
+KV_HOME_ENV = {
+    "hbm": {},
+    "tiered": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(RETRACT_EVERY)},
+}
 
 
 @contextlib.contextmanager
@@ -56,13 +65,15 @@ def live_server(
     log: Path,
     api_key: str | None = None,
     prefill: str | None = "triton",
+    env: dict[str, str] | None = None,
 ):
     """A `--sparse-mode psa` server on the GPU test model with `args`, healthy: yields
     (`Server`, its process) and stops it afterwards (its log tail printed if it did not
     stop cleanly). A server that exits before it is healthy raises `SystemExit`. The
     server prefills on `prefill` (`--attention-backend`) unless `args` name a backend;
-    None: the plugin's default (SGLang's fastest on the machine)."""
-    with live_servers([(args, port, log)], api_key, prefill) as [(s, proc)]:
+    None: the plugin's default (SGLang's fastest on the machine). `env`: variables set
+    for the server over this process's environment."""
+    with live_servers([(args, port, log)], api_key, prefill, env) as [(s, proc)]:
         yield s, proc
 
 
@@ -74,6 +85,7 @@ def live_servers(
     specs: list[tuple[list[str], int, Path]],
     api_key: str | None = None,
     prefill: str | None = "triton",
+    env: dict[str, str] | None = None,
 ):
     """`live_server` for several (args, port, log) at once: every server is launched
     before the first is waited for (their start-ups overlap); yields [(`Server`, process)]
@@ -87,7 +99,7 @@ def live_servers(
         for args, port, log in specs:
             if prefill and not any(a in BACKEND_FLAGS for a in args):
                 args = ["--attention-backend", prefill, *args]
-            procs.append((serve_demo.launch(model, port, args, log), port, log))
+            procs.append((serve_demo.launch(model, port, args, log, env), port, log))
         out = []
         for proc, port, log in procs:
             url = f"http://127.0.0.1:{port}"

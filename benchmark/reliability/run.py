@@ -4,7 +4,10 @@
                                         [--out DIR]
 
 Starts `python -m sglang.launch_server --sparse-mode psa` on the GPU test model with
-`probes.SERVER_ARGS`, runs the bad-input and fault catalogue of `probes.py`, then a soak:
+`probes.SERVER_ARGS` (and, at the tiered home, `probes.TIERED_ARGS` with SGLang's test
+switch retracting a request every `probes.RETRACT_EVERY` forwards: that home spills KV to
+its host tier instead of retracting), runs the bad-input and fault catalogue of
+`probes.py`, then a soak:
 16 clients send mixed requests (prompts 1K-8K tokens, 32-512 outputs) for `--soak-s`
 seconds while the server's host RSS (its whole process tree), its pinned host bytes and
 GPU memory are sampled every 10 s. Growth is measured from the end of warm-up (the first
@@ -129,7 +132,8 @@ def main() -> None:
     server_args = probes.SERVER_ARGS + probes.KV_HOMES[args.kv_home]
     log = args.out / "reliability_server.log"
     args.out.mkdir(parents=True, exist_ok=True)
-    with probes.live_server(server_args, args.port, log, probes.API_KEY) as (s, proc):
+    env = probes.KV_HOME_ENV[args.kv_home]
+    with probes.live_server(server_args, args.port, log, probes.API_KEY, env=env) as (s, proc):
         outcomes = []
         if not args.skip_probes:
             for o in probes.bad_inputs(s):
@@ -173,6 +177,7 @@ def main() -> None:
             "probes_from": earlier and {k: earlier[k] for k in ("git_commit", "date", "command")},
         },
         server_args=server_args,
+        server_env=env,
     )
     print(f"wrote {path}: {summary}")
     sys.exit(0 if all(o.ok for o in outcomes) else 1)

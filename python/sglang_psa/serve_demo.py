@@ -13,6 +13,7 @@ they are right, and the fraction of KV blocks decode attention read (from
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -21,13 +22,17 @@ from pathlib import Path
 from sglang_psa.models import ensure_model
 
 
-def launch(model_dir: Path, port: int, extra: list[str], log: Path) -> subprocess.Popen:
+def launch(
+    model_dir: Path, port: int, extra: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
         "--port", str(port), "--sparse-mode", "psa", "--sampling-backend", "pytorch", *extra,
     ]  # fmt: skip
-    print("$", " ".join(cmd), f"> {log}", flush=True)
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    shown = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    print("$", *([shown] if shown else []), " ".join(cmd), f"> {log}", flush=True)
+    full = None if env is None else {**os.environ, **env}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=full)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900) -> None:

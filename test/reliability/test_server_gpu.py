@@ -2,7 +2,9 @@
 
 A server at each KV home (Qwen2.5-Coder-0.5B with `probes.SERVER_ARGS`: `--api-key`,
 `--enable-metrics`, KV capped so that queueing and retraction happen; the tiered home with
-SGLang's radix cache over the host tier, `probes.TIERED_ARGS`) takes the probe catalogue
+SGLang's radix cache over the host tier, `probes.TIERED_ARGS`, where KV spills to the host
+tier instead, retraction forced by SGLang's test switch, `probes.KV_HOME_ENV`) takes the
+probe catalogue
 of `benchmark/reliability/probes.py`: every bad input gets its answer or a clear 4xx, every
 fault (requests sharing a prefix aborted, a prefix evicted from HBM and asked again among
 them) leaves no request slot, KV page or admission entry held. The soak is the
@@ -34,7 +36,8 @@ def server(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SGLANG_PSA_HOST_TIMING", "1")  # the scheduler loop times itself
         mp.setenv("SGLANG_PSA_HOST_PROFILE", "200")  # and samples its stack
-        with probes.live_server(args, port, log, probes.API_KEY) as (s, _):
+        env = probes.KV_HOME_ENV[request.param]  # the tiered home: retraction forced
+        with probes.live_server(args, port, log, probes.API_KEY, env=env) as (s, _):
             yield s
 
 

@@ -77,3 +77,18 @@ def test_a_dead_server_is_reported_with_its_log(tmp_path):
     dead = SimpleNamespace(poll=lambda: 3, returncode=3)
     with pytest.raises(SystemExit, match="exited .code 3.*log"):
         serve_demo.wait_healthy(dead, "http://127.0.0.1:9", tmp_path / "log", timeout=5)
+
+
+def test_a_server_is_launched_with_its_own_variables_over_this_environment(tmp_path, monkeypatch):
+    """`launch(env=)`: the server process gets this process's environment with `env` over
+    it (the reliability probes force retraction at the tiered home so); without `env`,
+    this environment as it is."""
+    seen = []
+    monkeypatch.setattr(serve_demo.subprocess, "Popen", lambda cmd, **kw: seen.append(kw))
+    monkeypatch.setenv("PSA_TEST_OUTER", "kept")
+    monkeypatch.setenv("SGLANG_TEST_RETRACT", "0")
+    serve_demo.launch(tmp_path, 30999, [], tmp_path / "a.log", {"SGLANG_TEST_RETRACT": "1"})
+    serve_demo.launch(tmp_path, 30999, [], tmp_path / "b.log")
+    env = seen[0]["env"]
+    assert env["SGLANG_TEST_RETRACT"] == "1" and env["PSA_TEST_OUTER"] == "kept"
+    assert seen[1]["env"] is None  # inherited unchanged
