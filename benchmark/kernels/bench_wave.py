@@ -473,9 +473,9 @@ def server_case(
     or read counters (what they cost). `eager_runs > 0`: only that many runs, eager, no
     timing (for a profiler: `--ncu-kept`). `host_launch`: also the host's time to launch
     the graph (`timing.replay_host_us`), into an idle GPU and behind a busy one.
-    `tiered`: as the tiered home runs it, with a host tier (pinned, head-major) and the
-    unit cache's tables given to the kernel, every block still in HBM (workload a's
-    case: nothing evicted)."""
+    `tiered`: as the tiered home runs it, with a host tier (pinned, head-major), the
+    unit cache's tables and the step's row flags given to the kernel, every block still
+    in HBM (workload a's case: nothing evicted)."""
     nb = plan_ctx // BS
     half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
     mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
@@ -525,6 +525,7 @@ def server_case(
             unit_slot=torch.full((HKV, units + 1), -1, dtype=torch.int32, device="cuda"),
             cache_pages=torch.zeros(1, dtype=torch.int32, device="cuda"),
             cache_shift=(shift, shift),
+            row_host=torch.zeros(batch, dtype=torch.int32, device="cuda"),  # none off HBM
         )  # fmt: skip
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,

@@ -315,6 +315,138 @@ def _stop(
 
 
 @triton.jit
+def _read_wave(
+    q, m_i, l_i, acc, smallest, n_host, wstart, end, sid, b, h, dd, length, nf, n_sink,
+    tail0, kept0, orow, row, step, scale,
+    order_ptr, rloc_ptr, pages_ptr, stamp_ptr, stamp_stride,
+    k_slots, v_slots, k_desc, v_desc, desc_head_rows, desc_head_cols, k_host, v_host,
+    uslot_ptr, cpages_ptr, kshift_ptr, vshift_ptr, uslot_stride, cache_layers,
+    slot_stride, tok_stride, head_stride, host_slot_stride, host_tok_stride, host_head_stride,
+    NB,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBLK: tl.constexpr,
+    S: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr, HAS_HOST: tl.constexpr,
+    CACHED: tl.constexpr, STAMP: tl.constexpr, STATS: tl.constexpr, KEPT: tl.constexpr,
+    PREFETCH: tl.constexpr, TMA: tl.constexpr, ONE_EXP: tl.constexpr, TRACK: tl.constexpr,
+):  # fmt: skip
+    """One wave's tiles of this program (`_wave_attention_kernel`'s loop body): the
+    blocks at read positions `wstart + (sid + i * S) * NBLK` below `end`, merged into
+    `(m_i, l_i, acc, smallest)`; `n_host` counts the host units read (STATS). HAS_HOST:
+    blocks may lie on the host tier (or in the unit cache, CACHED); without it every
+    block is read from HBM with none of that logic (a row with no block off HBM)."""
+    # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
+    # that Triton software-pipelines (STAGES): the block ids, their locations and the
+    # K/V tiles of later iterations are in flight while this one is merged.
+    n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
+    if PREFETCH:  # the first tile's ids (and pages); each iteration loads the next one's
+        if TMA:
+            n_where, n_blk = _block_at(
+                order_ptr, rloc_ptr, orow, row, wstart + sid, end, n_sink, tail0, nf,
+                kept0, KEPT,
+            )  # fmt: skip
+            if STAMP:
+                n_page = tl.load(pages_ptr + b * NB + n_blk)
+        else:
+            n_where, n_tok, n_valid, n_blk = _tile_at(
+                order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
+                tail0, nf, kept0, BS, NBLK, KEPT,
+            )  # fmt: skip
+            if STAMP:
+                n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
+    for i in tl.range(0, n_tiles, num_stages=STAGES):
+        first = wstart + (sid + i * S) * NBLK
+        if TMA:
+            # NBLK blocks a tile, each copied by the tensor memory accelerator from its
+            # slot into shared memory and merged on its own: no per-element addresses.
+            # Rows past the request's length hold stale values: masked (their keys to
+            # -inf, their values to 0).
+            for j in tl.static_range(NBLK):
+                if PREFETCH:  # NBLK == 1: this block's ids were loaded an iteration ago
+                    where, blk = n_where, n_blk
+                    if STAMP:
+                        page = n_page
+                    n_where, n_blk = _block_at(
+                        order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
+                        kept0, KEPT,
+                    )  # fmt: skip
+                    if STAMP:
+                        n_page = tl.load(pages_ptr + b * NB + n_blk)
+                else:
+                    where, blk = _block_at(
+                        order_ptr, rloc_ptr, orow, row, first + j, end, n_sink, tail0, nf,
+                        kept0, KEPT,
+                    )  # fmt: skip
+                    if STAMP:  # loaded before the merge, stored after it
+                        page = tl.load(pages_ptr + b * NB + blk)
+                tok = tl.arange(0, BS)
+                valid = (first + j < end) & (blk * BS + tok < length)
+                # (a host block's copy reads the padding page 0, then is replaced)
+                at = [tl.maximum(where, 0) * BS + h * desc_head_rows, h * desc_head_cols]
+                k = k_desc.load(at)
+                v = tl.where(valid[:, None], v_desc.load(at), 0.0)
+                if HAS_HOST:  # on the host tier (or in the unit cache): gathered (masked
+                    # loads, no branch: a branch in the loop fails Triton's pipeliner)
+                    wv = (where + tl.zeros([BS], tl.int32)).to(tl.int64)
+                    hv = ((valid != 0) & (wv < 0)) != 0  # (a boolean in the interpreter)
+                    kp, vp, in_hbm = _block_ptrs(
+                        wv, tok, hv, h, dd,
+                        k_slots, v_slots, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr,
+                        vshift_ptr, uslot_stride, cache_layers, slot_stride, tok_stride,
+                        head_stride, host_slot_stride, host_tok_stride, host_head_stride,
+                        HAS_HOST, CACHED,
+                    )  # fmt: skip
+                    k = tl.where(wv[:, None] < 0, tl.load(kp, mask=hv[:, None], other=0.0), k)
+                    v = tl.where(wv[:, None] < 0, tl.load(vp, mask=hv[:, None], other=0.0), v)
+                    if STATS:
+                        n_host += tl.sum((hv & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
+                m_i, l_i, acc, smallest = _merge_tile(
+                    q, k, v, valid, first + j, end, nf, scale, m_i, l_i, acc, smallest,
+                    GP, 1, BS, D, PREC, TRACK, ONE_EXP,
+                )  # fmt: skip
+                if STAMP:  # one store per block
+                    if first + j < end:
+                        tl.store(stamp_ptr + h * stamp_stride + page, step)
+        else:
+            if PREFETCH:
+                # This tile's ids were loaded an iteration ago: its K/V addresses wait
+                # on no load, and the next tile's ids are in flight while this one is
+                # merged.
+                where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
+                if STAMP:
+                    page = n_page
+                n_where, n_tok, n_valid, n_blk = _tile_at(
+                    order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
+                    tail0, nf, kept0, BS, NBLK, KEPT,
+                )  # fmt: skip
+                if STAMP:
+                    n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
+            else:
+                where, tok, valid, blk = _tile_at(
+                    order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
+                    kept0, BS, NBLK, KEPT,
+                )  # fmt: skip
+                if STAMP:  # a block's page, at its first token's row: loaded before the
+                    # merge, so the store after it does not wait on it
+                    page = tl.load(pages_ptr + b * NB + blk, mask=valid & (tok == 0))
+            kp, vp, in_hbm = _block_ptrs(
+                where, tok, valid, h, dd, k_slots, v_slots, k_host, v_host, uslot_ptr,
+                cpages_ptr, kshift_ptr, vshift_ptr, uslot_stride, cache_layers,
+                slot_stride, tok_stride, head_stride, host_slot_stride, host_tok_stride,
+                host_head_stride, HAS_HOST, CACHED,
+            )  # fmt: skip
+            if STATS:
+                n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
+            k = tl.load(kp, mask=valid[:, None], other=0.0)
+            v = tl.load(vp, mask=valid[:, None], other=0.0)
+            m_i, l_i, acc, smallest = _merge_tile(
+                q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
+                GP, NBLK, BS, D, PREC, TRACK,
+            )  # fmt: skip
+            if STAMP:  # one store per block: its first token's row
+                tl.store(stamp_ptr + h * stamp_stride + page, step, mask=valid & (tok == 0))
+    return m_i, l_i, acc, smallest, n_host
+
+
+@triton.jit
 def _wave_attention_kernel(
     q_ptr,
     q_stride,
@@ -348,6 +480,7 @@ def _wave_attention_kernel(
     cpages_ptr,
     kshift_ptr,
     vshift_ptr,
+    rowhost_ptr,
     sel_slot_ptr,
     sel_nbr_ptr,
     sel_fresh_ptr,
@@ -403,6 +536,7 @@ def _wave_attention_kernel(
     NK_BOUNDS: tl.constexpr = False,
     NK_CODES: tl.constexpr = False,
     NK_BSP: tl.constexpr = 16,
+    HOST_ROWS: tl.constexpr = False,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -416,6 +550,8 @@ def _wave_attention_kernel(
     its position `q = uslot_ptr[h * uslot_stride + host block]` >= 0 is page
     `cpages_ptr[q // cache_layers]` of layer `q % cache_layers`'s buffer, `kshift_ptr[l]`
     (`vshift_ptr[l]`) elements from this layer's (`sglang_psa.mem_cache.unit_cache`).
+    HOST_ROWS (with HAS_HOST): only rows with `rowhost_ptr[b] != 0` may have a block off
+    HBM; the others read with the HBM home's code (`_read_wave` without the host tier).
 
     ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
     the S programs never wait for each other, the last to finish merges their states
@@ -498,8 +634,10 @@ def _wave_attention_kernel(
     # This request's wave schedule: a row of the table, chosen by its block count (the
     # first wave may grow with the context).
     ends_row = wave_ends_ptr + tl.load(wave_row_ptr + tl.minimum(nb, NB)) * wave_stride
-    if STAMP:
-        step = tl.load(step_ptr)
+    step = tl.load(step_ptr) if STAMP else 0
+    # Whether this row may read off HBM: never at the HBM home, always without HOST_ROWS
+    # (both known when compiling), else as the step's table says.
+    host_row = (tl.load(rowhost_ptr + b) != 0 if HOST_ROWS else True) if HAS_HOST else False
     wstart = 0
     w = 0
     n_host = 0
@@ -508,116 +646,32 @@ def _wave_attention_kernel(
         end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
         if ROWS == 2:
             end = mr
-        # This program's tiles of the wave: wstart + (sid + i * S) * NBLK. A counted loop
-        # that Triton software-pipelines (STAGES): the block ids, their locations and the
-        # K/V tiles of later iterations are in flight while this one is merged.
-        n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
-        if PREFETCH:  # the first tile's ids (and pages); each iteration loads the next one's
-            if TMA:
-                n_where, n_blk = _block_at(
-                    order_ptr, rloc_ptr, orow, row, wstart + sid, end, n_sink, tail0, nf,
-                    kept0, KEPT,
-                )  # fmt: skip
-                if STAMP:
-                    n_page = tl.load(pages_ptr + b * NB + n_blk)
-            else:
-                n_where, n_tok, n_valid, n_blk = _tile_at(
-                    order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
-                    tail0, nf, kept0, BS, NBLK, KEPT,
-                )  # fmt: skip
-                if STAMP:
-                    n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
-        for i in tl.range(0, n_tiles, num_stages=STAGES):
-            first = wstart + (sid + i * S) * NBLK
-            if TMA:
-                # NBLK blocks a tile, each copied by the tensor memory accelerator from its
-                # slot into shared memory and merged on its own: no per-element addresses.
-                # Rows past the request's length hold stale values: masked (their keys to
-                # -inf, their values to 0).
-                for j in tl.static_range(NBLK):
-                    if PREFETCH:  # NBLK == 1: this block's ids were loaded an iteration ago
-                        where, blk = n_where, n_blk
-                        if STAMP:
-                            page = n_page
-                        n_where, n_blk = _block_at(
-                            order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
-                            kept0, KEPT,
-                        )  # fmt: skip
-                        if STAMP:
-                            n_page = tl.load(pages_ptr + b * NB + n_blk)
-                    else:
-                        where, blk = _block_at(
-                            order_ptr, rloc_ptr, orow, row, first + j, end, n_sink, tail0, nf,
-                            kept0, KEPT,
-                        )  # fmt: skip
-                        if STAMP:  # loaded before the merge, stored after it
-                            page = tl.load(pages_ptr + b * NB + blk)
-                    tok = tl.arange(0, BS)
-                    valid = (first + j < end) & (blk * BS + tok < length)
-                    # (a host block's copy reads the padding page 0, then is replaced)
-                    at = [tl.maximum(where, 0) * BS + h * desc_head_rows, h * desc_head_cols]
-                    k = k_desc.load(at)
-                    v = tl.where(valid[:, None], v_desc.load(at), 0.0)
-                    if HAS_HOST:  # on the host tier (or in the unit cache): gathered (masked
-                        # loads, no branch: a branch in the loop fails Triton's pipeliner)
-                        wv = (where + tl.zeros([BS], tl.int32)).to(tl.int64)
-                        hv = ((valid != 0) & (wv < 0)) != 0  # (a boolean in the interpreter)
-                        kp, vp, in_hbm = _block_ptrs(
-                            wv, tok, hv, h, dd,
-                            k_slots, v_slots, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr,
-                            vshift_ptr, uslot_stride, cache_layers, slot_stride, tok_stride,
-                            head_stride, host_slot_stride, host_tok_stride, host_head_stride,
-                            HAS_HOST, CACHED,
-                        )  # fmt: skip
-                        k = tl.where(wv[:, None] < 0, tl.load(kp, mask=hv[:, None], other=0.0), k)
-                        v = tl.where(wv[:, None] < 0, tl.load(vp, mask=hv[:, None], other=0.0), v)
-                        if STATS:
-                            n_host += tl.sum((hv & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
-                    m_i, l_i, acc, smallest = _merge_tile(
-                        q, k, v, valid, first + j, end, nf, scale, m_i, l_i, acc, smallest,
-                        GP, 1, BS, D, PREC, TRACK, ONE_EXP,
-                    )  # fmt: skip
-                    if STAMP:  # one store per block
-                        if first + j < end:
-                            tl.store(stamp_ptr + h * stamp_stride + page, step)
-            else:
-                if PREFETCH:
-                    # This tile's ids were loaded an iteration ago: its K/V addresses wait
-                    # on no load, and the next tile's ids are in flight while this one is
-                    # merged.
-                    where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
-                    if STAMP:
-                        page = n_page
-                    n_where, n_tok, n_valid, n_blk = _tile_at(
-                        order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
-                        tail0, nf, kept0, BS, NBLK, KEPT,
-                    )  # fmt: skip
-                    if STAMP:
-                        n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
-                else:
-                    where, tok, valid, blk = _tile_at(
-                        order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
-                        kept0, BS, NBLK, KEPT,
-                    )  # fmt: skip
-                    if STAMP:  # a block's page, at its first token's row: loaded before the
-                        # merge, so the store after it does not wait on it
-                        page = tl.load(pages_ptr + b * NB + blk, mask=valid & (tok == 0))
-                kp, vp, in_hbm = _block_ptrs(
-                    where, tok, valid, h, dd, k_slots, v_slots, k_host, v_host, uslot_ptr,
-                    cpages_ptr, kshift_ptr, vshift_ptr, uslot_stride, cache_layers,
-                    slot_stride, tok_stride, head_stride, host_slot_stride, host_tok_stride,
-                    host_head_stride, HAS_HOST, CACHED,
-                )  # fmt: skip
-                if STATS:
-                    n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
-                k = tl.load(kp, mask=valid[:, None], other=0.0)
-                v = tl.load(vp, mask=valid[:, None], other=0.0)
-                m_i, l_i, acc, smallest = _merge_tile(
-                    q, k, v, valid, first, end, nf, scale, m_i, l_i, acc, smallest,
-                    GP, NBLK, BS, D, PREC, TRACK,
-                )  # fmt: skip
-                if STAMP:  # one store per block: its first token's row
-                    tl.store(stamp_ptr + h * stamp_stride + page, step, mask=valid & (tok == 0))
+        # This program's tiles of the wave. At the tiered home a row with no block off HBM
+        # (`rowhost_ptr[b] == 0`, HOST_ROWS) reads as at the HBM home: the host tier's
+        # address logic costs registers and instructions on every tile even when no block
+        # needs it. (Block ids are loaded a tile ahead (PREFETCH) there only: beside the
+        # host reads in a descriptor launch, that failed Triton 3.6's pipeliner.)
+        if host_row:
+            m_i, l_i, acc, smallest, n_host = _read_wave(
+                q, m_i, l_i, acc, smallest, n_host, wstart, end, sid, b, h, dd, length, nf,
+                n_sink, tail0, kept0, orow, row, step, scale, order_ptr, rloc_ptr, pages_ptr,
+                stamp_ptr, stamp_stride, k_slots, v_slots, k_desc, v_desc, desc_head_rows,
+                desc_head_cols, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr, vshift_ptr,
+                uslot_stride, cache_layers, slot_stride, tok_stride, head_stride,
+                host_slot_stride, host_tok_stride, host_head_stride, NB, G, GP, D, BS, NBLK,
+                S, STAGES, PREC, HAS_HOST, CACHED, STAMP, STATS, KEPT, PREFETCH and not TMA, TMA,
+                ONE_EXP, TRACK,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc, smallest, n_host = _read_wave(
+                q, m_i, l_i, acc, smallest, n_host, wstart, end, sid, b, h, dd, length, nf,
+                n_sink, tail0, kept0, orow, row, step, scale, order_ptr, rloc_ptr, pages_ptr,
+                stamp_ptr, stamp_stride, k_slots, v_slots, k_desc, v_desc, desc_head_rows,
+                desc_head_cols, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr, vshift_ptr,
+                uslot_stride, cache_layers, slot_stride, tok_stride, head_stride,
+                host_slot_stride, host_tok_stride, host_head_stride, NB, G, GP, D, BS, NBLK,
+                S, STAGES, PREC, False, False, STAMP, STATS, KEPT, PREFETCH, TMA, ONE_EXP, TRACK,
+            )  # fmt: skip
         wstart = end
         if S == 1 or ONE_WAVE:  # nothing to agree on: one wave reads every block
             covered = m_i + tl.log(l_i)
@@ -1263,6 +1317,7 @@ class WaveAttention:
         unit_slot: torch.Tensor | None = None,
         cache_pages: torch.Tensor | None = None,
         cache_shift: tuple[torch.Tensor, torch.Tensor] | None = None,
+        row_host: torch.Tensor | None = None,
         meta_scale: torch.Tensor | None = None,
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
@@ -1292,6 +1347,10 @@ class WaveAttention:
         to each layer's buffer, multiples of `unit_cache.LAYER_ALIGN`), the unit cache's
         view from this layer, a cached host unit is read from its position (`unit_slot //
         L`'s page, layer `unit_slot % L`) instead.
+        With a host tier, `row_host [B]` (int32) says which rows may have a block off HBM
+        (on the host or in the unit cache; nonzero): the others read with none of that
+        logic, as at the HBM home (a zero on a row with such a block reads the wrong
+        memory). None: every row may.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
@@ -1387,6 +1446,7 @@ class WaveAttention:
                 cache_pages if cached else self.n_read,
                 cache_shift[0] if cached else self.n_read,
                 cache_shift[1] if cached else self.n_read,
+                row_host if row_host is not None else self.n_read,
                 kept[1] if kept is not None else self.n_read,
                 kept[3] if kept is not None else self.n_read,
                 kept[2] if split else self.n_read,
@@ -1414,6 +1474,7 @@ class WaveAttention:
                 NBLK=max(1, tile // bs),
                 HAS_HOST=has_host,
                 CACHED=cached,
+                HOST_ROWS=has_host and row_host is not None,
                 num_warps=warps,
                 RULE=0 if self.rule == "heuristic" else 1,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -1423,10 +1484,9 @@ class WaveAttention:
                 STATS=stats is not None,
                 ONE_WAVE=one_wave,
                 KEPT=kept is not None,
-                # descriptors: one block a tile, and no prefetch beside a host tier (Triton
-                # 3.6's pipeliner fails that launch beside a kept selection, at every shape
-                # and dtype tried: `test_compile_sm90`)
-                PREFETCH=prefetch and not (descs and (tile > bs or has_host)),
+                # descriptors: one block a tile (and the rows reading a host tier load
+                # no ids ahead: `_read_wave`'s caller)
+                PREFETCH=prefetch and not (descs and tile > bs),
                 TMA=descs is not None,
                 ONE_EXP=self.one_exp,
                 # The heuristic rule's smallest block log-mass, kept only where the rule is

@@ -553,8 +553,9 @@ def test_wave_attention_reads_token_major_pages_in_place(device, host_fraction):
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("flags", [False, True], ids=["all_rows", "row_flags"])
 @pytest.mark.parametrize("kept", [False, True], ids=["ranked", "kept"])
-def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
+def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept, flags):
     """The tiered home's layout: SGLang's token-major pool, a head-major host tier holding
     the evicted blocks, and the unit cache: some host units also in pages of the pool, in
     this layer's buffer or another layer's (`unit_slot`, `cache_pages`, `cache_shift`).
@@ -564,7 +565,9 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
     `stats[2]` counts the units read from the host. `kept`: with a selection kept across
     steps too (the tiered home's default), ranked fresh this step: the same reads, and each
     row's ranked read count lands in its own slot of the cache (a kernel whose unit-cache
-    lookup reused the kept slot's name failed to compile on the GPU)."""
+    lookup reused the kept slot's name failed to compile on the GPU). `flags`: with the
+    rows that have a block off HBM flagged (`row_host`, as the tiered home's step gives
+    them), the first row having none: it reads with the HBM home's logic, the same."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -585,6 +588,8 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
     other_v = torch.full_like(vbuf, float("nan"))
     layer_k, layer_v = [kbuf, other_k], [vbuf, other_v]
     evicted = torch.rand(B, nb, generator=g) < 0.6
+    if flags:
+        evicted[0] = False  # a row with every block in HBM
     HB, C, L = B * nb, extra, 2
     k_host = torch.full((Hkv, HB, bs, d), float("nan"))
     v_host = torch.full_like(k_host, float("nan"))
@@ -653,6 +658,7 @@ def test_wave_attention_reads_cached_units_from_their_slot_pages(device, kept):
         cache_pages=cache_pages.to(device),
         cache_shift=tuple(shift),
         kept=cache.kept(0, B) if kept else None,
+        row_host=(loc < 0).flatten(1).any(1).int().to(device) if flags else None,
     )
     assert torch.equal(res.read_mask(), ref.read)
     torch.testing.assert_close(res.out, ref.out.float(), atol=2e-4, rtol=2e-4)

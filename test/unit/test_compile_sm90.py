@@ -93,6 +93,8 @@ for launch in compile_sm90.load(__import__("pathlib").Path(sys.argv[1])):
     if launch["kernel"] != "_wave_attention_kernel":
         continue
     kept = a["KEPT"]["value"] and a["ONE_WAVE"]["value"]  # the kept rows' launch
+    if a["CACHED"]["value"] and not a["HOST_ROWS"]["value"]:
+        continue  # served with the step's row flags (rows with no block off HBM read apart)
     if a["CACHED"]["value"]:
         # the kept rows' launch; the ranked rows' waves beside it (the default); waves
         # with no kept selection (the certified rule, `--psa-rerank-interval 1`)

@@ -68,6 +68,7 @@ class _Batch:
     lengths: torch.Tensor  # [B] int32
     loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
     host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
+    row_host: torch.Tensor | None = None  # [B] int32, tiered home: a block off HBM (nonzero)
     plan: WaveAttention | None = None
     kept: bool = False  # reads a selection kept across steps (`--psa-rerank-interval`)
 
@@ -147,7 +148,7 @@ class PSAAttnBackend(AttentionBackend):
         self._workspace = Workspace(device)
         self._device = device
         self._graph_bs = 0
-        self._graph_pages = self._graph_lengths = self._graph_loc = self._graph_host = None
+        self._graph_tables: tuple | None = None  # (`_tables` for the largest captured batch)
         self._selection: SelectionCache | None = None  # by init_cuda_graph_state
         self._batches: dict[int, _Batch] = {}
         self._step: _Batch | None = None
@@ -162,9 +163,7 @@ class PSAAttnBackend(AttentionBackend):
             "block_metadata": self.meta.bytes,
             "working_sets": self.ws.bytes + self.counters.bytes,
             "unit_cache_tables": self.residency.cache.bytes if self.residency else 0,
-            "step_tables": size(
-                self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host
-            ),
+            "step_tables": size(*(self._graph_tables or ())),
             "workspace": self._workspace.nbytes,
             "selection_cache": self._selection.nbytes if self._selection else 0,
             "writeback_staging": self.writeback.device_bytes if self.writeback else 0,
@@ -176,11 +175,10 @@ class PSAAttnBackend(AttentionBackend):
         """Static page table and lengths for every batch SGLang captures (decode graphs).
         Called again for no larger a batch, it keeps the buffers the captured graphs
         read."""
-        if self._graph_pages is not None and max_bs <= self._graph_bs:
+        if self._graph_tables is not None and max_bs <= self._graph_bs:
             return
         self._graph_bs = max_bs
-        tables = self._tables(max_bs)
-        self._graph_pages, self._graph_lengths, self._graph_loc, self._graph_host = tables
+        self._graph_tables = self._tables(max_bs)
         self._batches.clear()
         cfg, pool = self.cfg, self.token_to_kv_pool
         if cfg.keeps_selection and self.use_kernel:  # read orders kept across steps
@@ -189,23 +187,23 @@ class PSAAttnBackend(AttentionBackend):
                 cfg.block_size, cfg.sink_blocks + cfg.recent_blocks, self._device,
             )  # fmt: skip
 
-    def _tables(self, n: int):
-        """A step's tables for `n` requests: page table, lengths (1: SGLang's padding
-        value), every head's block table and, at the tiered home, the rows' host
-        locations."""
+    def _tables(self, n: int) -> tuple:
+        """A step's tables for `n` requests (`_Batch`'s order): page table, lengths (1:
+        SGLang's padding value), every head's block table and, at the tiered home, the
+        rows' host locations and which rows have a block off HBM."""
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
         loc = torch.zeros(n, Hkv, self.max_blocks, **kw)
-        host = None if self.writeback is None else torch.zeros(n, self.max_blocks, **kw)
-        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host
+        tiered = self.writeback is not None
+        host = torch.zeros(n, self.max_blocks, **kw) if tiered else None
+        row_host = torch.zeros(n, **kw) if tiered else None
+        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host, row_host
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
         if got is None:
             if B <= self._graph_bs:  # views of the tables the captured graphs read
-                loc = self._graph_loc[:B]
-                host = None if self._graph_host is None else self._graph_host[:B]
-                got = _Batch(self._graph_pages[:B], self._graph_lengths[:B], loc, host)
+                got = _Batch(*(None if t is None else t[:B] for t in self._graph_tables))
             else:  # eager only (larger than any captured batch, or graphs off)
                 got = _Batch(*self._tables(B))
                 if self.cfg.rerank_interval > 1:
@@ -248,6 +246,7 @@ class PSAAttnBackend(AttentionBackend):
         if self.writeback is not None:  # tiered: evicted blocks are read from the host tier
             torch.index_select(self.writeback.host_loc, 0, rows, out=st.host)
             on_host = st.host < 0
+            st.row_host.copy_(on_host.any(dim=1))  # the others read as at the HBM home
             where = torch.where(on_host, st.host, st.pages)
             st.loc.copy_(where[:, None, :].expand_as(st.loc))
             # Metadata and stamps of an evicted block: the row of its host block.
@@ -379,6 +378,7 @@ class PSAAttnBackend(AttentionBackend):
             unit_slot=unit_slot,
             cache_pages=cache_pages,
             cache_shift=cache_shift,
+            row_host=step.row_host,
             meta_scale=kscale,
             code_planes=codes[0],
             code_lo=codes[1],

@@ -867,12 +867,12 @@ def test_graph_state_serves_every_captured_batch_and_survives_a_second_call():
     runner, fb, _ = _rig(cfg, [300, 77, 545])
     backend = PSAAttnBackend(runner)
     backend.init_cuda_graph_state(4, 4)
-    table = backend._graph_pages
+    tables = backend._graph_tables
     backend.init_cuda_graph_state(2, 2)
-    assert backend._graph_pages is table
+    assert backend._graph_tables is tables
     backend.init_forward_metadata_out_graph(fb)  # batch 3
-    assert backend._step.pages.data_ptr() == table.data_ptr()
-    assert backend._step.loc.data_ptr() == backend._graph_loc.data_ptr()  # one static table
+    assert backend._step.pages.data_ptr() == tables[0].data_ptr()
+    assert backend._step.loc.data_ptr() == tables[2].data_ptr()  # one static table
     assert backend._step.pages.shape == (3, backend.max_blocks)
     backend.init_forward_metadata_in_graph(fb)
     req = runner.req_to_token_pool.req_to_token
@@ -1036,6 +1036,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
     try:
         step = _prefilled_tiered(backend, runner, fb, g, reqs, lengths)
         before = step()
+        assert backend._step.row_host.tolist() == [0, 0]  # no block off HBM: read as at HBM
         # A history of reads: how many of the 4 (layer, KV head) units read each candidate
         # lately (the others never did).
         readers = {(1, 1): 3, (1, 2): 1, (1, 3): 2, (1, 4): 3, (1, 5): 0, (2, 1): 2, (2, 2): 4}
@@ -1092,6 +1093,7 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
                 t[:, idx] = 127 if t.dtype == torch.int8 else 1e4
         backend.ws.stamps[:, idx] = 0
         after = step()
+        assert backend._step.row_host.tolist() == [1, 1]  # both rows read the host tier
         for a, b in zip(before, after):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         # The step read evicted blocks and stamped their host blocks' rows.
