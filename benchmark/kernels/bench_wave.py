@@ -451,6 +451,7 @@ def server_case(
     meta_in_chain: bool = False,
     host_launch: bool = False,
     tiered: bool = False,
+    flagged: bool = False,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -475,7 +476,8 @@ def server_case(
     the graph (`timing.replay_host_us`), into an idle GPU and behind a busy one.
     `tiered`: as the tiered home runs it, with a host tier (pinned, head-major), the
     unit cache's tables and the step's row flags given to the kernel, every block still
-    in HBM (workload a's case: nothing evicted)."""
+    in HBM (workload a's case: nothing evicted); `flagged`: every row flagged as having
+    a block off HBM (what such rows pay for the host tier's logic, none read)."""
     nb = plan_ctx // BS
     half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
     mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
@@ -525,7 +527,7 @@ def server_case(
             unit_slot=torch.full((HKV, units + 1), -1, dtype=torch.int32, device="cuda"),
             cache_pages=torch.zeros(1, dtype=torch.int32, device="cuda"),
             cache_shift=(shift, shift),
-            row_host=torch.zeros(batch, dtype=torch.int32, device="cuda"),  # none off HBM
+            row_host=torch.full((batch,), int(flagged), dtype=torch.int32, device="cuda"),
         )  # fmt: skip
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
@@ -1065,9 +1067,11 @@ def launch_sweep(case: dict, plan_ctx: int) -> dict:
 def tiered_a(ctx: int = 28000) -> dict:
     """The two KV homes' decode attention at workload a's shape (`server_case`, Qwen 0.5B
     heads, 32 x `ctx` tokens in a plan of 32768, nothing evicted), per layer: `hbm`, the
-    HBM home; `tiered`, the tiered home's launch (a host tier and the unit cache given);
-    `tiered_gather`, the tiered home's launch before its waves read HBM blocks through
-    tensor descriptors (every block by the per-row gather, two warps). Modes: psa over
+    HBM home; `tiered`, the tiered home's launch (a host tier, the unit cache and the
+    step's row flags given: no row has a block off HBM); `tiered_flagged`, the same with
+    every row flagged (the host tier's logic on every tile); `tiered_gather`, that with
+    its waves reading every block by the per-row gather, two warps (the tiered home's
+    launch before its waves read HBM blocks through tensor descriptors). Modes: psa over
     heads that spread as a real model's (`psa_mixed`, ranking every row), a step between
     rankings (`_kept`) and one with half the rows ranking (`_halfkept`), top-k's."""
     use_shape("qwen05b")
@@ -1076,18 +1080,21 @@ def tiered_a(ctx: int = 28000) -> dict:
              ("topk_kept", 2048 / ctx))  # fmt: skip
     for mode, frac in cases:
         row = {}
-        for name, tiered, launch in (("hbm", False, {}), ("tiered", True, {}),
-                                     ("tiered_gather", True, {"tma": False})):  # fmt: skip
+        for name, tiered, flagged, launch in (
+            ("hbm", False, False, {}), ("tiered", True, False, {}),
+            ("tiered_flagged", True, True, {}), ("tiered_gather", True, True, {"tma": False}),
+        ):  # fmt: skip
             LAUNCH.update(launch)
             try:
-                r = server_case(mode, 32, ctx, 32768, frac, tiered=tiered, profile=True)
+                r = server_case(mode, 32, ctx, 32768, frac, tiered=tiered, flagged=flagged,
+                                profile=True)  # fmt: skip
                 row[name] = {"time_us": r["time_us"], "kernels_us": r["kernels_us_per_layer"]}
             finally:
                 LAUNCH.clear()
                 LAUNCH.update(DEFAULT_LAUNCH)
             torch.cuda.empty_cache()
-        row["tiered_vs_hbm"] = row["tiered"]["time_us"] / row["hbm"]["time_us"]
-        row["tiered_gather_vs_hbm"] = row["tiered_gather"]["time_us"] / row["hbm"]["time_us"]
+        for name in ("tiered", "tiered_flagged", "tiered_gather"):
+            row[f"{name}_vs_hbm"] = row[name]["time_us"] / row["hbm"]["time_us"]
         out[mode] = row
         print(mode, {k: v for k, v in row.items() if k.endswith("_vs_hbm")}, file=sys.stderr,
               flush=True)  # fmt: skip
