@@ -379,8 +379,11 @@ def _read_wave(
                         page = tl.load(pages_ptr + b * NB + blk)
                 tok = tl.arange(0, BS)
                 valid = (first + j < end) & (blk * BS + tok < length)
-                # (a host block's copy reads the padding page 0, then is replaced)
-                at = [tl.maximum(where, 0) * BS + h * desc_head_rows, h * desc_head_cols]
+                if HAS_HOST:  # (a host block's copy reads the padding page 0, replaced)
+                    where_hbm = tl.maximum(where, 0)
+                else:
+                    where_hbm = where
+                at = [where_hbm * BS + h * desc_head_rows, h * desc_head_cols]
                 k = k_desc.load(at)
                 v = tl.where(valid[:, None], v_desc.load(at), 0.0)
                 if HAS_HOST:  # on the host tier (or in the unit cache): gathered (masked
@@ -433,7 +436,7 @@ def _read_wave(
                 slot_stride, tok_stride, head_stride, host_slot_stride, host_tok_stride,
                 host_head_stride, HAS_HOST, CACHED,
             )  # fmt: skip
-            if STATS:
+            if STATS and HAS_HOST:
                 n_host += tl.sum((valid & (tok == 0) & (~in_hbm)).to(tl.int32), axis=0)
             k = tl.load(kp, mask=valid[:, None], other=0.0)
             v = tl.load(vp, mask=valid[:, None], other=0.0)
