@@ -686,10 +686,13 @@ READER_SHAPES = {
 }
 
 
-def _reader_case(mode, shape, device):
+def _reader_case(mode, shape, device, tiered=False):
     """Workload of the reader tests over SGLang's token-major pool, NaN in the rows past
     each request's length: the config, the top-k budget, the reference, the run's inputs
-    (per-page metadata read through the page table) and the plan's shape."""
+    (per-page metadata read through the page table) and the plan's shape. `tiered`: about
+    a third of the first request's blocks live only in a host tier (head-major, as the
+    tiered home's; their HBM pages hold NaN), the second's all in HBM, and the rows are
+    flagged so (`row_host`)."""
     B, G, Hkv, T, d, bs = READER_SHAPES[shape]
     if shape != "small" and device == "cpu":
         pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
@@ -706,6 +709,25 @@ def _reader_case(mode, shape, device):
             kbuf[p * bs + tail : (p + 1) * bs] = float("nan")
             vbuf[p * bs + tail : (p + 1) * bs] = float("nan")
     loc = pages[:, None, :].expand(B, Hkv, nb).to(torch.int32).contiguous().to(device)
+    host = {}
+    if tiered:  # blocks of request 0 moved to the host tier
+        moved = torch.nonzero(torch.rand(nb, generator=torch.Generator().manual_seed(6)) < 0.3)
+        moved = moved[:, 0].tolist()
+        k_host = torch.zeros(Hkv, len(moved), bs, d, dtype=kbuf.dtype)
+        v_host = torch.zeros_like(k_host)
+        for u, j in enumerate(moved):
+            p = int(pages[0, j])
+            k_host[:, u] = kbuf[p * bs : (p + 1) * bs].transpose(0, 1).cpu()
+            v_host[:, u] = vbuf[p * bs : (p + 1) * bs].transpose(0, 1).cpu()
+            kbuf[p * bs : (p + 1) * bs] = float("nan")  # only the host copy is right
+            vbuf[p * bs : (p + 1) * bs] = float("nan")
+            loc[0, :, j] = -u - 1
+        if device == "cuda":
+            k_host, v_host = k_host.pin_memory(), v_host.pin_memory()
+        host = dict(
+            k_host=k_host, v_host=v_host, host_strides=(bs * d, d, len(moved) * bs * d),
+            row_host=torch.tensor([1] + [0] * (B - 1), dtype=torch.int32, device=device),
+        )  # fmt: skip
     meta = block_metadata(k, lengths, bs)
     per_page = []  # the server's metadata: per page, read through the page table
     for src in (meta.mean, meta.kmin, meta.kmax):
@@ -722,7 +744,8 @@ def _reader_case(mode, shape, device):
     return SimpleNamespace(
         cfg=cfg, budget=budget, ref=ref, q=q, kbuf=kbuf, vbuf=vbuf, loc=loc, lengths=lengths,
         per_page=per_page, pages=pages.to(device), nb=nb, Hkv=Hkv, bs=bs, device=device,
-        strides=(bs * Hkv * d, Hkv * d, d),
+        strides=(bs * Hkv * d, Hkv * d, d), host=host,
+        on_host=(loc < 0)[:, 0].cpu(),
     )  # fmt: skip
 
 
@@ -747,21 +770,25 @@ def _reader_run(wa, c, book):
     return wa.run(
         c.q, c.kbuf, c.vbuf, c.loc, c.lengths, *c.per_page,
         max_read_blocks=c.budget, slot_strides=c.strides, meta_pages=c.pages,
-        stamps=stamps, step=step, stats=stats,
+        stamps=stamps, step=step, stats=stats, **c.host,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("home", ["hbm", "tiered"])
 @pytest.mark.parametrize("shape", list(READER_SHAPES))
 @pytest.mark.parametrize("mode", ["psa", "topk", "dense"])
-def test_descriptor_reads_equal_gather_reads(device, mode, shape):
+def test_descriptor_reads_equal_gather_reads(device, mode, shape, home):
     """Blocks read through tensor descriptors (one block a tile, copied whole from the slot)
     and by the per-row gather, each with its block ids (and pages) loaded with the tile or
     a tile ahead, over SGLang's token-major pool: the reference's blocks, output and
     log-mass, last-use stamps on exactly the pages of the blocks read, and the read
-    counters. The rows past each request's length hold NaN: every reader must mask them."""
+    counters. The rows past each request's length hold NaN: every reader must mask them.
+    `tiered`: the first request's blocks partly on a host tier (their HBM pages NaN),
+    the second request flagged as having none (read on the HBM home's code); the host
+    blocks read are counted."""
     if shape != "small" and device == "cpu":
         pytest.skip("real shapes run compiled on the GPU (the interpreter takes too long)")
-    c = _reader_case(mode, shape, device)
+    c = _reader_case(mode, shape, device, tiered=home == "tiered")
     ref = c.ref
     # The stamps the reads must leave: step 7 on each (KV head, page) a block was read from.
     want = torch.zeros(c.Hkv, c.kbuf.shape[0] // c.bs, dtype=torch.int32)
@@ -781,3 +808,6 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape):
             torch.testing.assert_close(res.lse, ref.lse, atol=2e-4, rtol=2e-4)
             assert torch.equal(book[0].cpu(), want), case
             assert int(book[1][0]) == int(ref.read.sum()), case
+            if c.host:  # the blocks read from the host tier (top-k's few may miss them)
+                host_read = int((read & c.on_host[:, None]).sum())
+                assert int(book[1][2]) == host_read and (host_read > 0 or mode == "topk"), case
