@@ -162,6 +162,34 @@ def _block_at(
 
 
 @triton.jit
+def _block_and_page(
+    order_ptr, rloc_ptr, pages_ptr, orow, row, b, pos, end, n_sink, tail0, nf, kept0, NB,
+    KEPT: tl.constexpr, STAMP: tl.constexpr,
+):  # fmt: skip
+    """`_block_at` and, with STAMP, the block's page from the page table (else 0)."""
+    where, blk = _block_at(order_ptr, rloc_ptr, orow, row, pos, end, n_sink, tail0, nf, kept0,
+                           KEPT)  # fmt: skip
+    page = 0
+    if STAMP:
+        page = tl.load(pages_ptr + b * NB + blk)
+    return where, blk, page
+
+
+@triton.jit
+def _tile_and_pages(
+    order_ptr, rloc_ptr, pages_ptr, orow, row, b, first, end, length, n_sink, tail0, nf, kept0,
+    NB, BS: tl.constexpr, NBLK: tl.constexpr, KEPT: tl.constexpr, STAMP: tl.constexpr,
+):  # fmt: skip
+    """`_tile_at` and, with STAMP, each block's page at its first token's row (else 0)."""
+    where, tok, valid, blk = _tile_at(order_ptr, rloc_ptr, orow, row, first, end, length,
+                                      n_sink, tail0, nf, kept0, BS, NBLK, KEPT)  # fmt: skip
+    page = 0
+    if STAMP:
+        page = tl.load(pages_ptr + b * NB + blk, mask=valid & (tok == 0))
+    return where, tok, valid, blk, page
+
+
+@triton.jit
 def _block_ptrs(
     where,
     tok,
@@ -339,19 +367,15 @@ def _read_wave(
     n_tiles = tl.cdiv(end - wstart - sid * NBLK, S * NBLK)
     if PREFETCH:  # the first tile's ids (and pages); each iteration loads the next one's
         if TMA:
-            n_where, n_blk = _block_at(
-                order_ptr, rloc_ptr, orow, row, wstart + sid, end, n_sink, tail0, nf,
-                kept0, KEPT,
+            n_where, n_blk, n_page = _block_and_page(
+                order_ptr, rloc_ptr, pages_ptr, orow, row, b, wstart + sid, end, n_sink, tail0,
+                nf, kept0, NB, KEPT, STAMP,
             )  # fmt: skip
-            if STAMP:
-                n_page = tl.load(pages_ptr + b * NB + n_blk)
         else:
-            n_where, n_tok, n_valid, n_blk = _tile_at(
-                order_ptr, rloc_ptr, orow, row, wstart + sid * NBLK, end, length, n_sink,
-                tail0, nf, kept0, BS, NBLK, KEPT,
+            n_where, n_tok, n_valid, n_blk, n_page = _tile_and_pages(
+                order_ptr, rloc_ptr, pages_ptr, orow, row, b, wstart + sid * NBLK, end, length,
+                n_sink, tail0, nf, kept0, NB, BS, NBLK, KEPT, STAMP,
             )  # fmt: skip
-            if STAMP:
-                n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
     for i in tl.range(0, n_tiles, num_stages=STAGES):
         first = wstart + (sid + i * S) * NBLK
         if TMA:
@@ -361,22 +385,16 @@ def _read_wave(
             # -inf, their values to 0).
             for j in tl.static_range(NBLK):
                 if PREFETCH:  # NBLK == 1: this block's ids were loaded an iteration ago
-                    where, blk = n_where, n_blk
-                    if STAMP:
-                        page = n_page
-                    n_where, n_blk = _block_at(
-                        order_ptr, rloc_ptr, orow, row, first + S, end, n_sink, tail0, nf,
-                        kept0, KEPT,
+                    where, blk, page = n_where, n_blk, n_page
+                    n_where, n_blk, n_page = _block_and_page(
+                        order_ptr, rloc_ptr, pages_ptr, orow, row, b, first + S, end, n_sink,
+                        tail0, nf, kept0, NB, KEPT, STAMP,
                     )  # fmt: skip
-                    if STAMP:
-                        n_page = tl.load(pages_ptr + b * NB + n_blk)
-                else:
-                    where, blk = _block_at(
-                        order_ptr, rloc_ptr, orow, row, first + j, end, n_sink, tail0, nf,
-                        kept0, KEPT,
+                else:  # (the page loaded before the merge, stored after it)
+                    where, blk, page = _block_and_page(
+                        order_ptr, rloc_ptr, pages_ptr, orow, row, b, first + j, end, n_sink,
+                        tail0, nf, kept0, NB, KEPT, STAMP,
                     )  # fmt: skip
-                    if STAMP:  # loaded before the merge, stored after it
-                        page = tl.load(pages_ptr + b * NB + blk)
                 tok = tl.arange(0, BS)
                 valid = (first + j < end) & (blk * BS + tok < length)
                 if HAS_HOST:  # (a host block's copy reads the padding page 0, replaced)
@@ -413,23 +431,16 @@ def _read_wave(
                 # This tile's ids were loaded an iteration ago: its K/V addresses wait
                 # on no load, and the next tile's ids are in flight while this one is
                 # merged.
-                where, tok, valid, blk = n_where, n_tok, n_valid, n_blk
-                if STAMP:
-                    page = n_page
-                n_where, n_tok, n_valid, n_blk = _tile_at(
-                    order_ptr, rloc_ptr, orow, row, first + S * NBLK, end, length, n_sink,
-                    tail0, nf, kept0, BS, NBLK, KEPT,
+                where, tok, valid, blk, page = n_where, n_tok, n_valid, n_blk, n_page
+                n_where, n_tok, n_valid, n_blk, n_page = _tile_and_pages(
+                    order_ptr, rloc_ptr, pages_ptr, orow, row, b, first + S * NBLK, end,
+                    length, n_sink, tail0, nf, kept0, NB, BS, NBLK, KEPT, STAMP,
                 )  # fmt: skip
-                if STAMP:
-                    n_page = tl.load(pages_ptr + b * NB + n_blk, mask=n_valid & (n_tok == 0))
-            else:
-                where, tok, valid, blk = _tile_at(
-                    order_ptr, rloc_ptr, orow, row, first, end, length, n_sink, tail0, nf,
-                    kept0, BS, NBLK, KEPT,
+            else:  # (pages loaded before the merge, so the stores after it wait on none)
+                where, tok, valid, blk, page = _tile_and_pages(
+                    order_ptr, rloc_ptr, pages_ptr, orow, row, b, first, end, length, n_sink,
+                    tail0, nf, kept0, NB, BS, NBLK, KEPT, STAMP,
                 )  # fmt: skip
-                if STAMP:  # a block's page, at its first token's row: loaded before the
-                    # merge, so the store after it does not wait on it
-                    page = tl.load(pages_ptr + b * NB + blk, mask=valid & (tok == 0))
             kp, vp, in_hbm = _block_ptrs(
                 where, tok, valid, h, dd, k_slots, v_slots, k_host, v_host, uslot_ptr,
                 cpages_ptr, kshift_ptr, vshift_ptr, uslot_stride, cache_layers,
