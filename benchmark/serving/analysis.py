@@ -567,7 +567,8 @@ def plugin_time(before: dict | None, after: dict | None) -> dict:
     server-info digests (`psa_plugin_timing`): per entry point (a hook less SGLang's part
     of it, or a plugin function; `serving.*` are parts of the hooks' times), its calls and
     milliseconds in all, largest first; `gc.gen0`-`gc.gen2` are Python's collections in
-    the scheduler process (plain servers too), not the plugin's work. {} where the servers did not time their loops."""
+    the scheduler process (plain servers too), not the plugin's work. {} where the servers
+    did not time their loops."""
     a = (after or {}).get("psa_plugin_timing") or {}
     b = (before or {}).get("psa_plugin_timing") or {}
     out = {}
