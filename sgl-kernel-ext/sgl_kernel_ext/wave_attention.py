@@ -550,7 +550,7 @@ def _wave_attention_kernel(
     NK_BOUNDS: tl.constexpr = False,
     NK_CODES: tl.constexpr = False,
     NK_BSP: tl.constexpr = 16,
-    HOST_ROWS: tl.constexpr = False,
+    HOST_ROWS: tl.constexpr = 0,
 ):
     """Grid (B, Hkv, S): S programs split each wave of one (request, KV head) by tiles.
 
@@ -564,8 +564,11 @@ def _wave_attention_kernel(
     its position `q = uslot_ptr[h * uslot_stride + host block]` >= 0 is page
     `cpages_ptr[q // cache_layers]` of layer `q % cache_layers`'s buffer, `kshift_ptr[l]`
     (`vshift_ptr[l]`) elements from this layer's (`sglang_psa.mem_cache.unit_cache`).
-    HOST_ROWS (with HAS_HOST): only rows with `rowhost_ptr[b] != 0` may have a block off
-    HBM; the others read with the HBM home's code (`_read_wave` without the host tier).
+    HOST_ROWS splits the rows between two launches by the step's row flags
+    (`rowhost_ptr[b]`, nonzero where a block of the row is off HBM); programs of the other
+    rows return at once. 1: the rows with no block off HBM, in a launch compiled without
+    the host tier (HAS_HOST false: the HBM home's code, registers and occupancy); 2: the
+    flagged rows (with HAS_HOST). 0: every row.
 
     ONE_WAVE (no stop rule: threshold 1 or a fixed budget) reads every block in one wave:
     the S programs never wait for each other, the last to finish merges their states
@@ -603,6 +606,12 @@ def _wave_attention_kernel(
     bh = b * Hkv + h
     # The request's scalars are loaded together, before the row test: one round trip.
     length = tl.load(lengths_ptr + b)
+    if HOST_ROWS == 1:  # the rows with no block off HBM
+        if tl.load(rowhost_ptr + b) != 0:
+            return
+    elif HOST_ROWS == 2:  # the rows with one
+        if tl.load(rowhost_ptr + b) == 0:
+            return
     if KEPT:
         nbr = tl.load(sel_nbr_ptr + b)
         slot = tl.load(sel_slot_ptr + b)
@@ -649,9 +658,6 @@ def _wave_attention_kernel(
     # first wave may grow with the context).
     ends_row = wave_ends_ptr + tl.load(wave_row_ptr + tl.minimum(nb, NB)) * wave_stride
     step = tl.load(step_ptr) if STAMP else 0
-    # Whether this row may read off HBM: never at the HBM home, always without HOST_ROWS
-    # (both known when compiling), else as the step's table says.
-    host_row = (tl.load(rowhost_ptr + b) != 0 if HOST_ROWS else True) if HAS_HOST else False
     wstart = 0
     w = 0
     n_host = 0
@@ -660,32 +666,19 @@ def _wave_attention_kernel(
         end = tl.minimum(tl.minimum(nf + tl.load(ends_row + w), nb), mr)
         if ROWS == 2:
             end = mr
-        # This program's tiles of the wave. At the tiered home a row with no block off HBM
-        # (`rowhost_ptr[b] == 0`, HOST_ROWS) reads as at the HBM home: the host tier's
-        # address logic costs registers and instructions on every tile even when no block
-        # needs it. (Block ids are loaded a tile ahead (PREFETCH) there only: beside the
-        # host reads in a descriptor launch, that failed Triton 3.6's pipeliner.)
-        if host_row:
-            m_i, l_i, acc, smallest, n_host = _read_wave(
-                q, m_i, l_i, acc, smallest, n_host, wstart, end, sid, b, h, dd, length, nf,
-                n_sink, tail0, kept0, orow, row, step, scale, order_ptr, rloc_ptr, pages_ptr,
-                stamp_ptr, stamp_stride, k_slots, v_slots, k_desc, v_desc, desc_head_rows,
-                desc_head_cols, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr, vshift_ptr,
-                uslot_stride, cache_layers, slot_stride, tok_stride, head_stride,
-                host_slot_stride, host_tok_stride, host_head_stride, NB, G, GP, D, BS, NBLK,
-                S, STAGES, PREC, HAS_HOST, CACHED, STAMP, STATS, KEPT, PREFETCH and not TMA, TMA,
-                ONE_EXP, TRACK,
-            )  # fmt: skip
-        else:
-            m_i, l_i, acc, smallest, n_host = _read_wave(
-                q, m_i, l_i, acc, smallest, n_host, wstart, end, sid, b, h, dd, length, nf,
-                n_sink, tail0, kept0, orow, row, step, scale, order_ptr, rloc_ptr, pages_ptr,
-                stamp_ptr, stamp_stride, k_slots, v_slots, k_desc, v_desc, desc_head_rows,
-                desc_head_cols, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr, vshift_ptr,
-                uslot_stride, cache_layers, slot_stride, tok_stride, head_stride,
-                host_slot_stride, host_tok_stride, host_head_stride, NB, G, GP, D, BS, NBLK,
-                S, STAGES, PREC, False, False, STAMP, STATS, KEPT, PREFETCH, TMA, ONE_EXP, TRACK,
-            )  # fmt: skip
+        # This program's tiles of the wave. (Block ids are loaded a tile ahead (PREFETCH)
+        # only where no host read is beside them in a descriptor launch: that failed
+        # Triton 3.6's pipeliner.)
+        m_i, l_i, acc, smallest, n_host = _read_wave(
+            q, m_i, l_i, acc, smallest, n_host, wstart, end, sid, b, h, dd, length, nf,
+            n_sink, tail0, kept0, orow, row, step, scale, order_ptr, rloc_ptr, pages_ptr,
+            stamp_ptr, stamp_stride, k_slots, v_slots, k_desc, v_desc, desc_head_rows,
+            desc_head_cols, k_host, v_host, uslot_ptr, cpages_ptr, kshift_ptr, vshift_ptr,
+            uslot_stride, cache_layers, slot_stride, tok_stride, head_stride,
+            host_slot_stride, host_tok_stride, host_head_stride, NB, G, GP, D, BS, NBLK,
+            S, STAGES, PREC, HAS_HOST, CACHED, STAMP, STATS, KEPT,
+            PREFETCH and not (HAS_HOST and TMA), TMA, ONE_EXP, TRACK,
+        )  # fmt: skip
         wstart = end
         if S == 1 or ONE_WAVE:  # nothing to agree on: one wave reads every block
             covered = m_i + tl.log(l_i)
@@ -1362,9 +1355,9 @@ class WaveAttention:
         view from this layer, a cached host unit is read from its position (`unit_slot //
         L`'s page, layer `unit_slot % L`) instead.
         With a host tier, `row_host [B]` (int32) says which rows may have a block off HBM
-        (on the host or in the unit cache; nonzero): the others read with none of that
-        logic, as at the HBM home (a zero on a row with such a block reads the wrong
-        memory). None: every row may.
+        (on the host or in the unit cache; nonzero): the others read in a launch of their
+        own, the HBM home's, with none of that logic (a zero on a row with such a block
+        reads the wrong memory). None: every row may.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
@@ -1427,17 +1420,33 @@ class WaveAttention:
         descs = self._descriptors(k_slots, v_slots, slot_strides)
         tile = self.tile_tokens or (bs if descs else 64)
 
+        # The launches of a row set: (reads the host tier, `HOST_ROWS`). With row flags the
+        # rows split again, by whether a block is off HBM: those with none read in a launch
+        # compiled without the host tier (the HBM home's code), the others in one with it;
+        # each returns at once on the other's rows.
+        if not has_host:
+            sets = ((False, 0),)
+        else:
+            sets = ((True, 0),) if row_host is None else ((False, 1), (True, 2))
+
         def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages, order, n_forced,
                    ub_suffix, rloc, part, acc_part, newmeta=False):  # fmt: skip
+            for host, host_rows in sets:
+                one(host, host_rows, S, one_wave, rows, descs, tile, warps, prefetch, stages,
+                    order, n_forced, ub_suffix, rloc, part, acc_part, newmeta)  # fmt: skip
+
+        def one(host, host_rows, S, one_wave, rows, descs, tile, warps, prefetch, stages, order,
+                n_forced, ub_suffix, rloc, part, acc_part, newmeta):  # fmt: skip
             nk = new_keys if newmeta else (None,) * 6
+            cache = cached and host
             _wave_attention_kernel[(B, Hkv, S)](
                 q,
                 q.stride(0),
                 k_slots,
                 v_slots,
                 *(descs or (k_slots, v_slots, 0, 0)),
-                k_host,
-                v_host,
+                k_host if host else k_slots,
+                v_host if host else v_slots,
                 rloc,
                 order,
                 lengths,
@@ -1456,10 +1465,10 @@ class WaveAttention:
                 stamps if stamps is not None else self.n_read,
                 step if stamps is not None else self.n_read,
                 stats if stats is not None else self.n_read,
-                unit_slot if cached else self.n_read,
-                cache_pages if cached else self.n_read,
-                cache_shift[0] if cached else self.n_read,
-                cache_shift[1] if cached else self.n_read,
+                unit_slot if cache else self.n_read,
+                cache_pages if cache else self.n_read,
+                cache_shift[0] if cache else self.n_read,
+                cache_shift[1] if cache else self.n_read,
                 row_host if row_host is not None else self.n_read,
                 kept[1] if kept is not None else self.n_read,
                 kept[3] if kept is not None else self.n_read,
@@ -1470,8 +1479,8 @@ class WaveAttention:
                 self.sink,
                 self.recent,
                 stamps.stride(0) if stamps is not None else 0,
-                unit_slot.stride(0) if cached else 0,
-                cache_shift[0].shape[0] if cached else 1,
+                unit_slot.stride(0) if cache else 0,
+                cache_shift[0].shape[0] if cache else 1,
                 self.wave_ends.stride(0),
                 scale,
                 limit,
@@ -1486,9 +1495,9 @@ class WaveAttention:
                 D=D,
                 BS=bs,
                 NBLK=max(1, tile // bs),
-                HAS_HOST=has_host,
-                CACHED=cached,
-                HOST_ROWS=has_host and row_host is not None,
+                HAS_HOST=host,
+                CACHED=cache,
+                HOST_ROWS=host_rows,
                 num_warps=warps,
                 RULE=0 if self.rule == "heuristic" else 1,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32",
