@@ -30,6 +30,9 @@ the subcommands below; they need only the standard library:
     offline_bundle.py unxz-kernel BUNDLE_DIR       # restore the xz-compressed kernel files (FA3)
     offline_bundle.py pip-flags                    # pip's cross-target flags (cp312 manylinux)
 
+Here, `offline_bundle.py resplit OUT [--part-mib N]` cuts a built bundle's parts to
+another size (a device call carries the parts beside the working tree: `CARRY_MIB`).
+
 The package list is data at the top of this file; the recipe it follows (and
 why each package is there) is ../shared/AIRGAP.md.
 """
@@ -214,9 +217,12 @@ TARGET_MARKERS = {  # the GPU host, for checking the bundle's requirements again
 }
 
 MIB = 1 << 20
-# a device call carries 64 MiB with the working tree (~16 MiB tracked at 2026-12-05,
-# growing with the results: 48 MiB parts no longer fit beside it)
-DEFAULT_PART_MIB = 44
+# A device call carries 64 MiB with the working tree (tracked files: 18.1 MiB at
+# 2026-12-06, growing with the results; 44 MiB parts left 1.8 MiB, so a part and a
+# 1.8 MiB folder of wheels no longer fit in one call). `resplit` re-cuts a built
+# bundle's parts without rebuilding it.
+CARRY_MIB = 64
+DEFAULT_PART_MIB = 40
 PART_PREFIX = "psa-bundle.part-"
 MANIFEST_NAME = "MANIFEST.json"
 BUNDLE_ROOT = "psa-bundle"  # top folder inside bundle.tar
@@ -285,6 +291,10 @@ def split_file(src: Path | str, out_dir: Path | str, part_bytes: int) -> list[di
             if size < part_bytes:
                 break
     return parts
+
+
+# the manifest's own fields (`write_manifest`); the others describe the bundle's content
+_MANIFEST_KEYS = ("format", "bundle", "total_size", "total_sha256", "part_count", "parts")
 
 
 def write_manifest(
@@ -989,6 +999,24 @@ def build(
     return manifest
 
 
+def resplit(out: Path, part_mib: float) -> dict:
+    """Cut a built bundle's tar (`out`/bundle.tar) into parts of at most `part_mib` MiB
+    again (`out`/parts, its manifest rewritten with the new parts, every other field
+    kept): no download, no rebuild. Returns the new manifest."""
+    tar_path, parts_dir = out / "bundle.tar", out / "parts"
+    if not tar_path.is_file():
+        raise BundleError(f"{tar_path} is missing: build the bundle first")
+    old = load_manifest(parts_dir)
+    if tar_path.stat().st_size != old["total_size"]:
+        raise BundleError(f"{tar_path} is not the bundle {parts_dir / MANIFEST_NAME} describes")
+    parts = split_file(tar_path, parts_dir, int(part_mib * MIB))
+    extra = {k: v for k, v in old.items() if k not in _MANIFEST_KEYS}
+    write_manifest(parts_dir, parts, old["total_size"], old["total_sha256"],
+                   **{**extra, "part_mib": part_mib})  # fmt: skip
+    _log(f"{_fmt_mib(old['total_size'])} in {len(parts)} part(s) of <= {part_mib:g} MiB")
+    return load_manifest(parts_dir)
+
+
 # ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
@@ -1095,10 +1123,29 @@ def _main_host(argv: list[str]) -> int:
 HOST_COMMANDS = ("verify", "status", "parts", "place-model", "unxz-kernel", "pip-flags")
 
 
+def _main_resplit(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="offline_bundle.py resplit",
+        description="cut a built bundle (OUT/bundle.tar) into parts of another size",
+    )
+    ap.add_argument("out", type=Path, help="the bundle's folder (the build's --out)")
+    ap.add_argument("--part-mib", type=float, default=DEFAULT_PART_MIB, help="max part size, MiB")
+    args = ap.parse_args(argv)
+    try:
+        manifest = resplit(args.out, args.part_mib)
+    except BundleError as e:
+        _log(f"error: {e}")
+        return 1
+    print(json.dumps({k: manifest[k] for k in ("total_size", "total_sha256", "part_count")}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in HOST_COMMANDS:
         return _main_host(argv)
+    if argv and argv[0] == "resplit":
+        return _main_resplit(argv[1:])
     return _main_build(argv)
 
 

@@ -98,6 +98,44 @@ def test_split_exact_multiple_and_stale_parts(tmp_path: Path):
     assert sorted(p.name for p in out.iterdir()) == [p["name"] for p in parts]
 
 
+def test_resplit_cuts_a_built_bundle_again_keeping_its_description(
+    synthetic_tar: Path, tmp_path: Path
+):
+    """`resplit` re-cuts OUT/bundle.tar (no rebuild): new parts, the same bundle, the
+    manifest's description of its content kept; a tar that is not the manifest's bundle
+    is refused."""
+    out = tmp_path / "bundle"
+    out.mkdir()
+    tar = out / "bundle.tar"
+    tar.write_bytes(synthetic_tar.read_bytes())
+    parts = ob.split_file(tar, out / "parts", 1000)
+    ob.write_manifest(out / "parts", parts, tar.stat().st_size, _sha(tar),
+                      sglang="0.5.17", models=["qwen2.5-0.5b"], part_mib=1000 / ob.MIB)  # fmt: skip
+    assert ob.main(["resplit", str(out), "--part-mib", str(400 / ob.MIB)]) == 0
+    m = ob.load_manifest(out / "parts")
+    assert m["part_count"] == -(-tar.stat().st_size // 400) > len(parts)
+    assert (m["sglang"], m["models"], m["part_mib"]) == ("0.5.17", ["qwen2.5-0.5b"], 400 / ob.MIB)
+    assert ob.verify_stage(out / "parts")["total_sha256"] == _sha(tar)
+    assert _sha(ob.assemble(out / "parts", tmp_path / "joined.tar")) == _sha(tar)
+    tar.write_bytes(tar.read_bytes() + b"x")
+    assert ob.main(["resplit", str(out)]) == 1
+
+
+def test_a_default_part_fits_a_device_call_beside_the_tracked_tree():
+    """A device call carries `CARRY_MIB` with the working tree: the tracked files, a
+    default part and its manifest leave at least 2 MiB (a folder of wheels, the files a
+    session adds before it commits). Fails as the results grow: lower the default and
+    `resplit` the built bundles."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ob.REPO, capture_output=True,
+                           check=True).stdout.split(b"\0")  # fmt: skip
+    tree = sum((ob.REPO / f.decode()).stat().st_size for f in files if f)
+    assert tree + (ob.DEFAULT_PART_MIB + 2) * ob.MIB + 64 * 1024 <= ob.CARRY_MIB * ob.MIB, (
+        f"tracked files {tree / ob.MIB:.1f} MiB + a {ob.DEFAULT_PART_MIB} MiB part"
+    )
+
+
 def test_corrupt_part_is_named(synthetic_tar: Path, tmp_path: Path):
     out = tmp_path / "parts"
     m = _split(synthetic_tar, out, 1000)
