@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import os
@@ -1430,8 +1431,8 @@ class WaveAttention:
             sets = ((True, 0),) if row_host is None else ((False, 1), (True, 2))
 
         def launch(S, one_wave, rows, descs, tile, warps, prefetch, stages, order, n_forced,
-                   ub_suffix, rloc, part, acc_part, newmeta=False):  # fmt: skip
-            for host, host_rows in sets:
+                   ub_suffix, rloc, part, acc_part, newmeta=False, which=slice(None)):  # fmt: skip
+            for host, host_rows in sets[which]:
                 one(host, host_rows, S, one_wave, rows, descs, tile, warps, prefetch, stages,
                     order, n_forced, ub_suffix, rloc, part, acc_part, newmeta)  # fmt: skip
 
@@ -1535,14 +1536,19 @@ class WaveAttention:
             # graph), beside the fresh rows' scoring, ranking and waves, which on most steps
             # have no row and end at once: they no longer add to the step. The two launches
             # write disjoint rows, each with buffers of its own.
+            # With row flags, the kept rows with a block off HBM read in the fresh rows'
+            # branch (last there): with none flagged that launch ends at once, off the
+            # kept rows' path.
             if side is not None:
                 side.wait_stream(here)
             kd = descs if self.kept_tma else None  # tensor descriptors: one block a tile
+            kept_launch = functools.partial(
+                launch, self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
+                self.kept_warps, self.kept_prefetch, self.kept_stages, kept[0], self.n_forced,
+                self.lse, loc, self.kept_part, self.kept_acc_part, newmeta=new_keys is not None,
+            )  # fmt: skip
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                launch(self.kept_splits, True, 2, kd, bs if kd else self.kept_tile_tokens,
-                       self.kept_warps, self.kept_prefetch, self.kept_stages, kept[0],
-                       self.n_forced, self.lse, loc, self.kept_part,
-                       self.kept_acc_part, newmeta=new_keys is not None)  # fmt: skip
+                kept_launch(which=slice(0, 1))
         if urgent is not None:
             urgent.wait_stream(here)
         with torch.cuda.stream(urgent) if urgent is not None else contextlib.nullcontext():
@@ -1584,6 +1590,8 @@ class WaveAttention:
                         self.splits, B, self.splits // 2,
                     )  # fmt: skip
                     self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
+            if split:
+                kept_launch(which=slice(1, None))
         if side is not None:  # the branches join before the output is read
             here.wait_stream(side)
         if urgent is not None:

@@ -207,10 +207,11 @@ def test_wave_reads_kept_order(device, mode, shape):
         torch.testing.assert_close(res.lse.cpu(), ref.lse, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("home", ["hbm", "tiered"])
 @pytest.mark.parametrize("kept_split", [True, False], ids=["own_launch", "one_launch"])
 @pytest.mark.parametrize("shape", ["small", "qwen05b"])
 @pytest.mark.parametrize("mode", ["psa", "topk"])
-def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
+def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split, home):
     """One step where a request new to the cache ranks while the others read their kept
     order: the kept rows' launch (on a side stream on the GPU) and the fresh rows' launch
     each give their rows what the reference gives a row of that kind: the fresh row the
@@ -220,7 +221,10 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     keep their own launch). The step's new keys (`new_keys`, in an SGLang-layout pool of
     their own here) get their pages' metadata whichever launch writes them: the fresh
     row's before its ranking, the kept rows' in their launch (NEWMETA) where they have
-    one; no other page is written."""
+    one; no other page is written. `tiered`: a third of request 1's blocks (a kept row at
+    step 1) live only in a host tier (their HBM slots NaN) and the step's row flags say so:
+    that row reads in the launches compiled with the host tier, the others in the HBM
+    home's."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -242,6 +246,25 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     wa.kept_split = kept_split
     cache = SelectionCache(1, B, Hkv, nb_max, 1000, bs, 2, device)
     k_slots, v_slots, loc = _paged(k, v, bs, device)
+    host = {}
+    if home == "tiered":  # blocks of request 1 moved to a host tier (head-major units)
+        nb1 = -(-int(len1[1]) // bs)
+        moved = [j for j in range(nb1) if j % 3]
+        k_host = torch.zeros(Hkv, len(moved), bs, d)
+        v_host = torch.zeros_like(k_host)
+        for u, j in enumerate(moved):
+            for h in range(Hkv):
+                slot = int(loc[1, h, j])
+                k_host[h, u], v_host[h, u] = k_slots[slot].cpu(), v_slots[slot].cpu()
+                k_slots[slot] = float("nan")  # only the host copy is right
+                v_slots[slot] = float("nan")
+            loc[1, :, j] = -u - 1
+        if device == "cuda":
+            k_host, v_host = k_host.pin_memory(), v_host.pin_memory()
+        flags = torch.tensor([0, 1, 0][:B], dtype=torch.int32, device=device)
+        host = dict(k_host=k_host, v_host=v_host, row_host=flags,
+                    host_strides=(bs * d, d, len(moved) * bs * d),
+                    stats=torch.zeros(3, dtype=torch.int64, device=device))  # fmt: skip
     step = torch.zeros(1, dtype=torch.int32, device=device)
     # The new keys: one per row, in pages of a token-major pool (page 0: SGLang's padding).
     P = 4 * B + 1
@@ -256,7 +279,7 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
         res = wa.run(
             q.to(device), k_slots, v_slots, loc, lengths.to(device),
             meta.mean.to(device), meta.kmin.to(device), meta.kmax.to(device),
-            max_read_blocks=max_read, kept=cache.kept(0, B), new_keys=new_keys,
+            max_read_blocks=max_read, kept=cache.kept(0, B), new_keys=new_keys, **host,
         )  # fmt: skip
         return [t.cpu() for t in cache.rows(B)], res
 
@@ -293,6 +316,8 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split):
     lse = torch.cat([ref_fresh.lse[:1], ref_kept.lse[1:]])
     n_read = torch.cat([ref_fresh.read[:1], ref_kept.read[1:]]).sum(-1)
     assert torch.equal(res.n_read.cpu().long(), n_read)
+    if host:  # both steps read host units (request 1's: flagged)
+        assert int(host["stats"][2]) > 0
     if topk:  # the fixed budget, whether ranked now or kept
         assert (n_read <= max_read).all() and (n_read == max_read).any()
     torch.testing.assert_close(res.out.cpu(), out, atol=2e-4, rtol=2e-4)
