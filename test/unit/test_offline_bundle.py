@@ -128,6 +128,8 @@ def test_a_default_part_fits_a_device_call_beside_the_tracked_tree():
     `resplit` the built bundles."""
     import subprocess
 
+    if not (ob.REPO / ".git").exists():
+        pytest.skip("counts a git checkout's tracked files")
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ob.REPO, capture_output=True,
                            check=True).stdout.split(b"\0")  # fmt: skip
     tree = sum((ob.REPO / f.decode()).stat().st_size for f in files if f)
