@@ -393,17 +393,21 @@ def _in_background(fn, *args) -> dict:
 
 
 def abort_queued(s: Server, running: int = MAX_RUNNING) -> Outcome:
-    """Fill every running slot with long decodes, queue more, abort the queued ones."""
+    """Fill every running slot with long decodes, queue more, abort the queued ones.
+
+    The queued requests ask as many tokens as the fill: where the server retracts (the
+    tiered home's probes server does every `RETRACT_EVERY` forwards), a queued request
+    may take a retracted one's slot before the abort, and must still be running then."""
 
     def run():
         fill = [_in_background(s.generate, prompt(512, i), 4000) for i in range(running)]
         # The queued requests leave only once the fill holds every slot: sent together,
-        # one could overtake a fill request, run, and finish its 64 tokens before the abort.
+        # one could overtake a fill request and run, not wait, until the abort.
         deadline = time.time() + 120
         while s.psa_state()["running"] < running and time.time() < deadline:
             time.sleep(0.2)
         rids = [f"queued-{uuid.uuid4().hex}" for _ in range(4)]
-        queued = [_in_background(s.generate, prompt(512, 100 + i), 64, r)
+        queued = [_in_background(s.generate, prompt(512, 100 + i), 4000, r)
                   for i, r in enumerate(rids)]  # fmt: skip
         time.sleep(3)
         for r in rids:
