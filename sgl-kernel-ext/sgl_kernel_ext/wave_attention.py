@@ -47,6 +47,48 @@ from sgl_kernel_ext.unit_cache import LAYER_ALIGN
 
 HEURISTIC, CERTIFIED = 0, 1
 logger = logging.getLogger(__name__)
+# PyTorch's conditional-node capture (CUDA >= 12.4 builds): launches captured between
+# `begin_capture_to_if_node(pred)` and `end_capture_to_conditional_node()` form the body
+# of an IF node that a replay runs only where the 0-d bool `pred` is true.
+GRAPH_IF = all(
+    hasattr(torch.cuda.CUDAGraph, name)
+    for name in ("get_currently_capturing_graph", "begin_capture_to_if_node",
+                 "end_capture_to_conditional_node")
+)  # fmt: skip
+_warned_no_graph_if = False
+
+
+@contextlib.contextmanager
+def only_if(pred: torch.Tensor | None):
+    """The launches issued inside run only on replays where `pred` (0-d bool, CUDA) is
+    true, when issued during CUDA-graph capture: they become a conditional node's body
+    (a one-thread kernel reads `pred` first). Outside capture (eager steps, CPU) or with
+    `pred` None they are issued as usual: an eager caller cannot read `pred` without a
+    host sync, and the launches must be correct whatever `pred` says. Where PyTorch lacks
+    the conditional capture they are captured unconditionally (correct, slower), said
+    once in the log."""
+    global _warned_no_graph_if
+    if pred is None or not pred.is_cuda or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    if not GRAPH_IF:
+        if not _warned_no_graph_if:
+            _warned_no_graph_if = True
+            logger.warning(
+                "wave attention: this PyTorch (%s) cannot capture a CUDA graph's "
+                "conditional node: the tiered home's launch for rows with a block off HBM "
+                "is replayed at every step, also when no row has one", torch.__version__,
+            )  # fmt: skip
+        yield
+        return
+    if pred.dtype != torch.bool or pred.dim() != 0:
+        raise ValueError(f"only_if: a 0-d bool predicate, got {pred.dtype} {tuple(pred.shape)}")
+    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+    graph.begin_capture_to_if_node(pred)
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
 
 
 @triton.jit
@@ -1326,6 +1368,7 @@ class WaveAttention:
         cache_pages: torch.Tensor | None = None,
         cache_shift: tuple[torch.Tensor, torch.Tensor] | None = None,
         row_host: torch.Tensor | None = None,
+        row_host_any: torch.Tensor | None = None,
         meta_scale: torch.Tensor | None = None,
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
@@ -1358,7 +1401,10 @@ class WaveAttention:
         With a host tier, `row_host [B]` (int32) says which rows may have a block off HBM
         (on the host or in the unit cache; nonzero): the others read in a launch of their
         own, the HBM home's, with none of that logic (a zero on a row with such a block
-        reads the wrong memory). None: every row may.
+        reads the wrong memory). None: every row may. `row_host_any` (0-d bool, whether
+        any `row_host` is nonzero, written before this run in stream order): captured in a
+        CUDA graph, the flagged rows' launches are then a conditional node that replays
+        skip on steps with no row flagged (`only_if`); eager runs issue them regardless.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
@@ -1568,25 +1614,33 @@ class WaveAttention:
                 )  # fmt: skip
                 rloc = self.ranked_loc
             prefetch = not self.one_wave if self.prefetch is None else self.prefetch
-            while True:
-                try:
-                    launch(self.splits, self.one_wave, 1 if split else 0, descs, tile, self.warps,
-                           prefetch, self.num_stages, order, n_forced, ub_suffix, rloc, self.part,
-                           self.acc_part)  # fmt: skip
-                    break
-                except RuntimeError as e:
-                    # Too many programs for one cooperative launch (they must all be
-                    # resident): halve the split and try again; the plan keeps the result.
-                    if self.splits == 1 or "cooperative" not in str(e):
-                        raise
-                    logger.warning(
-                        "wave attention: %d programs a (request, KV head) do not fit one "
-                        "cooperative launch at batch %d; this plan runs %d (slower reads)",
-                        self.splits, B, self.splits // 2,
-                    )  # fmt: skip
-                    self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
-            if split:
-                kept_launch(which=slice(1, None))
+
+            def fresh_launch(which):
+                while True:
+                    try:
+                        launch(self.splits, self.one_wave, 1 if split else 0, descs, tile,
+                               self.warps, prefetch, self.num_stages, order, n_forced,
+                               ub_suffix, rloc, self.part, self.acc_part, which=which)  # fmt: skip
+                        return
+                    except RuntimeError as e:
+                        # Too many programs for one cooperative launch (they must all be
+                        # resident): halve the split and try again; the plan keeps it.
+                        if self.splits == 1 or "cooperative" not in str(e):
+                            raise
+                        logger.warning(
+                            "wave attention: %d programs a (request, KV head) do not fit one "
+                            "cooperative launch at batch %d; this plan runs %d (slower reads)",
+                            self.splits, B, self.splits // 2,
+                        )  # fmt: skip
+                        self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
+
+            fresh_launch(slice(0, 1))
+            # The flagged rows' launches (none without row flags), last in this branch and
+            # together: one conditional node in a captured graph, skipped with none flagged.
+            with only_if(row_host_any if len(sets) > 1 else None):
+                fresh_launch(slice(1, None))
+                if split:
+                    kept_launch(which=slice(1, None))
         if side is not None:  # the branches join before the output is read
             here.wait_stream(side)
         if urgent is not None:

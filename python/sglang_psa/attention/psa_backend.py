@@ -69,6 +69,7 @@ class _Batch:
     loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
     host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
     row_host: torch.Tensor | None = None  # [B] int32, tiered home: a block off HBM (nonzero)
+    row_host_any: torch.Tensor | None = None  # 0-d bool, tiered home: any row_host nonzero
     plan: WaveAttention | None = None
     kept: bool = False  # reads a selection kept across steps (`--psa-rerank-interval`)
 
@@ -190,20 +191,24 @@ class PSAAttnBackend(AttentionBackend):
     def _tables(self, n: int) -> tuple:
         """A step's tables for `n` requests (`_Batch`'s order): page table, lengths (1:
         SGLang's padding value), every head's block table and, at the tiered home, the
-        rows' host locations and which rows have a block off HBM."""
+        rows' host locations, which rows have a block off HBM and whether any has (0-d:
+        shared by every batch size's views)."""
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
         loc = torch.zeros(n, Hkv, self.max_blocks, **kw)
         tiered = self.writeback is not None
         host = torch.zeros(n, self.max_blocks, **kw) if tiered else None
         row_host = torch.zeros(n, **kw) if tiered else None
-        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host, row_host
+        any_host = torch.zeros((), dtype=torch.bool, device=self._device) if tiered else None
+        return (torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host, row_host,
+                any_host)  # fmt: skip
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
         if got is None:
             if B <= self._graph_bs:  # views of the tables the captured graphs read
-                got = _Batch(*(None if t is None else t[:B] for t in self._graph_tables))
+                got = _Batch(*(None if t is None else t[:B] if t.dim() else t
+                               for t in self._graph_tables))  # fmt: skip
             else:  # eager only (larger than any captured batch, or graphs off)
                 got = _Batch(*self._tables(B))
                 if self.cfg.rerank_interval > 1:
@@ -247,6 +252,7 @@ class PSAAttnBackend(AttentionBackend):
             torch.index_select(self.writeback.host_loc, 0, rows, out=st.host)
             on_host = st.host < 0
             st.row_host.copy_(on_host.any(dim=1))  # the others read as at the HBM home
+            torch.any(st.row_host, out=st.row_host_any)  # none: their launches are skipped
             where = torch.where(on_host, st.host, st.pages)
             st.loc.copy_(where[:, None, :].expand_as(st.loc))
             # Metadata and stamps of an evicted block: the row of its host block.
@@ -379,6 +385,7 @@ class PSAAttnBackend(AttentionBackend):
             cache_pages=cache_pages,
             cache_shift=cache_shift,
             row_host=step.row_host,
+            row_host_any=step.row_host_any,
             meta_scale=kscale,
             code_planes=codes[0],
             code_lo=codes[1],
