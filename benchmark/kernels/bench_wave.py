@@ -1074,8 +1074,10 @@ def tiered_a(ctx: int = 28000) -> dict:
     heads, 32 x `ctx` tokens in a plan of 32768, nothing evicted), per layer: `hbm`, the
     HBM home; `tiered`, the tiered home's launch (a host tier, the unit cache and the
     step's row flags given: no row has a block off HBM, so the flagged rows' launch, a
-    conditional node, is skipped); `tiered_unconditional`, that launch replayed anyway
-    (the tiered home before the conditional node); `tiered_flagged`, the same with
+    conditional node on a branch of its own, is skipped); `tiered_in_chain`, that node
+    after the unflagged rows' launch (`flagged_beside` False); `tiered_unconditional`,
+    there and replayed anyway (the tiered home before the conditional node);
+    `tiered_flagged`, the `tiered` launch with
     every row flagged (the host tier's logic on every tile); `tiered_gather`, that with
     its waves reading every block by the per-row gather, two warps (the tiered home's
     launch before its waves read HBM blocks through tensor descriptors). Modes: psa over
@@ -1089,7 +1091,8 @@ def tiered_a(ctx: int = 28000) -> dict:
         row = {}
         for name, tiered, flagged, launch in (
             ("hbm", False, False, {}), ("tiered", True, False, {}),
-            ("tiered_unconditional", True, False, {"conditional": False}),
+            ("tiered_in_chain", True, False, {"flagged_beside": False}),
+            ("tiered_unconditional", True, False, {"conditional": False, "flagged_beside": False}),
             ("tiered_flagged", True, True, {}), ("tiered_gather", True, True, {"tma": False}),
         ):  # fmt: skip
             conditional = launch.pop("conditional", True)
@@ -1102,7 +1105,8 @@ def tiered_a(ctx: int = 28000) -> dict:
                 LAUNCH.clear()
                 LAUNCH.update(DEFAULT_LAUNCH)
             torch.cuda.empty_cache()
-        for name in ("tiered", "tiered_unconditional", "tiered_flagged", "tiered_gather"):
+        for name in ("tiered", "tiered_in_chain", "tiered_unconditional", "tiered_flagged",
+                     "tiered_gather"):  # fmt: skip
             row[f"{name}_vs_hbm"] = row[name]["time_us"] / row["hbm"]["time_us"]
         out[mode] = row
         print(mode, {k: v for k, v in row.items() if k.endswith("_vs_hbm")}, file=sys.stderr,

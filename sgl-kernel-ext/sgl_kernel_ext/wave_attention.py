@@ -986,6 +986,12 @@ class WaveAttention:
         # reads more and ends the layer itself: not ahead (34.9 us against 37.3 at 16K,
         # 37.5 against 39.2 at 28K; bench_wave --kept-sweep, H200).
         self.fresh_first: bool | None = None
+        # With row flags (the tiered home), the flagged rows' launches run on a stream of
+        # their own, forked after the ranking, beside the unflagged rows' launch: in a
+        # captured graph a conditional node skips them when no row is flagged, and that
+        # node (with the one-thread kernel that reads its predicate) is then off the
+        # layer's path. False: last in the fresh rows' branch, after the unflagged launch.
+        self.flagged_beside = True
         # Top-k's kept rows read in that launch of their own; False: in one launch with the
         # fresh rows, after their ranking (bench_wave --kept-sweep's comparison; the stop
         # rule's kept rows always have their own, which reads their kept budget).
@@ -1140,6 +1146,8 @@ class WaveAttention:
         # captured kernel keeps its stream's priority: PyTorch instantiates graphs with
         # per-node priorities).
         self.urgent = torch.cuda.Stream(dev, priority=-1) if compiled else None
+        # ... and the flagged rows' launches on this one (`flagged_beside`).
+        self.flagged = torch.cuda.Stream(dev) if compiled else None
         key = (max_blocks, self.one_wave, str(dev))
         if key not in self._tables:
             self._tables[key] = tuple(t.to(dev) for t in self._wave_table(max_blocks))
@@ -1570,16 +1578,16 @@ class WaveAttention:
         side = self.side if split and q.is_cuda and self.kept_beside else None
         first = self.one_wave if self.fresh_first is None else self.fresh_first
         urgent = self.urgent if side is not None and first else None
-        here = torch.cuda.current_stream(q.device) if side is not None else None
+        flagged = self.flagged if len(sets) > 1 and q.is_cuda and self.flagged_beside else None
+        here = torch.cuda.current_stream(q.device) if q.is_cuda else None
         if split:
             # The rows that read their kept selection know their blocks: one wave, programs
             # that never wait for each other. On the side stream (a branch of the captured
             # graph), beside the fresh rows' scoring, ranking and waves, which on most steps
             # have no row and end at once: they no longer add to the step. The two launches
             # write disjoint rows, each with buffers of its own.
-            # With row flags, the kept rows with a block off HBM read in the fresh rows'
-            # branch (last there): with none flagged that launch ends at once, off the
-            # kept rows' path.
+            # With row flags, the kept rows with a block off HBM read with the fresh
+            # flagged rows (below): off the kept rows' path, skipped with none flagged.
             if side is not None:
                 side.wait_stream(here)
             kd = descs if self.kept_tma else None  # tensor descriptors: one block a tile
@@ -1634,16 +1642,20 @@ class WaveAttention:
                         )  # fmt: skip
                         self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
 
+            # The flagged rows' launches (none without row flags), together: one conditional
+            # node in a captured graph, skipped with none flagged; on their own stream,
+            # forked here (after the ranking they read), beside the unflagged rows' launch.
+            # The launches write disjoint rows (split barriers count per row and KV head).
+            if flagged is not None:
+                flagged.wait_stream(torch.cuda.current_stream(q.device))
             fresh_launch(slice(0, 1))
-            # The flagged rows' launches (none without row flags), last in this branch and
-            # together: one conditional node in a captured graph, skipped with none flagged.
-            with only_if(row_host_any if len(sets) > 1 else None):
+            with (torch.cuda.stream(flagged) if flagged is not None else contextlib.nullcontext(),
+                  only_if(row_host_any if len(sets) > 1 else None)):  # fmt: skip
                 fresh_launch(slice(1, None))
                 if split:
                     kept_launch(which=slice(1, None))
-        if side is not None:  # the branches join before the output is read
-            here.wait_stream(side)
-        if urgent is not None:
-            here.wait_stream(urgent)
+        for branch in (side, urgent, flagged):  # the branches join before the output is read
+            if branch is not None:
+                here.wait_stream(branch)
         slot = kept[1] if kept is not None else None
         return WaveResult(self.out, self.lse, order, self.n_read, self.n_waves, slot)
