@@ -1,7 +1,7 @@
 """`scripts/compile_sm90.py`: the kernel launches a CPU test makes in Triton's interpreter,
 recorded by `test/conftest.py` (`SGLANG_PSA_RECORD_LAUNCHES`), compile for sm_90 here
-without a GPU (the decode-slot kernel and the unit cache's refresh); a record naming a
-parameter the kernel lacks fails the run."""
+without a GPU (the decode-slot kernel, the unit cache's refresh and the tiered home's step
+tables); a record naming a parameter the kernel lacks fails the run."""
 
 from __future__ import annotations
 
@@ -60,10 +60,12 @@ def test_recorded_launches_compile_for_sm90(tmp_path):
         tmp_path,
         str(ROOT / "test/kernels/test_decode_slots.py"),
         str(ROOT / "test/kernels/test_unit_cache.py"),
+        str(ROOT / "test/kernels/test_step_tables.py"),
         "-k", "kernel_matches and cpu or heavy_layer and cpu",
     )  # fmt: skip
     launches = compile_sm90.load(rec)
-    assert {x["kernel"] for x in launches} == {"_decode_slots_kernel", "_refresh_kernel"}
+    want = {"_decode_slots_kernel", "_refresh_kernel", "_tiered_tables_kernel"}
+    assert {x["kernel"] for x in launches} == want
 
     def run():
         return subprocess.run(

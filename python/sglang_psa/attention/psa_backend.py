@@ -38,6 +38,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sgl_kernel_ext.selection import SelectionCache
+from sgl_kernel_ext.step_tables import tiered_step_tables
 from sgl_kernel_ext.wave_attention import WaveAttention, Workspace
 from sglang_psa.algo import progressive_attention, topk_attention
 from sglang_psa.attention.coverage_audit import audit
@@ -67,7 +68,6 @@ class _Batch:
     pages: torch.Tensor  # [B, NB] int32
     lengths: torch.Tensor  # [B] int32
     loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
-    host: torch.Tensor | None = None  # [B, NB] int32, tiered home: the rows' host locations
     row_host: torch.Tensor | None = None  # [B] int32, tiered home: a block off HBM (nonzero)
     row_host_any: torch.Tensor | None = None  # 0-d bool, tiered home: any row_host nonzero
     plan: WaveAttention | None = None
@@ -190,18 +190,16 @@ class PSAAttnBackend(AttentionBackend):
 
     def _tables(self, n: int) -> tuple:
         """A step's tables for `n` requests (`_Batch`'s order): page table, lengths (1:
-        SGLang's padding value), every head's block table and, at the tiered home, the
-        rows' host locations, which rows have a block off HBM and whether any has (0-d:
-        shared by every batch size's views)."""
+        SGLang's padding value), every head's block table and, at the tiered home, which
+        rows have a block off HBM and whether any has (0-d: shared by every batch size's
+        views)."""
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
         loc = torch.zeros(n, Hkv, self.max_blocks, **kw)
         tiered = self.writeback is not None
-        host = torch.zeros(n, self.max_blocks, **kw) if tiered else None
         row_host = torch.zeros(n, **kw) if tiered else None
         any_host = torch.zeros((), dtype=torch.bool, device=self._device) if tiered else None
-        return (torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, host, row_host,
-                any_host)  # fmt: skip
+        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, row_host, any_host
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
@@ -249,14 +247,12 @@ class PSAAttnBackend(AttentionBackend):
         st.pages.floor_divide_(self.cfg.block_size)
         st.lengths.copy_(forward_batch.seq_lens)
         if self.writeback is not None:  # tiered: evicted blocks are read from the host tier
-            torch.index_select(self.writeback.host_loc, 0, rows, out=st.host)
-            on_host = st.host < 0
-            st.row_host.copy_(on_host.any(dim=1))  # the others read as at the HBM home
-            torch.any(st.row_host, out=st.row_host_any)  # none: their launches are skipped
-            where = torch.where(on_host, st.host, st.pages)
-            st.loc.copy_(where[:, None, :].expand_as(st.loc))
-            # Metadata and stamps of an evicted block: the row of its host block.
-            st.pages.copy_(torch.where(on_host, self.meta.page_rows - 1 - st.host, st.pages))
+            # Each head's block locations, the metadata rows (an evicted block's: its host
+            # block's row) and the rows with a block off HBM (the others read as at the
+            # HBM home), in one launch; with none, their launches are skipped.
+            tiered_step_tables(st.pages, self.writeback.host_loc, rows, self.meta.page_rows,
+                               st.loc, st.row_host)  # fmt: skip
+            torch.any(st.row_host, out=st.row_host_any)
         else:  # the block table of every head, once per step
             st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
         self.ws.begin_step(rows, st.pages, st.lengths)
