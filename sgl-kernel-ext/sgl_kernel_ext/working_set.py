@@ -93,8 +93,9 @@ def working_set_parts(
 
 @triton.jit
 def _block_readers_kernel(
-    stamps_ptr, pages_ptr, step_ptr, out_ptr, window, P, NB, LH, CHUNK: tl.constexpr
-):
+    stamps_ptr, pages_ptr, step_ptr, out_ptr, window, P, NB, LH, CAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     j = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     m = j < NB
@@ -104,11 +105,12 @@ def _block_readers_kernel(
     for lh in range(0, LH):
         st = tl.load(stamps_ptr + lh * P + page, mask=m, other=0)
         n += ((st > since) & (st > 0)).to(tl.int32)
-    tl.store(out_ptr + b * NB + j, n, mask=m)
+    tl.store(out_ptr + b * NB + j, tl.minimum(n, CAP).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def block_readers_ref(stamps, pages, step, window):
-    """`[B, NB]` in torch: the spec of `block_readers`."""
+    """`[B, NB]` in torch: the spec of `block_readers` (int32; its uint8 output is this
+    capped at 255)."""
     table = stamps[:, pages.long()]
     since = int(step) - window
     return ((table > since) & (table > 0)).sum(0).to(torch.int32)
@@ -117,21 +119,23 @@ def block_readers_ref(stamps, pages, step, window):
 def block_readers(
     stamps: torch.Tensor, pages: torch.Tensor, step: torch.Tensor, window: int, out: torch.Tensor
 ) -> torch.Tensor:
-    """Fill `out [B, NB]` (int32) with how many (layer x KV head) units read each block of
-    `pages [B, NB]` within the last `window` steps (stamped after `step - window`); one
-    launch of `B x ceil(NB / 256)` programs that each loop over the units, no host sync.
-    Blocks past a request's length get a count too, which the caller ignores."""
+    """Fill `out [B, NB]` (int32, or uint8: capped at 255) with how many (layer x KV head)
+    units read each block of `pages [B, NB]` within the last `window` steps (stamped after
+    `step - window`); one launch of `B x ceil(NB / 256)` programs that each loop over the
+    units, no host sync. Blocks past a request's length get a count too, which the caller
+    ignores."""
     LH, P = stamps.shape
     B, NB = pages.shape
-    if out.shape != (B, NB) or out.dtype != torch.int32:
-        raise ValueError(f"out must be int32 [{B}, {NB}]")
+    if out.shape != (B, NB) or out.dtype not in (torch.int32, torch.uint8):
+        raise ValueError(f"out must be int32 or uint8 [{B}, {NB}]")
+    cap = 255 if out.dtype == torch.uint8 else 2**31 - 1
     if B == 0:
         return out
     if triton_enabled(stamps.device):
         chunk = 256
         _block_readers_kernel[(B, triton.cdiv(NB, chunk))](
-            stamps, pages, step, out, window, P, NB, LH, CHUNK=chunk, num_warps=4
+            stamps, pages, step, out, window, P, NB, LH, CAP=cap, CHUNK=chunk, num_warps=4
         )
         return out
-    out.copy_(block_readers_ref(stamps, pages, step.long(), window))
+    out.copy_(block_readers_ref(stamps, pages, step.long(), window).clamp(max=cap))
     return out

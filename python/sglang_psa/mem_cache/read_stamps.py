@@ -50,7 +50,7 @@ class ReadStamps:
         self._dev = torch.zeros(2, rows, dtype=torch.int32, device=dev)
         self._host = torch.zeros(2, rows, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scratch: list[torch.Tensor] = []
         # Heat (tiered home): block readers by request-table row and block.
         self.heat_blocks = heat_blocks
         if heat_blocks:
@@ -65,7 +65,7 @@ class ReadStamps:
     def bytes(self) -> int:
         """GPU bytes held: stamps, step counter, sizes by row, per-batch-size scratch."""
         ts = [self.stamps, self.step, self._dev, *(t for b in self._bufs.values() for t in b[:2])]
-        ts += [t for pair in self._scratch for t in pair]
+        ts += self._scratch
         if self.heat_blocks:
             ts += list(self._counts.values())
         return sum(t.numel() * t.element_size() for t in ts)
@@ -87,30 +87,24 @@ class ReadStamps:
             got = (
                 torch.zeros(batch, LH, dtype=torch.int32, device=dev),
                 torch.zeros(batch, dtype=torch.int32, device=dev),
-                *self._heat_scratch(batch * self.heat_blocks),
+                self._heat_scratch(batch * self.heat_blocks),
             )
             self._bufs[batch] = got
         return got
 
-    def _heat_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of one scratch pair shared by every batch size (int32 readers, their
-        uint8 copy). A larger batch allocates a larger pair; the old stays alive, since graphs
-        captured with it hold its address (SGLang captures the largest batch first)."""
-        if not self._scratch or self._scratch[-1][0].numel() < n:
-            dev = self.stamps.device
-            self._scratch.append(
-                (
-                    torch.zeros(n, dtype=torch.int32, device=dev),
-                    torch.zeros(n, dtype=torch.uint8, device=dev),
-                )
-            )
-        a, b = self._scratch[-1]
-        return a[:n], b[:n]
+    def _heat_scratch(self, n: int) -> torch.Tensor:
+        """A view of one uint8 scratch shared by every batch size (the blocks' readers,
+        capped at 255). A larger batch allocates a larger one; the old stays alive, since
+        graphs captured with it hold its address (SGLang captures the largest batch
+        first)."""
+        if not self._scratch or self._scratch[-1].numel() < n:
+            self._scratch.append(torch.zeros(n, dtype=torch.uint8, device=self.stamps.device))
+        return self._scratch[-1][:n]
 
     def begin_step(self, rows: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor) -> None:
         """Measure the batch's working sets as of the last step, publish them to the host
         copy, then advance the step counter. Fixed shapes, no sync: graph-recordable."""
-        parts, sizes, readers, heat8 = self._buffers(pages.shape[0])
+        parts, sizes, heat8 = self._buffers(pages.shape[0])
         working_set_parts(
             self.stamps, pages, lengths, self.step, self.window, self.block_size, parts
         )
@@ -120,10 +114,10 @@ class ReadStamps:
         self._dev[1].index_copy_(0, rows, lengths.to(torch.int32))
         self._host.copy_(self._dev, non_blocking=True)
         if self.heat_blocks:
-            self._publish_heat(rows, pages, readers, heat8)
+            self._publish_heat(rows, pages, heat8)
         self.step.add_(1)
 
-    def _publish_heat(self, rows, pages: torch.Tensor, readers: torch.Tensor, heat8) -> None:
+    def _publish_heat(self, rows, pages: torch.Tensor, heat8: torch.Tensor) -> None:
         """Readers of the batch's blocks `pages [B, NB]` (units that read each within the
         last `HEAT_WINDOW` steps, up to 255) to the host by batch position, then the
         batch's rows, then its size: `B x NB` bytes a step. Preallocated buffers, no
@@ -132,9 +126,7 @@ class ReadStamps:
         count = self._counts.get(B)
         if count is None:
             count = self._counts[B] = torch.full((1,), B, dtype=torch.int64, device=rows.device)
-        block_readers(self.stamps, pages, self.step, HEAT_WINDOW, readers.view(pages.shape))
-        readers.clamp_(max=255)
-        heat8.copy_(readers)
+        block_readers(self.stamps, pages, self.step, HEAT_WINDOW, heat8.view(pages.shape))
         self._heat_host[:B].copy_(heat8.view(pages.shape), non_blocking=True)
         self._heat_rows[:B].copy_(rows, non_blocking=True)
         self._heat_count.copy_(count, non_blocking=True)

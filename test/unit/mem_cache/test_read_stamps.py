@@ -69,7 +69,8 @@ def test_working_set_kernel_matches_reference_at_real_shapes(kernel_device, LH, 
 @pytest.mark.parametrize("LH,NB,window", [(48, 1100, 4), (256, 600, 1)])
 def test_block_readers_kernel_matches_reference_at_real_shapes(kernel_device, LH, NB, window):
     """Per block of the batch, the (layer x KV head) units that read it within the window:
-    Qwen 0.5B shapes at 35K tokens, Llama 8B's at 19K; never-read stamps (0) count not."""
+    Qwen 0.5B shapes at 35K tokens, Llama 8B's at 19K; never-read stamps (0) count not;
+    into uint8, capped at 255 (Llama 8B's 256 units read a block)."""
     g = torch.Generator().manual_seed(LH + window)
     P, B, step = 3000, 3, 40
     stamps = torch.randint(0, step + 1, (LH, P), generator=g, dtype=torch.int32)
@@ -81,6 +82,12 @@ def test_block_readers_kernel_matches_reference_at_real_shapes(kernel_device, LH
     want = block_readers_ref(stamps, pages, step, window)
     assert torch.equal(out.cpu(), want)
     assert 0 < int(want.max()) <= LH and int(want.min()) == 0
+    out8 = torch.zeros((B, NB), dtype=torch.uint8, device=dev)  # the heat's bytes: capped
+    block_readers(stamps.to(dev), pages.to(dev), torch.tensor([step], device=dev), window, out8)
+    assert torch.equal(out8.cpu(), want.clamp(max=255).to(torch.uint8))
+    every = torch.full_like(stamps, step).to(dev)  # every unit read every block just now
+    block_readers(every, pages.to(dev), torch.tensor([step], device=dev), window, out8)
+    assert (out8.cpu() == min(LH, 255)).all()
 
 
 def test_published_heat_is_each_held_rows_block_readers(kernel_device):
