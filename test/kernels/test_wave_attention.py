@@ -765,12 +765,12 @@ def _reader_plan(c, **launch):
     return wa, (stamps, stats, step)
 
 
-def _reader_run(wa, c, book):
+def _reader_run(wa, c, book, **extra):
     stamps, stats, step = book
     return wa.run(
         c.q, c.kbuf, c.vbuf, c.loc, c.lengths, *c.per_page,
         max_read_blocks=c.budget, slot_strides=c.strides, meta_pages=c.pages,
-        stamps=stamps, step=step, stats=stats, **c.host,
+        stamps=stamps, step=step, stats=stats, **c.host, **extra,
     )  # fmt: skip
 
 
@@ -829,21 +829,13 @@ def test_flagged_rows_launch_is_skipped_in_a_graph_where_no_row_is_flagged(devic
     assert GRAPH_IF, f"PyTorch {torch.__version__} lacks conditional-node capture"
     c = _reader_case(mode, shape, device, tiered=True)
     assert c.host["row_host"].tolist()[:2] == [1, 0] and c.on_host[0].any()
-    wa, (stamps, stats, step) = _reader_plan(c)
+    wa, book = _reader_plan(c)
     pred = torch.ones((), dtype=torch.bool, device=device)
-
-    def run():
-        return wa.run(
-            c.q, c.kbuf, c.vbuf, c.loc, c.lengths, *c.per_page,
-            max_read_blocks=c.budget, slot_strides=c.strides, meta_pages=c.pages,
-            stamps=stamps, step=step, stats=stats, row_host_any=pred, **c.host,
-        )  # fmt: skip
-
-    run()  # eager: compiles and issues both launches whatever `pred` says
+    _reader_run(wa, c, book, row_host_any=pred)  # eager: compiles and issues both launches
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        res = run()
+        res = _reader_run(wa, c, book, row_host_any=pred)
     ref = c.ref.out.float()
     for flagged_runs in (True, False, True):
         pred.fill_(flagged_runs)
