@@ -452,7 +452,6 @@ def server_case(
     host_launch: bool = False,
     tiered: bool = False,
     flagged: bool = False,
-    conditional: bool = True,
 ) -> dict:
     """One decode layer's sparse attention as the server runs it (workload a's Qwen2.5-0.5B
     heads): K/V read in place from SGLang's token-major pool `[tokens, Hkv, d]` (a page of
@@ -478,9 +477,7 @@ def server_case(
     `tiered`: as the tiered home runs it, with a host tier (pinned, head-major), the
     unit cache's tables and the step's row flags given to the kernel, every block still
     in HBM (workload a's case: nothing evicted); `flagged`: every row flagged as having
-    a block off HBM (what such rows pay for the host tier's logic, none read);
-    `conditional`: the step's `row_host_any` given too, as the server gives it, so the
-    captured graph's flagged rows' launch is a conditional node (False: replayed always)."""
+    a block off HBM (what such rows pay for the host tier's logic, none read)."""
     nb = plan_ctx // BS
     half = mode.endswith("_halfkept")  # half the rows joined since: they rank, half keep
     mode = mode.removesuffix("_halfkept") + ("_kept" if half else "")
@@ -532,8 +529,6 @@ def server_case(
             cache_shift=(shift, shift),
             row_host=torch.full((batch,), int(flagged), dtype=torch.int32, device="cuda"),
         )  # fmt: skip
-        if conditional:
-            host["row_host_any"] = torch.tensor(flagged, device="cuda")
     run = lambda: wa.run(
         q, kbuf, vbuf, loc, lengths, mean, qlo, qhi, scale=D**-0.5, max_read_blocks=budget,
         slot_strides=(BS * HKV * D, HKV * D, D), meta_pages=pages,
@@ -1073,11 +1068,8 @@ def tiered_a(ctx: int = 28000) -> dict:
     """The two KV homes' decode attention at workload a's shape (`server_case`, Qwen 0.5B
     heads, 32 x `ctx` tokens in a plan of 32768, nothing evicted), per layer: `hbm`, the
     HBM home; `tiered`, the tiered home's launch (a host tier, the unit cache and the
-    step's row flags given: no row has a block off HBM, so the flagged rows' launch, a
-    conditional node on a branch of its own, is skipped); `tiered_in_chain`, that node
-    after the unflagged rows' launch (`flagged_beside` False); `tiered_unconditional`,
-    there and replayed anyway (the tiered home before the conditional node);
-    `tiered_flagged`, the `tiered` launch with
+    step's row flags given: no row has a block off HBM, so the flagged rows' launch, on
+    a branch of its own, has programs that return at once); `tiered_flagged`, that with
     every row flagged (the host tier's logic on every tile); `tiered_gather`, that with
     its waves reading every block by the per-row gather, two warps (the tiered home's
     launch before its waves read HBM blocks through tensor descriptors). Modes: psa over
@@ -1091,22 +1083,18 @@ def tiered_a(ctx: int = 28000) -> dict:
         row = {}
         for name, tiered, flagged, launch in (
             ("hbm", False, False, {}), ("tiered", True, False, {}),
-            ("tiered_in_chain", True, False, {"flagged_beside": False}),
-            ("tiered_unconditional", True, False, {"conditional": False, "flagged_beside": False}),
             ("tiered_flagged", True, True, {}), ("tiered_gather", True, True, {"tma": False}),
         ):  # fmt: skip
-            conditional = launch.pop("conditional", True)
             LAUNCH.update(launch)
             try:
                 r = server_case(mode, 32, ctx, 32768, frac, tiered=tiered, flagged=flagged,
-                                conditional=conditional, profile=True)  # fmt: skip
+                                profile=True)  # fmt: skip
                 row[name] = {"time_us": r["time_us"], "kernels_us": r["kernels_us_per_layer"]}
             finally:
                 LAUNCH.clear()
                 LAUNCH.update(DEFAULT_LAUNCH)
             torch.cuda.empty_cache()
-        for name in ("tiered", "tiered_in_chain", "tiered_unconditional", "tiered_flagged",
-                     "tiered_gather"):  # fmt: skip
+        for name in ("tiered", "tiered_flagged", "tiered_gather"):
             row[f"{name}_vs_hbm"] = row[name]["time_us"] / row["hbm"]["time_us"]
         out[mode] = row
         print(mode, {k: v for k, v in row.items() if k.endswith("_vs_hbm")}, file=sys.stderr,

@@ -47,48 +47,6 @@ from sgl_kernel_ext.unit_cache import LAYER_ALIGN
 
 HEURISTIC, CERTIFIED = 0, 1
 logger = logging.getLogger(__name__)
-# PyTorch's conditional-node capture (CUDA >= 12.4 builds): launches captured between
-# `begin_capture_to_if_node(pred)` and `end_capture_to_conditional_node()` form the body
-# of an IF node that a replay runs only where the 0-d bool `pred` is true.
-GRAPH_IF = all(
-    hasattr(torch.cuda.CUDAGraph, name)
-    for name in ("get_currently_capturing_graph", "begin_capture_to_if_node",
-                 "end_capture_to_conditional_node")
-)  # fmt: skip
-_warned_no_graph_if = False
-
-
-@contextlib.contextmanager
-def only_if(pred: torch.Tensor | None):
-    """The launches issued inside run only on replays where `pred` (0-d bool, CUDA) is
-    true, when issued during CUDA-graph capture: they become a conditional node's body
-    (a one-thread kernel reads `pred` first). Outside capture (eager steps, CPU) or with
-    `pred` None they are issued as usual: an eager caller cannot read `pred` without a
-    host sync, and the launches must be correct whatever `pred` says. Where PyTorch lacks
-    the conditional capture they are captured unconditionally (correct, slower), said
-    once in the log."""
-    global _warned_no_graph_if
-    if pred is None or not pred.is_cuda or not torch.cuda.is_current_stream_capturing():
-        yield
-        return
-    if not GRAPH_IF:
-        if not _warned_no_graph_if:
-            _warned_no_graph_if = True
-            logger.warning(
-                "wave attention: this PyTorch (%s) cannot capture a CUDA graph's "
-                "conditional node: the tiered home's launch for rows with a block off HBM "
-                "is replayed at every step, also when no row has one", torch.__version__,
-            )  # fmt: skip
-        yield
-        return
-    if pred.dtype != torch.bool or pred.dim() != 0:
-        raise ValueError(f"only_if: a 0-d bool predicate, got {pred.dtype} {tuple(pred.shape)}")
-    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    graph.begin_capture_to_if_node(pred)
-    try:
-        yield
-    finally:
-        graph.end_capture_to_conditional_node()
 
 
 @triton.jit
@@ -986,12 +944,6 @@ class WaveAttention:
         # reads more and ends the layer itself: not ahead (34.9 us against 37.3 at 16K,
         # 37.5 against 39.2 at 28K; bench_wave --kept-sweep, H200).
         self.fresh_first: bool | None = None
-        # With row flags (the tiered home), the flagged rows' launches run on a stream of
-        # their own, forked after the ranking, beside the unflagged rows' launch: in a
-        # captured graph a conditional node skips them when no row is flagged, and that
-        # node (with the one-thread kernel that reads its predicate) is then off the
-        # layer's path. False: last in the fresh rows' branch, after the unflagged launch.
-        self.flagged_beside = True
         # Top-k's kept rows read in that launch of their own; False: in one launch with the
         # fresh rows, after their ranking (bench_wave --kept-sweep's comparison; the stop
         # rule's kept rows always have their own, which reads their kept budget).
@@ -1146,7 +1098,10 @@ class WaveAttention:
         # captured kernel keeps its stream's priority: PyTorch instantiates graphs with
         # per-node priorities).
         self.urgent = torch.cuda.Stream(dev, priority=-1) if compiled else None
-        # ... and the flagged rows' launches on this one (`flagged_beside`).
+        # ... and, with row flags (the tiered home), the flagged rows' launches on this
+        # one, forked after the ranking, beside the unflagged rows' launch: off the layer's
+        # path (bench_wave --tiered-a, H100: 1.034x the HBM home's layer, 1.047 after the
+        # unflagged launch, 1.057 as two launches in the fresh rows' chain).
         self.flagged = torch.cuda.Stream(dev) if compiled else None
         key = (max_blocks, self.one_wave, str(dev))
         if key not in self._tables:
@@ -1376,7 +1331,6 @@ class WaveAttention:
         cache_pages: torch.Tensor | None = None,
         cache_shift: tuple[torch.Tensor, torch.Tensor] | None = None,
         row_host: torch.Tensor | None = None,
-        row_host_any: torch.Tensor | None = None,
         meta_scale: torch.Tensor | None = None,
         code_planes: torch.Tensor | None = None,
         code_lo: torch.Tensor | None = None,
@@ -1409,10 +1363,7 @@ class WaveAttention:
         With a host tier, `row_host [B]` (int32) says which rows may have a block off HBM
         (on the host or in the unit cache; nonzero): the others read in a launch of their
         own, the HBM home's, with none of that logic (a zero on a row with such a block
-        reads the wrong memory). None: every row may. `row_host_any` (0-d bool, whether
-        any `row_host` is nonzero, written before this run in stream order): captured in a
-        CUDA graph, the flagged rows' launches are then a conditional node that replays
-        skip on steps with no row flagged (`only_if`); eager runs issue them regardless.
+        reads the wrong memory). None: every row may.
         int8 `meta_min`/`meta_max` are 8-bit codes with their scale `meta_scale`
         (`[B, Hkv, NB]`, or `[P, Hkv]` with `meta_pages`; see `block_scores`).
         Certified rule only: `code_planes [B, Hkv, NB, bits, bs, d / 8]` (uint8, every
@@ -1578,7 +1529,7 @@ class WaveAttention:
         side = self.side if split and q.is_cuda and self.kept_beside else None
         first = self.one_wave if self.fresh_first is None else self.fresh_first
         urgent = self.urgent if side is not None and first else None
-        flagged = self.flagged if len(sets) > 1 and q.is_cuda and self.flagged_beside else None
+        flagged = self.flagged if len(sets) > 1 and q.is_cuda else None
         here = torch.cuda.current_stream(q.device) if q.is_cuda else None
         if split:
             # The rows that read their kept selection know their blocks: one wave, programs
@@ -1642,15 +1593,14 @@ class WaveAttention:
                         )  # fmt: skip
                         self._alloc_splits(self.splits // 2, B, Hq, Hkv, D, q.device)
 
-            # The flagged rows' launches (none without row flags), together: one conditional
-            # node in a captured graph, skipped with none flagged; on their own stream,
-            # forked here (after the ranking they read), beside the unflagged rows' launch.
+            # The flagged rows' launches (none without row flags), together, on their own
+            # stream, forked here (after the ranking they read), beside the unflagged rows'
+            # launch; their programs return at once on steps with no row flagged.
             # The launches write disjoint rows (split barriers count per row and KV head).
             if flagged is not None:
                 flagged.wait_stream(torch.cuda.current_stream(q.device))
             fresh_launch(slice(0, 1))
-            with (torch.cuda.stream(flagged) if flagged is not None else contextlib.nullcontext(),
-                  only_if(row_host_any if len(sets) > 1 else None)):  # fmt: skip
+            with torch.cuda.stream(flagged) if flagged is not None else contextlib.nullcontext():
                 fresh_launch(slice(1, None))
                 if split:
                     kept_launch(which=slice(1, None))

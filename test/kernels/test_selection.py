@@ -224,8 +224,7 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split, home):
     one; no other page is written. `tiered`: a third of request 1's blocks (a kept row at
     step 1) live only in a host tier (their HBM slots NaN) and the step's row flags say so:
     that row reads in the launches compiled with the host tier, the others in the HBM
-    home's; on the GPU that step is also captured in a CUDA graph whose flagged rows'
-    launches are a conditional node, replayed with it on and off."""
+    home's; on the GPU that step is also captured in a CUDA graph and replayed."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -328,28 +327,20 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split, home):
         left = cache.budget[0][int(slot[0])].cpu().long()
         assert torch.equal(left, ref_fresh.read[0].sum(-1) - n_forced[0])
     if home == "tiered" and device == "cuda":
-        # The same step captured in a CUDA graph with `row_host_any`: replayed with it
-        # true, every row reads again what it read; with it false the flagged rows'
-        # launches (the kept row 1's) are skipped, its output left as it was (NaN), while
-        # the fresh row and the other kept rows still read.
+        # The same step captured in a CUDA graph (the flagged rows' launches, the kept row
+        # 1's, on a stream of their own, joined before the output): replayed, every row
+        # reads again what it read.
         want = out.to(device)
         meta = block_metadata(k, len2, bs)
         args = (q.to(device), k_slots, v_slots, loc, len2.to(device), meta.mean.to(device),
                 meta.kmin.to(device), meta.kmax.to(device))  # fmt: skip
-        views, pred = cache.kept(0, B), torch.ones((), dtype=torch.bool, device=device)
+        views = cache.kept(0, B)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            got = wa.run(*args, max_read_blocks=max_read, kept=views, row_host_any=pred,
+            got = wa.run(*args, max_read_blocks=max_read, kept=views,
                          new_keys=(pool, new_locs, *nk_meta, None), **host)  # fmt: skip
-        others = [b for b in range(B) if b != 1]
-        for flagged_runs in (True, False, True):
-            pred.fill_(flagged_runs)
-            got.out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(got.out[others], want[others], atol=2e-4, rtol=2e-4)
-            if flagged_runs:
-                torch.testing.assert_close(got.out[1], want[1], atol=2e-4, rtol=2e-4)
-            else:
-                assert got.out[1].isnan().all(), "the flagged row read with the predicate false"
+        got.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got.out, want, atol=2e-4, rtol=2e-4)

@@ -765,12 +765,12 @@ def _reader_plan(c, **launch):
     return wa, (stamps, stats, step)
 
 
-def _reader_run(wa, c, book, **extra):
+def _reader_run(wa, c, book):
     stamps, stats, step = book
     return wa.run(
         c.q, c.kbuf, c.vbuf, c.loc, c.lengths, *c.per_page,
         max_read_blocks=c.budget, slot_strides=c.strides, meta_pages=c.pages,
-        stamps=stamps, step=step, stats=stats, **c.host, **extra,
+        stamps=stamps, step=step, stats=stats, **c.host,
     )  # fmt: skip
 
 
@@ -811,41 +811,3 @@ def test_descriptor_reads_equal_gather_reads(device, mode, shape, home):
             if c.host:  # the blocks read from the host tier (top-k's few may miss them)
                 host_read = int((read & c.on_host[:, None]).sum())
                 assert int(book[1][2]) == host_read and (host_read > 0 or mode == "topk"), case
-
-
-@pytest.mark.parametrize("shape", ["qwen05b", "llama8b"])
-@pytest.mark.parametrize("mode", ["psa", "topk"])
-def test_flagged_rows_launch_is_skipped_in_a_graph_where_no_row_is_flagged(device, mode, shape):
-    """Captured in a CUDA graph with `row_host_any`, the launch of the rows flagged as
-    having a block off HBM is a conditional node: replayed with the predicate true, every
-    row reads what the reference reads (the flagged row from the host tier); replayed
-    with it false, the unflagged rows still do and the flagged row's output is left as it
-    was (here NaN: its launch did not run); true again, it reads again. The tiered home's
-    steps with no block off HBM so skip that launch."""
-    if device == "cpu":
-        pytest.skip("CUDA graphs run on the GPU only")
-    from sgl_kernel_ext.wave_attention import GRAPH_IF
-
-    assert GRAPH_IF, f"PyTorch {torch.__version__} lacks conditional-node capture"
-    c = _reader_case(mode, shape, device, tiered=True)
-    assert c.host["row_host"].tolist()[:2] == [1, 0] and c.on_host[0].any()
-    wa, book = _reader_plan(c)
-    pred = torch.ones((), dtype=torch.bool, device=device)
-    _reader_run(wa, c, book, row_host_any=pred)  # eager: compiles and issues both launches
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        res = _reader_run(wa, c, book, row_host_any=pred)
-    ref = c.ref.out.float()
-    for flagged_runs in (True, False, True):
-        pred.fill_(flagged_runs)
-        res.out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        out = res.out.cpu()
-        torch.testing.assert_close(out[1], ref[1], atol=2e-4, rtol=2e-4)
-        if flagged_runs:
-            torch.testing.assert_close(out[0], ref[0], atol=2e-4, rtol=2e-4)
-            assert torch.equal(res.read_mask()[0], c.ref.read[0])
-        else:
-            assert out[0].isnan().all(), "the flagged row's launch ran with the predicate false"

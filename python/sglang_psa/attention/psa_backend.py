@@ -69,7 +69,6 @@ class _Batch:
     lengths: torch.Tensor  # [B] int32
     loc: torch.Tensor  # [B, Hkv, NB] int32: a block's slot is its page (or host block)
     row_host: torch.Tensor | None = None  # [B] int32, tiered home: a block off HBM (nonzero)
-    row_host_any: torch.Tensor | None = None  # 0-d bool, tiered home: any row_host nonzero
     plan: WaveAttention | None = None
     kept: bool = False  # reads a selection kept across steps (`--psa-rerank-interval`)
 
@@ -191,22 +190,19 @@ class PSAAttnBackend(AttentionBackend):
     def _tables(self, n: int) -> tuple:
         """A step's tables for `n` requests (`_Batch`'s order): page table, lengths (1:
         SGLang's padding value), every head's block table and, at the tiered home, which
-        rows have a block off HBM and whether any has (0-d: shared by every batch size's
-        views)."""
+        rows have a block off HBM."""
         kw = dict(dtype=torch.int32, device=self._device)
         Hkv = self.token_to_kv_pool.head_num
         loc = torch.zeros(n, Hkv, self.max_blocks, **kw)
         tiered = self.writeback is not None
         row_host = torch.zeros(n, **kw) if tiered else None
-        any_host = torch.zeros((), dtype=torch.bool, device=self._device) if tiered else None
-        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, row_host, any_host
+        return torch.zeros(n, self.max_blocks, **kw), torch.ones(n, **kw), loc, row_host
 
     def _batch(self, B: int) -> _Batch:
         got = self._batches.get(B)
         if got is None:
             if B <= self._graph_bs:  # views of the tables the captured graphs read
-                got = _Batch(*(None if t is None else t[:B] if t.dim() else t
-                               for t in self._graph_tables))  # fmt: skip
+                got = _Batch(*(None if t is None else t[:B] for t in self._graph_tables))
             else:  # eager only (larger than any captured batch, or graphs off)
                 got = _Batch(*self._tables(B))
                 if self.cfg.rerank_interval > 1:
@@ -249,10 +245,9 @@ class PSAAttnBackend(AttentionBackend):
         if self.writeback is not None:  # tiered: evicted blocks are read from the host tier
             # Each head's block locations, the metadata rows (an evicted block's: its host
             # block's row) and the rows with a block off HBM (the others read as at the
-            # HBM home), in one launch; with none, their launches are skipped.
+            # HBM home), in one launch.
             tiered_step_tables(st.pages, self.writeback.host_loc, rows, self.meta.page_rows,
                                st.loc, st.row_host)  # fmt: skip
-            torch.any(st.row_host, out=st.row_host_any)
         else:  # the block table of every head, once per step
             st.loc.copy_(st.pages[:, None, :].expand_as(st.loc))
         self.ws.begin_step(rows, st.pages, st.lengths)
@@ -381,7 +376,6 @@ class PSAAttnBackend(AttentionBackend):
             cache_pages=cache_pages,
             cache_shift=cache_shift,
             row_host=step.row_host,
-            row_host_any=step.row_host_any,
             meta_scale=kscale,
             code_planes=codes[0],
             code_lo=codes[1],
