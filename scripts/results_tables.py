@@ -202,6 +202,8 @@ def headline() -> str:
         when = f"{device(doc)}, {run_date(doc, key)}"
         val = fmt(doc["summary"].get(key))
         vs = against(doc, key) if name.startswith("serving_") else ""
+        if name == "reliability" and doc["summary"].get("kv_home"):  # the server it tried
+            what = f"{what}, server at the `{doc['summary']['kv_home']}` KV home"
         rows.append(f"| {what} | {val} | {read} | {vs} | {when} | `{name}.json` |")
     return "\n".join(rows) + "\n"
 
