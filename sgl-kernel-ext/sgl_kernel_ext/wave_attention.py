@@ -1538,7 +1538,8 @@ class WaveAttention:
             # have no row and end at once: they no longer add to the step. The two launches
             # write disjoint rows, each with buffers of its own.
             # With row flags, the kept rows with a block off HBM read with the fresh
-            # flagged rows (below): off the kept rows' path, skipped with none flagged.
+            # flagged rows (below): off the kept rows' path, their programs returning at
+            # once with none flagged.
             if side is not None:
                 side.wait_stream(here)
             kd = descs if self.kept_tma else None  # tensor descriptors: one block a tile
