@@ -24,6 +24,20 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 # (file, summary key, what it is, how to read it)
 HEADLINE = [
+    ("serving_h100", "decode_step_ratio_psa_vs_fastest_sglang0523",
+     "decode step, `--sparse-mode psa` (the default: selection kept 8 steps) / plain SGLang "
+     "(32 x 28K, decode CUDA graphs)", "lower is better"),
+    ("serving_h100", "decode_step_ratio_topk_vs_fastest_sglang0523",
+     "decode step, `--sparse-mode topk` (2048 tokens, the default) / plain (32 x 28K)",
+     "lower is better"),
+    ("serving_h100", "throughput_ratio_psa_vs_fastest_sglang0523",
+     "output throughput, psa / plain (32 x 28K, 1024 outputs)", "higher is better"),
+    ("serving_h100", "decode_step_ratio_psa_vs_fastest_a16_sglang0523",
+     "decode step, psa / plain (32 x 16K, 256 outputs)", "lower is better"),
+    ("serving_h100", "throughput_ratio_psa_vs_fastest_a16_sglang0523",
+     "output throughput, psa / plain (32 x 16K, 256 outputs)", "higher is better"),
+    ("serving_h100", "accuracy_delta_vs_fastest_sglang0523",
+     "answers correct, psa minus plain (32 x 28K and 32 x 16K, same prompts)", "0 = same"),
     ("serving_h100", "decode_step_ratio_psa_vs_fastest",
      "decode step, `--sparse-mode psa` ranked every step / plain SGLang (32 x 28K, decode CUDA "
      "graphs)",
@@ -171,12 +185,17 @@ def against(doc: dict, key: str) -> str:
     its stage run (`*_vs_fastest`, named in `plain_backend*`), plain SGLang at triton
     (the other `*_vs_plain*` keys), or another sglang-psa system."""
     summary = doc.get("summary", {})
-    if "_vs_fastest" in key:
-        which = "_a16" if key.endswith("_a16") else "_8b" if key.endswith("_8b") else ""
-        backend = summary.get(f"plain_backend{which}")
-        return f"SGLang {backend.removeprefix('plain_')}" if backend else "not raced"
+    # a stage on another SGLang release: the same keys suffixed `_sglang<digits>`
+    base, sep, tag = key.partition("_sglang")
+    where = (doc.get("summary_provenance") or {}).get(key) or {}
+    release = where.get("sglang") or next((r.get("sglang") for r in where.get("runs", [])), None)
+    sglang = f"SGLang {release}" if release else "SGLang"  # the release its stage ran
+    if "_vs_fastest" in base:
+        which = "_a16" if base.endswith("_a16") else "_8b" if base.endswith("_8b") else ""
+        backend = summary.get(f"plain_backend{which}{sep}{tag}")
+        return f"{sglang} {backend.removeprefix('plain_')}" if backend else "not raced"
     if "vs_plain" in key or key.startswith("identical_fraction_server"):
-        return "SGLang triton"  # identical completions: against plain triton's, same run
+        return f"{sglang} triton"  # identical completions: against plain triton's, same run
     if "_vs_hbm" in key:
         return "psa, HBM home"
     return ""
