@@ -224,7 +224,8 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split, home):
     one; no other page is written. `tiered`: a third of request 1's blocks (a kept row at
     step 1) live only in a host tier (their HBM slots NaN) and the step's row flags say so:
     that row reads in the launches compiled with the host tier, the others in the HBM
-    home's; on the GPU that step is also captured in a CUDA graph and replayed."""
+    home's; on the GPU that step is also captured in a CUDA graph and replayed, and run
+    eagerly again, neither doing a host sync (`torch.cuda.set_sync_debug_mode("error")`)."""
     from sgl_kernel_ext.selection import SelectionCache
     from sgl_kernel_ext.wave_attention import WaveAttention
 
@@ -341,6 +342,15 @@ def test_fresh_and_kept_rows_in_one_run(device, mode, shape, kept_split, home):
             got = wa.run(*args, max_read_blocks=max_read, kept=views,
                          new_keys=(pool, new_locs, *nk_meta, None), **host)  # fmt: skip
         got.out.fill_(float("nan"))
-        graph.replay()
+        # The step eagerly (it writes what the replay writes: the same step, state and
+        # query) and the replay, with any host sync an error (the decode step is sacred).
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = wa.run(*args, max_read_blocks=max_read, kept=views,
+                           new_keys=(pool, new_locs, *nk_meta, None), **host)  # fmt: skip
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
+        torch.testing.assert_close(eager.out, want, atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(got.out, want, atol=2e-4, rtol=2e-4)

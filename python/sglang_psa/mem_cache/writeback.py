@@ -267,8 +267,22 @@ class WriteBack:
         token's KV was written by an earlier forward, already launched)."""
         self.poll()
         bs, budget = self.block_size, self._budget()
+        records, saving = self.records, self.saving
         for req, n in zip(reqs, seq_lens):
-            self._plan(req.rid, int(req_row(req)), (int(n) - 1) // bs, self._decode, budget)
+            full = (int(n) - 1) // bs
+            rec = records.get(req.rid)
+            if (
+                budget is None
+                and rec is not None
+                and rec.row is not None
+                and rec.seen == full
+                and (not saving or rec.planned >= full)
+            ):
+                # No block completed since its last plan and none left to plan: the step
+                # of 31 in 32 requests, skipped without reading its row (a running
+                # request's row changes only with an extend, which plans it first).
+                continue
+            self._plan(req.rid, int(req_row(req)), full, self._decode, budget)
         self._caught_up(budget)
 
     # -- issuing (attention backend, on the forward's stream) -------------------------

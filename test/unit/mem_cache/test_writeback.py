@@ -140,6 +140,53 @@ def test_prefill_chunks_and_decode_blocks_reach_their_host_blocks(device, path):
         wb.close()
 
 
+class RowCountingReq(FakeReq):
+    """A request whose row reads are counted (`reads`: its rid per read)."""
+
+    def __init__(self, rid, row, reads):
+        self.reads = reads
+        super().__init__(rid, row)
+
+    @property
+    def req_pool_idx(self):
+        self.reads.append(self.rid)
+        return self._row
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, row):
+        self._row = row
+
+
+def test_decode_planning_reads_a_row_only_for_a_request_with_a_block_to_plan():
+    """A decode plan's host cost: a running request whose newest token completed no block
+    since its last plan (31 of every 32 steps) is passed over without reading its row;
+    one that did is planned, and every block still reaches its host block."""
+    wb = make("cpu", decode_flush_blocks=2)
+    pool = FakePool("cpu")
+    reads: list[str] = []
+    a, b = RowCountingReq("a", 0, reads), RowCountingReq("b", 2, reads)
+    try:
+        assert wb.reserve("a", CTX) and wb.reserve("b", CTX)
+        extend(wb, pool, [(a, 2 * BS + 5), (b, BS + 30)])
+        for step in range(2 * BS):
+            for r in (a, b):
+                pool.write(r._row, 1)
+            reads.clear()
+            lens = [pool.lens[0], pool.lens[2]]
+            wb.plan_decode([a, b], lens)
+            wb.before_forward()
+            wb.issue_decode(pool.k, pool.v, pool.req_to_token)
+            # a request's row is read where its token before the newest closed a block
+            want = [r.rid for r, n in zip((a, b), lens) if (n - 1) % BS == 0]
+            assert reads == want, (step, lens)
+        wb.issue_decode(pool.k, pool.v, pool.req_to_token, force=True)
+        wait_saved(wb)
+        check_saved(wb, pool, "a", 0, (pool.lens[0] - 1) // BS)
+        check_saved(wb, pool, "b", 2, (pool.lens[2] - 1) // BS)
+    finally:
+        wb.close()
+
+
 def test_a_killed_engine_is_restarted_and_its_saves_redone(device):
     """The engine dies in the middle of a slow save: the next poll notices it, restarts
     it without waiting for it and resubmits every unacknowledged job; the host blocks
