@@ -278,9 +278,9 @@ class WriteBack:
                 and rec.seen == full
                 and (not saving or rec.planned >= full)
             ):
-                # No block completed since its last plan and none left to plan: the step
-                # of 31 in 32 requests, skipped without reading its row (a running
-                # request's row changes only with an extend, which plans it first).
+                # No block completed since its last plan and none left to plan (at a
+                # 32-token block, 31 steps in 32): passed over without reading its row (a
+                # running request's row changes only with an extend, which plans it first).
                 continue
             self._plan(req.rid, int(req_row(req)), full, self._decode, budget)
         self._caught_up(budget)
