@@ -16,7 +16,8 @@ file itself. A file whose key changed runs again; the others keep their outcomes
 one test file reruns that file alone, while a product change reruns everything. `scripts/`
 (the tools that stage and run the suite, this runner among them) enters no key.
 `--seed-state` resumes a state another session's last call brought back
-(`$OUT/gpu_tests_state.json`): a fresh machine goes on where the last one stopped. Each
+(`$OUT/gpu_tests_state.json`): a fresh machine goes on where the last one stopped, and a
+call on some paths keeps the outcomes of files outside them for a later call. Each
 test's outcome is read from pytest's `-v` lines as they stream, and a failure's report is
 written the moment it fails (`scripts/gpu_tests_plugin.py`), so a call cut
 short keeps what finished and why it failed. The test running when the budget ends is run again by the next
@@ -335,7 +336,8 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
         f = files.setdefault(test_id.split("::")[0], {})
         f[o] = f.get(o, 0) + 1
     for name, secs in state["seconds"].items():
-        files.setdefault(name, {})["seconds"] = round(secs, 1)
+        if name in files:
+            files[name]["seconds"] = round(secs, 1)
     doc = {
         "git_commit": state["commits"][-1],  # this call's; every call's in `git_commits`
         "git_commits": state["commits"],
@@ -383,16 +385,20 @@ def main(argv: list[str] | None = None) -> int:
     seed = Path(args.seed_state) if args.seed_state else None
     from_file = state_file if state_file.exists() else seed if seed and seed.exists() else None
     state = json.loads(from_file.read_text()) if from_file else None
-    if state is None or "keys" not in state or state.get("paths") != args.paths:
+    if state is None or "keys" not in state:
         state = {"keys": {}, "commits": [], "paths": args.paths, "ids": None,
                  "outcomes": {}, "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
+    if state.get("paths") != args.paths:  # other paths: collect again, keep every file's
+        state["paths"], state["ids"] = args.paths, None  # outcomes while its key holds
     versions = package_versions(STACK)
     if state.get("versions", versions) != versions:  # another SGLang / torch / triton: all again
         print(f"gpu_tests: the state was run on {state['versions']}, this machine has "
               f"{versions}: every test runs again", flush=True)  # fmt: skip
-        state["keys"] = {}
+        for table in ("keys", "outcomes", "messages", "cuts", "seconds"):
+            state[table] = {}
     state["versions"] = versions
-    changed = {f for f in set(keys) | set(state["keys"]) if keys.get(f) != state["keys"].get(f)}
+    # a file outside `paths` keeps its outcomes for a later call that names it again
+    changed = {f for f in keys if keys[f] != state["keys"].get(f)}
     kept = len(set(keys) - changed)
     if from_file == seed and state["outcomes"]:
         print(f"gpu_tests: resuming the state of {seed}: {kept} test file(s) unchanged, "
@@ -401,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         for table in ("outcomes", "messages", "cuts", "seconds"):
             state[table] = {k: v for k, v in state[table].items()
                             if k.split("::")[0] not in changed}  # fmt: skip
-        state["keys"], state["ids"] = keys, None
+        state["keys"], state["ids"] = {**state["keys"], **keys}, None
         if not state["outcomes"]:  # nothing kept: the commits that ran it go too
             state["commits"] = []
     if args.rerun_failed:

@@ -95,9 +95,9 @@ def suite(tmp_path):
     return _write(tmp_path / "suite", SUITE)
 
 
-def _call(suite: Path, tmp: Path, budget: float, commit: str = "c1", *extra: str):
-    """One call of the script on `suite`, its state and results under `tmp`."""
-    cmd = [sys.executable, str(SCRIPT), "test", "--root", str(suite), "--budget-s", str(budget),
+def _call(suite: Path, tmp: Path, budget: float, commit: str = "c1", *extra: str, paths=("test",)):
+    """One call of the script on `suite` (its `paths`), its state and results under `tmp`."""
+    cmd = [sys.executable, str(SCRIPT), *paths, "--root", str(suite), "--budget-s", str(budget),
            "--state", str(tmp / "state"), "--out", str(tmp / "out"), "--min-left-s", "1",
            *extra]  # fmt: skip
     env = {"GIT_COMMIT": commit, "PATH": "/usr/bin:/bin"}
@@ -252,6 +252,31 @@ def test_first_runs_the_named_files_before_the_kernels(tmp_path):
     first = ("--first", "test/e2e/test_e.py", "--first", "test/reliability/", "--jobs", "1")
     code, doc = _call(root, tmp_path / "again", 60, "c1", *first)
     assert code == 0 and (root / "order").read_text() == "erku"  # in --first's order
+
+
+def test_a_call_on_some_paths_keeps_the_outcomes_of_the_others(tmp_path):
+    root = tmp_path / "suite"
+    order = "import pytest\n@pytest.mark.gpu\ndef test_x():\n    open('order', 'a').write('{}')\n"
+    _write(root, {
+        "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
+        "test/kernels/test_k.py": order.format("k"),
+        "test/e2e/test_e.py": order.format("e"),
+    })  # fmt: skip
+    code, doc = _call(root, tmp_path / "s1", 60, "c1")
+    assert code == 0 and doc["counts"] == {"passed": 2} and (root / "order").read_text() == "ke"
+    # the next machine, one file changed and only its folder named: it alone runs
+    with (root / "test/e2e/test_e.py").open("a") as f:
+        f.write("# changed\n")
+    seed = ("--seed-state", str(tmp_path / "s1" / "out" / "gpu_tests_state.json"))
+    code, doc = _call(root, tmp_path / "s2", 60, "c2", *seed, paths=("test/e2e",))
+    assert code == 0 and doc["collected"] == 1 and doc["counts"] == {"passed": 1}
+    assert set(doc["files"]) == {"test/e2e/test_e.py"}
+    assert (root / "order").read_text() == "kee"
+    # then the whole suite: the kernel file's outcome of the first call still holds
+    seed = ("--seed-state", str(tmp_path / "s2" / "out" / "gpu_tests_state.json"))
+    code, doc = _call(root, tmp_path / "s3", 60, "c3", *seed)
+    assert code == 0 and doc["collected"] == 2 and doc["counts"] == {"passed": 2}
+    assert (root / "order").read_text() == "kee"
 
 
 def _script():
