@@ -27,10 +27,11 @@ reliability and end-to-end tests (the slow ones), each file's tests in one pytes
 
 `--out/gpu_tests.json`: `{"git_commit", "collected", "counts": {outcome: n}, "pending",
 "failed": {id: message}, "skipped": {id: reason}, "files": {file: {outcome: n,
-"seconds"}}}`, and `--out/gpu_tests/<file>.log`, the last log of each file with a
-failure. A skipped test is listed with its reason, never counted as passed. Exit
-status: 0 all ran and none failed, 1 some failed (or errored, or timed out), 3 tests
-are still pending (run it again in the next call).
+"seconds"}}, "test_seconds": {id: its setup + call + teardown seconds, slowest first}}`,
+and `--out/gpu_tests/<file>.log`, the last log of each file with a failure. A skipped
+test is listed with its reason, never counted as passed. Exit status: 0 all ran and none
+failed, 1 some failed (or errored, or timed out), 3 tests are still pending (run it again
+in the next call).
 """
 
 from __future__ import annotations
@@ -260,12 +261,13 @@ def run_file(
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE",
            "--tb=short", "--capture=sys", f"--timeout={PER_TEST_S}", "-p", "gpu_tests_plugin",
            "-m", marker, *ids]  # fmt: skip
-    failures = log.with_suffix(".failures.jsonl")
+    failures, times = log.with_suffix(".failures.jsonl"), log.with_suffix(".times.jsonl")
     failures.unlink(missing_ok=True)
+    times.unlink(missing_ok=True)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     # COLUMNS: pytest cuts summary lines at the terminal width
     env = {**os.environ, "COLUMNS": "1000", "PYTHONPATH": path,
-           "GPU_TESTS_FAILURES": str(failures)}  # fmt: skip
+           "GPU_TESTS_FAILURES": str(failures), "GPU_TESTS_TIMES": str(times)}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)  # fmt: skip
     done, cut = threading.Event(), threading.Event()
@@ -292,6 +294,10 @@ def run_file(
                 messages[m.group(2)] = (m.group(3) or m.group(1)).strip()
     proc.wait()
     done.set()
+    run_seconds: dict[str, float] = {}  # this run's phases of each test (a rerun replaces)
+    for rec in map(json.loads, times.read_text().splitlines() if times.exists() else []):
+        run_seconds[rec["id"]] = run_seconds.get(rec["id"], 0.0) + rec["s"]
+    state.setdefault("test_seconds", {}).update(run_seconds)
     for rec in map(json.loads, failures.read_text().splitlines() if failures.exists() else []):
         messages.setdefault(rec["id"], rec["message"])  # pytest's summary line, if any, first
         if outcomes.get(rec["id"]) not in BAD:  # failed in teardown after a PASSED line
@@ -349,7 +355,11 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
         "failed": {t: messages.get(t, o) for t in ids if (o := outcomes.get(t)) in BAD},
         "skipped": {t: messages.get(t, "") for t in ids if outcomes.get(t) == "skipped"},
         "files": files,
-    }
+        # where the suite's time goes: each test's setup + call + teardown, slowest first
+        "test_seconds": dict(sorted(
+            ((t, round(s, 1)) for t, s in state.get("test_seconds", {}).items() if t in ids),
+            key=lambda kv: -kv[1])),
+    }  # fmt: skip
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_tests.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -394,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if state.get("versions", versions) != versions:  # another SGLang / torch / triton: all again
         print(f"gpu_tests: the state was run on {state['versions']}, this machine has "
               f"{versions}: every test runs again", flush=True)  # fmt: skip
-        for table in ("keys", "outcomes", "messages", "cuts", "seconds"):
+        for table in ("keys", "outcomes", "messages", "cuts", "seconds", "test_seconds"):
             state[table] = {}
     state["versions"] = versions
     # a file outside `paths` keeps its outcomes for a later call that names it again
@@ -404,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_tests: resuming the state of {seed}: {kept} test file(s) unchanged, "
               f"{len(changed)} changed", flush=True)  # fmt: skip
     if changed:  # those files' outcomes go; collect again (their tests may differ)
-        for table in ("outcomes", "messages", "cuts", "seconds"):
-            state[table] = {k: v for k, v in state[table].items()
+        for table in ("outcomes", "messages", "cuts", "seconds", "test_seconds"):
+            state[table] = {k: v for k, v in state.get(table, {}).items()
                             if k.split("::")[0] not in changed}  # fmt: skip
         state["keys"], state["ids"] = {**state["keys"], **keys}, None
         if not state["outcomes"]:  # nothing kept: the commits that ran it go too

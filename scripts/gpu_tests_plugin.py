@@ -1,6 +1,8 @@
 """pytest plugin of `scripts/gpu_tests.py` (`-p gpu_tests_plugin`, scripts/ on the path):
 each failure's report appended to the JSON-lines file `GPU_TESTS_FAILURES` the moment it
-fails, before pytest's summary, which a run cut by the call's budget never prints."""
+fails, before pytest's summary, which a run cut by the call's budget never prints; and
+each test's setup, call and teardown seconds to `GPU_TESTS_TIMES` as each ends (a module
+fixture's server start counts in the setup of the first test that uses it)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import os
 
 
 def pytest_runtest_logreport(report) -> None:
-    """A failed setup, call or teardown: its id, `E` lines and report's tail."""
+    """Every phase's seconds; a failed setup, call or teardown: its id, `E` lines and
+    report's tail."""
+    if times := os.environ.get("GPU_TESTS_TIMES"):
+        with open(times, "a") as f:
+            f.write(json.dumps({"id": report.nodeid, "s": report.duration}) + "\n")
     where = os.environ.get("GPU_TESTS_FAILURES")
     if where and report.failed:
         text = report.longreprtext.strip()

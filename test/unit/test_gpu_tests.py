@@ -257,13 +257,22 @@ def test_first_runs_the_named_files_before_the_kernels(tmp_path):
 def test_a_call_on_some_paths_keeps_the_outcomes_of_the_others(tmp_path):
     root = tmp_path / "suite"
     order = "import pytest\n@pytest.mark.gpu\ndef test_x():\n    open('order', 'a').write('{}')\n"
+    slow = (
+        "import time, pytest\n@pytest.fixture(scope='module')\ndef server():\n    time.sleep(1)\n"
+    )
     _write(root, {
         "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
         "test/kernels/test_k.py": order.format("k"),
-        "test/e2e/test_e.py": order.format("e"),
+        "test/e2e/test_e.py": slow + order.format("e").replace("test_x()", "test_x(server)"),
     })  # fmt: skip
     code, doc = _call(root, tmp_path / "s1", 60, "c1")
     assert code == 0 and doc["counts"] == {"passed": 2} and (root / "order").read_text() == "ke"
+    # each test's seconds, its module fixture's setup in them, slowest first
+    assert list(doc["test_seconds"]) == [
+        "test/e2e/test_e.py::test_x",
+        "test/kernels/test_k.py::test_x",
+    ]
+    assert 1.0 <= doc["test_seconds"]["test/e2e/test_e.py::test_x"] < 5
     # the next machine, one file changed and only its folder named: it alone runs
     with (root / "test/e2e/test_e.py").open("a") as f:
         f.write("# changed\n")
