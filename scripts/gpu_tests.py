@@ -251,6 +251,33 @@ def file_order(test_id: str) -> tuple:
     return (ORDER.get(parts[1] if len(parts) > 2 else "", 9), path)
 
 
+def record(outcomes: dict[str, str], test_id: str, out: str) -> None:
+    """`out` for `test_id` unless a worse outcome is already recorded (`WORST`)."""
+    prev = outcomes.get(test_id)
+    if prev not in WORST or WORST.index(out) >= WORST.index(prev):
+        outcomes[test_id] = out
+
+
+def phase_outcomes(records: list[dict]) -> dict[str, tuple[str, str | None]]:
+    """{test id: (outcome, skip reason)} of the plugin's phase records: a failed call is
+    `failed`, a failed setup or teardown `error`, a skip `skipped`, a passing call
+    `passed` (a passing setup or teardown says nothing: the run may have been cut
+    between them), xfail marks as pytest reports them."""
+    got: dict[str, tuple[str, str | None]] = {}
+    for r in records:
+        out = r["outcome"]
+        if r.get("xfail"):
+            out = "xfail" if out == "skipped" else "xpass"
+        elif out == "failed":
+            out = "failed" if r["when"] == "call" else "error"
+        elif out == "passed" and r["when"] != "call":
+            continue
+        prev = got.get(r["id"])
+        if prev is None or WORST.index(out) >= WORST.index(prev[0]):
+            got[r["id"]] = (out, r.get("reason"))
+    return got
+
+
 def run_file(
     root: Path, ids: list[str], marker: str, deadline: float, log: Path, state: dict
 ) -> bool:
@@ -261,13 +288,13 @@ def run_file(
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE",
            "--tb=short", "--capture=sys", f"--timeout={PER_TEST_S}", "-p", "gpu_tests_plugin",
            "-m", marker, *ids]  # fmt: skip
-    failures, times = log.with_suffix(".failures.jsonl"), log.with_suffix(".times.jsonl")
+    failures, phases = log.with_suffix(".failures.jsonl"), log.with_suffix(".phases.jsonl")
     failures.unlink(missing_ok=True)
-    times.unlink(missing_ok=True)
+    phases.unlink(missing_ok=True)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     # COLUMNS: pytest cuts summary lines at the terminal width
     env = {**os.environ, "COLUMNS": "1000", "PYTHONPATH": path,
-           "GPU_TESTS_FAILURES": str(failures), "GPU_TESTS_TIMES": str(times)}  # fmt: skip
+           "GPU_TESTS_FAILURES": str(failures), "GPU_TESTS_PHASES": str(phases)}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)  # fmt: skip
     done, cut = threading.Event(), threading.Event()
@@ -285,17 +312,20 @@ def run_file(
             line = line.rstrip()
             if m := LINE.match(line):
                 test_id, out, rest = m.group(1), m.group(2).lower(), m.group(3) or ""
-                prev = outcomes.get(test_id)
-                if prev not in WORST or WORST.index(out) >= WORST.index(prev):
-                    outcomes[test_id] = out
+                record(outcomes, test_id, out)
                 if out == "skipped":
                     messages[test_id] = re.sub(r"\s*\[\s*\d+%\]$", "", rest).strip(" ()")
             elif m := SUMMARY.match(line):
                 messages[m.group(2)] = (m.group(3) or m.group(1)).strip()
     proc.wait()
     done.set()
+    records = [json.loads(x) for x in phases.read_text().splitlines()] if phases.exists() else []
+    for test_id, (out, reason) in phase_outcomes(records).items():
+        record(outcomes, test_id, out)
+        if out == "skipped" and reason:
+            messages.setdefault(test_id, reason)
     run_seconds: dict[str, float] = {}  # this run's phases of each test (a rerun replaces)
-    for rec in map(json.loads, times.read_text().splitlines() if times.exists() else []):
+    for rec in records:
         run_seconds[rec["id"]] = run_seconds.get(rec["id"], 0.0) + rec["s"]
     state.setdefault("test_seconds", {}).update(run_seconds)
     for rec in map(json.loads, failures.read_text().splitlines() if failures.exists() else []):

@@ -257,8 +257,12 @@ def test_first_runs_the_named_files_before_the_kernels(tmp_path):
 def test_a_call_on_some_paths_keeps_the_outcomes_of_the_others(tmp_path):
     root = tmp_path / "suite"
     order = "import pytest\n@pytest.mark.gpu\ndef test_x():\n    open('order', 'a').write('{}')\n"
+    # a module fixture that takes a second, and a child process that writes between the
+    # test's id and its outcome word (as an in-process engine's scheduler does)
     slow = (
-        "import time, pytest\n@pytest.fixture(scope='module')\ndef server():\n    time.sleep(1)\n"
+        "import subprocess, sys, time, pytest\n@pytest.fixture(scope='module')\n"
+        "def server():\n    time.sleep(1)\n"
+        "    subprocess.run([sys.executable, '-c', 'print(1234)'])\n"
     )
     _write(root, {
         "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
