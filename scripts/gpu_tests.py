@@ -2,8 +2,9 @@
 """The tests marked `gpu`, on the GPU machine, over back-to-back device calls: the whole
 suite takes longer than one 10-minute call, so each call runs what the calls before it
 left until its budget ends, and says where the suite stands: kernel and unit files
-`--jobs` at once (they share the GPU well; compiling dominates), then reliability and
-end-to-end files (they start servers) one at a time.
+`--jobs` at once (they share the GPU well; compiling dominates; a file of more than
+`--split-over` pending tests in up to three parts), then reliability and end-to-end files
+(they start servers) one at a time.
 
     python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
 
@@ -407,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--marker", default="gpu")
     ap.add_argument("--min-left-s", type=float, default=20.0, help="no file starts with less")
     ap.add_argument("--jobs", type=int, default=6, help="kernel and unit files run at once")
+    ap.add_argument("--split-over", type=int, default=30, metavar="N", help="a kernel or "
+                    "unit file of more than N pending tests runs in 2-3 processes at once")  # fmt: skip
     ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
     ap.add_argument("--seed-state", help="an earlier call's $OUT/gpu_tests_state.json (another "
                     "session's): resumed where --state has none, each unchanged file's outcomes kept")  # fmt: skip
@@ -473,12 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     for test_id in sorted(ids, key=file_order):
         by_file.setdefault(test_id.split("::")[0], []).append(test_id)
 
-    def run_one(name: str, pending: list[str]) -> tuple | None:
-        """Run one file's pending tests; None when too little of the budget is left."""
+    def run_one(name: str, pending: list[str], part: str = "") -> tuple | None:
+        """Run one file's pending tests (or a `part` of them); None when too little of the
+        budget is left."""
         if deadline - time.time() < args.min_left_s:
             return None
-        log = state_dir / "logs" / (name.replace("/", "__") + ".log")
-        print(f"gpu_tests: {name}: {len(pending)} test(s)", flush=True)
+        log = state_dir / "logs" / (name.replace("/", "__") + part + ".log")
+        print(f"gpu_tests: {name}{part}: {len(pending)} test(s)", flush=True)
         t0 = time.time()
         ended = run_file(root, pending, args.marker, deadline, log, state)
         return name, pending, ended, time.time() - t0, log
@@ -514,6 +518,14 @@ def main(argv: list[str] | None = None) -> int:
     work = [w for w in work if w not in first]
     shared = [w for w in work if file_order(w[0])[0] < ORDER["reliability"]]
     alone = [w for w in work if w not in shared]
+    # a kernel or unit file of many tests runs in up to three pytest processes side by side
+    # (every third test each: a file's parametrizations of one shape stay spread), the
+    # longest first, so that the files run together end together
+    split: list[tuple[str, list[str], str]] = []
+    for name, pending in sorted(shared, key=lambda w: -len(w[1])):
+        k = min(3, -(-len(pending) // max(1, args.split_over)))
+        parts = [(name, pending[i::k], f".{i + 1}" if k > 1 else "") for i in range(k)]
+        split += [w for w in parts if w[1]]
 
     def in_turn(files: list[tuple[str, list[str]]]) -> bool:
         """Run `files` one at a time; False once one is cut or the budget is spent."""
@@ -527,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
 
     all_ended = in_turn(first)
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for f in as_completed([pool.submit(run_one, *w) for w in shared if all_ended]):
+        for f in as_completed([pool.submit(run_one, *w) for w in split if all_ended]):
             if (result := f.result()) is None:
                 all_ended = False
                 continue

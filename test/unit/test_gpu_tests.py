@@ -292,6 +292,30 @@ def test_a_call_on_some_paths_keeps_the_outcomes_of_the_others(tmp_path):
     assert (root / "order").read_text() == "kee"
 
 
+def test_a_long_kernel_file_runs_in_parts_side_by_side(tmp_path):
+    """Over `--split-over` pending tests a kernel file runs in parts at once: every test
+    here passes only while a test of the other part runs."""
+    root = tmp_path / "suite"
+    waits = """
+        import pathlib, time, pytest
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("me", [0, 1, 2, 3])
+        def test_meets(me):  # parts take every other test: 0 and 2, 1 and 3
+            pathlib.Path(f"here_{me}").touch()
+            other = me + 1 if me % 2 == 0 else me - 1
+            end = time.time() + 15
+            while not pathlib.Path(f"here_{other}").exists():
+                assert time.time() < end, "ran alone"
+                time.sleep(0.05)
+    """
+    _write(root, {"pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
+                  "test/kernels/test_long.py": waits})  # fmt: skip
+    code, doc = _call(root, tmp_path / "s1", 60, "c1", "--split-over", "2")
+    assert code == 0 and doc["counts"] == {"passed": 4}, doc
+    logs = sorted(f.name for f in (tmp_path / "s1" / "state" / "logs").glob("*.log"))
+    assert logs == ["test__kernels__test_long.py.1.log", "test__kernels__test_long.py.2.log"]
+
+
 def _script():
     import importlib.util
 
