@@ -4,7 +4,8 @@ suite takes longer than one 10-minute call, so each call runs what the calls bef
 left until its budget ends, and says where the suite stands: kernel and unit files
 `--jobs` at once (they share the GPU well; compiling dominates; a file of more than
 `--split-over` pending tests in up to three parts), then reliability and end-to-end files
-(they start servers) one at a time.
+(they start servers) one at a time, or `--server-jobs` at a time those whose servers cap
+their memory (`SHARES`).
 
     python3 scripts/gpu_tests.py --budget-s $((560 - SECONDS)) --out $OUT
 
@@ -58,6 +59,10 @@ sys.path.insert(0, str(REPO / "python"))
 from sglang_psa.eval.results import package_versions, source_digest  # noqa: E402
 
 ORDER = {"kernels": 0, "unit": 1, "reliability": 2, "e2e": 3}  # by test/<dir>
+# A reliability or end-to-end file whose servers each cap their memory and KV pool
+# (`--mem-fraction-static`, `--max-total-tokens`) says so with this line; with
+# `--server-jobs` above 1 it runs beside another such file. Any other runs alone.
+SHARES = re.compile(r"^SERVERS_SHARE_THE_GPU = True\b", re.M)
 BAD = ("failed", "error", "timeout")
 # a test id may hold spaces (a parameter's id): the outcome word ends it
 LINE = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: +(.*))?$")
@@ -252,6 +257,10 @@ def file_order(test_id: str) -> tuple:
     return (ORDER.get(parts[1] if len(parts) > 2 else "", 9), path)
 
 
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
 def record(outcomes: dict[str, str], test_id: str, out: str) -> None:
     """`out` for `test_id` unless a worse outcome is already recorded (`WORST`)."""
     prev = outcomes.get(test_id)
@@ -408,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--marker", default="gpu")
     ap.add_argument("--min-left-s", type=float, default=20.0, help="no file starts with less")
     ap.add_argument("--jobs", type=int, default=6, help="kernel and unit files run at once")
+    ap.add_argument("--server-jobs", type=int, default=1, help="server files that declare "
+                    "SERVERS_SHARE_THE_GPU run this many at once (the others alone)")  # fmt: skip
     ap.add_argument("--split-over", type=int, default=30, metavar="N", help="a kernel or "
                     "unit file of more than N pending tests runs in 2-3 processes at once")  # fmt: skip
     ap.add_argument("--root", default=str(REPO), help="where pytest runs (this checkout)")
@@ -537,14 +548,27 @@ def main(argv: list[str] | None = None) -> int:
                 return False
         return True
 
-    all_ended = in_turn(first)
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for f in as_completed([pool.submit(run_one, *w) for w in split if all_ended]):
-            if (result := f.result()) is None:
-                all_ended = False
-                continue
-            settle(*result)
-            all_ended &= result[2]
+    def at_once(files: list[tuple], jobs: int) -> bool:
+        """Run `files` `jobs` at a time; False once one is cut or the budget is spent."""
+        ended = True
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            for f in as_completed([pool.submit(run_one, *w) for w in files]):
+                if (result := f.result()) is None:
+                    ended = False
+                    continue
+                settle(*result)
+                ended &= result[2]
+        return ended
+
+    all_ended = in_turn(first) and at_once(split, args.jobs)
+    # server files that declare their servers fit beside another's (`SHARES`) run
+    # --server-jobs at a time, the one of most tests first; the others alone, after them
+    sharing = sorted(
+        (w for w in alone if SHARES.search(read(root / w[0]))), key=lambda w: -len(w[1])
+    )
+    if all_ended and args.server_jobs > 1 and sharing:
+        all_ended = at_once(sharing, args.server_jobs)
+        alone = [w for w in alone if w not in sharing]
     if all_ended:
         in_turn(alone)
     state_file.write_text(json.dumps(state))

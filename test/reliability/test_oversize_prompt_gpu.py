@@ -17,12 +17,16 @@ sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
 import probes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
+# Its servers cap their memory and KV pool: `scripts/gpu_tests.py --server-jobs 2` may run
+# this file beside another that says so.
+SERVERS_SHARE_THE_GPU = True
 
 PROMPT, NEW, POOL = 20_000, 32, 8192
 BASE = [
     "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--chunked-prefill-size", "2048",
     "--context-length", "32768", "--max-running-requests", "4", "--cuda-graph-max-bs-decode", "4",
     "--psa-threshold", "1",  # decode reads every block: the evicted ones from the host tier
+    "--mem-fraction-static", "0.3",  # the whole prompt's pool still holds it many times over
 ]  # fmt: skip
 
 

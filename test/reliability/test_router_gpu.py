@@ -18,6 +18,9 @@ sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
 import probes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
+# Its servers cap their memory and KV pool: `scripts/gpu_tests.py --server-jobs 2` may run
+# this file beside another that says so.
+SERVERS_SHARE_THE_GPU = True
 
 N, NEW, PORTS, ROUTER = 24, 32, (30191, 30192), 30190
 # Each server's KV pool capped: sharing one GPU, the two start at once, and SGLang sizes a

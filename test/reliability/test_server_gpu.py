@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
 import probes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
+# Its servers cap their memory and KV pool: `scripts/gpu_tests.py --server-jobs 2` may run
+# this file beside another that says so.
+SERVERS_SHARE_THE_GPU = True
 
 
 @pytest.fixture(scope="module", params=list(probes.KV_HOMES))

@@ -316,6 +316,34 @@ def test_a_long_kernel_file_runs_in_parts_side_by_side(tmp_path):
     assert logs == ["test__kernels__test_long.py.1.log", "test__kernels__test_long.py.2.log"]
 
 
+def test_server_files_that_share_the_gpu_run_side_by_side_the_others_alone(tmp_path):
+    """With --server-jobs 2 the two reliability files that declare SERVERS_SHARE_THE_GPU
+    run at once (each passes only beside the other); the undeclared one runs alone, after."""
+    root = tmp_path / "suite"
+    alone = """
+        import pathlib, pytest
+        @pytest.mark.gpu
+        def test_alone():
+            assert pathlib.Path("pair_a").exists() and pathlib.Path("pair_b").exists()
+    """
+    _write(root, {
+        "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
+        "test/reliability/test_a.py": textwrap.dedent(PAIR).replace(
+            "import pathlib", "SERVERS_SHARE_THE_GPU = True\nimport pathlib").format(me="a", other="b"),
+        "test/reliability/test_b.py": textwrap.dedent(PAIR).replace(
+            "import pathlib", "SERVERS_SHARE_THE_GPU = True\nimport pathlib").format(me="b", other="a"),
+        "test/reliability/test_c.py": alone,
+    })  # fmt: skip
+    code, doc = _call(root, tmp_path / "s1", 60, "c1", "--server-jobs", "2")
+    assert code == 0 and doc["counts"] == {"passed": 3}, doc
+    # one at a time (the default): the first of the pair waits for the other in vain
+    for f in root.glob("pair_*"):
+        f.unlink()
+    code, doc = _call(root, tmp_path / "s2", 60, "c1")
+    assert list(doc["failed"]) == ["test/reliability/test_a.py::test_runs_beside_the_other"]
+    assert "ran alone" in doc["failed"]["test/reliability/test_a.py::test_runs_beside_the_other"]
+
+
 def _script():
     import importlib.util
 
