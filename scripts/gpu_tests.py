@@ -408,6 +408,28 @@ def report(state: dict, ids: list[str], out: Path | None) -> tuple[dict, int]:
     return doc, code
 
 
+def dry_run(state: dict, keys: dict[str, str]) -> int:
+    """Print, per test file under the paths, the outcomes the state keeps for it (its key
+    unchanged) or that it runs again; nothing runs. The check before spending device time:
+    a product change since the state's run voids every server test's outcome."""
+    kept: dict[str, dict[str, int]] = {}
+    for test_id, out in state["outcomes"].items():
+        f = test_id.split("::")[0]
+        kept.setdefault(f, {})
+        kept[f][out] = kept[f].get(out, 0) + 1
+    changed = sorted(f for f in keys if keys[f] != state["keys"].get(f))
+    print(f"gpu_tests --dry-run: state of {state.get('versions')} at {state.get('commits')}")
+    for f in sorted(keys):
+        if f in changed:
+            lost = kept.get(f)
+            print(f"  {f}: runs again" + (f" (its outcomes {lost} are void)" if lost else ""))
+        elif f in kept:
+            print(f"  {f}: kept {kept[f]}")
+    void = sum(n for f in changed for o, n in kept.get(f, {}).items() if o == "passed")
+    print(f"{len(changed)} of {len(keys)} files changed; {void} passed outcome(s) void")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="*", default=["test"], help="test paths (test)")
@@ -427,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", action="append", default=[], metavar="PATH",
                     help="run the pending test files under PATH before the rest, one at a "
                     "time (repeatable): what a call with little device time should see")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true", help="say which files keep their "
+                    "outcomes and which run again (from --state or --seed-state); run nothing")  # fmt: skip
     ap.add_argument("--rerun-failed", action="store_true", help="run the failed, errored and "
                     "timed-out tests of unchanged files again (a failure to see again)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -444,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                  "outcomes": {}, "messages": {}, "cuts": {}, "seconds": {}}  # fmt: skip
     if state.get("paths") != args.paths:  # other paths: collect again, keep every file's
         state["paths"], state["ids"] = args.paths, None  # outcomes while its key holds
+    if args.dry_run:
+        return dry_run(state, keys)
     versions = package_versions(STACK)
     if state.get("versions", versions) != versions:  # another SGLang / torch / triton: all again
         print(f"gpu_tests: the state was run on {state['versions']}, this machine has "

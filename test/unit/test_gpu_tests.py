@@ -344,6 +344,28 @@ def test_server_files_that_share_the_gpu_run_side_by_side_the_others_alone(tmp_p
     assert "ran alone" in doc["failed"]["test/reliability/test_a.py::test_runs_beside_the_other"]
 
 
+def test_a_dry_run_says_which_files_keep_their_outcomes_and_runs_nothing(tmp_path):
+    root = tmp_path / "suite"
+    order = "import pytest\n@pytest.mark.gpu\ndef test_x():\n    open('order', 'a').write('{}')\n"
+    _write(root, {
+        "pytest.ini": "[pytest]\nmarkers =\n    gpu: stand-in\n",
+        "python/product.py": "X = 1\n",
+        "test/kernels/test_k.py": order.format("k"),
+        "test/e2e/test_e.py": order.format("e"),
+    })  # fmt: skip
+    assert _call(root, tmp_path / "s1", 60, "c1")[1]["counts"] == {"passed": 2}
+    (root / "python/product.py").write_text("X = 2\n")  # the e2e file's key holds the product
+    seed = tmp_path / "s1" / "out" / "gpu_tests_state.json"
+    cmd = [sys.executable, str(SCRIPT), "test", "--root", str(root), "--dry-run",
+           "--state", str(tmp_path / "s2"), "--seed-state", str(seed)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "test/e2e/test_e.py: runs again (its outcomes {'passed': 1} are void)" in proc.stdout
+    assert "test/kernels/test_k.py: kept {'passed': 1}" in proc.stdout
+    assert "1 passed outcome(s) void" in proc.stdout
+    assert (root / "order").read_text() == "ke"  # nothing ran
+
+
 def _script():
     import importlib.util
 
