@@ -20,10 +20,11 @@ one test file reruns that file alone, while a product change reruns everything. 
 `--seed-state` resumes a state another session's last call brought back
 (`$OUT/gpu_tests_state.json`): a fresh machine goes on where the last one stopped, and a
 call on some paths keeps the outcomes of files outside them for a later call. Each
-test's outcome is read from pytest's `-v` lines as they stream, and a failure's report is
-written the moment it fails (`scripts/gpu_tests_plugin.py`), so a call cut
-short keeps what finished and why it failed. The test running when the budget ends is run again by the next
-call; cut twice, it is recorded `timeout`; one a finished pytest run never reached (its
+test's outcome is read from pytest's `-v` lines as they stream and from the records of
+every test phase its plugin (`scripts/gpu_tests_plugin.py`) writes as the phase ends,
+with each failure's report, so a call cut short keeps what finished and why it failed.
+The test running when the budget ends is run again by the next call; cut twice, it is
+recorded `timeout`; one a finished pytest run never reached (its
 module failed to import, pytest crashed) is an `error`. Files run kernels first, then unit,
 reliability and end-to-end tests (the slow ones), each file's tests in one pytest run.
 
@@ -257,10 +258,6 @@ def file_order(test_id: str) -> tuple:
     return (ORDER.get(parts[1] if len(parts) > 2 else "", 9), path)
 
 
-def read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.is_file() else ""
-
-
 def record(outcomes: dict[str, str], test_id: str, out: str) -> None:
     """`out` for `test_id` unless a worse outcome is already recorded (`WORST`)."""
     prev = outcomes.get(test_id)
@@ -273,7 +270,8 @@ def phase_outcomes(records: list[dict]) -> dict[str, tuple[str, str | None]]:
     `failed`, a failed setup or teardown `error`, a skip `skipped`, a passing call
     `passed` (a passing setup or teardown says nothing: the run may have been cut
     between them), xfail marks as pytest reports them."""
-    got: dict[str, tuple[str, str | None]] = {}
+    outs: dict[str, str] = {}
+    reasons: dict[str, str | None] = {}
     for r in records:
         out = r["outcome"]
         if r.get("xfail"):
@@ -282,10 +280,9 @@ def phase_outcomes(records: list[dict]) -> dict[str, tuple[str, str | None]]:
             out = "failed" if r["when"] == "call" else "error"
         elif out == "passed" and r["when"] != "call":
             continue
-        prev = got.get(r["id"])
-        if prev is None or WORST.index(out) >= WORST.index(prev[0]):
-            got[r["id"]] = (out, r.get("reason"))
-    return got
+        record(outs, r["id"], out)
+        reasons.setdefault(r["id"], r.get("reason"))
+    return {t: (out, reasons[t]) for t, out in outs.items()}
 
 
 def run_file(
@@ -590,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     # server files that declare their servers fit beside another's (`SHARES`) run
     # --server-jobs at a time, the one of most tests first; the others alone, after them
     sharing = sorted(
-        (w for w in alone if SHARES.search(read(root / w[0]))), key=lambda w: -len(w[1])
+        (w for w in alone if SHARES.search((root / w[0]).read_text(errors="replace"))),
+        key=lambda w: -len(w[1]),
     )
     if all_ended and args.server_jobs > 1 and sharing:
         all_ended = at_once(sharing, args.server_jobs)
