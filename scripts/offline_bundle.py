@@ -794,8 +794,8 @@ def parse_models(value: str | list[str] | tuple[str, ...]) -> list[str]:
     """
     raw = value.split(",") if isinstance(value, str) else list(value)
     keys = list(dict.fromkeys(k.strip() for k in raw if k.strip()))
-    if keys == ["none"]:
-        return []
+    if keys == ["none"] or (not keys and not isinstance(value, str)):
+        return []  # "none", or its parsed form (main parses, then build parses again)
     known = _models()
     if not keys or "none" in keys:
         raise BundleError(

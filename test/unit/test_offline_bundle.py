@@ -299,6 +299,8 @@ def test_parse_models_comma_list():
         "qwen2.5-0.5b",
     ]
     assert ob.parse_models(["qwen2.5-0.5b", "smollm2-135m"]) == ["qwen2.5-0.5b", "smollm2-135m"]
+    for value in ("none", "smollm2-135m,qwen2.5-0.5b"):  # main parses, then build again
+        assert ob.parse_models(ob.parse_models(value)) == ob.parse_models(value)
     with pytest.raises(ob.BundleError, match=r"--model: unknown model\(s\) 'bogus'") as e:
         ob.parse_models("smollm2-135m,bogus")
     assert KNOWN in str(e.value)
