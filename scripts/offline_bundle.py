@@ -794,8 +794,8 @@ def parse_models(value: str | list[str] | tuple[str, ...]) -> list[str]:
     """
     raw = value.split(",") if isinstance(value, str) else list(value)
     keys = list(dict.fromkeys(k.strip() for k in raw if k.strip()))
-    if keys == ["none"] or (not keys and not isinstance(value, str)):
-        return []  # "none", or its parsed form (main parses, then build parses again)
+    if keys == ["none"]:
+        return []
     known = _models()
     if not keys or "none" in keys:
         raise BundleError(
@@ -1055,12 +1055,17 @@ def _main_build(argv: list[str]) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        models = parse_models(args.model)
+        parse_models(args.model)  # a bad --model is a usage error (exit 2), before any work
     except BundleError as e:
         ap.error(str(e))
     try:
         manifest = build(
-            args.out, args.part_mib, models, args.skip_download, tuple(args.exclude), args.sglang
+            args.out,
+            args.part_mib,
+            args.model,
+            args.skip_download,
+            tuple(args.exclude),
+            args.sglang,
         )
     except BundleError as e:
         _log(f"error: {e}")
