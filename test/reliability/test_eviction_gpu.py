@@ -25,9 +25,13 @@ SERVERS_SHARE_THE_GPU = True
 
 PROMPT, NEW, N = 6000, 128, 6
 # A pool of 14K tokens holds two such requests whole; six run at once only by eviction.
+# The pool is capped by tokens, so the fraction only sets SGLang's start-up check: the KV
+# budget is the GPU memory free after the weights load less (1 - fraction) of what was free
+# before. At 0.3 a neighbour that took 15 GB more during this start-up left none (H100,
+# SGLang 0.5.23, 2026-12-06, 55 GB free before): at 0.5 it may take 26 GB.
 ARGS = [
     "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--max-total-tokens", "14336",
-    "--mem-fraction-static", "0.3",
+    "--mem-fraction-static", "0.5",
 ]  # fmt: skip
 
 

@@ -269,7 +269,8 @@ HOOKS: tuple[Hook, ...] = (
         "before",
         "validation:before_validate_one_request",
         ("self", "obj", "input_ids"),
-        "a prompt's token ids outside the vocabulary get HTTP 400, not a GPU assert",
+        "a prompt of no tokens, or token ids outside the vocabulary, get HTTP 400, not a "
+        "crashed scheduler",
     ),
 )
 

@@ -4,7 +4,10 @@ reaches a scheduler.
 A prompt given as token ids is checked against the vocabulary at both ends: SGLang
 0.5.17 refuses ids at or past the vocabulary size but not negative ones, which index
 the embedding table out of bounds on the GPU (a device-side assert takes the scheduler,
-and every request it holds, down). Without `--sparse-mode` the check passes straight
+and every request it holds, down). A prompt of no tokens (an empty text where the
+tokenizer adds none, or `input_ids: []`) is refused too: SGLang 0.5.17's tokenizer
+refuses an empty text, 0.5.23's lets it through, and the scheduler runs it as an extend
+of zero tokens, whose rotary embedding raises and takes the server down. Without `--sparse-mode` the checks pass straight
 through, as every hook does.
 """
 
@@ -14,10 +17,15 @@ from sglang_psa.plugin.server_args import config_of
 
 
 def before_validate_one_request(manager, obj, input_ids):
-    """`TokenizerManager._validate_one_request`: a token id outside `[0, vocab)` is a
-    ValueError (HTTP 400) naming it; returns None (the arguments unchanged)."""
-    if not input_ids or config_of(manager.server_args) is None:
+    """`TokenizerManager._validate_one_request`: a token id outside `[0, vocab)`, or a
+    prompt of no tokens (`input_ids == []` without `input_embeds`), is a ValueError
+    (HTTP 400) saying which; returns None (the arguments unchanged)."""
+    if input_ids is None or config_of(manager.server_args) is None:
         return None
+    if len(input_ids) == 0:
+        if getattr(obj, "input_embeds", None) is not None:
+            return None
+        raise ValueError("the prompt is empty: it has no tokens (send at least one)")
     vocab = int(manager.model_config.vocab_size)
     lo, hi = min(input_ids), max(input_ids)
     if lo < 0 or hi >= vocab:

@@ -1,6 +1,7 @@
-"""A prompt's token ids are checked against the vocabulary at both ends under
-`--sparse-mode` (a negative id would index the GPU's embedding table out of bounds),
-and left to SGLang alone without it."""
+"""A prompt's token ids are checked against the vocabulary at both ends, and a prompt of
+no tokens is refused, under `--sparse-mode` (a negative id would index the GPU's embedding
+table out of bounds; an empty prompt crashes SGLang 0.5.23's scheduler), and left to
+SGLang alone without it."""
 
 from types import SimpleNamespace
 
@@ -30,3 +31,13 @@ def test_ids_inside_the_vocabulary_and_text_prompts_pass_unchanged():
 def test_without_sparse_mode_the_check_is_sglangs_alone(monkeypatch):
     monkeypatch.setattr("sglang_psa.plugin.validation.config_of", lambda args: None)
     assert before_validate_one_request(_manager(None), None, [-1, 5]) is None
+
+
+@pytest.mark.parametrize("embeds", [None, [[0.0] * 4]])
+def test_a_prompt_of_no_tokens_is_refused_unless_it_brings_embeddings(embeds):
+    obj = SimpleNamespace(input_embeds=embeds)
+    if embeds is None:
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            before_validate_one_request(_manager(PSAConfig()), obj, [])
+    else:
+        assert before_validate_one_request(_manager(PSAConfig()), obj, []) is None
