@@ -7,8 +7,8 @@ the embedding table out of bounds on the GPU (a device-side assert takes the sch
 and every request it holds, down). A prompt of no tokens (an empty text where the
 tokenizer adds none, or `input_ids: []`) is refused too: SGLang 0.5.17's tokenizer
 refuses an empty text, 0.5.23's lets it through, and the scheduler runs it as an extend
-of zero tokens, whose rotary embedding raises and takes the server down. Without `--sparse-mode` the checks pass straight
-through, as every hook does.
+of zero tokens, whose rotary embedding raises and takes the server down. Without
+`--sparse-mode` the checks pass straight through, as every hook does.
 """
 
 from __future__ import annotations
