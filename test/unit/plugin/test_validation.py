@@ -33,11 +33,12 @@ def test_without_sparse_mode_the_check_is_sglangs_alone(monkeypatch):
     assert before_validate_one_request(_manager(None), None, [-1, 5]) is None
 
 
-@pytest.mark.parametrize("embeds", [None, [[0.0] * 4]])
-def test_a_prompt_of_no_tokens_is_refused_unless_it_brings_embeddings(embeds):
-    obj = SimpleNamespace(input_embeds=embeds)
-    if embeds is None:
-        with pytest.raises(ValueError, match="the prompt is empty"):
-            before_validate_one_request(_manager(PSAConfig()), obj, [])
-    else:
-        assert before_validate_one_request(_manager(PSAConfig()), obj, []) is None
+def test_a_prompt_of_no_tokens_is_refused():
+    obj = SimpleNamespace(input_embeds=None)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        before_validate_one_request(_manager(PSAConfig()), obj, [])
+
+
+def test_a_request_of_embeddings_without_token_ids_passes():
+    obj = SimpleNamespace(input_embeds=[[0.0] * 4])
+    assert before_validate_one_request(_manager(PSAConfig()), obj, []) is None
