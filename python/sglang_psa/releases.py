@@ -139,8 +139,10 @@ FEATURES: dict[str, tuple[str, ...]] = {
     # A request's prefix is a list of KV slots that SGLang writes into its new row
     # (`Req.prefix_indices`): a retracted request at the tiered home resumes with its
     # saved blocks as that prefix (page-0 entries), and a chunked prompt's copy of its row
-    # is kept in step with blocks that left HBM. From 0.5.23 on the row itself is the
-    # prefix (`Req.prefix_len`); there a retracted request is prefilled again.
+    # is kept in step with blocks that left HBM. From 0.5.23 on the prefix is a length
+    # (`Req.prefix_len`), a later chunk's prefix is its row, and a new row's prefix slots
+    # are read at allocation (`mem_cache.allocation._prefix_kv_indices`, which the plugin
+    # answers for a resuming request: `plugin.scheduling.around_prefix_kv_indices`).
     "prefix_slots": ("0.5.17",),
     # The `psa` radix cache (`mem_cache.psa_radix_cache`) subclasses this release's
     # `RadixCache` and overrides its calls as they are there (tested against it): SGLang's

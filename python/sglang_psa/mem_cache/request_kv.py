@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sglang_psa.releases import req_row
+from sglang_psa.releases import has, req_prefix_len, req_row, write
 
 
 @dataclass(eq=False)
@@ -166,7 +166,9 @@ class TieredRequests:
         only the tokens after them. Where SGLang needs more of it computed (input
         log-probabilities, by default from the end of the prompt on) the prefix ends at
         the last whole block before that (`trim`); False, and the request unparked
-        (prefilled whole, as SGLang would), when no whole block is left."""
+        (prefilled whole, as SGLang would), when no whole block is left. Where the
+        release keeps a prefix as a length (0.5.23 on) the length is set here and the
+        slots are read at allocation (`prefix_slots`)."""
         rec = self.records.get(req.rid)
         if rec is None or not rec.parked or req_row(req) is not None:
             return False
@@ -181,9 +183,21 @@ class TieredRequests:
                 self.unpark(req)
                 return False
             self.trim(req.rid, kept // self.block_size)
-        dev = self.req_to_token.device
-        req.prefix_indices = torch.arange(kept, dtype=torch.int64, device=dev) % self.block_size
+        write(req, "req.prefix", self._page0(kept) if has("prefix_slots") else kept)
         return True
+
+    def prefix_slots(self, req) -> torch.Tensor | None:
+        """The request-table entries of parked `req`'s prefix as its new row gets them
+        (`resume_prefix` set its length): page 0 for every kept token; None for a request
+        that is not parked or holds a row already (SGLang's own slots apply)."""
+        rec = self.records.get(req.rid)
+        if rec is None or not rec.parked or req_row(req) is not None:
+            return None
+        return self._page0(req_prefix_len(req))
+
+    def _page0(self, tokens: int) -> torch.Tensor:
+        dev = self.req_to_token.device
+        return torch.arange(tokens, dtype=torch.int64, device=dev) % self.block_size
 
     def trim(self, rid: Hashable, blocks: int) -> None:
         """Parked `rid` keeps only its first `blocks` saved blocks (`0 < blocks <= saved`):
@@ -201,7 +215,7 @@ class TieredRequests:
         """Parked `req` is prefilled whole after all (SGLang's way): its host copy goes
         (`release`) and its prefix is empty."""
         self.release(req.rid)
-        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+        write(req, "req.prefix", torch.empty((0,), dtype=torch.int64) if has("prefix_slots") else 0)
 
     def resume(self, reqs) -> None:
         """An extend batch is set up: its parked requests have their new rows; decode
@@ -214,10 +228,10 @@ class TieredRequests:
             if rec is None or not rec.parked:
                 continue
             kept = rec.saved * self.block_size
-            if len(req.prefix_indices) != kept:
+            if req_prefix_len(req) != kept:
                 raise RuntimeError(
                     f"sglang-psa: parked request {req.rid} resumes with a prefix of "
-                    f"{len(req.prefix_indices)} tokens, {kept} were kept in the host tier"
+                    f"{req_prefix_len(req)} tokens, {kept} were kept in the host tier"
                 )
             rec.row, rec.parked = int(req_row(req)), False
             self.wb.read_from_host(req.rid, list(range(rec.saved)))

@@ -162,6 +162,15 @@ HOOKS: tuple[Hook, ...] = (
         releases=("0.5.23",),
     ),
     Hook(
+        "sglang.srt.mem_cache.allocation._prefix_kv_indices",
+        "around",
+        "scheduling:around_prefix_kv_indices",
+        ("batch", "req"),
+        "tiered: a retracted request resumes with page 0 for its prefix kept in the host "
+        "tier (0.5.23 reads a new row's prefix slots at allocation)",
+        releases=("0.5.23",),
+    ),
+    Hook(
         "sglang.srt.managers.schedule_batch.Req.init_next_round_input",
         "after",
         "scheduling:after_init_next_round_input",

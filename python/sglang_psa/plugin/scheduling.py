@@ -376,25 +376,30 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     """A finished request is forgotten; a retracted one (SGLang releases it uninserted,
     unfinished: `is_insert`, from 0.5.23 on `checkpoint`, false) keeps its history for
     when it resumes, and at the tiered home with staged prefill its saved blocks, which
-    leave HBM before SGLang frees the rest of its KV (`TieredRequests.park`; where the release
-    has `prefix_slots`; with the psa radix cache its saves in flight are waited for
-    instead, on every release)."""
+    leave HBM before SGLang frees the rest of its KV (`TieredRequests.park`; with the psa
+    radix cache its saves in flight are waited for instead, on every release)."""
     serving = _serving()
     if serving is None:
         return original(req, tree_cache, *args, **kwargs)
     insert = args[0] if args else kwargs.get(releases.path("release.insert"), True)
     retracted = not insert and not req.finished()
-    if (
-        retracted
-        and serving.stages_prefill
-        and (releases.has("prefix_slots") or serving.prefix_cached)
-    ):
+    if retracted and serving.stages_prefill:
         # (with the psa radix cache nothing is parked, on any release: its saves in flight
         # land and enter the prefix index, which its next match reads)
         serving.park(req, tree_cache.token_to_kv_pool_allocator)  # else prefilled again
     result = original(req, tree_cache, *args, **kwargs)
     serving.release(req.rid, retracted=retracted)
     return result
+
+
+def around_prefix_kv_indices(original, batch, req):
+    """(0.5.23) SGLang reads the slots of a new row's prefix at allocation: a parked
+    request resuming from the host tier gets page 0 for each kept token
+    (`TieredRequests.prefix_slots`; `resume_prefix` set its prefix's length), any other
+    SGLang's own."""
+    serving = _serving()
+    slots = None if serving is None else serving.parked_prefix_slots(req)
+    return original(batch, req) if slots is None else slots
 
 
 def after_init_next_round_input(result, req, tree_cache=None, cow_mamba=None):

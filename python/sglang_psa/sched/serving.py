@@ -525,6 +525,11 @@ class PSAServing:
         if self.parked(req.rid):
             self.requests.resume_prefix(req)
 
+    def parked_prefix_slots(self, req):
+        """The slots a resuming parked `req`'s new row gets for its prefix (page 0 for each
+        kept token: `TieredRequests.prefix_slots`); None for any other request."""
+        return None if self.requests is None else self.requests.prefix_slots(req)
+
     def unpark(self, req) -> None:
         """Parked `req` is prefilled whole after all (`TieredRequests.unpark`)."""
         self.requests.unpark(req)

@@ -19,6 +19,11 @@ pytest.importorskip("orjson", reason="orjson is not installed here (pip install 
 from sglang_psa.mem_cache.request_kv import TieredRequests  # noqa: E402
 from sglang_psa.mem_cache.residency import Residency  # noqa: E402
 from sglang_psa.mem_cache.writeback import WriteBack, wait_saved  # noqa: E402
+from sglang_psa.releases import has, req_prefix_len  # noqa: E402
+
+# How a resumed request's prefix is set follows the installed SGLang release: CI runs these
+# on every release.
+pytestmark = pytest.mark.sglang
 
 L, H, D, BS = 2, 2, 64, 32
 PAGES, ROWS, CTX, HOST_BLOCKS = 48, 4, 16 * BS, 40
@@ -100,6 +105,12 @@ def _req(rid: str, row: int | None, fill: int = 0, **kw):
     return SimpleNamespace(**{**fields, **kw})
 
 
+def _prefix(reqs: TieredRequests, req) -> torch.Tensor:
+    """The slots a resumed `req`'s new row gets for its prefix: set at the match on SGLang
+    0.5.17 (`Req.prefix_indices`), read at allocation from 0.5.23 on (`prefix_slots`)."""
+    return req.prefix_indices if has("prefix_slots") else reqs.prefix_slots(req)
+
+
 def _extend(wb: WriteBack, pool: _Pool, req, n: int) -> None:
     """One extend of `n` tokens of `req`: plan, then its saves are issued."""
     pool.write(req.req_pool_idx, n)
@@ -160,7 +171,7 @@ def test_park_keeps_the_saved_blocks_and_resume_reads_them_from_the_new_row(devi
         # SGLang resets it and asks its prefix cache: the kept tokens are its prefix.
         q = _req("a", None, fill=5 * BS + 6)
         assert reqs.resume_prefix(q)
-        assert torch.equal(q.prefix_indices.cpu(), torch.arange(4 * BS) % BS)
+        assert torch.equal(_prefix(reqs, q).cpu(), torch.arange(4 * BS) % BS)
         q.req_pool_idx = 3
         reqs.resume([_req("b", 1), q])  # "b" is no parked request: left as it is
         assert not rec.parked and rec.row == 3 and "b" not in wb.records
@@ -210,7 +221,7 @@ def test_a_trimmed_prefix_keeps_its_first_blocks_in_the_same_host_blocks():
         assert res.cache.live[kept].all()
         q = _req("a", None, fill=6 * BS, return_logprob=True, logprob_start_len=2 * BS + 5)
         assert reqs.resume_prefix(q)
-        assert torch.equal(q.prefix_indices, torch.arange(2 * BS) % BS)
+        assert torch.equal(_prefix(reqs, q), torch.arange(2 * BS) % BS)
         rec = wb.records["a"]
         assert wb.saved_blocks("a") == kept[:2] and rec.parked
         assert rec.evicted[:4].tolist() == [True, True, False, False]
@@ -310,7 +321,7 @@ def test_a_parked_request_resumes_with_its_evicted_and_resident_blocks_alike():
         assert reqs.parked("a") and reqs.report()["parked_requests"] == 1
         q = _req("a", None, fill=10 * BS + 5)
         assert reqs.resume_prefix(q)
-        assert torch.equal(q.prefix_indices, torch.arange(8 * BS) % BS)
+        assert torch.equal(_prefix(reqs, q), torch.arange(8 * BS) % BS)
         q.req_pool_idx = 3
         reqs.resume([_req("b", 1), q])
         assert not reqs.parked("a")
@@ -340,7 +351,7 @@ def test_a_prefix_with_no_whole_block_before_the_logprob_start_is_prefilled_whol
         q = _req("a", None, fill=4 * BS, return_logprob=True, logprob_start_len=BS - 1)
         assert not reqs.resume_prefix(q)
         assert "a" not in wb.records and not res.evicted and wb.blocks.used == 0
-        assert len(q.prefix_indices) == 0
+        assert req_prefix_len(q) == 0
         reqs.resume([q])  # nothing to resume
         assert reqs.report()["resumed"] == 0
 

@@ -528,7 +528,7 @@ class _SGLangReq(SimpleNamespace):
             self.swa_host_hit_length, self.best_match_node = 0, None
             self.auxiliary_swa_host_hit_length = self.mamba_host_hit_length = 0
             self.storage_hit_start, self.storage_hit_length, self.host_loaded_length = None, 0, 0
-            self.cache_request_handle = None
+            self.cache_request_handle, self.host_hit_is_storage = None, False
 
     def set_extend_range(self, start, end):  # 0.5.17
         self.extend_range = SimpleNamespace(start=start, end=end, length=end - start)
@@ -808,9 +808,6 @@ def test_the_output_cap_is_the_host_tiers_with_staged_prefill(serving):
     assert req.sampling_params.max_new_tokens == 32 and sched.max_total_num_tokens == 8192
 
 
-@pytest.mark.skipif(
-    not releases.has("prefix_slots"), reason="resumption from the host tier is SGLang 0.5.17's"
-)
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
     serving, monkeypatch, ignore_eos
@@ -836,7 +833,7 @@ def test_a_resumed_request_is_charged_and_prefilled_only_after_its_kept_prefix(
 
         def unpark(self, req):
             self.waiting.remove(req.rid)
-            req.prefix_indices = []
+            _set_prefix(req, 0)
 
     wb = SimpleNamespace(reserve=lambda rid, n: True)
     serving.cfg = serving.cfg.replace(kv_home="tiered")
@@ -917,10 +914,6 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     sglang_frees = lambda *args, **kwargs: calls.append(("sglang frees",))  # noqa: E731
     scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
     assert "a" in serving.controller.paused
-    if not releases.has("prefix_slots"):  # 0.5.23 on: the row is the prefix; prefilled again
-        assert calls[0] == ("sglang frees",) and not any(c[0] == "park" for c in calls)
-        assert not serving.parked("a")
-        return
     assert calls == [("park", "a", "alloc"), ("sglang frees",)]
     assert serving.parked("a")
     calls.clear()
@@ -936,6 +929,31 @@ def test_tiered_retraction_parks_before_sglang_frees_and_resumes_before_planning
     done = _req("a", 100, pool_idx=1, finished=True)
     scheduling.around_release_kv_cache(sglang_frees, done, tree, **_insert(False))
     assert calls == [("sglang frees",), ("release", "a", True)]  # its saves may land
+
+
+def test_a_resuming_parked_request_gets_page_0_for_its_kept_prefix_at_allocation(serving):
+    """SGLang 0.5.23 reads a new row's prefix slots at allocation (`_prefix_kv_indices`, a
+    length set at the match): a parked request without a row gets page 0 for each kept
+    token (`TieredRequests.prefix_slots`, here the store's answer); any other request,
+    and any request on a server without the tiered home, SGLang's own slots."""
+    alloc = pytest.importorskip("sglang.srt.mem_cache.allocation")
+    original = getattr(alloc, "_prefix_kv_indices", None)
+    if original is None:
+        pytest.skip(f"sglang=={releases.release()} writes a prefix's slots at the match")
+    kv = lambda idx: SimpleNamespace(holds_kv=idx is not None, req_pool_idx=idx)  # noqa: E731
+    table = SimpleNamespace(req_to_token=__import__("torch").arange(40).view(2, 20))
+    batch = SimpleNamespace(req_to_token_pool=table, tree_cache=None)
+    parked = SimpleNamespace(rid="p", prefix_len=8, kv=kv(None))
+    other = SimpleNamespace(rid="o", prefix_len=3, kv=kv(1))  # a later chunk: its row
+    slots = __import__("torch").arange(8) % 4
+    serving.requests = SimpleNamespace(
+        prefix_slots=lambda req: slots if req.rid == "p" and req.kv.req_pool_idx is None else None
+    )
+    assert scheduling.around_prefix_kv_indices(original, batch, parked) is slots
+    assert scheduling.around_prefix_kv_indices(original, batch, other).tolist() == [20, 21, 22]
+    process.register(None)  # no PSA server: SGLang's own (its tree's, which it lacks here)
+    with pytest.raises(AttributeError):
+        scheduling.around_prefix_kv_indices(original, batch, parked)
 
 
 def test_with_the_psa_radix_cache_a_retraction_waits_for_its_saves_on_every_release(serving):
@@ -960,8 +978,7 @@ def test_with_the_psa_radix_cache_a_retraction_waits_for_its_saves_on_every_rele
     calls.clear()
     serving.writeback = SimpleNamespace(index=None)  # no prefix cache
     scheduling.around_release_kv_cache(sglang_frees, a, tree, **_insert(False))
-    parks = releases.has("prefix_slots")  # else the row is the prefix: prefilled again
-    assert [c[0] for c in calls] == ["park"] * parks + ["sglang frees", "release"]
+    assert [c[0] for c in calls] == ["park", "sglang frees", "release"]
 
 
 def test_a_parked_request_waiting_for_admission_keeps_its_host_copy(serving):
