@@ -6,7 +6,8 @@
 # Copies PART_PATH into STAGE_DIR (mkdir -p), together with the MANIFEST.json
 # lying beside it when that was carried too, checks the part's sha256 against
 # the manifest (a corrupt copy is removed and the script fails naming it) and
-# prints how many of the bundle's parts are now staged.
+# prints how many of the bundle's parts are now staged (by size: the others were
+# checked when they were staged).
 #
 # How the lead uses it. The device tool carries at most 64 MiB per call (working
 # tree included) and a machine is forgotten ~30 s after a call, so the bundle
@@ -48,7 +49,9 @@ if [ -f "$STAGE/MANIFEST.json" ]; then
     rm -f "$STAGE/$NAME"
     die "part $NAME failed verification and was removed from $STAGE; carry it again"
   fi
-  "$PY" "$HERE/offline_bundle.py" status "$STAGE"
+  # (the other parts by size: each was checked when it was staged, and install_offline.sh
+  # checks every one again)
+  "$PY" "$HERE/offline_bundle.py" status "$STAGE" --sizes-only
 else
   n=$(find "$STAGE" -maxdepth 1 -name 'psa-bundle.part-*' ! -name '*.tmp' | wc -l)
   echo "staged $n part(s) in $STAGE (no MANIFEST.json carried: not verified, total unknown)"
