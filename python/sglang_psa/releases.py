@@ -250,3 +250,10 @@ def req_prefix_len(req) -> int:
     """The length of a request's prefix (the tokens its next extend does not compute)."""
     prefix = read(req, "req.prefix", 0)
     return prefix if isinstance(prefix, int) else len(prefix)
+
+
+def set_req_prefix(req, slots) -> None:
+    """Make `slots` (its request-table entries) a request's prefix: the slots themselves
+    where the release keeps a prefix so (`prefix_slots`), else their number (the slots
+    are then read when its row is allocated)."""
+    write(req, "req.prefix", slots if has("prefix_slots") else len(slots))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sglang_psa.releases import has, req_prefix_len, req_row, write
+from sglang_psa.releases import req_prefix_len, req_row, set_req_prefix
 
 
 @dataclass(eq=False)
@@ -169,8 +169,8 @@ class TieredRequests:
         (prefilled whole, as SGLang would), when no whole block is left. Where the
         release keeps a prefix as a length (0.5.23 on) the length is set here and the
         slots are read at allocation (`prefix_slots`)."""
-        rec = self.records.get(req.rid)
-        if rec is None or not rec.parked or req_row(req) is not None:
+        rec = self._resuming(req)
+        if rec is None:
             return False
         kept = rec.saved * self.block_size
         fill = len(req.full_untruncated_fill_ids)
@@ -183,17 +183,20 @@ class TieredRequests:
                 self.unpark(req)
                 return False
             self.trim(req.rid, kept // self.block_size)
-        write(req, "req.prefix", self._page0(kept) if has("prefix_slots") else kept)
+        set_req_prefix(req, self._page0(kept))
         return True
 
     def prefix_slots(self, req) -> torch.Tensor | None:
         """The request-table entries of parked `req`'s prefix as its new row gets them
         (`resume_prefix` set its length): page 0 for every kept token; None for a request
         that is not parked or holds a row already (SGLang's own slots apply)."""
+        return None if self._resuming(req) is None else self._page0(req_prefix_len(req))
+
+    def _resuming(self, req) -> RequestKV | None:
+        """Parked `req`'s record while it holds no row yet (it is about to resume), else
+        None."""
         rec = self.records.get(req.rid)
-        if rec is None or not rec.parked or req_row(req) is not None:
-            return None
-        return self._page0(req_prefix_len(req))
+        return rec if rec is not None and rec.parked and req_row(req) is None else None
 
     def _page0(self, tokens: int) -> torch.Tensor:
         dev = self.req_to_token.device
@@ -215,7 +218,7 @@ class TieredRequests:
         """Parked `req` is prefilled whole after all (SGLang's way): its host copy goes
         (`release`) and its prefix is empty."""
         self.release(req.rid)
-        write(req, "req.prefix", torch.empty((0,), dtype=torch.int64) if has("prefix_slots") else 0)
+        set_req_prefix(req, torch.empty((0,), dtype=torch.int64))
 
     def resume(self, reqs) -> None:
         """An extend batch is set up: its parked requests have their new rows; decode

@@ -561,7 +561,7 @@ class _SGLangReq(SimpleNamespace):
 def _set_prefix(req, tokens: int) -> None:
     """`req`'s prefix is its first `tokens` tokens, where the installed SGLang keeps it
     (0.5.17: a slot list, here page-0 entries as `TieredRequests.resume_prefix` sets them)."""
-    releases.write(req, "req.prefix", [0] * tokens if releases.has("prefix_slots") else tokens)
+    releases.set_req_prefix(req, [0] * tokens)
 
 
 class _Alloc:
