@@ -51,7 +51,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_psa.config import PSAConfig
 from sglang_psa.mem_cache.prefix_index import JoinedTokens, PrefixIndex
-from sglang_psa.mem_cache.request_kv import TieredRequests
+from sglang_psa.mem_cache.request_kv import TieredRequests, page0_slots
 from sglang_psa.mem_cache.residency import AT_PAGE0
 from sglang_psa.mem_cache.writeback import to_device
 from sglang_psa.releases import has, req_protected_len, req_row, req_salt
@@ -333,8 +333,8 @@ class PsaRadixCache(RadixCache):
         self._maybe_page0.add(req.rid)
         if _CHECKPOINT:  # SGLang reads the slots at allocation (`prefix_device_indices`)
             return res._replace(device_prefix_len=res.device_prefix_len + extra * ps)
-        zeros = torch.arange(extra * ps, dtype=torch.int64, device=res.device_indices.device)
-        return res._replace(device_indices=torch.cat([res.device_indices, zeros % ps]))
+        page0 = page0_slots(extra * ps, ps, res.device_indices.device)
+        return res._replace(device_indices=torch.cat([res.device_indices, page0]))
 
     def prefix_device_indices(self, req) -> torch.Tensor:
         """(0.5.23) The slots of `req`'s matched prefix (`req.prefix_len`, its locked
@@ -347,8 +347,7 @@ class PsaRadixCache(RadixCache):
         ps = self.page_size
         assert len(path) % ps == 0 and n % ps == 0, (req.rid, len(path), n)
         self._verify_page0(path, self._page0_blocks(req.last_node))
-        zeros = torch.arange(n - len(path), dtype=torch.int64, device=path.device) % ps
-        return torch.cat([path.to(torch.int64), zeros])
+        return torch.cat([path.to(torch.int64), page0_slots(n - len(path), ps, path.device)])
 
     def cache_unfinished_req(self, req, chunked=False):
         """(0.5.17) SGLang's insert of a running request, then the tiered store's part."""

@@ -40,6 +40,12 @@ import torch
 from sglang_psa.releases import req_prefix_len, req_row, set_req_prefix
 
 
+def page0_slots(tokens: int, page_size: int, device) -> torch.Tensor:
+    """The request-table entries of `tokens` prefix tokens (whole pages) whose KV is read
+    from the host tier: each at its offset in page 0, the page no KV lives in (int64)."""
+    return torch.arange(tokens, dtype=torch.int64, device=device) % page_size
+
+
 @dataclass(eq=False)
 class RequestKV:
     """The tiered store's state of one request. Block `b` holds its tokens
@@ -199,8 +205,7 @@ class TieredRequests:
         return rec if rec is not None and rec.parked and req_row(req) is None else None
 
     def _page0(self, tokens: int) -> torch.Tensor:
-        dev = self.req_to_token.device
-        return torch.arange(tokens, dtype=torch.int64, device=dev) % self.block_size
+        return page0_slots(tokens, self.block_size, self.req_to_token.device)
 
     def trim(self, rid: Hashable, blocks: int) -> None:
         """Parked `rid` keeps only its first `blocks` saved blocks (`0 < blocks <= saved`):
