@@ -165,18 +165,28 @@ def against(doc: dict, key: str) -> str:
     summary = doc.get("summary", {})
     # a stage on another SGLang release: the same keys suffixed `_sglang<digits>`
     base, sep, tag = key.partition("_sglang")
-    where = (doc.get("summary_provenance") or {}).get(key) or {}
-    release = where.get("sglang") or next((r.get("sglang") for r in where.get("runs", [])), None)
+    release = release_of(doc, key)
     sglang = f"SGLang {release}" if release else "SGLang"  # the release its stage ran
     if "_vs_fastest" in base:
         which = "_a16" if base.endswith("_a16") else "_8b" if base.endswith("_8b") else ""
-        backend = summary.get(f"plain_backend{which}{sep}{tag}")
+        # the backend raced on the key's own release (a key without suffix may be an
+        # older release's than the plain_backend key without suffix)
+        tag = tag or (release or "").replace(".", "")
+        backend = summary.get(f"plain_backend{which}_sglang{tag}") or summary.get(
+            f"plain_backend{which}"
+        )
         return f"{sglang} {backend.removeprefix('plain_')}" if backend else "not raced"
     if "vs_plain" in key or key.startswith("identical_fraction_server"):
         return f"{sglang} triton"  # identical completions: against plain triton's, same run
     if "_vs_hbm" in key:
         return "psa, HBM home"
     return ""
+
+
+def release_of(doc: dict, key: str) -> str:
+    """The SGLang release a summary key was measured on (its provenance), or ""."""
+    where = (doc.get("summary_provenance") or {}).get(key) or {}
+    return where.get("sglang") or next((r.get("sglang") for r in where.get("runs", [])), "")
 
 
 def run_date(doc: dict, key: str) -> str:
@@ -232,7 +242,13 @@ def results_md() -> str:
         if path.with_suffix(".png").exists():
             out.append(f"- plot: [{path.stem}.png](../benchmark/results/{path.stem}.png)")
         summary = doc.get("summary")
-        if isinstance(summary, dict) and summary:
+        if isinstance(summary, dict) and summary and doc.get("sglang", "").count(";"):
+            # several SGLang releases: a key without suffix is the newest release's that
+            # measured it (analysis.summary_over_releases), so say which one
+            out += ["", "Keys suffixed `_sglang<digits>` hold each release's own values.", ""]
+            out += ["| key | value | SGLang |", "|---|---|---|"]
+            out += [f"| `{k}` | {fmt(v)} | {release_of(doc, k)} |" for k, v in summary.items()]
+        elif isinstance(summary, dict) and summary:
             out += ["", "| key | value |", "|---|---|"]
             out += [f"| `{k}` | {fmt(v)} |" for k, v in summary.items()]
         else:

@@ -786,8 +786,8 @@ def measured(part: dict | None, system: str, rate: str = "inf") -> Measured | No
     return Measured(part, system, rate)
 
 
-# The SGLang release the summary's plain keys are measured on; a stage run on another
-# release (`software.sglang` of its part) fills the same keys suffixed `_sglang<digits>`.
+# The SGLang release of a part that does not record one (`software.sglang`): parts
+# from before the plugin served a second release ran on this one.
 DEFAULT_SGLANG = "0.5.17"
 
 
@@ -1191,20 +1191,49 @@ def restate_steady(parts: list[dict]) -> None:
                     run["metrics"]["steady_decode"] = steady_step(run["decode_log"], batch)
 
 
+def release_order(version: str) -> tuple[int, ...]:
+    """`version` ("0.5.23") as numbers, so that 0.5.100 sorts after 0.5.23."""
+    return tuple(int(x) for x in version.split(".") if x.isdigit())
+
+
+def summary_over_releases(parts: list[dict]) -> tuple[dict, dict]:
+    """The summary of parts run on one or several SGLang releases, and where each value
+    comes from. Ratios pair systems of one stage run, so of one release. Over several
+    releases each one's summary (`summarize` over its own parts) is kept under its keys
+    suffixed `_sglang<digits>` (`_sglang0523`), and a key without suffix holds the newest
+    release's value where that release measured it, an older release's otherwise (its
+    provenance names the release). Every key `summarize` knows stays, None where no
+    release measured it."""
+    releases = sorted({sglang_of(p) for p in parts}, key=release_order)
+    if len(releases) < 2:
+        return summarize(parts)
+    plain: dict = {}
+    plain_where: dict = {}
+    per_release: dict = {}
+    per_release_where: dict = {}
+    for version in releases:  # oldest first: a newer release's value replaces an older's
+        values, where = summarize([p for p in parts if sglang_of(p) == version])
+        suffix = "_sglang" + version.replace(".", "")
+        for key, value in values.items():
+            plain.setdefault(key, None)
+            if value is None:
+                continue
+            plain[key] = value
+            per_release[key + suffix] = value
+            if key in where:
+                plain_where[key] = where[key]
+                per_release_where[key + suffix] = where[key]
+            else:
+                plain_where.pop(key, None)
+    return plain | per_release, plain_where | per_release_where
+
+
 def merge(parts: list[dict]) -> dict:
     """One document from stage parts: the summary and where each of its values comes from,
     the plain backend races, provenance of each part kept. A part is kept when it holds
     the newest measurement of some (workload, system, rate) or a summary value."""
     restate_steady(parts)
-    summary, where = summarize([p for p in parts if sglang_of(p) == DEFAULT_SGLANG])
-    for version in sorted({sglang_of(p) for p in parts} - {DEFAULT_SGLANG}):
-        other, other_where = summarize([p for p in parts if sglang_of(p) == version])
-        suffix = "_sglang" + version.replace(".", "")
-        for key, value in other.items():
-            if value is not None:
-                summary[key + suffix] = value
-                if key in other_where:
-                    where[key + suffix] = other_where[key]
+    summary, where = summary_over_releases(parts)
     used = {id(p) for p in latest_runs(parts).values()}
     runs = set()
     for w in where.values():

@@ -1388,7 +1388,8 @@ def write_result(path: Path, merged: dict) -> None:
         doc["tree_warning"] = "a part ran a tree that is not its git_commit (tree_verified)"
         log(f"warning: {doc['tree_warning']}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_result(doc))
+    # the summary (with every release's suffixed keys) indented for reading
+    path.write_text(dump_result(doc, pretty_chars=len(json.dumps(doc["summary"], indent=1))))
     log(f"wrote {path}")
 
 

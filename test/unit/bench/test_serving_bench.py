@@ -365,21 +365,30 @@ def _parts():
     ]
 
 
-def test_a_stage_run_on_another_sglang_release_fills_its_own_suffixed_keys():
+def test_each_sglang_release_keeps_its_suffixed_keys_and_the_newest_fills_the_plain_ones():
     newer = _part("a", "06-01", "c5", plain=_rec(40, 1), psa=_rec(10, 1), topk=_rec(8, 1))
     newer["software"] = {"sglang": "0.5.23", "torch": "2.14.1"}
+    older = analysis.merge(_parts())["summary"]
     merged = analysis.merge(_parts() + [newer])
     s, where = merged["summary"], merged["summary_provenance"]
-    # the release's own keys stay on 0.5.17's runs, however new the other release's run is
-    assert (
-        s["decode_step_ratio_psa_vs_plain"] == 0.5 and s["decode_step_ratio_topk_vs_plain"] == 0.2
-    )
+    # each release's own runs under its suffix, however new the other release's run is
+    assert s["decode_step_ratio_psa_vs_plain_sglang0517"] == 0.5
+    assert s["decode_step_ratio_topk_vs_plain_sglang0517"] == 0.2
     assert s["decode_step_ratio_psa_vs_plain_sglang0523"] == 0.25  # 10 / 40, one run
     assert s["decode_step_ratio_topk_vs_plain_sglang0523"] == 0.2
     assert where["decode_step_ratio_psa_vs_plain_sglang0523"]["sglang"] == "0.5.23"
-    assert where["decode_step_ratio_psa_vs_plain"]["sglang"] == "0.5.17"
-    # only values measured on it: nothing of c or e was run on 0.5.23
+    assert where["decode_step_ratio_psa_vs_plain_sglang0517"]["sglang"] == "0.5.17"
+    # the key without suffix: the newest release that measured it
+    assert s["decode_step_ratio_psa_vs_plain"] == 0.25
+    assert where["decode_step_ratio_psa_vs_plain"]["sglang"] == "0.5.23"
+    # ... and an older one's where the newest did not: nothing of c or e ran on 0.5.23
     assert not any(k.endswith("_sglang0523") and "goodput" in k for k in s)
+    assert s["goodput_ratio_vs_plain_strict"] == older["goodput_ratio_vs_plain_strict"]
+    assert s["goodput_ratio_vs_plain_strict"] is not None
+    assert where["goodput_ratio_vs_plain_strict"]["sglang"] == "0.5.17"
+    # every key of one release's summary stays, measured or not
+    assert set(older) <= set(s)
+    assert all(older[k] == s[k + "_sglang0517"] for k in older if older[k] is not None)
     prov = {p["run_id"]: p for p in merged["provenance"]}
     assert (
         prov["a-06-01"]["sglang"] == "0.5.23" and prov["a-06-01"]["software"]["torch"] == "2.14.1"
