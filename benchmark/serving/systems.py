@@ -156,6 +156,15 @@ SYSTEMS: dict[str, System] = {
             True,
         ),
         System(
+            "psa_certified_unaudited",
+            "sglang-psa --sparse-mode psa --psa-stop-rule certified without the coverage "
+            "audit: the certified rule's own speed (psa_certified's guarantee, checked "
+            "there), decode CUDA graphs",
+            ("--sparse-mode", "psa", "--psa-stop-rule", "certified"),
+            False,
+            True,
+        ),
+        System(
             "psa_eps1",
             "sglang-psa --sparse-mode psa --psa-threshold 1.0 (reads every block: the "
             "sparse path's overhead over plain), decode CUDA graphs",

@@ -211,6 +211,7 @@ WORKLOADS: dict[str, Workload] = {
                 "psa",
                 "psa_r1",
                 "psa_certified",
+                "psa_certified_unaudited",
                 "topk",
                 "topk_r8",
             ),

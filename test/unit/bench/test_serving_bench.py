@@ -704,6 +704,10 @@ def test_the_certified_rules_server_keys_come_from_its_audited_a16_run_beside_pl
     flags = systems.SYSTEMS["psa_certified"].flags
     assert "certified" in flags and "--psa-audit-coverage" in flags
     assert "psa_certified" in workloads.WORKLOADS["a16"].systems
+    # its speed without the audit's dense pass: the same rule, no audit flag
+    unaudited = systems.SYSTEMS["psa_certified_unaudited"].flags
+    assert set(flags) - set(unaudited) == {"--psa-audit-coverage", "1"}
+    assert "psa_certified_unaudited" in workloads.WORKLOADS["a16"].systems
 
 
 def test_the_parallel_summary_takes_tp2_ratios_from_one_run_and_the_router_and_kill_parts(
