@@ -164,7 +164,7 @@ def against(doc: dict, key: str) -> str:
     (the other `*_vs_plain*` keys), or another sglang-psa system."""
     summary = doc.get("summary", {})
     # a stage on another SGLang release: the same keys suffixed `_sglang<digits>`
-    base, sep, tag = key.partition("_sglang")
+    base, _, tag = key.partition("_sglang")
     release = release_of(doc, key)
     sglang = f"SGLang {release}" if release else "SGLang"  # the release its stage ran
     if "_vs_fastest" in base:
@@ -242,15 +242,18 @@ def results_md() -> str:
         if path.with_suffix(".png").exists():
             out.append(f"- plot: [{path.stem}.png](../benchmark/results/{path.stem}.png)")
         summary = doc.get("summary")
-        if isinstance(summary, dict) and summary and doc.get("sglang", "").count(";"):
+        if isinstance(summary, dict) and summary:
             # several SGLang releases: a key without suffix is the newest release's that
             # measured it (analysis.summary_over_releases), so say which one
-            out += ["", "Keys suffixed `_sglang<digits>` hold each release's own values.", ""]
-            out += ["| key | value | SGLang |", "|---|---|---|"]
-            out += [f"| `{k}` | {fmt(v)} | {release_of(doc, k)} |" for k, v in summary.items()]
-        elif isinstance(summary, dict) and summary:
-            out += ["", "| key | value |", "|---|---|"]
-            out += [f"| `{k}` | {fmt(v)} |" for k, v in summary.items()]
+            several = ";" in str(doc.get("sglang", ""))
+            if several:
+                out += ["", "Keys suffixed `_sglang<digits>` hold each release's own values."]
+            out += ["", "| key | value |" + (" SGLang |" if several else "")]
+            out.append("|---|---|" + ("---|" if several else ""))
+            for k, v in summary.items():
+                out.append(
+                    f"| `{k}` | {fmt(v)} |" + (f" {release_of(doc, k)} |" if several else "")
+                )
         else:
             out += ["", "(no summary: raw data only)"]
         if path.stem.startswith("serving_"):
