@@ -41,11 +41,9 @@ SERVER_ARGS = [
 TOKEN = 1000  # a plain token id: prompts are built from ids, so lengths are exact
 # The probes' model's KV per token (Qwen2.5-Coder-0.5B: 24 layers, 2 KV heads of 64, bf16)
 KV_BYTES_PER_TOKEN = 24 * 2 * 2 * 64 * 2
-# The same server at the tiered home, SGLang's radix cache on over the host tier
-# (`--kv-home tiered` in the benchmark; the GPU test runs both homes).
-TIERED_ARGS = [
-    "--psa-kv-home", "tiered", "--radix-cache-backend", "psa", "--psa-host-pool-gb", "4",
-]  # fmt: skip
+# The same server at the tiered home, SGLang's radix cache over the host tier as that
+# home starts by default (`--kv-home tiered` in the benchmark; the GPU test runs both homes).
+TIERED_ARGS = ["--psa-kv-home", "tiered", "--psa-host-pool-gb", "4"]
 KV_HOMES = {"hbm": [], "tiered": TIERED_ARGS}
 # The tiered home spills a decoding request's KV to its host tier instead of retracting it,
 # so nothing the probes send makes that server retract; there SGLang's own test switch

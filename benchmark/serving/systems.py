@@ -194,25 +194,27 @@ SYSTEMS: dict[str, System] = {
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback engine (KV in "
             "HBM, every full block written back to a 16 GiB host tier by the copy engine), "
             "decode CUDA graphs",
-            (*_TIERED, "--psa-writeback", "engine"),
+            (*_TIERED, "--psa-writeback", "engine", "--disable-radix-cache"),
             False,
             True,
         ),
         System(
             "psa_tiered_uva",
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback uva (the "
-            "default: the write-back through unified addressing, no copy engine), decode "
-            "CUDA graphs",
-            (*_TIERED, "--psa-writeback", "uva"),
+            "default: the write-back through unified addressing, no copy engine) "
+            "--disable-radix-cache (no prefix caching, as the tiered home had before its "
+            "prefix cache became its default), decode CUDA graphs",
+            (*_TIERED, "--psa-writeback", "uva", "--disable-radix-cache"),
             False,
             True,
         ),
         System(
             "psa_tiered_prefix",
-            "psa_tiered_uva with --radix-cache-backend psa: SGLang's prefix cache over the "
-            "tiered store (a shared block saved once, evicted prefixes read back from the "
-            "host tier), decode CUDA graphs",
-            (*_TIERED, "--psa-writeback", "uva", "--radix-cache-backend", "psa"),
+            "sglang-psa at the tiered home as it starts by default: SGLang's prefix cache "
+            "over the tiered store (--radix-cache-backend psa: a shared block saved once, "
+            "evicted prefixes read back from the host tier), the uva write-back, decode CUDA "
+            "graphs",
+            (*_TIERED, "--psa-writeback", "uva"),
             False,
             True,
         ),
@@ -225,8 +227,6 @@ SYSTEMS: dict[str, System] = {
                 *_TIERED,
                 "--psa-writeback",
                 "uva",
-                "--radix-cache-backend",
-                "psa",
                 "--psa-writeback-start",
                 "0.25",
             ),
@@ -242,8 +242,6 @@ SYSTEMS: dict[str, System] = {
                 *_TIERED,
                 "--psa-writeback",
                 "uva",
-                "--radix-cache-backend",
-                "psa",
                 "--psa-host-prefix-min-tokens",
                 "1000000000",
             ),
@@ -259,8 +257,6 @@ SYSTEMS: dict[str, System] = {
                 *_TIERED,
                 "--psa-writeback",
                 "uva",
-                "--radix-cache-backend",
-                "psa",
                 "--psa-unit-cache-ways",
                 "16",
             ),
@@ -276,8 +272,6 @@ SYSTEMS: dict[str, System] = {
                 *_TIERED,
                 "--psa-writeback",
                 "uva",
-                "--radix-cache-backend",
-                "psa",
                 "--psa-ws-window",
                 "4",
             ),
@@ -289,7 +283,7 @@ SYSTEMS: dict[str, System] = {
             "psa_tiered_uva with --psa-ws-window 4: admission counts the units read in the "
             "last 4 steps, what the unit cache keeps (12 by default admitted 9 of workload "
             "b's 32 at once)",
-            (*_TIERED, "--psa-writeback", "uva", "--psa-ws-window", "4"),
+            (*_TIERED, "--psa-writeback", "uva", "--disable-radix-cache", "--psa-ws-window", "4"),
             False,
             True,
         ),
@@ -304,7 +298,14 @@ SYSTEMS: dict[str, System] = {
         System(
             "psa_tiered_mr04",
             "psa_tiered_uva with --psa-max-read-fraction 0.4 (the default is 0.5)",
-            (*_TIERED, "--psa-writeback", "uva", "--psa-max-read-fraction", "0.4"),
+            (
+                *_TIERED,
+                "--psa-writeback",
+                "uva",
+                "--disable-radix-cache",
+                "--psa-max-read-fraction",
+                "0.4",
+            ),
             False,
             True,
         ),
@@ -313,7 +314,7 @@ SYSTEMS: dict[str, System] = {
             "sglang-psa --sparse-mode topk --psa-kv-home tiered (fixed 2048-token budget; "
             "every full block written back to the host tier, cold blocks leave HBM), decode "
             "CUDA graphs",
-            ("--sparse-mode", "topk", *_TIERED[2:]),
+            ("--sparse-mode", "topk", *_TIERED[2:], "--disable-radix-cache"),
             False,
             True,
         ),
@@ -336,9 +337,10 @@ class KVCap:
 
 
 def keeps_prefix(system: System) -> bool:
-    """Whether `system`'s server keeps SGLang's prefix cache: plain SGLang and the HBM home
-    do; the tiered home only over `--radix-cache-backend psa`."""
-    return "--psa-kv-home" not in system.flags or "--radix-cache-backend" in system.flags
+    """Whether `system`'s server keeps SGLang's prefix cache: every one but those started
+    with `--disable-radix-cache` (the tiered home keeps it over `--radix-cache-backend
+    psa`, its default)."""
+    return "--disable-radix-cache" not in system.flags
 
 
 def host_pool_gb(tokens: int, bytes_per_token: int) -> float:

@@ -126,7 +126,6 @@ PREFIX_SYSTEMS = (
     "plain_hicache",
     "plain_hicache_fa3",
     "psa",
-    "psa_tiered_uva",
     "psa_tiered_prefix",
 )
 CAPPED = Workload(
@@ -137,7 +136,7 @@ CAPPED = Workload(
     32,
     (28_000,),
     (1024,),
-    ("plain", "plain_fa3", "plain_flashinfer", "psa_tiered_uva", "topk_tiered", "plain_hicache"),
+    ("plain", "plain_fa3", "plain_flashinfer", "psa_tiered_prefix", "topk_tiered", "plain_hicache"),
     kv_cap_requests=4,
 )
 SHARED = Workload(
@@ -191,7 +190,7 @@ WORKLOADS: dict[str, Workload] = {
                 "topk_r8",
                 "psa_eps1",
                 "psa_tiered",
-                "psa_tiered_uva",
+                "psa_tiered_prefix",
                 "plain_eager",
             ),
         ),

@@ -72,7 +72,8 @@ _HELP = {
     "kv_home": "where the KV lives: hbm (SGLang's pool in GPU memory); tiered (GPU "
     "memory, and every full block is also written back "
     "to a host tier of --psa-host-pool-gb (see --psa-writeback); saved blocks leave HBM "
-    "when it runs short; prefix caching only with --radix-cache-backend psa)",
+    "when it runs short; prefix caching on SGLang's tree over the tiered store, "
+    "--radix-cache-backend psa, unless --disable-radix-cache)",
     "writeback": "with --psa-kv-home tiered, how full blocks reach the host tier: uva "
     "(default: a prefill chunk's blocks gathered into device staging and copied by DMA, a "
     "decode step's by one kernel on a few SMs through unified addressing; no helper "
@@ -90,7 +91,7 @@ _HELP = {
     "a position for every (layer, KV head) (a host block's units, of any layer, may live "
     "only in its set's positions; more ways hold more of what decode reads, at a longer "
     "refresh)",
-    "host_prefix_min_tokens": "with --psa-kv-home tiered and --radix-cache-backend psa: a "
+    "host_prefix_min_tokens": "with --psa-kv-home tiered (and its prefix cache): a "
     "matched prefix going on in the host tier for at least this many tokens is read from "
     "there (staged prefill; decode reads those blocks from the host tier), a shorter run is "
     "computed again (0: always read; a length above any prompt's: always computed)",

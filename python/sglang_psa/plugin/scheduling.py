@@ -253,7 +253,7 @@ def _budget_short(adder, req, running, slack: int) -> tuple[int, int]:
 
     SGLang's adder asks for the prompt plus the clipped output beside the running
     requests' expected growth (`rem_total_tokens`: `budget_shortfall`). A request with
-    `ignore_eos`, with prefix caching off (as the tiered home has it), takes a stricter
+    `ignore_eos`, with prefix caching off (`--disable-radix-cache`), takes a stricter
     path (`strict_shortfall`): every running request's whole remaining output counts
     against today's free pages (`cur_rem_tokens`), not a decayed share, so room made for
     less is refused again and again until their remaining outputs shrink."""

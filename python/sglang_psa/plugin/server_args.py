@@ -12,8 +12,9 @@ depends on are set *before* SGLang resolves its defaults:
 - `--page-size` equals `--psa-block-size` (one SGLang page = one PSA block);
 - CUDA graphs stay SGLang's: the sparse decode step has fixed shapes and no host
   sync, so it runs inside SGLang's decode graphs at every KV home; prefill is dense;
-- `--psa-kv-home tiered` turns prefix caching off (a shared page is not one
-  request's to give back);
+- `--psa-kv-home tiered` keeps prefix caching with the `psa` radix cache backend
+  (`--radix-cache-backend psa`, set unless `--disable-radix-cache`: SGLang's tree over
+  the tiered store, which knows every holder of a shared page);
 - prompts are prefilled in chunks of `--psa-max-inject-tokens` unless
   `--chunked-prefill-size` says otherwise.
 
@@ -127,6 +128,26 @@ def _check_psa_radix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError("kv_home", f"--radix-cache-backend psa {why}")
 
 
+def _tiered_prefix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
+    """The prefix cache's backend. At the tiered home a request's blocks give their HBM
+    pages back when HBM runs short, and a page the prefix tree shares may leave HBM only
+    with the `psa` radix cache, which knows every holder: it is the tiered home's
+    backend unless `--disable-radix-cache` (then no prefix caching there). Another
+    backend there, or `psa` elsewhere, fails naming the flag."""
+    backend = fields.get("radix_cache_backend")
+    if cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
+        if backend not in (None, "psa"):
+            raise PSAConfigError(
+                "kv_home",
+                f"tiered keeps prefixes with --radix-cache-backend psa (the default there); "
+                f"--radix-cache-backend {backend} conflicts (leave it unset, or pass "
+                "--disable-radix-cache for no prefix caching)",
+            )
+        fields["radix_cache_backend"] = backend = "psa"
+    if backend == "psa":
+        _check_psa_radix_cache(cfg, fields)
+
+
 def _env_on(name: str) -> bool:
     """An SGLang boolean environment switch is on (its `EnvBool`'s spellings of true)."""
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "y")
@@ -175,9 +196,7 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
             f"sets the decode attention backend to {BACKEND!r}; "
             f"--decode-attention-backend {decode} conflicts",
         )
-    psa_radix = fields.get("radix_cache_backend") == "psa"
-    if psa_radix:
-        _check_psa_radix_cache(cfg, fields)
+    _tiered_prefix_cache(cfg, fields)
     prefill = fields.get("prefill_attention_backend") or fields.get("attention_backend")
     if not prefill:
         prefill, why = default_prefill_backend(cfg)
@@ -190,20 +209,6 @@ def apply(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         raise PSAConfigError(
             "kv_home", "tiered copies SGLang's token-major KV pages; unset SGLANG_USE_HND_KVCACHE"
         )
-    if psa_radix:
-        logger.warning(
-            "sglang-psa: prefix caching at the tiered home (--radix-cache-backend psa) is "
-            "experimental: not yet the default (docs/prefix-tiered.md)"
-        )
-    elif cfg.kv_home == "tiered" and not fields.get("disable_radix_cache"):
-        # A request's blocks give their HBM pages back when HBM runs short; a page the
-        # prefix tree shares leaves HBM only with the psa radix cache, which knows every
-        # holder. Without it prefix caching is off here.
-        logger.info(
-            "sglang-psa: --psa-kv-home tiered turns prefix caching off "
-            "(--radix-cache-backend psa keeps it: experimental)"
-        )
-        fields["disable_radix_cache"] = True
     if fields.get("chunked_prefill_size") is None:
         # Bound each prefill batch by chunking long prompts at --psa-max-inject-tokens.
         fields["chunked_prefill_size"] = cfg.max_inject_tokens

@@ -2026,10 +2026,13 @@ def test_prefix_workloads_and_their_caps():
     W, S = workloads.WORKLOADS, systems.SYSTEMS
     for key in ("f", "f_capped", "g", "g_capped"):
         w = W[key]
-        tiered = {"psa_tiered_uva", "psa_tiered_prefix"}  # without and with its prefix cache
-        assert set(systems.PLAIN_RACE) | set(systems.HICACHE_RACE) | {"psa"} | tiered == set(
-            w.systems
-        ), key
+        # plain at each backend and with its own host tier, sglang-psa at both KV homes
+        both_homes = {"psa", "psa_tiered_prefix"}
+        assert set(systems.PLAIN_RACE) | set(systems.HICACHE_RACE) | both_homes == set(w.systems), (
+            key
+        )
+        assert systems.keeps_prefix(S["psa_tiered_prefix"])
+        assert not systems.keeps_prefix(S["psa_tiered_uva"])
         assert w.is_sweep and len(w.rates) == 1  # arrivals over time, at one rate
         for name in systems.HICACHE_RACE:
             assert S[name].flags[0] == "--enable-hierarchical-cache"

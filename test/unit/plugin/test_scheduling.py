@@ -619,7 +619,7 @@ class _Tree(SimpleNamespace):
 @pytest.mark.parametrize("done", [0, 50], ids=["new", "retracted"])
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_tiered_room_is_what_sglangs_own_budget_asks(serving, monkeypatch, ignore_eos, done):
-    """At the tiered home (prefix caching off) SGLang admits an `ignore_eos` request only
+    """At the tiered home with prefix caching off SGLang admits an `ignore_eos` request only
     if every running request's whole remaining output fits the free pages now; the room
     made for a queued prompt is what SGLang's real `PrefillAdder` then accepts, where the
     prompt plus its own output (enough on SGLang's other path) is refused."""

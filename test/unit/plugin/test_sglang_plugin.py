@@ -160,6 +160,8 @@ eng = engine_args(model_path="dummy", sparse_mode="topk", psa_topk_tokens=1024,
 plain = prepare_server_args(["--model-path", "dummy"])
 tiered = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
                               "--psa-kv-home", "tiered"])
+tiered_off = prepare_server_args(["--model-path", "dummy", "--sparse-mode", "psa",
+                                  "--psa-kv-home", "tiered", "--disable-radix-cache"])
 has_radix = "radix_cache_backend" in field_names(plain) and releases.has("psa_radix_cache")
 radix_args = ["--model-path", "dummy", "--sparse-mode", "psa", "--psa-kv-home", "tiered",
               "--radix-cache-backend", "psa"]
@@ -173,7 +175,8 @@ print(json.dumps({
     "cli": [sa.page_size, sa.decode_attention_backend, sa.prefill_attention_backend,
             sa._psa_config.threshold, sa._psa_config.ws_window, sa.chunked_prefill_size],
     "graphs": {"psa": graphs(sa), "plain": graphs(plain), "tiered": graphs(tiered)},
-    "radix_off": [bool(sa.disable_radix_cache), bool(tiered.disable_radix_cache)],
+    "radix": [[bool(a.disable_radix_cache), a.radix_cache_backend]
+              for a in (sa, tiered, tiered_off)],
     "psa_radix": None if radix is None else [
         bool(radix.disable_radix_cache), radix.radix_cache_backend, radix.prefill_attention_backend,
         "psa" in registry.registered_radix_cache_backends(),
@@ -200,6 +203,8 @@ print(json.dumps({
                               "--radix-cache-backend", "psa"]),
         "radix_disabled": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
                           "--radix-cache-backend", "psa", "--disable-radix-cache"]),
+        "radix_other": err(["--sparse-mode", "psa", "--psa-kv-home", "tiered",
+                            "--radix-cache-backend", "other"]),
     },
 }))
 """
@@ -216,19 +221,25 @@ def test_cli_and_engine_arguments_set_what_psa_needs(scenarios):
     assert scenarios["engine"] == [32, "psa", "torch_native", "topk", 1024]
 
 
-def test_cuda_graphs_stay_sglangs_and_the_tiered_home_turns_prefix_caching_off(scenarios):
+def test_cuda_graphs_stay_sglangs_at_every_kv_home(scenarios):
     """The plugin leaves SGLang's per-phase graph choices alone at every KV home (SGLang
-    resolves its defaults later: decode graphs on a GPU). The tiered home gives pages
-    back one request at a time, so prefix caching (shared pages) is off there only."""
+    resolves its defaults later: decode graphs on a GPU)."""
     graphs = scenarios["graphs"]
     assert graphs["psa"] == graphs["plain"] == graphs["tiered"] == [None, None]
-    assert scenarios["radix_off"] == [False, True]
 
 
 psa_radix = pytest.mark.skipif(
     not releases.has("psa_radix_cache"),
     reason=f"the psa radix cache is not offered on SGLang {releases.release()}",
 )
+
+
+@psa_radix
+def test_the_tiered_home_keeps_prefix_caching_on_the_psa_radix_cache_by_default(scenarios):
+    """The hbm home keeps SGLang's own prefix cache (no backend named); the tiered home,
+    whose pages may leave HBM, gets the `psa` backend (the tree over the tiered store)
+    without a flag, and `--disable-radix-cache` turns prefix caching off there."""
+    assert scenarios["radix"] == [[False, None], [False, "psa"], [True, None]]
 
 
 @psa_radix
@@ -273,6 +284,7 @@ def test_the_psa_radix_cache_keeps_prefix_caching_at_the_tiered_home(scenarios):
             for case, extra in (
                 ("radix_hbm", ["needs --psa-kv-home tiered"]),
                 ("radix_disabled", ["--disable-radix-cache"]),
+                ("radix_other", ["other", "--disable-radix-cache"]),
             )
         ),
     ],
