@@ -143,6 +143,11 @@ def _tiered_prefix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
                 f"--radix-cache-backend {backend} conflicts (leave it unset, or pass "
                 "--disable-radix-cache for no prefix caching)",
             )
+        if backend is None:
+            logger.info(
+                "sglang-psa: the tiered home keeps prefix caching on --radix-cache-backend "
+                "psa (--disable-radix-cache turns it off)"
+            )
         fields["radix_cache_backend"] = backend = "psa"
     if backend == "psa":
         _check_psa_radix_cache(cfg, fields)
