@@ -190,6 +190,22 @@ def run_task(
     return rows
 
 
+def shard(jobs: list, spec: str | None) -> list:
+    """The jobs of `--shard K/N`: every N-th of the suite's order from the K-th (None: all).
+    The N shards partition the suite, each spread over its lengths as the whole is; run
+    them as N processes on one GPU (the sparse rows are launch-bound, so processes fill
+    each other's gaps), each with a NAME of its own, then `--combine` their files."""
+    if spec is None:
+        return jobs
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {spec!r}: want K/N, e.g. 0/4") from None
+    if not 0 <= k < n:
+        raise ValueError(f"--shard {spec!r}: want 0 <= K < N")
+    return jobs[k::n]
+
+
 def table(rows: list[dict]) -> dict[str, dict]:
     """Per policy: accuracy, identical fraction, mean KL, KV fraction; also by length."""
     by = defaultdict(list)
@@ -412,6 +428,12 @@ def main() -> None:
         help="a result file of an earlier run of the same suite (say this run's own "
         "NAME.json): its tasks are kept and not run again",
     )
+    ap.add_argument(
+        "--shard",
+        metavar="K/N",
+        help="run every N-th task of the suite from the K-th (N processes on one GPU, each "
+        "with its own --name; join them with --combine)",
+    )
     ap.add_argument("--report", metavar="NAME.json", help="print a result's table and exit")
     ap.add_argument(
         "--attach",
@@ -428,6 +450,10 @@ def main() -> None:
         "a policy and task wins), keeping the policies run on every task dense ran",
     )
     args = ap.parse_args()
+    try:
+        shard([], args.shard)
+    except ValueError as e:
+        ap.error(str(e))
     if args.report:
         print(report(json.loads(Path(args.report).read_text())), end="")
         return
@@ -486,6 +512,7 @@ def main() -> None:
         for n in lengths
         for k in range(len(kinds))
     ]
+    jobs = shard(jobs, args.shard)
     if args.resume and Path(args.resume).exists():
         earlier = json.loads(Path(args.resume).read_text())["data"]["rows"]
         merged += earlier

@@ -176,3 +176,18 @@ def test_a_second_models_summary_is_attached_with_its_suffix(tmp_path):
     with pytest.raises(SystemExit, match="starts with '_'"):
         adaptive.attach(tmp_path / "adaptive_budget_1p5b.json",
                         tmp_path / "adaptive_budget.json", "1p5b")  # fmt: skip
+
+
+def test_shards_partition_the_suite_and_each_spans_its_lengths():
+    """`--shard K/N`: N processes share the suite; together they run every task once,
+    and each one's tasks still come from every length (a shard cut short covers them)."""
+    jobs = [(n, i, k) for i in range(2) for n in (4096, 8192, 16384) for k in range(7)]
+    shards = [adaptive.shard(jobs, f"{k}/4") for k in range(4)]
+    assert sorted(j for s in shards for j in s) == sorted(jobs)
+    assert sum(len(s) for s in shards) == len(jobs)
+    for s in shards:
+        assert {n for n, _, _ in s[: len(s) // 2 + 1]} == {4096, 8192, 16384}
+    assert adaptive.shard(jobs, None) == jobs
+    for bad in ("4/4", "-1/2", "1", "a/b"):
+        with pytest.raises(ValueError, match="--shard"):
+            adaptive.shard(jobs, bad)
