@@ -29,9 +29,12 @@ PROMPT, NEW, N = 6000, 128, 6
 # budget is the GPU memory free after the weights load less (1 - fraction) of what was free
 # before. At 0.3 a neighbour that took 15 GB more during this start-up left none (H100,
 # SGLang 0.5.23, 2026-12-06, 55 GB free before): at 0.5 it may take 26 GB.
+# Without prefix caching (`--disable-radix-cache`): afterwards no host block may be held,
+# which a prefix cache's kept blocks would be; the tiered home's default keeps prefixes
+# (test_server_gpu.py's tiered probes: `host_tier_full`, `prefix_evicted_then_reread`).
 ARGS = [
-    "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--max-total-tokens", "14336",
-    "--mem-fraction-static", "0.5",
+    "--psa-kv-home", "tiered", "--disable-radix-cache", "--psa-host-pool-gb", "2",
+    "--max-total-tokens", "14336", "--mem-fraction-static", "0.5",
 ]  # fmt: skip
 
 

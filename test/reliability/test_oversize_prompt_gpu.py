@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 SERVERS_SHARE_THE_GPU = True
 
 PROMPT, NEW, POOL = 20_000, 32, 8192
+# Without prefix caching (`--disable-radix-cache`): the prompt is sent twice and each time
+# prefilled whole, and afterwards no host block may be held (a prefix cache would keep
+# them); the tiered home's default keeps prefixes: test_server_gpu.py's tiered probes.
 BASE = [
-    "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--chunked-prefill-size", "2048",
+    "--psa-kv-home", "tiered", "--disable-radix-cache", "--psa-host-pool-gb", "2",
+    "--chunked-prefill-size", "2048",
     "--context-length", "32768", "--max-running-requests", "4", "--cuda-graph-max-bs-decode", "4",
     "--psa-threshold", "1",  # decode reads every block: the evicted ones from the host tier
     "--mem-fraction-static", "0.3",  # the whole prompt's pool still holds it many times over

@@ -24,8 +24,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 
 PROMPT, NEW, N, BS = 3000, 96, 4, 32
 NEAR_TIE = 0.1  # nats between the two tokens where completions may part
+# Without prefix caching (`--disable-radix-cache`) a retracted request parks and resumes
+# from its own saved blocks, which this file checks; with it (the tiered home's default) a
+# retracted request is matched again from the prefix index instead: the reliability
+# probe `retract_shared_prefix` (test_server_gpu.py, tiered home) serves that path.
 BASE = [
-    "--psa-kv-home", "tiered", "--psa-host-pool-gb", "2", "--context-length", "8192",
+    "--psa-kv-home", "tiered", "--disable-radix-cache", "--psa-host-pool-gb", "2",
+    "--context-length", "8192",
     "--max-running-requests", str(N), "--cuda-graph-max-bs-decode", str(N),
     "--psa-threshold", "1",  # decode reads every block, the kept ones from the host tier
 ]  # fmt: skip
