@@ -192,8 +192,8 @@ SYSTEMS: dict[str, System] = {
         System(
             "psa_tiered",
             "sglang-psa --sparse-mode psa --psa-kv-home tiered --psa-writeback engine (KV in "
-            "HBM, every full block written back to a 16 GiB host tier by the copy engine), "
-            "decode CUDA graphs",
+            "HBM, every full block written back to a 16 GiB host tier by the copy engine) "
+            "--disable-radix-cache, decode CUDA graphs",
             (*_TIERED, "--psa-writeback", "engine", "--disable-radix-cache"),
             False,
             True,
@@ -311,9 +311,9 @@ SYSTEMS: dict[str, System] = {
         ),
         System(
             "topk_tiered",
-            "sglang-psa --sparse-mode topk --psa-kv-home tiered (fixed 2048-token budget; "
-            "every full block written back to the host tier, cold blocks leave HBM), decode "
-            "CUDA graphs",
+            "sglang-psa --sparse-mode topk --psa-kv-home tiered --disable-radix-cache (fixed "
+            "2048-token budget; every full block written back to the host tier, cold blocks "
+            "leave HBM), decode CUDA graphs",
             ("--sparse-mode", "topk", *_TIERED[2:], "--disable-radix-cache"),
             False,
             True,
