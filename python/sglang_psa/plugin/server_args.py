@@ -139,7 +139,7 @@ def _tiered_prefix_cache(cfg: PSAConfig, fields: dict[str, Any]) -> None:
         if backend not in (None, "psa"):
             raise PSAConfigError(
                 "kv_home",
-                f"tiered keeps prefixes with --radix-cache-backend psa (the default there); "
+                "tiered keeps prefixes with --radix-cache-backend psa (the default there); "
                 f"--radix-cache-backend {backend} conflicts (leave it unset, or pass "
                 "--disable-radix-cache for no prefix caching)",
             )
