@@ -246,6 +246,14 @@ class HostBlocks:
                 self.on_evict(ids)
         return ids
 
+    def drop_kept(self) -> list[int]:
+        """Frees every kept id without a holder (a flushed prefix cache); the keeper forgets
+        them (`on_evict`), and `evicted` does not count them. Returns them."""
+        before = self.evicted
+        ids = self.evict_lru(len(self.lru))
+        self.evicted = before
+        return ids
+
     def _unheld(self, ids: list[int]) -> None:
         for i in ids:
             if self.kept[i]:

@@ -171,10 +171,16 @@ class PsaRadixCache(RadixCache):
         requests.residency.sharing = self  # a page the tree shares leaves HBM for all
 
     def reset(self):
+        """A new tree (construction, and SGLang's `/flush_cache`, which runs only when
+        no request is held): the host tier's kept prefixes go with it, as the hierarchical
+        cache's flush clears its host pool: every kept block without a holder is freed
+        and the index forgets it (not counted as evictions)."""
         super().reset()
         self.root_node.psa_host = None
         self._p0_evictable = self._p0_protected = 0  # page-0 tokens in unlocked/locked nodes
         self._host_nodes: dict[int, TreeNode] = {}  # host id at page 0 -> its tree node
+        if getattr(self, "index", None) is not None:  # not at construction
+            self.index.blocks.drop_kept()
 
     # -- sizes: HBM slots only ----------------------------------------------------------
     def evictable_size(self):

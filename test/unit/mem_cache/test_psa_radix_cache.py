@@ -733,6 +733,37 @@ def test_a_prefix_evicted_from_hbm_is_read_from_the_host_tier_and_shared():
         assert s.wb.blocks.used == 0 and s.wb.blocks.reserved == 0
 
 
+def test_a_flush_drops_the_host_tiers_kept_prefixes_with_the_tree():
+    """SGLang's `/flush_cache` (idle: nothing held) resets the tree and the allocator:
+    the prefixes the host tier kept go too (stale after a weight update), so a later
+    request with the same prefix matches nothing and computes it again; the freed ids
+    are not counted as the host tier's evictions, and the store works on afterwards."""
+    with _store() as s:
+        a = s.arrive("a", STEM + [1, 2, 3, 4, 5])
+        assert s.match(a) == 0 and s.admit(a)
+        s.prefill(a)
+        s.finish(a)
+        s.evict(10**6)
+        b = s.arrive("b", STEM + [9, 9, 9, 9, 9, 9, 9])  # the stem read from the host tier
+        assert s.match(b) == 3 * BS and s.admit(b)
+        s.prefill(b)
+        s.finish(b)
+        assert len(s.index) >= 4 and s.wb.blocks.cached == len(s.index)
+        assert s.cache._host_nodes  # the tree names the stem's host ids at page 0
+        s.cache.reset()
+        s.alloc.clear()
+        assert len(s.index) == 0 and s.wb.blocks.cached == 0 and s.wb.blocks.used == 0
+        assert s.wb.blocks.evicted == 0 and not s.cache._host_nodes
+        assert s.wb.blocks.available == HOST_BLOCKS
+        s.check()
+        c = s.arrive("c", STEM + [9, 9, 9, 9, 9, 9, 9])
+        assert s.match(c) == 0
+        assert s.admit(c)
+        s.prefill(c)
+        s.finish(c)
+        assert len(s.index) == 4  # c's own prompt blocks, saved and kept
+
+
 @pytest.mark.parametrize("hbm_blocks", [0, 2])
 def test_a_host_tier_run_shorter_than_the_minimum_is_computed_again(hbm_blocks):
     """With `min_host_tokens` of 3 blocks: a stem of 3 saved blocks whose first
