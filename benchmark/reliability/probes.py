@@ -786,9 +786,10 @@ def metrics_endpoint(s: Server) -> Outcome:
 # --- the tiered home's copy engine killed, and several servers ------------------------
 
 
-def in_turn(s: Server, prompts: list[list[int]], new: int, during=None) -> list:
+def in_turn(s: Server, prompts: list[list[int]], new: int, during=None, cached=None) -> list:
     """`prompts` one after another (greedy, so batches and numerics are the same in every
-    run), `during()` called in parallel; each completion's output ids, or the error text."""
+    run), `during()` called in parallel; each completion's output ids, or the error text
+    (and each prompt's tokens served from the prefix cache appended to `cached`)."""
     side = threading.Thread(target=during) if during is not None else None
     if side is not None:
         side.start()
@@ -796,14 +797,18 @@ def in_turn(s: Server, prompts: list[list[int]], new: int, during=None) -> list:
     for p in prompts:
         r = s.generate(p, new)
         out.append(r.json()["output_ids"] if r.status_code == 200 else r.text)
+        if cached is not None:
+            cached.append(_cached(r))
     if side is not None:
         side.join(60)
     return out
 
 
-def kill_prompts() -> list[list[int]]:
-    """The prompts `engine_kill` runs in the test and the benchmark: eight of 6-10K tokens."""
-    return [prompt(6000 + 512 * i, seed=i) for i in range(8)]
+def kill_prompts(stem: int = 0) -> list[list[int]]:
+    """The prompts `engine_kill` runs in the test and the benchmark: eight of 6-10K tokens;
+    with `stem`, their first `stem` tokens are one text (a prefix the tree shares)."""
+    head = prompt(stem, seed=100)
+    return [head + prompt(6000 + 512 * i - stem, seed=i) for i in range(8)]
 
 
 def engine_kill(s: Server, prompts: list[list[int]], new: int = 96, rank: int = -1) -> dict:
@@ -814,7 +819,7 @@ def engine_kill(s: Server, prompts: list[list[int]], new: int = 96, rank: int = 
     from the unkilled run's), the engine restarts and pids before and after, host-tier
     reads during the killed run, and the write-back state once its saves settled (at most
     60 s): `settled` when no save is in flight, every planned block was saved or dropped
-    and every host block is back."""
+    and no request holds a host block (a prefix cache keeps some, unheld)."""
     import os
     import signal
 
@@ -835,7 +840,8 @@ def engine_kill(s: Server, prompts: list[list[int]], new: int = 96, rank: int = 
 
     assert s.post("/flush_cache", timeout=60).status_code == 200
     reads = s.psa_state()["residency"]["units_read_host"]
-    got = in_turn(s, prompts, new, during=kill)
+    cached: list[int] = []
+    got = in_turn(s, prompts, new, during=kill, cached=cached)
     host_reads = s.psa_state()["residency"]["units_read_host"] - reads
     after = writeback()
     deadline = time.time() + 60
@@ -853,6 +859,7 @@ def engine_kill(s: Server, prompts: list[list[int]], new: int = 96, rank: int = 
         "engine_pid_after": after["engine_pid"],
         "killed_pid": pid_of(before),
         "units_read_host": host_reads,
+        "cached_tokens": cached,  # per prompt of the killed run
         "writeback_after": rep,
         "settled": rep["save_jobs_in_flight"] == 0
         and rep["blocks_saved"] + rep["dropped_blocks"] == rep["blocks_planned"]

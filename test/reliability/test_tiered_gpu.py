@@ -4,7 +4,9 @@ are redone, the completions equal those of an unkilled run, and every host block
 afterwards. Three times: with HBM for KV as large as SGLang makes it; capped below each
 prompt, where saved blocks leave HBM and decode (at threshold 1: every block) reads them
 back from the host tier, so a redone save that wrote wrong data changes the completions;
-and at `--tp 2` (two GPUs), where one rank's engine is killed and the other's runs on."""
+capped so, with prefix caching (the tiered home's default) and prompts sharing a 4K-token
+stem, whose blocks the tree shares and every later prompt reads from its first saves; and
+at `--tp 2` (two GPUs), where one rank's engine is killed and the other's runs on."""
 
 from __future__ import annotations
 
@@ -20,21 +22,22 @@ import probes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 
-# Without prefix caching (`--disable-radix-cache`), as this test has run on the GPU: every
-# host block is back once the killed run's saves settle (a prefix cache would keep some).
 ARGS = [
-    "--psa-kv-home", "tiered", "--disable-radix-cache", "--psa-writeback", "engine",
+    "--psa-kv-home", "tiered", "--psa-writeback", "engine",
     "--psa-host-pool-gb", "4", "--max-running-requests", "8",
 ]  # fmt: skip
+NO_TREE = ["--disable-radix-cache"]
+CAPPED = [
+    "--max-total-tokens", "4096", "--chunked-prefill-size", "2048",
+    "--context-length", "32768", "--psa-threshold", "1",
+]  # fmt: skip
 CASES = {
-    "uncapped": [],
-    "capped": [
-        "--max-total-tokens", "4096", "--chunked-prefill-size", "2048",
-        "--context-length", "32768", "--psa-threshold", "1",
-    ],
-    "tp2": ["--tp-size", "2"],
-}  # fmt: skip
-PROMPTS = probes.kill_prompts()
+    "uncapped": NO_TREE,
+    "capped": NO_TREE + CAPPED,
+    "shared": CAPPED,
+    "tp2": NO_TREE + ["--tp-size", "2"],
+}
+STEM = 4096
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -54,12 +57,17 @@ def server(request, tmp_path_factory):
 def test_engine_killed_mid_save_is_restarted_and_completions_are_unchanged(server):
     before = server.psa_state()["writeback"]
     assert before["engine_restarts"] == 0
-    rep = probes.engine_kill(server, PROMPTS, new=96)
+    prompts = probes.kill_prompts(stem=STEM if server.case == "shared" else 0)
+    rep = probes.engine_kill(server, prompts, new=96)
     print("copy engine killed:", rep)
-    assert rep["baseline_complete"] == len(PROMPTS)
+    assert rep["baseline_complete"] == len(prompts)
     assert rep["writeback_after"]["blocks_saved"] > before["blocks_saved"]
-    if server.case == "capped":
+    if server.case in ("capped", "shared"):
         assert rep["units_read_host"] > 0, "nothing was read back from the host tier"
+    if server.case == "shared":  # the flush emptied the host tier too: the first computes
+        assert rep["cached_tokens"][0] == 0 and max(rep["cached_tokens"][1:]) >= STEM
+    else:
+        assert not any(rep["cached_tokens"])
     if server.case == "tp2":  # one rank's engine: the other keeps its pid
         assert isinstance(rep["engine_pid_before"], list) and len(rep["engine_pid_before"]) == 2
         assert rep["engine_pid_after"][0] == rep["engine_pid_before"][0]

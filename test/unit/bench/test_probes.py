@@ -21,7 +21,7 @@ class _Response:
         self.text = "" if status == 200 else "boom"
 
     def json(self):
-        return {"output_ids": self._ids}
+        return {"output_ids": self._ids, "meta_info": {"cached_tokens": 2}}
 
 
 class _TwoRankServer:
@@ -70,6 +70,7 @@ def test_engine_kill_kills_the_ranks_engine_and_counts_lost_and_changed(monkeypa
     assert (rep["requests"], rep["baseline_complete"]) == (3, 3)
     assert (rep["lost"], rep["changed"], rep["engine_restarts"]) == (1, 1, 1)
     assert rep["units_read_host"] == 0 and rep["settled"]  # 5 saved + 1 dropped of 6 planned
+    assert rep["cached_tokens"] == [2, 2, 0]  # the killed run's, per prompt (a failure: 0)
     s2 = _TwoRankServer()
     monkeypatch.setattr("os.kill", lambda pid, sig: killed.append(pid))
     s2.psa_state = lambda: {
@@ -80,6 +81,13 @@ def test_engine_kill_kills_the_ranks_engine_and_counts_lost_and_changed(monkeypa
     with pytest.raises(AssertionError):
         s2.post = lambda path, timeout=None: _Response(None, status=503)
         probes.engine_kill(s2, [[1]], new=2)
+
+
+def test_kill_prompts_share_a_stem_only_when_asked():
+    plain, shared = probes.kill_prompts(), probes.kill_prompts(stem=4096)
+    assert [len(p) for p in plain] == [len(p) for p in shared] == [6000 + 512 * i for i in range(8)]
+    assert len({tuple(p[:4096]) for p in shared}) == 1 and len({tuple(p[:64]) for p in plain}) == 8
+    assert len({tuple(p[4096:4160]) for p in shared}) == 8  # each goes on its own way
 
 
 class _Answer:
