@@ -80,6 +80,14 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
     # the certified policy reading least at 16K+, its 16K rows only
     assert s["kv_fraction_certified_16k"] == pytest.approx(0.3)
     assert s["certified_16k_policy"] == CODES and CODES.endswith("-c5")
+    # the numerical floor (ε 1, every block read): no floor row here, then one
+    assert s["identical_fraction_floor"] is None
+    floor = adaptive.floor_policy().label
+    assert floor in {p.label for p in adaptive.policies([256])}
+    with_floor = rows + _rows(floor, 8192, 8, 7, 0.0001, 1.0) + _rows(floor, 16384, 8, 8, 0, 1.0)
+    s = adaptive.summarize(adaptive.table(with_floor), [256, 512, 1024], 0.01, 0.9)
+    assert s["identical_fraction_floor"] == pytest.approx(0.75)
+    assert s["kv_fraction_psa"] == pytest.approx(0.1)  # the default's keys unchanged
     # a run without the default policy (joined later by --combine): its keys null in the
     # result file, which is valid JSON (no NaN)
     s = adaptive.summarize(
