@@ -52,12 +52,15 @@ COMPLETION = 64  # tokens compared with dense's
 FIRST = PSAConfig(threshold=0.98, bound_bits=16, wave_fraction=0.0, max_read_fraction=1.0)
 
 
+# The current default's waves on FIRST: 8-bit bounds, a first wave of 1/4 of the blocks up
+# to 128 (no read cap).
+WAVES = FIRST.replace(bound_bits=8, wave_fraction=0.25, max_first_wave_blocks=128)
+
+
 def floor_policy() -> DecodePolicy:
-    """ε 1 in the default's waves (8-bit bounds, a first wave of 1/4 of the blocks up to
-    128), no read cap: every block read, so only the order of summation differs from
-    dense (the suite's floor under identical completions)."""
-    wave = FIRST.replace(bound_bits=8, wave_fraction=0.25, max_first_wave_blocks=128)
-    return DecodePolicy("psa", wave.replace(threshold=1.0))
+    """ε 1 in the default's waves, no read cap: every block read, so only the order of
+    summation differs from dense (the suite's floor under identical completions)."""
+    return DecodePolicy("psa", WAVES.replace(threshold=1.0))
 
 
 def policies(budgets: list[int]) -> list[DecodePolicy]:
@@ -123,7 +126,7 @@ def policies(budgets: list[int]) -> list[DecodePolicy]:
     # After those (later waves saved 5%: at 4K-8K a KV head either stops after its first
     # wave or never meets the rule and reads nearly every block; on CPU at 4K a third of
     # Qwen's heads read 95%): a cap on the share of its request's blocks a head reads.
-    current = q8.replace(wave_fraction=0.25, max_first_wave_blocks=128)
+    current = WAVES
     for later, frac in ((0, 0.5), (0, 0.4), (0, 0.3), (32, 0.4)):
         capped = current.replace(later_wave_blocks=later, max_read_fraction=frac)
         out.append(DecodePolicy("psa", capped))

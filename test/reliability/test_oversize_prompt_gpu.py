@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "benchmark" / "reliability"))
 
 import probes  # noqa: E402
 
+from sglang_psa.config import PSAConfig  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.model]
 # Its servers cap their memory and KV pool: `scripts/gpu_tests.py --server-jobs 2` may run
 # this file beside another that says so.
@@ -79,7 +81,7 @@ def _serve(args, port, log, top2: bool = False, tree: bool = False):
 # Two tokens whose log-probs differ by at most this are a near-tie in bf16: a prefill on
 # another kernel may round them the other way.
 NEAR_TIE = 0.05
-PSA_BLOCK = 32  # the plugin's block (page) size, the prefix cache's unit
+PSA_BLOCK = PSAConfig().block_size  # the servers' page size, the prefix cache's unit
 
 
 @pytest.mark.parametrize("prefill", ["triton", "default", "tree"])

@@ -231,9 +231,10 @@ class HostBlocks:
             del self.lru[i]
         self._put(unheld)
 
-    def evict_lru(self, n: int) -> list[int]:
+    def evict_lru(self, n: int, *, count: bool = True) -> list[int]:
         """Frees the `n` (at most) kept ids released longest ago; the keeper forgets them
-        (`on_evict`). Returns them."""
+        (`on_evict`). Returns them. `count=False`: not counted in `evicted` (a flushed
+        prefix cache, not host pressure)."""
         ids = []
         while self.lru and len(ids) < n:
             i, _ = self.lru.popitem(last=False)
@@ -241,17 +242,9 @@ class HostBlocks:
         if ids:
             self.kept[ids] = False
             self._put(ids)
-            self.evicted += len(ids)
+            self.evicted += len(ids) if count else 0
             if self.on_evict is not None:
                 self.on_evict(ids)
-        return ids
-
-    def drop_kept(self) -> list[int]:
-        """Frees every kept id without a holder (a flushed prefix cache); the keeper forgets
-        them (`on_evict`), and `evicted` does not count them. Returns them."""
-        before = self.evicted
-        ids = self.evict_lru(len(self.lru))
-        self.evicted = before
         return ids
 
     def _unheld(self, ids: list[int]) -> None:

@@ -180,7 +180,8 @@ class PsaRadixCache(RadixCache):
         self._p0_evictable = self._p0_protected = 0  # page-0 tokens in unlocked/locked nodes
         self._host_nodes: dict[int, TreeNode] = {}  # host id at page 0 -> its tree node
         if getattr(self, "index", None) is not None:  # not at construction
-            self.index.blocks.drop_kept()
+            blocks = self.index.blocks
+            blocks.evict_lru(len(blocks.lru), count=False)
 
     # -- sizes: HBM slots only ----------------------------------------------------------
     def evictable_size(self):
