@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from sglang_psa.config import PSAConfig
-from sglang_psa.eval.results import dump_result, write_result
+from sglang_psa.eval.results import dump_result, git_commit, write_result
 from sglang_psa.eval.runner import chat_parts, stop_ids
 from sglang_psa.eval.tasks import GENERATORS, make_tasks
 from sglang_psa.hf.attention import DecodePolicy
@@ -270,6 +270,9 @@ def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float)
         keys = ("kv_fraction", "accuracy", "identical", "answer_identical", "mean_kl")
         psa = dict.fromkeys(keys, float("nan"))
     best = best_topk(tab, budgets, slack, identical_min)
+    # The largest budget run, bar or not: where no budget meets the bar (the 1.5B model:
+    # 8192 tokens lose an answer) the ratio to it says how far psa is from the nearest one.
+    largest = tab.get(f"topk-bound-{max(budgets)}") if budgets else None
     # Certified mode at 16K+: the certified policy reading least there (each guarantees
     # its own ε of every head's mass at every step).
     long_kv = {}
@@ -295,6 +298,12 @@ def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float)
         "kv_fraction_best_topk": best[1]["kv_fraction"] if best else None,
         "best_topk_policy": best[0] if best else None,
         "kv_ratio_psa_vs_best_topk": psa["kv_fraction"] / best[1]["kv_fraction"] if best else None,
+        "kv_ratio_psa_vs_largest_topk": psa["kv_fraction"] / largest["kv_fraction"]
+        if largest
+        else None,
+        "accuracy_delta_largest_topk_vs_dense": largest["accuracy"] - dense["accuracy"]
+        if largest
+        else None,
         "accuracy_delta_psa_vs_dense": psa["accuracy"] - dense["accuracy"],
         "identical_fraction_psa": psa["identical"],
         "answer_identical_fraction_psa": psa["answer_identical"],
@@ -375,7 +384,7 @@ def combine(files: list[Path], out: Path, budgets: list[int], args) -> None:
         summarize(tab, budgets, args.accuracy_slack, args.identical_min),
         {"policies": tab, "rows": rows},
         machine=docs[0]["machine"],
-        git_commit="; ".join(dict.fromkeys(d["git_commit"] for d in docs)),
+        git_commit="; ".join(dict.fromkeys(c for d in docs for c in d["git_commit"].split("; "))),
         model=docs[0].get("model"),
         lengths=sorted({r["length_bucket"] for r in rows}),
         budgets=budgets,
@@ -407,6 +416,15 @@ def attach(src: Path, dest: Path, suffix: str) -> dict:
     }
     dest.write_text(dump_result(doc))
     return keys
+
+
+def resumed(path: Path) -> tuple[list[dict], list[str]]:
+    """An earlier run's rows and the commits that measured them: the run resuming it
+    names those beside its own in `git_commit` (a resume may cross commits)."""
+    doc = json.loads(path.read_text())
+    rows = doc["data"]["rows"]
+    commits = [c for c in doc.get("git_commit", "").split("; ") if c] if rows else []
+    return rows, commits
 
 
 def main() -> None:
@@ -496,7 +514,7 @@ def main() -> None:
             )
         pols = [p for p in pols if p.label in want | {"dense"}]  # dense first: the reference
     stop = stop_ids(tok)
-    rows, merged = [], []
+    rows, merged, commits = [], [], []  # commits: those of the rows a resume keeps
     for f in args.merge:
         merged += json.loads(Path(f).read_text())["data"]["rows"]
     out = Path(args.out)
@@ -514,6 +532,7 @@ def main() -> None:
             lengths=sorted({r["length_bucket"] for r in every}),
             per_kind=args.per_kind,
             budgets=budgets,
+            git_commit="; ".join(dict.fromkeys([*commits, git_commit()])),
         )
         return tab
 
@@ -530,7 +549,7 @@ def main() -> None:
     ]
     jobs = shard(jobs, args.shard)
     if args.resume and Path(args.resume).exists():
-        earlier = json.loads(Path(args.resume).read_text())["data"]["rows"]
+        earlier, commits = resumed(Path(args.resume))
         merged += earlier
         done = {(r["length_bucket"], r["task"], r.get("index")) for r in earlier}
         jobs = [j for j in jobs if (j[0], j[2].kind, j[1]) not in done]

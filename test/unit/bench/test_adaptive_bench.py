@@ -77,6 +77,14 @@ def test_summary_keys_compare_the_default_psa_policy_with_the_best_budget():
     assert s["accuracy_delta_psa_vs_dense"] == pytest.approx(0.0)
     assert s["identical_fraction_psa"] == pytest.approx(0.9)
     assert s["mean_kl_psa"] == pytest.approx(0.01)
+    # the largest budget run, bar or not (here it is the best one)
+    assert s["kv_ratio_psa_vs_largest_topk"] == pytest.approx(0.5)
+    assert s["accuracy_delta_largest_topk_vs_dense"] == pytest.approx(0.0)
+    # where no budget meets the bar, the best is null and the largest still compares
+    few = adaptive.summarize(adaptive.table(rows), [256], 0.01, 0.9)
+    assert few["best_topk_policy"] is None and few["kv_ratio_psa_vs_best_topk"] is None
+    assert few["kv_ratio_psa_vs_largest_topk"] == pytest.approx(2.0)
+    assert few["accuracy_delta_largest_topk_vs_dense"] == pytest.approx(-0.2)
     # the certified policy reading least at 16K+, its 16K rows only
     assert s["kv_fraction_certified_16k"] == pytest.approx(0.3)
     assert s["certified_16k_policy"] == CODES and CODES.endswith("-c5")
@@ -199,3 +207,13 @@ def test_shards_partition_the_suite_and_each_spans_its_lengths():
     for bad in ("4/4", "-1/2", "1", "a/b"):
         with pytest.raises(ValueError, match="--shard"):
             adaptive.shard(jobs, bad)
+
+
+def test_a_resumed_run_names_the_commits_that_measured_its_kept_rows(tmp_path):
+    """`--resume` keeps an earlier run's rows, so the result names that run's commits
+    beside its own (on 2026-12-07 a resume across commits had recorded only the last)."""
+    f = tmp_path / "ab_s0.json"
+    f.write_text(dump_result({"git_commit": "c0; c1", "data": {"rows": [{"task": "t"}]}}))
+    assert adaptive.resumed(f) == ([{"task": "t"}], ["c0", "c1"])
+    f.write_text(dump_result({"git_commit": "c0", "data": {"rows": []}}))
+    assert adaptive.resumed(f) == ([], [])  # nothing kept: no commit to name
