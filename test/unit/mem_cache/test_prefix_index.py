@@ -12,7 +12,13 @@ from array import array
 import pytest
 
 from sglang_psa.mem_cache.host_blocks import HostBlocks
-from sglang_psa.mem_cache.prefix_index import JoinedTokens, PrefixIndex, chain_hashes
+from sglang_psa.mem_cache.prefix_index import (
+    JoinedTokens,
+    PrefixIndex,
+    chain_hashes,
+    seed,
+    token_bytes,
+)
 from sglang_psa.mem_cache.request_kv import RequestKV
 
 BS = 4
@@ -48,6 +54,25 @@ def test_a_prompt_and_its_output_hash_as_their_join():
     assert len(full) == 4
     for known in range(4):
         assert chain_hashes("k", view, BS, 4, known=full[:known]) == full
+
+
+def test_a_block_hash_is_blake2b_of_the_previous_hash_and_its_int64_tokens():
+    """The definition, whatever holds the tokens (SGLang's lists, the test's arrays, a
+    prompt and output joined across a block): hash `b` = blake2b-128(hash `b - 1` ||
+    block `b`'s tokens as little-endian int64), hash `-1` the namespace's seed."""
+    import struct
+
+    tokens = [3, 70000, 5, 2**40, 9, 1, 0, 8, 6, 6, 6, 6]
+    prev, want = seed("k"), []
+    for b in range(3):
+        block = struct.pack("<4q", *tokens[b * BS : (b + 1) * BS])
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        want.append(prev)
+    joined = JoinedTokens(array("q", tokens[:6]), array("q", tokens[6:]))
+    for held in (tokens, array("q", tokens), joined, JoinedTokens(tokens, [])):
+        assert chain_hashes("k", held, BS, 3) == want, type(held)
+        assert chain_hashes("k", held, BS, 3, known=want[:1]) == want
+    assert token_bytes(joined, 5, 7) == struct.pack("<2q", *tokens[5:7])  # the seam
 
 
 def test_chained_hashes_name_a_prefix_and_its_namespace():
