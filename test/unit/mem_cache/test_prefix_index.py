@@ -121,6 +121,10 @@ def test_only_acknowledged_saves_enter_and_lookups_take_the_longest_prefix():
     assert index.lookup(chain_hashes(None, toks, BS, 5)) == [0, 1, 6]
     index.check_integrity()
     hb.check_integrity([a, b])
+    # A lookup ends at the first block the index lacks, whatever it names after it.
+    h = chain_hashes(None, toks, BS, 5)
+    assert index.lookup([h[0], b"absent", h[2]]) == [0]
+    assert index.lookup([b"absent", *h]) == [] and index.lookup([]) == []
 
 
 def test_an_evicted_block_leaves_the_index_deeper_blocks_first():
