@@ -134,26 +134,13 @@ def main(argv=None) -> None:
         __doc__, "decode_round", 256, "also measure this commit's plugin (same CPU, same run)", argv
     )
 
-    from sglang_psa.eval.results import write_result
+    from benchmark.scheduler.revision import write_measured
 
     setup()
+    data = {"requests": REQUESTS, "prompt_tokens": PROMPT, "block_size": BS}
+    call = f"decode_round.measure({args.rounds})"
     got = measure(args.rounds)
-    print(_line("this commit", got), flush=True)
-    summary = {f"{k}_b13x28k": got[k] for k in KEYS}
-    data = {"requests": REQUESTS, "prompt_tokens": PROMPT, "block_size": BS, "this": got}
-    if args.baseline_rev:
-        from benchmark.scheduler.revision import at_revision
-
-        base = at_revision(
-            args.baseline_rev,
-            f"m.measure({args.rounds})",
-            "from benchmark.scheduler.evict_ops import setup; setup(); "
-            "from benchmark.scheduler import decode_round as m",
-        )
-        print(_line(f"baseline {base['rev'][:10]}", base["value"]), flush=True)
-        summary |= {f"{k}_b13x28k_baseline": base["value"][k] for k in KEYS}
-        data["baseline"] = base
-    print(write_result(Path(args.out), summary, data))
+    write_measured(args.out, got, KEYS, "b13x28k", data, _line, args.baseline_rev, call)
 
 
 def _line(who: str, m: dict) -> str:

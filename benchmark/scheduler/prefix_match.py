@@ -82,28 +82,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
     from benchmark.scheduler.evict_ops import setup
-
-    from sglang_psa.eval.results import write_result
+    from benchmark.scheduler.revision import write_measured
 
     setup()
-    tag = f"a{args.requests}x28k"
+    data = {"requests": args.requests, "prompt_tokens": PROMPT, "block_size": BS}
+    call = f"prefix_match.measure({args.requests})"
     got = measure(args.requests)
-    print(_line("this commit", got), flush=True)
-    summary = {f"{k}_{tag}": got[k] for k in KEYS}
-    data = {"requests": args.requests, "prompt_tokens": PROMPT, "block_size": BS, "this": got}
-    if args.baseline_rev:
-        from benchmark.scheduler.revision import at_revision
-
-        base = at_revision(
-            args.baseline_rev,
-            f"m.measure({args.requests})",
-            "from benchmark.scheduler.evict_ops import setup; setup(); "
-            "from benchmark.scheduler import prefix_match as m",
-        )
-        print(_line(f"baseline {base['rev'][:10]}", base["value"]), flush=True)
-        summary |= {f"{k}_{tag}_baseline": base["value"][k] for k in KEYS}
-        data["baseline"] = base
-    print(write_result(Path(args.out), summary, data))
+    tag = f"a{args.requests}x28k"
+    write_measured(args.out, got, KEYS, tag, data, _line, args.baseline_rev, call)
 
 
 def _line(who: str, m: dict) -> str:
