@@ -249,13 +249,18 @@ def meets_bar(s: dict, dense: dict, slack: float, identical_min: float) -> bool:
     return s["accuracy"] >= dense["accuracy"] - slack and s["identical"] >= identical_min
 
 
+def topk_label(budget: int) -> str:
+    """The suite's top-k row of `budget` tokens."""
+    return DecodePolicy("topk", FIRST.replace(topk_tokens=budget), budget).label
+
+
 def best_topk(tab: dict, budgets: list[int], slack: float, identical_min: float, key=None):
     """The smallest top-k budget meeting dense's accuracy within `slack` and the identical
     fraction: `(label, stats)`, or None. `key` picks one length bucket's stats."""
     pick = (lambda s: s) if key is None else (lambda s: s.get("by_length", {}).get(key))
     dense = pick(tab["dense"])
     for b in sorted(budgets):
-        label = DecodePolicy("topk", FIRST.replace(topk_tokens=b), b).label
+        label = topk_label(b)
         s = pick(tab.get(label, {}))
         if s and meets_bar(s, dense, slack, identical_min):
             return label, s
@@ -272,7 +277,7 @@ def summarize(tab: dict, budgets: list[int], slack: float, identical_min: float)
     best = best_topk(tab, budgets, slack, identical_min)
     # The largest budget run, bar or not: where no budget meets the bar (the 1.5B model:
     # 8192 tokens lose an answer) the ratio to it says how far psa is from the nearest one.
-    largest = tab.get(f"topk-bound-{max(budgets)}") if budgets else None
+    largest = tab.get(topk_label(max(budgets))) if budgets else None
     # Certified mode at 16K+: the certified policy reading least there (each guarantees
     # its own ε of every head's mass at every step).
     long_kv = {}
@@ -384,7 +389,7 @@ def combine(files: list[Path], out: Path, budgets: list[int], args) -> None:
         summarize(tab, budgets, args.accuracy_slack, args.identical_min),
         {"policies": tab, "rows": rows},
         machine=docs[0]["machine"],
-        git_commit="; ".join(dict.fromkeys(c for d in docs for c in d["git_commit"].split("; "))),
+        git_commit=commit_text(c for d in docs for c in commit_list(d["git_commit"])),
         model=docs[0].get("model"),
         lengths=sorted({r["length_bucket"] for r in rows}),
         budgets=budgets,
@@ -418,13 +423,22 @@ def attach(src: Path, dest: Path, suffix: str) -> dict:
     return keys
 
 
+def commit_list(text: str) -> list[str]:
+    """A result's `git_commit` ("a; b" where runs were joined) as its commits."""
+    return [c for c in text.split("; ") if c]
+
+
+def commit_text(commits) -> str:
+    """`commits` as a result's `git_commit`: each once, in order."""
+    return "; ".join(dict.fromkeys(commits))
+
+
 def resumed(path: Path) -> tuple[list[dict], list[str]]:
     """An earlier run's rows and the commits that measured them: the run resuming it
     names those beside its own in `git_commit` (a resume may cross commits)."""
     doc = json.loads(path.read_text())
     rows = doc["data"]["rows"]
-    commits = [c for c in doc.get("git_commit", "").split("; ") if c] if rows else []
-    return rows, commits
+    return rows, commit_list(doc.get("git_commit", "")) if rows else []
 
 
 def main() -> None:
@@ -532,7 +546,7 @@ def main() -> None:
             lengths=sorted({r["length_bucket"] for r in every}),
             per_kind=args.per_kind,
             budgets=budgets,
-            git_commit="; ".join(dict.fromkeys([*commits, git_commit()])),
+            git_commit=commit_text([*commits, git_commit()]),
         )
         return tab
 

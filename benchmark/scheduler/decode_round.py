@@ -138,9 +138,10 @@ def main(argv=None) -> None:
 
     setup()
     data = {"requests": REQUESTS, "prompt_tokens": PROMPT, "block_size": BS}
-    call = f"decode_round.measure({args.rounds})"
+    call = f"measure({args.rounds})"
     got = measure(args.rounds)
-    write_measured(args.out, got, KEYS, "b13x28k", data, _line, args.baseline_rev, call)
+    rev = args.baseline_rev
+    write_measured(args.out, got, KEYS, "b13x28k", data, _line, rev, "decode_round", call)
 
 
 def _line(who: str, m: dict) -> str:

@@ -86,10 +86,10 @@ def main(argv=None) -> None:
 
     setup()
     data = {"requests": args.requests, "prompt_tokens": PROMPT, "block_size": BS}
-    call = f"prefix_match.measure({args.requests})"
+    call = f"measure({args.requests})"
     got = measure(args.requests)
-    tag = f"a{args.requests}x28k"
-    write_measured(args.out, got, KEYS, tag, data, _line, args.baseline_rev, call)
+    tag, rev = f"a{args.requests}x28k", args.baseline_rev
+    write_measured(args.out, got, KEYS, tag, data, _line, rev, "prefix_match", call)
 
 
 def _line(who: str, m: dict) -> str:

@@ -43,23 +43,23 @@ def at_revision(rev: str, expr: str, imports: str = "") -> dict:
     return {"rev": commit, "value": json.loads(out.splitlines()[-1])}
 
 
-def write_measured(out, got: dict, keys, tag: str, data: dict, line, rev=None, call=None) -> None:
+def write_measured(
+    out, got: dict, keys, tag: str, data: dict, line, rev=None, module=None, call=None
+) -> None:
     """Print and write a scheduler benchmark's result: `got` (this checkout's measurement)
     under `data["this"]`, its `keys` in the summary as `KEY_TAG`; with `rev`, `call` (say
-    `"decode_round.measure(256)"`, a function of a `benchmark.scheduler` module, run after
-    the test store's setup) measured against the plugin at `rev` too, its keys as
-    `KEY_TAG_baseline` and the whole answer under `data["baseline"]`. `line(who, m)`: the
-    printed line of one measurement."""
+    `"measure(256)"`) of `benchmark.scheduler.MODULE`, run after the test store's setup,
+    measured against the plugin at `rev` too, its keys as `KEY_TAG_baseline` and the whole
+    answer under `data["baseline"]`. `line(who, m)`: the printed line of one measurement."""
     from sglang_psa.eval.results import write_result
 
     print(line("this commit", got), flush=True)
     summary = {f"{k}_{tag}": got[k] for k in keys}
     data = {**data, "this": got}
     if rev:
-        module = call.split(".")[0]
         base = at_revision(
             rev,
-            f"m.{call.split('.', 1)[1]}",
+            f"m.{call}",
             "from benchmark.scheduler.evict_ops import setup; setup(); "
             f"from benchmark.scheduler import {module} as m",
         )
