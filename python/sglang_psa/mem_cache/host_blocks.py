@@ -115,11 +115,11 @@ class HostBlocks:
         kept ids would leave the reservations short."""
         if rec.host:
             raise RuntimeError(f"request {rec.rid} adopts a prefix after taking blocks")
-        if not all(self.refs[i] > 0 or i in self.lru for i in ids):
+        unheld = self._unheld_of(ids)  # (an id in `lru` has no holder)
+        if not all(i in self.lru for i in unheld):
             return False
-        revived = sum(i in self.lru for i in ids)
         spare = min(len(ids), rec.reserved)
-        if revived > self.available + spare:
+        if len(unheld) > self.available + spare:
             return False
         self._promise(rec, -spare)
         self.share(ids, rec)
@@ -174,17 +174,19 @@ class HostBlocks:
         """Each of `ids` (held or kept) gains `rec` as a holder (the caller puts them in
         its `host`); a kept one leaves `lru`."""
         ids = list(ids)
-        bad = [i for i in ids if self.refs[i] == 0 and i not in self.lru]
+        unheld = self._unheld_of(ids)
+        bad = [i for i in unheld if i not in self.lru]
         if bad:
             raise RuntimeError(f"host blocks {bad[:8]} are neither held nor kept")
+        for i in unheld:
+            self.lru.pop(i, None)  # (an id named twice in `ids` leaves once)
+        holders = self._holders
         for i in ids:
-            if self.refs[i] == 0:
-                del self.lru[i]
-            held = self._holders.get(i)
+            held = holders.get(i)
             if held is None:
-                self._holders[i] = rec
+                holders[i] = rec
             else:
-                self._holders[i] = (*held, rec) if type(held) is tuple else (held, rec)
+                holders[i] = (*held, rec) if type(held) is tuple else (held, rec)
         np.add.at(self.refs, ids, 1)
 
     def release(self, ids: Iterable[int], rec: RequestKV) -> int:
@@ -193,21 +195,37 @@ class HostBlocks:
         block goes first, so a prefix's earlier blocks stay kept longer. Returns the ids
         left with no holder."""
         ids = list(ids)
-        if len(set(ids)) != len(ids) or not all(
-            any(q is rec for q in self.holders(i)) for i in ids
-        ):
-            raise RuntimeError(f"{rec.rid!r} releases a host block more often than it held it")
-        np.subtract.at(self.refs, ids, 1)
+        holders = self._holders
+        # Each id's holders without `rec` (None: none left), all checked before any changes
+        # (one pass: a block a prefix shares is released by each of its many holders).
+        after: list = []
         for i in ids:
-            held = self._holders[i]
+            held = holders.get(i)
             if held is rec:
-                del self._holders[i]
-                continue
-            rest = tuple(q for q in held if q is not rec)
-            self._holders[i] = rest[0] if len(rest) == 1 else rest
-        gone = [i for i in reversed(ids) if self.refs[i] == 0]
+                after.append(None)
+            elif type(held) is tuple and rec in held:  # (a RequestKV equals itself only)
+                k = held.index(rec)
+                after.append(held[1 - k] if len(held) == 2 else held[:k] + held[k + 1 :])
+            else:
+                break
+        if len(after) != len(ids) or len(set(ids)) != len(ids):
+            raise RuntimeError(f"{rec.rid!r} releases a host block more often than it held it")
+        for i, rest in zip(ids, after):
+            if rest is None:
+                del holders[i]
+            else:
+                holders[i] = rest
+        self.refs[ids] -= 1  # (the ids are distinct)
+        gone = [i for i, rest in zip(reversed(ids), reversed(after)) if rest is None]
         self._unheld(gone)
         return len(gone)
+
+    def _unheld_of(self, ids: list[int]) -> list[int]:
+        """The ids of `ids` no request holds (kept or free), in order."""
+        if not ids:
+            return []
+        arr = np.asarray(ids, dtype=np.int64)
+        return arr[self.refs[arr] == 0].tolist()
 
     def holders(self, i: int) -> Sequence[RequestKV]:
         """The records holding host block `i` (none if it is kept or free), as a tuple."""

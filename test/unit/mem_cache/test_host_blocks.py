@@ -83,6 +83,28 @@ def test_adoption_never_leaves_the_reservations_short():
     hb.check_integrity([b, c])
 
 
+def test_a_release_it_cannot_make_changes_nothing():
+    """A release naming a block its record does not hold (held by others, or named twice)
+    raises before any holder or count changes, wherever in the list the bad id is."""
+    hb = HostBlocks(8)
+    a, b, c = RequestKV("a"), RequestKV("b"), RequestKV("c")
+    assert hb.take(a, 3) == [0, 1, 2]
+    assert hb.adopt(b, [0, 1, 2]) and hb.adopt(c, [0, 1])
+    before = (hb.refs.copy(), {i: hb.holders(i) for i in range(3)})
+    for bad in ([0, 1, 2], [0, 0], [2, 1, 1]):  # c never held 2; an id twice
+        with pytest.raises(RuntimeError, match="more often than it held"):
+            hb.release(bad, c)
+        assert (hb.refs == before[0]).all()
+        assert {i: hb.holders(i) for i in range(3)} == before[1]
+    hb.check_integrity([a, b, c])
+    assert hb.release([0, 1], c) == 0 and hb.holders(0) == (a, b)
+    assert hb.release([2], b) == 0 and hb.holders(2) == (a,)
+    c.host, b.host = [], [0, 1]
+    hb.check_integrity([a, b, c])
+    assert hb.free(a) == 3 and hb.refs[:3].tolist() == [1, 1, 0] and 2 in hb._free
+    hb.check_integrity([b, c])
+
+
 def test_give_back_promises_only_what_returned():
     hb = HostBlocks(6)
     a, b = RequestKV("a"), RequestKV("b")
