@@ -717,6 +717,8 @@ SUMMARY_KEYS = (
     "throughput_ratio_tiered_vs_hicache_chat_capped",
     "ttft_ratio_tiered_vs_fastest_chat",
     "ttft_ratio_tiered_vs_fastest_chat_capped",
+    "ttft_ratio_tiered_vs_fastest_shared",
+    "tpot_ratio_tiered_vs_fastest_shared",
     "prefix_hit_fraction_tiered_shared",
     "prefix_hit_fraction_fastest_shared",
     "prefix_hit_fraction_tiered_chat",
@@ -727,6 +729,7 @@ STEP = ("metrics", "steady_decode", "step_ms")
 TOK_S = ("metrics", "output_tok_s")
 TTFT_P99 = ("metrics", "ttft_s", "p99")
 TTFT_MEAN = ("metrics", "ttft_s", "mean")
+TPOT_P50 = ("metrics", "tpot_s", "p50")
 PEAK = ("metrics", "peak_running")
 HIT = ("metrics", "prefix_cache", "hit_fraction")
 SAME = ("identical_to_plain", "identical")
@@ -998,6 +1001,9 @@ PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against t
     ("throughput_ratio_tiered_vs_hicache_chat_capped", "g_capped", HICACHE, TOK_S),
     ("ttft_ratio_tiered_vs_fastest_chat", "g", FASTEST, TTFT_MEAN),  # every turn's
     ("ttft_ratio_tiered_vs_fastest_chat_capped", "g_capped", FASTEST, TTFT_MEAN),
+    # f's throughput is its offered load's at every server: its latency tells them apart
+    ("ttft_ratio_tiered_vs_fastest_shared", "f", FASTEST, TTFT_MEAN),
+    ("tpot_ratio_tiered_vs_fastest_shared", "f", FASTEST, TPOT_P50),  # a request's median
 )
 HIT_KEYS = (  # (key, workload, which of (tiered home, fastest plain) in one run)
     ("prefix_hit_fraction_tiered_shared", "f", 0),

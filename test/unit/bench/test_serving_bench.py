@@ -2159,11 +2159,13 @@ def test_per_request_and_metrics_keep_cached_tokens_and_turns():
 
 
 def _at(rate, tok_s, mean=1.0, hit=None):
-    """A system's record of one timed run at `rate` (requests arriving over time)."""
+    """A system's record of one timed run at `rate` (requests arriving over time); its
+    median time per output token is `mean` / 100."""
     cache = None if hit is None else {"prompt_tokens": 100, "cached_tokens": 100 * hit,
                                       "hit_fraction": hit}  # fmt: skip
     metrics = {"output_tok_s": tok_s, "ttft_s": {"mean": mean, "p99": 2 * mean},
-               "steady_decode": {"step_ms": None}, "prefix_cache": cache}  # fmt: skip
+               "tpot_s": {"p50": mean / 100}, "steady_decode": {"step_ms": None},
+               "prefix_cache": cache}  # fmt: skip
     return {"error": None, "rates": {rate: {"metrics": metrics, "rows": []}}}
 
 
@@ -2212,6 +2214,9 @@ def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
     assert s["throughput_ratio_tiered_vs_fastest_chat_capped"] == pytest.approx(2.2)
     assert s["throughput_ratio_tiered_vs_hicache_chat_capped"] == 1.5
     assert s["ttft_ratio_tiered_vs_fastest_chat"] == 0.5  # mean TTFT 1.0 / 2.0
+    assert s["ttft_ratio_tiered_vs_fastest_shared"] == 0.5
+    assert s["tpot_ratio_tiered_vs_fastest_shared"] == pytest.approx(0.5)  # 0.01 / 0.02
+    assert where["tpot_ratio_tiered_vs_fastest_shared"]["metric"] == "tpot_s.p50"
     assert s["prefix_hit_fraction_tiered_shared"] == 0.1
     assert s["prefix_hit_fraction_fastest_shared"] == 0.75
     assert s["prefix_hit_fraction_tiered_chat"] == 0.1
@@ -2274,6 +2279,8 @@ def test_prefix_summary_keys_have_no_value_across_stage_runs():
         "throughput_ratio_tiered_vs_hicache_shared_capped",
         "throughput_ratio_tiered_vs_fastest_chat",
         "ttft_ratio_tiered_vs_fastest_chat",
+        "ttft_ratio_tiered_vs_fastest_shared",
+        "tpot_ratio_tiered_vs_fastest_shared",
         "prefix_hit_fraction_tiered_shared",
         "prefix_hit_fraction_fastest_shared",
         "prefix_hit_fraction_tiered_chat",
