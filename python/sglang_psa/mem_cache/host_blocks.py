@@ -122,7 +122,7 @@ class HostBlocks:
         if len(unheld) > self.available + spare:
             return False
         self._promise(rec, -spare)
-        self.share(ids, rec)
+        self._hold(ids, unheld, rec)
         rec.host.extend(ids)
         return True
 
@@ -178,6 +178,10 @@ class HostBlocks:
         bad = [i for i in unheld if i not in self.lru]
         if bad:
             raise RuntimeError(f"host blocks {bad[:8]} are neither held nor kept")
+        self._hold(ids, unheld, rec)
+
+    def _hold(self, ids: list[int], unheld: list[int], rec: RequestKV) -> None:
+        """`share` once checked: `unheld` are the ids of `ids` without a holder, all kept."""
         for i in unheld:
             self.lru.pop(i, None)  # (an id named twice in `ids` leaves once)
         holders = self._holders
