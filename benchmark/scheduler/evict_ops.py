@@ -122,6 +122,16 @@ def _shape(**values):
         vars(t).update(old)
 
 
+@contextlib.contextmanager
+def replay_store(pages: int, host_blocks: int, **shape):
+    """The radix cache's test store at the module constants `shape` (`_shape`) with
+    `pages` KV pages and `host_blocks` host blocks, its invariant checks off (they are the
+    tests': seconds to minutes at a benchmark's scale); closed on leaving the block."""
+    with _shape(**shape) as t, t._store(pages=pages, host_blocks=host_blocks) as s:
+        s.check = lambda *a, **k: None
+        yield s
+
+
 def make_room_ms(requests=13, prompt=28_000, blocks=(64, 512), reps=5) -> dict[str, float]:
     """Median host milliseconds of `Residency.make_room` for each of `blocks` over
     `requests` running requests of `prompt` tokens (32-token blocks, all saved, random
@@ -133,36 +143,31 @@ def make_room_ms(requests=13, prompt=28_000, blocks=(64, 512), reps=5) -> dict[s
     bs = 32
     n = prompt // bs
     out = {}
-    with _shape(BS=bs, CTX=prompt + 4 * bs, ROWS=requests + 3) as t:
-        cm = t._store(pages=requests * n + 64, host_blocks=requests * (n + 8) + 64)
-        s = cm.__enter__()
-        try:
-            s.check = lambda *a, **k: None  # the invariants are the tests' (seconds here)
-            reqs = []
-            for i in range(requests):
-                req = s.arrive(f"r{i}", [100_000 * i + j for j in range(prompt)])
-                s.match(req), s.admit(req), s.prefill(req)
-                req.seqlen = prompt
-                reqs.append(req)
-            s.ack()
-            rng = np.random.default_rng(0)
-            lengths = torch.zeros(requests + 3, dtype=torch.int32)
-            heat = {}
-            for r in reqs:
-                lengths[r.row] = prompt
-                heat[r.row] = rng.integers(0, 49, n + 8).astype(np.uint8)
-            s.res.ws.read, s.res.ws.heat = (lambda: (None, lengths)), (lambda: heat)
-            for k in blocks:
-                times = []
-                for _ in range(reps):
-                    # each rep evicts other blocks (the coldest left): same work, new blocks
-                    t0 = time.perf_counter()
-                    freed = s.res.make_room(reqs, k * bs, s.alloc)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                    assert freed == k * bs, freed
-                out[str(k)] = statistics.median(times)
-        finally:
-            cm.__exit__(None, None, None)
+    pages, host_blocks = requests * n + 64, requests * (n + 8) + 64
+    with replay_store(pages, host_blocks, BS=bs, CTX=prompt + 4 * bs, ROWS=requests + 3) as s:
+        reqs = []
+        for i in range(requests):
+            req = s.arrive(f"r{i}", [100_000 * i + j for j in range(prompt)])
+            s.match(req), s.admit(req), s.prefill(req)
+            req.seqlen = prompt
+            reqs.append(req)
+        s.ack()
+        rng = np.random.default_rng(0)
+        lengths = torch.zeros(requests + 3, dtype=torch.int32)
+        heat = {}
+        for r in reqs:
+            lengths[r.row] = prompt
+            heat[r.row] = rng.integers(0, 49, n + 8).astype(np.uint8)
+        s.res.ws.read, s.res.ws.heat = (lambda: (None, lengths)), (lambda: heat)
+        for k in blocks:
+            times = []
+            for _ in range(reps):
+                # each rep evicts other blocks (the coldest left): same work, new blocks
+                t0 = time.perf_counter()
+                freed = s.res.make_room(reqs, k * bs, s.alloc)
+                times.append((time.perf_counter() - t0) * 1e3)
+                assert freed == k * bs, freed
+            out[str(k)] = statistics.median(times)
     return out
 
 

@@ -35,41 +35,35 @@ KEYS = ("match_ms_total", "match_us_mean", "first_match_ms", "match_calls")
 
 def measure(requests: int = 32, prompt: int = PROMPT) -> dict:
     """Milliseconds of every `match_prefix` of the replay (see the module doc)."""
-    from benchmark.scheduler.evict_ops import _shape
+    from benchmark.scheduler.evict_ops import replay_store
 
     pages = requests * (prompt // BS + 2) + 8
-    with _shape(BS=BS, CTX=prompt + 2 * BS, ROWS=requests + 2) as t:
-        cm = t._store(pages=pages, host_blocks=pages)
-        s = cm.__enter__()
-        try:
-            s.check = lambda *a, **k: None  # the invariants are the tests' (seconds here)
-            waiting = [
-                s.arrive(f"r{i}", [150_000 * i + j for j in range(prompt)], max_new=4)
-                for i in range(requests)
-            ]
-            ms, first = [], []
-            seen: set[str] = set()
-            while waiting:
-                for req in waiting:
-                    hashes = len(s.index) > 0 and req.rid not in seen
-                    t0 = time.perf_counter()
-                    s.match(req)
-                    ms.append((time.perf_counter() - t0) * 1e3)
-                    if hashes:
-                        seen.add(req.rid)
-                        first.append(ms[-1])
-                req = waiting.pop(0)
-                assert s.admit(req), req.rid
-                s.prefill(req)
-            return {
-                "match_ms_total": sum(ms),
-                "match_us_mean": sum(ms) / len(ms) * 1e3,
-                "first_match_ms": sum(first) / max(len(first), 1),
-                "match_calls": len(ms),
-                "first_matches": len(first),
-            }
-        finally:
-            cm.__exit__(None, None, None)
+    with replay_store(pages, pages, BS=BS, CTX=prompt + 2 * BS, ROWS=requests + 2) as s:
+        waiting = [
+            s.arrive(f"r{i}", [150_000 * i + j for j in range(prompt)], max_new=4)
+            for i in range(requests)
+        ]
+        ms, first = [], []
+        seen: set[str] = set()
+        while waiting:
+            for req in waiting:
+                hashes = len(s.index) > 0 and req.rid not in seen
+                t0 = time.perf_counter()
+                s.match(req)
+                ms.append((time.perf_counter() - t0) * 1e3)
+                if hashes:
+                    seen.add(req.rid)
+                    first.append(ms[-1])
+            req = waiting.pop(0)
+            assert s.admit(req), req.rid
+            s.prefill(req)
+        return {
+            "match_ms_total": sum(ms),
+            "match_us_mean": sum(ms) / len(ms) * 1e3,
+            "first_match_ms": sum(first) / max(len(first), 1),
+            "match_calls": len(ms),
+            "first_matches": len(first),
+        }
 
 
 def main(argv=None) -> None:

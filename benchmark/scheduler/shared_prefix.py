@@ -38,42 +38,36 @@ KEYS = ("match_us_mean", "admit_us_mean", "finish_us_mean")
 
 def measure(docs: int = 10, questions: int = 12, running: int = 24) -> dict:
     """Microseconds a call of match, admission and finish (see the module doc)."""
-    from benchmark.scheduler.evict_ops import _shape
+    from benchmark.scheduler.evict_ops import replay_store
 
     n = docs * questions
     pages = docs * (DOC // BS + 2) + n * (QUESTION // BS + 3) + 8
-    with _shape(BS=BS, CTX=DOC + QUESTION + 2 * BS, ROWS=running + 3) as t:
-        cm = t._store(pages=pages, host_blocks=pages)
-        s = cm.__enter__()
-        try:
-            s.check = lambda *a, **k: None  # the invariants are the tests' (seconds here)
-            text = [[1_000_000 * (d + 1) + j for j in range(DOC)] for d in range(docs)]
-            times: dict[str, list[float]] = {k: [] for k in ("match", "admit", "finish")}
+    with replay_store(pages, pages, BS=BS, CTX=DOC + QUESTION + 2 * BS, ROWS=running + 3) as s:
+        text = [[1_000_000 * (d + 1) + j for j in range(DOC)] for d in range(docs)]
+        times: dict[str, list[float]] = {k: [] for k in ("match", "admit", "finish")}
 
-            def timed(what, call, *args):
-                t0 = time.perf_counter()
-                out = call(*args)
-                times[what].append(time.perf_counter() - t0)
-                return out
+        def timed(what, call, *args):
+            t0 = time.perf_counter()
+            out = call(*args)
+            times[what].append(time.perf_counter() - t0)
+            return out
 
-            live = []
-            for i in range(n):
-                q, d = divmod(i, docs)
-                asked = [5_000_000 + QUESTION * i + j for j in range(QUESTION)]
-                req = s.arrive(f"q{i}", text[d] + asked, max_new=4)
-                for _ in range(3):
-                    timed("match", s.match, req)
-                if len(live) == running:
-                    timed("finish", s.finish, live.pop(0))
-                assert timed("admit", s.admit, req), req.rid
-                s.prefill(req)
-                live.append(req)
-            while live:
+        live = []
+        for i in range(n):
+            q, d = divmod(i, docs)
+            asked = [5_000_000 + QUESTION * i + j for j in range(QUESTION)]
+            req = s.arrive(f"q{i}", text[d] + asked, max_new=4)
+            for _ in range(3):
+                timed("match", s.match, req)
+            if len(live) == running:
                 timed("finish", s.finish, live.pop(0))
-            means = {f"{k}_us_mean": sum(v) / len(v) * 1e6 for k, v in times.items()}
-            return means | {"calls": {k: len(v) for k, v in times.items()}}
-        finally:
-            cm.__exit__(None, None, None)
+            assert timed("admit", s.admit, req), req.rid
+            s.prefill(req)
+            live.append(req)
+        while live:
+            timed("finish", s.finish, live.pop(0))
+        means = {f"{k}_us_mean": sum(v) / len(v) * 1e6 for k, v in times.items()}
+        return means | {"calls": {k: len(v) for k, v in times.items()}}
 
 
 def main(argv=None) -> None:
