@@ -613,43 +613,77 @@ def host_profile(before: dict | None, after: dict | None, loop: dict, top: int =
     b = (before or {}).get("psa_host_profile") or {}
     out = {}
     for key, prof in a.items():
-        size = key.partition("/")[2]
-        prev = b.get(key, {})
-        n = prof["samples"] - prev.get("samples", 0)
-        if size not in loop or n <= 0:
+        kind, _, size = key.partition("/")
+        if kind != "decode" or size not in loop:
             continue
-        each = loop[size]["iteration_ms"] / n
-        was = prev.get("functions", {})
-        fns = {}
-        for name, (incl, own) in prof["functions"].items():
-            i0, s0 = was.get(name, (0, 0))
-            if incl > i0:
-                fns[name] = (incl - i0, own - s0)
-        phases = {
-            ph: (c - prev.get("phases", {}).get(ph, 0)) * each for ph, c in prof["phases"].items()
-        }
-
-        def most(counts):  # (name, count) pairs, most first, ties by name
-            return sorted(counts, key=lambda kv: (-kv[1], kv[0]))[:top]
-
-        by_self = most((f, own) for f, (_, own) in fns.items() if own > 0)
-        inclusive = {
-            ph: [
-                {"fn": f.partition("|")[2], "ms": i * each}
-                for f, i in most((f, i) for f, (i, _) in fns.items() if f.startswith(ph + "|"))
-            ]
-            for ph in phases
-        }
-        out[size] = {
-            "samples": n,
-            "phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
-            "self_ms": [
-                {"phase": f.partition("|")[0], "fn": f.partition("|")[2], "ms": own * each}
-                for f, own in by_self
-            ],
-            "inclusive_ms": inclusive,
-        }
+        row = _profiled(prof, b.get(key, {}), loop[size]["iteration_ms"], top)
+        if row is not None:
+            out[size] = row
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def extend_host_profile(before: dict | None, after: dict | None, top: int = 20) -> dict:
+    """`host_profile` of the window's extend (prefill) iterations, every batch size
+    together (the profile files them under `"extend"`): `iterations`, `iteration_ms` (the
+    mean of the loop's own timing, `psa_host_timing`'s `extend/<size>` sums), `samples`,
+    and per extend iteration `phase_ms`, `self_ms` and `inclusive_ms`. {} where the
+    servers were not profiled or ran no extend in the window."""
+    prof = ((after or {}).get("psa_host_profile") or {}).get("extend")
+    if not prof:
+        return {}
+    a = (after or {}).get("psa_host_timing") or {}
+    b = (before or {}).get("psa_host_timing") or {}
+    n = secs = 0.0
+    for key, sums in a.items():
+        if key.startswith("extend/"):
+            prev = b.get(key, {})
+            n += sums["n"] - prev.get("n", 0)
+            secs += sums["iteration_s"] - prev.get("iteration_s", 0.0)
+    prev = ((before or {}).get("psa_host_profile") or {}).get("extend", {})
+    row = _profiled(prof, prev, 1e3 * secs / n, top) if n > 0 else None
+    if row is None:
+        return {}
+    return {"iterations": int(n), "iteration_ms": 1e3 * secs / n} | row
+
+
+def _profiled(prof: dict, prev: dict, iteration_ms: float, top: int) -> dict | None:
+    """One batch key's profile over a window (`prof` less `prev`, two snapshots), each
+    sample worth the window's `iteration_ms` over its samples (see `host_profile`); None
+    when the window holds no sample."""
+    n = prof["samples"] - prev.get("samples", 0)
+    if n <= 0:
+        return None
+    each = iteration_ms / n
+    was = prev.get("functions", {})
+    fns = {}
+    for name, (incl, own) in prof["functions"].items():
+        i0, s0 = was.get(name, (0, 0))
+        if incl > i0:
+            fns[name] = (incl - i0, own - s0)
+    phases = {
+        ph: (c - prev.get("phases", {}).get(ph, 0)) * each for ph, c in prof["phases"].items()
+    }
+
+    def most(counts):  # (name, count) pairs, most first, ties by name
+        return sorted(counts, key=lambda kv: (-kv[1], kv[0]))[:top]
+
+    by_self = most((f, own) for f, (_, own) in fns.items() if own > 0)
+    inclusive = {
+        ph: [
+            {"fn": f.partition("|")[2], "ms": i * each}
+            for f, i in most((f, i) for f, (i, _) in fns.items() if f.startswith(ph + "|"))
+        ]
+        for ph in phases
+    }
+    return {
+        "samples": n,
+        "phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+        "self_ms": [
+            {"phase": f.partition("|")[0], "fn": f.partition("|")[2], "ms": own * each}
+            for f, own in by_self
+        ],
+        "inclusive_ms": inclusive,
+    }
 
 
 # ---------------------------------------------------------------------------------------

@@ -96,7 +96,8 @@ stalls the server, so that run goes to WORK/serving_profile.json and `merge` ski
 `stage W --host-profile HZ` is a diagnosis run of the host side: every server's
 scheduler loop is sampled HZ times a second (`sglang_psa.sched.host_profile`) and each
 record gets `host_profile`, the loop's time per decode iteration by phase and by Python
-function. Sampling slows the loop, so that run goes to WORK/serving_profile.json too.
+function, and `host_profile_extend`, the same per extend (prefill) iteration. Sampling
+slows the loop, so that run goes to WORK/serving_profile.json too.
 """
 
 from __future__ import annotations
@@ -660,6 +661,15 @@ def measure(
         top = ", ".join(f"{r['fn'].split(':')[-2]} ({r['phase']}) {r['ms']:.3f}"
                         for r in h["self_ms"][:8])  # fmt: skip
         log(f"{w.name}/{name}: host profile at decode batch {size} ({h['samples']} samples), "
+            f"ms an iteration by innermost function: {top}")  # fmt: skip
+    ext = analysis.extend_host_profile(rec["server_info_before"], rec["server_info_after"])
+    if ext:
+        rec["host_profile_extend"] = ext
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in ext["phase_ms"].items())
+        top = ", ".join(f"{r['fn'].split(':')[-2]} ({r['phase']}) {r['ms']:.3f}"
+                        for r in ext["self_ms"][:8])  # fmt: skip
+        log(f"{w.name}/{name}: host profile of {ext['iterations']} extend iterations "
+            f"({ext['iteration_ms']:.1f} ms each, {ext['samples']} samples): {phases}; "
             f"ms an iteration by innermost function: {top}")  # fmt: skip
     if w.is_sweep:
         rec["rates"] = runs
@@ -1412,6 +1422,9 @@ def merge_into(out: Path | None, new_parts: list[dict], args) -> dict:
             f"different result files; {out} would mix them"
         )
     merged = analysis.merge([p for p in old if (p["workload"], p["run_id"]) not in ids] + new_parts)
+    if not merged["provenance"]:  # no server measured anything (e.g. the budget ran out)
+        log(f"merge: no part holds a measurement; {out} is not written")
+        return merged
     write_result(out, merged)
     plot(merged, out.with_suffix(".png"))
     if getattr(args, "export", None):

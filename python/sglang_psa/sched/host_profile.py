@@ -1,5 +1,5 @@
 """A sampling profile of SGLang's scheduler loop by phase: which Python functions the
-host spends a decode iteration in. A diagnostic that runs only with
+host spends a decode (or extend) iteration in. A diagnostic that runs only with
 `SGLANG_PSA_HOST_PROFILE=<samples per second>` beside `SGLANG_PSA_HOST_TIMING=1` in the
 server's environment (plain servers too: the plugin's hooks wrap the loop alike).
 
@@ -7,7 +7,8 @@ server's environment (plain servers too: the plugin's hooks wrap the loop alike)
 phase the time goes. A thread of the scheduler process wakes `hz` times a second, reads
 the scheduler thread's Python stack (`sys._current_frames`) and counts it under the
 phase the loop is in (`host_timing.PHASES`, or `other`). At the iteration's end the
-samples are filed under the batch the iteration launched (`"decode/32"`), as its time is.
+samples are filed under the batch the iteration launched (`"decode/32"`), as its time is;
+an extend batch's under `"extend"`, whatever its size.
 
 Costs and limits: each sample holds the GIL while it walks the stack (tens of us), and
 the process's GIL switch interval is shortened to a quarter of the sampling period so
@@ -16,10 +17,11 @@ second); a profiled loop runs slower: runs with it are diagnosis, never results.
 function in C that keeps the GIL shows as its Python caller; a sample that lands while
 the scheduler thread waits on the GIL counts where that thread stands.
 
-Contract: `PROFILE.snapshot()` gives, per decode batch key, cumulative `samples`, samples
-per phase and, per `"<phase>|<function>"`, `[inclusive, self]` sample counts (inclusive:
-the function was on the stack; self: it was the innermost frame); a client takes the
-difference of two snapshots and turns counts into time with the loop's own timing.
+Contract: `PROFILE.snapshot()` gives, per batch key (`"decode/<size>"`, `"extend"`),
+cumulative `samples`, samples per phase and, per `"<phase>|<function>"`, `[inclusive,
+self]` sample counts (inclusive: the function was on the stack; self: it was the
+innermost frame); a client takes the difference of two snapshots and turns counts into
+time with the loop's own timing.
 """
 
 from __future__ import annotations
@@ -131,10 +133,15 @@ class HostProfile:
     # -- the loop's side -----------------------------------------------------------
     def end_iteration(self, batch_key: str) -> None:
         """The iteration that launched `batch_key` ended: its samples are that batch's
-        (only decode batches are kept)."""
+        (decode batches per size; extend batches, few and of every size, all under
+        `"extend"`; idle iterations are not kept)."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        if not pending or not batch_key.startswith("decode/"):
+        if batch_key.startswith("extend/"):
+            batch_key = "extend"
+        elif not batch_key.startswith("decode/"):
+            return
+        if not pending:
             return
         stacks = self._stacks.setdefault(batch_key, {})
         for key, n in pending.items():

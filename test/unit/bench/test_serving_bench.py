@@ -2452,6 +2452,38 @@ def test_host_profile_turns_the_windows_samples_into_time_per_iteration():
     assert analysis.host_profile(None, {"psa_host_profile": None}, loop) == {}
 
 
+def test_extend_host_profile_spreads_the_extend_samples_over_every_extend_iteration():
+    def state(n3, s3, n1, s1, samples, phases, functions):
+        timing = {"extend/3": {"n": n3, "iteration_s": s3}, "extend/1": {"n": n1, "iteration_s": s1},
+                  "decode/8": {"n": 50, "iteration_s": 9.0}}  # fmt: skip
+        prof = {"extend": {"hz": 1000, "samples": samples, "phases": phases,
+                           "functions": functions}}  # fmt: skip
+        return {"psa_host_timing": timing, "psa_host_profile": prof}
+
+    f = "schedule|m.py:match:3"
+    before = state(2, 0.1, 1, 0.02, 20, {"schedule": 20}, {f: [20, 20]})
+    # the window: 4 + 6 extend iterations, 0.3 + 0.2 s of them; 50 samples, 40 in match
+    after = state(6, 0.4, 7, 0.22, 70, {"schedule": 60, "launch": 10}, {f: [60, 60]})
+    got = analysis.extend_host_profile(before, after)
+    assert got["iterations"] == 10 and got["iteration_ms"] == pytest.approx(50.0)
+    assert got["samples"] == 50  # each sample worth 10 iterations x 50 ms / 50 samples
+    assert got["phase_ms"] == pytest.approx({"schedule": 40.0, "launch": 10.0})
+    assert got["self_ms"] == [
+        {"phase": "schedule", "fn": "m.py:match:3", "ms": pytest.approx(40.0)}
+    ]
+    assert analysis.extend_host_profile(after, after) == {}  # no extend in the window
+    assert analysis.extend_host_profile(before, {"psa_host_timing": {}}) == {}  # not profiled
+    # the decode view ignores the extend key
+    assert analysis.host_profile(before, after, {"8": {"iteration_ms": 3.0}}) == {}
+
+
+def test_a_stage_that_measured_nothing_writes_no_result(tmp_path):
+    out = tmp_path / "serving_profile.json"
+    empty = _part("f", "12-07", "c1") | {"not_run": ["plain", "psa"]}  # budget spent
+    got = run.merge_into(out, [empty], SimpleNamespace(fresh=False, export=None))
+    assert got["provenance"] == [] and not out.exists()
+
+
 def test_merge_keeps_a_host_profiled_part_out_of_results(tmp_path):
     part = tmp_path / "a.20261201T000000Z.json"
     part.write_text(json.dumps({"workload": "a", "run_id": "x", "host_profiled": 500,

@@ -97,12 +97,18 @@ def test_samples_count_by_phase_and_function_under_their_iterations_batch():
     p.end_iteration("decode/32")
     threads.stack = frames_of(i, o)
     p.sample()
-    p.end_iteration("extend/3")  # prefill iterations are not kept
+    p.end_iteration("extend/3")  # prefill iterations: every size under one key
+    p.sample()
+    p.sample()
+    p.end_iteration("extend/1")
+    p.sample()
+    p.end_iteration("idle/0")  # idle iterations are not kept
     threads.stack = None  # the thread is gone: no sample
     p.sample()
     p.end_iteration("decode/32")
     got = p.snapshot()
-    assert list(got) == ["decode/32"]
+    assert list(got) == ["decode/32", "extend"]
+    assert got["extend"]["samples"] == 3 and got["extend"]["phases"] == {"launch": 3}
     d = got["decode/32"]
     assert d["samples"] == 3 and d["phases"] == {"schedule": 2, "launch": 1}
     name_o, name_i = host_profile.function_name(o), host_profile.function_name(i)
