@@ -145,9 +145,13 @@ class HostBlocks:
         return True
 
     def advance(self, rec: RequestKV) -> int:
-        """`rec.saved` grows over the leading run of its ids that are saved; returns it."""
-        while rec.saved < len(rec.host) and self.saved[rec.host[rec.saved]]:
-            rec.saved += 1
+        """`rec.saved` grows over the leading run of its ids that are saved; returns it.
+        (An extend's acknowledgement saves hundreds at once: one array read, not one a
+        block.)"""
+        n, ids = rec.saved, rec.host
+        if n < len(ids) and self.saved[ids[n]]:
+            ok = self.saved[ids[n:]]
+            rec.saved = n + (len(ok) if ok.all() else int(ok.argmin()))
         return rec.saved
 
     def give_back(self, rec: RequestKV, keep: int) -> None:

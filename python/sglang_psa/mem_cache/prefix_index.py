@@ -227,6 +227,10 @@ class PrefixIndex:
         for b, h in enumerate(hashes[start:], start):
             i = self._ids.get(h)
             if i is None:
+                if self._add_run(hashes[b:], rec.host[b : len(hashes)], parent):
+                    added.extend(rec.host[b : len(hashes)])
+                    b = len(hashes)
+                    break
                 own = rec.host[b]
                 if own in self._hash:  # (an id names one block's content only)
                     break
@@ -241,6 +245,22 @@ class PrefixIndex:
         if added:
             self.blocks.keep(added)
         return len(added)
+
+    def _add_run(self, hashes: list[bytes], ids: list[int], parent: bytes | None) -> bool:
+        """A run of new blocks, each chained to the one before (the first to `parent`),
+        entered at once where the index names none of `hashes` and none of `ids` (an
+        extend's acknowledgement: hundreds of blocks); False, nothing entered, otherwise
+        (`saved` walks those block by block)."""
+        if len(hashes) < 2 or any(map(self._ids.__contains__, hashes)):
+            return False
+        if any(map(self._hash.__contains__, ids)):
+            return False
+        self._add(hashes[0], ids[0], parent)
+        self._ids.update(zip(hashes, ids))
+        self._hash.update(zip(ids, hashes))
+        self._parent.update(zip(hashes[1:], hashes))
+        self._children.update(zip(hashes, hashes[1:]))  # each one's single child
+        return True
 
     def _add(self, h: bytes, i: int, parent: bytes | None) -> None:
         self._ids[h], self._hash[i], self._parent[h] = i, h, parent

@@ -34,6 +34,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 
 import torch
 
@@ -344,13 +346,29 @@ class WriteBack:
         if layer == self.layers - 1:
             acked: dict[int, RequestKV] = {}
             saved: list[int] = []
-            for rid, row, b, host in entries:
+            # A job lists each request's blocks in one run (`_plan`): a run is checked
+            # against the request's record at once, entry by entry only where it differs.
+            for rid, run in groupby(entries, itemgetter(RID)):
                 rec = self.records.get(rid) or self.ending.get(rid)
-                # An ack of a request that ended or moved, or of a block it switched to
-                # another's id, names an id that may be someone else's by now: ignored.
-                if rec is not None and rec.row == row and b < len(rec.host) and rec.host[b] == host:
-                    saved.append(host)
+                if rec is None:
+                    continue
+                _, rows, blocks, hosts = zip(*run)
+                b0, n = blocks[0], len(blocks)
+                if (
+                    rows.count(rec.row) == n
+                    and blocks == tuple(range(b0, b0 + n))
+                    and tuple(rec.host[b0 : b0 + n]) == hosts
+                ):
+                    saved.extend(hosts)
                     acked[id(rec)] = rec
+                    continue
+                for row, b, host in zip(rows, blocks, hosts):
+                    # An ack of a request that ended or moved, or of a block it switched
+                    # to another's id, names an id that may be someone else's by now:
+                    # ignored.
+                    if rec.row == row and b < len(rec.host) and rec.host[b] == host:
+                        saved.append(host)
+                        acked[id(rec)] = rec
             self.blocks.saved[saved] = True
             for rec in acked.values():
                 self.blocks.advance(rec)  # saved state is the id's: a leading run

@@ -127,6 +127,40 @@ def test_only_acknowledged_saves_enter_and_lookups_take_the_longest_prefix():
     assert index.lookup([b"absent", *h]) == [] and index.lookup([]) == []
 
 
+def test_a_run_of_new_blocks_enters_as_a_chain_and_a_named_id_stops_it():
+    """An extend's acknowledgement enters its run at once: each block chained to the one
+    before, the first to the indexed prefix; a run with an id the index already names is
+    walked block by block and stops there."""
+    hb = HostBlocks(32)
+    index = PrefixIndex(hb, BS)
+    toks = list(range(40))
+    a = _start(hb, index, "a", toks)
+    hb.take(a, 10)
+    _ack(hb, index, a, [0, 1])
+    _ack(hb, index, a, range(2, 10))  # a run of 8 new blocks below two indexed
+    h = chain_hashes(None, toks, BS, 10)
+    assert index.lookup(h) == a.host and index._parent[h[2]] == h[1]
+    assert [index._parent[x] for x in h[3:]] == h[2:9] and index._kids(h[9]) == ()
+    assert all(index._kids(x) == (y,) for x, y in zip(h, h[1:]))
+    index.check_integrity()
+    # b's own blocks after a's first two; its block 3 holds an id the index names (a's
+    # block 5, as an id switched by mistake would): b's run enters up to it
+    other = toks[:8] + [99] * 24
+    b = _start(hb, index, "b", other)
+    assert hb.adopt(b, a.host[:2])
+    b.saved = 2
+    hb.take(b, 4)
+    hb.share([a.host[5]], b)
+    b.host[3] = a.host[5]
+    _ack(hb, index, b, [2])
+    _ack(hb, index, b, [4, 5])
+    hb.advance(b)
+    index.saved(b)
+    g = chain_hashes(None, other, BS, 6)
+    assert index.lookup(g) == b.host[:3]
+    index.check_integrity()
+
+
 def test_an_evicted_block_leaves_the_index_deeper_blocks_first():
     gone: list[int] = []
     hb = HostBlocks(6, on_evict=gone.extend)

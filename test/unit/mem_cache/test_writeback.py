@@ -263,6 +263,34 @@ def test_blocks_of_ended_requests_return_and_unissued_saves_are_dropped(device):
         wb.close()
 
 
+def test_an_acknowledgement_counts_only_the_blocks_each_record_still_names():
+    """A job's entries, a run a request: a run that matches its record is saved at once;
+    a request that moved rows, or a block switched to another id since, is not."""
+    wb = make("cpu")
+    try:
+        recs = []
+        for row, rid in enumerate("abc"):
+            assert wb.reserve(rid, 4 * BS)
+            rec = wb.records[rid]
+            rec.row = row
+            wb.blocks.take(rec, 4)
+            recs.append(rec)
+        a, b, c = recs
+        entries = [("a", 0, k, a.host[k]) for k in range(4)]
+        entries += [("b", 9, k, b.host[k]) for k in range(2)]  # b's row is 1 now
+        entries += [("c", 2, 0, c.host[0]), ("c", 2, 1, 999), ("c", 2, 2, c.host[2])]
+        entries += [("gone", 3, 0, 7)]  # a request that ended: no record
+        wb._saved(wb.layers - 1, entries)
+        assert (a.saved, b.saved, c.saved) == (4, 0, 1)
+        assert wb.blocks.saved[a.host].all() and not wb.blocks.saved[b.host].any()
+        assert wb.blocks.saved[[c.host[0], c.host[2]]].all()
+        assert not wb.blocks.saved[[c.host[1], c.host[3]]].any()
+        wb._saved(wb.layers - 1, [("c", 2, 1, c.host[1]), ("c", 2, 3, c.host[3])])
+        assert c.saved == 4  # a run with a gap, checked entry by entry
+    finally:
+        wb.close()
+
+
 def test_host_blocks_reserve_take_free():
     hb = HostBlocks(10)
     a, b, c = RequestKV("a"), RequestKV("b"), RequestKV("c")
