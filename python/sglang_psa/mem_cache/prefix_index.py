@@ -84,11 +84,18 @@ def chain_hashes(
     as there are) in the namespace of `extra_key` and `salt`, reusing `known` (the
     hashes of a prefix of them)."""
     out = list(known[:blocks])
+    _chain_onto(out, extra_key, salt, tokens, block_size, blocks)
+    return out
+
+
+def _chain_onto(out: list[bytes], extra_key, salt, tokens, block_size: int, blocks: int) -> None:
+    """`out` (the chained hashes of a prefix of `tokens`' blocks) grown in place to the
+    first `blocks` whole blocks (at most as many as there are)."""
     blocks = min(blocks, len(tokens) // block_size)
     prev = out[-1] if out else seed(extra_key, salt)
     first = len(out)
     if blocks <= first:
-        return out
+        return
     new = token_bytes(tokens, first * block_size, blocks * block_size)
     step = 8 * block_size  # bytes of a block's tokens
     digest = hashlib.blake2b
@@ -98,7 +105,6 @@ def chain_hashes(
     for b in range(0, len(new), step):
         prev = digest(prev + new[b : b + step], digest_size=16).digest()
         out.append(prev)
-    return out
 
 
 def token_bytes(tokens: Sequence[int], start: int, stop: int) -> bytes:
@@ -197,26 +203,33 @@ class PrefixIndex:
     def request_hashes(self, rid: Hashable, blocks: int) -> list[bytes]:
         """Chained hashes of `rid`'s first `blocks` blocks (fewer when its tokens are
         fewer, none when untracked)."""
+        known, n = self._known(rid, blocks)
+        return known[:n]
+
+    def _known(self, rid: Hashable, blocks: int) -> tuple[list[bytes], int]:
+        """`rid`'s hashes list, grown in place to `blocks` blocks where its tokens reach,
+        and how many of its first entries are asked for (no copy: an acknowledgement
+        during decode adds a block to a list of hundreds)."""
         t = self._tracked.get(rid)
         if t is None:
-            return []
+            return [], 0
         (extra_key, salt), tokens, known = t
         if len(known) < blocks:
-            known[:] = chain_hashes(extra_key, tokens(), self.block_size, blocks, known, salt)
-        return known[:blocks]
+            _chain_onto(known, extra_key, salt, tokens(), self.block_size, blocks)
+        return known, min(blocks, len(known))
 
     def saved(self, rec: RequestKV) -> int:
         """`rec`'s saved blocks (`[0, rec.saved)`, acknowledged) enter the index where it
         lacks them, along the chain of its ids the index names; returns the blocks added.
         A block whose hash the index names with another id stops the walk (`rec` holds a
         duplicate until the radix cache switches it)."""
-        hashes = self.request_hashes(rec.rid, rec.saved)
+        hashes, n = self._known(rec.rid, rec.saved)  # (the first n are rec's saved blocks')
         # Resume after the blocks known to be the index's already (each acknowledgement
         # would walk the whole request again): valid while the last of them still is
         # (a holder of an indexed id holds the index's ids before it).
         start = self._walked.get(rec.rid, 0)
         if start and (
-            start > len(hashes)
+            start > n
             or start > len(rec.host)
             or self._ids.get(hashes[start - 1]) != rec.host[start - 1]
         ):
@@ -224,12 +237,13 @@ class PrefixIndex:
         added = []
         parent = hashes[start - 1] if start else None
         b = start
-        for b, h in enumerate(hashes[start:], start):
+        for b in range(start, n):
+            h = hashes[b]
             i = self._ids.get(h)
             if i is None:
-                if self._add_run(hashes[b:], rec.host[b : len(hashes)], parent):
-                    added.extend(rec.host[b : len(hashes)])
-                    b = len(hashes)
+                if self._add_run(hashes[b:n], rec.host[b:n], parent):
+                    added.extend(rec.host[b:n])
+                    b = n
                     break
                 own = rec.host[b]
                 if own in self._hash:  # (an id names one block's content only)
@@ -240,7 +254,7 @@ class PrefixIndex:
                 break
             parent = h
         else:
-            b = len(hashes)
+            b = n
         self._walked[rec.rid] = b
         if added:
             self.blocks.keep(added)

@@ -278,7 +278,7 @@ class WriteBack:
                 and rec is not None
                 and rec.row is not None
                 and rec.seen == full
-                and (not saving or rec.planned >= full)
+                and (not saving or len(rec.host) >= full)  # (`rec.planned`, inlined)
             ):
                 # No block completed since its last plan and none left to plan (at a
                 # 32-token block, 31 steps in 32): passed over without reading its row (a
