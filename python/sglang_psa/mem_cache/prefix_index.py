@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from itertools import takewhile
+
+import numpy as np
 
 from sglang_psa.mem_cache.host_blocks import HostBlocks
 from sglang_psa.mem_cache.request_kv import RequestKV
@@ -120,6 +123,49 @@ def token_bytes(tokens: Sequence[int], start: int, stop: int) -> bytes:
     return array("q", part).tobytes()
 
 
+class RecentChains:
+    """The hashes of the last request hashed from each first block, with its tokens: a new
+    request whose tokens share whole blocks with it takes their hashes (the tokens
+    compared, so the same hashes it would compute) and hashes only the rest. Every
+    question on a shared document, every turn of a conversation, otherwise hashes the
+    whole shared prefix again at its first match (a 16K document: 512 blake2b calls, ~0.7
+    ms on the scheduler's thread). Keyed by the first block's chained hash, so by
+    namespace too; the `size` most recent first blocks are kept (each holds its
+    request's token bytes: 224 KB at 28K tokens)."""
+
+    MIN_BLOCKS = 16  # below this a request hashes faster than the lookup pays
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self._by_first: OrderedDict[bytes, tuple[np.ndarray, list[bytes]]] = OrderedDict()
+        self.reused = 0  # hashes taken from another request instead of computed
+
+    def hash_onto(self, out: list[bytes], extra_key, salt, tokens, block_size: int,
+                  blocks: int) -> None:  # fmt: skip
+        """`_chain_onto` for an empty `out`, reusing a recent request's shared blocks."""
+        n = min(blocks, len(tokens) // block_size)
+        if out or n < self.MIN_BLOCKS:
+            _chain_onto(out, extra_key, salt, tokens, block_size, blocks)
+            return
+        data = token_bytes(tokens, 0, n * block_size)
+        mine = np.frombuffer(data, dtype=np.int64)
+        first = hashlib.blake2b(seed(extra_key, salt) + data[: 8 * block_size], digest_size=16)
+        key = first.digest()
+        hit = self._by_first.get(key)
+        if hit is not None:
+            theirs, hashes = hit
+            m = min(len(mine), len(theirs))
+            diff = np.flatnonzero(mine[:m] != theirs[:m])
+            same = int(diff[0] if len(diff) else m) // block_size
+            out.extend(hashes[:same])
+            self.reused += same
+        _chain_onto(out, extra_key, salt, tokens, block_size, blocks)
+        self._by_first[key] = (mine, out)  # (`out` only grows: a prefix of it stays valid)
+        self._by_first.move_to_end(key)
+        if len(self._by_first) > self.size:
+            self._by_first.popitem(last=False)
+
+
 class PrefixIndex:
     """Chained block hash -> host id of an acknowledged save, the host tier's keeper.
 
@@ -146,6 +192,7 @@ class PrefixIndex:
         # rid -> ((extra_key, salt), token source, hashes computed so far)
         self._tracked: dict[Hashable, tuple[tuple, Callable[[], Sequence[int]], list]] = {}
         self._walked: dict[Hashable, int] = {}  # rid -> its leading blocks the index names
+        self.recent = RecentChains()  # a new request's hashes of a prefix another hashed
         self.listeners: list[Callable[[list[int]], None]] = []
         self.orphans = 0  # entries that left because an earlier block's entry left first
         chained = blocks.on_evict
@@ -215,7 +262,7 @@ class PrefixIndex:
             return [], 0
         (extra_key, salt), tokens, known = t
         if len(known) < blocks:
-            _chain_onto(known, extra_key, salt, tokens(), self.block_size, blocks)
+            self.recent.hash_onto(known, extra_key, salt, tokens(), self.block_size, blocks)
         return known, min(blocks, len(known))
 
     def saved(self, rec: RequestKV) -> int:

@@ -15,6 +15,7 @@ from sglang_psa.mem_cache.host_blocks import HostBlocks
 from sglang_psa.mem_cache.prefix_index import (
     JoinedTokens,
     PrefixIndex,
+    RecentChains,
     chain_hashes,
     seed,
     token_bytes,
@@ -159,6 +160,41 @@ def test_a_run_of_new_blocks_enters_as_a_chain_and_a_named_id_stops_it():
     g = chain_hashes(None, other, BS, 6)
     assert index.lookup(g) == b.host[:3]
     index.check_integrity()
+
+
+def test_a_new_request_takes_the_hashes_of_the_whole_blocks_it_shares_and_no_more():
+    """`RecentChains`: a request sharing a document with an earlier one reuses the hashes
+    of their common whole blocks; every hash equals the one computed from scratch, in its
+    namespace, whatever the other request did after."""
+    hb = HostBlocks(8)
+    index = PrefixIndex(hb, BS)
+    n = RecentChains.MIN_BLOCKS + 8
+    doc = list(range(1000, 1000 + n * BS))
+    reqs = {
+        "q1": (None, doc + [1] * 8),
+        "q2": (None, doc + [2] * 8),  # the same document, another question
+        "mid": (None, doc[: 5 * BS + 2] + [7] * (n * BS)),  # differs inside block 5
+        "salted": ("k", doc + [3] * 8),  # another namespace: nothing to reuse
+        "short": (None, doc[: 4 * BS]),  # below MIN_BLOCKS: hashed, never stored
+    }
+    reused = []
+    for rid, (key, toks) in reqs.items():
+        index.track(rid, key, lambda toks=toks: array("q", toks))
+        before = index.recent.reused
+        got = index.request_hashes(rid, len(toks) // BS)
+        assert got == chain_hashes(key, toks, BS, len(toks) // BS), rid
+        reused.append(index.recent.reused - before)
+    assert reused == [0, n, 5, 0, 0]
+    # q1's output blocks extend its own list (a decode acknowledgement); a later request
+    # borrows from the last one hashed from its first block (`mid`: 5 whole blocks)
+    q1 = reqs["q1"][1] + [9] * (3 * BS)
+    index.track("q1", None, lambda: array("q", q1))
+    assert index.request_hashes("q1", len(q1) // BS) == chain_hashes(None, q1, BS, len(q1) // BS)
+    q3 = doc + [1] * 8 + [8] * (2 * BS)
+    index.track("q3", None, lambda: array("q", q3))
+    before = index.recent.reused
+    assert index.request_hashes("q3", len(q3) // BS) == chain_hashes(None, q3, BS, len(q3) // BS)
+    assert index.recent.reused - before == 5
 
 
 def test_an_evicted_block_leaves_the_index_deeper_blocks_first():
