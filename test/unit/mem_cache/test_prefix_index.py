@@ -9,6 +9,7 @@ import hashlib
 import random
 from array import array
 
+import numpy as np
 import pytest
 
 from sglang_psa.mem_cache.host_blocks import HostBlocks
@@ -16,6 +17,7 @@ from sglang_psa.mem_cache.prefix_index import (
     JoinedTokens,
     PrefixIndex,
     RecentChains,
+    _common_blocks,
     chain_hashes,
     seed,
     token_bytes,
@@ -184,7 +186,7 @@ def test_a_new_request_takes_the_hashes_of_the_whole_blocks_it_shares_and_no_mor
         got = index.request_hashes(rid, len(toks) // BS)
         assert got == chain_hashes(key, toks, BS, len(toks) // BS), rid
         reused.append(index.recent.reused - before)
-    assert reused == [0, n, 5, 0, 0]
+    assert reused == [0, n - 1, 4, 0, 0]  # (the first block is hashed: it is the key)
     # q1's output blocks extend its own list (a decode acknowledgement); a later request
     # borrows from the last one hashed from its first block (`mid`: 5 whole blocks)
     q1 = reqs["q1"][1] + [9] * (3 * BS)
@@ -194,7 +196,22 @@ def test_a_new_request_takes_the_hashes_of_the_whole_blocks_it_shares_and_no_mor
     index.track("q3", None, lambda: array("q", q3))
     before = index.recent.reused
     assert index.request_hashes("q3", len(q3) // BS) == chain_hashes(None, q3, BS, len(q3) // BS)
-    assert index.recent.reused - before == 5
+    assert index.recent.reused - before == 4
+
+
+@pytest.mark.parametrize("seed_", range(3))
+def test_common_blocks_are_the_whole_blocks_before_the_first_difference(seed_):
+    rng = random.Random(seed_)
+    for _ in range(200):
+        a = np.array([rng.randrange(3) for _ in range(rng.randrange(0, 40))], dtype=np.int64)
+        b = np.array([rng.randrange(3) for _ in range(rng.randrange(0, 40))], dtype=np.int64)
+        if rng.random() < 0.5:  # often a long shared start
+            k = rng.randrange(0, len(a) + 1)
+            b = np.concatenate([a[:k], b])
+        m = min(len(a), len(b))
+        first = next((i for i in range(m) if a[i] != b[i]), m)
+        for chunk in (1, 3, 7, 2048):
+            assert _common_blocks(a, b, BS, chunk) == first // BS, (a, b, chunk)
 
 
 def test_an_evicted_block_leaves_the_index_deeper_blocks_first():
