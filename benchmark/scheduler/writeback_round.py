@@ -39,6 +39,8 @@ another commit too (same CPU, same run). ~40 s (~80 with a baseline).
 
 Summary (`a32x28k`: the shape; MODE `eager`, `lazy`, `eager_baseline`):
 `{match,extend,decode_round}_{ms,ops}_MODE_a32x28k` (means per call),
+`{match,extend,decode_round}_ms_p50_MODE_a32x28k` (medians: the few calls a full
+collection lands in move a mean by milliseconds from run to run),
 `{tracked_objects_added,promoted_to_oldest}_MODE_a32x28k`, and
 `pool_free_fraction_a32x28k` (the pool's free share after the intake: the lazy start's
 0.25 is not reached).
@@ -167,6 +169,7 @@ def measure(
             }
             for p, (ms, ops) in cost.items():
                 out[f"{p}_ms"] = float(np.mean(ms))
+                out[f"{p}_ms_p50"] = float(np.median(ms))  # (a full collection lands in a few)
                 out[f"{p}_ops"] = float(np.mean(ops))
                 out[f"{p}_calls"] = len(ms)
             out["decode_round_ms_by_round"] = [round(x, 3) for x in cost["decode_round"][0]]
@@ -204,15 +207,18 @@ def main(argv=None) -> None:
     summary = {}
     for mode, m in got.items():
         print(
-            f"{mode}: match {m['match_ms']:.3f} ms / {m['match_ops']:.1f} ops, extend "
-            f"{m['extend_ms']:.2f} ms / {m['extend_ops']:.1f} ops, decode round "
-            f"{m['decode_round_ms']:.3f} ms / {m['decode_round_ops']:.1f} ops; "
+            f"{mode}: match {m['match_ms']:.3f} ms (median {m['match_ms_p50']:.3f}) / "
+            f"{m['match_ops']:.1f} ops, extend {m['extend_ms']:.2f} ms (median "
+            f"{m['extend_ms_p50']:.2f}) / {m['extend_ops']:.1f} ops, decode round "
+            f"{m['decode_round_ms']:.3f} ms (median {m['decode_round_ms_p50']:.3f}) / "
+            f"{m['decode_round_ops']:.1f} ops; "
             f"{m['saved_blocks']} blocks saved; {m['tracked_objects_added']} tracked objects "
             f"kept, {m['promoted_to_oldest']} promoted to the collector's oldest generation",
             flush=True,
         )
         for p in PHASES:
             summary[f"{p}_ms_{mode}_a32x28k"] = m[f"{p}_ms"]
+            summary[f"{p}_ms_p50_{mode}_a32x28k"] = m[f"{p}_ms_p50"]
             summary[f"{p}_ops_{mode}_a32x28k"] = m[f"{p}_ops"]
         for k in ("tracked_objects_added", "promoted_to_oldest"):
             summary[f"{k}_{mode}_a32x28k"] = m[k]
