@@ -21,19 +21,21 @@ Timed: every match, every admission, every finish (SGLang's release with the tre
 insert, then the tiered store's).
 
 Summary: `match_us_mean_fDxQ`, `admit_us_mean_fDxQ`, `finish_us_mean_fDxQ` (D documents,
-Q questions); with `--baseline-rev`, the same keys `..._baseline` from that commit's
-plugin on the same CPU in the same run.
+Q questions) and the medians `..._us_p50_fDxQ`; with `--baseline-rev`, the same keys
+`..._baseline` from that commit's plugin on the same CPU in the same run.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC, QUESTION, BS = 16_384, 200, 32
-KEYS = ("match_us_mean", "admit_us_mean", "finish_us_mean")
+KEYS = ("match_us_mean", "admit_us_mean", "finish_us_mean", "match_us_p50", "admit_us_p50",
+        "finish_us_p50")  # fmt: skip
 
 
 def measure(docs: int = 10, questions: int = 12, running: int = 24) -> dict:
@@ -67,7 +69,8 @@ def measure(docs: int = 10, questions: int = 12, running: int = 24) -> dict:
         while live:
             timed("finish", s.finish, live.pop(0))
         means = {f"{k}_us_mean": sum(v) / len(v) * 1e6 for k, v in times.items()}
-        return means | {"calls": {k: len(v) for k, v in times.items()}}
+        medians = {f"{k}_us_p50": statistics.median(v) * 1e6 for k, v in times.items()}
+        return means | medians | {"calls": {k: len(v) for k, v in times.items()}}
 
 
 def main(argv=None) -> None:
@@ -93,8 +96,9 @@ def main(argv=None) -> None:
 
 def _line(who: str, m: dict) -> str:
     return (
-        f"{who}: match {m['match_us_mean']:.0f} us, admission {m['admit_us_mean']:.0f} us, "
-        f"finish {m['finish_us_mean']:.0f} us a call ({m['calls']})"
+        f"{who}: match {m['match_us_mean']:.0f} us (median {m['match_us_p50']:.0f}), admission "
+        f"{m['admit_us_mean']:.0f} us ({m['admit_us_p50']:.0f}), finish "
+        f"{m['finish_us_mean']:.0f} us ({m['finish_us_p50']:.0f}) a call ({m['calls']})"
     )
 
 
