@@ -639,11 +639,12 @@ def extend_host_profile(before: dict | None, after: dict | None, top: int = 20) 
             prev = b.get(key, {})
             n += sums["n"] - prev.get("n", 0)
             secs += sums["iteration_s"] - prev.get("iteration_s", 0.0)
-    prev = ((before or {}).get("psa_host_profile") or {}).get("extend", {})
-    row = _profiled(prof, prev, 1e3 * secs / n, top) if n > 0 else None
-    if row is None:
+    if n <= 0:
         return {}
-    return {"iterations": int(n), "iteration_ms": 1e3 * secs / n} | row
+    ms = 1e3 * secs / n
+    prev = ((before or {}).get("psa_host_profile") or {}).get("extend", {})
+    row = _profiled(prof, prev, ms, top)
+    return {} if row is None else {"iterations": int(n), "iteration_ms": ms} | row
 
 
 def _profiled(prof: dict, prev: dict, iteration_ms: float, top: int) -> dict | None:

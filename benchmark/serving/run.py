@@ -562,6 +562,12 @@ def failed(rec: dict, e: Exception, server: Server, label: str) -> None:
     log(f"{label} FAILED: {rec['error'][:2000]}")
 
 
+def _innermost(profile: dict, top: int = 8) -> str:
+    """A host profile's `top` innermost functions, for the log: `name (phase) ms`."""
+    return ", ".join(f"{r['fn'].split(':')[-2]} ({r['phase']}) {r['ms']:.3f}"
+                     for r in profile["self_ms"][:top])  # fmt: skip
+
+
 def measure(
     server: Server,
     name: str,
@@ -658,19 +664,15 @@ def measure(
     if prof:
         rec["host_profile"] = prof
         size, h = list(prof.items())[-1]
-        top = ", ".join(f"{r['fn'].split(':')[-2]} ({r['phase']}) {r['ms']:.3f}"
-                        for r in h["self_ms"][:8])  # fmt: skip
         log(f"{w.name}/{name}: host profile at decode batch {size} ({h['samples']} samples), "
-            f"ms an iteration by innermost function: {top}")  # fmt: skip
+            f"ms an iteration by innermost function: {_innermost(h)}")  # fmt: skip
     ext = analysis.extend_host_profile(rec["server_info_before"], rec["server_info_after"])
     if ext:
         rec["host_profile_extend"] = ext
         phases = ", ".join(f"{k} {v:.2f}" for k, v in ext["phase_ms"].items())
-        top = ", ".join(f"{r['fn'].split(':')[-2]} ({r['phase']}) {r['ms']:.3f}"
-                        for r in ext["self_ms"][:8])  # fmt: skip
         log(f"{w.name}/{name}: host profile of {ext['iterations']} extend iterations "
             f"({ext['iteration_ms']:.1f} ms each, {ext['samples']} samples): {phases}; "
-            f"ms an iteration by innermost function: {top}")  # fmt: skip
+            f"ms an iteration by innermost function: {_innermost(ext)}")  # fmt: skip
     if w.is_sweep:
         rec["rates"] = runs
         rec["rates_failed"] = failed_rates

@@ -154,14 +154,12 @@ class RecentChains:
         _chain_bytes(out, seed(extra_key, salt), data[:step], step)
         mine = np.frombuffer(data, dtype=np.int64)
         hit = self._by_first.get(out[0])
-        same = 1
+        same = 1  # blocks of `out` so far
         if hit is not None:
             theirs, hashes = hit
-            same = _common_blocks(mine, theirs, block_size)
-            if same > 1:
-                out.extend(hashes[1:same])
-                self.reused += same - 1
-            same = max(same, 1)
+            same = max(_common_blocks(mine, theirs, block_size), 1)
+            out.extend(hashes[1:same])
+            self.reused += same - 1
         _chain_bytes(out, out[-1], data[same * step :], step)
         self._by_first[out[0]] = (mine, out)  # (`out` only grows: a prefix of it stays valid)
         self._by_first.move_to_end(out[0])
