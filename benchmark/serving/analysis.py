@@ -381,6 +381,9 @@ def run_metrics(
         "accuracy": (sum(r["correct"] for r in rows) / len(rows)) if rows else None,
         "prefix_cache": prefix_cache(ok),
     }
+    if bench.get("idle_duration"):  # a chat: no server serves more than this
+        out = sum(r["output_len"] for r in ok)
+        metrics["output_tok_s_ceiling"] = out / bench["idle_duration"]
     by_turn: dict[int, list[float]] = {}
     for r in ok:
         if r.get("turn") is not None:

@@ -481,7 +481,10 @@ def run_chat(
     A failed turn ends its conversation: the later turns are recorded as not sent.
 
     Returns what `bench_serving --output-details --cache-report` writes: the run's
-    duration (start to the last answer) and throughputs, and per request, in the order of
+    duration (start to the last answer) and throughputs, `idle_duration` (the duration had
+    every answer returned the moment its turn was sent: the last conversation's start plus
+    its think times, what bounds the run's throughput whatever the server), and per
+    request, in the order of
     the conversations' turns, `input_lens`, `output_lens`, `ttfts`, `itls`,
     `generated_texts`, `errors` and `cached_tokens`, plus `sent_s` and `returned_s`
     (seconds from the start). Raises ServerFailed when a turn could not be sent or
@@ -521,8 +524,10 @@ def run_chat(
     ok = [(r, t) for r, t in zip(rows, turns) if not t["error"]]
     duration = max([t["returned"] for t in turns if t["sent"] is not None], default=0.0)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    idle = max((s + sum(r.wait_s for r in c) for c, s in zip(conversations, starts)), default=0.0)
     return {
         "duration": duration,
+        "idle_duration": idle,
         "completed": len(ok),
         "output_throughput": per_s(sum(t["output_len"] for _, t in ok)),
         "request_throughput": per_s(len(ok)),

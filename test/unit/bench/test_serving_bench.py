@@ -2107,6 +2107,9 @@ def test_run_chat_sends_turn_k_plus_1_only_after_turn_k_returned():
     sent, back = bench["sent_s"], bench["returned_s"]
     assert all(sent[i + 1] >= back[i] for i in (0, 1, 3, 4))  # recorded in the same order
     assert bench["output_throughput"] == pytest.approx(70 / bench["duration"])
+    # had every answer come at once: the last start plus its conversation's think times
+    assert bench["idle_duration"] == pytest.approx(0.07)  # conversation 2: 0.01 + 0.06
+    assert bench["idle_duration"] < bench["duration"]
     with pytest.raises(driver.ServerFailed, match="time budget"):
         driver.run_chat("http://fake", convs, [0.0] * 3, time.time() - 1, send)
 
@@ -2150,6 +2153,11 @@ def test_per_request_and_metrics_keep_cached_tokens_and_turns():
     assert m["ttft_by_turn"]["0"]["mean"] == pytest.approx(0.5)
     assert m["ttft_by_turn"]["1"]["p50"] == pytest.approx(0.1)
     assert m["accuracy"] == pytest.approx(2 / 3)
+    assert "output_tok_s_ceiling" not in m  # no chat's idle duration: no ceiling
+    bench["idle_duration"] = 0.8
+    ceiling = analysis.run_metrics(bench, rows, [], None)["output_tok_s_ceiling"]
+    assert ceiling == pytest.approx(6 / 0.8)  # the answered requests' outputs
+    del bench["idle_duration"]
     # a client that reports no cached tokens (or a workload without turns): no figure
     del bench["cached_tokens"]
     meta = {n: {k: v for k, v in t.items() if k != "turn"} for n, t in meta.items()}
