@@ -54,9 +54,12 @@ from sglang_psa.sched.host_timing import timed
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list (nested lists too) or numpy array as a `dtype` tensor on `device`,
-    through pinned memory on CUDA: one small H2D copy, no sync."""
-    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return t.to(device, non_blocking=True)
+    through pinned memory on CUDA: one small H2D copy, no sync. (A numpy array cannot be
+    pinned where it is made: `torch.tensor(array, pin_memory=True)` raises.)"""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
