@@ -761,6 +761,13 @@ SUMMARY_KEYS = (
     "prefix_hit_fraction_fastest_shared",
     "prefix_hit_fraction_tiered_chat",
     "prefix_hit_fraction_fastest_chat",
+    # What bounds the chat keys: the most any server could serve (the run's output over
+    # its idle duration, every answer at once: `output_tok_s_ceiling`) over the reference's
+    # output tok/s, in the run of the matching throughput key. A target above it is out
+    # of reach of every server.
+    "throughput_ceiling_ratio_vs_fastest_chat",
+    "throughput_ceiling_ratio_vs_fastest_chat_capped",
+    "throughput_ceiling_ratio_vs_hicache_chat_capped",
 )
 
 STEP = ("metrics", "steady_decode", "step_ms")
@@ -770,6 +777,7 @@ TTFT_MEAN = ("metrics", "ttft_s", "mean")
 TPOT_P50 = ("metrics", "tpot_s", "p50")
 PEAK = ("metrics", "peak_running")
 HIT = ("metrics", "prefix_cache", "hit_fraction")
+CEILING = ("metrics", "output_tok_s_ceiling")
 SAME = ("identical_to_plain", "identical")
 TEST_MODEL = "qwen2.5-0.5b"  # sglang_psa.models.DEFAULT_MODEL: the scored answers' model
 SECOND_MODEL = "qwen2.5-1.5b"  # workloads.QWEN_1P5B: the *_1p5b keys' (a16_1p5b, a_1p5b)
@@ -1043,6 +1051,11 @@ PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against t
     ("ttft_ratio_tiered_vs_fastest_shared", "f", FASTEST, TTFT_MEAN),
     ("tpot_ratio_tiered_vs_fastest_shared", "f", FASTEST, TPOT_P50),  # a request's median
 )
+CEILING_KEYS = (  # (key, workload, reference): the tiered run's ceiling over the reference
+    ("throughput_ceiling_ratio_vs_fastest_chat", "g", FASTEST),
+    ("throughput_ceiling_ratio_vs_fastest_chat_capped", "g_capped", FASTEST),
+    ("throughput_ceiling_ratio_vs_hicache_chat_capped", "g_capped", HICACHE),
+)
 HIT_KEYS = (  # (key, workload, which of (tiered home, fastest plain) in one run)
     ("prefix_hit_fraction_tiered_shared", "f", 0),
     ("prefix_hit_fraction_fastest_shared", "f", 1),
@@ -1143,6 +1156,13 @@ def summarize(parts: list[dict]) -> tuple[dict, dict]:
         put(key, same_run_ratio(*tiered_pair(parts, workload, ref), path))
     for key, workload, which in HIT_KEYS:
         put(key, same_run_value(tiered_pair(parts, workload), which, HIT))
+    for key, workload, ref in CEILING_KEYS:
+        run, other = tiered_pair(parts, workload, ref)
+        ceiling = same_run_value((run, other), 0, CEILING)[0]
+        tok_s = same_run_value((run, other), 1, TOK_S)[0]
+        where = "output_tok_s_ceiling / output_tok_s"
+        put(key, (ceiling / tok_s, provenance_of(run, other, metric=where))
+            if ceiling and tok_s else (None, None))  # fmt: skip
     return {k: s.get(k) for k in SUMMARY_KEYS}, prov
 
 

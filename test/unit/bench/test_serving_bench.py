@@ -2269,6 +2269,28 @@ def test_prefix_summary_keys_pair_two_systems_of_one_stage_run():
     )
 
 
+def test_chat_ceiling_keys_take_the_tiered_runs_ceiling_over_the_reference():
+    """What bounds a chat's throughput keys: the tiered run's ceiling (its output over the
+    idle duration) over the fastest plain backend's and the host tier's output tok/s, in
+    the run of the matching throughput key; none without a ceiling recorded."""
+    keys = [k for k, *_ in analysis.CEILING_KEYS]
+    assert set(keys) <= set(analysis.SUMMARY_KEYS)
+    tiered = _at("2", 330.0)
+    tiered["rates"]["2"]["metrics"]["output_tok_s_ceiling"] = 450.0
+    old = _prefix_run("g_capped", "06-01", rate="2", psa_tiered_uva=_at("2", 300.0))
+    parts = [old, _prefix_run("g_capped", "06-04", rate="2", psa_tiered_uva=tiered)]
+    s, where = analysis.summarize(parts)
+    assert s["throughput_ceiling_ratio_vs_fastest_chat_capped"] == 3.0  # 450 / fa3's 150
+    assert s["throughput_ceiling_ratio_vs_hicache_chat_capped"] == 2.25  # / hicache's 200
+    w = where["throughput_ceiling_ratio_vs_fastest_chat_capped"]
+    assert w["run_id"] == "g_capped-06-04" and w["systems"] == ["psa_tiered_uva", "plain_fa3"]
+    assert s["throughput_ceiling_ratio_vs_fastest_chat"] is None  # no g run
+    # the newest run recorded no ceiling (a run from before it was kept): no value
+    s, where = analysis.summarize([parts[1], _prefix_run("g_capped", "06-05", rate="2")])
+    assert s["throughput_ceiling_ratio_vs_fastest_chat_capped"] is None
+    assert "throughput_ceiling_ratio_vs_fastest_chat_capped" not in where
+
+
 def test_prefix_summary_keys_have_no_value_across_stage_runs():
     """The tiered home and its reference measured in different stage runs, at different
     rates, or without the plain race: no value and no provenance."""
