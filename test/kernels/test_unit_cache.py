@@ -194,3 +194,6 @@ def test_the_refresh_replayed_from_its_cuda_graph_matches_launching_it_each_roun
             assert torch.equal(pools[0].k_buffer[lid], pools[1].k_buffer[lid]), (r, lid)
             assert torch.equal(pools[0].v_buffer[lid], pools[1].v_buffer[lid]), (r, lid)
     assert int(caches[0].copied) > 0
+    # the counts server info reports: one launch (captured), then replays; or all launched
+    assert (caches[0].launches, caches[0].replays) == (1, 4)
+    assert (caches[1].launches, caches[1].replays) == (5, 0)

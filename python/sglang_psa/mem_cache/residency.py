@@ -565,6 +565,9 @@ class Residency:
             "evictions": self.evictions,
             "cache_pages": self.cache.pages,
             "units_cached": int(self.cache.copied_host[0]),  # host units brought in
+            # the unit cache's refreshes: replayed from a CUDA graph, launched from Python
+            "cache_refresh_replays": self.cache.replays,
+            "cache_refresh_launches": self.cache.launches,
             "units_read_hbm": hbm,  # (layer, KV head, block) reads decode served from HBM
             "units_read_host": host,  # ... and from the host tier, across PCIe
         }

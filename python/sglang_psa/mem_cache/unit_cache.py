@@ -106,6 +106,9 @@ class UnitCache:
         self._layer_pos = torch.arange(L, device=dev)
         self._graph_on = graph and dev.type == "cuda"
         self._graph = None  # (the captured refresh, the identity of the tensors it reads)
+        # Refreshes replayed from the graph and launched from Python (a capture, or every
+        # round where capture failed): server info shows which path the rounds took.
+        self.replays = self.launches = 0
         self._fence = fence or (lambda: None)
 
     @property
@@ -207,7 +210,9 @@ class UnitCache:
         key = (stamps.data_ptr(), page_rows, step.data_ptr(), id(host), id(pool))
         if self._graph is not None and self._graph[1] == key:
             self._graph[0].replay()
+            self.replays += 1
         else:
+            self.launches += 1
             self.bind(pool)
             self._launch(stamps, page_rows, step, host, pool)  # compiles, the first time
             self._capture(key, stamps, page_rows, step, host, pool)

@@ -1119,6 +1119,8 @@ def test_tiered_eviction_and_unit_cache_keep_decode_exact(monkeypatch):
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         cache = backend.residency.cache
+        rep = backend.residency.report()  # the first refresh is launched (and captured)
+        assert (rep["cache_refresh_launches"], rep["cache_refresh_replays"]) == (1, 0)
         spare = free0 // BS - ROOM_HIGH * len(reqs)  # a page per evicted block (8) at most
         assert took == min(spare, 8) > 0 and cache.pages == took
         copied = int(cache.copied)
