@@ -106,7 +106,7 @@ class PrefillStage:
         dev = self.pool.k_buffer[0].device
         self.plan = _Plan(
             tuple(int(n) for n in prefix_lens),
-            to_device(rows.tolist(), dev, torch.int32),
+            to_device(rows, dev, torch.int32),
             torch.arange(rows.size, dtype=torch.int64, device=dev),
         )
         self.batches += 1
