@@ -56,10 +56,9 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
     """A host list (nested lists too) or numpy array as a `dtype` tensor on `device`,
     through pinned memory on CUDA: one small H2D copy, no sync. (A numpy array cannot be
     pinned where it is made: `torch.tensor(array, pin_memory=True)` raises.)"""
-    t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)  # a copy, as on CUDA
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

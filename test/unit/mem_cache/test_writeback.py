@@ -6,6 +6,7 @@ saves redone; ended requests return their host blocks."""
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ pytest.importorskip("orjson", reason="orjson is not installed here (pip install 
 
 from sglang_psa.mem_cache.host_blocks import HostBlocks, HostTierFull  # noqa: E402
 from sglang_psa.mem_cache.request_kv import RequestKV  # noqa: E402
-from sglang_psa.mem_cache.writeback import WriteBack, wait_saved  # noqa: E402
+from sglang_psa.mem_cache.writeback import WriteBack, to_device, wait_saved  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +98,20 @@ PATHS = {
     "uva": dict(path="uva"),
     "uva-dma": dict(path="uva", dma_blocks=2),
 }
+
+
+def test_to_device_takes_lists_and_numpy_arrays_and_copies_them(device):
+    """A save's tables and a staged prefill's rows reach the device from lists and numpy
+    arrays (on CUDA through pinned memory: a numpy array pinned where it is made raised
+    in a live server), as a copy of the given dtype."""
+    arr = np.arange(6, dtype=np.int64).reshape(2, 3)
+    for values in (arr, arr.tolist()):
+        t = to_device(values, torch.device(device), torch.int32)
+        assert t.dtype == torch.int32 and t.device.type == device
+        assert t.cpu().tolist() == [[0, 1, 2], [3, 4, 5]]
+    t = to_device(arr, torch.device(device))
+    arr[0, 0] = 99  # the tensor is a copy
+    assert t.dtype == torch.int64 and int(t[0, 0]) == 0
 
 
 @pytest.mark.parametrize("path", list(PATHS))
