@@ -381,7 +381,7 @@ def run_metrics(
         "accuracy": (sum(r["correct"] for r in rows) / len(rows)) if rows else None,
         "prefix_cache": prefix_cache(ok),
     }
-    if bench.get("idle_duration"):  # a chat: no server serves more than this
+    if bench.get("idle_duration"):  # arrivals over time: no server serves more than this
         out = sum(r["output_len"] for r in ok)
         metrics["output_tok_s_ceiling"] = out / bench["idle_duration"]
     by_turn: dict[int, list[float]] = {}
@@ -761,10 +761,14 @@ SUMMARY_KEYS = (
     "prefix_hit_fraction_fastest_shared",
     "prefix_hit_fraction_tiered_chat",
     "prefix_hit_fraction_fastest_chat",
-    # What bounds the chat keys: the most any server could serve (the run's output over
-    # its idle duration, every answer at once: `output_tok_s_ceiling`) over the reference's
-    # output tok/s, in the run of the matching throughput key. A target above it is out
-    # of reach of every server.
+    # What bounds the prefix keys: the most any server could serve (the run's output over
+    # its idle duration: a chat's last start plus its think times, every answer at once;
+    # f's last request's send: `output_tok_s_ceiling`) over the reference's output tok/s,
+    # in the run of the matching throughput key. A target above it is out of reach of
+    # every server.
+    "throughput_ceiling_ratio_vs_fastest_shared",
+    "throughput_ceiling_ratio_vs_fastest_shared_capped",
+    "throughput_ceiling_ratio_vs_hicache_shared_capped",
     "throughput_ceiling_ratio_vs_fastest_chat",
     "throughput_ceiling_ratio_vs_fastest_chat_capped",
     "throughput_ceiling_ratio_vs_hicache_chat_capped",
@@ -1052,6 +1056,9 @@ PREFIX_KEYS = (  # (key, workload, reference, metric): the tiered home against t
     ("tpot_ratio_tiered_vs_fastest_shared", "f", FASTEST, TPOT_P50),  # a request's median
 )
 CEILING_KEYS = (  # (key, workload, reference): the tiered run's ceiling over the reference
+    ("throughput_ceiling_ratio_vs_fastest_shared", "f", FASTEST),
+    ("throughput_ceiling_ratio_vs_fastest_shared_capped", "f_capped", FASTEST),
+    ("throughput_ceiling_ratio_vs_hicache_shared_capped", "f_capped", HICACHE),
     ("throughput_ceiling_ratio_vs_fastest_chat", "g", FASTEST),
     ("throughput_ceiling_ratio_vs_fastest_chat_capped", "g_capped", FASTEST),
     ("throughput_ceiling_ratio_vs_hicache_chat_capped", "g_capped", HICACHE),

@@ -1,6 +1,7 @@
 """`python -m sglang.bench_serving`, unchanged except that the custom dataset's prompts
-go to the server as token ids (`input_ids`) instead of text; and, with `--worker`, one
-client process for many runs.
+go to the server as token ids (`input_ids`) instead of text, and that its output line
+also says when the last request went out; and, with `--worker`, one client process for
+many runs.
 
     python benchmark/serving/client_ids.py <bench_serving arguments>
     python benchmark/serving/client_ids.py --worker     (driven by driver.Client)
@@ -29,6 +30,11 @@ worker started with otherwise: its own log), and one line `{"rc": exit code}` go
 on the stdout the worker started with, after one `{"ready": true}` once its imports are
 done. EOF on stdin ends it.
 
+Why the last send: at a finite rate no server ends a run before its last request has
+arrived, so the output tokens over that moment (`idle_duration`: seconds from the first
+request's send to the last's, added to the output line) bound every server's output
+throughput (`analysis.run_metrics`' `output_tok_s_ceiling`), as a chat's think times do.
+
 Contract: the rows keep their `prompt_len`; a prompt whose ids do not count
 `prompt_len` tokens stops the run. Relies on SGLang 0.5.17's
 `sglang.benchmark.datasets.custom.CustomDataset.load` and
@@ -41,9 +47,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 SEND_IDS = True  # the worker sets it per run from the request's prompt_format
+_SENT: list[float] = []  # a run's sends: seconds from its first request's
 _ENCODED: dict[str, list[int]] = {}  # prompt text -> its ids, kept across a worker's runs
 
 
@@ -104,29 +112,71 @@ def patch(memo: bool = False) -> None:
 
 
 def _bench_serving():
-    """SGLang's benchmark module, its tokenizer loader made to load each tokenizer once."""
+    """SGLang's benchmark module, its tokenizer loader made to load each tokenizer once
+    and its request generator to note each send (`record_sends`)."""
     import functools
 
     from sglang.benchmark import serving
 
-    for name in ("cli_main", "get_tokenizer"):
+    for name in ("cli_main", "get_tokenizer", "get_request"):
         if not callable(getattr(serving, name, None)):
             raise SystemExit(f"client_ids: sglang.benchmark.serving.{name} is gone")
     serving.get_tokenizer = functools.cache(serving.get_tokenizer)
+    record_sends(serving)
     return serving
+
+
+def record_sends(serving) -> None:
+    """`serving.get_request` (the async generator that hands bench_serving each request
+    when it is due) notes in `_SENT` when it hands each over, from the first."""
+    original = serving.get_request
+
+    async def get_request(*args, **kwargs):
+        t0 = None
+        async for row in original(*args, **kwargs):
+            now = time.perf_counter()
+            t0 = now if t0 is None else t0
+            _SENT.append(now - t0)
+            yield row
+
+    serving.get_request = get_request
+
+
+def note_sends(argv: list[str]) -> None:
+    """The output line `argv`'s run wrote (its `--output-file`, the last line) gains
+    `idle_duration`: seconds from the run's first send to its last (`_SENT`); none at an
+    infinite `--request-rate`, where every request goes at once and nothing is bound."""
+    rate = argv[argv.index("--request-rate") + 1] if "--request-rate" in argv else "inf"
+    if "--output-file" not in argv or not _SENT or float(rate) == float("inf"):
+        return
+    path = argv[argv.index("--output-file") + 1]
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.read().splitlines()
+    if not lines:
+        return
+    lines[-1] = json.dumps(json.loads(lines[-1]) | {"idle_duration": _SENT[-1]})
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _run(serving, argv: list[str]) -> int:
     """bench_serving's command line once, in this process; its exit code."""
     sys.argv = ["bench_serving", *argv]
+    _SENT.clear()
     try:
         serving.cli_main()
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Exception:
         traceback.print_exc()
         return 1
-    return 0
+    else:
+        code = 0
+    if code == 0:
+        note_sends(argv)
+    return code
 
 
 def serve() -> None:
@@ -165,6 +215,4 @@ if __name__ == "__main__":
         serve()
     else:
         patch()
-        from sglang.benchmark.serving import cli_main
-
-        cli_main()
+        sys.exit(_run(_bench_serving(), sys.argv[1:]))

@@ -998,6 +998,9 @@ def test_stage_c_smoke_end_to_end(tmp_path):
         for run_ in rec["rates"].values():
             got = run_["rows"]
             assert len(got) == SMOKE_C.prompts == 8 and run_["metrics"]["failed"] == 0
+            # the client noted its last send: no server serves more than the outputs by then
+            m = run_["metrics"]
+            assert m["output_tok_s_ceiling"] >= m["output_tok_s"] > 0
             assert sorted(r["prompt_len"] for r in got) == sorted(
                 r.prompt_len for r in workloads.build_rows(SMOKE_C, fake_sglang.WordCounter())
             )
@@ -1057,6 +1060,40 @@ def test_a_completion_is_compared_and_scored_up_to_the_end_of_its_turn():
     ended = workloads.answer_ids(tok, "Oslo.<end> I apologize, but")
     assert ended == workloads.answer_ids(tok, "Oslo.<end> I'm sorry, I cannot")
     assert ended != workloads.answer_ids(tok, "Oslo. I'm sorry, I cannot")  # never ended
+
+
+def test_client_ids_notes_the_last_send_in_the_runs_output_line(tmp_path):
+    """The request generator's hand-overs are timed from the first; the run's output line
+    gains the last one as `idle_duration`, except at an infinite rate."""
+    import asyncio
+    import time as time_
+
+    async def get_request(rows, rate):
+        for i, row in enumerate(rows):
+            if i:
+                await asyncio.sleep(0.02)
+            yield row
+
+    serving = SimpleNamespace(get_request=get_request)
+    client_ids.record_sends(serving)
+    client_ids._SENT.clear()
+
+    async def drain():
+        return [r async for r in serving.get_request(["a", "b", "c"], 50.0)]
+
+    t0 = time_.perf_counter()
+    assert asyncio.run(drain()) == ["a", "b", "c"]
+    took = time_.perf_counter() - t0
+    sent = list(client_ids._SENT)
+    assert sent[0] == 0.0 and sent == sorted(sent) and 0.04 <= sent[-1] <= took
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps({"run": 1}) + "\n" + json.dumps({"duration": 1.0}) + "\n")
+    client_ids.note_sends(["--request-rate", "inf", "--output-file", str(out)])
+    assert "idle_duration" not in out.read_text()  # all at once: nothing bound
+    client_ids.note_sends(["--request-rate", "50", "--output-file", str(out)])
+    first, last = [json.loads(x) for x in out.read_text().splitlines()]
+    assert first == {"run": 1} and last == {"duration": 1.0, "idle_duration": sent[-1]}
+    client_ids._SENT.clear()
 
 
 def test_client_ids_sends_the_tokens_bench_serving_counted():
