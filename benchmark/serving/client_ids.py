@@ -36,10 +36,10 @@ request's send to the last's, added to the output line) bound every server's out
 throughput (`analysis.run_metrics`' `output_tok_s_ceiling`), as a chat's think times do.
 
 Contract: the rows keep their `prompt_len`; a prompt whose ids do not count
-`prompt_len` tokens stops the run. Relies on SGLang 0.5.17's
+`prompt_len` tokens stops the run. Relies on SGLang's (0.5.17 and 0.5.23)
 `sglang.benchmark.datasets.custom.CustomDataset.load` and
-`sglang.benchmark.serving.cli_main` / `get_tokenizer` (checked: a clear error names
-what moved).
+`sglang.benchmark.serving.cli_main` / `get_tokenizer` / `get_request` (the async
+generator that paces the requests; checked: a clear error names what moved).
 """
 
 from __future__ import annotations
