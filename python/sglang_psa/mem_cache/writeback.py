@@ -54,11 +54,16 @@ from sglang_psa.sched.host_timing import timed
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list (nested lists too) or numpy array as a `dtype` tensor on `device`,
-    through pinned memory on CUDA: one small H2D copy, no sync. (A numpy array cannot be
-    pinned where it is made: `torch.tensor(array, pin_memory=True)` raises.)"""
+    through pinned memory on CUDA: one small H2D copy, no sync. A list is built in pinned
+    memory; an array is copied into it (`torch.tensor(array, pin_memory=True)` raises)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)  # a copy, as on CUDA
-    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    if isinstance(values, np.ndarray):
+        t = torch.empty(values.shape, dtype=dtype, pin_memory=True)
+        t.copy_(torch.from_numpy(values))
+    else:
+        t = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return t.to(device, non_blocking=True)
 
 
 @dataclass
